@@ -1,0 +1,241 @@
+// FP8 (E4M3 "fn" and E5M2), BF16 and FP16 conversions and the block-scale
+// computation of NUMERICS.md §1-§2, bit-exact, shared by kernels/cpu (the
+// reference) and kernels/cuda. Every function is pure and thread-safe.
+//
+// FP32 -> FP8 follows CUDA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt):
+// round to nearest even, subnormals kept, finite overflow and +-Inf saturate
+// to +-max, every NaN becomes 0x7F (sign dropped), -0.0 becomes 0x80.
+#ifndef QTX_KERNELS_FP8_H_
+#define QTX_KERNELS_FP8_H_
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/host_device.h"
+#include "kernels/quantize_params.h"
+
+namespace qtx::kernels {
+
+QTX_HD uint32_t FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+QTX_HD float BitsToFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+QTX_HD bool IsNan(float f) { return (FloatBits(f) & 0x7FFFFFFFu) > 0x7F800000u; }
+QTX_HD bool IsInf(float f) { return (FloatBits(f) & 0x7FFFFFFFu) == 0x7F800000u; }
+
+// Largest finite value of each FP8 format (NUMERICS.md §1).
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE5M2Max = 57344.0f;
+
+QTX_HD float Fp8Max(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? kE4M3Max : kE5M2Max;
+}
+
+// Largest finite value of the *input* dtype: the scale used when fp8_max/amax
+// overflows FP32 (NUMERICS.md §2 step 2.4).
+QTX_HD float InputDTypeMax(InputDType t) {
+  switch (t) {
+    case InputDType::kBFloat16:
+      return BitsToFloat(0x7F7F0000u);  // 0x1.FEp127
+    case InputDType::kFloat16:
+      return 65504.0f;
+    case InputDType::kFloat32:
+    default:
+      return BitsToFloat(0x7F7FFFFFu);  // FLT_MAX
+  }
+}
+
+// FP32 -> FP8 with exponent bits E, mantissa bits M, bias B; see file comment.
+template <int E, int M>
+QTX_HD uint8_t EncodeFp8Generic(float x) {
+  constexpr int kBias = (1 << (E - 1)) - 1;
+  constexpr int kMinNormalExp = 1 - kBias;
+  // Largest finite code (without sign): E4M3 0x7E, E5M2 0x7B.
+  constexpr uint32_t kMaxCode = (E == 4) ? 0x7Eu : 0x7Bu;
+  const uint32_t bits = FloatBits(x);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return 0x7F;          // NaN, any sign/payload
+  if (abs_bits == 0) return static_cast<uint8_t>(sign);  // +-0
+  int exp = static_cast<int>(abs_bits >> 23);
+  uint32_t sig = abs_bits & 0x7FFFFFu;
+  if (exp == 0) {
+    exp = -126;  // FP32 subnormal: no implicit bit
+  } else {
+    sig |= 0x800000u;
+    exp -= 127;
+  }
+  if (exp == 128) return static_cast<uint8_t>(sign | kMaxCode);  // Inf
+  // Number of low bits of `sig` to drop so that the result has the FP8 grid's
+  // resolution at this exponent.
+  int shift = 23 - M;
+  if (exp < kMinNormalExp) shift += kMinNormalExp - exp;
+  if (shift >= 32) return static_cast<uint8_t>(sign);  // below half the smallest subnormal
+  uint32_t q = sig >> shift;
+  const uint32_t rem = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  uint32_t code;
+  if (exp < kMinNormalExp) {
+    // Subnormal grid; a carry into bit M lands exactly on the smallest normal.
+    code = q;
+  } else {
+    // q in [2^M, 2^(M+1)]; a carry to 2^(M+1) moves to the next binade.
+    int e = exp;
+    if (q == (1u << (M + 1))) {
+      q >>= 1;
+      ++e;
+    }
+    const int biased = e + kBias;
+    if (biased > ((1 << E) - 1)) return static_cast<uint8_t>(sign | kMaxCode);
+    code = (static_cast<uint32_t>(biased) << M) | (q & ((1u << M) - 1u));
+  }
+  if (code > kMaxCode) code = kMaxCode;  // saturate finite overflow
+  return static_cast<uint8_t>(sign | code);
+}
+
+QTX_HD uint8_t EncodeE4M3(float x) { return EncodeFp8Generic<4, 3>(x); }
+QTX_HD uint8_t EncodeE5M2(float x) { return EncodeFp8Generic<5, 2>(x); }
+
+QTX_HD uint8_t EncodeFp8(float x, Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? EncodeE4M3(x) : EncodeE5M2(x);
+}
+
+// FP8 -> FP32 (exact).
+template <int E, int M>
+QTX_HD float DecodeFp8Generic(uint8_t v) {
+  constexpr int kBias = (1 << (E - 1)) - 1;
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t exp = (v >> M) & ((1u << E) - 1u);
+  const uint32_t man = v & ((1u << M) - 1u);
+  if (E == 4) {
+    if ((v & 0x7Fu) == 0x7Fu) return BitsToFloat(sign | 0x7FC00000u);  // NaN
+  } else if (exp == 31) {
+    if (man == 0) return BitsToFloat(sign | 0x7F800000u);  // Inf
+    return BitsToFloat(sign | 0x7FC00000u);                // NaN
+  }
+  if (exp == 0) {
+    if (man == 0) return BitsToFloat(sign);
+    // Subnormal: man * 2^(1 - bias - M), exact in FP32.
+    float mag = static_cast<float>(man) * BitsToFloat(static_cast<uint32_t>(127 + 1 - kBias - M) << 23);
+    return BitsToFloat(sign | FloatBits(mag));
+  }
+  const uint32_t f32_exp = exp - kBias + 127;
+  return BitsToFloat(sign | (f32_exp << 23) | (man << (23 - M)));
+}
+
+QTX_HD float DecodeE4M3(uint8_t v) { return DecodeFp8Generic<4, 3>(v); }
+QTX_HD float DecodeE5M2(uint8_t v) { return DecodeFp8Generic<5, 2>(v); }
+QTX_HD float DecodeFp8(uint8_t v, Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? DecodeE4M3(v) : DecodeE5M2(v);
+}
+
+// BF16 <-> FP32. Widening is exact; narrowing rounds to nearest even and keeps
+// NaN a (quiet) NaN of the same sign.
+QTX_HD float Bf16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
+QTX_HD uint16_t FloatToBf16(float f) {
+  const uint32_t u = FloatBits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  const uint32_t rounding = 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>((u + rounding) >> 16);
+}
+
+// IEEE half <-> FP32. Widening is exact; narrowing rounds to nearest even,
+// overflows to Inf, keeps NaN (quiet, same sign).
+QTX_HD float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t man = h & 0x3FFu;
+  if (exp == 0x1F) return BitsToFloat(sign | 0x7F800000u | (man << 13));
+  if (exp == 0) {
+    if (man == 0) return BitsToFloat(sign);
+    const float mag = static_cast<float>(man) * BitsToFloat(103u << 23);  // man * 2^-24
+    return BitsToFloat(sign | FloatBits(mag));
+  }
+  return BitsToFloat(sign | ((exp + 112u) << 23) | (man << 13));
+}
+QTX_HD uint16_t FloatToHalf(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to >= 65520: Inf
+  int exp = static_cast<int>(a >> 23) - 127;
+  uint32_t sig = (a & 0x7FFFFFu) | (exp == -127 ? 0u : 0x800000u);
+  if (exp == -127) exp = -126;
+  int shift = 13;
+  if (exp < -14) shift += -14 - exp;
+  if (shift >= 32) return sign;
+  uint32_t q = sig >> shift;
+  const uint32_t rem = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  if (exp < -14) return static_cast<uint16_t>(sign | q);  // subnormal (carry -> min normal)
+  // q in [2^10, 2^11]; adding the biased exponent lets a carry roll over.
+  return static_cast<uint16_t>(sign | ((static_cast<uint32_t>(exp + 14) << 10) + q));
+}
+
+// Reads element i of a high-precision input as FP32 (exact).
+QTX_HD float LoadAsFloat(const void* data, InputDType t, int64_t i) {
+  switch (t) {
+    case InputDType::kBFloat16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
+    case InputDType::kFloat16:
+      return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
+    case InputDType::kFloat32:
+    default:
+      return static_cast<const float*>(data)[i];
+  }
+}
+
+// The scale of a block from its amax: TE's compute_scale_from_amax
+// (NUMERICS.md §2 step 2). IEEE division, never fast-math.
+QTX_HD float ComputeScale(float amax, float fp8_max, bool force_pow2, float eps,
+                          float value_for_inf) {
+  if (amax < eps) amax = eps;                                   // NaN stays NaN
+  if (IsInf(amax) || amax == 0.0f || IsNan(amax)) return 1.0f;  // amax >= 0 here
+#if defined(__CUDA_ARCH__)
+  float scale = __fdiv_rn(fp8_max, amax);
+#else
+  float scale = fp8_max / amax;
+#endif
+  if (IsInf(scale)) scale = value_for_inf;
+  if (force_pow2) scale = BitsToFloat(FloatBits(scale) & 0xFF800000u);
+  return scale;
+}
+
+// The stored dequantization multiplier: RN_fp32(1 / scale).
+QTX_HD float ScaleInv(float scale) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(scale);
+#else
+  return 1.0f / scale;
+#endif
+}
+
+// Running amax step: NaN elements are ignored (CUDA fmaxf semantics), the
+// result never decreases. Order-independent.
+QTX_HD float AmaxUpdate(float amax, float x) {
+  const float a = BitsToFloat(FloatBits(x) & 0x7FFFFFFFu);
+  return a > amax ? a : amax;
+}
+
+}  // namespace qtx::kernels
+
+#endif  // QTX_KERNELS_FP8_H_

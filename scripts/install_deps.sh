@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs everything qtx needs to build and test on a Debian 12 machine (CPU build).
+# Idempotent: apt-get skips packages that are already present. Run as root (or with sudo).
+# CUDA and NCCL are not Debian packages: the CUDA build is enabled when /usr/local/cuda exists.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config ccache git
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
+  python3 python3-grpcio python3-grpc-tools python3-numpy
+)
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ "${#missing[@]}" -eq 0 ]; then
+  echo "install_deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+echo "install_deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
