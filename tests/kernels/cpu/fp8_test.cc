@@ -1,0 +1,137 @@
+// Tests of the shared FP8/BF16/FP16 arithmetic in kernels/fp8.h (NUMERICS.md §1-§2).
+#include "kernels/fp8.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "gtest/gtest.h"
+
+namespace qtx::kernels {
+namespace {
+
+TEST(Fp8, KnownEncodings) {
+  EXPECT_EQ(EncodeE4M3(1.0f), 0x38);
+  EXPECT_EQ(EncodeE5M2(1.0f), 0x3C);
+  EXPECT_EQ(EncodeE4M3(448.0f), 0x7E);
+  EXPECT_EQ(EncodeE5M2(57344.0f), 0x7B);
+  EXPECT_EQ(EncodeE4M3(-0.0f), 0x80);
+  EXPECT_EQ(EncodeE5M2(-0.0f), 0x80);
+  EXPECT_EQ(EncodeE4M3(0.0f), 0x00);
+  EXPECT_EQ(EncodeE4M3(std::ldexp(1.0f, -9)), 0x01);   // smallest subnormal
+  EXPECT_EQ(EncodeE4M3(std::ldexp(1.0f, -6)), 0x08);   // smallest normal
+  EXPECT_EQ(EncodeE5M2(std::ldexp(1.0f, -16)), 0x01);
+  EXPECT_EQ(EncodeE5M2(std::ldexp(1.0f, -14)), 0x04);
+}
+
+TEST(Fp8, SaturatesAndKeepsNan) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(EncodeE4M3(inf), 0x7E);
+  EXPECT_EQ(EncodeE4M3(-inf), 0xFE);
+  EXPECT_EQ(EncodeE5M2(inf), 0x7B);
+  EXPECT_EQ(EncodeE5M2(-inf), 0xFB);
+  EXPECT_EQ(EncodeE4M3(1e30f), 0x7E);
+  EXPECT_EQ(EncodeE4M3(470.0f), 0x7E);  // beyond max, would round to 480: saturate
+  EXPECT_EQ(EncodeE4M3(-3.4e38f), 0xFE);
+  EXPECT_EQ(EncodeE5M2(61000.0f), 0x7B);
+  const float qnan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(EncodeE4M3(qnan), 0x7F);
+  EXPECT_EQ(EncodeE4M3(-qnan), 0x7F);  // sign dropped, like the GPU
+  EXPECT_EQ(EncodeE5M2(-qnan), 0x7F);
+  EXPECT_EQ(EncodeE4M3(BitsToFloat(0xFF800001u)), 0x7F);  // signalling payload
+}
+
+// Every finite FP8 value round-trips; midpoints between neighbours tie to even.
+void CheckGrid(Fp8Format f) {
+  for (int b = 0; b < 256; ++b) {
+    const uint8_t v = static_cast<uint8_t>(b);
+    const float x = DecodeFp8(v, f);
+    if (std::isnan(x) || std::isinf(x)) continue;
+    EXPECT_EQ(EncodeFp8(x, f), v) << "byte " << b;
+    // Next larger magnitude with the same sign.
+    const uint8_t next = static_cast<uint8_t>(v + 1);
+    if ((next & 0x7F) == 0 || (v & 0x7F) == ((f == Fp8Format::kE4M3) ? 0x7E : 0x7B)) continue;
+    const float y = DecodeFp8(next, f);
+    const double mid = (static_cast<double>(x) + y) / 2;
+    const float midf = static_cast<float>(mid);
+    ASSERT_EQ(static_cast<double>(midf), mid) << "midpoint not exact in FP32";
+    const uint8_t even = (v & 1) ? next : v;
+    EXPECT_EQ(EncodeFp8(midf, f), even) << "tie between bytes " << b << " and " << int(next);
+    // Just above / below the midpoint round away from the tie.
+    EXPECT_EQ(EncodeFp8(std::nextafter(midf, 2 * y), f), next);
+    EXPECT_EQ(EncodeFp8(std::nextafter(midf, 0.0f), f), v);
+  }
+}
+
+TEST(Fp8, E4M3GridRoundTripAndTies) { CheckGrid(Fp8Format::kE4M3); }
+TEST(Fp8, E5M2GridRoundTripAndTies) { CheckGrid(Fp8Format::kE5M2); }
+
+TEST(Fp8, DecodeSpecials) {
+  EXPECT_TRUE(std::isnan(DecodeE4M3(0x7F)));
+  EXPECT_TRUE(std::isnan(DecodeE4M3(0xFF)));
+  EXPECT_EQ(DecodeE4M3(0x7E), 448.0f);
+  EXPECT_EQ(DecodeE5M2(0x7C), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(DecodeE5M2(0xFC), -std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(DecodeE5M2(0x7D)));
+  EXPECT_EQ(DecodeE4M3(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(DecodeE5M2(0x01), std::ldexp(1.0f, -16));
+}
+
+TEST(Bf16, RoundTripAndRounding) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = Bf16ToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(f))));
+      continue;
+    }
+    EXPECT_EQ(FloatToBf16(f), h);
+  }
+  EXPECT_EQ(FloatToBf16(BitsToFloat(0x3F808000u)), 0x3F80);  // tie to even (down)
+  EXPECT_EQ(FloatToBf16(BitsToFloat(0x3F818000u)), 0x3F82);  // tie to even (up)
+  EXPECT_EQ(FloatToBf16(0.1f), 0x3DCD);
+}
+
+TEST(Half, RoundTripAndRounding) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(f))));
+      continue;
+    }
+    EXPECT_EQ(FloatToHalf(f), h) << h;
+  }
+  EXPECT_EQ(FloatToHalf(65504.0f), 0x7BFF);
+  EXPECT_EQ(FloatToHalf(65519.0f), 0x7BFF);
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7C00);
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);  // tie to even -> 0
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.5f, -25)), 0x0001);
+  EXPECT_EQ(FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3C00);  // tie to even
+  EXPECT_EQ(FloatToHalf(0.1f), 0x2E66);
+}
+
+TEST(ComputeScale, SpecialAmaxValues) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float flt_max = std::numeric_limits<float>::max();
+  EXPECT_EQ(ComputeScale(0.0f, 448, true, 0, flt_max), 1.0f);
+  EXPECT_EQ(ComputeScale(inf, 448, true, 0, flt_max), 1.0f);
+  EXPECT_EQ(ComputeScale(std::nanf(""), 448, true, 0, flt_max), 1.0f);
+  EXPECT_EQ(ComputeScale(100.0f, 448, true, 0, flt_max), 4.0f);
+  EXPECT_EQ(FloatBits(ComputeScale(100.0f, 448, false, 0, flt_max)), FloatBits(4.48f));
+  EXPECT_EQ(ComputeScale(0.0f, 448, true, 1e-4f, flt_max), std::ldexp(1.0f, 22));
+  EXPECT_EQ(ComputeScale(1e-40f, 448, true, 0, flt_max), std::ldexp(1.0f, 127));
+  EXPECT_EQ(ComputeScale(1e-40f, 448, false, 0, flt_max), flt_max);
+  EXPECT_EQ(ComputeScale(448.0f * 8, 448, true, 0, flt_max), 0.125f);  // §10.7
+}
+
+TEST(Amax, IgnoresNanAndSign) {
+  float a = 0.0f;
+  a = AmaxUpdate(a, -3.0f);
+  a = AmaxUpdate(a, std::nanf(""));
+  a = AmaxUpdate(a, 2.0f);
+  EXPECT_EQ(a, 3.0f);
+  EXPECT_EQ(AmaxUpdate(0.0f, -std::numeric_limits<float>::infinity()),
+            std::numeric_limits<float>::infinity());
+}
+
+}  // namespace
+}  // namespace qtx::kernels
