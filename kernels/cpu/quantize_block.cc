@@ -1,6 +1,11 @@
-// CPU reference of NUMERICS.md §2-§4. Written to be read against the spec:
-// every block's amax, scale, scale_inv and bytes are computed literally with
-// the shared arithmetic of kernels/fp8.h. OpenMP splits independent blocks.
+// CPU reference of NUMERICS.md §2-§4 and §A. Written to be read against the
+// spec: every block's amax, scale, scale_inv and bytes are computed literally
+// with the shared arithmetic of kernels/fp8.h. OpenMP splits independent blocks.
+//
+// The workers are written for a shard of rows [row_offset, row_offset + m) of
+// a global tensor (the whole tensor is the shard with row_offset 0): block rows
+// follow the global 128-row grid, and the amaxes of the two boundary block rows
+// may be supplied from outside (the all-gather's combined amaxes).
 #include "kernels/cpu/quantize_block.h"
 
 #include <algorithm>
@@ -12,7 +17,6 @@
 namespace qtx::kernels::cpu {
 namespace {
 
-// Loads input elements as FP32; `T` is the storage type selected at dispatch.
 template <InputDType kT>
 inline float Load(const void* data, int64_t i) {
   if constexpr (kT == InputDType::kFloat32) {
@@ -32,18 +36,55 @@ struct ScaleConfig {
   Fp8Format format;
 };
 
+ScaleConfig MakeScaleConfig(const QuantizeParams& p, InputDType t) {
+  return {Fp8Max(p.format), p.force_pow2_scales, p.amax_epsilon, InputDTypeMax(t), p.format};
+}
+
 inline float BlockScale(float amax, const ScaleConfig& c) {
   return ComputeScale(amax, c.fp8_max, c.pow2, c.eps, c.value_for_inf);
 }
 
-// 1-D rowwise: block (m, b) covers row m, columns [128b, min(128b+128, n)).
-// Scale at Sr[b, m] (flat b * pad4(M) + m).
+// Local rows [lo, hi) of global block row k of shard g.
+struct RowRange {
+  int64_t lo, hi;
+};
+inline RowRange LocalRows(const ShardGeometry& g, int64_t k) {
+  const int64_t lo = std::max(k * kBlockLen, g.row_offset) - g.row_offset;
+  const int64_t hi = std::min(k * kBlockLen + kBlockLen, g.row_offset + g.m) - g.row_offset;
+  return {lo, hi};
+}
+
+// Externally supplied amax vector for block row k, or null when k is interior.
+struct BoundaryAmax {
+  const float* first = nullptr;
+  const float* last = nullptr;
+  const float* For(const ShardGeometry& g, int64_t k) const {
+    if (k == g.first_block() && first != nullptr) return first;
+    if (k == g.last_block() && last != nullptr) return last;
+    return nullptr;
+  }
+};
+
+// Where the workers write. Scale (k, j) of a 2-D copy goes to
+// scale[(k - first_block) * k_stride + j * j_stride].
+struct Outputs {
+  uint8_t* row_data = nullptr;  // [m, n]
+  float* row_scale = nullptr;
+  int64_t row_scale_ld = 0;  // 1-D: scale (b, i) at b * ld + i
+  int64_t row_k_stride = 0, row_j_stride = 0;  // 2-D
+  uint8_t* col_data = nullptr;  // col_data[col * col_data_ld + i]
+  int64_t col_data_ld = 0;
+  float* col_scale = nullptr;
+  int64_t col_scale_ld = 0;  // 1-D: scale (k, col) at (k - first) * ld + col
+  int64_t col_k_stride = 0, col_j_stride = 0;  // 2-D
+};
+
+// 1-D rowwise: block (i, b) covers local row i, columns [128b, min(128b+128, n)).
 template <InputDType kT>
-void Rowwise1D(const void* in, int64_t m, int64_t n, const ScaleConfig& c, uint8_t* q,
-               float* s, int64_t s_cols) {
-  const int64_t nb = CeilDiv(n, kBlockLen);
+void Rowwise1D(const void* in, const ShardGeometry& g, const ScaleConfig& c, const Outputs& o) {
+  const int64_t n = g.n, nb = g.nb();
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < m; ++r) {
+  for (int64_t r = 0; r < g.m; ++r) {
     float x[kBlockLen];
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t c0 = b * kBlockLen;
@@ -54,74 +95,80 @@ void Rowwise1D(const void* in, int64_t m, int64_t n, const ScaleConfig& c, uint8
         amax = AmaxUpdate(amax, x[k]);
       }
       const float scale = BlockScale(amax, c);
-      s[b * s_cols + r] = ScaleInv(scale);
-      uint8_t* out = q + r * n + c0;
+      o.row_scale[b * o.row_scale_ld + r] = ScaleInv(scale);
+      uint8_t* out = o.row_data + r * n + c0;
       for (int64_t k = 0; k < len; ++k) out[k] = EncodeFp8(x[k] * scale, c.format);
     }
   }
 }
 
-// 1-D columnwise: block (c, col) covers column col, rows [128c, min(128c+128, m)).
-// Data stored transposed: Qc[col, row]; scale at Sc[c, col] (flat c * pad4(N) + col).
+// 1-D columnwise: block (k, col) covers column col, global rows [128k, 128k+128).
 template <InputDType kT>
-void Columnwise1D(const void* in, int64_t m, int64_t n, const ScaleConfig& c, uint8_t* q,
-                  float* s, int64_t s_cols) {
-  const int64_t mb = CeilDiv(m, kBlockLen);
+void Columnwise1D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext,
+                  const ScaleConfig& c, const Outputs& o) {
   constexpr int64_t kColChunk = 64;
+  const int64_t n = g.n;
+  const int64_t k0 = g.first_block(), nk = g.num_block_rows();
   const int64_t nchunks = CeilDiv(n, kColChunk);
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t cb = 0; cb < mb; ++cb) {
+  for (int64_t kk = 0; kk < nk; ++kk) {
     for (int64_t ch = 0; ch < nchunks; ++ch) {
-      const int64_t r0 = cb * kBlockLen;
-      const int64_t rows = std::min(kBlockLen, m - r0);
+      const int64_t k = k0 + kk;
+      const RowRange rr = LocalRows(g, k);
       const int64_t col0 = ch * kColChunk;
       const int64_t cols = std::min(kColChunk, n - col0);
       float x[kBlockLen][kColChunk];
       float amax[kColChunk] = {};
-      for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t i = rr.lo; i < rr.hi; ++i) {
         for (int64_t j = 0; j < cols; ++j) {
-          x[i][j] = Load<kT>(in, (r0 + i) * n + col0 + j);
-          amax[j] = AmaxUpdate(amax[j], x[i][j]);
+          x[i - rr.lo][j] = Load<kT>(in, i * n + col0 + j);
+          amax[j] = AmaxUpdate(amax[j], x[i - rr.lo][j]);
         }
+      }
+      if (const float* e = ext.For(g, k)) {
+        for (int64_t j = 0; j < cols; ++j) amax[j] = e[col0 + j];
       }
       for (int64_t j = 0; j < cols; ++j) {
         const float scale = BlockScale(amax[j], c);
-        s[cb * s_cols + col0 + j] = ScaleInv(scale);
-        uint8_t* out = q + (col0 + j) * m + r0;
-        for (int64_t i = 0; i < rows; ++i) out[i] = EncodeFp8(x[i][j] * scale, c.format);
+        o.col_scale[kk * o.col_scale_ld + col0 + j] = ScaleInv(scale);
+        uint8_t* out = o.col_data + (col0 + j) * o.col_data_ld;
+        for (int64_t i = rr.lo; i < rr.hi; ++i) {
+          out[i] = EncodeFp8(x[i - rr.lo][j] * scale, c.format);
+        }
       }
     }
   }
 }
 
-// 2-D: tile (ti, tj) covers rows [128ti, ...), columns [128tj, ...); one scale,
-// stored at Sr[ti, tj] and Sc[tj, ti]; columnwise bytes are the transpose.
+// 2-D: tile (k, tj) covers global rows [128k, 128k+128), columns [128tj, ...).
 template <InputDType kT>
-void Tiles2D(const void* in, int64_t m, int64_t n, const ScaleConfig& c, bool rowwise,
-             bool columnwise, const QuantizedBuffers& out, const QuantizedLayout& l) {
-  const int64_t mb = CeilDiv(m, kBlockLen);
-  const int64_t nb = CeilDiv(n, kBlockLen);
+void Tiles2D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext,
+             const ScaleConfig& c, const Outputs& o) {
+  const int64_t n = g.n, nb = g.nb();
+  const int64_t k0 = g.first_block(), nk = g.num_block_rows();
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t ti = 0; ti < mb; ++ti) {
+  for (int64_t kk = 0; kk < nk; ++kk) {
     for (int64_t tj = 0; tj < nb; ++tj) {
-      const int64_t r0 = ti * kBlockLen, c0 = tj * kBlockLen;
-      const int64_t rows = std::min(kBlockLen, m - r0);
+      const int64_t k = k0 + kk;
+      const RowRange rr = LocalRows(g, k);
+      const int64_t c0 = tj * kBlockLen;
       const int64_t cols = std::min(kBlockLen, n - c0);
       float amax = 0.0f;
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t j = 0; j < cols; ++j) {
-          amax = AmaxUpdate(amax, Load<kT>(in, (r0 + i) * n + c0 + j));
-        }
+      if (const float* e = ext.For(g, k)) {
+        amax = e[tj];
+      } else {
+        for (int64_t i = rr.lo; i < rr.hi; ++i)
+          for (int64_t j = 0; j < cols; ++j) amax = AmaxUpdate(amax, Load<kT>(in, i * n + c0 + j));
       }
       const float scale = BlockScale(amax, c);
       const float scale_inv = ScaleInv(scale);
-      if (rowwise) out.rowwise_scale_inv[ti * l.rowwise_scale_cols + tj] = scale_inv;
-      if (columnwise) out.columnwise_scale_inv[tj * l.columnwise_scale_cols + ti] = scale_inv;
-      for (int64_t i = 0; i < rows; ++i) {
+      if (o.row_data) o.row_scale[kk * o.row_k_stride + tj * o.row_j_stride] = scale_inv;
+      if (o.col_data) o.col_scale[kk * o.col_k_stride + tj * o.col_j_stride] = scale_inv;
+      for (int64_t i = rr.lo; i < rr.hi; ++i) {
         for (int64_t j = 0; j < cols; ++j) {
-          const uint8_t v = EncodeFp8(Load<kT>(in, (r0 + i) * n + c0 + j) * scale, c.format);
-          if (rowwise) out.rowwise_data[(r0 + i) * n + c0 + j] = v;
-          if (columnwise) out.columnwise_data[(c0 + j) * m + r0 + i] = v;
+          const uint8_t v = EncodeFp8(Load<kT>(in, i * n + c0 + j) * scale, c.format);
+          if (o.row_data) o.row_data[i * n + c0 + j] = v;
+          if (o.col_data) o.col_data[(c0 + j) * o.col_data_ld + i] = v;
         }
       }
     }
@@ -129,21 +176,45 @@ void Tiles2D(const void* in, int64_t m, int64_t n, const ScaleConfig& c, bool ro
 }
 
 template <InputDType kT>
-void QuantizeTyped(const void* input, int64_t m, int64_t n, const QuantizeParams& p,
-                   const QuantizedBuffers& out, const QuantizedLayout& l) {
-  const ScaleConfig c{Fp8Max(p.format), p.force_pow2_scales, p.amax_epsilon,
-                      InputDTypeMax(kT), p.format};
+void RunWorkers(const void* in, const ShardGeometry& g, const QuantizeParams& p,
+                const BoundaryAmax& ext, const Outputs& o) {
+  const ScaleConfig c = MakeScaleConfig(p, kT);
   if (p.scaling == BlockScaling::kBlock1D) {
-    if (p.rowwise) {
-      Rowwise1D<kT>(input, m, n, c, out.rowwise_data, out.rowwise_scale_inv,
-                    l.rowwise_scale_cols);
-    }
-    if (p.columnwise) {
-      Columnwise1D<kT>(input, m, n, c, out.columnwise_data, out.columnwise_scale_inv,
-                       l.columnwise_scale_cols);
-    }
+    if (p.rowwise) Rowwise1D<kT>(in, g, c, o);
+    if (p.columnwise) Columnwise1D<kT>(in, g, ext, c, o);
   } else {
-    Tiles2D<kT>(input, m, n, c, p.rowwise, p.columnwise, out, l);
+    Tiles2D<kT>(in, g, ext, c, o);
+  }
+}
+
+void Dispatch(const void* in, InputDType dtype, const ShardGeometry& g, const QuantizeParams& p,
+              const BoundaryAmax& ext, const Outputs& o) {
+  if (g.m == 0 || g.n == 0) return;
+  switch (dtype) {
+    case InputDType::kFloat32:
+      return RunWorkers<InputDType::kFloat32>(in, g, p, ext, o);
+    case InputDType::kBFloat16:
+      return RunWorkers<InputDType::kBFloat16>(in, g, p, ext, o);
+    case InputDType::kFloat16:
+      return RunWorkers<InputDType::kFloat16>(in, g, p, ext, o);
+  }
+}
+
+template <InputDType kT>
+void BoundaryAmaxTyped(const void* in, const ShardGeometry& g, BlockScaling s, float* first,
+                       float* last) {
+  const int64_t len = BoundaryAmaxLength(s, g);
+  for (int which = 0; which < 2; ++which) {
+    const int64_t k = which == 0 ? g.first_block() : g.last_block();
+    float* out = which == 0 ? first : last;
+    const RowRange rr = LocalRows(g, k);
+    std::fill(out, out + len, 0.0f);
+    for (int64_t i = rr.lo; i < rr.hi; ++i) {
+      for (int64_t col = 0; col < g.n; ++col) {
+        const int64_t idx = s == BlockScaling::kBlock1D ? col : col / kBlockLen;
+        out[idx] = AmaxUpdate(out[idx], Load<kT>(in, i * g.n + col));
+      }
+    }
   }
 }
 
@@ -161,29 +232,144 @@ inline void StoreAs(void* out, InputDType t, int64_t i, float v) {
   }
 }
 
+void ZeroScales(const QuantizeParams& p, const QuantizedLayout& l, const QuantizedBuffers& out) {
+  if (p.rowwise && l.RowwiseScaleCount() > 0) {
+    std::memset(out.rowwise_scale_inv, 0, sizeof(float) * l.RowwiseScaleCount());
+  }
+  if (p.columnwise && l.ColumnwiseScaleCount() > 0) {
+    std::memset(out.columnwise_scale_inv, 0, sizeof(float) * l.ColumnwiseScaleCount());
+  }
+}
+
 }  // namespace
 
 void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
                    const QuantizeParams& params, const QuantizedBuffers& out) {
   const QuantizedLayout l = ComputeLayout(params.scaling, m, n);
-  // Padding entries are 0 (NUMERICS.md: TE leaves them uninitialized).
-  if (params.rowwise && l.RowwiseScaleCount() > 0) {
-    std::memset(out.rowwise_scale_inv, 0, sizeof(float) * l.RowwiseScaleCount());
+  ZeroScales(params, l, out);  // padding is 0 (TE leaves it uninitialized)
+  Outputs o;
+  if (params.rowwise) {
+    o.row_data = out.rowwise_data;
+    o.row_scale = out.rowwise_scale_inv;
+    o.row_scale_ld = l.rowwise_scale_cols;
+    o.row_k_stride = l.rowwise_scale_cols;
+    o.row_j_stride = 1;
   }
-  if (params.columnwise && l.ColumnwiseScaleCount() > 0) {
-    std::memset(out.columnwise_scale_inv, 0, sizeof(float) * l.ColumnwiseScaleCount());
+  if (params.columnwise) {
+    o.col_data = out.columnwise_data;
+    o.col_data_ld = m;
+    o.col_scale = out.columnwise_scale_inv;
+    o.col_scale_ld = l.columnwise_scale_cols;
+    o.col_k_stride = 1;
+    o.col_j_stride = l.columnwise_scale_cols;
   }
-  if (m == 0 || n == 0) return;
+  Dispatch(input, dtype, ShardGeometry{0, m, n}, params, BoundaryAmax{}, o);
+}
+
+void ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGeometry& g,
+                       BlockScaling scaling, float* first, float* last) {
+  if (g.m == 0) return;
   switch (dtype) {
     case InputDType::kFloat32:
-      QuantizeTyped<InputDType::kFloat32>(input, m, n, params, out, l);
-      break;
+      return BoundaryAmaxTyped<InputDType::kFloat32>(input, g, scaling, first, last);
     case InputDType::kBFloat16:
-      QuantizeTyped<InputDType::kBFloat16>(input, m, n, params, out, l);
-      break;
+      return BoundaryAmaxTyped<InputDType::kBFloat16>(input, g, scaling, first, last);
     case InputDType::kFloat16:
-      QuantizeTyped<InputDType::kFloat16>(input, m, n, params, out, l);
-      break;
+      return BoundaryAmaxTyped<InputDType::kFloat16>(input, g, scaling, first, last);
+  }
+}
+
+void CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float* const* firsts,
+                         const float* const* lasts, int rank, BlockScaling scaling,
+                         float* first_out, float* last_out) {
+  const ShardGeometry& me = geoms[rank];
+  if (me.m == 0) return;
+  const int64_t len = BoundaryAmaxLength(scaling, me);
+  for (int which = 0; which < 2; ++which) {
+    const int64_t k = which == 0 ? me.first_block() : me.last_block();
+    float* out = which == 0 ? first_out : last_out;
+    std::fill(out, out + len, 0.0f);
+    for (int r = 0; r < world_size; ++r) {
+      if (geoms[r].m == 0) continue;
+      const float* v = nullptr;
+      if (geoms[r].first_block() == k) v = firsts[r];
+      else if (geoms[r].last_block() == k) v = lasts[r];
+      if (v == nullptr) continue;
+      for (int64_t j = 0; j < len; ++j) out[j] = std::max(out[j], v[j]);
+    }
+  }
+}
+
+void QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
+                   const QuantizeParams& params, const float* first_amax, const float* last_amax,
+                   const ShardBuffers& out) {
+  Outputs o;
+  const int64_t nb = g.nb();
+  if (params.rowwise) {
+    o.row_data = out.rowwise_data;
+    o.row_scale = out.rowwise_scale_inv;
+    o.row_scale_ld = g.m;  // 1-D [nb, m]
+    o.row_k_stride = nb;   // 2-D [num_block_rows, nb]
+    o.row_j_stride = 1;
+  }
+  if (params.columnwise) {
+    o.col_data = out.columnwise_data;
+    o.col_data_ld = g.m;
+    o.col_scale = out.columnwise_scale_inv;
+    o.col_scale_ld = g.n;  // 1-D [num_block_rows, n]
+    o.col_k_stride = nb;   // 2-D [num_block_rows, nb]
+    o.col_j_stride = 1;
+  }
+  Dispatch(input, dtype, g, params, BoundaryAmax{first_amax, last_amax}, o);
+}
+
+void AssembleShards(int world_size, const ShardGeometry* geoms, const ShardConstBuffers* shards,
+                    const QuantizeParams& p, const QuantizedBuffers& out) {
+  int64_t m = 0;
+  for (int r = 0; r < world_size; ++r) m += geoms[r].m;
+  const int64_t n = world_size > 0 ? geoms[0].n : 0;
+  const int64_t nb = CeilDiv(n, kBlockLen);
+  const QuantizedLayout l = ComputeLayout(p.scaling, m, n);
+  ZeroScales(p, l, out);
+  for (int r = 0; r < world_size; ++r) {
+    const ShardGeometry& g = geoms[r];
+    const ShardConstBuffers& s = shards[r];
+    if (g.m == 0 || n == 0) continue;
+    const int64_t o = g.row_offset, k0 = g.first_block(), nk = g.num_block_rows();
+    if (p.rowwise) {
+      if (out.rowwise_data + o * n != s.rowwise_data) {
+        std::memmove(out.rowwise_data + o * n, s.rowwise_data, g.m * n);
+      }
+      if (p.scaling == BlockScaling::kBlock1D) {
+        for (int64_t b = 0; b < nb; ++b) {
+          std::memcpy(out.rowwise_scale_inv + b * l.rowwise_scale_cols + o,
+                      s.rowwise_scale_inv + b * g.m, sizeof(float) * g.m);
+        }
+      } else {
+        for (int64_t kk = 0; kk < nk; ++kk) {
+          std::memcpy(out.rowwise_scale_inv + (k0 + kk) * l.rowwise_scale_cols,
+                      s.rowwise_scale_inv + kk * nb, sizeof(float) * nb);
+        }
+      }
+    }
+    if (p.columnwise) {
+      for (int64_t col = 0; col < n; ++col) {
+        std::memcpy(out.columnwise_data + col * m + o, s.columnwise_data + col * g.m, g.m);
+      }
+      if (p.scaling == BlockScaling::kBlock1D) {
+        for (int64_t kk = 0; kk < nk; ++kk) {
+          std::memcpy(out.columnwise_scale_inv + (k0 + kk) * l.columnwise_scale_cols,
+                      s.columnwise_scale_inv + kk * n, sizeof(float) * n);
+        }
+      } else {
+        for (int64_t kk = 0; kk < nk; ++kk) {
+          for (int64_t tj = 0; tj < nb; ++tj) {
+            out.columnwise_scale_inv[tj * l.columnwise_scale_cols + k0 + kk] =
+                s.columnwise_scale_inv[kk * nb + tj];
+          }
+        }
+      }
+    }
   }
 }
 
@@ -191,6 +377,7 @@ void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8F
                      int64_t m, int64_t n, bool use_rowwise, InputDType out_dtype, void* out) {
   if (m == 0 || n == 0) return;
   const QuantizedLayout l = ComputeLayout(scaling, m, n);
+  const bool one_d = scaling == BlockScaling::kBlock1D;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t col = 0; col < n; ++col) {
@@ -198,16 +385,14 @@ void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8F
       float scale_inv;
       if (use_rowwise) {
         q = in.rowwise_data[r * n + col];
-        scale_inv = scaling == BlockScaling::kBlock1D
-                        ? in.rowwise_scale_inv[(col / kBlockLen) * l.rowwise_scale_cols + r]
-                        : in.rowwise_scale_inv[(r / kBlockLen) * l.rowwise_scale_cols +
-                                               col / kBlockLen];
+        scale_inv = one_d ? in.rowwise_scale_inv[(col / kBlockLen) * l.rowwise_scale_cols + r]
+                          : in.rowwise_scale_inv[(r / kBlockLen) * l.rowwise_scale_cols +
+                                                 col / kBlockLen];
       } else {
         q = in.columnwise_data[col * m + r];
-        scale_inv = scaling == BlockScaling::kBlock1D
-                        ? in.columnwise_scale_inv[(r / kBlockLen) * l.columnwise_scale_cols + col]
-                        : in.columnwise_scale_inv[(col / kBlockLen) * l.columnwise_scale_cols +
-                                                  r / kBlockLen];
+        scale_inv = one_d ? in.columnwise_scale_inv[(r / kBlockLen) * l.columnwise_scale_cols + col]
+                          : in.columnwise_scale_inv[(col / kBlockLen) * l.columnwise_scale_cols +
+                                                    r / kBlockLen];
       }
       StoreAs(out, out_dtype, r * n + col, DecodeFp8(q, format) * scale_inv);
     }
