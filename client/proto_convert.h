@@ -1,0 +1,42 @@
+// Conversions between the client's plain types (qtx/types.h) and the qtx.v1
+// messages, and from grpc::Status to absl::Status. Internal to qtx_client
+// (not installed); pure functions, safe from any thread.
+#ifndef QTX_CLIENT_PROTO_CONVERT_H_
+#define QTX_CLIENT_PROTO_CONVERT_H_
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "qtx/types.h"
+#include "qtx/v1/memory.pb.h"
+#include "qtx/v1/quantizer.pb.h"
+#include "qtx/v1/tensor.pb.h"
+
+namespace qtx::client_internal {
+
+// Keeps the code (gRPC and Abseil codes are the same numbers) and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+void ToProto(const RegionSlice& in, v1::RegionSlice* out);
+RegionSlice FromProto(const v1::RegionSlice& in);
+
+// Copies inline bytes into `out`.
+void ToProto(const Tensor& in, v1::TensorRef* out);
+// Moves inline bytes out of `in` (which is left with empty data).
+Tensor FromProto(v1::TensorRef&& in);
+
+// Always sets the optional fields explicitly.
+void ToProto(const QuantizeConfig& in, v1::QuantizeConfig* out);
+// Unset fields get the documented defaults (rowwise true, columnwise false,
+// pow2 true, BLOCK_1D, E4M3).
+QuantizeConfig FromProto(const v1::QuantizeConfig& in);
+
+void ToProto(const QuantizedTensor& in, v1::QuantizedTensor* out);
+QuantizedTensor FromProto(v1::QuantizedTensor&& in);
+
+void ToProto(const QuantizeOutputs& in, v1::QuantizeOutputs* out);
+RegionInfo FromProto(const v1::RegionInfo& in);
+
+}  // namespace qtx::client_internal
+
+#endif  // QTX_CLIENT_PROTO_CONVERT_H_

@@ -1,0 +1,147 @@
+// qtx::Client: a synchronous C++ client for one qtxd sidecar.
+//
+//   auto client = qtx::Client::Connect("unix:///run/qtx/qtxd.sock");
+//   if (!client.ok()) return client.status();
+//   auto q = (*client)->Quantize(qtx::Tensor::FromFloat32({m, n}, values), {});
+//
+// Every call blocks until the server answers or the call's deadline passes and
+// returns absl::Status / absl::StatusOr. Server errors keep their gRPC code and
+// message (the codes are the same numbers as absl::StatusCode); a server that
+// cannot be reached gives UNAVAILABLE, a missed deadline DEADLINE_EXCEEDED.
+// Each call sends an "x-request-id" metadata entry (CallOptions::request_id, or
+// a generated id) that the server logs with the request.
+//
+// A Client is safe for concurrent use by many threads; the underlying gRPC
+// channel multiplexes the calls. It owns its channel; no protobuf or gRPC type
+// appears in this header.
+#ifndef QTX_CLIENT_QTX_CLIENT_H_
+#define QTX_CLIENT_QTX_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "qtx/types.h"
+
+namespace qtx {
+
+class ShmRegion;
+
+// The default qtxd socket, as a gRPC target.
+inline constexpr std::string_view kDefaultTarget = "unix:///tmp/qtxd.sock";
+
+struct ClientOptions {
+  // Deadline of each call, unless CallOptions::timeout overrides it.
+  // absl::InfiniteDuration() means no deadline.
+  absl::Duration timeout = absl::Seconds(60);
+  // Largest message sent or received, in bytes. Inline tensors need large
+  // messages; the default is the protobuf limit (2 GiB - 1).
+  int max_message_bytes = 0x7FFFFFFF;
+  // > 0: Connect() waits up to this long for the channel to become ready and
+  // fails with UNAVAILABLE otherwise. 0: Connect() returns at once and the
+  // first call connects.
+  absl::Duration connect_timeout = absl::ZeroDuration();
+  // Wait for the server to become reachable (within the deadline) instead of
+  // failing a call at once with UNAVAILABLE.
+  bool wait_for_ready = false;
+};
+
+struct CallOptions {
+  // Overrides ClientOptions::timeout for this call.
+  std::optional<absl::Duration> timeout;
+  // Sent as "x-request-id"; generated ("<client id>-<counter>") when empty.
+  std::string request_id;
+};
+
+// grpc.health.v1 serving status.
+enum class ServingStatus : int32_t {
+  kUnknown = 0,
+  kServing = 1,
+  kNotServing = 2,
+  kServiceUnknown = 3,
+};
+std::string_view ServingStatusName(ServingStatus status);  // "SERVING", ...
+
+class Client {
+ public:
+  // Creates a client for `target`: "unix:///abs/path", "unix:path", an
+  // absolute socket path ("/run/qtxd.sock", taken as unix://), or "host:port"
+  // (plaintext; TLS comes with the TCP listener).
+  // Fails with INVALID_ARGUMENT for an empty target or bad options, and with
+  // UNAVAILABLE when options.connect_timeout > 0 and the channel does not
+  // become ready in time.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(std::string_view target,
+                                                         const ClientOptions& options = {});
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+  ~Client();
+
+  // The gRPC target this client talks to (after normalization).
+  const std::string& target() const;
+
+  // Asks the grpc.health.v1 service for `service` ("" = the whole server).
+  // Returns the serving status; NOT_FOUND from the server becomes
+  // kServiceUnknown. Fails with the RPC's status otherwise (UNAVAILABLE when
+  // the server cannot be reached).
+  absl::StatusOr<ServingStatus> Health(std::string_view service = "",
+                                       const CallOptions& call = {});
+
+  // Polls Health() until the server reports SERVING. Fails with
+  // DEADLINE_EXCEEDED (naming the last status seen) after `timeout`.
+  absl::Status WaitUntilServing(absl::Duration timeout);
+
+  // Quantizes `input` (FLOAT32, BFLOAT16 or FLOAT16, inline or in a region).
+  // Outputs with a slice in `outputs` are written into that region slice and
+  // returned as region tensors; the others are returned inline. Inline input
+  // bytes are copied into the request.
+  // Fails with the server's status: INVALID_ARGUMENT for a bad dtype, shape,
+  // byte count or config; NOT_FOUND for an unknown region; ...
+  absl::StatusOr<QuantizedTensor> Quantize(const Tensor& input, const QuantizeConfig& config,
+                                           const QuantizeOutputs& outputs = {},
+                                           const CallOptions& call = {});
+
+  // Dequantizes `input` (its rowwise copy when present, else the columnwise
+  // copy) to `output_dtype` (FLOAT32, BFLOAT16 or FLOAT16). With `output` set,
+  // the result is written into that region slice and returned as a region
+  // tensor; otherwise it is returned inline.
+  absl::StatusOr<Tensor> Dequantize(const QuantizedTensor& input,
+                                    DType output_dtype = DType::kFloat32,
+                                    const std::optional<RegionSlice>& output = std::nullopt,
+                                    const CallOptions& call = {});
+
+  // Registers [offset, offset + byte_size) of the POSIX shm object `shm_name`
+  // under `name`. Fails with ALREADY_EXISTS for a taken name, NOT_FOUND for a
+  // missing shm object, INVALID_ARGUMENT for bad bounds or names, and
+  // PERMISSION_DENIED / FAILED_PRECONDITION when the server does not allow
+  // client shm (qtxd --allow_client_shm).
+  absl::Status RegisterShmRegion(std::string_view name, std::string_view shm_name,
+                                 uint64_t offset, uint64_t byte_size,
+                                 const CallOptions& call = {});
+  // Registers all of `region` under region.name().
+  absl::Status RegisterShmRegion(const ShmRegion& region, const CallOptions& call = {});
+
+  // Removes the region `name` (requests already using it finish first).
+  // Fails with NOT_FOUND for an unknown name.
+  absl::Status UnregisterRegion(std::string_view name, const CallOptions& call = {});
+
+  // The regions registered with the server, as it reports them.
+  absl::StatusOr<std::vector<RegionInfo>> ListRegions(const CallOptions& call = {});
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+
+  // Constant after construction; Impl is itself safe for concurrent use.
+  const std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace qtx
+
+#endif  // QTX_CLIENT_QTX_CLIENT_H_

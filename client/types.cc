@@ -1,0 +1,146 @@
+#include "qtx/types.h"
+
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace qtx {
+
+int64_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+    case DType::kUInt8:
+      return 1;
+    case DType::kUnspecified:
+      break;
+  }
+  return 0;
+}
+
+std::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kUnspecified:
+      break;
+  }
+  return "unspecified";
+}
+
+std::string_view ScalingModeName(ScalingMode mode) {
+  return mode == ScalingMode::kBlock2D ? "block2d" : "block1d";
+}
+
+std::string_view Fp8FormatName(Fp8Format format) {
+  return format == Fp8Format::kE5M2 ? "e5m2" : "e4m3";
+}
+
+absl::StatusOr<int64_t> NumElements(std::span<const int64_t> shape) {
+  int64_t count = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const int64_t d = shape[i];
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shape [", absl::StrJoin(shape, ","), "]: dim ", i, " is negative"));
+    }
+    if (d != 0 && count > std::numeric_limits<int64_t>::max() / d) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shape [", absl::StrJoin(shape, ","), "]: element count overflows int64"));
+    }
+    count *= d;
+  }
+  return count;
+}
+
+Tensor Tensor::Inline(DType dtype, std::vector<int64_t> shape, std::string bytes) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.data = std::move(bytes);
+  return t;
+}
+
+Tensor Tensor::FromFloat32(std::vector<int64_t> shape, std::span<const float> values) {
+  std::string bytes(values.size_bytes(), '\0');
+  if (!values.empty()) std::memcpy(bytes.data(), values.data(), values.size_bytes());
+  return Inline(DType::kFloat32, std::move(shape), std::move(bytes));
+}
+
+Tensor Tensor::InRegion(DType dtype, std::vector<int64_t> shape, RegionSlice slice) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.region = std::move(slice);
+  return t;
+}
+
+absl::StatusOr<int64_t> Tensor::ByteSize() const {
+  absl::StatusOr<int64_t> count = NumElements(shape);
+  if (!count.ok()) return count.status();
+  const int64_t size = DTypeSize(dtype);
+  if (size == 0) return absl::InvalidArgumentError("tensor dtype is unspecified");
+  if (*count > std::numeric_limits<int64_t>::max() / size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape [", absl::StrJoin(shape, ","), "]: byte size overflows int64"));
+  }
+  return *count * size;
+}
+
+absl::StatusOr<QuantizedLayout> ComputeQuantizedLayout(ScalingMode mode,
+                                                       std::span<const int64_t> shape) {
+  if (shape.empty()) {
+    return absl::InvalidArgumentError("shape []: quantization needs rank >= 1");
+  }
+  absl::StatusOr<int64_t> rows = NumElements(shape.first(shape.size() - 1));
+  if (!rows.ok()) return rows.status();
+  absl::StatusOr<int64_t> total = NumElements(shape);
+  if (!total.ok()) return total.status();
+  const int64_t m = *rows;
+  const int64_t n = shape.back();
+  auto ceil_div = [](int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); };
+  auto pad4 = [&](int64_t x) { return ceil_div(x, 4) * 4; };
+  constexpr int64_t kBlock = 128;
+  QuantizedLayout l;
+  l.m = m;
+  l.n = n;
+  l.rowwise_data_rows = m;
+  l.rowwise_data_cols = n;
+  l.columnwise_data_rows = n;
+  l.columnwise_data_cols = m;
+  const int64_t mb = ceil_div(m, kBlock);
+  const int64_t nb = ceil_div(n, kBlock);
+  if (mode == ScalingMode::kBlock2D) {
+    l.rowwise_scale_rows = mb;
+    l.rowwise_scale_cols = pad4(nb);
+    l.columnwise_scale_rows = nb;
+    l.columnwise_scale_cols = pad4(mb);
+  } else {
+    l.rowwise_scale_rows = nb;
+    l.rowwise_scale_cols = pad4(m);
+    l.columnwise_scale_rows = mb;
+    l.columnwise_scale_cols = pad4(n);
+  }
+  return l;
+}
+
+}  // namespace qtx

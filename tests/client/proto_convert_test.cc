@@ -1,0 +1,134 @@
+#include "client/proto_convert.h"
+
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace qtx::client_internal {
+namespace {
+
+using ::qtx::testing::StatusIs;
+
+TEST(ProtoConvertTest, GrpcStatusKeepsCodeAndMessage) {
+  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
+  const struct {
+    grpc::StatusCode grpc;
+    absl::StatusCode absl;
+  } cases[] = {
+      {grpc::StatusCode::INVALID_ARGUMENT, absl::StatusCode::kInvalidArgument},
+      {grpc::StatusCode::NOT_FOUND, absl::StatusCode::kNotFound},
+      {grpc::StatusCode::ALREADY_EXISTS, absl::StatusCode::kAlreadyExists},
+      {grpc::StatusCode::RESOURCE_EXHAUSTED, absl::StatusCode::kResourceExhausted},
+      {grpc::StatusCode::FAILED_PRECONDITION, absl::StatusCode::kFailedPrecondition},
+      {grpc::StatusCode::DEADLINE_EXCEEDED, absl::StatusCode::kDeadlineExceeded},
+      {grpc::StatusCode::UNAVAILABLE, absl::StatusCode::kUnavailable},
+      {grpc::StatusCode::PERMISSION_DENIED, absl::StatusCode::kPermissionDenied},
+      {grpc::StatusCode::UNAUTHENTICATED, absl::StatusCode::kUnauthenticated},
+  };
+  for (const auto& c : cases) {
+    EXPECT_THAT(FromGrpcStatus(grpc::Status(c.grpc, "region 'x': not found")),
+                StatusIs(c.absl, "region 'x': not found"));
+  }
+}
+
+TEST(ProtoConvertTest, ConfigAlwaysSetsOptionalFields) {
+  QuantizeConfig c;  // defaults
+  v1::QuantizeConfig p;
+  ToProto(c, &p);
+  EXPECT_EQ(p.scaling_mode(), v1::BLOCK_1D);
+  EXPECT_EQ(p.format(), v1::E4M3);
+  ASSERT_TRUE(p.has_rowwise() && p.has_columnwise() && p.has_force_pow2_scales());
+  EXPECT_TRUE(p.rowwise());
+  EXPECT_FALSE(p.columnwise());
+  EXPECT_TRUE(p.force_pow2_scales());
+
+  c.scaling_mode = ScalingMode::kBlock2D;
+  c.format = Fp8Format::kE5M2;
+  c.rowwise = false;
+  c.columnwise = true;
+  c.force_pow2_scales = false;
+  c.amax_epsilon = 1e-6f;
+  ToProto(c, &p);
+  EXPECT_EQ(FromProto(p), c);
+}
+
+TEST(ProtoConvertTest, UnsetConfigGetsDocumentedDefaults) {
+  const QuantizeConfig c = FromProto(v1::QuantizeConfig());
+  EXPECT_EQ(c, QuantizeConfig());
+}
+
+TEST(ProtoConvertTest, TensorRoundTripsInlineAndRegion) {
+  const Tensor in = Tensor::Inline(DType::kBFloat16, {2, 2}, std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8));
+  v1::TensorRef p;
+  ToProto(in, &p);
+  EXPECT_EQ(p.dtype(), v1::BFLOAT16);
+  EXPECT_EQ(p.data_case(), v1::TensorRef::kInlineData);
+  Tensor out = FromProto(std::move(p));
+  EXPECT_EQ(out.dtype, in.dtype);
+  EXPECT_EQ(out.shape, in.shape);
+  EXPECT_EQ(out.data, in.data);
+  EXPECT_FALSE(out.in_region());
+
+  const Tensor r = Tensor::InRegion(DType::kFloat32, {3, 5, 7}, RegionSlice{"reg", 128, 420});
+  v1::TensorRef pr;
+  ToProto(r, &pr);
+  EXPECT_EQ(pr.data_case(), v1::TensorRef::kRegion);
+  EXPECT_EQ(pr.region().region(), "reg");
+  Tensor rout = FromProto(std::move(pr));
+  ASSERT_TRUE(rout.in_region());
+  EXPECT_EQ(*rout.region, *r.region);
+  EXPECT_EQ(rout.shape, r.shape);
+}
+
+TEST(ProtoConvertTest, QuantizedTensorKeepsPresentCopiesOnly) {
+  QuantizedTensor q;
+  q.shape = {4, 256};
+  q.source_dtype = DType::kFloat16;
+  q.config.columnwise = true;
+  q.config.rowwise = false;
+  q.columnwise_data = Tensor::Inline(DType::kFloat8E4M3, {256, 4}, std::string(1024, 'x'));
+  q.columnwise_scale_inv = Tensor::InRegion(DType::kFloat32, {1, 256}, RegionSlice{"s", 0, 1024});
+  v1::QuantizedTensor p;
+  ToProto(q, &p);
+  EXPECT_FALSE(p.has_rowwise_data());
+  EXPECT_FALSE(p.has_rowwise_scale_inv());
+  EXPECT_TRUE(p.has_columnwise_data());
+  const QuantizedTensor back = FromProto(std::move(p));
+  EXPECT_EQ(back.shape, q.shape);
+  EXPECT_EQ(back.source_dtype, DType::kFloat16);
+  EXPECT_EQ(back.config, q.config);
+  EXPECT_FALSE(back.rowwise_data.has_value());
+  ASSERT_TRUE(back.columnwise_data.has_value());
+  EXPECT_EQ(back.columnwise_data->data, q.columnwise_data->data);
+  ASSERT_TRUE(back.columnwise_scale_inv && back.columnwise_scale_inv->in_region());
+  EXPECT_EQ(*back.columnwise_scale_inv->region, *q.columnwise_scale_inv->region);
+}
+
+TEST(ProtoConvertTest, OutputsAndRegionInfo) {
+  QuantizeOutputs o;
+  o.rowwise_scale_inv = RegionSlice{"r", 64, 16};
+  v1::QuantizeOutputs p;
+  ToProto(o, &p);
+  EXPECT_FALSE(p.has_rowwise_data());
+  ASSERT_TRUE(p.has_rowwise_scale_inv());
+  EXPECT_EQ(p.rowwise_scale_inv().offset(), 64u);
+
+  v1::RegionInfo info;
+  info.set_name("n");
+  info.set_kind("shm");
+  info.set_byte_size(4096);
+  info.set_shm_name("/s");
+  info.set_in_use(2);
+  const RegionInfo r = FromProto(info);
+  EXPECT_EQ(r.name, "n");
+  EXPECT_EQ(r.kind, "shm");
+  EXPECT_EQ(r.byte_size, 4096u);
+  EXPECT_EQ(r.shm_name, "/s");
+  EXPECT_EQ(r.in_use, 2u);
+}
+
+}  // namespace
+}  // namespace qtx::client_internal
