@@ -1,0 +1,57 @@
+#include "server/api/executor.h"
+
+#include <utility>
+
+namespace qtx::server::api {
+
+Executor::Executor(int threads, size_t max_queued) : max_queued_(max_queued) {
+  absl::MutexLock lock(&join_mu_);
+  workers_.reserve(threads);
+  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+Executor::~Executor() { Shutdown(); }
+
+bool Executor::Submit(std::function<void()> task) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || queue_.size() >= max_queued_) return false;
+  queue_.push_back(std::move(task));
+  return true;
+}
+
+size_t Executor::queued() const {
+  absl::MutexLock lock(&mu_);
+  return queue_.size();
+}
+
+void Executor::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  absl::MutexLock lock(&join_mu_);
+  for (std::thread& t : workers_) {
+    if (t.joinable()) t.join();
+  }
+  workers_.clear();
+}
+
+void Executor::WorkerLoop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Executor* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) {
+            return e->stopping_ || !e->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) return;  // stopping and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+}  // namespace qtx::server::api

@@ -1,0 +1,182 @@
+#include "server/api/server.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_format.h"
+#include "server/backend/device_factory.h"
+#include "server/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace qtx::server::api {
+namespace {
+
+// Restores the process umask on scope exit.
+class ScopedUmask {
+ public:
+  explicit ScopedUmask(mode_t mask) : old_(::umask(mask)) {}
+  ~ScopedUmask() { ::umask(old_); }
+  ScopedUmask(const ScopedUmask&) = delete;
+  ScopedUmask& operator=(const ScopedUmask&) = delete;
+
+ private:
+  mode_t old_;
+};
+
+// Serving-status names reported by grpc.health.v1.
+constexpr const char* kHealthServices[] = {"", "qtx.v1.Quantizer", "qtx.v1.Memory"};
+
+}  // namespace
+
+absl::Status PrepareSocketPath(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrFormat("--socket=%s: cannot stat: %s", path, std::strerror(errno)));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "--socket=%s: the path exists and is not a socket; remove it or pick another path",
+        path));
+  }
+  // A socket file: is anybody listening?
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrFormat("socket(AF_UNIX): %s", std::strerror(errno)));
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int err = errno;
+  ::close(fd);
+  if (rc == 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "--socket=%s: another server is already listening there", path));
+  }
+  if (err != ECONNREFUSED && err != ENOENT) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "--socket=%s: cannot tell whether the socket is in use: %s", path, std::strerror(err)));
+  }
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "--socket=%s: cannot remove the stale socket: %s", path, std::strerror(errno)));
+  }
+  spdlog::info("event=stale_socket_removed path={}", path);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<QtxServer>> QtxServer::Create(const config::ServerConfig& config) {
+  QTX_RETURN_IF_ERROR(config::ValidateConfig(config));
+  std::unique_ptr<QtxServer> server(new QtxServer(config));
+  QTX_RETURN_IF_ERROR(server->Start());
+  return server;
+}
+
+absl::Status QtxServer::Start() {
+  QTX_ASSIGN_OR_RETURN(device_, backend::CreateDevice(config_.device));
+
+  tensor::RegionTableOptions region_options;
+  region_options.allow_client_shm = config_.allow_client_shm;
+  region_options.cuda_ipc_unavailable_reason = absl::StrFormat(
+      "cuda_ipc regions need --device=cuda:N (this qtxd runs --device=%s)", device_->name());
+  regions_ = std::make_unique<tensor::RegionTable>(std::move(region_options));
+
+  executor_ = std::make_unique<Executor>(config_.threads,
+                                         static_cast<size_t>(config_.max_queued_requests));
+  const uint64_t max_message_bytes = static_cast<uint64_t>(config_.max_message_mb) << 20;
+  ops::OpContext ctx;
+  ctx.regions = regions_.get();
+  ctx.device = device_.get();
+  ctx.limits.max_elements = config_.max_tensor_elements;
+  // Leave room for the response's non-data fields.
+  ctx.max_inline_output_bytes = max_message_bytes - (max_message_bytes >> 6);
+  quantizer_ = std::make_unique<QuantizerService>(ctx, executor_.get());
+  memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  builder.RegisterService(quantizer_.get());
+  builder.RegisterService(memory_.get());
+  if (!config_.socket_path.empty()) {
+    QTX_RETURN_IF_ERROR(PrepareSocketPath(config_.socket_path));
+    builder.AddListeningPort("unix:" + config_.socket_path, grpc::InsecureServerCredentials());
+  }
+  if (!config_.listen_tcp.empty()) {
+    builder.AddListeningPort(config_.listen_tcp, grpc::InsecureServerCredentials(), &tcp_port_);
+  }
+  {
+    // The socket file is created 0600 (and chmod-ed below in case the
+    // filesystem ignores the umask).
+    ScopedUmask umask(0177);
+    server_ = builder.BuildAndStart();
+  }
+  if (server_ == nullptr) {
+    return absl::UnavailableError(absl::StrFormat(
+        "cannot listen on %s%s%s (see the gRPC log line above)",
+        config_.socket_path.empty() ? "" : "unix:" + config_.socket_path,
+        (!config_.socket_path.empty() && !config_.listen_tcp.empty()) ? " and " : "",
+        config_.listen_tcp));
+  }
+  if (!config_.socket_path.empty() && ::chmod(config_.socket_path.c_str(), 0600) != 0) {
+    const std::string err = std::strerror(errno);
+    server_->Shutdown(std::chrono::system_clock::now());
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "--socket=%s: cannot set mode 0600: %s", config_.socket_path, err));
+  }
+  if (!config_.listen_tcp.empty() && tcp_port_ == 0) {
+    server_->Shutdown(std::chrono::system_clock::now());
+    return absl::UnavailableError(
+        absl::StrFormat("--listen_tcp=%s: cannot bind", config_.listen_tcp));
+  }
+  if (auto* health = server_->GetHealthCheckService()) {
+    for (const char* name : kHealthServices) health->SetServingStatus(name, true);
+  }
+  spdlog::info(
+      "event=listening socket={} tcp_port={} device={} threads={} max_message_mb={} "
+      "allow_client_shm={}",
+      config_.socket_path.empty() ? "-" : config_.socket_path, tcp_port_, device_->name(),
+      config_.threads, config_.max_message_mb, config_.allow_client_shm);
+  return absl::OkStatus();
+}
+
+void QtxServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  if (server_ != nullptr) {
+    spdlog::info("event=shutdown_begin grace_s={}", absl::ToDoubleSeconds(grace));
+    if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  }
+  if (executor_ != nullptr) executor_->Shutdown();
+  if (server_ != nullptr && !config_.socket_path.empty()) {
+    if (::unlink(config_.socket_path.c_str()) != 0 && errno != ENOENT) {
+      spdlog::warn("event=socket_unlink_failed path={} error=\"{}\"", config_.socket_path,
+                   std::strerror(errno));
+    }
+  }
+  if (server_ != nullptr) spdlog::info("event=shutdown_done");
+}
+
+QtxServer::~QtxServer() {
+  Shutdown(absl::ZeroDuration());
+  if (server_ != nullptr) server_->Wait();
+}
+
+}  // namespace qtx::server::api

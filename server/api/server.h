@@ -1,0 +1,81 @@
+// QtxServer: a running qtxd — the device, the region table, the executor, the
+// gRPC services (qtx.v1.Quantizer, qtx.v1.Memory, grpc.health.v1.Health,
+// server reflection) and their listeners. main.cc and the in-process tests
+// both build one from a ServerConfig.
+//
+// Listeners: a unix domain socket created with mode 0600 (a stale socket file
+// left by a dead server is replaced; a live one is an error), and optionally
+// plaintext TCP on loopback.
+//
+// Thread safety: Shutdown may be called from any thread, once or more; the
+// accessors are safe for concurrent use.
+#ifndef QTX_SERVER_API_SERVER_H_
+#define QTX_SERVER_API_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/api/executor.h"
+#include "server/api/services.h"
+#include "server/backend/device.h"
+#include "server/config/server_config.h"
+#include "server/tensor/region_table.h"
+
+namespace qtx::server::api {
+
+class QtxServer {
+ public:
+  // Validates `config`, creates the device and starts listening.
+  // INVALID_ARGUMENT for a bad config; FAILED_PRECONDITION for an unusable
+  // device or socket path (e.g. another server is listening there);
+  // UNAVAILABLE if gRPC cannot bind.
+  static absl::StatusOr<std::unique_ptr<QtxServer>> Create(const config::ServerConfig& config);
+
+  // Shuts down (with a zero grace period) if Shutdown was not called.
+  ~QtxServer();
+  QtxServer(const QtxServer&) = delete;
+  QtxServer& operator=(const QtxServer&) = delete;
+
+  // Reports NOT_SERVING, stops accepting calls, lets in-flight calls finish
+  // for up to `grace` (then cancels them), stops the workers and removes the
+  // socket file. Returns when done. Later calls return at once.
+  void Shutdown(absl::Duration grace);
+
+  // The unix socket path ("" when none) and the bound TCP port (0 when none).
+  const std::string& socket_path() const { return config_.socket_path; }
+  int tcp_port() const { return tcp_port_; }
+  const config::ServerConfig& config() const { return config_; }
+  tensor::RegionTable& regions() { return *regions_; }
+
+ private:
+  explicit QtxServer(config::ServerConfig config) : config_(std::move(config)) {}
+  absl::Status Start();
+
+  // Constant after Create.
+  const config::ServerConfig config_;
+  std::unique_ptr<backend::Device> device_;
+  std::unique_ptr<tensor::RegionTable> regions_;
+  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<QuantizerService> quantizer_;
+  std::unique_ptr<MemoryService> memory_;
+  std::unique_ptr<grpc::Server> server_;
+  int tcp_port_ = 0;
+
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+// Prepares `path` for a new listener: OK if it does not exist or is a stale
+// socket (removed). FAILED_PRECONDITION if a server accepts connections there
+// or the path is not a socket.
+absl::Status PrepareSocketPath(const std::string& path);
+
+}  // namespace qtx::server::api
+
+#endif  // QTX_SERVER_API_SERVER_H_

@@ -1,0 +1,83 @@
+#include "server/api/services.h"
+
+#include <utility>
+
+#include "server/api/convert.h"
+#include "server/api/request_context.h"
+#include "server/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace qtx::server::api {
+
+grpc::ServerUnaryReactor* QuantizerService::Quantize(grpc::CallbackServerContext* context,
+                                                     const v1::QuantizeRequest* request,
+                                                     v1::QuantizeResponse* response) {
+  return RunOnExecutor(context, "Quantize", executor_, [this, request, response] {
+    QTX_ASSIGN_OR_RETURN(ops::QuantizeRequestSpec spec, QuantizeRequestFromProto(*request));
+    QTX_ASSIGN_OR_RETURN(ops::QuantizeResult result, ops::Quantize(spec, ctx_));
+    QuantizeResultToProto(std::move(result), response);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* QuantizerService::Dequantize(grpc::CallbackServerContext* context,
+                                                       const v1::DequantizeRequest* request,
+                                                       v1::DequantizeResponse* response) {
+  return RunOnExecutor(context, "Dequantize", executor_, [this, request, response] {
+    QTX_ASSIGN_OR_RETURN(ops::DequantizeRequestSpec spec, DequantizeRequestFromProto(*request));
+    QTX_ASSIGN_OR_RETURN(ops::OutputTensor out, ops::Dequantize(spec, ctx_));
+    OutputTensorToProto(std::move(out), response->mutable_output());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* MemoryService::RegisterRegion(
+    grpc::CallbackServerContext* context, const v1::RegisterRegionRequest* request,
+    v1::RegisterRegionResponse* /*response*/) {
+  return RunOnExecutor(context, "RegisterRegion", executor_, [this, request]() -> absl::Status {
+    switch (request->kind_case()) {
+      case v1::RegisterRegionRequest::kShm: {
+        const v1::ShmRegion& shm = request->shm();
+        QTX_RETURN_IF_ERROR(regions_->RegisterShm(request->name(), shm.shm_name(), shm.offset(),
+                                                  shm.byte_size()));
+        spdlog::info("event=region_registered region={} kind=shm shm_name={} offset={} bytes={}",
+                     request->name(), shm.shm_name(), shm.offset(), shm.byte_size());
+        return absl::OkStatus();
+      }
+      case v1::RegisterRegionRequest::kCudaIpc: {
+        const v1::CudaIpcRegion& ipc = request->cuda_ipc();
+        QTX_RETURN_IF_ERROR(regions_->RegisterCudaIpc(request->name(), ipc.ipc_handle(),
+                                                      ipc.device_id(), ipc.byte_size()));
+        spdlog::info("event=region_registered region={} kind=cuda_ipc device={} bytes={}",
+                     request->name(), ipc.device_id(), ipc.byte_size());
+        return absl::OkStatus();
+      }
+      case v1::RegisterRegionRequest::KIND_NOT_SET:
+        break;
+    }
+    return absl::InvalidArgumentError("kind: set shm or cuda_ipc");
+  });
+}
+
+grpc::ServerUnaryReactor* MemoryService::UnregisterRegion(
+    grpc::CallbackServerContext* context, const v1::UnregisterRegionRequest* request,
+    v1::UnregisterRegionResponse* /*response*/) {
+  return RunOnExecutor(context, "UnregisterRegion", executor_, [this, request]() -> absl::Status {
+    QTX_RETURN_IF_ERROR(regions_->Unregister(request->name()));
+    spdlog::info("event=region_unregistered region={}", request->name());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* MemoryService::ListRegions(grpc::CallbackServerContext* context,
+                                                     const v1::ListRegionsRequest* /*request*/,
+                                                     v1::ListRegionsResponse* response) {
+  return RunOnExecutor(context, "ListRegions", executor_, [this, response] {
+    for (const tensor::RegionInfo& info : regions_->List()) {
+      RegionInfoToProto(info, response->add_regions());
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace qtx::server::api

@@ -1,0 +1,62 @@
+// gRPC callback handlers for qtx.v1.Quantizer and qtx.v1.Memory. Each handler
+// converts the request to plain structs, runs an op on the Executor (never on
+// the reaction thread), writes the response and finishes with
+// ToGrpcStatus. Handlers hold no math.
+//
+// Thread safety: the services are used concurrently by gRPC; their members
+// are safe for concurrent use and outlive the grpc::Server.
+#ifndef QTX_SERVER_API_SERVICES_H_
+#define QTX_SERVER_API_SERVICES_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "qtx/v1/memory.grpc.pb.h"
+#include "qtx/v1/quantizer.grpc.pb.h"
+#include "server/api/executor.h"
+#include "server/ops/quantize.h"
+#include "server/tensor/region_table.h"
+
+namespace qtx::server::api {
+
+class QuantizerService final : public v1::Quantizer::CallbackService {
+ public:
+  // `ctx` members and `executor` are not owned and must outlive the service.
+  QuantizerService(ops::OpContext ctx, Executor* executor) : ctx_(ctx), executor_(executor) {}
+
+  grpc::ServerUnaryReactor* Quantize(grpc::CallbackServerContext* context,
+                                     const v1::QuantizeRequest* request,
+                                     v1::QuantizeResponse* response) override;
+  grpc::ServerUnaryReactor* Dequantize(grpc::CallbackServerContext* context,
+                                       const v1::DequantizeRequest* request,
+                                       v1::DequantizeResponse* response) override;
+
+ private:
+  // Constant after construction.
+  const ops::OpContext ctx_;
+  Executor* const executor_;
+};
+
+class MemoryService final : public v1::Memory::CallbackService {
+ public:
+  MemoryService(tensor::RegionTable* regions, Executor* executor)
+      : regions_(regions), executor_(executor) {}
+
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
+                                           const v1::RegisterRegionRequest* request,
+                                           v1::RegisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterRegionRequest* request,
+                                             v1::UnregisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* context,
+                                        const v1::ListRegionsRequest* request,
+                                        v1::ListRegionsResponse* response) override;
+
+ private:
+  // Constant after construction.
+  tensor::RegionTable* const regions_;
+  Executor* const executor_;
+};
+
+}  // namespace qtx::server::api
+
+#endif  // QTX_SERVER_API_SERVICES_H_

@@ -1,0 +1,120 @@
+// Device: where quantization runs. The ops see only this interface;
+// CpuDevice (kernels/cpu) is always built, a CudaDevice (kernels/cuda) joins
+// when the CUDA backend exists.
+//
+// Memory: every pointer a Device method takes lives in the device's memory
+// kind (memory_kind()): host memory for CpuDevice, device memory for a CUDA
+// device. Callers move host bytes in and out with Allocate/CopyFromHost/
+// CopyToHost, so an op works unchanged on either device.
+//
+// Thread safety: implementations are safe for concurrent use by several
+// request threads.
+#ifndef QTX_SERVER_BACKEND_DEVICE_H_
+#define QTX_SERVER_BACKEND_DEVICE_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/block_geometry.h"
+#include "kernels/quantize_params.h"
+#include "server/tensor/region_table.h"
+
+namespace qtx::server::backend {
+
+// Memory owned by a Device; freed when destroyed. Movable, not copyable.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* data, uint64_t size, std::function<void(void*)> free)
+      : data_(data), size_(size), free_(std::move(free)) {}
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        free_(std::move(o.free_)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      free_ = std::move(o.free_);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  void Reset() {
+    if (data_ != nullptr && free_) free_(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  void* data_ = nullptr;
+  uint64_t size_ = 0;
+  std::function<void(void*)> free_;
+};
+
+// One quantization of a row-major [m, n] tensor (NUMERICS.md §2-§4).
+struct QuantizeArgs {
+  const void* input = nullptr;  // m * n elements of `dtype`; null iff empty
+  kernels::InputDType dtype = kernels::InputDType::kFloat32;
+  int64_t m = 0;
+  int64_t n = 0;
+  kernels::QuantizeParams params;
+  kernels::QuantizedBuffers out;  // sized per kernels::ComputeLayout
+};
+
+// One dequantization of a quantized [m, n] tensor.
+struct DequantizeArgs {
+  kernels::QuantizedConstBuffers in;  // the chosen copy's buffers
+  kernels::BlockScaling scaling = kernels::BlockScaling::kBlock1D;
+  kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
+  int64_t m = 0;
+  int64_t n = 0;
+  bool use_rowwise = true;
+  kernels::InputDType out_dtype = kernels::InputDType::kFloat32;
+  void* out = nullptr;  // m * n elements of out_dtype
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // "cpu", "cuda:0", ...
+  virtual std::string name() const = 0;
+
+  // The memory the kernels of this device read and write.
+  virtual tensor::MemoryKind memory_kind() const = 0;
+
+  // Allocates `bytes` of device memory (contents unspecified).
+  // RESOURCE_EXHAUSTED when the memory is used up.
+  virtual absl::StatusOr<DeviceBuffer> Allocate(uint64_t bytes) = 0;
+
+  // Copies between host and device memory. Returns when the copy is done.
+  // REQUIRES: the ranges do not overlap.
+  virtual absl::Status CopyFromHost(void* device_dst, const void* host_src, uint64_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* host_dst, const void* device_src, uint64_t bytes) = 0;
+
+  // Quantizes per `args`; returns when the outputs are written. Input and
+  // outputs must not overlap.
+  // REQUIRES: args validated by the caller (server/ops): m, n >= 0, buffers of
+  // the requested copies non-null (unless empty) and sized per ComputeLayout,
+  // amax_epsilon finite and >= 0. INTERNAL on a device failure.
+  virtual absl::Status Quantize(const QuantizeArgs& args) = 0;
+
+  // Dequantizes per `args`; returns when the output is written.
+  // REQUIRES: as Quantize, for the chosen copy.
+  virtual absl::Status Dequantize(const DequantizeArgs& args) = 0;
+};
+
+}  // namespace qtx::server::backend
+
+#endif  // QTX_SERVER_BACKEND_DEVICE_H_

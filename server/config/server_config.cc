@@ -1,0 +1,98 @@
+#include "server/config/server_config.h"
+
+#include <arpa/inet.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+
+namespace qtx::server::config {
+
+absl::StatusOr<HostPort> ParseHostPort(std::string_view s) {
+  HostPort hp;
+  std::string_view port;
+  if (!s.empty() && s.front() == '[') {
+    const size_t close = s.find(']');
+    if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("'%s': expected [ipv6]:port", s));
+    }
+    hp.host = std::string(s.substr(1, close - 1));
+    port = s.substr(close + 2);
+  } else {
+    const size_t colon = s.rfind(':');
+    if (colon == std::string_view::npos || s.find(':') != colon) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("'%s': expected host:port (IPv6 as [addr]:port)", s));
+    }
+    hp.host = std::string(s.substr(0, colon));
+    port = s.substr(colon + 1);
+  }
+  if (hp.host.empty() || !absl::SimpleAtoi(std::string(port), &hp.port) || hp.port < 0 || hp.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("'%s': expected host:port with a port in 0..65535", s));
+  }
+  return hp;
+}
+
+bool IsLoopbackHost(std::string_view host) {
+  if (host == "localhost") return true;
+  const std::string h(host);
+  in_addr v4;
+  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) {
+    return (ntohl(v4.s_addr) >> 24) == 127;
+  }
+  in6_addr v6;
+  if (inet_pton(AF_INET6, h.c_str(), &v6) == 1) {
+    return IN6_IS_ADDR_LOOPBACK(&v6);
+  }
+  return false;
+}
+
+absl::Status ValidateConfig(const ServerConfig& c) {
+  if (c.socket_path.empty() && c.listen_tcp.empty()) {
+    return absl::InvalidArgumentError(
+        "--socket and --listen_tcp are both empty: the server would listen nowhere");
+  }
+  // sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+  if (c.socket_path.size() > 107) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--socket=%s: %d bytes, a unix socket path may have at most 107", c.socket_path,
+        c.socket_path.size()));
+  }
+  if (!c.listen_tcp.empty()) {
+    auto hp = ParseHostPort(c.listen_tcp);
+    if (!hp.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--listen_tcp=%s: %s", c.listen_tcp, hp.status().message()));
+    }
+    if (!IsLoopbackHost(hp->host)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--listen_tcp=%s: host '%s' is not a loopback address; plaintext TCP is only allowed "
+          "on loopback (localhost, 127.0.0.0/8, [::1]) until TLS is supported",
+          c.listen_tcp, hp->host));
+    }
+  }
+  if (c.max_message_mb < 1 || c.max_message_mb > 2047) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_message_mb=%d: must be 1..2047", c.max_message_mb));
+  }
+  if (c.threads < 1 || c.threads > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--threads=%d: must be 1..1024", c.threads));
+  }
+  if (c.max_queued_requests < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_queued_requests=%d: must be >= 1", c.max_queued_requests));
+  }
+  if (c.max_tensor_elements < 1 || c.max_tensor_elements > (int64_t{1} << 40)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--max_tensor_elements=%d: must be 1..2^40", c.max_tensor_elements));
+  }
+  if (c.shutdown_grace_s < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--shutdown_grace_s=%d: must be >= 0", c.shutdown_grace_s));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace qtx::server::config

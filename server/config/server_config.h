@@ -1,0 +1,55 @@
+// ServerConfig: everything qtxd is told at startup, as a plain struct, so that
+// tests can start an in-process server without flags. flags.h fills one from
+// the command line.
+#ifndef QTX_SERVER_CONFIG_SERVER_CONFIG_H_
+#define QTX_SERVER_CONFIG_SERVER_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace qtx::server::config {
+
+struct ServerConfig {
+  // Unix domain socket to listen on (mode 0600). Empty: no unix socket.
+  std::string socket_path = "/tmp/qtxd.sock";
+  // "host:port" for plaintext TCP; loopback hosts only until TLS exists.
+  // Empty: no TCP. Port 0 picks a free port.
+  std::string listen_tcp;
+  // gRPC send and receive limits, MiB (1..2047).
+  int max_message_mb = 1024;
+  // Allow Memory.RegisterRegion with client POSIX shm.
+  bool allow_client_shm = false;
+  // "cpu", or "cuda:N" in a CUDA build.
+  std::string device = "cpu";
+  // Worker threads that run requests (1..1024).
+  int threads = 4;
+  // Requests waiting for a worker beyond this are refused with UNAVAILABLE.
+  int max_queued_requests = 1024;
+  // Largest tensor, in elements.
+  int64_t max_tensor_elements = int64_t{1} << 34;
+  // How long SIGTERM waits for in-flight calls before cancelling them.
+  int shutdown_grace_s = 30;
+};
+
+// OK if every field is in range and listen_tcp (if set) names a loopback
+// host. INVALID_ARGUMENT naming the flag and value otherwise.
+absl::Status ValidateConfig(const ServerConfig& config);
+
+struct HostPort {
+  std::string host;  // without brackets
+  int port = 0;
+};
+
+// Parses "host:port" or "[v6]:port". INVALID_ARGUMENT if malformed.
+absl::StatusOr<HostPort> ParseHostPort(std::string_view s);
+
+// True for "localhost", 127.0.0.0/8 and ::1.
+bool IsLoopbackHost(std::string_view host);
+
+}  // namespace qtx::server::config
+
+#endif  // QTX_SERVER_CONFIG_SERVER_CONFIG_H_

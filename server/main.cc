@@ -1,0 +1,60 @@
+// qtxd: the qtx sidecar. Parses flags, starts a QtxServer, and waits for
+// SIGTERM/SIGINT (taken synchronously with sigwait: no async signal handler
+// runs), then stops accepting, lets in-flight calls finish, removes the
+// socket and exits 0.
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "server/api/server.h"
+#include "server/config/flags.h"
+#include "spdlog/spdlog.h"
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "qtxd: gRPC sidecar for block-scaled FP8 quantization (qtx.v1).\n"
+      "Example: qtxd --socket=/tmp/qtxd.sock --allow_client_shm");
+  absl::ParseCommandLine(argc, argv);
+
+  const std::string level = qtx::server::config::LogLevelFromFlags();
+  const spdlog::level::level_enum lvl = spdlog::level::from_str(level);
+  if (lvl == spdlog::level::off && level != "off") {
+    std::fprintf(stderr, "qtxd: --log_level=%s: must be trace, debug, info, warn, error or off\n",
+                 level.c_str());
+    return 2;
+  }
+  spdlog::set_level(lvl);
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%fZ %l qtxd %v", spdlog::pattern_time_type::utc);
+
+  // Block the shutdown signals in every thread (the ones gRPC and the
+  // executor start inherit this mask); this thread takes them with sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A client that disconnects mid-write must not kill the server.
+  signal(SIGPIPE, SIG_IGN);
+
+  const qtx::server::config::ServerConfig config =
+      qtx::server::config::ServerConfigFromFlags();
+  auto server = qtx::server::api::QtxServer::Create(config);
+  if (!server.ok()) {
+    spdlog::critical("event=startup_failed code={} msg=\"{}\"",
+                     absl::StatusCodeToString(server.status().code()),
+                     std::string(server.status().message()));
+    return 1;
+  }
+
+  int sig = 0;
+  while (sigwait(&signals, &sig) != 0) {
+  }
+  spdlog::info("event=signal signal={}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*server)->Shutdown(absl::Seconds(config.shutdown_grace_s));
+  server->reset();
+  return 0;
+}

@@ -1,0 +1,415 @@
+#include "server/ops/quantize.h"
+
+#include <array>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "kernels/block_geometry.h"
+#include "server/status_macros.h"
+
+namespace qtx::server::ops {
+namespace {
+
+using tensor::DType;
+using tensor::MemoryKind;
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<uint64_t> CheckedBytes(int64_t count, int64_t elem_size, std::string_view what) {
+  int64_t bytes = 0;
+  if (count < 0 || __builtin_mul_overflow(count, elem_size, &bytes)) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s: byte count overflows", what));
+  }
+  return static_cast<uint64_t>(bytes);
+}
+
+// One output buffer: where the kernel writes it, and where it ends up.
+// Not movable once kernel pointers have been taken (inline strings may use
+// their small-string buffer).
+struct PlacedOutput {
+  OutputTensor tensor;
+  std::optional<tensor::OutputSlice> slice;  // client region destination
+  backend::DeviceBuffer staging;             // set when the device cannot write the destination
+  uint64_t bytes = 0;
+
+  void* Destination() {
+    if (slice.has_value()) return slice->data;
+    return tensor.inline_data.data();
+  }
+  void* KernelPointer() { return staging.data() != nullptr ? staging.data() : Destination(); }
+};
+
+// Places one output of `bytes` bytes: the client's slice when given, else an
+// inline buffer. Stages through device memory when the device cannot write
+// the destination directly.
+absl::Status PlaceOutput(const std::optional<tensor::RegionSliceSpec>& spec, uint64_t bytes,
+                         uint64_t alignment, DType dtype, std::vector<int64_t> shape,
+                         std::string_view field, const OpContext& ctx,
+                         std::optional<PlacedOutput>& out) {
+  out.emplace();
+  PlacedOutput& p = *out;
+  p.bytes = bytes;
+  p.tensor.dtype = dtype;
+  p.tensor.shape = std::move(shape);
+  MemoryKind dst_kind = MemoryKind::kHost;
+  if (spec.has_value()) {
+    QTX_ASSIGN_OR_RETURN(p.slice,
+                         tensor::ResolveOutputSlice(*spec, bytes, alignment, field, *ctx.regions));
+    p.tensor.region = *spec;
+    dst_kind = p.slice->memory;
+  }
+  if (dst_kind == MemoryKind::kDevice && ctx.device->memory_kind() == MemoryKind::kHost) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: region '%s' is device memory, but this server computes on %s", field,
+        spec->region, ctx.device->name()));
+  }
+  if (dst_kind != ctx.device->memory_kind() && bytes > 0) {
+    QTX_ASSIGN_OR_RETURN(p.staging, ctx.device->Allocate(bytes));
+  }
+  return absl::OkStatus();
+}
+
+// Inline buffers are sized only after every check passed.
+void AllocateInline(std::optional<PlacedOutput>& out) {
+  if (out.has_value() && !out->slice.has_value()) out->tensor.inline_data.resize(out->bytes);
+}
+
+absl::Status CopyBack(std::optional<PlacedOutput>& out, backend::Device& device) {
+  if (!out.has_value() || out->staging.data() == nullptr) return absl::OkStatus();
+  return device.CopyToHost(out->Destination(), out->staging.data(), out->bytes);
+}
+
+// A device-readable pointer to `view`'s bytes, staging a copy if needed.
+absl::StatusOr<const void*> InputOnDevice(const tensor::TensorView& view, std::string_view field,
+                                          const OpContext& ctx, backend::DeviceBuffer& staging) {
+  if (view.byte_size == 0 || view.memory == ctx.device->memory_kind()) return view.data;
+  if (view.memory == MemoryKind::kDevice) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: the region is device memory, but this server computes on %s", field,
+        ctx.device->name()));
+  }
+  QTX_ASSIGN_OR_RETURN(staging, ctx.device->Allocate(view.byte_size));
+  QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(staging.data(), view.data, view.byte_size));
+  return static_cast<const void*>(staging.data());
+}
+
+struct NamedRange {
+  std::string_view field;
+  const void* data;
+  uint64_t size;
+};
+
+absl::Status CheckNoOverlap(const std::vector<NamedRange>& ranges) {
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    for (size_t j = i + 1; j < ranges.size(); ++j) {
+      if (tensor::RangesOverlap(ranges[i].data, ranges[i].size, ranges[j].data,
+                                ranges[j].size)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s overlaps %s: outputs may not alias each other or an input", ranges[j].field,
+            ranges[i].field));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx,
+                               std::string_view what) {
+  if (inline_bytes > ctx.max_inline_output_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s: %d bytes of inline output exceed the server's limit of %d bytes "
+        "(--max_message_mb); write the outputs into a registered region instead",
+        what, inline_bytes, ctx.max_inline_output_bytes));
+  }
+  return absl::OkStatus();
+}
+
+// Resolves one buffer of a quantized tensor and checks dtype and element count.
+absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
+    const std::optional<tensor::TensorRefSpec>& spec, std::string_view field, bool is_data,
+    kernels::Fp8Format format, int64_t expected_elements, const std::string& layout_desc,
+    const OpContext& ctx) {
+  if (!spec.has_value()) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s: missing", field));
+  }
+  if (is_data) {
+    const DType want = tensor::Fp8DataDType(format);
+    if (spec->dtype != want && spec->dtype != DType::kUInt8) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.dtype=%s: must be %s or UINT8 for format %s", field, tensor::DTypeName(spec->dtype),
+          tensor::DTypeName(want), FormatName(format)));
+    }
+  } else if (spec->dtype != DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s.dtype=%s: must be FLOAT32", field,
+                                                      tensor::DTypeName(spec->dtype)));
+  }
+  QTX_ASSIGN_OR_RETURN(tensor::TensorView view,
+                       tensor::ResolveInput(*spec, field, *ctx.regions, ctx.limits));
+  if (view.elements != expected_elements) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.shape=%s: %d elements, expected %d (%s)", field, ShapeString(view.shape),
+        view.elements, expected_elements, layout_desc));
+  }
+  return view;
+}
+
+}  // namespace
+
+std::string_view ScalingName(kernels::BlockScaling s) {
+  return s == kernels::BlockScaling::kBlock2D ? "BLOCK_2D" : "BLOCK_1D";
+}
+
+std::string_view FormatName(kernels::Fp8Format f) {
+  return f == kernels::Fp8Format::kE5M2 ? "E5M2" : "E4M3";
+}
+
+absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
+                                    std::string_view field) {
+  if (params.scaling != kernels::BlockScaling::kBlock1D &&
+      params.scaling != kernels::BlockScaling::kBlock2D) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.scaling_mode=%d: must be BLOCK_1D or BLOCK_2D", field,
+        static_cast<int>(params.scaling)));
+  }
+  if (params.format != kernels::Fp8Format::kE4M3 && params.format != kernels::Fp8Format::kE5M2) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.format=%d: must be E4M3 or E5M2", field, static_cast<int>(params.format)));
+  }
+  if (!params.rowwise && !params.columnwise) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: rowwise=false and columnwise=false: at least one copy must be requested", field));
+  }
+  if (!std::isfinite(params.amax_epsilon) || params.amax_epsilon < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.amax_epsilon=%g: must be finite and >= 0", field, params.amax_epsilon));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Matrix2D> FlattenTo2D(const std::vector<int64_t>& shape, std::string_view field,
+                                     const tensor::ShapeLimits& limits) {
+  Matrix2D mn;
+  if (shape.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s.shape: rank 0, must be >= 1", field));
+  }
+  mn.n = shape.back();
+  mn.m = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) {
+    // Only reachable past the element limit when N == 0.
+    if (__builtin_mul_overflow(mn.m, shape[i], &mn.m) || mn.m > limits.max_elements) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.shape=%s: the row count prod(shape[:-1]) exceeds the element limit %d", field,
+          ShapeString(shape), limits.max_elements));
+    }
+  }
+  return mn;
+}
+
+absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, const OpContext& ctx) {
+  const kernels::QuantizeParams& params = request.params;
+  QTX_RETURN_IF_ERROR(ValidateQuantizeParams(params, "config"));
+  const auto input_dtype = tensor::ToInputDType(request.input.dtype);
+  if (!input_dtype.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("input.dtype=%s: Quantize accepts FLOAT32, BFLOAT16 or FLOAT16",
+                        tensor::DTypeName(request.input.dtype)));
+  }
+  struct {
+    const std::optional<tensor::RegionSliceSpec>& spec;
+    bool requested;
+    std::string_view field;
+    std::string_view usage;
+  } const unrequested_checks[] = {
+      {request.outputs.rowwise_data, params.rowwise, "outputs.rowwise_data", "rowwise"},
+      {request.outputs.rowwise_scale_inv, params.rowwise, "outputs.rowwise_scale_inv", "rowwise"},
+      {request.outputs.columnwise_data, params.columnwise, "outputs.columnwise_data",
+       "columnwise"},
+      {request.outputs.columnwise_scale_inv, params.columnwise, "outputs.columnwise_scale_inv",
+       "columnwise"},
+  };
+  for (const auto& c : unrequested_checks) {
+    if (c.spec.has_value() && !c.requested) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s is set but config.%s=false: that copy is not produced", c.field, c.usage));
+    }
+  }
+
+  QTX_ASSIGN_OR_RETURN(tensor::TensorView input,
+                       tensor::ResolveInput(request.input, "input", *ctx.regions, ctx.limits));
+  QTX_ASSIGN_OR_RETURN(const Matrix2D mn, FlattenTo2D(input.shape, "input", ctx.limits));
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(params.scaling, mn.m, mn.n);
+  const DType data_dtype = tensor::Fp8DataDType(params.format);
+
+  std::array<std::optional<PlacedOutput>, 4> outs;  // rw data, rw scale, cw data, cw scale
+  if (params.rowwise) {
+    QTX_ASSIGN_OR_RETURN(uint64_t data_bytes,
+                         CheckedBytes(layout.RowwiseDataBytes(), 1, "rowwise_data"));
+    QTX_ASSIGN_OR_RETURN(uint64_t scale_bytes,
+                         CheckedBytes(layout.RowwiseScaleCount(), 4, "rowwise_scale_inv"));
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, data_bytes, 1, data_dtype,
+                                    {layout.rowwise_data_rows, layout.rowwise_data_cols},
+                                    "outputs.rowwise_data", ctx, outs[0]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_scale_inv, scale_bytes, 4,
+                                    DType::kFloat32,
+                                    {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
+                                    "outputs.rowwise_scale_inv", ctx, outs[1]));
+  }
+  if (params.columnwise) {
+    QTX_ASSIGN_OR_RETURN(uint64_t data_bytes,
+                         CheckedBytes(layout.ColumnwiseDataBytes(), 1, "columnwise_data"));
+    QTX_ASSIGN_OR_RETURN(uint64_t scale_bytes,
+                         CheckedBytes(layout.ColumnwiseScaleCount(), 4, "columnwise_scale_inv"));
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_data, data_bytes, 1, data_dtype,
+                                    {layout.columnwise_data_rows, layout.columnwise_data_cols},
+                                    "outputs.columnwise_data", ctx, outs[2]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_scale_inv, scale_bytes, 4,
+                                    DType::kFloat32,
+                                    {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
+                                    "outputs.columnwise_scale_inv", ctx, outs[3]));
+  }
+
+  // Aliasing and inline budget, still before any work.
+  static constexpr std::string_view kOutFields[4] = {
+      "outputs.rowwise_data", "outputs.rowwise_scale_inv", "outputs.columnwise_data",
+      "outputs.columnwise_scale_inv"};
+  std::vector<NamedRange> ranges;
+  if (input.pin != nullptr) ranges.push_back({"input", input.data, input.byte_size});
+  uint64_t inline_bytes = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (!outs[i].has_value()) continue;
+    if (outs[i]->slice.has_value()) {
+      ranges.push_back({kOutFields[i], outs[i]->slice->data, outs[i]->bytes});
+    } else {
+      inline_bytes += outs[i]->bytes;  // each <= 2^40 by the shape limits
+    }
+  }
+  QTX_RETURN_IF_ERROR(CheckNoOverlap(ranges));
+  QTX_RETURN_IF_ERROR(CheckInlineBudget(inline_bytes, ctx, "Quantize"));
+
+  backend::DeviceBuffer input_staging;
+  QTX_ASSIGN_OR_RETURN(const void* input_ptr,
+                       InputOnDevice(input, "input", ctx, input_staging));
+  for (auto& o : outs) AllocateInline(o);
+
+  backend::QuantizeArgs args;
+  args.input = input_ptr;
+  args.dtype = *input_dtype;
+  args.m = mn.m;
+  args.n = mn.n;
+  args.params = params;
+  if (outs[0]) args.out.rowwise_data = static_cast<uint8_t*>(outs[0]->KernelPointer());
+  if (outs[1]) args.out.rowwise_scale_inv = static_cast<float*>(outs[1]->KernelPointer());
+  if (outs[2]) args.out.columnwise_data = static_cast<uint8_t*>(outs[2]->KernelPointer());
+  if (outs[3]) args.out.columnwise_scale_inv = static_cast<float*>(outs[3]->KernelPointer());
+  QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+  for (auto& o : outs) QTX_RETURN_IF_ERROR(CopyBack(o, *ctx.device));
+
+  QuantizeResult result;
+  result.shape = input.shape;
+  result.source_dtype = input.dtype;
+  result.params = params;
+  if (outs[0]) result.rowwise_data = std::move(outs[0]->tensor);
+  if (outs[1]) result.rowwise_scale_inv = std::move(outs[1]->tensor);
+  if (outs[2]) result.columnwise_data = std::move(outs[2]->tensor);
+  if (outs[3]) result.columnwise_scale_inv = std::move(outs[3]->tensor);
+  return result;
+}
+
+absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
+                                        const OpContext& ctx) {
+  const QuantizedTensorSpec& q = request.input;
+  if (q.scaling != kernels::BlockScaling::kBlock1D &&
+      q.scaling != kernels::BlockScaling::kBlock2D) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "input.config.scaling_mode=%d: must be BLOCK_1D or BLOCK_2D", static_cast<int>(q.scaling)));
+  }
+  if (q.format != kernels::Fp8Format::kE4M3 && q.format != kernels::Fp8Format::kE5M2) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "input.config.format=%d: must be E4M3 or E5M2", static_cast<int>(q.format)));
+  }
+  const DType out_dtype =
+      request.output_dtype == DType::kUnspecified ? DType::kFloat32 : request.output_dtype;
+  const auto out_kernel_dtype = tensor::ToInputDType(out_dtype);
+  if (!out_kernel_dtype.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("output_dtype=%s: must be FLOAT32, BFLOAT16 or FLOAT16",
+                        tensor::DTypeName(out_dtype)));
+  }
+  QTX_ASSIGN_OR_RETURN(int64_t elements, tensor::ValidateShape(q.shape, "input", ctx.limits));
+  QTX_ASSIGN_OR_RETURN(const Matrix2D mn, FlattenTo2D(q.shape, "input", ctx.limits));
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(q.scaling, mn.m, mn.n);
+
+  const bool use_rowwise = q.rowwise_data.has_value();
+  if (!use_rowwise && !q.columnwise_data.has_value()) {
+    return absl::InvalidArgumentError(
+        "input: neither rowwise_data nor columnwise_data is set: nothing to dequantize");
+  }
+  const std::string layout_desc =
+      absl::StrFormat("%s layout of M=%d, N=%d", ScalingName(q.scaling), mn.m, mn.n);
+  tensor::TensorView data;
+  tensor::TensorView scale;
+  if (use_rowwise) {
+    QTX_ASSIGN_OR_RETURN(data, ResolveQuantizedBuffer(q.rowwise_data, "input.rowwise_data", true,
+                                                      q.format, layout.RowwiseDataBytes(),
+                                                      layout_desc, ctx));
+    QTX_ASSIGN_OR_RETURN(
+        scale, ResolveQuantizedBuffer(q.rowwise_scale_inv, "input.rowwise_scale_inv", false,
+                                      q.format, layout.RowwiseScaleCount(), layout_desc, ctx));
+  } else {
+    QTX_ASSIGN_OR_RETURN(
+        data, ResolveQuantizedBuffer(q.columnwise_data, "input.columnwise_data", true, q.format,
+                                     layout.ColumnwiseDataBytes(), layout_desc, ctx));
+    QTX_ASSIGN_OR_RETURN(scale, ResolveQuantizedBuffer(
+                                    q.columnwise_scale_inv, "input.columnwise_scale_inv", false,
+                                    q.format, layout.ColumnwiseScaleCount(), layout_desc, ctx));
+  }
+
+  QTX_ASSIGN_OR_RETURN(uint64_t out_bytes,
+                       CheckedBytes(elements, tensor::ElementSize(out_dtype), "output"));
+  std::optional<PlacedOutput> out;
+  QTX_RETURN_IF_ERROR(PlaceOutput(request.output, out_bytes,
+                                  static_cast<uint64_t>(tensor::ElementSize(out_dtype)),
+                                  out_dtype, q.shape, "output", ctx, out));
+  if (out->slice.has_value()) {
+    std::vector<NamedRange> ranges;
+    if (data.pin != nullptr) ranges.push_back({"input data", data.data, data.byte_size});
+    if (scale.pin != nullptr) ranges.push_back({"input scale_inv", scale.data, scale.byte_size});
+    ranges.push_back({"output", out->slice->data, out->bytes});
+    QTX_RETURN_IF_ERROR(CheckNoOverlap(ranges));
+  } else {
+    QTX_RETURN_IF_ERROR(CheckInlineBudget(out_bytes, ctx, "Dequantize"));
+  }
+
+  backend::DeviceBuffer data_staging;
+  backend::DeviceBuffer scale_staging;
+  QTX_ASSIGN_OR_RETURN(const void* data_ptr, InputOnDevice(data, "input data", ctx, data_staging));
+  QTX_ASSIGN_OR_RETURN(const void* scale_ptr,
+                       InputOnDevice(scale, "input scale_inv", ctx, scale_staging));
+  AllocateInline(out);
+
+  backend::DequantizeArgs args;
+  if (use_rowwise) {
+    args.in.rowwise_data = static_cast<const uint8_t*>(data_ptr);
+    args.in.rowwise_scale_inv = static_cast<const float*>(scale_ptr);
+  } else {
+    args.in.columnwise_data = static_cast<const uint8_t*>(data_ptr);
+    args.in.columnwise_scale_inv = static_cast<const float*>(scale_ptr);
+  }
+  args.scaling = q.scaling;
+  args.format = q.format;
+  args.m = mn.m;
+  args.n = mn.n;
+  args.use_rowwise = use_rowwise;
+  args.out_dtype = *out_kernel_dtype;
+  args.out = out->KernelPointer();
+  QTX_RETURN_IF_ERROR(ctx.device->Dequantize(args));
+  QTX_RETURN_IF_ERROR(CopyBack(out, *ctx.device));
+  return std::move(out->tensor);
+}
+
+}  // namespace qtx::server::ops

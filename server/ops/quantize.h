@@ -1,0 +1,125 @@
+// Quantize / Dequantize ops: validate a request expressed in plain structs,
+// compute the GEMM-ready layouts (kernels::ComputeLayout, NUMERICS.md §4),
+// locate or allocate the outputs, run the Device, and return where the
+// results went. No gRPC, no protobuf: server/api converts.
+//
+// Every check happens before any work; messages name the field and value.
+// Thread safety: the functions are safe for concurrent use; the OpContext's
+// members must be.
+#ifndef QTX_SERVER_OPS_QUANTIZE_H_
+#define QTX_SERVER_OPS_QUANTIZE_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/quantize_params.h"
+#include "server/backend/device.h"
+#include "server/tensor/dtype.h"
+#include "server/tensor/region_table.h"
+#include "server/tensor/tensor_ref.h"
+
+namespace qtx::server::ops {
+
+// What an op needs from the server. Not owned.
+struct OpContext {
+  const tensor::RegionTable* regions = nullptr;
+  backend::Device* device = nullptr;
+  tensor::ShapeLimits limits;
+  // Total bytes an op may return inline (the gRPC send limit, less headroom).
+  uint64_t max_inline_output_bytes = uint64_t{1} << 30;
+};
+
+// Client-chosen destinations; an unset slice means "return inline".
+struct QuantizeOutputSpecs {
+  std::optional<tensor::RegionSliceSpec> rowwise_data;
+  std::optional<tensor::RegionSliceSpec> rowwise_scale_inv;
+  std::optional<tensor::RegionSliceSpec> columnwise_data;
+  std::optional<tensor::RegionSliceSpec> columnwise_scale_inv;
+};
+
+struct QuantizeRequestSpec {
+  tensor::TensorRefSpec input;
+  kernels::QuantizeParams params;  // defaults already applied by the caller
+  QuantizeOutputSpecs outputs;
+};
+
+// One result buffer: written into the client's region slice, or returned in
+// `inline_data`.
+struct OutputTensor {
+  tensor::DType dtype = tensor::DType::kUnspecified;
+  std::vector<int64_t> shape;
+  std::optional<tensor::RegionSliceSpec> region;  // set: written there
+  std::string inline_data;                        // else: the bytes
+};
+
+struct QuantizeResult {
+  std::vector<int64_t> shape;  // the input's logical shape
+  tensor::DType source_dtype = tensor::DType::kUnspecified;
+  kernels::QuantizeParams params;
+  // Present for the requested copies. Data: [M, N] / [N, M] of FLOAT8_E4M3 or
+  // FLOAT8_E5M2; scales: FLOAT32 with the layout's [rows, cols].
+  std::optional<OutputTensor> rowwise_data;
+  std::optional<OutputTensor> rowwise_scale_inv;
+  std::optional<OutputTensor> columnwise_data;
+  std::optional<OutputTensor> columnwise_scale_inv;
+};
+
+// A quantized tensor handed back for dequantization. A copy is present when
+// its data ref is set.
+struct QuantizedTensorSpec {
+  std::vector<int64_t> shape;
+  kernels::BlockScaling scaling = kernels::BlockScaling::kBlock1D;
+  kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
+  std::optional<tensor::TensorRefSpec> rowwise_data;
+  std::optional<tensor::TensorRefSpec> rowwise_scale_inv;
+  std::optional<tensor::TensorRefSpec> columnwise_data;
+  std::optional<tensor::TensorRefSpec> columnwise_scale_inv;
+};
+
+struct DequantizeRequestSpec {
+  QuantizedTensorSpec input;
+  tensor::DType output_dtype = tensor::DType::kUnspecified;  // unspecified: FLOAT32
+  std::optional<tensor::RegionSliceSpec> output;             // unset: inline
+};
+
+// INVALID_ARGUMENT unless at least one of rowwise/columnwise is set and
+// amax_epsilon is finite and >= 0. `field` prefixes messages ("config").
+absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
+                                    std::string_view field);
+
+// (M, N) of a validated shape: N = last dim, M = product of the others.
+struct Matrix2D {
+  int64_t m = 0;
+  int64_t n = 0;
+};
+// REQUIRES: `shape` passed tensor::ValidateShape. INVALID_ARGUMENT if M
+// exceeds limits.max_elements (possible only when N == 0).
+absl::StatusOr<Matrix2D> FlattenTo2D(const std::vector<int64_t>& shape, std::string_view field,
+                                     const tensor::ShapeLimits& limits);
+
+// Quantizes `request.input`. Errors: INVALID_ARGUMENT for any bad field
+// (dtype not FLOAT32/BFLOAT16/FLOAT16, shape, byte counts, usages, epsilon,
+// an output slice for a copy that was not requested, wrong output slice size,
+// overlapping buffers); NOT_FOUND for an unknown region; RESOURCE_EXHAUSTED
+// when inline outputs exceed ctx.max_inline_output_bytes; FAILED_PRECONDITION
+// when a region's memory kind cannot be used by the device; device errors.
+absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, const OpContext& ctx);
+
+// Dequantizes the rowwise copy when present, else the columnwise copy.
+// Errors as Quantize; additionally INVALID_ARGUMENT when neither copy is
+// present, a data/scale buffer's dtype is wrong or its size differs from
+// the layout of (scaling, M, N).
+absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
+                                        const OpContext& ctx);
+
+std::string_view ScalingName(kernels::BlockScaling s);
+std::string_view FormatName(kernels::Fp8Format f);
+
+}  // namespace qtx::server::ops
+
+#endif  // QTX_SERVER_OPS_QUANTIZE_H_
