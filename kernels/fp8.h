@@ -61,53 +61,54 @@ QTX_HD float InputDTypeMax(InputDType t) {
   }
 }
 
-// FP32 -> FP8 with exponent bits E, mantissa bits M, bias B; see file comment.
+// IEEE round-to-nearest multiply and add that the compiler may not contract
+// into an FMA (nvcc contracts by default; the host build uses -ffp-contract=off).
+QTX_HD float MulRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+QTX_HD float AddRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// FP32 -> FP8 with exponent bits E, mantissa bits M (see file comment).
+// Branch-free so that loops over it vectorize:
+// * |x| is clamped to the largest finite FP8 value first (saturation; NaN is
+//   patched at the end);
+// * normal range: round-to-nearest-even on the FP32 bits (add half an FP8 ulp
+//   minus one, plus the lowest kept bit), then drop 23 - M bits; a mantissa
+//   carry rolls into the exponent by itself;
+// * subnormal range: adding the magic float 2^(24 - bias - M), whose ulp is
+//   the smallest FP8 subnormal, makes the FPU round |x| (RNE) onto the
+//   subnormal grid; its low bits are then the code (a carry gives the
+//   smallest normal, whose code is the next integer).
 template <int E, int M>
 QTX_HD uint8_t EncodeFp8Generic(float x) {
   constexpr int kBias = (1 << (E - 1)) - 1;
-  constexpr int kMinNormalExp = 1 - kBias;
-  // Largest finite code (without sign): E4M3 0x7E, E5M2 0x7B.
-  constexpr uint32_t kMaxCode = (E == 4) ? 0x7Eu : 0x7Bu;
-  const uint32_t bits = FloatBits(x);
-  const uint32_t sign = (bits >> 24) & 0x80u;
-  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
-  if (abs_bits > 0x7F800000u) return 0x7F;          // NaN, any sign/payload
-  if (abs_bits == 0) return static_cast<uint8_t>(sign);  // +-0
-  int exp = static_cast<int>(abs_bits >> 23);
-  uint32_t sig = abs_bits & 0x7FFFFFu;
-  if (exp == 0) {
-    exp = -126;  // FP32 subnormal: no implicit bit
-  } else {
-    sig |= 0x800000u;
-    exp -= 127;
-  }
-  if (exp == 128) return static_cast<uint8_t>(sign | kMaxCode);  // Inf
-  // Number of low bits of `sig` to drop so that the result has the FP8 grid's
-  // resolution at this exponent.
-  int shift = 23 - M;
-  if (exp < kMinNormalExp) shift += kMinNormalExp - exp;
-  if (shift >= 32) return static_cast<uint8_t>(sign);  // below half the smallest subnormal
-  uint32_t q = sig >> shift;
-  const uint32_t rem = sig & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1);
-  if (rem > half || (rem == half && (q & 1u))) ++q;
-  uint32_t code;
-  if (exp < kMinNormalExp) {
-    // Subnormal grid; a carry into bit M lands exactly on the smallest normal.
-    code = q;
-  } else {
-    // q in [2^M, 2^(M+1)]; a carry to 2^(M+1) moves to the next binade.
-    int e = exp;
-    if (q == (1u << (M + 1))) {
-      q >>= 1;
-      ++e;
-    }
-    const int biased = e + kBias;
-    if (biased > ((1 << E) - 1)) return static_cast<uint8_t>(sign | kMaxCode);
-    code = (static_cast<uint32_t>(biased) << M) | (q & ((1u << M) - 1u));
-  }
-  if (code > kMaxCode) code = kMaxCode;  // saturate finite overflow
-  return static_cast<uint8_t>(sign | code);
+  constexpr uint32_t kMaxCode = (E == 4) ? 0x7Eu : 0x7Bu;  // largest finite code
+  constexpr uint32_t kMaxBits = (E == 4) ? 0x43E00000u : 0x47600000u;  // 448, 57344
+  constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - kBias) << 23;
+  constexpr uint32_t kMagicBits = static_cast<uint32_t>(127 - kBias + 23 - M + 1) << 23;
+  constexpr uint32_t kRebias = static_cast<uint32_t>(127 - kBias) << 23;
+  const uint32_t u = FloatBits(x);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  uint32_t a = u & 0x7FFFFFFFu;
+  const bool nan = a > 0x7F800000u;
+  a = a < kMaxBits ? a : kMaxBits;  // saturate (Inf and NaN too; NaN fixed below)
+  const uint32_t sub =
+      FloatBits(AddRn(BitsToFloat(a), BitsToFloat(kMagicBits))) - kMagicBits;
+  const uint32_t norm =
+      (a - kRebias + ((1u << (22 - M)) - 1u) + ((a >> (23 - M)) & 1u)) >> (23 - M);
+  uint32_t code = a < kMinNormalBits ? sub : norm;
+  code = code < kMaxCode ? code : kMaxCode;
+  return static_cast<uint8_t>(nan ? 0x7Fu : (sign | code));
 }
 
 QTX_HD uint8_t EncodeE4M3(float x) { return EncodeFp8Generic<4, 3>(x); }
@@ -234,6 +235,15 @@ QTX_HD float ScaleInv(float scale) {
 QTX_HD float AmaxUpdate(float amax, float x) {
   const float a = BitsToFloat(FloatBits(x) & 0x7FFFFFFFu);
   return a > amax ? a : amax;
+}
+
+// The same running amax kept as FP32 bits: for non-negative floats the bit
+// patterns order like the values, so an integer max (which vectorizes without
+// -ffinite-math-only) gives identical results. NaN contributes 0.
+QTX_HD uint32_t AmaxBitsUpdate(uint32_t amax_bits, float x) {
+  uint32_t b = FloatBits(x) & 0x7FFFFFFFu;
+  b &= 0u - static_cast<uint32_t>(b <= 0x7F800000u);  // NaN -> 0, branch-free
+  return b > amax_bits ? b : amax_bits;
 }
 
 }  // namespace qtx::kernels

@@ -33,11 +33,10 @@ struct ScaleConfig {
   bool pow2;
   float eps;
   float value_for_inf;
-  Fp8Format format;
 };
 
 ScaleConfig MakeScaleConfig(const QuantizeParams& p, InputDType t) {
-  return {Fp8Max(p.format), p.force_pow2_scales, p.amax_epsilon, InputDTypeMax(t), p.format};
+  return {Fp8Max(p.format), p.force_pow2_scales, p.amax_epsilon, InputDTypeMax(t)};
 }
 
 inline float BlockScale(float amax, const ScaleConfig& c) {
@@ -80,7 +79,16 @@ struct Outputs {
 };
 
 // 1-D rowwise: block (i, b) covers local row i, columns [128b, min(128b+128, n)).
-template <InputDType kT>
+template <Fp8Format kF>
+inline uint8_t Encode(float v) {
+  if constexpr (kF == Fp8Format::kE4M3) {
+    return EncodeE4M3(v);
+  } else {
+    return EncodeE5M2(v);
+  }
+}
+
+template <InputDType kT, Fp8Format kF>
 void Rowwise1D(const void* in, const ShardGeometry& g, const ScaleConfig& c, const Outputs& o) {
   const int64_t n = g.n, nb = g.nb();
 #pragma omp parallel for schedule(static)
@@ -89,21 +97,21 @@ void Rowwise1D(const void* in, const ShardGeometry& g, const ScaleConfig& c, con
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t c0 = b * kBlockLen;
       const int64_t len = std::min(kBlockLen, n - c0);
-      float amax = 0.0f;
+      uint32_t amax = 0;
       for (int64_t k = 0; k < len; ++k) {
         x[k] = Load<kT>(in, r * n + c0 + k);
-        amax = AmaxUpdate(amax, x[k]);
+        amax = AmaxBitsUpdate(amax, x[k]);
       }
-      const float scale = BlockScale(amax, c);
+      const float scale = BlockScale(BitsToFloat(amax), c);
       o.row_scale[b * o.row_scale_ld + r] = ScaleInv(scale);
       uint8_t* out = o.row_data + r * n + c0;
-      for (int64_t k = 0; k < len; ++k) out[k] = EncodeFp8(x[k] * scale, c.format);
+      for (int64_t k = 0; k < len; ++k) out[k] = Encode<kF>(x[k] * scale);
     }
   }
 }
 
 // 1-D columnwise: block (k, col) covers column col, global rows [128k, 128k+128).
-template <InputDType kT>
+template <InputDType kT, Fp8Format kF>
 void Columnwise1D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext,
                   const ScaleConfig& c, const Outputs& o) {
   constexpr int64_t kColChunk = 64;
@@ -118,22 +126,22 @@ void Columnwise1D(const void* in, const ShardGeometry& g, const BoundaryAmax& ex
       const int64_t col0 = ch * kColChunk;
       const int64_t cols = std::min(kColChunk, n - col0);
       float x[kBlockLen][kColChunk];
-      float amax[kColChunk] = {};
+      uint32_t amax[kColChunk] = {};
       for (int64_t i = rr.lo; i < rr.hi; ++i) {
         for (int64_t j = 0; j < cols; ++j) {
           x[i - rr.lo][j] = Load<kT>(in, i * n + col0 + j);
-          amax[j] = AmaxUpdate(amax[j], x[i - rr.lo][j]);
+          amax[j] = AmaxBitsUpdate(amax[j], x[i - rr.lo][j]);
         }
       }
       if (const float* e = ext.For(g, k)) {
-        for (int64_t j = 0; j < cols; ++j) amax[j] = e[col0 + j];
+        for (int64_t j = 0; j < cols; ++j) amax[j] = FloatBits(e[col0 + j]);
       }
       for (int64_t j = 0; j < cols; ++j) {
-        const float scale = BlockScale(amax[j], c);
+        const float scale = BlockScale(BitsToFloat(amax[j]), c);
         o.col_scale[kk * o.col_scale_ld + col0 + j] = ScaleInv(scale);
         uint8_t* out = o.col_data + (col0 + j) * o.col_data_ld;
         for (int64_t i = rr.lo; i < rr.hi; ++i) {
-          out[i] = EncodeFp8(x[i - rr.lo][j] * scale, c.format);
+          out[i] = Encode<kF>(x[i - rr.lo][j] * scale);
         }
       }
     }
@@ -141,7 +149,9 @@ void Columnwise1D(const void* in, const ShardGeometry& g, const BoundaryAmax& ex
 }
 
 // 2-D: tile (k, tj) covers global rows [128k, 128k+128), columns [128tj, ...).
-template <InputDType kT>
+// The tile is staged (FP32 in, FP8 out) so the transposed copy is written in
+// contiguous runs.
+template <InputDType kT, Fp8Format kF>
 void Tiles2D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext,
              const ScaleConfig& c, const Outputs& o) {
   const int64_t n = g.n, nb = g.nb();
@@ -151,39 +161,59 @@ void Tiles2D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext,
     for (int64_t tj = 0; tj < nb; ++tj) {
       const int64_t k = k0 + kk;
       const RowRange rr = LocalRows(g, k);
+      const int64_t rows = rr.hi - rr.lo;
       const int64_t c0 = tj * kBlockLen;
       const int64_t cols = std::min(kBlockLen, n - c0);
-      float amax = 0.0f;
-      if (const float* e = ext.For(g, k)) {
-        amax = e[tj];
-      } else {
-        for (int64_t i = rr.lo; i < rr.hi; ++i)
-          for (int64_t j = 0; j < cols; ++j) amax = AmaxUpdate(amax, Load<kT>(in, i * n + c0 + j));
+      static thread_local float x[kBlockLen][kBlockLen];
+      static thread_local uint8_t q[kBlockLen][kBlockLen];
+      uint32_t amax = 0;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          x[i][j] = Load<kT>(in, (rr.lo + i) * n + c0 + j);
+          amax = AmaxBitsUpdate(amax, x[i][j]);
+        }
       }
-      const float scale = BlockScale(amax, c);
+      if (const float* e = ext.For(g, k)) amax = FloatBits(e[tj]);
+      const float scale = BlockScale(BitsToFloat(amax), c);
       const float scale_inv = ScaleInv(scale);
       if (o.row_data) o.row_scale[kk * o.row_k_stride + tj * o.row_j_stride] = scale_inv;
       if (o.col_data) o.col_scale[kk * o.col_k_stride + tj * o.col_j_stride] = scale_inv;
-      for (int64_t i = rr.lo; i < rr.hi; ++i) {
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < cols; ++j) q[i][j] = Encode<kF>(x[i][j] * scale);
+      }
+      if (o.row_data) {
+        for (int64_t i = 0; i < rows; ++i)
+          std::memcpy(o.row_data + (rr.lo + i) * n + c0, q[i], cols);
+      }
+      if (o.col_data) {
         for (int64_t j = 0; j < cols; ++j) {
-          const uint8_t v = EncodeFp8(Load<kT>(in, i * n + c0 + j) * scale, c.format);
-          if (o.row_data) o.row_data[i * n + c0 + j] = v;
-          if (o.col_data) o.col_data[(c0 + j) * o.col_data_ld + i] = v;
+          uint8_t* out = o.col_data + (c0 + j) * o.col_data_ld + rr.lo;
+          for (int64_t i = 0; i < rows; ++i) out[i] = q[i][j];
         }
       }
     }
   }
 }
 
+template <InputDType kT, Fp8Format kF>
+void RunWorkersFor(const void* in, const ShardGeometry& g, const QuantizeParams& p,
+                   const BoundaryAmax& ext, const Outputs& o) {
+  const ScaleConfig c = MakeScaleConfig(p, kT);
+  if (p.scaling == BlockScaling::kBlock1D) {
+    if (p.rowwise) Rowwise1D<kT, kF>(in, g, c, o);
+    if (p.columnwise) Columnwise1D<kT, kF>(in, g, ext, c, o);
+  } else {
+    Tiles2D<kT, kF>(in, g, ext, c, o);
+  }
+}
+
 template <InputDType kT>
 void RunWorkers(const void* in, const ShardGeometry& g, const QuantizeParams& p,
                 const BoundaryAmax& ext, const Outputs& o) {
-  const ScaleConfig c = MakeScaleConfig(p, kT);
-  if (p.scaling == BlockScaling::kBlock1D) {
-    if (p.rowwise) Rowwise1D<kT>(in, g, c, o);
-    if (p.columnwise) Columnwise1D<kT>(in, g, ext, c, o);
+  if (p.format == Fp8Format::kE4M3) {
+    RunWorkersFor<kT, Fp8Format::kE4M3>(in, g, p, ext, o);
   } else {
-    Tiles2D<kT>(in, g, ext, c, o);
+    RunWorkersFor<kT, Fp8Format::kE5M2>(in, g, p, ext, o);
   }
 }
 

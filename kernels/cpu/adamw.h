@@ -1,0 +1,74 @@
+// Host AdamW fused with the parameter output (kernels/adamw.h defines the
+// arithmetic): one pass over each 128x128 tile of a parameter updates the FP32
+// master weights and both moments, reduces the tile's amaxes, computes the
+// scales and writes the FP8 copies (and optionally a BF16 copy) while the tile
+// is still in cache. The FP8 bytes and scales are exactly those of
+// QuantizeBlock(updated master, FP32 input) — NUMERICS.md §2-§4 — for both
+// BLOCK_2D and BLOCK_1D (a 1x128 row block and a 128x1 column block each lie
+// inside one 128x128 tile).
+//
+// AdamWReference is the plain scalar definition (element loop in the order of
+// kernels/adamw.h, then QuantizeBlock); AdamWStepFused must equal it bit for bit.
+//
+// Functions are reentrant; OpenMP parallelism is internal (tiles are
+// independent, so results do not depend on the thread count). Buffers of one
+// call must not overlap each other.
+#ifndef QTX_KERNELS_CPU_ADAMW_H_
+#define QTX_KERNELS_CPU_ADAMW_H_
+
+#include <cstdint>
+#include <span>
+
+#include "kernels/adamw.h"
+#include "kernels/quantize_params.h"
+
+namespace qtx::kernels::cpu {
+
+// One parameter's state, gradient and outputs for one step. Shapes are the
+// row-major [m, n] matrix of the parameter (leading dims flattened).
+struct AdamWParamBuffers {
+  int64_t m = 0;
+  int64_t n = 0;
+  float* master = nullptr;         // [m, n] FP32, updated in place
+  void* exp_avg = nullptr;         // [m, n] of moment_dtype, updated in place
+  void* exp_avg_sq = nullptr;      // [m, n] of moment_dtype, updated in place
+  MomentDType moment_dtype = MomentDType::kFloat32;
+  const void* grad = nullptr;      // [m, n] of grad_dtype
+  InputDType grad_dtype = InputDType::kFloat32;
+  // FP8 output (quant.rowwise / quant.columnwise select the copies; buffers per
+  // ComputeLayout(quant.scaling, m, n); scale padding written as 0).
+  bool fp8_output = true;
+  QuantizeParams quant;
+  QuantizedBuffers fp8;
+  uint16_t* bf16 = nullptr;  // optional [m, n] BF16 (RNE) copy of the updated master
+};
+
+// Applies one AdamW step to every parameter and writes its outputs.
+// `num_threads` <= 0 uses the OpenMP default.
+// REQUIRES: every buffer non-null and sized as described (exp_avg/exp_avg_sq
+// may alias nothing else); quant valid (at least one copy, finite eps >= 0).
+void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,
+                    int num_threads = 0);
+
+// The scalar reference: for each parameter, a plain element loop in the
+// documented order, then QuantizeBlock(master) and the BF16 narrowing.
+void AdamWReference(std::span<const AdamWParamBuffers> params, const AdamWScalars& s);
+
+// Sum of squares of every gradient element, in double, plus whether every
+// element is finite. Deterministic: fixed 4096-element chunks summed in order,
+// independent of the thread count. REQUIRES: grad buffers as above.
+struct GradNormResult {
+  double sum_squares = 0.0;
+  bool all_finite = true;
+};
+GradNormResult GradSumSquares(std::span<const AdamWParamBuffers> params, int num_threads = 0);
+
+namespace internal {
+// The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel;
+// equals kernels::EncodeFp8 for every input. Exposed for its test.
+uint8_t EncodeFp8Branchless(float x, Fp8Format f);
+}  // namespace internal
+
+}  // namespace qtx::kernels::cpu
+
+#endif  // QTX_KERNELS_CPU_ADAMW_H_
