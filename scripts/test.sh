@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up, build and run every CPU test (the GPU-labelled tests are built but
+# not run; run them on a GPU host with `ctest -L gpu`). This is what CI runs.
+#   scripts/test.sh            (env: QTX_BUILD_DIR=build, QTX_JOBS=$(nproc))
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/install_deps.sh
+
+BUILD="${QTX_BUILD_DIR:-build}"
+JOBS="${QTX_JOBS:-$(nproc)}"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build "$BUILD" -j"$JOBS"
+ctest --test-dir "$BUILD" -LE gpu --output-on-failure -j"$JOBS" --timeout 900
