@@ -26,6 +26,6 @@ for _ in $(seq 1 100); do
 done
 set -x
 "$QTX" --target="unix:$SOCK" health
-"$QTX" --target="unix:$SOCK" quantize --shape=1000x4096 --seed=1 --mode=1d --usages=row,col
+"$QTX" --target="unix:$SOCK" quantize --shape=1000x4096 --seed=1 --mode=1d --usages=rowwise,columnwise
 "$QTX" --target="unix:$SOCK" quantize --shape=256x300 --seed=2 --mode=2d --format=e5m2 --shm
 "$QTX" --target="unix:$SOCK" regions
