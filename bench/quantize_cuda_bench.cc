@@ -1,0 +1,188 @@
+// Kernel benchmark of kernels/cuda QuantizeBlock against a device-to-device
+// copy of the same byte count, measured in the same run. JSON lines on stdout
+// (one object per measurement), a summary table on stderr. See bench/README.md.
+//
+//   quantize_cuda_bench [--iters N] [--quick]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/block_geometry.h"
+#include "kernels/cuda/quantize_block.h"
+#include "kernels/fp8.h"
+
+namespace {
+
+using qtx::kernels::BlockScaling;
+using qtx::kernels::ComputeLayout;
+using qtx::kernels::Fp8Format;
+using qtx::kernels::InputDType;
+using qtx::kernels::QuantizedBuffers;
+using qtx::kernels::QuantizedLayout;
+using qtx::kernels::QuantizeParams;
+namespace qcuda = qtx::kernels::cuda;
+
+#define CHECK_CUDA(expr)                                                              \
+  do {                                                                                \
+    const cudaError_t e_ = (expr);                                                    \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// Median of per-launch times (µs) of `launch(i)` over `iters` launches after
+// `warmup`, each bracketed by its own pair of CUDA events.
+template <typename Fn>
+double MedianUs(int warmup, int iters, Fn&& launch) {
+  for (int i = 0; i < warmup; ++i) launch(i);
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(ev[2 * i], nullptr));
+    launch(warmup + i);
+    CHECK_CUDA(cudaEventRecord(ev[2 * i + 1], nullptr));
+  }
+  CHECK_CUDA(cudaEventSynchronize(ev.back()));
+  CHECK_CUDA(cudaGetLastError());
+  std::vector<double> t(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[i] = ms * 1e3;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
+  return t[iters / 2];
+}
+
+struct Set {
+  void* in = nullptr;
+  QuantizedBuffers out;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 200;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::fprintf(stderr, "device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+               prop.l2CacheSize >> 20);
+
+  struct Shape {
+    int64_t m, n;
+  };
+  std::vector<Shape> shapes = {{4096, 4096}, {8192, 8192}, {16384, 7168}, {32768, 4096}};
+  if (quick) shapes = {{8192, 8192}};
+  struct Usage {
+    const char* name;
+    bool row, col;
+  };
+  const Usage usages[] = {{"row+col", true, true}, {"row", true, false}, {"col", false, true}};
+  struct Variant {
+    const char* name;
+    qcuda::detail::LaunchTuning tuning;
+  };
+  const Variant variants[] = {{"default", {}}, {"stages3_1cta", {3, 1}}, {"stages2_1cta", {2, 1}}};
+
+  const InputDType dtype = InputDType::kBFloat16;
+  constexpr int64_t kRingBytes = int64_t{1} << 30;  // rotate buffers: >> 60 MB L2
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+
+  std::fprintf(stderr, "%-4s %-8s %-12s %-12s %9s %7s %9s %7s %6s\n", "mode", "usage", "shape",
+               "variant", "time_us", "TB/s", "copy_us", "TB/s", "ratio");
+  for (const Shape& s : shapes) {
+    const int64_t in_bytes = s.m * s.n * 2;
+    // Host input: normal values, one upload, copied to every ring slot.
+    std::vector<uint16_t> host(s.m * s.n);
+    for (auto& h : host) h = qtx::kernels::FloatToBf16(normal(rng));
+    for (BlockScaling scaling : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+      const QuantizedLayout l = ComputeLayout(scaling, s.m, s.n);
+      const int64_t set_bytes = in_bytes + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+                                4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
+      const int ring = static_cast<int>(std::max<int64_t>(2, kRingBytes / set_bytes));
+      std::vector<Set> sets(ring);
+      for (auto& st : sets) {
+        CHECK_CUDA(cudaMalloc(&st.in, in_bytes));
+        CHECK_CUDA(cudaMemcpy(st.in, host.data(), in_bytes, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMalloc(&st.out.rowwise_data, l.RowwiseDataBytes()));
+        CHECK_CUDA(cudaMalloc(&st.out.columnwise_data, l.ColumnwiseDataBytes()));
+        CHECK_CUDA(cudaMalloc(&st.out.rowwise_scale_inv, 4 * l.RowwiseScaleCount()));
+        CHECK_CUDA(cudaMalloc(&st.out.columnwise_scale_inv, 4 * l.ColumnwiseScaleCount()));
+      }
+      // Copy buffers: each holds the largest copy (row+col), rotated like the sets.
+      std::vector<void*> copy_ring(std::max<int64_t>(3, kRingBytes / (set_bytes / 2 + 1)));
+      for (auto& c : copy_ring) CHECK_CUDA(cudaMalloc(&c, set_bytes / 2 + 16));
+      for (const Usage& u : usages) {
+        const int64_t written = (u.row ? l.RowwiseDataBytes() + 4 * l.RowwiseScaleCount() : 0) +
+                                (u.col ? l.ColumnwiseDataBytes() + 4 * l.ColumnwiseScaleCount() : 0);
+        const int64_t total = in_bytes + written;
+        // Copy of total / 2 bytes: it reads and writes that many, `total` in all.
+        const int64_t copy_bytes = total / 2;
+        const double copy_us = MedianUs(10, iters, [&](int i) {
+          CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % copy_ring.size()],
+                                     copy_ring[i % copy_ring.size()], copy_bytes,
+                                     cudaMemcpyDeviceToDevice, nullptr));
+        });
+        const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
+        for (const Variant& v : variants) {
+          const bool is_default = v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0;
+          if (!is_default && !(u.row && u.col)) continue;  // variants: row+col only
+          QuantizeParams p;
+          p.scaling = scaling;
+          p.format = Fp8Format::kE4M3;
+          p.rowwise = u.row;
+          p.columnwise = u.col;
+          p.force_pow2_scales = true;
+          const double us = MedianUs(10, iters, [&](int i) {
+            const Set& st = sets[i % ring];
+            QuantizedBuffers o = st.out;
+            if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;
+            if (!u.col) o.columnwise_data = nullptr, o.columnwise_scale_inv = nullptr;
+            CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o, v.tuning,
+                                                         nullptr));
+          });
+          const double tbps = total / (us * 1e-6) / 1e12;
+          const char* mode = scaling == BlockScaling::kBlock1D ? "1d" : "2d";
+          std::printf(
+              "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"usage\":\"%s\",\"dtype\":\"bf16\","
+              "\"format\":\"e4m3\",\"m\":%lld,\"n\":%lld,\"variant\":\"%s\",\"bytes\":%lld,"
+              "\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,\"copy_time_us\":%.2f,"
+              "\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f,\"iters\":%d,\"device\":\"%s\"}\n",
+              mode, u.name, static_cast<long long>(s.m), static_cast<long long>(s.n), v.name,
+              static_cast<long long>(total), us, tbps, static_cast<long long>(copy_bytes), copy_us,
+              copy_tbps, tbps / copy_tbps, iters, prop.name);
+          std::fflush(stdout);
+          char shape[32];
+          std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(s.m),
+                        static_cast<long long>(s.n));
+          std::fprintf(stderr, "%-4s %-8s %-12s %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n", mode,
+                       u.name, shape, v.name, us, tbps, copy_us, copy_tbps, tbps / copy_tbps);
+        }
+      }
+      for (void* c : copy_ring) cudaFree(c);
+      for (auto& st : sets) {
+        cudaFree(st.in);
+        cudaFree(st.out.rowwise_data);
+        cudaFree(st.out.columnwise_data);
+        cudaFree(st.out.rowwise_scale_inv);
+        cudaFree(st.out.columnwise_scale_inv);
+      }
+    }
+  }
+  return 0;
+}

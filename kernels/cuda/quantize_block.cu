@@ -1,0 +1,727 @@
+// CUDA block-scaled FP8 quantize / dequantize (NUMERICS.md §2-§5), bit-exact
+// with kernels/cpu/quantize_block.cc. Scale math comes from kernels/fp8.h
+// (ComputeScale / ScaleInv: IEEE division, never fast-math); the FP32 -> FP8
+// cast is the hardware cvt.rn.satfinite, which equals EncodeFp8 bit for bit
+// (tests/kernels/cuda prove it over every BF16 and every FP32 pattern).
+#include "kernels/cuda/quantize_block.h"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/block_geometry.h"
+#include "kernels/fp8.h"
+#include "kernels/quantize_params.h"
+
+namespace qtx::kernels::cuda {
+namespace {
+
+constexpr int kTile = 128;           // block edge (NUMERICS.md §2: block_len)
+constexpr int kThreads = 256;        // 16 x 16 threads, each owns an 8x8 sub-tile
+constexpr int kWarps = kThreads / 32;
+constexpr int kTBytes = kTile * kTile;  // transposed FP8 tile in shared memory
+
+template <InputDType D>
+constexpr int kElemBytes = (D == InputDType::kFloat32) ? 4 : 2;
+
+// ---- small device helpers -----------------------------------------------------
+
+template <InputDType D>
+__device__ __forceinline__ float ElemToFloat(uint32_t bits) {
+  if constexpr (D == InputDType::kBFloat16) {
+    return __uint_as_float(bits << 16);
+  } else if constexpr (D == InputDType::kFloat16) {
+    float f;
+    const unsigned short h = static_cast<unsigned short>(bits);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));  // exact widening
+    return f;
+  } else {
+    return __uint_as_float(bits);
+  }
+}
+
+// Two FP32 values -> two FP8 bytes (lo in bits 0-7), round to nearest even,
+// saturating, NaN -> 0x7F: NUMERICS.md §1.
+template <Fp8Format F>
+__device__ __forceinline__ uint32_t Cvt2(float lo, float hi) {
+  unsigned short r;
+  if constexpr (F == Fp8Format::kE4M3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+// q = fp8(RN_fp32(x * scale)) for 8 values, packed little-endian.
+template <Fp8Format F>
+__device__ __forceinline__ uint2 Quantize8(const float (&x)[8], float scale) {
+  uint2 r;
+  r.x = Cvt2<F>(__fmul_rn(x[0], scale), __fmul_rn(x[1], scale)) |
+        (Cvt2<F>(__fmul_rn(x[2], scale), __fmul_rn(x[3], scale)) << 16);
+  r.y = Cvt2<F>(__fmul_rn(x[4], scale), __fmul_rn(x[5], scale)) |
+        (Cvt2<F>(__fmul_rn(x[6], scale), __fmul_rn(x[7], scale)) << 16);
+  return r;
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(smem_dst)),
+               "l"(gmem_src));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- the fused quantize kernel ------------------------------------------------
+
+struct QuantizeArgs {
+  const void* input;
+  uint8_t* qr;  // rowwise data [M, N]
+  float* sr;    // rowwise scale_inv
+  uint8_t* qc;  // columnwise data [N, M]
+  float* sc;    // columnwise scale_inv
+  int64_t m, n;
+  int64_t mb, nb, num_tiles;
+  int64_t sr_pitch, sc_pitch;  // row pitch (elements) of the scale matrices
+  float fp8_max, eps, value_for_inf;
+  bool pow2;
+};
+
+template <InputDType D, BlockScaling S, bool kRow, bool kCol, int kStages>
+struct SmemPlan {
+  static constexpr int kStageBytes = kTile * kTile * kElemBytes<D>;
+  static constexpr int kTOffset = kStages * kStageBytes;
+  static constexpr int kTSize = kCol ? kTBytes : 0;
+  static constexpr int kRedOffset = kTOffset + kTSize;
+  static constexpr int kRedSize =
+      (S == BlockScaling::kBlock2D) ? kWarps * 4 : (kCol ? kWarps * kTile * 4 : 0);
+  static constexpr int kColScaleOffset = kRedOffset + kRedSize;
+  static constexpr int kColScaleSize = (S == BlockScaling::kBlock1D && kCol) ? kTile * 4 : 0;
+  static constexpr int kBytes = kColScaleOffset + kColScaleSize;
+};
+
+// Aligned path: starts the asynchronous copy of one full input tile into a
+// shared-memory stage (row-major, 128 rows of 128 elements; each warp copies two
+// whole rows per step, 16 bytes a lane).
+template <InputDType D>
+__device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
+                                              int64_t tile) {
+  constexpr int kRowBytes = kTile * kElemBytes<D>;
+  constexpr int kChunksPerRow = kRowBytes / 16;
+  constexpr int kChunks = kTile * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "tile copy must divide evenly among threads");
+  const int64_t m0 = (tile / a.nb) * kTile, n0 = (tile % a.nb) * kTile;
+  const uint8_t* src = static_cast<const uint8_t*>(a.input) +
+                       (m0 * a.n + n0) * kElemBytes<D>;
+  const int64_t pitch = a.n * kElemBytes<D>;
+#pragma unroll
+  for (int k = 0; k < kChunks / kThreads; ++k) {
+    const int c = static_cast<int>(threadIdx.x) + k * kThreads;
+    const int r = c / kChunksPerRow, ch = c % kChunksPerRow;
+    CpAsync16(stage + r * kRowBytes + ch * 16, src + r * pitch + ch * 16);
+  }
+}
+
+// Tail path: loads one tile synchronously, element by element, zero-filling
+// everything outside the tensor (NUMERICS.md §2 step 1: padding loads as 0).
+template <InputDType D>
+__device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeArgs& a,
+                                                int64_t m0, int64_t n0) {
+  using Storage = std::conditional_t<kElemBytes<D> == 4, uint32_t, uint16_t>;
+  const Storage* in = static_cast<const Storage*>(a.input);
+  Storage* dst = reinterpret_cast<Storage*>(stage);
+#pragma unroll 8
+  for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
+    const int64_t gm = m0 + (e >> 7), gn = n0 + (e & 127);
+    Storage v = 0;
+    if (gm < a.m && gn < a.n) v = in[gm * a.n + gn];
+    dst[e] = v;
+  }
+}
+
+// One persistent kernel for every 1-D / 2-D, rowwise / columnwise combination.
+//
+// Grid: min(#tiles, resident CTAs); CTA b handles tiles b, b + grid, ... of the
+// row-major grid of 128x128 input tiles. Aligned path (M, N multiples of 128,
+// 16-byte aligned buffers): tiles stream into a kStages-deep ring of shared
+// memory with cp.async, so the next tile's loads are in flight while this one
+// is processed. Tail path: one synchronous, bounds-checked load per tile.
+//
+// Thread t owns rows 8q..8q+7 and columns 8v..8v+7 of the tile (q = t / 16,
+// v = t % 16), read from shared memory as 16-byte vectors (conflict-free: a
+// quarter warp reads one 128-byte row segment).
+// * 1-D rowwise (1x128 blocks): a row's 128 elements live in the 16 lanes of a
+//   half warp; a butterfly over those lanes reduces the 8 row maxima in 8
+//   shuffles, each lane computes the scale of one row, 8 shuffles broadcast
+//   them back. Each lane stores 8 FP8 bytes per row (a half warp writes a
+//   contiguous 128-byte row segment).
+// * 1-D columnwise (128x1 blocks): per-thread column maxima over 8 rows, halves
+//   exchanged between lanes l and l^16, then reduced across the 8 warps through
+//   shared memory; threads 0..127 compute one column scale each. Each thread
+//   quantizes its 8x8 sub-tile column by column into 8-byte runs along M, which
+//   go into a 128x128-byte transposed tile in shared memory (16-byte units
+//   XOR-swizzled by (n / 8) % 8: conflict-free both ways), then every warp
+//   stores four whole 128-byte rows of the [N, M] output.
+// * 2-D (128x128 tiles): block-wide amax, one scale; rowwise bytes as above and
+//   the columnwise copy is the exact byte transpose (same multiply, same cast).
+// Scale padding (pad4 columns) is written as 0 by the tile that owns the last
+// real entry of that scale row.
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, bool kAligned,
+          int kStages>
+__global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
+    QuantizeBlockKernel(const QuantizeArgs a) {
+  static_assert(kRow || kCol, "at least one copy must be requested");
+  static_assert(kAligned ? (kStages >= 2 && kStages <= 4) : kStages == 1,
+                "aligned path pipelines 2-4 stages, the tail path uses one");
+  using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
+  constexpr int kRowBytes = kTile * kElemBytes<D>;
+  constexpr bool k1D = (S == BlockScaling::kBlock1D);
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* const tsm = smem + Plan::kTOffset;
+  float* const red = reinterpret_cast<float*>(smem + Plan::kRedOffset);
+  float* const col_scale_sm = reinterpret_cast<float*>(smem + Plan::kColScaleOffset);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int q = tid >> 4, v = tid & 15;
+  const int64_t count =
+      (a.num_tiles - static_cast<int64_t>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
+
+  if constexpr (kAligned) {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < count) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, blockIdx.x + s * gridDim.x);
+      CpAsyncCommit();
+    }
+  }
+
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t tile = blockIdx.x + k * gridDim.x;
+    const int64_t tm = tile / a.nb, tn = tile % a.nb;
+    const int64_t m0 = tm * kTile, n0 = tn * kTile;
+    const uint8_t* stage;
+    if constexpr (kAligned) {
+      CpAsyncWait<kStages - 2>();
+      __syncthreads();  // tile k visible; every thread is done with tile k-1
+      if (k + kStages - 1 < count) {
+        IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a,
+                         tile + (kStages - 1) * static_cast<int64_t>(gridDim.x));
+      }
+      CpAsyncCommit();
+      stage = smem + (k % kStages) * Plan::kStageBytes;
+    } else {
+      __syncthreads();  // every thread is done with the previous tile
+      LoadTileChecked<D>(smem, a, m0, n0);
+      __syncthreads();
+      stage = smem;
+    }
+
+    // ---- this thread's 8x8 sub-tile, as FP32 (exact) ----
+    float x[8][8];
+    {
+      const uint8_t* base = stage + (8 * q) * kRowBytes + v * 8 * kElemBytes<D>;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if constexpr (kElemBytes<D> == 2) {
+          const uint4 w = *reinterpret_cast<const uint4*>(base + i * kRowBytes);
+          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            x[i][2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
+            x[i][2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
+          }
+        } else {
+          const uint4 w0 = *reinterpret_cast<const uint4*>(base + i * kRowBytes);
+          const uint4 w1 = *reinterpret_cast<const uint4*>(base + i * kRowBytes + 16);
+          const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+          for (int j = 0; j < 8; ++j) x[i][j] = ElemToFloat<D>(words[j]);
+        }
+      }
+    }
+
+    // ---- scales (NUMERICS.md §2) ----
+    float row_scale[8];
+    float col_scale[8];
+    if constexpr (!k1D) {
+      float am = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) am = AmaxUpdate(am, x[i][j]);
+      }
+#pragma unroll
+      for (int mask = 16; mask > 0; mask >>= 1) {
+        am = fmaxf(am, __shfl_xor_sync(0xFFFFFFFFu, am, mask));
+      }
+      if (lane == 0) red[warp] = am;
+      __syncthreads();
+      float tile_amax = red[0];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) tile_amax = fmaxf(tile_amax, red[w]);
+      const float s = ComputeScale(tile_amax, a.fp8_max, a.pow2, a.eps, a.value_for_inf);
+      if (tid == 0) {
+        const float s_inv = ScaleInv(s);
+        if constexpr (kRow) {
+          a.sr[tm * a.sr_pitch + tn] = s_inv;
+          if (tn == a.nb - 1) {
+            for (int64_t p = a.nb; p < a.sr_pitch; ++p) a.sr[tm * a.sr_pitch + p] = 0.0f;
+          }
+        }
+        if constexpr (kCol) {
+          a.sc[tn * a.sc_pitch + tm] = s_inv;
+          if (tm == a.mb - 1) {
+            for (int64_t p = a.mb; p < a.sc_pitch; ++p) a.sc[tn * a.sc_pitch + p] = 0.0f;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) row_scale[i] = col_scale[i] = s;
+    } else {
+      if constexpr (kRow) {
+        float r[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          r[i] = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) r[i] = AmaxUpdate(r[i], x[i][j]);
+        }
+        // Butterfly over the 16 lanes of this half warp: after the steps with
+        // masks 8, 4, 2, 1 the lane holds the amax of row (lane >> 1) & 7.
+        {
+          const bool hi = lane & 8;
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            const float send = hi ? r[t] : r[t + 4];
+            const float keep = hi ? r[t + 4] : r[t];
+            r[t] = fmaxf(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 8));
+          }
+        }
+        {
+          const bool hi = lane & 4;
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const float send = hi ? r[t] : r[t + 2];
+            const float keep = hi ? r[t + 2] : r[t];
+            r[t] = fmaxf(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 4));
+          }
+        }
+        {
+          const bool hi = lane & 2;
+          const float send = hi ? r[0] : r[1];
+          const float keep = hi ? r[1] : r[0];
+          r[0] = fmaxf(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 2));
+        }
+        r[0] = fmaxf(r[0], __shfl_xor_sync(0xFFFFFFFFu, r[0], 1));
+        const float s = ComputeScale(r[0], a.fp8_max, a.pow2, a.eps, a.value_for_inf);
+        if ((v & 1) == 0) {
+          const int64_t gm = m0 + 8 * q + (v >> 1);
+          if (kAligned || gm < a.m) a.sr[tn * a.sr_pitch + gm] = ScaleInv(s);
+        }
+        if (tm == a.mb - 1 && tid < a.sr_pitch - a.m) a.sr[tn * a.sr_pitch + a.m + tid] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          row_scale[i] = __shfl_sync(0xFFFFFFFFu, s, (lane & 16) | (i << 1));
+        }
+      }
+      if constexpr (kCol) {
+        float c[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          c[j] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) c[j] = AmaxUpdate(c[j], x[i][j]);
+        }
+        // Lanes l and l^16 hold the same columns for rows 8q.. and 8(q+1)..:
+        // exchange halves, then slot t holds column 8v + 4*(lane>>4) + t.
+        const bool hi = lane & 16;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float send = hi ? c[t] : c[t + 4];
+          const float keep = hi ? c[t + 4] : c[t];
+          c[t] = fmaxf(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 16));
+        }
+        *reinterpret_cast<float4*>(red + warp * kTile + 8 * v + (hi ? 4 : 0)) =
+            make_float4(c[0], c[1], c[2], c[3]);
+        __syncthreads();
+        if (tid < kTile) {
+          float am = red[tid];
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) am = fmaxf(am, red[w * kTile + tid]);
+          const float s = ComputeScale(am, a.fp8_max, a.pow2, a.eps, a.value_for_inf);
+          col_scale_sm[tid] = s;
+          const int64_t gn = n0 + tid;
+          if (kAligned || gn < a.n) a.sc[tm * a.sc_pitch + gn] = ScaleInv(s);
+        } else if (tn == a.nb - 1 && tid - kTile < a.sc_pitch - a.n) {
+          a.sc[tm * a.sc_pitch + a.n + (tid - kTile)] = 0.0f;
+        }
+        __syncthreads();
+        const float4 c0 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v);
+        const float4 c1 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v + 4);
+        col_scale[0] = c0.x, col_scale[1] = c0.y, col_scale[2] = c0.z, col_scale[3] = c0.w;
+        col_scale[4] = c1.x, col_scale[5] = c1.y, col_scale[6] = c1.z, col_scale[7] = c1.w;
+      }
+    }
+
+    // ---- rowwise copy: [M, N] ----
+    if constexpr (kRow) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint2 b = Quantize8<F>(x[i], row_scale[i]);
+        const int64_t gm = m0 + 8 * q + i;
+        const int64_t gn = n0 + 8 * v;
+        if constexpr (kAligned) {
+          *reinterpret_cast<uint2*>(a.qr + gm * a.n + gn) = b;
+        } else if (gm < a.m) {
+          const uint32_t words[2] = {b.x, b.y};
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (gn + j < a.n) a.qr[gm * a.n + gn + j] = static_cast<uint8_t>(words[j >> 2] >> (8 * (j & 3)));
+          }
+        }
+      }
+    }
+
+    // ---- columnwise copy: [N, M], through the swizzled transposed tile ----
+    if constexpr (kCol) {
+      const int unit = q >> 1, half = q & 1;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float col[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) col[i] = x[i][j];
+        const uint2 b = Quantize8<F>(col, col_scale[j]);
+        const int nl = 8 * v + j;
+        *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int p = 0; p < kTile / 32; ++p) {
+        const int nl = p * 32 + (tid >> 3);
+        const int u = tid & 7;
+        const uint4 val =
+            *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
+        const int64_t gn = n0 + nl;
+        const int64_t gm = m0 + 16 * u;
+        if constexpr (kAligned) {
+          *reinterpret_cast<uint4*>(a.qc + gn * a.m + gm) = val;
+        } else if (gn < a.n) {
+          const uint32_t words[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+          for (int b = 0; b < 16; ++b) {
+            if (gm + b < a.m) a.qc[gn * a.m + gm + b] = static_cast<uint8_t>(words[b >> 2] >> (8 * (b & 3)));
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kAligned) CpAsyncWait<0>();  // nothing may stay in flight at exit
+}
+
+// ---- launch helpers -------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+
+// Resident CTAs per SM of `kernel` with `smem` bytes; `cache` (one per kernel
+// instantiation, indexed by device) holds (per_sm << 16) | sms, 0 = unknown.
+template <typename Kernel>
+cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* sms,
+                         int* per_sm) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c != 0) {
+      *sms = c & 0xFFFF;
+      *per_sm = c >> 16;
+      return cudaSuccess;
+    }
+  }
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, kThreads, smem);
+  if (err != cudaSuccess) return err;
+  if (*per_sm < 1) return cudaErrorLaunchOutOfResources;
+  if (dev >= 0 && dev < kMaxDevices) {
+    cache[dev].store((*per_sm << 16) | (*sms & 0xFFFF), std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, bool kAligned,
+          int kStages>
+cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kAligned, kStages>;
+  constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
+  static std::atomic<int> cache[kMaxDevices];
+  int sms = 0, per_sm = 0;
+  cudaError_t err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
+  if (err != cudaSuccess) return err;
+  if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
+  const int64_t resident = static_cast<int64_t>(sms) * per_sm;
+  const int grid = static_cast<int>(args.num_tiles < resident ? args.num_tiles : resident);
+  kernel<<<grid, kThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+// Turns runtime enums into template arguments; unknown values are rejected.
+template <typename Fn>
+cudaError_t WithDType(InputDType d, Fn&& fn) {
+  switch (d) {
+    case InputDType::kBFloat16:
+      return fn(std::integral_constant<InputDType, InputDType::kBFloat16>{});
+    case InputDType::kFloat16:
+      return fn(std::integral_constant<InputDType, InputDType::kFloat16>{});
+    case InputDType::kFloat32:
+      return fn(std::integral_constant<InputDType, InputDType::kFloat32>{});
+  }
+  return cudaErrorInvalidValue;  // not one of kFloat32, kBFloat16, kFloat16
+}
+template <typename Fn>
+cudaError_t WithFormat(Fp8Format f, Fn&& fn) {
+  switch (f) {
+    case Fp8Format::kE4M3:
+      return fn(std::integral_constant<Fp8Format, Fp8Format::kE4M3>{});
+    case Fp8Format::kE5M2:
+      return fn(std::integral_constant<Fp8Format, Fp8Format::kE5M2>{});
+  }
+  return cudaErrorInvalidValue;  // not one of kE4M3, kE5M2
+}
+template <typename Fn>
+cudaError_t WithScaling(BlockScaling s, Fn&& fn) {
+  switch (s) {
+    case BlockScaling::kBlock1D:
+      return fn(std::integral_constant<BlockScaling, BlockScaling::kBlock1D>{});
+    case BlockScaling::kBlock2D:
+      return fn(std::integral_constant<BlockScaling, BlockScaling::kBlock2D>{});
+  }
+  return cudaErrorInvalidValue;  // not one of kBlock1D, kBlock2D
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t n,
+                         const QuantizeParams& params, const QuantizedBuffers& out,
+                         const detail::LaunchTuning& tuning, cudaStream_t stream) {
+  if (m < 0 || n < 0) return cudaErrorInvalidValue;
+  if (!(params.amax_epsilon >= 0.0f) || std::isinf(params.amax_epsilon)) {
+    return cudaErrorInvalidValue;
+  }
+  if (params.rowwise && (out.rowwise_data == nullptr || out.rowwise_scale_inv == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (params.columnwise &&
+      (out.columnwise_data == nullptr || out.columnwise_scale_inv == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0 || n == 0 || (!params.rowwise && !params.columnwise)) {
+    // Validate the enums even when nothing runs.
+    const bool ok_enums =
+        (dtype == InputDType::kFloat32 || dtype == InputDType::kBFloat16 ||
+         dtype == InputDType::kFloat16) &&
+        (params.format == Fp8Format::kE4M3 || params.format == Fp8Format::kE5M2) &&
+        (params.scaling == BlockScaling::kBlock1D || params.scaling == BlockScaling::kBlock2D);
+    return ok_enums ? cudaSuccess : cudaErrorInvalidValue;
+  }
+  if (input == nullptr) return cudaErrorInvalidValue;
+
+  const QuantizedLayout layout = ComputeLayout(params.scaling, m, n);
+  QuantizeArgs args;
+  args.input = input;
+  args.qr = out.rowwise_data;
+  args.sr = out.rowwise_scale_inv;
+  args.qc = out.columnwise_data;
+  args.sc = out.columnwise_scale_inv;
+  args.m = m;
+  args.n = n;
+  args.mb = CeilDiv(m, kBlockLen);
+  args.nb = CeilDiv(n, kBlockLen);
+  args.num_tiles = args.mb * args.nb;
+  args.sr_pitch = layout.rowwise_scale_cols;
+  args.sc_pitch = layout.columnwise_scale_cols;
+  args.fp8_max = Fp8Max(params.format);
+  args.eps = params.amax_epsilon;
+  args.value_for_inf = InputDTypeMax(dtype);
+  args.pow2 = params.force_pow2_scales;
+
+  const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&
+                       (!params.rowwise || Aligned16(out.rowwise_data)) &&
+                       (!params.columnwise || Aligned16(out.columnwise_data));
+  const int usage = (params.rowwise ? 1 : 0) | (params.columnwise ? 2 : 0);
+
+  return WithDType(dtype, [&](auto dt) {
+    return WithFormat(params.format, [&](auto ft) {
+      return WithScaling(params.scaling, [&](auto sc) {
+        constexpr InputDType D = decltype(dt)::value;
+        constexpr Fp8Format F = decltype(ft)::value;
+        constexpr BlockScaling S = decltype(sc)::value;
+        auto by_path = [&](auto row, auto col) -> cudaError_t {
+          constexpr bool kRow = decltype(row)::value;
+          constexpr bool kCol = decltype(col)::value;
+          if (!aligned) return LaunchQuantize<D, F, S, kRow, kCol, false, 1>(args, 0, stream);
+          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
+            if (tuning.stages == 3) {
+              return LaunchQuantize<D, F, S, kRow, kCol, true, 3>(args, tuning.ctas_per_sm, stream);
+            }
+          }
+          return LaunchQuantize<D, F, S, kRow, kCol, true, 2>(args, tuning.ctas_per_sm, stream);
+        };
+        switch (usage) {
+          case 1:
+            return by_path(std::true_type{}, std::false_type{});
+          case 2:
+            return by_path(std::false_type{}, std::true_type{});
+          case 3:
+            return by_path(std::true_type{}, std::true_type{});
+        }
+        return cudaErrorInvalidValue;  // unreachable: usage 0 returned above
+      });
+    });
+  });
+}
+
+// ---- dequantize -------------------------------------------------------------------
+
+template <InputDType OutD>
+__device__ __forceinline__ void StoreOut(void* out, int64_t idx, float x) {
+  if constexpr (OutD == InputDType::kBFloat16) {
+    static_cast<uint16_t*>(out)[idx] = FloatToBf16(x);
+  } else if constexpr (OutD == InputDType::kFloat16) {
+    static_cast<uint16_t*>(out)[idx] = FloatToHalf(x);
+  } else {
+    static_cast<float*>(out)[idx] = x;
+  }
+}
+
+// decode(q) * scale_inv in FP32. A NaN code keeps the decoded NaN (the GPU's
+// multiply would return its own canonical NaN instead of the operand).
+__device__ __forceinline__ float Dequant1(uint8_t q, float scale_inv, Fp8Format f) {
+  const float d = DecodeFp8(q, f);
+  return IsNan(d) ? d : __fmul_rn(d, scale_inv);
+}
+
+struct DequantArgs {
+  const uint8_t* q;
+  const float* s;
+  void* out;
+  int64_t m, n;
+  int64_t s_pitch;
+  bool two_d;
+  Fp8Format format;
+};
+
+// Rowwise copy: grid-stride over the [M, N] output, one element per thread
+// per step (coalesced 1-byte reads of Qr, coalesced writes).
+template <InputDType OutD>
+__global__ void __launch_bounds__(256) DequantizeRowwiseKernel(const DequantArgs a) {
+  const int64_t total = a.m * a.n;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t mm = idx / a.n, nn = idx % a.n;
+    const float s = a.two_d ? a.s[(mm / kTile) * a.s_pitch + nn / kTile]
+                            : a.s[(nn / kTile) * a.s_pitch + mm];
+    StoreOut<OutD>(a.out, idx, Dequant1(a.q[idx], s, a.format));
+  }
+}
+
+// Columnwise copy ([N, M] bytes) back to [M, N]: 32x32 tiles transposed through
+// shared memory; 32x8 threads, each moves 4 elements per tile.
+template <InputDType OutD>
+__global__ void __launch_bounds__(256) DequantizeColumnwiseKernel(const DequantArgs a) {
+  __shared__ uint8_t tbuf[32][33];
+  const int64_t tiles_m = (a.m + 31) / 32, tiles_n = (a.n + 31) / 32;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  for (int64_t t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {
+    const int64_t m0 = (t % tiles_m) * 32, n0 = (t / tiles_m) * 32;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t nn = n0 + ty + 8 * k, mm = m0 + tx;
+      tbuf[ty + 8 * k][tx] = (nn < a.n && mm < a.m) ? a.q[nn * a.m + mm] : 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t mm = m0 + ty + 8 * k, nn = n0 + tx;
+      if (mm < a.m && nn < a.n) {
+        const float s = a.two_d ? a.s[(nn / kTile) * a.s_pitch + mm / kTile]
+                                : a.s[(mm / kTile) * a.s_pitch + nn];
+        StoreOut<OutD>(a.out, mm * a.n + nn, Dequant1(tbuf[tx][ty + 8 * k], s, a.format));
+      }
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
+                          const QuantizeParams& params, const QuantizedBuffers& out,
+                          cudaStream_t stream) {
+  return QuantizeImpl(input, dtype, m, n, params, out, detail::LaunchTuning{}, stream);
+}
+
+cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling,
+                            Fp8Format format, int64_t m, int64_t n, bool use_rowwise,
+                            InputDType out_dtype, void* out, cudaStream_t stream) {
+  if (m < 0 || n < 0) return cudaErrorInvalidValue;
+  if (format != Fp8Format::kE4M3 && format != Fp8Format::kE5M2) return cudaErrorInvalidValue;
+  if (scaling != BlockScaling::kBlock1D && scaling != BlockScaling::kBlock2D) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0 || n == 0) {
+    return WithDType(out_dtype, [](auto) { return cudaSuccess; });
+  }
+  DequantArgs a;
+  a.q = use_rowwise ? in.rowwise_data : in.columnwise_data;
+  a.s = use_rowwise ? in.rowwise_scale_inv : in.columnwise_scale_inv;
+  if (a.q == nullptr || a.s == nullptr || out == nullptr) return cudaErrorInvalidValue;
+  const QuantizedLayout layout = ComputeLayout(scaling, m, n);
+  a.out = out;
+  a.m = m;
+  a.n = n;
+  a.s_pitch = use_rowwise ? layout.rowwise_scale_cols : layout.columnwise_scale_cols;
+  a.two_d = scaling == BlockScaling::kBlock2D;
+  a.format = format;
+  int dev = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  const int64_t max_grid = static_cast<int64_t>(sms) * 8;
+  return WithDType(out_dtype, [&](auto dt) {
+    constexpr InputDType OutD = decltype(dt)::value;
+    if (use_rowwise) {
+      const int64_t blocks = (m * n + 255) / 256;
+      DequantizeRowwiseKernel<OutD>
+          <<<static_cast<int>(blocks < max_grid ? blocks : max_grid), 256, 0, stream>>>(a);
+    } else {
+      const int64_t tiles = ((m + 31) / 32) * ((n + 31) / 32);
+      DequantizeColumnwiseKernel<OutD>
+          <<<static_cast<int>(tiles < max_grid ? tiles : max_grid), 256, 0, stream>>>(a);
+    }
+    return cudaGetLastError();
+  });
+}
+
+namespace detail {
+cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
+                               const QuantizeParams& params, const QuantizedBuffers& out,
+                               const LaunchTuning& tuning, cudaStream_t stream) {
+  return QuantizeImpl(input, dtype, m, n, params, out, tuning, stream);
+}
+}  // namespace detail
+
+}  // namespace qtx::kernels::cuda

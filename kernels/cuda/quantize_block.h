@@ -1,0 +1,55 @@
+// CUDA block-scaled FP8 quantization (NUMERICS.md §2-§5), bit-exact with
+// kernels/cpu/quantize_block.h. Plain header: CUDA runtime types only, so that
+// host code (server/, tests, bench) can call it without nvcc.
+//
+// All pointers are device pointers. Buffers are laid out per
+// kernels/block_geometry.h ComputeLayout(params.scaling, m, n); scale padding
+// entries (the pad4 columns) are written as 0. Work is enqueued on `stream`;
+// the functions do not synchronize. Zero-element tensors launch nothing.
+#ifndef QTX_KERNELS_CUDA_QUANTIZE_BLOCK_H_
+#define QTX_KERNELS_CUDA_QUANTIZE_BLOCK_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/quantize_params.h"
+
+namespace qtx::kernels::cuda {
+
+// Quantizes the row-major [m, n] tensor `input` of element type `dtype` into
+// the copies requested by params.rowwise / params.columnwise.
+// Returns cudaErrorInvalidValue for m < 0, n < 0, an unknown enum value, a
+// null buffer of a requested copy, or a negative / non-finite amax_epsilon;
+// otherwise the launch error, if any.
+cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
+                          const QuantizeParams& params, const QuantizedBuffers& out,
+                          cudaStream_t stream);
+
+// Dequantizes [m, n]: x = decode(q) * scale_inv in FP32, narrowed to
+// `out_dtype` (round to nearest even). Reads the rowwise copy when
+// `use_rowwise`, else the columnwise copy (transposed back to [m, n]).
+cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling,
+                            Fp8Format format, int64_t m, int64_t n, bool use_rowwise,
+                            InputDType out_dtype, void* out, cudaStream_t stream);
+
+namespace detail {
+
+// Launch-shape override for benchmarking the fused quantize kernel:
+// `stages` = shared-memory pipeline depth of the aligned path (2 or 3),
+// `ctas_per_sm` = resident CTAs per SM of the persistent grid (0 = as many as
+// fit). Only BF16 input with E4M3 output honours stages == 3; other values
+// fall back to the defaults. Not part of the stable API.
+struct LaunchTuning {
+  int stages = 0;
+  int ctas_per_sm = 0;
+};
+cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
+                               const QuantizeParams& params, const QuantizedBuffers& out,
+                               const LaunchTuning& tuning, cudaStream_t stream);
+
+}  // namespace detail
+
+}  // namespace qtx::kernels::cuda
+
+#endif  // QTX_KERNELS_CUDA_QUANTIZE_BLOCK_H_
