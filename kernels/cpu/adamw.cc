@@ -50,8 +50,12 @@ inline uint8_t EncodeFast(float x) {
   code_n = code_n < kMaxCode ? code_n : kMaxCode;
   const float t = std::bit_cast<float>(a) + std::bit_cast<float>(kSubMagicBits);
   const uint32_t code_s = std::bit_cast<uint32_t>(t) - kSubMagicBits;
-  const uint32_t code = (a < kMinNormalBits ? code_s : code_n) | sign;
-  return static_cast<uint8_t>(a > 0x7F800000u ? 0x7Fu : code);
+  // Selections as bit masks: with trapping math on, GCC will not if-convert a
+  // ?: whose arm it sank the float add into, and the loop would stay scalar.
+  const uint32_t sub = 0u - static_cast<uint32_t>(a < kMinNormalBits);
+  const uint32_t nan = 0u - static_cast<uint32_t>(a > 0x7F800000u);
+  const uint32_t code = ((sub & code_s) | (~sub & code_n)) | sign;
+  return static_cast<uint8_t>((nan & 0x7Fu) | (~nan & code));
 }
 
 // |x| as FP32 bits, NaN mapped to 0: for non-NaN magnitudes the unsigned
