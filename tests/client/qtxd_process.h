@@ -1,0 +1,51 @@
+// QtxdProcess: a qtxd child process on a private unix socket, for end-to-end
+// tests. Start() spawns it and waits until its health service says SERVING;
+// the destructor sends SIGTERM and reaps it (SIGKILL after a grace period).
+// One owner thread.
+#ifndef QTX_TESTS_CLIENT_QTXD_PROCESS_H_
+#define QTX_TESTS_CLIENT_QTXD_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace qtx::testing {
+
+class QtxdProcess {
+ public:
+  // Starts `qtxd_path --socket=<tmpdir>/qtxd.sock <extra_args...>` and waits
+  // up to `timeout` for SERVING. Fails with the spawn error or
+  // DEADLINE_EXCEEDED (the child is killed then).
+  static absl::StatusOr<std::unique_ptr<QtxdProcess>> Start(
+      const std::string& qtxd_path, const std::vector<std::string>& extra_args,
+      absl::Duration timeout = absl::Seconds(30));
+
+  QtxdProcess(const QtxdProcess&) = delete;
+  QtxdProcess& operator=(const QtxdProcess&) = delete;
+  ~QtxdProcess();
+
+  // "unix://<socket path>".
+  std::string target() const { return "unix://" + socket_path_; }
+  const std::string& socket_path() const { return socket_path_; }
+
+  // Sends SIGTERM and waits up to `grace` for exit. Returns the exit status
+  // (as from waitpid's WEXITSTATUS; 128+signal when killed by a signal).
+  absl::StatusOr<int> Stop(absl::Duration grace = absl::Seconds(20));
+
+ private:
+  QtxdProcess(pid_t pid, std::string dir, std::string socket_path)
+      : pid_(pid), dir_(std::move(dir)), socket_path_(std::move(socket_path)) {}
+
+  pid_t pid_;  // -1 once reaped
+  const std::string dir_;
+  const std::string socket_path_;
+};
+
+}  // namespace qtx::testing
+
+#endif  // QTX_TESTS_CLIENT_QTXD_PROCESS_H_
