@@ -1,0 +1,121 @@
+// GlooCommunicator on loopback: ranks are threads of this process, the
+// rendezvous store a KvStore.
+#include "server/backend/gloo_communicator.h"
+
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/collective/kv_store.h"
+#include "tests/testing/status_matchers.h"
+
+namespace qtx::server::backend {
+namespace {
+
+using ::qtx::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::vector<std::unique_ptr<GlooCommunicator>> Connect(collective::KvStore& store, int world,
+                                                       const std::string& prefix,
+                                                       absl::Duration timeout) {
+  std::vector<std::unique_ptr<GlooCommunicator>> comms(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      GlooCommunicatorOptions o;
+      o.group = "t";
+      o.rank = r;
+      o.world_size = world;
+      o.key_prefix = prefix;
+      o.store = &store;
+      o.deadline = absl::Now() + timeout;
+      auto c = GlooCommunicator::Create(o);
+      EXPECT_TRUE(c.ok()) << c.status();
+      if (c.ok()) comms[r] = std::move(*c);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return comms;
+}
+
+template <typename F>
+void OnEveryRank(int world, F f) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { f(r); });
+  for (auto& t : threads) t.join();
+}
+
+TEST(GlooCommunicator, AllGatherVWithEmptyAndUnequalContributions) {
+  collective::KvStore store;
+  const int world = 4;
+  auto comms = Connect(store, world, "a/", absl::Seconds(10));
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  const std::vector<uint64_t> sizes = {3, 0, 1000, 17};
+  const uint64_t total = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
+  OnEveryRank(world, [&](int r) {
+    std::vector<uint8_t> send(sizes[r]);
+    for (size_t i = 0; i < send.size(); ++i) send[i] = static_cast<uint8_t>(r * 31 + i);
+    std::vector<uint8_t> recv(total, 0);
+    QTX_EXPECT_OK(comms[r]->AllGatherV(send.empty() ? nullptr : send.data(), sizes, recv.data(),
+                                       {absl::Now() + absl::Seconds(10)}));
+    uint64_t off = 0;
+    for (int q = 0; q < world; ++q) {
+      for (uint64_t i = 0; i < sizes[q]; ++i) {
+        ASSERT_EQ(recv[off + i], static_cast<uint8_t>(q * 31 + i)) << "rank " << r;
+      }
+      off += sizes[q];
+    }
+  });
+  OnEveryRank(world, [&](int r) {
+    std::vector<float> v = {float(r), -float(r), 1.0f, r == 2 ? 100.0f : 0.0f};
+    QTX_EXPECT_OK(comms[r]->AllReduceMax(v.data(), v.size(), {absl::Now() + absl::Seconds(10)}));
+    EXPECT_THAT(v, ::testing::ElementsAre(3.0f, 0.0f, 1.0f, 100.0f));
+    QTX_EXPECT_OK(comms[r]->Barrier({absl::Now() + absl::Seconds(10)}));
+  });
+  EXPECT_THAT(comms[0]->AllGatherV(nullptr, std::vector<uint64_t>{1, 2}, nullptr, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gloo[group=t rank=0/4]")));
+}
+
+TEST(GlooCommunicator, MissingPeerTimesOutAndBreaksTheCommunicator) {
+  collective::KvStore store;
+  auto comms = Connect(store, 2, "b/", absl::Seconds(10));
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  const absl::Time start = absl::Now();
+  absl::Status s = comms[0]->Barrier({start + absl::Milliseconds(300)});
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("gloo[group=t rank=0/2]")));
+  EXPECT_LT(took, absl::Seconds(2));
+  EXPECT_THAT(comms[0]->Barrier({absl::Now() + absl::Seconds(1)}),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("earlier failure")));
+}
+
+TEST(GlooCommunicator, CreateTimesOutWhenAPeerNeverPublishes) {
+  collective::KvStore store;
+  GlooCommunicatorOptions o;
+  o.group = "t";
+  o.rank = 0;
+  o.world_size = 2;
+  o.key_prefix = "c/";
+  o.store = &store;
+  o.deadline = absl::Now() + absl::Milliseconds(300);
+  EXPECT_THAT(GlooCommunicator::Create(o),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("gloo[group=t rank=0/2]")));
+}
+
+TEST(GlooCommunicator, RejectsBadOptions) {
+  GlooCommunicatorOptions o;
+  o.world_size = 2;
+  o.rank = 2;
+  EXPECT_THAT(GlooCommunicator::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank=2")));
+  o.rank = 0;
+  EXPECT_THAT(GlooCommunicator::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no rendezvous store")));
+}
+
+}  // namespace
+}  // namespace qtx::server::backend
