@@ -1,0 +1,256 @@
+#include "server/backend/gloo_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gloo/allgatherv.h"
+#include "gloo/allreduce.h"
+#include "gloo/barrier.h"
+#include "gloo/common/error.h"
+#include "gloo/common/logging.h"
+#include "gloo/math.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/prefix_store.h"
+#include "gloo/rendezvous/store.h"
+#include "gloo/transport/tcp/device.h"
+
+namespace qtx::server::backend {
+namespace {
+
+// Carries a RendezvousClient failure through Gloo's connectFullMesh, which
+// only knows exceptions, back to Create().
+struct StoreError : std::exception {
+  explicit StoreError(absl::Status s) : status(std::move(s)) {}
+  const char* what() const noexcept override { return "qtx rendezvous store error"; }
+  absl::Status status;
+};
+
+// gloo::rendezvous::Store over a RendezvousClient. Every call is bounded by
+// the bootstrap deadline and by the timeout Gloo passes to wait().
+class StoreAdapter final : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(RendezvousClient& client, absl::Time deadline)
+      : client_(client), deadline_(deadline) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    absl::Status s = client_.Set(key, std::string_view(data.data(), data.size()), deadline_);
+    if (!s.ok()) throw StoreError(std::move(s));
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    const std::string keys[1] = {key};
+    auto values = client_.Get(keys, deadline_);
+    if (!values.ok()) throw StoreError(values.status());
+    const std::string& v = (*values)[0];
+    return std::vector<char>(v.begin(), v.end());
+  }
+
+  void wait(const std::vector<std::string>& keys) override { WaitUntil(keys, deadline_); }
+
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    WaitUntil(keys, std::min(deadline_, absl::Now() + absl::FromChrono(timeout)));
+  }
+
+ private:
+  void WaitUntil(const std::vector<std::string>& keys, absl::Time deadline) {
+    auto values = client_.Get(keys, deadline);
+    if (!values.ok()) throw StoreError(values.status());
+  }
+
+  RendezvousClient& client_;
+  const absl::Time deadline_;
+};
+
+std::chrono::milliseconds ToMillis(absl::Duration d) {
+  return std::chrono::milliseconds(std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
+}
+
+// Runs `fn` (Gloo calls) and turns any exception into a Status prefixed with
+// `what`. A timeout (Gloo says "Timed out") or a passed deadline becomes
+// DEADLINE_EXCEEDED; other I/O errors UNAVAILABLE; anything else INTERNAL.
+absl::Status Guard(const std::string& what, absl::Time deadline,
+                   const std::function<void()>& fn) {
+  try {
+    fn();
+    return absl::OkStatus();
+  } catch (const StoreError& e) {
+    return absl::Status(e.status.code(), absl::StrCat(what, ": rendezvous: ", e.status.message()));
+  } catch (const gloo::IoException& e) {
+    const std::string msg = e.what();
+    if (absl::StrContains(absl::AsciiStrToLower(msg), "timed out") || absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, ": a peer did not take part before the deadline (", msg, ")"));
+    }
+    return absl::UnavailableError(
+        absl::StrCat(what, ": the connection to a peer failed (", msg, ")"));
+  } catch (const gloo::EnforceNotMet& e) {
+    return absl::InternalError(absl::StrCat(what, ": Gloo check failed: ", e.what()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  } catch (...) {
+    return absl::InternalError(absl::StrCat(what, ": unknown exception from Gloo"));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
+    const GlooCommunicatorOptions& options) {
+  const std::string name =
+      absl::StrFormat("gloo[group=%s rank=%d/%d]", options.group, options.rank,
+                      options.world_size);
+  if (options.world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: world_size=%d: must be >= 1", name, options.world_size));
+  }
+  if (options.rank < 0 || options.rank >= options.world_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: rank=%d: must be in [0, %d)", name, options.rank, options.world_size));
+  }
+  if (options.store == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": no rendezvous store"));
+  }
+  if (options.host.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": empty host to listen on"));
+  }
+  const absl::Duration left = options.deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) {
+    return absl::DeadlineExceededError(absl::StrCat(name, ": deadline passed before connecting"));
+  }
+
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  absl::Status s = Guard(absl::StrCat(name, ": connecting"), options.deadline, [&] {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = options.host;
+    auto device = gloo::transport::tcp::CreateDevice(attr);
+    StoreAdapter adapter(*options.store, options.deadline);
+    gloo::rendezvous::PrefixStore prefixed(options.key_prefix, adapter);
+    context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
+    context->setTimeout(ToMillis(options.deadline - absl::Now()));
+    context->connectFullMesh(prefixed, device);
+  });
+  if (!s.ok()) return s;
+  return std::unique_ptr<GlooCommunicator>(
+      new GlooCommunicator(name, options.rank, options.world_size, std::move(context)));
+}
+
+GlooCommunicator::GlooCommunicator(std::string name, int rank, int world_size,
+                                   std::shared_ptr<gloo::Context> context)
+    : name_(std::move(name)), rank_(rank), world_size_(world_size), context_(std::move(context)) {}
+
+GlooCommunicator::~GlooCommunicator() {
+  // Tearing down the pairs must not throw out of a destructor.
+  try {
+    context_->closeConnections();
+  } catch (...) {
+  }
+}
+
+absl::StatusOr<absl::Duration> GlooCommunicator::Begin(const CommCall& call, const char* op) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!broken_reason_.empty()) {
+      return absl::AbortedError(absl::StrFormat(
+          "%s: %s: unusable after an earlier failure: %s", name_, op, broken_reason_));
+    }
+  }
+  if (aborted_.load()) {
+    return absl::AbortedError(absl::StrFormat("%s: %s: the communicator was aborted", name_, op));
+  }
+  const absl::Duration left = call.deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) {
+    return Fail(absl::DeadlineExceededError(
+        absl::StrFormat("%s: %s: the deadline passed before the call began", name_, op)));
+  }
+  return std::max(left, absl::Milliseconds(1));
+}
+
+absl::Status GlooCommunicator::Fail(absl::Status status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (broken_reason_.empty()) broken_reason_ = std::string(status.message());
+  }
+  try {
+    context_->closeConnections();
+  } catch (...) {
+  }
+  return status;
+}
+
+absl::Status GlooCommunicator::AllGatherV(const void* send, std::span<const uint64_t> recv_bytes,
+                                          void* recv, const CommCall& call) {
+  if (recv_bytes.size() != static_cast<size_t>(world_size_)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d", name_,
+        recv_bytes.size(), world_size_));
+  }
+  auto left = Begin(call, "AllGatherV");
+  if (!left.ok()) return left.status();
+  const uint64_t total = std::accumulate(recv_bytes.begin(), recv_bytes.end(), uint64_t{0});
+  if (total == 0) return absl::OkStatus();  // every rank passes the same sizes
+  if (world_size_ == 1) {
+    if (recv_bytes[0] > 0) std::memmove(recv, send, recv_bytes[0]);
+    return absl::OkStatus();
+  }
+  // Gloo wants real pointers even for empty contributions.
+  char dummy = 0;
+  char* in = recv_bytes[rank_] > 0 ? static_cast<char*>(const_cast<void*>(send)) : &dummy;
+  const uint32_t tag = next_tag_++;
+  absl::Status s = Guard(absl::StrCat(name_, ": AllGatherV"), call.deadline, [&] {
+    gloo::AllgathervOptions opts(context_);
+    opts.setInput<char>(in, recv_bytes[rank_]);
+    opts.setOutput<char>(static_cast<char*>(recv),
+                         std::vector<size_t>(recv_bytes.begin(), recv_bytes.end()));
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(*left));
+    gloo::allgatherv(opts);
+  });
+  return s.ok() ? s : Fail(std::move(s));
+}
+
+absl::Status GlooCommunicator::AllReduceMax(float* data, uint64_t count, const CommCall& call) {
+  auto left = Begin(call, "AllReduceMax");
+  if (!left.ok()) return left.status();
+  if (count == 0 || world_size_ == 1) return absl::OkStatus();
+  const uint32_t tag = next_tag_++;
+  absl::Status s = Guard(absl::StrCat(name_, ": AllReduceMax"), call.deadline, [&] {
+    gloo::AllreduceOptions opts(context_);
+    opts.setOutput<float>(data, count);
+    opts.setReduceFunction([](void* c, const void* a, const void* b, size_t n) {
+      gloo::max<float>(c, a, b, n);
+    });
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(*left));
+    gloo::allreduce(opts);
+  });
+  return s.ok() ? s : Fail(std::move(s));
+}
+
+absl::Status GlooCommunicator::Barrier(const CommCall& call) {
+  auto left = Begin(call, "Barrier");
+  if (!left.ok()) return left.status();
+  if (world_size_ == 1) return absl::OkStatus();
+  const uint32_t tag = next_tag_++;
+  absl::Status s = Guard(absl::StrCat(name_, ": Barrier"), call.deadline, [&] {
+    gloo::BarrierOptions opts(context_);
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(*left));
+    gloo::barrier(opts);
+  });
+  return s.ok() ? s : Fail(std::move(s));
+}
+
+void GlooCommunicator::Abort() { aborted_.store(true); }
+
+}  // namespace qtx::server::backend

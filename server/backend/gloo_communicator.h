@@ -1,0 +1,102 @@
+// GlooCommunicator: the Communicator for host memory, over Gloo's TCP
+// transport (Debian libgloo). How CI runs multi-rank tests on one machine.
+//
+// Bootstrap: Create() connects a full mesh of TCP pairs, exchanging listening
+// addresses through a RendezvousClient under `key_prefix` (wrapped as a
+// gloo::rendezvous::Store inside gloo_communicator.cc, behind a
+// gloo::rendezvous::PrefixStore).
+//
+// Gloo reports failures by throwing (gloo::IoException on timeouts and broken
+// connections, gloo::EnforceNotMet on misuse). Every Gloo call is made inside
+// a catch-all at this class's boundary: no exception ever leaves it; each
+// becomes a Status per communicator.h.
+//
+// Thread safety: as Communicator (one collective caller at a time).
+#ifndef QTX_SERVER_BACKEND_GLOO_COMMUNICATOR_H_
+#define QTX_SERVER_BACKEND_GLOO_COMMUNICATOR_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/backend/communicator.h"
+
+namespace gloo {
+class Context;
+}  // namespace gloo
+
+namespace qtx::server::backend {
+
+struct GlooCommunicatorOptions {
+  std::string group;  // for name() and messages
+  int rank = 0;
+  int world_size = 1;
+  // Host (name or address) whose interface the TCP pairs listen on.
+  std::string host = "127.0.0.1";
+  // Scope of this communicator's rendezvous keys (unique per group instance).
+  std::string key_prefix;
+  RendezvousClient* store = nullptr;  // not owned; used only inside Create()
+  // Create() fails with DEADLINE_EXCEEDED if the mesh is not connected by then.
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+class GlooCommunicator final : public Communicator {
+ public:
+  // Connects to every other rank. INVALID_ARGUMENT for bad options (rank
+  // outside [0, world_size), world_size < 1, no store, empty host);
+  // DEADLINE_EXCEEDED when a peer did not publish its address or connect
+  // before the deadline; UNAVAILABLE when the store or a peer is unreachable;
+  // INTERNAL when Gloo fails otherwise (e.g. `host` does not resolve).
+  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
+      const GlooCommunicatorOptions& options);
+
+  ~GlooCommunicator() override;
+  GlooCommunicator(const GlooCommunicator&) = delete;
+  GlooCommunicator& operator=(const GlooCommunicator&) = delete;
+
+  std::string name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  tensor::MemoryKind memory_kind() const override { return tensor::MemoryKind::kHost; }
+
+  absl::Status AllGatherV(const void* send, std::span<const uint64_t> recv_bytes, void* recv,
+                          const CommCall& call) override;
+  absl::Status AllReduceMax(float* data, uint64_t count, const CommCall& call) override;
+  absl::Status Barrier(const CommCall& call) override;
+  void Abort() override;
+
+ private:
+  GlooCommunicator(std::string name, int rank, int world_size,
+                   std::shared_ptr<gloo::Context> context);
+
+  // Checks that the communicator is usable and the deadline has not passed;
+  // returns the time left, at least 1 ms.
+  absl::StatusOr<absl::Duration> Begin(const CommCall& call, const char* op);
+  // Records a failure (the communicator is broken from now on), closes the
+  // connections so that peers notice at once, and returns the status.
+  absl::Status Fail(absl::Status status);
+
+  // Constant after construction.
+  const std::string name_;
+  const int rank_;
+  const int world_size_;
+  const std::shared_ptr<gloo::Context> context_;
+
+  // Used by the one collective caller only.
+  uint32_t next_tag_ = 1;
+
+  std::atomic<bool> aborted_{false};
+  mutable absl::Mutex mu_;
+  std::string broken_reason_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace qtx::server::backend
+
+#endif  // QTX_SERVER_BACKEND_GLOO_COMMUNICATOR_H_
