@@ -62,6 +62,17 @@ class DeviceBuffer {
   std::function<void(void*)> free_;
 };
 
+// Interprocess CUDA events that order one call against the client's GPU
+// work without a host round trip: each is a 64-byte cudaIpcEventHandle_t the
+// client exported (cudaEventInterprocess | cudaEventDisableTiming); empty
+// means none. Only a device whose memory_kind() is kDevice accepts them
+// (server/ops rejects them otherwise, before any work).
+struct CudaEvents {
+  std::string wait_event;    // waited on before the inputs are read
+  std::string signal_event;  // recorded once the outputs are written
+  bool empty() const { return wait_event.empty() && signal_event.empty(); }
+};
+
 // One quantization of a row-major [m, n] tensor (NUMERICS.md §2-§4).
 struct QuantizeArgs {
   const void* input = nullptr;  // m * n elements of `dtype`; null iff empty
@@ -70,6 +81,7 @@ struct QuantizeArgs {
   int64_t n = 0;
   kernels::QuantizeParams params;
   kernels::QuantizedBuffers out;  // sized per kernels::ComputeLayout
+  CudaEvents events;
 };
 
 // One dequantization of a quantized [m, n] tensor.
@@ -82,6 +94,7 @@ struct DequantizeArgs {
   bool use_rowwise = true;
   kernels::InputDType out_dtype = kernels::InputDType::kFloat32;
   void* out = nullptr;  // m * n elements of out_dtype
+  CudaEvents events;
 };
 
 class Device {
@@ -103,16 +116,24 @@ class Device {
   virtual absl::Status CopyFromHost(void* device_dst, const void* host_src, uint64_t bytes) = 0;
   virtual absl::Status CopyToHost(void* host_dst, const void* device_src, uint64_t bytes) = 0;
 
-  // Quantizes per `args`; returns when the outputs are written. Input and
-  // outputs must not overlap.
+  // Quantizes per `args`; returns when the outputs are written, except that
+  // with args.events.signal_event set a device may return once the work is
+  // enqueued (the event then marks completion). A device waits on
+  // args.events.wait_event before it reads the input. Input and outputs must
+  // not overlap.
   // REQUIRES: args validated by the caller (server/ops): m, n >= 0, buffers of
   // the requested copies non-null (unless empty) and sized per ComputeLayout,
   // amax_epsilon finite and >= 0. INTERNAL on a device failure.
   virtual absl::Status Quantize(const QuantizeArgs& args) = 0;
 
-  // Dequantizes per `args`; returns when the output is written.
+  // Dequantizes per `args`; returns when the output is written (events as
+  // for Quantize).
   // REQUIRES: as Quantize, for the chosen copy.
   virtual absl::Status Dequantize(const DequantizeArgs& args) = 0;
+
+  // Opens device memory another process exported (CUDA IPC) for the region
+  // table; null when this device cannot use such memory (the default).
+  virtual tensor::CudaIpcOpener cuda_ipc_opener() { return nullptr; }
 };
 
 }  // namespace qtx::server::backend
