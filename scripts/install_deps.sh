@@ -9,6 +9,7 @@ PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
   python3 python3-grpcio python3-grpc-tools python3-numpy
+  zlib1g-dev
 )
 
 SUDO=""

@@ -1,0 +1,458 @@
+#include "server/optimizer/checkpoint.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <bit>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "server/status_macros.h"
+
+namespace qtx::server::optimizer {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the checkpoint format is little-endian; add byte swapping for this host");
+
+constexpr char kMagic[8] = {'Q', 'T', 'X', 'O', 'P', 'T', 'C', 'K'};
+constexpr uint64_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;
+constexpr int kMaxRank = 16;
+constexpr uint64_t kMaxMetaBytes = uint64_t{1} << 30;
+
+uint32_t Crc(uint32_t crc, const void* data, uint64_t size) {
+  const auto* p = static_cast<const Bytef*>(data);
+  while (size > 0) {
+    const uInt chunk = static_cast<uInt>(std::min<uint64_t>(size, uint64_t{1} << 30));
+    crc = static_cast<uint32_t>(crc32(crc, p, chunk));
+    p += chunk;
+    size -= chunk;
+  }
+  return crc;
+}
+
+absl::Status Errno(std::string_view what, const std::string& path) {
+  return absl::InternalError(
+      absl::StrFormat("checkpoint %s '%s': %s", what, path, std::strerror(errno)));
+}
+
+// Appends to a file descriptor with a running CRC.
+class Writer {
+ public:
+  Writer(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  absl::Status Write(const void* data, uint64_t size) {
+    crc_ = Crc(crc_, data, size);
+    return WriteRaw(data, size);
+  }
+  absl::Status WriteRaw(const void* data, uint64_t size) {
+    const auto* p = static_cast<const char*>(data);
+    while (size > 0) {
+      const ssize_t n = ::write(fd_, p, std::min<uint64_t>(size, uint64_t{1} << 30));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Errno("write", path_);
+      }
+      p += n;
+      size -= static_cast<uint64_t>(n);
+      bytes_ += static_cast<uint64_t>(n);
+    }
+    return absl::OkStatus();
+  }
+  uint32_t crc() const { return crc_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  int fd_;
+  std::string path_;
+  uint32_t crc_ = static_cast<uint32_t>(crc32(0, nullptr, 0));
+  uint64_t bytes_ = 0;
+};
+
+// The metadata section, serialized into memory.
+class MetaBuilder {
+ public:
+  template <typename T>
+  void Put(T v) {
+    const size_t at = buf_.size();
+    buf_.resize(at + sizeof(T));
+    std::memcpy(buf_.data() + at, &v, sizeof(T));
+  }
+  void PutString(std::string_view s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    buf_.append(s.data(), s.size());
+  }
+  const std::string& bytes() const { return buf_; }
+
+ private:
+  std::string buf_;
+};
+
+// Reads the metadata section with bounds checks.
+class MetaReader {
+ public:
+  MetaReader(std::string_view buf, std::string path) : buf_(buf), path_(std::move(path)) {}
+  template <typename T>
+  absl::Status Get(T* v) {
+    if (buf_.size() - pos_ < sizeof(T)) return Truncated();
+    std::memcpy(v, buf_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return absl::OkStatus();
+  }
+  absl::Status GetString(std::string* s) {
+    uint32_t len = 0;
+    QTX_RETURN_IF_ERROR(Get(&len));
+    if (buf_.size() - pos_ < len) return Truncated();
+    s->assign(buf_.data() + pos_, len);
+    pos_ += len;
+    return absl::OkStatus();
+  }
+  bool done() const { return pos_ == buf_.size(); }
+
+ private:
+  absl::Status Truncated() const {
+    return absl::DataLossError(
+        absl::StrFormat("checkpoint '%s': metadata ends early (corrupted)", path_));
+  }
+  std::string_view buf_;
+  size_t pos_ = 0;
+  std::string path_;
+};
+
+std::string BuildMeta(const GroupState& s) {
+  MetaBuilder b;
+  const GroupConfig& c = s.config;
+  b.PutString(c.name);
+  b.Put<int64_t>(c.step);
+  b.Put<int64_t>(s.update_count);
+  b.Put<double>(c.hyper.lr);
+  b.Put<double>(c.hyper.beta1);
+  b.Put<double>(c.hyper.beta2);
+  b.Put<double>(c.hyper.eps);
+  b.Put<double>(c.hyper.weight_decay);
+  b.Put<uint8_t>(c.hyper.bias_correction);
+  b.Put<uint8_t>(static_cast<uint8_t>(c.moment_dtype));
+  b.Put<uint8_t>(c.output.fp8);
+  b.Put<uint8_t>(static_cast<uint8_t>(c.output.quant.scaling));
+  b.Put<uint8_t>(static_cast<uint8_t>(c.output.quant.format));
+  b.Put<uint8_t>(c.output.quant.rowwise);
+  b.Put<uint8_t>(c.output.quant.columnwise);
+  b.Put<uint8_t>(c.output.quant.force_pow2_scales);
+  b.Put<float>(c.output.quant.amax_epsilon);
+  b.Put<uint8_t>(c.output.bf16_copy);
+  b.Put<uint8_t>(s.last.has_value());
+  const StepStats last = s.last.value_or(StepStats{});
+  b.Put<int64_t>(last.step);
+  b.Put<double>(last.grad_norm);
+  b.Put<uint8_t>(last.skipped);
+  b.Put<uint8_t>(last.non_finite);
+  b.Put<double>(last.clip_coef);
+  b.Put<double>(last.lr);
+  b.Put<uint32_t>(static_cast<uint32_t>(s.params.size()));
+  for (const ParamState& p : s.params) {
+    b.PutString(p.info.name);
+    b.Put<uint32_t>(static_cast<uint32_t>(p.info.shape.size()));
+    for (int64_t d : p.info.shape) b.Put<int64_t>(d);
+    b.Put<int64_t>(p.info.m);
+    b.Put<int64_t>(p.info.n);
+  }
+  return b.bytes();
+}
+
+absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path) {
+  GroupConfig& c = s->config;
+  uint8_t u8 = 0;
+  QTX_RETURN_IF_ERROR(r.GetString(&c.name));
+  QTX_RETURN_IF_ERROR(r.Get(&c.step));
+  QTX_RETURN_IF_ERROR(r.Get(&s->update_count));
+  QTX_RETURN_IF_ERROR(r.Get(&c.hyper.lr));
+  QTX_RETURN_IF_ERROR(r.Get(&c.hyper.beta1));
+  QTX_RETURN_IF_ERROR(r.Get(&c.hyper.beta2));
+  QTX_RETURN_IF_ERROR(r.Get(&c.hyper.eps));
+  QTX_RETURN_IF_ERROR(r.Get(&c.hyper.weight_decay));
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  c.hyper.bias_correction = u8 != 0;
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  if (u8 > 1) return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad moment dtype", path));
+  c.moment_dtype = static_cast<kernels::MomentDType>(u8);
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  c.output.fp8 = u8 != 0;
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  if (u8 > 1) return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad scaling", path));
+  c.output.quant.scaling = static_cast<kernels::BlockScaling>(u8);
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  if (u8 > 1) return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad FP8 format", path));
+  c.output.quant.format = static_cast<kernels::Fp8Format>(u8);
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  c.output.quant.rowwise = u8 != 0;
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  c.output.quant.columnwise = u8 != 0;
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  c.output.quant.force_pow2_scales = u8 != 0;
+  QTX_RETURN_IF_ERROR(r.Get(&c.output.quant.amax_epsilon));
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  c.output.bf16_copy = u8 != 0;
+  uint8_t has_last = 0;
+  QTX_RETURN_IF_ERROR(r.Get(&has_last));
+  StepStats last;
+  QTX_RETURN_IF_ERROR(r.Get(&last.step));
+  QTX_RETURN_IF_ERROR(r.Get(&last.grad_norm));
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  last.skipped = u8 != 0;
+  QTX_RETURN_IF_ERROR(r.Get(&u8));
+  last.non_finite = u8 != 0;
+  QTX_RETURN_IF_ERROR(r.Get(&last.clip_coef));
+  QTX_RETURN_IF_ERROR(r.Get(&last.lr));
+  if (has_last) s->last = last;
+  uint32_t count = 0;
+  QTX_RETURN_IF_ERROR(r.Get(&count));
+  s->params.clear();
+  s->params.reserve(std::min<uint32_t>(count, 1u << 20));
+  for (uint32_t i = 0; i < count; ++i) {
+    ParamState p;
+    QTX_RETURN_IF_ERROR(r.GetString(&p.info.name));
+    uint32_t rank = 0;
+    QTX_RETURN_IF_ERROR(r.Get(&rank));
+    if (rank < 1 || rank > kMaxRank) {
+      return absl::DataLossError(
+          absl::StrFormat("checkpoint '%s': parameter %d has rank %d", path, i, rank));
+    }
+    p.info.shape.resize(rank);
+    for (auto& d : p.info.shape) QTX_RETURN_IF_ERROR(r.Get(&d));
+    QTX_RETURN_IF_ERROR(r.Get(&p.info.m));
+    QTX_RETURN_IF_ERROR(r.Get(&p.info.n));
+    // The matrix must agree with the shape (overflow-safe).
+    int64_t elements = 1;
+    for (int64_t d : p.info.shape) {
+      if (d < 0 || (d > 0 && elements > (int64_t{1} << 40) / d)) {
+        return absl::DataLossError(
+            absl::StrFormat("checkpoint '%s': parameter '%s' has a bad shape", path, p.info.name));
+      }
+      elements *= d;
+    }
+    if (p.info.n != p.info.shape.back() || p.info.m < 0 || p.info.m * p.info.n != elements) {
+      return absl::DataLossError(absl::StrFormat(
+          "checkpoint '%s': parameter '%s' matrix [%d, %d] does not match its shape", path,
+          p.info.name, p.info.m, p.info.n));
+    }
+    s->params.push_back(std::move(p));
+  }
+  if (!r.done()) {
+    return absl::DataLossError(
+        absl::StrFormat("checkpoint '%s': trailing bytes after the metadata", path));
+  }
+  return absl::OkStatus();
+}
+
+// Reads exactly `size` bytes, updating the CRC.
+absl::Status ReadFully(int fd, void* dst, uint64_t size, uint32_t* crc, const std::string& path) {
+  auto* p = static_cast<char*>(dst);
+  uint64_t left = size;
+  while (left > 0) {
+    const ssize_t n = ::read(fd, p, std::min<uint64_t>(left, uint64_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Errno("read", path);
+    }
+    if (n == 0) {
+      return absl::DataLossError(absl::StrFormat("checkpoint '%s': file ends early", path));
+    }
+    p += n;
+    left -= static_cast<uint64_t>(n);
+  }
+  if (crc != nullptr) *crc = Crc(*crc, dst, size);
+  return absl::OkStatus();
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+std::string CheckpointPath(const std::string& dir, std::string_view group) {
+  return dir + "/" + std::string(group) + std::string(kCheckpointSuffix);
+}
+
+absl::StatusOr<ParamState> AllocateParamState(const ParameterInfo& info,
+                                              kernels::MomentDType moment_dtype) {
+  ParamState p;
+  p.info = info;
+  const uint64_t count = static_cast<uint64_t>(info.m) * static_cast<uint64_t>(info.n);
+  const uint64_t mb = MomentBytes(moment_dtype);
+  p.master.reset(new (std::nothrow) float[count == 0 ? 1 : count]);
+  p.exp_avg.reset(new (std::nothrow) uint8_t[count == 0 ? 1 : count * mb]);
+  p.exp_avg_sq.reset(new (std::nothrow) uint8_t[count == 0 ? 1 : count * mb]);
+  if (!p.master || !p.exp_avg || !p.exp_avg_sq) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "parameter '%s': cannot allocate %d bytes of host memory for its optimizer state",
+        info.name, count * (4 + 2 * mb)));
+  }
+  return p;
+}
+
+absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state) {
+  const std::string path = CheckpointPath(dir, state.config.name);
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const std::string meta = BuildMeta(state);
+  const uint64_t mb = MomentBytes(state.config.moment_dtype);
+  uint64_t data_bytes = 0;
+  for (const ParamState& p : state.params) {
+    data_bytes += static_cast<uint64_t>(p.info.m * p.info.n) * (4 + 2 * mb);
+  }
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (fd.get() < 0) return Errno("create", tmp);
+  auto write_all = [&]() -> absl::Status {
+    Writer w(fd.get(), tmp);
+    QTX_RETURN_IF_ERROR(w.Write(kMagic, sizeof(kMagic)));
+    const uint32_t version = kCheckpointVersion, reserved = 0;
+    const uint64_t meta_bytes = meta.size();
+    QTX_RETURN_IF_ERROR(w.Write(&version, 4));
+    QTX_RETURN_IF_ERROR(w.Write(&reserved, 4));
+    QTX_RETURN_IF_ERROR(w.Write(&meta_bytes, 8));
+    QTX_RETURN_IF_ERROR(w.Write(&data_bytes, 8));
+    QTX_RETURN_IF_ERROR(w.Write(meta.data(), meta.size()));
+    for (const ParamState& p : state.params) {
+      const uint64_t count = static_cast<uint64_t>(p.info.m * p.info.n);
+      QTX_RETURN_IF_ERROR(w.Write(p.master.get(), count * 4));
+      QTX_RETURN_IF_ERROR(w.Write(p.exp_avg.get(), count * mb));
+      QTX_RETURN_IF_ERROR(w.Write(p.exp_avg_sq.get(), count * mb));
+    }
+    const uint32_t crc = w.crc();
+    QTX_RETURN_IF_ERROR(w.WriteRaw(&crc, 4));
+    if (::fsync(fd.get()) != 0) return Errno("fsync", tmp);
+    if (::close(fd.release()) != 0) return Errno("close", tmp);
+    return absl::OkStatus();
+  };
+  absl::Status s = write_all();
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    absl::Status e = Errno("rename to", path);
+    ::unlink(tmp.c_str());
+    return e;
+  }
+  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.get() < 0) return Errno("open directory", dir);
+  if (::fsync(dfd.get()) != 0) return Errno("fsync directory", dir);
+  return kHeaderBytes + meta.size() + data_bytes + 4;
+}
+
+absl::StatusOr<GroupState> ReadCheckpoint(
+    const std::string& path, const std::function<absl::Status(uint64_t bytes)>& reserve) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    if (errno == ENOENT) {
+      return absl::NotFoundError(absl::StrFormat("no checkpoint at '%s'", path));
+    }
+    return Errno("open", path);
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return Errno("stat", path);
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  if (file_size < kHeaderBytes + 4) {
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint '%s': %d bytes is shorter than the header (corrupted or truncated)", path,
+        file_size));
+  }
+  uint32_t crc = static_cast<uint32_t>(crc32(0, nullptr, 0));
+  char header[kHeaderBytes];
+  QTX_RETURN_IF_ERROR(ReadFully(fd.get(), header, kHeaderBytes, &crc, path));
+  if (std::memcmp(header, kMagic, sizeof(kMagic)) != 0) {
+    return absl::DataLossError(
+        absl::StrFormat("checkpoint '%s': bad magic (not a qtx optimizer checkpoint)", path));
+  }
+  uint32_t version;
+  uint64_t meta_bytes, data_bytes;
+  std::memcpy(&version, header + 8, 4);
+  std::memcpy(&meta_bytes, header + 16, 8);
+  std::memcpy(&data_bytes, header + 24, 8);
+  if (version != kCheckpointVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "checkpoint '%s': format version %d is not supported (this qtxd reads version %d)", path,
+        version, kCheckpointVersion));
+  }
+  if (meta_bytes > kMaxMetaBytes || data_bytes > file_size ||
+      kHeaderBytes + meta_bytes + data_bytes + 4 != file_size) {
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint '%s': header sizes (meta %d + data %d bytes) do not match the file size %d "
+        "(corrupted or truncated)",
+        path, meta_bytes, data_bytes, file_size));
+  }
+  std::string meta(meta_bytes, '\0');
+  QTX_RETURN_IF_ERROR(ReadFully(fd.get(), meta.data(), meta_bytes, &crc, path));
+  GroupState state;
+  MetaReader r(meta, path);
+  QTX_RETURN_IF_ERROR(ParseMeta(r, &state, path));
+  const uint64_t mb = MomentBytes(state.config.moment_dtype);
+  uint64_t expect_data = 0;
+  int64_t elements = 0;
+  for (const ParamState& p : state.params) {
+    elements += p.info.m * p.info.n;
+    expect_data += static_cast<uint64_t>(p.info.m * p.info.n) * (4 + 2 * mb);
+  }
+  if (expect_data != data_bytes) {
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint '%s': parameter table needs %d data bytes, header says %d (corrupted)", path,
+        expect_data, data_bytes));
+  }
+  QTX_RETURN_IF_ERROR(reserve(StateBytes(elements, state.config.moment_dtype)));
+  for (ParamState& p : state.params) {
+    QTX_ASSIGN_OR_RETURN(ParamState buffers, AllocateParamState(p.info, state.config.moment_dtype));
+    const uint64_t count = static_cast<uint64_t>(p.info.m * p.info.n);
+    QTX_RETURN_IF_ERROR(ReadFully(fd.get(), buffers.master.get(), count * 4, &crc, path));
+    QTX_RETURN_IF_ERROR(ReadFully(fd.get(), buffers.exp_avg.get(), count * mb, &crc, path));
+    QTX_RETURN_IF_ERROR(ReadFully(fd.get(), buffers.exp_avg_sq.get(), count * mb, &crc, path));
+    p = std::move(buffers);
+  }
+  uint32_t stored = 0;
+  QTX_RETURN_IF_ERROR(ReadFully(fd.get(), &stored, 4, nullptr, path));
+  if (stored != crc) {
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint '%s': checksum mismatch (stored CRC-32 0x%08x, computed 0x%08x): the file "
+        "is corrupted; refusing to load it",
+        path, stored, crc));
+  }
+  return state;
+}
+
+absl::StatusOr<std::vector<std::string>> ListCheckpoints(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return Errno("list directory", dir);
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.find(std::string(kCheckpointSuffix) + ".tmp.") != std::string_view::npos) {
+      ::unlinkat(::dirfd(d), e->d_name, 0);  // a write interrupted by a crash
+      continue;
+    }
+    if (name.size() > kCheckpointSuffix.size() && name.ends_with(kCheckpointSuffix)) {
+      names.emplace_back(name.substr(0, name.size() - kCheckpointSuffix.size()));
+    }
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace qtx::server::optimizer

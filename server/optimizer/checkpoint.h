@@ -1,0 +1,53 @@
+// Optimizer checkpoints: one file per group, "<dir>/<group>.qtxopt".
+//
+// Format (little-endian), version 1:
+//   "QTXOPTCK" | u32 version | u32 0 | u64 meta_bytes | u64 data_bytes |
+//   meta (group config, counters, last step result, parameter table) |
+//   data (per parameter: master FP32, exp_avg, exp_avg_sq) |
+//   u32 CRC-32 (zlib) of every byte before it.
+// Writes are atomic: a temp file in the same directory is written, fsync-ed,
+// renamed over the old checkpoint, and the directory is fsync-ed; a crash
+// leaves either the old or the new checkpoint, never a torn one.
+// Reads verify size, version and checksum before the state is used.
+//
+// Thread safety: functions are reentrant; concurrent writers of one group's
+// file must be serialized by the caller (the store holds the group's lock).
+#ifndef QTX_SERVER_OPTIMIZER_CHECKPOINT_H_
+#define QTX_SERVER_OPTIMIZER_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/optimizer/group_state.h"
+
+namespace qtx::server::optimizer {
+
+inline constexpr std::string_view kCheckpointSuffix = ".qtxopt";
+inline constexpr uint32_t kCheckpointVersion = 1;
+
+std::string CheckpointPath(const std::string& dir, std::string_view group);
+
+// Writes `state` to CheckpointPath(dir, group) atomically; returns the file
+// size. INTERNAL (naming the path and errno text) on any I/O failure; the
+// previous checkpoint is then untouched.
+absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state);
+
+// Reads and verifies a checkpoint. `reserve(bytes)` is called with the state's
+// host bytes before any state buffer is allocated; its error is returned.
+// NOT_FOUND: no file; DATA_LOSS: truncated, bad magic, inconsistent sizes or
+// checksum mismatch; FAILED_PRECONDITION: unsupported version; INTERNAL: I/O.
+absl::StatusOr<GroupState> ReadCheckpoint(
+    const std::string& path, const std::function<absl::Status(uint64_t bytes)>& reserve);
+
+// Group names with a checkpoint in `dir`; removes stale temp files left by a
+// crash. INTERNAL if the directory cannot be read.
+absl::StatusOr<std::vector<std::string>> ListCheckpoints(const std::string& dir);
+
+}  // namespace qtx::server::optimizer
+
+#endif  // QTX_SERVER_OPTIMIZER_CHECKPOINT_H_

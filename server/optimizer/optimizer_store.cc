@@ -1,0 +1,559 @@
+#include "server/optimizer/optimizer_store.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/fp8.h"
+#include "server/optimizer/checkpoint.h"
+#include "server/optimizer/group_state.h"
+#include "server/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace qtx::server::optimizer {
+
+struct OptimizerStore::Group {
+  // Constant after the group is installed.
+  uint64_t bytes = 0;  // accounted against the cap while the group is in the map
+
+  mutable absl::Mutex mu;
+  GroupState state ABSL_GUARDED_BY(mu);
+  absl::Status error ABSL_GUARDED_BY(mu);  // not OK: unusable (e.g. corrupted checkpoint)
+  int64_t last_checkpoint_step ABSL_GUARDED_BY(mu) = -1;
+};
+
+namespace {
+
+using kernels::InputDType;
+using kernels::MomentDType;
+
+bool FiniteNonNegative(double x) { return std::isfinite(x) && x >= 0.0; }
+
+GroupInfo InfoOf(const GroupState& s, int64_t last_checkpoint_step, const absl::Status& error) {
+  GroupInfo info;
+  info.config = s.config;
+  info.update_count = s.update_count;
+  info.last_checkpoint_step = last_checkpoint_step;
+  for (const ParamState& p : s.params) {
+    info.params.push_back(p.info);
+    info.num_elements += p.info.m * p.info.n;
+  }
+  info.state_bytes = StateBytes(info.num_elements, s.config.moment_dtype);
+  if (!error.ok()) info.error = std::string(error.message());
+  return info;
+}
+
+absl::Status Unusable(std::string_view name, const absl::Status& error) {
+  return absl::Status(error.code(),
+                      absl::StrFormat("optimizer group '%s' is unusable: %s (replace it with "
+                                      "OffloadOptimizerState(replace=true) or ReleaseGroup)",
+                                      name, error.message()));
+}
+
+void StoreMoment(uint8_t* dst, MomentDType t, int64_t i, float v) {
+  if (t == MomentDType::kFloat32) {
+    std::memcpy(dst + 4 * i, &v, 4);
+  } else {
+    const uint16_t h = kernels::FloatToBf16(v);
+    std::memcpy(dst + 2 * i, &h, 2);
+  }
+}
+
+// Writes a parameter's outputs from its current master weights (skipped
+// steps and replays): the same bytes the fused step wrote, because the FP8
+// copies are QuantizeBlock(master) by definition.
+void WriteOutputsFromMaster(const ParamState& p, const OutputConfig& out,
+                            const ParameterOutputBuffers& b) {
+  if (b.skip) return;
+  const int64_t count = p.info.m * p.info.n;
+  if (out.fp8) {
+    kernels::cpu::QuantizeBlock(p.master.get(), InputDType::kFloat32, p.info.m, p.info.n,
+                                out.quant, b.fp8);
+  }
+  if (out.bf16() && b.bf16 != nullptr) {
+    for (int64_t i = 0; i < count; ++i) b.bf16[i] = kernels::FloatToBf16(p.master[i]);
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateGroupName(std::string_view name) {
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("group='%s': must be 1..128 characters (got %d)", name, name.size()));
+  }
+  if (name[0] == '.') {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("group='%s': must not start with '.'", name));
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '-' || c == '.';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "group='%s': character '%c' not allowed (use [A-Za-z0-9_.-])", name, c));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h) {
+  if (!FiniteNonNegative(h.lr)) {
+    return absl::InvalidArgumentError(absl::StrFormat("hyper_params.lr=%g: must be finite and >= 0", h.lr));
+  }
+  if (!(h.beta1 >= 0.0 && h.beta1 < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("hyper_params.beta1=%g: must be in [0, 1)", h.beta1));
+  }
+  if (!(h.beta2 >= 0.0 && h.beta2 < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("hyper_params.beta2=%g: must be in [0, 1)", h.beta2));
+  }
+  if (!FiniteNonNegative(h.eps)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("hyper_params.eps=%g: must be finite and >= 0", h.eps));
+  }
+  if (!FiniteNonNegative(h.weight_decay)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("hyper_params.weight_decay=%g: must be finite and >= 0", h.weight_decay));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<OptimizerStore>> OptimizerStore::Create(Options options) {
+  if (options.checkpoint_every_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--checkpoint_every_steps=%d: must be >= 0", options.checkpoint_every_steps));
+  }
+  if (options.checkpoint_every_steps > 0 && options.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--checkpoint_every_steps needs --checkpoint_dir");
+  }
+  std::unique_ptr<OptimizerStore> store(new OptimizerStore(std::move(options)));
+  if (!store->options_.checkpoint_dir.empty()) {
+    const std::string& dir = store->options_.checkpoint_dir;
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      return absl::InternalError(absl::StrFormat("--checkpoint_dir=%s: cannot create: %s", dir,
+                                                 std::strerror(errno)));
+    }
+    QTX_RETURN_IF_ERROR(store->LoadAllCheckpoints());
+  }
+  return store;
+}
+
+OptimizerStore::~OptimizerStore() = default;
+
+absl::Status OptimizerStore::LoadAllCheckpoints() {
+  QTX_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                       ListCheckpoints(options_.checkpoint_dir));
+  for (const std::string& name : names) {
+    if (absl::Status s = ValidateGroupName(name); !s.ok()) {
+      spdlog::warn("event=optimizer_checkpoint_ignored file={} reason=\"{}\"",
+                   CheckpointPath(options_.checkpoint_dir, name), std::string(s.message()));
+      continue;
+    }
+    absl::StatusOr<GroupInfo> info =
+        InstallFromCheckpoint(name, CheckpointPath(options_.checkpoint_dir, name));
+    if (info.ok()) {
+      spdlog::info("event=optimizer_group_restored group={} step={} params={} bytes={}", name,
+                   info->config.step, info->params.size(), info->state_bytes);
+      continue;
+    }
+    spdlog::error("event=optimizer_group_restore_failed group={} code={} msg=\"{}\"", name,
+                  absl::StatusCodeToString(info.status().code()), std::string(info.status().message()));
+    auto g = std::make_shared<Group>();
+    {
+      absl::MutexLock glock(&g->mu);
+      g->state.config.name = name;
+      g->error = info.status();
+    }
+    absl::MutexLock lock(&mu_);
+    groups_[name] = std::move(g);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerStore::Reserve(uint64_t bytes, uint64_t freed, std::string_view what) {
+  const uint64_t base = used_bytes_ - std::min(used_bytes_, freed);
+  if (bytes > options_.memory_limit_bytes || base > options_.memory_limit_bytes - bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s needs %d bytes of optimizer state but only %d of the %d-byte limit "
+        "(--optimizer_memory_limit_mb) are free",
+        what, bytes, options_.memory_limit_bytes - std::min(options_.memory_limit_bytes, base),
+        options_.memory_limit_bytes));
+  }
+  used_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<OptimizerStore::Group>> OptimizerStore::Find(
+    std::string_view name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = groups_.find(std::string(name));
+  if (it == groups_.end()) {
+    return absl::NotFoundError(absl::StrFormat(
+        "optimizer group '%s' does not exist (create it with OffloadOptimizerState)", name));
+  }
+  return it->second;
+}
+
+absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
+                                                      std::span<const ParameterInit> params,
+                                                      bool replace) {
+  QTX_RETURN_IF_ERROR(ValidateGroupName(config.name));
+  QTX_RETURN_IF_ERROR(ValidateHyperParams(config.hyper));
+  if (config.step < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("step=%d: must be >= 0", config.step));
+  }
+  if (config.output.fp8 && !config.output.quant.rowwise && !config.output.quant.columnwise) {
+    return absl::InvalidArgumentError("output.fp8: at least one of rowwise, columnwise must be set");
+  }
+  absl::flat_hash_set<std::string_view> names;
+  int64_t elements = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParameterInit& p = params[i];
+    if (p.name.empty() || p.name.size() > 256) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("parameters[%d].name='%s': must be 1..256 characters", i, p.name));
+    }
+    if (!names.insert(p.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("parameters[%d].name='%s': duplicate parameter name", i, p.name));
+    }
+    if ((p.exp_avg == nullptr) != (p.exp_avg_sq == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameters[%d] ('%s'): give both exp_avg and exp_avg_sq or neither", i, p.name));
+    }
+    elements += p.m * p.n;
+  }
+  const uint64_t bytes = StateBytes(elements, config.moment_dtype);
+
+  std::shared_ptr<Group> existing;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(config.name);
+    if (it != groups_.end()) {
+      if (!replace) {
+        return absl::AlreadyExistsError(absl::StrFormat(
+            "optimizer group '%s' already exists (set replace to overwrite it)", config.name));
+      }
+      existing = it->second;
+    }
+    QTX_RETURN_IF_ERROR(Reserve(bytes, existing ? existing->bytes : 0,
+                                absl::StrFormat("optimizer group '%s'", config.name)));
+  }
+  auto unreserve = [&] {
+    absl::MutexLock lock(&mu_);
+    used_bytes_ -= bytes;
+  };
+
+  auto g = std::make_shared<Group>();
+  g->bytes = bytes;
+  {
+    absl::MutexLock glock(&g->mu);
+    GroupState& s = g->state;
+    s.config = config;
+    s.update_count = config.step;
+    for (const ParameterInit& init : params) {
+      ParameterInfo info{init.name, init.shape, init.m, init.n};
+      absl::StatusOr<ParamState> ps = AllocateParamState(info, config.moment_dtype);
+      if (!ps.ok()) {
+        unreserve();
+        return ps.status();
+      }
+      const int64_t count = init.m * init.n;
+      for (int64_t i = 0; i < count; ++i) {
+        ps->master[i] = kernels::LoadAsFloat(init.master, init.master_dtype, i);
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        const float m1 = init.exp_avg ? kernels::LoadAsFloat(init.exp_avg, init.moments_dtype, i)
+                                      : 0.0f;
+        const float m2 =
+            init.exp_avg_sq ? kernels::LoadAsFloat(init.exp_avg_sq, init.moments_dtype, i) : 0.0f;
+        StoreMoment(ps->exp_avg.get(), config.moment_dtype, i, m1);
+        StoreMoment(ps->exp_avg_sq.get(), config.moment_dtype, i, m2);
+      }
+      s.params.push_back(*std::move(ps));
+    }
+  }
+  GroupInfo info;
+  {
+    absl::MutexLock glock(&g->mu);
+    info = InfoOf(g->state, -1, absl::OkStatus());
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = groups_.find(config.name);
+  if (it != groups_.end() && it->second != existing) {
+    used_bytes_ -= bytes;
+    return absl::AlreadyExistsError(absl::StrFormat(
+        "optimizer group '%s' was created concurrently by another call", config.name));
+  }
+  if (existing) used_bytes_ -= existing->bytes;
+  groups_[config.name] = std::move(g);
+  return info;
+}
+
+absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
+                                               const PrepareStepFn& prepare) {
+  if (options.lr.has_value() && !FiniteNonNegative(*options.lr)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("lr=%g: must be finite and >= 0", *options.lr));
+  }
+  if (options.max_grad_norm.has_value() &&
+      !(std::isfinite(*options.max_grad_norm) && *options.max_grad_norm > 0.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_grad_norm=%g: must be finite and > 0", *options.max_grad_norm));
+  }
+  QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
+  absl::MutexLock glock(&g->mu);
+  if (!g->error.ok()) return Unusable(name, g->error);
+  GroupState& s = g->state;
+  const int64_t at = s.config.step;
+  const bool replay = options.step == at && s.last.has_value() && s.last->step == at;
+  if (options.step != at + 1 && !replay) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "optimizer group '%s' is at step %d: the next step is %d%s; got step %d", name, at,
+        at + 1,
+        s.last.has_value() ? absl::StrFormat(" (or %d to retry the last one)", at) : "",
+        options.step));
+  }
+  const GroupInfo info = InfoOf(s, g->last_checkpoint_step, absl::OkStatus());
+  QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, replay));
+  const size_t np = s.params.size();
+  if (!bufs.omit_outputs && bufs.outputs.size() != np) {
+    return absl::InternalError(absl::StrFormat("step: %d output buffers for %d parameters",
+                                               bufs.outputs.size(), np));
+  }
+  const OutputConfig& out = s.config.output;
+  if (replay) {
+    if (!bufs.omit_outputs) {
+      for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+    }
+    StepStats r = *s.last;
+    r.replayed = true;
+    return r;
+  }
+  if (bufs.grads.size() != np) {
+    return absl::InternalError(
+        absl::StrFormat("step: %d gradients for %d parameters", bufs.grads.size(), np));
+  }
+
+  std::vector<kernels::cpu::AdamWParamBuffers> kb(np);
+  for (size_t i = 0; i < np; ++i) {
+    ParamState& p = s.params[i];
+    kernels::cpu::AdamWParamBuffers& b = kb[i];
+    b.m = p.info.m;
+    b.n = p.info.n;
+    b.master = p.master.get();
+    b.exp_avg = p.exp_avg.get();
+    b.exp_avg_sq = p.exp_avg_sq.get();
+    b.moment_dtype = s.config.moment_dtype;
+    b.grad = bufs.grads[i].data;
+    b.grad_dtype = bufs.grads[i].dtype;
+    const bool write = !bufs.omit_outputs && !bufs.outputs[i].skip;
+    b.fp8_output = write && out.fp8;
+    b.quant = out.quant;
+    if (b.fp8_output) b.fp8 = bufs.outputs[i].fp8;
+    b.bf16 = write && out.bf16() ? bufs.outputs[i].bf16 : nullptr;
+  }
+  StepStats stats;
+  stats.step = options.step;
+  stats.lr = options.lr.value_or(s.config.hyper.lr);
+  const kernels::cpu::GradNormResult norm =
+      kernels::cpu::GradSumSquares(kb, options_.num_threads);
+  stats.grad_norm = std::sqrt(norm.sum_squares);
+  stats.non_finite = !norm.all_finite;
+  if (stats.non_finite && options.skip_if_non_finite) {
+    stats.skipped = true;
+    if (!bufs.omit_outputs) {
+      for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+    }
+  } else {
+    // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied
+    // when < 1. Not applied when the norm is not finite.
+    if (options.max_grad_norm.has_value() && norm.all_finite) {
+      const double coef = *options.max_grad_norm / (stats.grad_norm + 1e-6);
+      if (coef < 1.0) stats.clip_coef = coef;
+    }
+    kernels::AdamWHyperParams h = s.config.hyper;
+    h.lr = stats.lr;
+    const kernels::AdamWScalars scalars =
+        kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
+    kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
+    ++s.update_count;
+  }
+  s.config.step = options.step;
+  s.last = stats;
+
+  if (options_.checkpoint_every_steps > 0 && s.config.step % options_.checkpoint_every_steps == 0) {
+    absl::StatusOr<uint64_t> written = WriteCheckpoint(options_.checkpoint_dir, s);
+    if (written.ok()) {
+      g->last_checkpoint_step = s.config.step;
+      spdlog::info("event=optimizer_checkpoint group={} step={} bytes={} reason=periodic", name,
+                   s.config.step, *written);
+    } else {
+      // The step itself succeeded; the previous checkpoint is intact.
+      spdlog::error("event=optimizer_checkpoint_failed group={} step={} msg=\"{}\"", name,
+                    s.config.step, std::string(written.status().message()));
+    }
+  }
+  return stats;
+}
+
+absl::StatusOr<GroupInfo> OptimizerStore::Describe(std::string_view name) const {
+  QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
+  absl::MutexLock glock(&g->mu);
+  if (!g->error.ok()) return Unusable(name, g->error);
+  return InfoOf(g->state, g->last_checkpoint_step, absl::OkStatus());
+}
+
+absl::Status OptimizerStore::ReadState(
+    std::string_view name,
+    const std::function<absl::Status(const GroupInfo&, std::span<const ParameterStateView>)>& read)
+    const {
+  QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
+  absl::MutexLock glock(&g->mu);
+  if (!g->error.ok()) return Unusable(name, g->error);
+  const GroupInfo info = InfoOf(g->state, g->last_checkpoint_step, absl::OkStatus());
+  std::vector<ParameterStateView> views;
+  views.reserve(g->state.params.size());
+  for (size_t i = 0; i < g->state.params.size(); ++i) {
+    const ParamState& p = g->state.params[i];
+    views.push_back({&info.params[i], p.master.get(), p.exp_avg.get(), p.exp_avg_sq.get()});
+  }
+  return read(info, views);
+}
+
+absl::StatusOr<std::vector<CheckpointResult>> OptimizerStore::SaveCheckpoint(
+    std::string_view name) {
+  if (options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "checkpoints need a checkpoint directory (start qtxd with --checkpoint_dir)");
+  }
+  std::vector<std::pair<std::string, std::shared_ptr<Group>>> targets;
+  if (name.empty()) {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [n, g] : groups_) targets.emplace_back(n, g);
+  } else {
+    QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
+    targets.emplace_back(std::string(name), std::move(g));
+  }
+  std::vector<CheckpointResult> results;
+  for (auto& [n, g] : targets) {
+    absl::MutexLock glock(&g->mu);
+    if (!g->error.ok()) {
+      if (!name.empty()) return Unusable(n, g->error);
+      continue;  // never overwrite the evidence of a failed group
+    }
+    QTX_ASSIGN_OR_RETURN(uint64_t bytes, WriteCheckpoint(options_.checkpoint_dir, g->state));
+    g->last_checkpoint_step = g->state.config.step;
+    spdlog::info("event=optimizer_checkpoint group={} step={} bytes={}", n, g->state.config.step,
+                 bytes);
+    results.push_back(
+        {n, g->state.config.step, CheckpointPath(options_.checkpoint_dir, n), bytes});
+  }
+  return results;
+}
+
+absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::string& name,
+                                                                const std::string& path) {
+  std::shared_ptr<Group> existing;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(std::string(name));
+    if (it != groups_.end()) existing = it->second;
+  }
+  const uint64_t freed = existing ? existing->bytes : 0;
+  uint64_t reserved = 0;
+  absl::StatusOr<GroupState> state = ReadCheckpoint(path, [&](uint64_t bytes) -> absl::Status {
+    absl::MutexLock lock(&mu_);
+    QTX_RETURN_IF_ERROR(
+        Reserve(bytes, freed, absl::StrFormat("checkpoint of optimizer group '%s'", name)));
+    reserved = bytes;
+    return absl::OkStatus();
+  });
+  auto unreserve = [&] {
+    absl::MutexLock lock(&mu_);
+    used_bytes_ -= reserved;
+  };
+  if (!state.ok()) {
+    unreserve();
+    return state.status();
+  }
+  if (state->config.name != name) {
+    unreserve();
+    return absl::DataLossError(absl::StrFormat("checkpoint '%s' holds group '%s', not '%s'",
+                                               path, state->config.name, name));
+  }
+  auto g = std::make_shared<Group>();
+  g->bytes = reserved;
+  GroupInfo info;
+  {
+    absl::MutexLock glock(&g->mu);
+    g->state = *std::move(state);
+    g->last_checkpoint_step = g->state.config.step;
+    info = InfoOf(g->state, g->last_checkpoint_step, absl::OkStatus());
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = groups_.find(std::string(name));
+  if (it != groups_.end() && it->second == existing && existing) used_bytes_ -= existing->bytes;
+  groups_[name] = std::move(g);
+  return info;
+}
+
+absl::StatusOr<GroupInfo> OptimizerStore::LoadCheckpoint(std::string_view name) {
+  if (options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "checkpoints need a checkpoint directory (start qtxd with --checkpoint_dir)");
+  }
+  QTX_RETURN_IF_ERROR(ValidateGroupName(name));
+  const std::string n(name);
+  return InstallFromCheckpoint(n, CheckpointPath(options_.checkpoint_dir, n));
+}
+
+absl::Status OptimizerStore::CheckpointAll() {
+  if (options_.checkpoint_dir.empty()) return absl::OkStatus();
+  return SaveCheckpoint("").status();
+}
+
+absl::Status OptimizerStore::ReleaseGroup(std::string_view name) {
+  absl::MutexLock lock(&mu_);
+  auto it = groups_.find(std::string(name));
+  if (it == groups_.end()) {
+    return absl::NotFoundError(absl::StrFormat("optimizer group '%s' does not exist", name));
+  }
+  used_bytes_ -= it->second->bytes;
+  groups_.erase(it);
+  return absl::OkStatus();
+}
+
+std::vector<GroupInfo> OptimizerStore::ListGroups() const {
+  std::vector<std::shared_ptr<Group>> gs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [n, g] : groups_) gs.push_back(g);
+  }
+  std::vector<GroupInfo> out;
+  for (const auto& g : gs) {
+    absl::MutexLock glock(&g->mu);
+    out.push_back(InfoOf(g->state, g->last_checkpoint_step, g->error));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const GroupInfo& a, const GroupInfo& b) { return a.config.name < b.config.name; });
+  return out;
+}
+
+uint64_t OptimizerStore::memory_used_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return used_bytes_;
+}
+
+}  // namespace qtx::server::optimizer

@@ -1,0 +1,233 @@
+// OptimizerStore: the sidecar's AdamW optimizer state — named parameter groups
+// of FP32 master weights and moments in host memory — and everything that
+// must hold for it: a memory cap checked before allocating, steps that are
+// idempotent by step number, gradient-norm clipping and non-finite skipping,
+// and durable checkpoints (checkpoint.h) written on request, every K steps and
+// on shutdown, loaded at start.
+//
+// The store runs the host AdamW kernel (kernels/cpu/adamw.h) itself: the state
+// lives in host memory whatever the device, so the step is a host operation.
+// It takes plain pointers; resolving request tensors is server/ops' job.
+//
+// Thread safety: safe for concurrent use. Calls on one group are serialized
+// by the group's mutex (a Step holds it for its duration); calls on different
+// groups run in parallel. Lock order: the store's mu_ is never held while
+// waiting for a group's mutex except in Create/replace paths that hold no
+// group lock.
+#ifndef QTX_SERVER_OPTIMIZER_OPTIMIZER_STORE_H_
+#define QTX_SERVER_OPTIMIZER_OPTIMIZER_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/adamw.h"
+#include "kernels/quantize_params.h"
+
+namespace qtx::server::optimizer {
+
+// How the updated parameters are returned.
+struct OutputConfig {
+  bool fp8 = true;                // false: BF16 only
+  kernels::QuantizeParams quant;  // for fp8; callers fill the group defaults
+  bool bf16_copy = false;         // with fp8: also a BF16 copy
+  bool bf16() const { return !fp8 || bf16_copy; }
+};
+
+struct GroupConfig {
+  std::string name;
+  kernels::AdamWHyperParams hyper;
+  kernels::MomentDType moment_dtype = kernels::MomentDType::kFloat32;
+  OutputConfig output;
+  int64_t step = 0;  // steps already applied to the initial state
+};
+
+// One parameter's initial state, read from host memory during CreateGroup.
+struct ParameterInit {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t m = 0, n = 0;  // the [M, N] matrix of `shape`
+  const void* master = nullptr;  // m*n of master_dtype (kFloat32 or kBFloat16)
+  kernels::InputDType master_dtype = kernels::InputDType::kFloat32;
+  const void* exp_avg = nullptr;     // optional, m*n of moments_dtype
+  const void* exp_avg_sq = nullptr;  // optional (both or neither)
+  kernels::InputDType moments_dtype = kernels::InputDType::kFloat32;
+};
+
+struct ParameterInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t m = 0, n = 0;
+};
+
+struct GroupInfo {
+  GroupConfig config;  // config.step = steps processed
+  int64_t update_count = 0;
+  std::vector<ParameterInfo> params;
+  int64_t num_elements = 0;
+  uint64_t state_bytes = 0;
+  int64_t last_checkpoint_step = -1;
+  std::string error;  // non-empty: the group is unusable
+};
+
+struct StepOptions {
+  int64_t step = 0;
+  std::optional<double> lr;
+  std::optional<double> max_grad_norm;
+  bool skip_if_non_finite = false;
+};
+
+struct StepStats {
+  int64_t step = 0;
+  double grad_norm = 0.0;
+  bool skipped = false;
+  bool non_finite = false;
+  double clip_coef = 1.0;
+  double lr = 0.0;
+  bool replayed = false;
+};
+
+// Host buffers of one step, in the group's parameter order.
+struct GradientView {
+  const void* data = nullptr;  // m*n elements
+  kernels::InputDType dtype = kernels::InputDType::kFloat32;
+};
+struct ParameterOutputBuffers {
+  kernels::QuantizedBuffers fp8;  // per ComputeLayout(quant.scaling, m, n); when fp8
+  uint16_t* bf16 = nullptr;       // m*n; when the group returns BF16; null to skip
+  bool skip = false;              // write nothing for this parameter
+};
+struct StepBuffers {
+  std::vector<GradientView> grads;  // may be empty on a replay
+  std::vector<ParameterOutputBuffers> outputs;
+  bool omit_outputs = false;
+};
+
+// Called under the group's lock with the group as it is, to resolve the
+// request's gradients and output destinations against it.
+using PrepareStepFn =
+    std::function<absl::StatusOr<StepBuffers>(const GroupInfo& group, bool replay)>;
+
+// A read-only view of one parameter's state, valid during a ReadState callback.
+struct ParameterStateView {
+  const ParameterInfo* info = nullptr;
+  const float* master = nullptr;
+  const void* exp_avg = nullptr;  // moment dtype of the group
+  const void* exp_avg_sq = nullptr;
+};
+
+struct CheckpointResult {
+  std::string group;
+  int64_t step = 0;
+  std::string path;
+  uint64_t bytes = 0;
+};
+
+class OptimizerStore {
+ public:
+  struct Options {
+    uint64_t memory_limit_bytes = uint64_t{64} << 30;
+    std::string checkpoint_dir;          // empty: no checkpoints
+    int64_t checkpoint_every_steps = 0;  // 0: only on request and at shutdown
+    int num_threads = 0;                 // host AdamW threads; 0: OpenMP default
+  };
+
+  // Creates the store. With a checkpoint directory, creates it if missing and
+  // loads every group checkpoint found there; a group whose checkpoint is
+  // corrupted or over the memory cap is registered as failed (every call on
+  // it returns that error; OffloadOptimizerState with replace, or
+  // ReleaseGroup, clears it). INVALID_ARGUMENT for bad options; INTERNAL if
+  // the directory cannot be created or listed.
+  static absl::StatusOr<std::unique_ptr<OptimizerStore>> Create(Options options);
+  ~OptimizerStore();
+  OptimizerStore(const OptimizerStore&) = delete;
+  OptimizerStore& operator=(const OptimizerStore&) = delete;
+
+  // Creates (or with `replace`, replaces) a group from `params`.
+  // INVALID_ARGUMENT: bad name, hyper-parameters, duplicate parameter names,
+  //   step < 0; ALREADY_EXISTS: the group exists and !replace;
+  // RESOURCE_EXHAUSTED: the state would exceed the memory cap (checked before
+  //   allocating).
+  absl::StatusOr<GroupInfo> CreateGroup(const GroupConfig& config,
+                                        std::span<const ParameterInit> params, bool replace);
+
+  // Applies step `options.step` (or replays it; see optimizer.proto).
+  // NOT_FOUND: no such group; FAILED_PRECONDITION: wrong step number (the
+  // message names the step the group is at); DATA_LOSS: failed group; errors
+  // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm.
+  absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
+                                 const PrepareStepFn& prepare);
+
+  absl::StatusOr<GroupInfo> Describe(std::string_view group) const;
+
+  // Calls `read` under the group's lock with every parameter's state.
+  absl::Status ReadState(
+      std::string_view group,
+      const std::function<absl::Status(const GroupInfo&, std::span<const ParameterStateView>)>&
+          read) const;
+
+  // Writes the group's checkpoint (empty name: every usable group).
+  // FAILED_PRECONDITION without a checkpoint directory; INTERNAL on I/O errors.
+  absl::StatusOr<std::vector<CheckpointResult>> SaveCheckpoint(std::string_view group);
+
+  // Replaces the group's state with its checkpoint. FAILED_PRECONDITION
+  // without a checkpoint directory; NOT_FOUND: no checkpoint; DATA_LOSS:
+  // corrupted; RESOURCE_EXHAUSTED: over the cap.
+  absl::StatusOr<GroupInfo> LoadCheckpoint(std::string_view group);
+
+  // Checkpoints every usable group (the shutdown path). Returns the first
+  // error; tries every group. OK without a checkpoint directory.
+  absl::Status CheckpointAll();
+
+  // NOT_FOUND if absent. Frees the group's memory; checkpoints stay on disk.
+  absl::Status ReleaseGroup(std::string_view group);
+
+  std::vector<GroupInfo> ListGroups() const;
+  uint64_t memory_used_bytes() const;
+  uint64_t memory_limit_bytes() const { return options_.memory_limit_bytes; }
+  const Options& options() const { return options_; }
+
+  struct Group;  // defined in optimizer_store.cc
+
+ private:
+  explicit OptimizerStore(Options options) : options_(std::move(options)) {}
+  absl::StatusOr<std::shared_ptr<Group>> Find(std::string_view name) const;
+  absl::Status LoadAllCheckpoints();
+  // Loads `path` into a new group and installs it (replacing any).
+  absl::StatusOr<GroupInfo> InstallFromCheckpoint(const std::string& name,
+                                                  const std::string& path);
+  // Reserves `bytes` against the cap, given that `freed` bytes go away when
+  // the new state replaces the old. RESOURCE_EXHAUSTED naming `what`.
+  absl::Status Reserve(uint64_t bytes, uint64_t freed, std::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
+  const Options options_;
+
+  // State below is protected by mu_.
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
+  uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// INVALID_ARGUMENT unless `name` is 1..128 chars of [A-Za-z0-9_.-] and does
+// not start with '.' (it names checkpoint files).
+absl::Status ValidateGroupName(std::string_view name);
+
+// INVALID_ARGUMENT naming the field unless lr, eps, weight_decay are finite
+// and >= 0 and beta1, beta2 are in [0, 1).
+absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h);
+
+}  // namespace qtx::server::optimizer
+
+#endif  // QTX_SERVER_OPTIMIZER_OPTIMIZER_STORE_H_

@@ -1,0 +1,540 @@
+// OptimizerStore: the step equals the kernel reference, step numbers are
+// idempotent, the memory cap holds, non-finite skips and clipping, and
+// checkpoints round-trip, are refused when corrupted, and survive a restart.
+#include "server/optimizer/optimizer_store.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/block_geometry.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/fp8.h"
+#include "server/optimizer/checkpoint.h"
+#include "tests/testing/status_matchers.h"
+
+namespace qtx::server::optimizer {
+namespace {
+
+using ::qtx::testing::StatusIs;
+using ::testing::HasSubstr;
+
+struct Shape {
+  int64_t m, n;
+};
+
+// A temp directory removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = ::testing::TempDir() + "qtx_opt_XXXXXX";
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Owned outputs of one step for every parameter.
+struct Outputs {
+  std::vector<std::vector<uint8_t>> row, col;
+  std::vector<std::vector<float>> row_scale, col_scale;
+  std::vector<std::vector<uint16_t>> bf16;
+};
+
+class Fixture {
+ public:
+  Fixture(std::vector<Shape> shapes, uint32_t seed,
+          kernels::MomentDType md = kernels::MomentDType::kFloat32)
+      : shapes_(std::move(shapes)), rng_(seed) {
+    config_.name = "g";
+    config_.hyper.lr = 1e-2;
+    config_.hyper.weight_decay = 0.1;
+    config_.moment_dtype = md;
+    config_.output.quant.scaling = kernels::BlockScaling::kBlock2D;
+    config_.output.quant.rowwise = true;
+    config_.output.quant.columnwise = true;
+    config_.output.bf16_copy = true;
+    std::normal_distribution<float> nd(0.0f, 0.1f);
+    for (const Shape& s : shapes_) {
+      std::vector<float> w(s.m * s.n);
+      for (float& x : w) x = nd(rng_);
+      masters_.push_back(std::move(w));
+    }
+  }
+
+  std::vector<ParameterInit> Inits() const {
+    std::vector<ParameterInit> inits;
+    for (size_t i = 0; i < shapes_.size(); ++i) {
+      ParameterInit p;
+      p.name = "p" + std::to_string(i);
+      p.shape = {shapes_[i].m, shapes_[i].n};
+      p.m = shapes_[i].m;
+      p.n = shapes_[i].n;
+      p.master = masters_[i].data();
+      inits.push_back(p);
+    }
+    return inits;
+  }
+
+  // Fresh random gradients for every parameter (FP32).
+  std::vector<std::vector<float>> Grads(float scale = 1.0f) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<std::vector<float>> g;
+    for (const Shape& s : shapes_) {
+      std::vector<float> v(s.m * s.n);
+      for (float& x : v) x = nd(rng_) * scale;
+      g.push_back(std::move(v));
+    }
+    return g;
+  }
+
+  PrepareStepFn Prepare(const std::vector<std::vector<float>>& grads, Outputs* out) const {
+    return [this, &grads, out](const GroupInfo& info, bool) -> absl::StatusOr<StepBuffers> {
+      StepBuffers b;
+      const size_t np = info.params.size();
+      out->row.resize(np);
+      out->col.resize(np);
+      out->row_scale.resize(np);
+      out->col_scale.resize(np);
+      out->bf16.resize(np);
+      for (size_t i = 0; i < np; ++i) {
+        const ParameterInfo& p = info.params[i];
+        const kernels::QuantizedLayout l =
+            kernels::ComputeLayout(info.config.output.quant.scaling, p.m, p.n);
+        out->row[i].assign(l.RowwiseDataBytes(), 0xCD);
+        out->col[i].assign(l.ColumnwiseDataBytes(), 0xCD);
+        out->row_scale[i].assign(l.RowwiseScaleCount(), -1.0f);
+        out->col_scale[i].assign(l.ColumnwiseScaleCount(), -1.0f);
+        out->bf16[i].assign(p.m * p.n, 0xCDCD);
+        ParameterOutputBuffers o;
+        o.fp8 = {out->row[i].data(), out->row_scale[i].data(), out->col[i].data(),
+                 out->col_scale[i].data()};
+        o.bf16 = out->bf16[i].data();
+        b.outputs.push_back(o);
+        if (i < grads.size()) b.grads.push_back({grads[i].data(), kernels::InputDType::kFloat32});
+      }
+      return b;
+    };
+  }
+
+  GroupConfig& config() { return config_; }
+  const std::vector<Shape>& shapes() const { return shapes_; }
+  const std::vector<std::vector<float>>& masters() const { return masters_; }
+
+ private:
+  std::vector<Shape> shapes_;
+  std::mt19937 rng_;
+  GroupConfig config_;
+  std::vector<std::vector<float>> masters_;
+};
+
+// The same steps with the kernels directly: AdamWReference on plain vectors.
+class ReferenceModel {
+ public:
+  ReferenceModel(const Fixture& f) : config_(const_cast<Fixture&>(f).config()) {
+    for (size_t i = 0; i < f.shapes().size(); ++i) {
+      const Shape s = f.shapes()[i];
+      shapes_.push_back(s);
+      master_.push_back(f.masters()[i]);
+      m1_.emplace_back(s.m * s.n, 0.0f);
+      m2_.emplace_back(s.m * s.n, 0.0f);
+    }
+  }
+  Outputs Step(const std::vector<std::vector<float>>& grads, int64_t t, double grad_scale,
+               double lr) {
+    Outputs out;
+    std::vector<kernels::cpu::AdamWParamBuffers> bs;
+    for (size_t i = 0; i < shapes_.size(); ++i) {
+      const Shape s = shapes_[i];
+      const kernels::QuantizedLayout l =
+          kernels::ComputeLayout(config_.output.quant.scaling, s.m, s.n);
+      out.row.emplace_back(l.RowwiseDataBytes());
+      out.col.emplace_back(l.ColumnwiseDataBytes());
+      out.row_scale.emplace_back(l.RowwiseScaleCount());
+      out.col_scale.emplace_back(l.ColumnwiseScaleCount());
+      out.bf16.emplace_back(s.m * s.n);
+    }
+    for (size_t i = 0; i < shapes_.size(); ++i) {
+      kernels::cpu::AdamWParamBuffers b;
+      b.m = shapes_[i].m;
+      b.n = shapes_[i].n;
+      b.master = master_[i].data();
+      b.exp_avg = m1_[i].data();
+      b.exp_avg_sq = m2_[i].data();
+      b.grad = grads[i].data();
+      b.quant = config_.output.quant;
+      b.fp8 = {out.row[i].data(), out.row_scale[i].data(), out.col[i].data(),
+               out.col_scale[i].data()};
+      b.bf16 = out.bf16[i].data();
+      bs.push_back(b);
+    }
+    kernels::AdamWHyperParams h = config_.hyper;
+    h.lr = lr;
+    kernels::cpu::AdamWReference(bs, kernels::MakeAdamWScalars(h, t, grad_scale));
+    return out;
+  }
+  const std::vector<std::vector<float>>& master() const { return master_; }
+
+ private:
+  GroupConfig config_;
+  std::vector<Shape> shapes_;
+  std::vector<std::vector<float>> master_, m1_, m2_;
+};
+
+void ExpectSameOutputs(const Outputs& a, const Outputs& b) {
+  ASSERT_EQ(a.row.size(), b.row.size());
+  for (size_t i = 0; i < a.row.size(); ++i) {
+    EXPECT_EQ(a.row[i], b.row[i]) << "param " << i;
+    EXPECT_EQ(a.col[i], b.col[i]) << "param " << i;
+    EXPECT_EQ(0, std::memcmp(a.row_scale[i].data(), b.row_scale[i].data(),
+                             a.row_scale[i].size() * 4));
+    EXPECT_EQ(0, std::memcmp(a.col_scale[i].data(), b.col_scale[i].data(),
+                             a.col_scale[i].size() * 4));
+    EXPECT_EQ(a.bf16[i], b.bf16[i]) << "param " << i;
+  }
+}
+
+std::vector<std::vector<float>> ReadMasters(const OptimizerStore& store, const std::string& g) {
+  std::vector<std::vector<float>> out;
+  EXPECT_TRUE(store
+                  .ReadState(g,
+                             [&](const GroupInfo&, std::span<const ParameterStateView> views) {
+                               for (const auto& v : views) {
+                                 out.emplace_back(v.master,
+                                                  v.master + v.info->m * v.info->n);
+                               }
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  return out;
+}
+
+std::unique_ptr<OptimizerStore> MakeStore(OptimizerStore::Options o = {}) {
+  auto s = OptimizerStore::Create(std::move(o));
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *std::move(s) : nullptr;
+}
+
+TEST(OptimizerStore, StepsEqualTheKernelReference) {
+  Fixture f({{130, 200}, {1, 7}, {256, 128}}, 1);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  ReferenceModel ref(f);
+  for (int64_t t = 1; t <= 3; ++t) {
+    const auto grads = f.Grads();
+    Outputs got;
+    QTX_ASSERT_OK_AND_ASSIGN(StepStats stats,
+                             store->Step("g", {.step = t}, f.Prepare(grads, &got)));
+    EXPECT_EQ(stats.step, t);
+    EXPECT_FALSE(stats.skipped);
+    EXPECT_FALSE(stats.replayed);
+    double sum = 0;
+    for (const auto& g : grads) {
+      for (float x : g) sum += static_cast<double>(x) * x;
+    }
+    EXPECT_NEAR(stats.grad_norm, std::sqrt(sum), 1e-9 * std::sqrt(sum));
+    const Outputs want = ref.Step(grads, t, 1.0, f.config().hyper.lr);
+    ExpectSameOutputs(got, want);
+  }
+  EXPECT_EQ(ReadMasters(*store, "g"), ref.master());
+}
+
+TEST(OptimizerStore, RetryIsAnsweredFromTheResultAndNeverAppliedTwice) {
+  Fixture f({{200, 300}}, 2);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  const auto grads = f.Grads();
+  Outputs first, retry;
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats s1, store->Step("g", {.step = 1}, f.Prepare(grads, &first)));
+  const auto after_first = ReadMasters(*store, "g");
+  // The retry carries different gradients: they must be ignored.
+  const auto other = f.Grads(100.0f);
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats s2, store->Step("g", {.step = 1}, f.Prepare(other, &retry)));
+  EXPECT_TRUE(s2.replayed);
+  EXPECT_EQ(s2.grad_norm, s1.grad_norm);
+  ExpectSameOutputs(first, retry);
+  EXPECT_EQ(ReadMasters(*store, "g"), after_first);
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, store->Describe("g"));
+  EXPECT_EQ(info.config.step, 1);
+  EXPECT_EQ(info.update_count, 1);
+}
+
+TEST(OptimizerStore, StepFromTheFutureOrThePastFailsNamingTheCurrentStep) {
+  Fixture f({{3, 4}}, 3);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  const auto grads = f.Grads();
+  Outputs o;
+  EXPECT_THAT(store->Step("g", {.step = 0}, f.Prepare(grads, &o)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is at step 0")));
+  EXPECT_THAT(store->Step("g", {.step = 2}, f.Prepare(grads, &o)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("next step is 1")));
+  QTX_ASSERT_OK(store->Step("g", {.step = 1}, f.Prepare(grads, &o)));
+  QTX_ASSERT_OK(store->Step("g", {.step = 2}, f.Prepare(grads, &o)));
+  EXPECT_THAT(store->Step("g", {.step = 1}, f.Prepare(grads, &o)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is at step 2")));
+  EXPECT_THAT(store->Step("g", {.step = 5}, f.Prepare(grads, &o)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is at step 2")));
+  EXPECT_THAT(store->Step("nope", {.step = 1}, f.Prepare(grads, &o)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope'")));
+}
+
+TEST(OptimizerStore, TakingOverARunningJobStartsAtItsStep) {
+  Fixture f({{4, 4}}, 4);
+  f.config().step = 41;
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  const auto grads = f.Grads();
+  Outputs o;
+  EXPECT_THAT(store->Step("g", {.step = 1}, f.Prepare(grads, &o)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is at step 41")));
+  QTX_ASSERT_OK(store->Step("g", {.step = 42}, f.Prepare(grads, &o)));
+}
+
+TEST(OptimizerStore, MemoryCapRefusesBeforeAllocating) {
+  Fixture f({{100, 100}}, 5);
+  OptimizerStore::Options o;
+  o.memory_limit_bytes = 100 * 100 * 12 - 1;  // one byte short of FP32 master + 2 moments
+  auto store = MakeStore(o);
+  EXPECT_THAT(store->CreateGroup(f.config(), f.Inits(), false),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("optimizer_memory_limit_mb")));
+  EXPECT_EQ(store->memory_used_bytes(), 0u);
+  EXPECT_TRUE(store->ListGroups().empty());
+  // BF16 moments need 8 bytes per element: fits.
+  f.config().moment_dtype = kernels::MomentDType::kBFloat16;
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  EXPECT_EQ(store->memory_used_bytes(), 100u * 100u * 8u);
+  // A second group does not fit; releasing the first frees its bytes.
+  GroupConfig c2 = f.config();
+  c2.name = "g2";
+  EXPECT_THAT(store->CreateGroup(c2, f.Inits(), false),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("'g2'")));
+  QTX_ASSERT_OK(store->ReleaseGroup("g"));
+  EXPECT_EQ(store->memory_used_bytes(), 0u);
+  QTX_ASSERT_OK(store->CreateGroup(c2, f.Inits(), false));
+}
+
+TEST(OptimizerStore, RejectsDuplicateGroupsAndBadInput) {
+  Fixture f({{2, 2}}, 6);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  EXPECT_THAT(store->CreateGroup(f.config(), f.Inits(), false),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("replace")));
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), true));
+  GroupConfig bad = f.config();
+  bad.name = "a/b";
+  EXPECT_THAT(store->CreateGroup(bad, f.Inits(), false),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not allowed")));
+  bad = f.config();
+  bad.hyper.beta2 = 1.0;
+  EXPECT_THAT(store->CreateGroup(bad, f.Inits(), true),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("beta2")));
+  auto inits = f.Inits();
+  inits.push_back(inits[0]);
+  EXPECT_THAT(store->CreateGroup(f.config(), inits, true),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate")));
+}
+
+TEST(OptimizerStore, NonFiniteGradientsAreSkippedAndReported) {
+  Fixture f({{130, 130}}, 7);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  auto grads = f.Grads();
+  grads[0][777] = std::numeric_limits<float>::quiet_NaN();
+  Outputs o;
+  QTX_ASSERT_OK_AND_ASSIGN(
+      StepStats s, store->Step("g", {.step = 1, .skip_if_non_finite = true}, f.Prepare(grads, &o)));
+  EXPECT_TRUE(s.skipped);
+  EXPECT_TRUE(s.non_finite);
+  EXPECT_EQ(ReadMasters(*store, "g"), f.masters());  // unchanged
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, store->Describe("g"));
+  EXPECT_EQ(info.config.step, 1);
+  EXPECT_EQ(info.update_count, 0);
+  // The returned parameters are the (unchanged) master, quantized.
+  ReferenceModel ref(f);
+  std::vector<float> master = f.masters()[0];
+  std::vector<uint8_t> row(master.size());
+  std::vector<float> scale(kernels::ComputeLayout(kernels::BlockScaling::kBlock2D, 130, 130)
+                               .RowwiseScaleCount());
+  kernels::QuantizeParams q = f.config().output.quant;
+  q.columnwise = false;
+  kernels::cpu::QuantizeBlock(master.data(), kernels::InputDType::kFloat32, 130, 130, q,
+                              {row.data(), scale.data(), nullptr, nullptr});
+  EXPECT_EQ(o.row[0], row);
+  // The next step applies AdamW with t = 1 (bias correction of a first step).
+  const auto good = f.Grads();
+  Outputs o2;
+  QTX_ASSERT_OK(store->Step("g", {.step = 2}, f.Prepare(good, &o2)));
+  ExpectSameOutputs(o2, ref.Step(good, 1, 1.0, f.config().hyper.lr));
+}
+
+TEST(OptimizerStore, ClipsTheGlobalGradientNormLikeTorch) {
+  Fixture f({{64, 64}, {10, 3}}, 8);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  ReferenceModel ref(f);
+  const auto grads = f.Grads();
+  Outputs o;
+  QTX_ASSERT_OK_AND_ASSIGN(
+      StepStats s, store->Step("g", {.step = 1, .lr = 0.5, .max_grad_norm = 1.0},
+                               f.Prepare(grads, &o)));
+  EXPECT_GT(s.grad_norm, 1.0);
+  EXPECT_DOUBLE_EQ(s.clip_coef, 1.0 / (s.grad_norm + 1e-6));
+  EXPECT_EQ(s.lr, 0.5);
+  ExpectSameOutputs(o, ref.Step(grads, 1, s.clip_coef, 0.5));
+  // A max norm above the norm does not clip.
+  const auto g2 = f.Grads();
+  Outputs o2;
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats s2, store->Step("g", {.step = 2, .max_grad_norm = 1e9},
+                                                     f.Prepare(g2, &o2)));
+  EXPECT_EQ(s2.clip_coef, 1.0);
+  ExpectSameOutputs(o2, ref.Step(g2, 2, 1.0, f.config().hyper.lr));
+}
+
+TEST(OptimizerStore, CheckpointRoundTripAndRestartContinuesIdentically) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{130, 257}, {5, 5}}, 9, kernels::MomentDType::kBFloat16);
+  auto a = MakeStore(o);
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+  Outputs out;
+  for (int64_t t = 1; t <= 2; ++t) {
+    const auto g = f.Grads();
+    QTX_ASSERT_OK(a->Step("g", {.step = t}, f.Prepare(g, &out)));
+  }
+  QTX_ASSERT_OK_AND_ASSIGN(auto saved, a->SaveCheckpoint("g"));
+  ASSERT_EQ(saved.size(), 1u);
+  EXPECT_EQ(saved[0].step, 2);
+
+  auto b = MakeStore(o);  // a restarted sidecar on the same directory
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
+  EXPECT_EQ(info.config.step, 2);
+  EXPECT_EQ(info.update_count, 2);
+  EXPECT_EQ(info.config.moment_dtype, kernels::MomentDType::kBFloat16);
+  EXPECT_EQ(ReadMasters(*a, "g"), ReadMasters(*b, "g"));
+  // A retry of step 2 after the restart is answered from the checkpoint.
+  Outputs replay;
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r, b->Step("g", {.step = 2}, f.Prepare({}, &replay)));
+  EXPECT_TRUE(r.replayed);
+  ExpectSameOutputs(out, replay);
+  // Both continue identically.
+  for (int64_t t = 3; t <= 4; ++t) {
+    const auto g = f.Grads();
+    Outputs oa, ob;
+    QTX_ASSERT_OK(a->Step("g", {.step = t}, f.Prepare(g, &oa)));
+    QTX_ASSERT_OK(b->Step("g", {.step = t}, f.Prepare(g, &ob)));
+    ExpectSameOutputs(oa, ob);
+  }
+  EXPECT_EQ(ReadMasters(*a, "g"), ReadMasters(*b, "g"));
+}
+
+TEST(OptimizerStore, CorruptedCheckpointIsRefusedNeverServedFresh) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{64, 64}}, 10);
+  {
+    auto a = MakeStore(o);
+    QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+    const auto g = f.Grads();
+    Outputs out;
+    QTX_ASSERT_OK(a->Step("g", {.step = 1}, f.Prepare(g, &out)));
+    QTX_ASSERT_OK(a->CheckpointAll());
+  }
+  const std::string path = CheckpointPath(dir.path(), "g");
+  {
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(200);
+    char c;
+    file.seekg(200);
+    file.read(&c, 1);
+    c ^= 0x01;  // one flipped bit in the data
+    file.seekp(200);
+    file.write(&c, 1);
+  }
+  auto b = MakeStore(o);
+  const auto g = f.Grads();
+  Outputs out;
+  EXPECT_THAT(b->Step("g", {.step = 2}, f.Prepare(g, &out)),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("checksum mismatch")));
+  EXPECT_THAT(b->Describe("g"), StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path)));
+  const auto list = b->ListGroups();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_THAT(list[0].error, HasSubstr("checksum"));
+  EXPECT_THAT(b->LoadCheckpoint("g"), StatusIs(absl::StatusCode::kDataLoss, ::testing::_));
+  EXPECT_EQ(b->memory_used_bytes(), 0u);
+  // CheckpointAll on shutdown must not overwrite the evidence.
+  QTX_ASSERT_OK(b->CheckpointAll());
+  // Truncation is detected too.
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 10);
+  auto c = MakeStore(o);
+  EXPECT_THAT(c->Describe("g"), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("truncated")));
+  // An explicit replace clears the failed group.
+  QTX_ASSERT_OK(c->CreateGroup(f.config(), f.Inits(), true));
+  QTX_ASSERT_OK(c->Step("g", {.step = 1}, f.Prepare(g, &out)));
+}
+
+TEST(OptimizerStore, CheckpointsEveryKStepsAndIgnoresTornTempFiles) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  o.checkpoint_every_steps = 2;
+  Fixture f({{8, 8}}, 11);
+  {
+    std::ofstream torn(dir.path() + "/g.qtxopt.tmp.12345");
+    torn << "partial";
+  }
+  auto a = MakeStore(o);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/g.qtxopt.tmp.12345"));
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+  for (int64_t t = 1; t <= 3; ++t) {
+    const auto g = f.Grads();
+    Outputs out;
+    QTX_ASSERT_OK(a->Step("g", {.step = t}, f.Prepare(g, &out)));
+  }
+  auto b = MakeStore(o);
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
+  EXPECT_EQ(info.config.step, 2);  // the last multiple of 2
+  OptimizerStore::Options bad = o;
+  bad.checkpoint_dir = "";
+  EXPECT_THAT(OptimizerStore::Create(bad), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    HasSubstr("--checkpoint_dir")));
+  auto none = MakeStore();
+  EXPECT_THAT(none->SaveCheckpoint("g"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--checkpoint_dir")));
+}
+
+TEST(OptimizerStore, CheckpointOverTheMemoryCapIsRefused) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{50, 50}}, 12);
+  {
+    auto a = MakeStore(o);
+    QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+    QTX_ASSERT_OK(a->CheckpointAll());
+  }
+  o.memory_limit_bytes = 1000;
+  auto b = MakeStore(o);
+  EXPECT_THAT(b->Describe("g"), StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
+  EXPECT_EQ(b->memory_used_bytes(), 0u);
+}
+
+}  // namespace
+}  // namespace qtx::server::optimizer
