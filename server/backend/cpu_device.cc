@@ -45,4 +45,26 @@ absl::Status CpuDevice::Dequantize(const DequantizeArgs& args) {
   return absl::OkStatus();
 }
 
+absl::Status CpuDevice::ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) {
+  kernels::cpu::ShardBoundaryAmax(args.input, args.dtype, args.geom, args.params.scaling, first,
+                                  last);
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::QuantizeShard(const ShardArgs& args, const float* first_amax,
+                                      const float* last_amax,
+                                      const kernels::QuantizedBuffers& out) {
+  kernels::cpu::QuantizeShard(args.input, args.dtype, args.geom, args.params, first_amax,
+                              last_amax, out);
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
+                                       const kernels::QuantizedConstBuffers* shards,
+                                       const kernels::QuantizeParams& params,
+                                       const kernels::QuantizedBuffers& out) {
+  kernels::cpu::AssembleShards(world_size, geoms, shards, params, out);
+  return absl::OkStatus();
+}
+
 }  // namespace qtx::server::backend

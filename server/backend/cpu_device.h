@@ -22,6 +22,14 @@ class CpuDevice final : public Device {
   absl::Status CopyToHost(void* host_dst, const void* device_src, uint64_t bytes) override;
   absl::Status Quantize(const QuantizeArgs& args) override;
   absl::Status Dequantize(const DequantizeArgs& args) override;
+  absl::Status ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) override;
+  absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax,
+                             const float* last_amax,
+                             const kernels::QuantizedBuffers& out) override;
+  absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
+                              const kernels::QuantizedConstBuffers* shards,
+                              const kernels::QuantizeParams& params,
+                              const kernels::QuantizedBuffers& out) override;
 };
 
 }  // namespace qtx::server::backend

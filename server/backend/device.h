@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/block_geometry.h"
 #include "kernels/quantize_params.h"
+#include "kernels/shard_geometry.h"
 #include "server/tensor/region_table.h"
 
 namespace qtx::server::backend {
@@ -97,6 +98,15 @@ struct DequantizeArgs {
   CudaEvents events;
 };
 
+// One rank's shard of the exact all-gather (NUMERICS.md §A): rows
+// [geom.row_offset, geom.row_offset + geom.m) of the global [M, N] tensor.
+struct ShardArgs {
+  const void* input = nullptr;  // geom.m * geom.n elements of `dtype`
+  kernels::InputDType dtype = kernels::InputDType::kFloat32;
+  kernels::ShardGeometry geom;
+  kernels::QuantizeParams params;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -134,6 +144,27 @@ class Device {
   // Opens device memory another process exported (CUDA IPC) for the region
   // table; null when this device cannot use such memory (the default).
   virtual tensor::CudaIpcOpener cuda_ipc_opener() { return nullptr; }
+
+  // ---- Exact all-gather building blocks (kernels/cpu/quantize_block.h) ----
+  // All pointers are device memory; each returns when its outputs are written.
+
+  // Partial amaxes of the shard's first and last block rows, each
+  // kernels::BoundaryAmaxLength(params.scaling, geom) floats.
+  virtual absl::Status ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) = 0;
+
+  // Quantizes the shard into the shard layout (kernels/shard_geometry.h) with
+  // the combined boundary amaxes `first_amax` / `last_amax`.
+  virtual absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax,
+                                     const float* last_amax,
+                                     const kernels::QuantizedBuffers& out) = 0;
+
+  // Writes the GEMM-ready [sum m, N] tensor from every rank's shard buffers.
+  // REQUIRES: geoms/shards have `world_size` entries (host arrays of device
+  // pointers); out sized per kernels::ComputeLayout.
+  virtual absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
+                                      const kernels::QuantizedConstBuffers* shards,
+                                      const kernels::QuantizeParams& params,
+                                      const kernels::QuantizedBuffers& out) = 0;
 };
 
 }  // namespace qtx::server::backend

@@ -1,0 +1,543 @@
+#include "server/ops/allgather.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/block_geometry.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/shard_geometry.h"
+#include "server/status_macros.h"
+
+namespace qtx::server::ops {
+namespace {
+
+using tensor::DType;
+using tensor::MemoryKind;
+
+constexpr uint32_t kMagic = 0x31585451;  // "QTX1"
+constexpr size_t kMessageBytes = 192;
+
+// What every rank tells the others before data moves (step 2), and the status
+// of step 3. Plain bytes: the ranks run the same build on the same machine
+// type.
+struct WireStatus {
+  int32_t code = 0;  // absl::StatusCode; 0 = OK
+  char message[kMessageBytes] = {};
+};
+
+struct WireHeader {
+  uint32_t magic = kMagic;
+  int32_t dtype = 0;
+  uint64_t sequence = 0;
+  int64_t n = 0;
+  int64_t m = 0;
+  int32_t mode = 0;
+  int32_t scaling = 0;
+  int32_t format = 0;
+  int32_t rowwise = 0;
+  int32_t columnwise = 0;
+  int32_t pow2 = 0;
+  uint32_t epsilon_bits = 0;
+  int32_t pad = 0;
+  WireStatus status;
+};
+
+WireStatus ToWire(const absl::Status& s) {
+  WireStatus w;
+  w.code = static_cast<int32_t>(s.code());
+  const std::string_view msg(s.message().data(), s.message().size());
+  std::memcpy(w.message, msg.data(), std::min(msg.size(), kMessageBytes - 1));
+  return w;
+}
+
+absl::Status FromWire(const WireStatus& w, const std::string& prefix) {
+  return absl::Status(static_cast<absl::StatusCode>(w.code),
+                      prefix + std::string(w.message, strnlen(w.message, kMessageBytes)));
+}
+
+// Moves `bytes` host bytes through device memory (for a device communicator)
+// and all-gathers them; every rank contributes the same size.
+absl::Status ExchangeFixed(const void* send, uint64_t bytes, void* recv, const OpContext& ctx,
+                           backend::Communicator& comm, const backend::CommCall& call) {
+  const int w = comm.world_size();
+  std::vector<uint64_t> sizes(w, bytes);
+  if (ctx.device->memory_kind() == MemoryKind::kHost) {
+    return comm.AllGatherV(send, sizes, recv, call);
+  }
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer dsend, ctx.device->Allocate(bytes));
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer drecv, ctx.device->Allocate(bytes * w));
+  QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(dsend.data(), send, bytes));
+  QTX_RETURN_IF_ERROR(comm.AllGatherV(dsend.data(), sizes, drecv.data(), call));
+  return ctx.device->CopyToHost(recv, drecv.data(), bytes * w);
+}
+
+// The first field in which rank r's header differs from rank 0's.
+absl::Status CheckAgreement(const std::vector<WireHeader>& h, const std::string& prefix) {
+  struct Field {
+    const char* name;
+    int64_t WireHeader::*i64 = nullptr;
+    int32_t WireHeader::*i32 = nullptr;
+  };
+  auto describe = [](const char* name, const WireHeader& x) -> std::string {
+    const std::string_view f = name;
+    if (f == "sequence") return absl::StrCat(x.sequence);
+    if (f == "n") return absl::StrCat(x.n);
+    if (f == "dtype") return std::string(tensor::DTypeName(static_cast<DType>(x.dtype)));
+    if (f == "mode") return std::string(AllGatherModeName(static_cast<AllGatherMode>(x.mode)));
+    if (f == "config.scaling_mode")
+      return std::string(ScalingName(static_cast<kernels::BlockScaling>(x.scaling)));
+    if (f == "config.format")
+      return std::string(FormatName(static_cast<kernels::Fp8Format>(x.format)));
+    if (f == "config.rowwise") return x.rowwise ? "true" : "false";
+    if (f == "config.columnwise") return x.columnwise ? "true" : "false";
+    if (f == "config.force_pow2_scales") return x.pow2 ? "true" : "false";
+    float e;
+    std::memcpy(&e, &x.epsilon_bits, 4);
+    return absl::StrFormat("%g", e);
+  };
+  auto differs = [](const char* name, const WireHeader& a, const WireHeader& b) {
+    const std::string_view f = name;
+    if (f == "sequence") return a.sequence != b.sequence;
+    if (f == "n") return a.n != b.n;
+    if (f == "dtype") return a.dtype != b.dtype;
+    if (f == "mode") return a.mode != b.mode;
+    if (f == "config.scaling_mode") return a.scaling != b.scaling;
+    if (f == "config.format") return a.format != b.format;
+    if (f == "config.rowwise") return a.rowwise != b.rowwise;
+    if (f == "config.columnwise") return a.columnwise != b.columnwise;
+    if (f == "config.force_pow2_scales") return a.pow2 != b.pow2;
+    return a.epsilon_bits != b.epsilon_bits;
+  };
+  static constexpr const char* kFields[] = {
+      "sequence",       "n",                 "dtype",
+      "mode",           "config.scaling_mode", "config.format",
+      "config.rowwise", "config.columnwise", "config.force_pow2_scales",
+      "config.amax_epsilon"};
+  for (const char* f : kFields) {
+    for (size_t r = 1; r < h.size(); ++r) {
+      if (differs(f, h[0], h[r])) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%sranks disagree on %s: rank 0 has %s, rank %d has %s", prefix, f,
+            describe(f, h[0]), r, describe(f, h[r])));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One output buffer of the gathered tensor: the client's slice or inline
+// bytes, staged through device memory when the device cannot write there.
+struct Output {
+  OutputTensor tensor;
+  std::optional<tensor::OutputSlice> slice;
+  backend::DeviceBuffer staging;
+  uint64_t bytes = 0;
+  void* Destination() { return slice ? slice->data : tensor.inline_data.data(); }
+  void* KernelPointer() { return staging.data() ? staging.data() : Destination(); }
+};
+
+absl::Status PlaceOutput(const std::optional<tensor::RegionSliceSpec>& spec, uint64_t bytes,
+                         uint64_t alignment, DType dtype, std::vector<int64_t> shape,
+                         std::string_view field, const OpContext& ctx, std::optional<Output>& out) {
+  out.emplace();
+  out->bytes = bytes;
+  out->tensor.dtype = dtype;
+  out->tensor.shape = std::move(shape);
+  MemoryKind kind = MemoryKind::kHost;
+  if (spec.has_value()) {
+    QTX_ASSIGN_OR_RETURN(out->slice,
+                         tensor::ResolveOutputSlice(*spec, bytes, alignment, field, *ctx.regions));
+    out->tensor.region = *spec;
+    kind = out->slice->memory;
+  }
+  if (kind == MemoryKind::kDevice && ctx.device->memory_kind() == MemoryKind::kHost) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: region '%s' is device memory, but this server computes on %s", field, spec->region,
+        ctx.device->name()));
+  }
+  if (kind != ctx.device->memory_kind() && bytes > 0) {
+    QTX_ASSIGN_OR_RETURN(out->staging, ctx.device->Allocate(bytes));
+  }
+  return absl::OkStatus();
+}
+
+// Byte layout of one rank's packed shard (kernels/shard_geometry.h shard
+// layout, each section rounded up to 16 bytes so that scales stay aligned).
+struct PackedShard {
+  uint64_t rw_data = 0, rw_scale = 0, cw_data = 0, cw_scale = 0, total = 0;
+};
+uint64_t Round16(uint64_t x) { return (x + 15) / 16 * 16; }
+PackedShard PackShard(const kernels::ShardGeometry& g, const kernels::QuantizeParams& p) {
+  PackedShard s;
+  uint64_t off = 0;
+  const uint64_t data = static_cast<uint64_t>(g.m * g.n);
+  if (p.rowwise) {
+    s.rw_data = off;
+    off += Round16(data);
+    s.rw_scale = off;
+    off += Round16(4 * static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(p.scaling, g)));
+  }
+  if (p.columnwise) {
+    s.cw_data = off;
+    off += Round16(data);
+    s.cw_scale = off;
+    off += Round16(4 * static_cast<uint64_t>(kernels::ShardColumnwiseScaleCount(p.scaling, g)));
+  }
+  s.total = off;
+  return s;
+}
+
+struct LocalRequest {
+  tensor::TensorView input;
+  Matrix2D mn;
+  kernels::InputDType dtype = kernels::InputDType::kFloat32;
+};
+
+absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const OpContext& ctx,
+                                           backend::Communicator& comm) {
+  QTX_RETURN_IF_ERROR(ValidateQuantizeParams(r.params, "config"));
+  if (r.mode != AllGatherMode::kExactFp8 && r.mode != AllGatherMode::kGatherHighPrecision) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "mode=%d: must be EXACT_FP8 or GATHER_HIGH_PRECISION", static_cast<int>(r.mode)));
+  }
+  const auto dtype = tensor::ToInputDType(r.input.dtype);
+  if (!dtype.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("input.dtype=%s: AllGather accepts FLOAT32, BFLOAT16 or FLOAT16",
+                        tensor::DTypeName(r.input.dtype)));
+  }
+  const struct {
+    const std::optional<tensor::RegionSliceSpec>& spec;
+    bool requested;
+    const char* field;
+  } checks[] = {{r.outputs.rowwise_data, r.params.rowwise, "outputs.rowwise_data"},
+                {r.outputs.rowwise_scale_inv, r.params.rowwise, "outputs.rowwise_scale_inv"},
+                {r.outputs.columnwise_data, r.params.columnwise, "outputs.columnwise_data"},
+                {r.outputs.columnwise_scale_inv, r.params.columnwise,
+                 "outputs.columnwise_scale_inv"}};
+  for (const auto& c : checks) {
+    if (c.spec.has_value() && !c.requested) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s is set but that copy is not requested in config", c.field));
+    }
+  }
+  if (comm.memory_kind() != ctx.device->memory_kind()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "communicator %s cannot move the memory of device %s", comm.name(), ctx.device->name()));
+  }
+  LocalRequest l;
+  l.dtype = *dtype;
+  QTX_ASSIGN_OR_RETURN(l.input, tensor::ResolveInput(r.input, "input", *ctx.regions, ctx.limits));
+  QTX_ASSIGN_OR_RETURN(l.mn, FlattenTo2D(l.input.shape, "input", ctx.limits));
+  return l;
+}
+
+}  // namespace
+
+std::string_view AllGatherModeName(AllGatherMode m) {
+  switch (m) {
+    case AllGatherMode::kExactFp8:
+      return "EXACT_FP8";
+    case AllGatherMode::kGatherHighPrecision:
+      return "GATHER_HIGH_PRECISION";
+  }
+  return "UNKNOWN";
+}
+
+absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
+                                          const OpContext& ctx, backend::Communicator& comm,
+                                          const backend::CommCall& call, bool* group_broken) {
+  *group_broken = false;
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  const std::string prefix =
+      absl::StrFormat("AllGather(group '%s', sequence %d): ", request.group, request.sequence);
+  // Any communicator failure leaves the ranks out of step.
+  auto comm_failed = [&](absl::Status s) {
+    *group_broken = true;
+    return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+  };
+
+  // Step 1: local validation. A failure is still announced to the peers.
+  absl::StatusOr<LocalRequest> local = ValidateLocal(request, ctx, comm);
+  const kernels::QuantizeParams& p = request.params;
+
+  // Step 2: headers.
+  WireHeader mine;
+  mine.sequence = request.sequence;
+  mine.dtype = static_cast<int32_t>(request.input.dtype);
+  mine.mode = static_cast<int32_t>(request.mode);
+  mine.scaling = static_cast<int32_t>(p.scaling);
+  mine.format = static_cast<int32_t>(p.format);
+  mine.rowwise = p.rowwise;
+  mine.columnwise = p.columnwise;
+  mine.pow2 = p.force_pow2_scales;
+  std::memcpy(&mine.epsilon_bits, &p.amax_epsilon, 4);
+  if (local.ok()) {
+    mine.n = local->mn.n;
+    mine.m = local->mn.m;
+  } else {
+    mine.status = ToWire(local.status());
+  }
+  std::vector<WireHeader> headers(world);
+  if (absl::Status s = ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), ctx, comm, call);
+      !s.ok()) {
+    return comm_failed(s);
+  }
+  if (!local.ok()) return local.status();
+  for (int r = 0; r < world; ++r) {
+    if (headers[r].magic != kMagic) {
+      *group_broken = true;
+      return absl::InternalError(absl::StrFormat("%srank %d sent a malformed header", prefix, r));
+    }
+    if (headers[r].status.code != 0) {
+      return FromWire(headers[r].status,
+                      absl::StrFormat("%srank %d rejected its request: ", prefix, r));
+    }
+  }
+  QTX_RETURN_IF_ERROR(CheckAgreement(headers, prefix));
+
+  // Step 3: geometry, outputs, boundary amaxes; then a status exchange.
+  const int64_t n = local->mn.n;
+  std::vector<kernels::ShardGeometry> geoms(world);
+  std::vector<int64_t> shard_rows(world);
+  int64_t m_total = 0;
+  for (int r = 0; r < world; ++r) {
+    shard_rows[r] = headers[r].m;
+    geoms[r] = kernels::ShardGeometry{m_total, headers[r].m, n};
+    int64_t elements = 0;
+    if (__builtin_add_overflow(m_total, headers[r].m, &m_total) ||
+        __builtin_mul_overflow(m_total, n, &elements) || elements > ctx.limits.max_elements) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%sthe gathered tensor [sum M_r, N=%d] exceeds the element limit %d", prefix, n,
+          ctx.limits.max_elements));
+    }
+  }
+  const kernels::ShardGeometry& g = geoms[rank];
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m_total, n);
+  const bool exact = request.mode == AllGatherMode::kExactFp8;
+  const bool need_amax = exact && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
+  const int64_t amax_len = need_amax ? kernels::BoundaryAmaxLength(p.scaling, g) : 0;
+
+  std::array<std::optional<Output>, 4> outs;
+  backend::DeviceBuffer input_staging;
+  const void* input_ptr = nullptr;
+  std::vector<float> amax_first(amax_len, 0.0f), amax_last(amax_len, 0.0f);
+  absl::Status prepared = [&]() -> absl::Status {
+    const DType data_dtype = tensor::Fp8DataDType(p.format);
+    if (p.rowwise) {
+      QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, layout.RowwiseDataBytes(), 1,
+                                      data_dtype,
+                                      {layout.rowwise_data_rows, layout.rowwise_data_cols},
+                                      "outputs.rowwise_data", ctx, outs[0]));
+      QTX_RETURN_IF_ERROR(PlaceOutput(
+          request.outputs.rowwise_scale_inv, 4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
+          {layout.rowwise_scale_rows, layout.rowwise_scale_cols}, "outputs.rowwise_scale_inv",
+          ctx, outs[1]));
+    }
+    if (p.columnwise) {
+      QTX_RETURN_IF_ERROR(PlaceOutput(
+          request.outputs.columnwise_data, layout.ColumnwiseDataBytes(), 1, data_dtype,
+          {layout.columnwise_data_rows, layout.columnwise_data_cols}, "outputs.columnwise_data",
+          ctx, outs[2]));
+      QTX_RETURN_IF_ERROR(PlaceOutput(
+          request.outputs.columnwise_scale_inv, 4 * layout.ColumnwiseScaleCount(), 4,
+          DType::kFloat32, {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
+          "outputs.columnwise_scale_inv", ctx, outs[3]));
+    }
+    static constexpr const char* kFields[4] = {
+        "outputs.rowwise_data", "outputs.rowwise_scale_inv", "outputs.columnwise_data",
+        "outputs.columnwise_scale_inv"};
+    uint64_t inline_bytes = 0;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (!outs[i]) continue;
+      if (!outs[i]->slice) {
+        inline_bytes += outs[i]->bytes;
+        continue;
+      }
+      if (local->input.pin != nullptr &&
+          tensor::RangesOverlap(local->input.data, local->input.byte_size, outs[i]->slice->data,
+                                outs[i]->bytes)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s overlaps input: outputs may not alias the input", kFields[i]));
+      }
+      for (size_t j = 0; j < i; ++j) {
+        if (outs[j] && outs[j]->slice &&
+            tensor::RangesOverlap(outs[j]->slice->data, outs[j]->bytes, outs[i]->slice->data,
+                                  outs[i]->bytes)) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("%s overlaps %s: outputs may not alias", kFields[i], kFields[j]));
+        }
+      }
+    }
+    if (inline_bytes > ctx.max_inline_output_bytes) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "AllGather: %d bytes of inline output exceed the server's limit of %d bytes "
+          "(--max_message_mb); write the outputs into a registered region instead",
+          inline_bytes, ctx.max_inline_output_bytes));
+    }
+    // The input on the device.
+    const tensor::TensorView& in = local->input;
+    input_ptr = in.data;
+    if (in.byte_size > 0 && in.memory != ctx.device->memory_kind()) {
+      if (in.memory == MemoryKind::kDevice) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "input: the region is device memory, but this server computes on %s",
+            ctx.device->name()));
+      }
+      QTX_ASSIGN_OR_RETURN(input_staging, ctx.device->Allocate(in.byte_size));
+      QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(input_staging.data(), in.data, in.byte_size));
+      input_ptr = input_staging.data();
+    }
+    if (need_amax && g.m > 0) {
+      backend::ShardArgs args{input_ptr, local->dtype, g, p};
+      QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer d, ctx.device->Allocate(8 * amax_len));
+      float* df = static_cast<float*>(d.data());
+      QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(args, df, df + amax_len));
+      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(amax_first.data(), df, 4 * amax_len));
+      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(amax_last.data(), df + amax_len, 4 * amax_len));
+    }
+    return absl::OkStatus();
+  }();
+
+  // Status + first amax + last amax per rank (amax lengths agree: same N).
+  const uint64_t block = sizeof(WireStatus) + 8 * amax_len;
+  std::vector<uint8_t> send(block), recv(block * world);
+  const WireStatus ws = ToWire(prepared);
+  std::memcpy(send.data(), &ws, sizeof ws);
+  if (amax_len > 0) {
+    std::memcpy(send.data() + sizeof ws, amax_first.data(), 4 * amax_len);
+    std::memcpy(send.data() + sizeof ws + 4 * amax_len, amax_last.data(), 4 * amax_len);
+  }
+  if (absl::Status s = ExchangeFixed(send.data(), block, recv.data(), ctx, comm, call); !s.ok()) {
+    return comm_failed(s);
+  }
+  if (!prepared.ok()) return prepared;
+  for (int r = 0; r < world; ++r) {
+    WireStatus rs;
+    std::memcpy(&rs, recv.data() + r * block, sizeof rs);
+    if (rs.code != 0) {
+      return FromWire(rs, absl::StrFormat("%srank %d could not take part: ", prefix, r));
+    }
+  }
+  for (auto& o : outs) {
+    if (o && !o->slice) o->tensor.inline_data.resize(o->bytes);
+  }
+  kernels::QuantizedBuffers out_bufs;
+  if (outs[0]) out_bufs.rowwise_data = static_cast<uint8_t*>(outs[0]->KernelPointer());
+  if (outs[1]) out_bufs.rowwise_scale_inv = static_cast<float*>(outs[1]->KernelPointer());
+  if (outs[2]) out_bufs.columnwise_data = static_cast<uint8_t*>(outs[2]->KernelPointer());
+  if (outs[3]) out_bufs.columnwise_scale_inv = static_cast<float*>(outs[3]->KernelPointer());
+
+  // Step 4.
+  if (exact) {
+    std::vector<float> first(amax_len), last(amax_len);
+    if (need_amax && g.m > 0) {
+      std::vector<const float*> firsts(world), lasts(world);
+      for (int r = 0; r < world; ++r) {
+        const float* base = reinterpret_cast<const float*>(recv.data() + r * block + sizeof ws);
+        firsts[r] = base;
+        lasts[r] = base + amax_len;
+      }
+      // Host arithmetic on a few floats per rank: the protocol's combine step.
+      kernels::cpu::CombineBoundaryAmax(world, geoms.data(), firsts.data(), lasts.data(), rank,
+                                        p.scaling, first.data(), last.data());
+    }
+    std::vector<PackedShard> packs(world);
+    std::vector<uint64_t> sizes(world);
+    uint64_t total = 0;
+    for (int r = 0; r < world; ++r) {
+      packs[r] = PackShard(geoms[r], p);
+      sizes[r] = packs[r].total;
+      total += sizes[r];
+    }
+    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer shard, ctx.device->Allocate(packs[rank].total));
+    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
+    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer amax_dev, ctx.device->Allocate(8 * amax_len));
+    float* amax_ptr = static_cast<float*>(amax_dev.data());
+    if (amax_len > 0) {
+      QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(amax_ptr, first.data(), 4 * amax_len));
+      QTX_RETURN_IF_ERROR(
+          ctx.device->CopyFromHost(amax_ptr + amax_len, last.data(), 4 * amax_len));
+    }
+    auto* sbase = static_cast<uint8_t*>(shard.data());
+    const PackedShard& mp = packs[rank];
+    kernels::QuantizedBuffers shard_bufs;
+    if (p.rowwise) {
+      shard_bufs.rowwise_data = sbase + mp.rw_data;
+      shard_bufs.rowwise_scale_inv = reinterpret_cast<float*>(sbase + mp.rw_scale);
+    }
+    if (p.columnwise) {
+      shard_bufs.columnwise_data = sbase + mp.cw_data;
+      shard_bufs.columnwise_scale_inv = reinterpret_cast<float*>(sbase + mp.cw_scale);
+    }
+    if (g.m > 0) {
+      backend::ShardArgs args{input_ptr, local->dtype, g, p};
+      QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(args, amax_len ? amax_ptr : nullptr,
+                                                    amax_len ? amax_ptr + amax_len : nullptr,
+                                                    shard_bufs));
+    }
+    if (absl::Status s = comm.AllGatherV(shard.data(), sizes, gathered.data(), call); !s.ok()) {
+      return comm_failed(s);
+    }
+    std::vector<kernels::QuantizedConstBuffers> views(world);
+    uint64_t off = 0;
+    auto* gbase = static_cast<const uint8_t*>(gathered.data());
+    for (int r = 0; r < world; ++r) {
+      const uint8_t* b = gbase + off;
+      if (p.rowwise) {
+        views[r].rowwise_data = b + packs[r].rw_data;
+        views[r].rowwise_scale_inv = reinterpret_cast<const float*>(b + packs[r].rw_scale);
+      }
+      if (p.columnwise) {
+        views[r].columnwise_data = b + packs[r].cw_data;
+        views[r].columnwise_scale_inv = reinterpret_cast<const float*>(b + packs[r].cw_scale);
+      }
+      off += sizes[r];
+    }
+    QTX_RETURN_IF_ERROR(ctx.device->AssembleShards(world, geoms.data(), views.data(), p, out_bufs));
+  } else {
+    const int64_t esize = tensor::ElementSize(request.input.dtype);
+    std::vector<uint64_t> sizes(world);
+    uint64_t total = 0;
+    for (int r = 0; r < world; ++r) {
+      sizes[r] = static_cast<uint64_t>(geoms[r].m * n * esize);
+      total += sizes[r];
+    }
+    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
+    if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), call); !s.ok()) {
+      return comm_failed(s);
+    }
+    backend::QuantizeArgs args;
+    args.input = total > 0 ? gathered.data() : nullptr;
+    args.dtype = local->dtype;
+    args.m = m_total;
+    args.n = n;
+    args.params = p;
+    args.out = out_bufs;
+    QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+  }
+  for (auto& o : outs) {
+    if (o && o->staging.data() != nullptr) {
+      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(o->Destination(), o->staging.data(), o->bytes));
+    }
+  }
+
+  AllGatherResult result;
+  result.shard_rows = std::move(shard_rows);
+  result.result.shape = {m_total, n};
+  result.result.source_dtype = request.input.dtype;
+  result.result.params = p;
+  if (outs[0]) result.result.rowwise_data = std::move(outs[0]->tensor);
+  if (outs[1]) result.result.rowwise_scale_inv = std::move(outs[1]->tensor);
+  if (outs[2]) result.result.columnwise_data = std::move(outs[2]->tensor);
+  if (outs[3]) result.result.columnwise_scale_inv = std::move(outs[3]->tensor);
+  return result;
+}
+
+}  // namespace qtx::server::ops

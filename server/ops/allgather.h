@@ -1,0 +1,69 @@
+// AllGather op: the exact block-scaled FP8 all-gather of NUMERICS.md §A over
+// the Device and Communicator interfaces. No gRPC, no protobuf, no Gloo.
+//
+// Every rank of a group calls AllGather with its row shard [M_r, N] (M_r may
+// be 0 and need not be a multiple of 128); every rank ends with the quantized
+// [sum M_r, N] tensor, byte-identical to Quantize(concat(shards)).
+//
+// Protocol (each step on every rank, in this order, so that a failure on one
+// rank is reported on all of them instead of leaving peers waiting):
+//  1. local validation (config, dtype, shape, output slices named);
+//  2. header exchange: (sequence, N, dtype, mode, scaling, format, usages,
+//     pow2, epsilon, M_r, local status). A rank whose request was bad fails
+//     every rank; a field that differs fails every rank with INVALID_ARGUMENT
+//     naming the field and the first rank that disagrees with rank 0;
+//  3. output placement against the agreed M = sum M_r, plus (EXACT_FP8) the
+//     partial amaxes of the shard's boundary block rows; both exchanged in
+//     one small all-gather, so an output error on one rank fails all ranks;
+//  4. EXACT_FP8: combine amaxes, quantize the shard into the shard layout,
+//     all-gather the FP8 shards (variable sizes), assemble the GEMM-ready
+//     output. GATHER_HIGH_PRECISION: all-gather the high-precision shards and
+//     quantize the whole tensor.
+//
+// Thread safety: runs on the group's executor; one call per communicator at
+// a time.
+#ifndef QTX_SERVER_OPS_ALLGATHER_H_
+#define QTX_SERVER_OPS_ALLGATHER_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/backend/communicator.h"
+#include "server/ops/quantize.h"
+
+namespace qtx::server::ops {
+
+enum class AllGatherMode : int32_t { kExactFp8 = 1, kGatherHighPrecision = 2 };
+
+std::string_view AllGatherModeName(AllGatherMode m);
+
+struct AllGatherRequestSpec {
+  std::string group;  // for messages
+  uint64_t sequence = 0;
+  tensor::TensorRefSpec input;     // this rank's shard [M_r, N] (leading dims flattened)
+  kernels::QuantizeParams params;  // defaults applied by the caller
+  AllGatherMode mode = AllGatherMode::kExactFp8;
+  QuantizeOutputSpecs outputs;     // for the gathered [M, N] tensor
+};
+
+struct AllGatherResult {
+  QuantizeResult result;            // shape [M, N]
+  std::vector<int64_t> shard_rows;  // M_r of every rank, in rank order
+};
+
+// Runs one all-gather. Errors: as Quantize for this rank's own request; the
+// same error (naming the rank) when another rank's request was rejected;
+// INVALID_ARGUMENT when the ranks disagree (naming field and rank) or M * N
+// exceeds the element limit; the communicator's errors (DEADLINE_EXCEEDED,
+// UNAVAILABLE, ABORTED), after which `*group_broken` is set: the ranks may be
+// out of step and the group must not be used again.
+absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
+                                          const OpContext& ctx, backend::Communicator& comm,
+                                          const backend::CommCall& call, bool* group_broken);
+
+}  // namespace qtx::server::ops
+
+#endif  // QTX_SERVER_OPS_ALLGATHER_H_
