@@ -92,7 +92,7 @@ absl::StatusOr<ServingStatus> DecodeHealthCheckResponse(const std::string& bytes
 
 }  // namespace
 
-std::string_view ServingStatusName(ServingStatus status) {
+const char* ServingStatusName(ServingStatus status) {
   switch (status) {
     case ServingStatus::kServing:
       return "SERVING";
@@ -212,7 +212,7 @@ absl::Status Client::WaitUntilServing(absl::Duration timeout) {
     call.timeout = std::min(left, absl::Seconds(2));
     absl::StatusOr<ServingStatus> s = Health("", call);
     if (s.ok() && *s == ServingStatus::kServing) return absl::OkStatus();
-    last = s.ok() ? absl::UnavailableError(absl::StrCat("status ", std::string(ServingStatusName(*s))))
+    last = s.ok() ? absl::UnavailableError(absl::StrCat("status ", ServingStatusName(*s)))
                   : s.status();
     absl::SleepFor(std::min(backoff, deadline - absl::Now()));
     backoff = std::min(backoff * 2, absl::Milliseconds(200));
@@ -230,6 +230,12 @@ absl::StatusOr<QuantizedTensor> Client::Quantize(const Tensor& input,
   ToProto(input, request.mutable_input());
   ToProto(config, request.mutable_config());
   ToProto(outputs, request.mutable_outputs());
+  if (!call.cuda_wait_event.empty()) {
+    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
+  }
+  if (!call.cuda_signal_event.empty()) {
+    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
+  }
   v1::QuantizeResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
@@ -245,6 +251,12 @@ absl::StatusOr<Tensor> Client::Dequantize(const QuantizedTensor& input, DType ou
   ToProto(input, request.mutable_input());
   request.set_output_dtype(static_cast<v1::DType>(output_dtype));
   if (output) ToProto(*output, request.mutable_output());
+  if (!call.cuda_wait_event.empty()) {
+    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
+  }
+  if (!call.cuda_signal_event.empty()) {
+    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
+  }
   v1::DequantizeResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
@@ -262,6 +274,21 @@ absl::Status Client::RegisterShmRegion(std::string_view name, std::string_view s
   shm->set_shm_name(std::string(shm_name));
   shm->set_offset(offset);
   shm->set_byte_size(byte_size);
+  v1::RegisterRegionResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
+}
+
+absl::Status Client::RegisterCudaIpcRegion(std::string_view name, std::string_view ipc_handle,
+                                           int32_t device_id, uint64_t byte_size,
+                                           const CallOptions& call) {
+  v1::RegisterRegionRequest request;
+  request.set_name(std::string(name));
+  v1::CudaIpcRegion* ipc = request.mutable_cuda_ipc();
+  ipc->set_ipc_handle(std::string(ipc_handle));
+  ipc->set_device_id(device_id);
+  ipc->set_byte_size(byte_size);
   v1::RegisterRegionResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);

@@ -57,6 +57,15 @@ struct CallOptions {
   std::optional<absl::Duration> timeout;
   // Sent as "x-request-id"; generated ("<client id>-<counter>") when empty.
   std::string request_id;
+  // Interprocess CUDA event handles (64-byte cudaIpcEventHandle_t, e.g. from
+  // qtx::cuda::ExportEvent in qtx_client_cuda) for Quantize and Dequantize
+  // against a CUDA sidecar; empty = none; ignored by the other calls.
+  // cuda_wait_event: the sidecar's stream waits on it before touching the
+  // tensors. cuda_signal_event: recorded after the outputs are written, and
+  // the call returns once the work is enqueued -- wait on the event (e.g.
+  // cudaStreamWaitEvent) before reading region outputs.
+  std::string cuda_wait_event;
+  std::string cuda_signal_event;
 };
 
 // grpc.health.v1 serving status.
@@ -66,7 +75,7 @@ enum class ServingStatus : int32_t {
   kNotServing = 2,
   kServiceUnknown = 3,
 };
-std::string_view ServingStatusName(ServingStatus status);  // "SERVING", ...
+const char* ServingStatusName(ServingStatus status);  // "SERVING", ...
 
 class Client {
  public:
@@ -126,6 +135,20 @@ class Client {
                                  const CallOptions& call = {});
   // Registers all of `region` under region.name().
   absl::Status RegisterShmRegion(const ShmRegion& region, const CallOptions& call = {});
+
+  // Registers device memory exported with cudaIpcGetMemHandle under `name`:
+  // `ipc_handle` is the 64-byte cudaIpcMemHandle_t, `device_id` the CUDA
+  // ordinal the memory is on (as the server numbers devices), `byte_size`
+  // the usable bytes from the exported pointer. The server opens the handle
+  // once and checks byte_size against the real allocation. Fails with
+  // INVALID_ARGUMENT for a handle that is not 64 bytes or cannot be opened, a
+  // wrong device_id or a byte_size beyond the allocation; FAILED_PRECONDITION
+  // when the server does not compute on a CUDA device; ALREADY_EXISTS for a
+  // taken name. (qtx_client_cuda's qtx::cuda::RegisterDevicePointer makes the
+  // handle from a pointer.)
+  absl::Status RegisterCudaIpcRegion(std::string_view name, std::string_view ipc_handle,
+                                     int32_t device_id, uint64_t byte_size,
+                                     const CallOptions& call = {});
 
   // Removes the region `name` (requests already using it finish first).
   // Fails with NOT_FOUND for an unknown name.

@@ -118,6 +118,13 @@ void ParamsToProto(const kernels::QuantizeParams& p, v1::QuantizeConfig* config)
   config->set_amax_epsilon(p.amax_epsilon);
 }
 
+backend::CudaEvents CudaEventsFromProto(const v1::CudaEvents& events) {
+  backend::CudaEvents out;
+  out.wait_event = events.wait_event();
+  out.signal_event = events.signal_event();
+  return out;
+}
+
 absl::StatusOr<ops::QuantizeRequestSpec> QuantizeRequestFromProto(
     const v1::QuantizeRequest& req) {
   ops::QuantizeRequestSpec spec;
@@ -135,6 +142,7 @@ absl::StatusOr<ops::QuantizeRequestSpec> QuantizeRequestFromProto(
   if (o.has_columnwise_scale_inv()) {
     spec.outputs.columnwise_scale_inv = SliceFromProto(o.columnwise_scale_inv());
   }
+  spec.events = CudaEventsFromProto(req.cuda_events());
   return spec;
 }
 
@@ -198,6 +206,7 @@ absl::StatusOr<ops::DequantizeRequestSpec> DequantizeRequestFromProto(
         TensorRefFromProto(q.columnwise_scale_inv(), "input.columnwise_scale_inv"));
   }
   QTX_ASSIGN_OR_RETURN(spec.output_dtype, DTypeFromProto(req.output_dtype(), "output_dtype"));
+  spec.events = CudaEventsFromProto(req.cuda_events());
   if (req.has_output()) spec.output = SliceFromProto(req.output());
   return spec;
 }

@@ -36,6 +36,9 @@ absl::StatusOr<kernels::QuantizeParams> ParamsFromProto(const v1::QuantizeConfig
                                                         std::string_view field);
 void ParamsToProto(const kernels::QuantizeParams& params, v1::QuantizeConfig* config);
 
+// Copies the (up to 64-byte) handles; lengths are checked by ops.
+backend::CudaEvents CudaEventsFromProto(const v1::CudaEvents& events);
+
 absl::StatusOr<ops::QuantizeRequestSpec> QuantizeRequestFromProto(const v1::QuantizeRequest& req);
 // Moves inline bytes out of `result`.
 void QuantizeResultToProto(ops::QuantizeResult&& result, v1::QuantizeResponse* response);

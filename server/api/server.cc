@@ -33,7 +33,9 @@ class ScopedUmask {
 };
 
 // Serving-status names reported by grpc.health.v1.
-constexpr const char* kHealthServices[] = {"", "qtx.v1.Quantizer", "qtx.v1.Memory"};
+constexpr const char* kHealthServices[] = {"", "qtx.v1.Quantizer", "qtx.v1.Memory",
+                                           "qtx.v1.Collective", "qtx.v1.Rendezvous",
+                                           "qtx.v1.Optimizer"};
 
 }  // namespace
 
@@ -88,6 +90,7 @@ absl::Status QtxServer::Start() {
 
   tensor::RegionTableOptions region_options;
   region_options.allow_client_shm = config_.allow_client_shm;
+  region_options.cuda_ipc_opener = device_->cuda_ipc_opener();
   region_options.cuda_ipc_unavailable_reason = absl::StrFormat(
       "cuda_ipc regions need --device=cuda:N (this qtxd runs --device=%s)", device_->name());
   regions_ = std::make_unique<tensor::RegionTable>(std::move(region_options));
@@ -103,6 +106,19 @@ absl::Status QtxServer::Start() {
   ctx.max_inline_output_bytes = max_message_bytes - (max_message_bytes >> 6);
   quantizer_ = std::make_unique<QuantizerService>(ctx, executor_.get());
   memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get());
+  optimizer::OptimizerStore::Options optimizer_options;
+  optimizer_options.memory_limit_bytes =
+      static_cast<uint64_t>(config_.optimizer_memory_limit_mb) << 20;
+  optimizer_options.checkpoint_dir = config_.checkpoint_dir;
+  optimizer_options.checkpoint_every_steps = config_.checkpoint_every_steps;
+  optimizer_options.num_threads = config_.optimizer_threads;
+  QTX_ASSIGN_OR_RETURN(optimizer_store_, optimizer::OptimizerStore::Create(optimizer_options));
+  optimizer_ = std::make_unique<OptimizerService>(ctx, optimizer_store_.get(), executor_.get());
+  rendezvous_store_ = std::make_unique<collective::KvStore>();
+  groups_ = std::make_unique<collective::GroupRegistry>(
+      MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host));
+  collective_ = std::make_unique<CollectiveService>(ctx, groups_.get());
+  rendezvous_ = std::make_unique<RendezvousService>(rendezvous_store_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -111,6 +127,9 @@ absl::Status QtxServer::Start() {
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
   builder.RegisterService(quantizer_.get());
   builder.RegisterService(memory_.get());
+  builder.RegisterService(optimizer_.get());
+  builder.RegisterService(collective_.get());
+  builder.RegisterService(rendezvous_.get());
   if (!config_.socket_path.empty()) {
     QTX_RETURN_IF_ERROR(PrepareSocketPath(config_.socket_path));
     builder.AddListeningPort("unix:" + config_.socket_path, grpc::InsecureServerCredentials());
@@ -165,6 +184,13 @@ void QtxServer::Shutdown(absl::Duration grace) {
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   }
   if (executor_ != nullptr) executor_->Shutdown();
+  // In-flight steps are done: checkpoint the optimizer state (SIGTERM path).
+  if (optimizer_store_ != nullptr) {
+    if (absl::Status s = optimizer_store_->CheckpointAll(); !s.ok()) {
+      spdlog::error("event=optimizer_checkpoint_on_shutdown_failed msg=\"{}\"",
+                    std::string(s.message()));
+    }
+  }
   if (server_ != nullptr && !config_.socket_path.empty()) {
     if (::unlink(config_.socket_path.c_str()) != 0 && errno != ENOENT) {
       spdlog::warn("event=socket_unlink_failed path={} error=\"{}\"", config_.socket_path,

@@ -13,8 +13,22 @@ namespace qtx::server::backend {
 // True when this binary was built with the CUDA backend.
 bool BuiltWithCuda();
 
-// "cpu" -> CpuDevice. "cuda" / "cuda:N" -> the CUDA device N (default 0), or
-// FAILED_PRECONDITION "not built with CUDA" in a CPU-only build.
+// A parsed --device value.
+struct DeviceSpec {
+  enum class Kind { kAuto, kCpu, kCuda };
+  Kind kind = Kind::kAuto;
+  int ordinal = 0;  // kCuda only
+};
+
+// "auto" | "cpu" | "cuda" (= cuda:0) | "cuda:N" (N a decimal integer >= 0).
+// INVALID_ARGUMENT for anything else; the message lists the accepted values.
+absl::StatusOr<DeviceSpec> ParseDeviceSpec(std::string_view spec);
+
+// "cpu" -> CpuDevice. "cuda" / "cuda:N" -> the CUDA device N, or
+// FAILED_PRECONDITION "not built with CUDA" in a CPU-only build, NOT_FOUND
+// when no such GPU is visible. "auto" -> cuda:0 when this is a CUDA build
+// and a GPU is visible, else cpu (a cuda:0 that fails to start falls back to
+// cpu with a warning). Logs which device was chosen and why.
 // INVALID_ARGUMENT for anything else (the message lists the accepted values).
 absl::StatusOr<std::unique_ptr<Device>> CreateDevice(std::string_view spec);
 

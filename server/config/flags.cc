@@ -8,17 +8,29 @@ ABSL_FLAG(std::string, socket, "/tmp/qtxd.sock",
           "Unix domain socket to listen on (created with mode 0600). Empty: none.");
 ABSL_FLAG(std::string, listen_tcp, "",
           "Also listen on plaintext TCP host:port. Loopback hosts only (TLS comes later).");
+ABSL_FLAG(std::string, peer_host, "127.0.0.1",
+          "Host (name or address) whose interface collective peers listen on (Gloo TCP).");
 ABSL_FLAG(int32_t, max_message_mb, 1024,
           "gRPC send and receive message limit in MiB (1..2047); bounds inline tensors.");
 ABSL_FLAG(bool, allow_client_shm, false,
           "Allow clients to register POSIX shared-memory regions (Memory.RegisterRegion).");
-ABSL_FLAG(std::string, device, "cpu", "Compute device: cpu, or cuda:N in a CUDA build.");
+ABSL_FLAG(std::string, device, "auto",
+          "Compute device: auto (cuda:0 when a GPU is visible, else cpu), cpu, or cuda:N in a "
+          "CUDA build.");
 ABSL_FLAG(int32_t, threads, 4, "Worker threads that run requests.");
 ABSL_FLAG(int32_t, max_queued_requests, 1024,
           "Requests waiting for a worker beyond this are refused with UNAVAILABLE.");
 ABSL_FLAG(int64_t, max_tensor_elements, int64_t{1} << 34, "Largest tensor, in elements.");
 ABSL_FLAG(int32_t, shutdown_grace_s, 30,
           "On SIGTERM/SIGINT, seconds to let in-flight calls finish before cancelling them.");
+ABSL_FLAG(int64_t, optimizer_memory_limit_mb, 65536,
+          "Host memory cap for optimizer state (master weights + moments), MiB; going over "
+          "fails with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Directory for optimizer checkpoints; loaded at start. Empty: no checkpoints.");
+ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
+          "Checkpoint each optimizer group every K steps (0: only on request and at shutdown).");
+ABSL_FLAG(int32_t, optimizer_threads, 0, "Host AdamW threads (0: all cores).");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off.");
 
 namespace qtx::server::config {
@@ -27,6 +39,7 @@ ServerConfig ServerConfigFromFlags() {
   ServerConfig c;
   c.socket_path = absl::GetFlag(FLAGS_socket);
   c.listen_tcp = absl::GetFlag(FLAGS_listen_tcp);
+  c.peer_host = absl::GetFlag(FLAGS_peer_host);
   c.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   c.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
   c.device = absl::GetFlag(FLAGS_device);
@@ -34,6 +47,10 @@ ServerConfig ServerConfigFromFlags() {
   c.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   c.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   c.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
+  c.optimizer_memory_limit_mb = absl::GetFlag(FLAGS_optimizer_memory_limit_mb);
+  c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
+  c.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   return c;
 }
 

@@ -19,11 +19,14 @@ struct ServerConfig {
   // "host:port" for plaintext TCP; loopback hosts only until TLS exists.
   // Empty: no TCP. Port 0 picks a free port.
   std::string listen_tcp;
+  // Host whose interface collective peers (Gloo TCP pairs) listen on.
+  std::string peer_host = "127.0.0.1";
   // gRPC send and receive limits, MiB (1..2047).
   int max_message_mb = 1024;
   // Allow Memory.RegisterRegion with client POSIX shm.
   bool allow_client_shm = false;
-  // "cpu", or "cuda:N" in a CUDA build.
+  // "auto" (cuda:0 if a GPU is visible, else cpu), "cpu", or "cuda:N" in a
+  // CUDA build. qtxd's --device defaults to "auto".
   std::string device = "cpu";
   // Worker threads that run requests (1..1024).
   int threads = 4;
@@ -33,6 +36,14 @@ struct ServerConfig {
   int64_t max_tensor_elements = int64_t{1} << 34;
   // How long SIGTERM waits for in-flight calls before cancelling them.
   int shutdown_grace_s = 30;
+  // Optimizer state store (server/optimizer): host-memory cap for master
+  // weights + moments, checkpoint directory (empty: none), periodic
+  // checkpoints every K steps (0: only on request and at shutdown), host
+  // AdamW threads (0: OpenMP default).
+  int64_t optimizer_memory_limit_mb = 65536;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every_steps = 0;
+  int optimizer_threads = 0;
 };
 
 // OK if every field is in range and listen_tcp (if set) names a loopback

@@ -168,6 +168,29 @@ std::string_view FormatName(kernels::Fp8Format f) {
   return f == kernels::Fp8Format::kE5M2 ? "E5M2" : "E4M3";
 }
 
+absl::Status ValidateCudaEvents(const backend::CudaEvents& events, const OpContext& ctx) {
+  if (events.empty()) return absl::OkStatus();
+  const struct {
+    const std::string& handle;
+    std::string_view field;
+  } handles[] = {{events.wait_event, "cuda_events.wait_event"},
+                 {events.signal_event, "cuda_events.signal_event"}};
+  for (const auto& h : handles) {
+    if (!h.handle.empty() && h.handle.size() != kCudaIpcEventHandleBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: %d bytes, must be exactly %d (a cudaIpcEventHandle_t)", h.field,
+                          h.handle.size(), kCudaIpcEventHandleBytes));
+    }
+  }
+  if (ctx.device->memory_kind() != MemoryKind::kDevice) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "cuda_events: interprocess CUDA events need a CUDA device, but this server computes on "
+        "%s (start qtxd with --device=cuda:N)",
+        ctx.device->name()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
                                     std::string_view field) {
   if (params.scaling != kernels::BlockScaling::kBlock1D &&
@@ -213,6 +236,7 @@ absl::StatusOr<Matrix2D> FlattenTo2D(const std::vector<int64_t>& shape, std::str
 absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, const OpContext& ctx) {
   const kernels::QuantizeParams& params = request.params;
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(params, "config"));
+  QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
   const auto input_dtype = tensor::ToInputDType(request.input.dtype);
   if (!input_dtype.has_value()) {
     return absl::InvalidArgumentError(
@@ -302,6 +326,7 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
   args.m = mn.m;
   args.n = mn.n;
   args.params = params;
+  args.events = request.events;
   if (outs[0]) args.out.rowwise_data = static_cast<uint8_t*>(outs[0]->KernelPointer());
   if (outs[1]) args.out.rowwise_scale_inv = static_cast<float*>(outs[1]->KernelPointer());
   if (outs[2]) args.out.columnwise_data = static_cast<uint8_t*>(outs[2]->KernelPointer());
@@ -332,6 +357,7 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
     return absl::InvalidArgumentError(absl::StrFormat(
         "input.config.format=%d: must be E4M3 or E5M2", static_cast<int>(q.format)));
   }
+  QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
   const DType out_dtype =
       request.output_dtype == DType::kUnspecified ? DType::kFloat32 : request.output_dtype;
   const auto out_kernel_dtype = tensor::ToInputDType(out_dtype);
@@ -407,6 +433,7 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
   args.use_rowwise = use_rowwise;
   args.out_dtype = *out_kernel_dtype;
   args.out = out->KernelPointer();
+  args.events = request.events;
   QTX_RETURN_IF_ERROR(ctx.device->Dequantize(args));
   QTX_RETURN_IF_ERROR(CopyBack(out, *ctx.device));
   return std::move(out->tensor);

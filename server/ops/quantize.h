@@ -25,6 +25,9 @@
 
 namespace qtx::server::ops {
 
+// Length of a cudaIpcEventHandle_t.
+inline constexpr size_t kCudaIpcEventHandleBytes = 64;
+
 // What an op needs from the server. Not owned.
 struct OpContext {
   const tensor::RegionTable* regions = nullptr;
@@ -46,6 +49,9 @@ struct QuantizeRequestSpec {
   tensor::TensorRefSpec input;
   kernels::QuantizeParams params;  // defaults already applied by the caller
   QuantizeOutputSpecs outputs;
+  // Interprocess CUDA events (see backend::CudaEvents); CUDA device only.
+  // With a signal event the op may return before the outputs are written.
+  backend::CudaEvents events;
 };
 
 // One result buffer: written into the client's region slice, or returned in
@@ -85,7 +91,14 @@ struct DequantizeRequestSpec {
   QuantizedTensorSpec input;
   tensor::DType output_dtype = tensor::DType::kUnspecified;  // unspecified: FLOAT32
   std::optional<tensor::RegionSliceSpec> output;             // unset: inline
+  backend::CudaEvents events;                                // as for Quantize
 };
+
+// OK if `events` is empty, or each set handle is exactly 64 bytes and the
+// device computes on device memory. INVALID_ARGUMENT for a wrong length
+// (naming "cuda_events.wait_event" / "cuda_events.signal_event"),
+// FAILED_PRECONDITION on a host device.
+absl::Status ValidateCudaEvents(const backend::CudaEvents& events, const OpContext& ctx);
 
 // INVALID_ARGUMENT unless at least one of rowwise/columnwise is set and
 // amax_epsilon is finite and >= 0. `field` prefixes messages ("config").
@@ -107,7 +120,10 @@ absl::StatusOr<Matrix2D> FlattenTo2D(const std::vector<int64_t>& shape, std::str
 // an output slice for a copy that was not requested, wrong output slice size,
 // overlapping buffers); NOT_FOUND for an unknown region; RESOURCE_EXHAUSTED
 // when inline outputs exceed ctx.max_inline_output_bytes; FAILED_PRECONDITION
-// when a region's memory kind cannot be used by the device; device errors.
+// when a region's memory kind cannot be used by the device or events are
+// given to a host device; device errors. Returns when the outputs are
+// written, or, with request.events.signal_event on a CUDA device, possibly
+// once the work is enqueued (outputs staged to host are always complete).
 absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, const OpContext& ctx);
 
 // Dequantizes the rowwise copy when present, else the columnwise copy.

@@ -1,0 +1,608 @@
+#include "server/backend/cuda_device.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "kernels/block_geometry.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/cuda/quantize_block.h"
+#include "kernels/shard_geometry.h"
+#include "server/backend/cuda_status.h"
+#include "server/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace qtx::server::backend {
+namespace {
+
+// cuMemGetAddressRange from the driver, found through the runtime so that
+// qtxd does not link libcuda (a CPU-only host must still start it).
+using CuMemGetAddressRangeFn = int (*)(unsigned long long* base, size_t* size,
+                                       unsigned long long dptr);
+
+absl::StatusOr<CuMemGetAddressRangeFn> AddressRangeFn() {
+  static const auto* const fn = new absl::StatusOr<CuMemGetAddressRangeFn>(
+      []() -> absl::StatusOr<CuMemGetAddressRangeFn> {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+        QTX_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
+            "cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &query));
+        if (query != cudaDriverEntryPointSuccess || p == nullptr) {
+          return absl::InternalError(
+              "the CUDA driver has no cuMemGetAddressRange (driver too old for CUDA 12+?)");
+        }
+        return reinterpret_cast<CuMemGetAddressRangeFn>(p);
+      }());
+  return *fn;
+}
+
+uint64_t InputElementSize(kernels::InputDType dtype) {
+  return dtype == kernels::InputDType::kFloat32 ? 4 : 2;
+}
+
+std::string HexPrefix(std::string_view bytes) {
+  std::string out;
+  for (size_t i = 0; i < std::min<size_t>(bytes.size(), 8); ++i) {
+    out += absl::StrFormat("%02x", static_cast<unsigned char>(bytes[i]));
+  }
+  return out;
+}
+
+absl::Status CheckEventLength(std::string_view handle, std::string_view field) {
+  if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %d bytes, must be exactly %d (a cudaIpcEventHandle_t)", field, handle.size(),
+        sizeof(cudaIpcEventHandle_t)));
+  }
+  return absl::OkStatus();
+}
+
+// Host copies for the staged (CPU-kernel) all-gather building blocks.
+struct HostBuffer {
+  std::unique_ptr<std::byte[]> bytes;
+  explicit HostBuffer(uint64_t n) : bytes(n ? new std::byte[n] : nullptr) {}
+  void* get() const { return bytes.get(); }
+};
+
+}  // namespace
+
+int VisibleCudaDevices() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal,
+                                                               const CudaDeviceOptions& options) {
+  if (options.streams < 1 || options.streams > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda: streams=%d: must be 1..256", options.streams));
+  }
+  if (options.staging_chunk_bytes < 4096) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda: staging_chunk_bytes=%d: must be >= 4096", options.staging_chunk_bytes));
+  }
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    return CudaErrorToStatus(err, "cudaGetDeviceCount (is there a GPU and an NVIDIA driver?)",
+                             __FILE__, __LINE__);
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    return absl::NotFoundError(absl::StrFormat(
+        "cuda:%d: no such device: this process sees %d CUDA device(s) (check "
+        "CUDA_VISIBLE_DEVICES)",
+        ordinal, count));
+  }
+  std::unique_ptr<CudaDevice> device(new CudaDevice(ordinal, options));
+  QTX_RETURN_IF_ERROR(device->Init());
+  return device;
+}
+
+CudaDevice::CudaDevice(int ordinal, const CudaDeviceOptions& options)
+    : ordinal_(ordinal), options_(options) {}
+
+absl::Status CudaDevice::Init() {
+  QTX_RETURN_IF_ERROR(Activate());
+  QTX_CUDA_RETURN_IF_ERROR(cudaFree(nullptr));  // creates the primary context now
+  for (int i = 0; i < options_.streams; ++i) {
+    cudaStream_t s = nullptr;
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    streams_.push_back(s);
+  }
+  cudaMemPoolProps props = {};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = ordinal_;
+  QTX_CUDA_RETURN_IF_ERROR(cudaMemPoolCreate(&pool_, &props));
+  uint64_t threshold = options_.pool_release_threshold;
+  QTX_CUDA_RETURN_IF_ERROR(
+      cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
+  return absl::OkStatus();
+}
+
+CudaDevice::~CudaDevice() {
+  if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
+  for (cudaStream_t s : streams_) {
+    if (cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    events_.clear();  // each SharedEvent destroys its event
+    event_order_.clear();
+    for (auto& pair : staging_all_) {
+      for (int i = 0; i < 2; ++i) {
+        if (pair->done[i] != nullptr) (void)cudaEventDestroy(pair->done[i]);
+        if (pair->host[i] != nullptr) (void)cudaFreeHost(pair->host[i]);
+      }
+    }
+    staging_all_.clear();
+    staging_free_.clear();
+  }
+  for (cudaStream_t s : streams_) (void)cudaStreamDestroy(s);
+  if (pool_ != nullptr) (void)cudaMemPoolDestroy(pool_);
+  (void)cudaGetLastError();
+}
+
+std::string CudaDevice::name() const { return absl::StrFormat("cuda:%d", ordinal_); }
+
+absl::Status CudaDevice::Activate() const {
+  QTX_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
+  return absl::OkStatus();
+}
+
+cudaStream_t CudaDevice::ThisThreadStream() const {
+  // Each thread takes the next slot once; slot % streams picks its stream, so
+  // one request's calls (one thread) stay in order on one stream.
+  static std::atomic<uint32_t> next_slot{0};
+  thread_local const uint32_t slot = next_slot.fetch_add(1, std::memory_order_relaxed);
+  return streams_[slot % streams_.size()];
+}
+
+absl::StatusOr<DeviceBuffer> CudaDevice::Allocate(uint64_t bytes) {
+  if (bytes == 0) return DeviceBuffer();
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, pool_, stream);
+  if (err != cudaSuccess) {
+    absl::Status s = CudaErrorToStatus(err, "cudaMallocFromPoolAsync", __FILE__, __LINE__);
+    return absl::Status(s.code(), absl::StrFormat("cuda:%d: cannot allocate %d bytes: %s",
+                                                  ordinal_, bytes, s.message()));
+  }
+  const int ordinal = ordinal_;
+  return DeviceBuffer(p, bytes, [stream, ordinal](void* q) {
+    // Stream-ordered: the memory returns to the pool after the work queued
+    // on `stream` so far. Errors here cannot be reported; they are logged.
+    if (cudaSetDevice(ordinal) != cudaSuccess || cudaFreeAsync(q, stream) != cudaSuccess) {
+      const cudaError_t e = cudaGetLastError();
+      spdlog::warn("event=cuda_free_failed device=cuda:{} error={}", ordinal, cudaGetErrorName(e));
+    }
+  });
+}
+
+absl::StatusOr<CudaDevice::StagingPair*> CudaDevice::AcquireStaging() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!staging_free_.empty()) {
+      StagingPair* pair = staging_free_.back();
+      staging_free_.pop_back();
+      return pair;
+    }
+  }
+  auto pair = std::make_unique<StagingPair>();
+  absl::Status status;
+  for (int i = 0; i < 2 && status.ok(); ++i) {
+    const cudaError_t e1 = cudaMallocHost(&pair->host[i], options_.staging_chunk_bytes);
+    if (e1 != cudaSuccess) {
+      status = CudaErrorToStatus(e1, "cudaMallocHost(staging)", __FILE__, __LINE__);
+      break;
+    }
+    const cudaError_t e2 = cudaEventCreateWithFlags(&pair->done[i], cudaEventDisableTiming);
+    if (e2 != cudaSuccess) status = CudaErrorToStatus(e2, "cudaEventCreate", __FILE__, __LINE__);
+  }
+  if (!status.ok()) {
+    for (int i = 0; i < 2; ++i) {
+      if (pair->done[i] != nullptr) (void)cudaEventDestroy(pair->done[i]);
+      if (pair->host[i] != nullptr) (void)cudaFreeHost(pair->host[i]);
+    }
+    return status;
+  }
+  StagingPair* raw = pair.get();
+  absl::MutexLock lock(&mu_);
+  staging_all_.push_back(std::move(pair));
+  return raw;
+}
+
+void CudaDevice::ReleaseStaging(StagingPair* pair) {
+  absl::MutexLock lock(&mu_);
+  staging_free_.push_back(pair);
+}
+
+absl::Status CudaDevice::CopyFromHost(void* device_dst, const void* host_src, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  QTX_ASSIGN_OR_RETURN(StagingPair * pair, AcquireStaging());
+  const uint64_t chunk = options_.staging_chunk_bytes;
+  auto copy = [&]() -> absl::Status {
+    const auto* src = static_cast<const std::byte*>(host_src);
+    auto* dst = static_cast<std::byte*>(device_dst);
+    uint64_t i = 0;
+    for (uint64_t off = 0; off < bytes; off += chunk, ++i) {
+      const int b = static_cast<int>(i & 1);
+      const uint64_t n = std::min(chunk, bytes - off);
+      // The buffer's previous chunk (i - 2) must have left for the device.
+      if (i >= 2) QTX_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(pair->done[b]));
+      std::memcpy(pair->host[b], src + off, n);
+      QTX_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst + off, pair->host[b], n, cudaMemcpyHostToDevice, stream));
+      QTX_CUDA_RETURN_IF_ERROR(cudaEventRecord(pair->done[b], stream));
+    }
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return absl::OkStatus();
+  };
+  absl::Status status = copy();
+  // Never hand the pair to another copy while this one may still read it.
+  if (!status.ok() && cudaStreamSynchronize(stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return status;  // the pair is leaked rather than reused unsafely
+  }
+  ReleaseStaging(pair);
+  return status;
+}
+
+absl::Status CudaDevice::CopyToHost(void* host_dst, const void* device_src, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  QTX_ASSIGN_OR_RETURN(StagingPair * pair, AcquireStaging());
+  const uint64_t chunk = options_.staging_chunk_bytes;
+  const uint64_t chunks = (bytes + chunk - 1) / chunk;
+  auto copy = [&]() -> absl::Status {
+    const auto* src = static_cast<const std::byte*>(device_src);
+    auto* dst = static_cast<std::byte*>(host_dst);
+    auto enqueue = [&](uint64_t i) -> absl::Status {
+      const int b = static_cast<int>(i & 1);
+      const uint64_t off = i * chunk;
+      const uint64_t n = std::min(chunk, bytes - off);
+      QTX_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(pair->host[b], src + off, n, cudaMemcpyDeviceToHost, stream));
+      QTX_CUDA_RETURN_IF_ERROR(cudaEventRecord(pair->done[b], stream));
+      return absl::OkStatus();
+    };
+    QTX_RETURN_IF_ERROR(enqueue(0));
+    for (uint64_t i = 0; i < chunks; ++i) {
+      // Chunk i + 1 goes into the buffer chunk i - 1 used (already drained).
+      if (i + 1 < chunks) QTX_RETURN_IF_ERROR(enqueue(i + 1));
+      const int b = static_cast<int>(i & 1);
+      QTX_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(pair->done[b]));
+      const uint64_t off = i * chunk;
+      std::memcpy(dst + off, pair->host[b], std::min(chunk, bytes - off));
+    }
+    return absl::OkStatus();
+  };
+  absl::Status status = copy();
+  if (!status.ok() && cudaStreamSynchronize(stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return status;
+  }
+  ReleaseStaging(pair);
+  return status;
+}
+
+absl::StatusOr<CudaDevice::SharedEvent> CudaDevice::OpenIpcEvent(std::string_view handle,
+                                                                 std::string_view field) {
+  QTX_RETURN_IF_ERROR(CheckEventLength(handle, field));
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = events_.find(handle);
+    if (it != events_.end()) return it->second;
+  }
+  cudaIpcEventHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  cudaEvent_t event = nullptr;
+  const cudaError_t err = cudaIpcOpenEventHandle(&event, h);
+  if (err != cudaSuccess) {
+    const absl::Status s = CudaErrorToStatus(err, "cudaIpcOpenEventHandle", __FILE__, __LINE__);
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s (handle %s...): cannot open the interprocess event: %s (it must come from "
+        "cudaIpcGetEventHandle on an event created with cudaEventInterprocess | "
+        "cudaEventDisableTiming in a live process on this machine)",
+        field, HexPrefix(handle), s.message()));
+  }
+  SharedEvent shared(event, [ordinal = ordinal_](cudaEvent_t e) {
+    if (cudaSetDevice(ordinal) != cudaSuccess || cudaEventDestroy(e) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+  });
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = events_.emplace(std::string(handle), shared);
+  if (!inserted) return it->second;  // another thread opened it meanwhile
+  event_order_.emplace_back(handle);
+  while (event_order_.size() > options_.max_cached_events) {
+    events_.erase(event_order_.front());  // holders keep their copy alive
+    event_order_.pop_front();
+  }
+  return shared;
+}
+
+absl::Status CudaDevice::WaitForClient(const CudaEvents& events, cudaStream_t stream) {
+  if (events.wait_event.empty()) return absl::OkStatus();
+  QTX_ASSIGN_OR_RETURN(SharedEvent event, OpenIpcEvent(events.wait_event, "cuda_events.wait_event"));
+  QTX_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, event.get(), 0));
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::FinishOp(const CudaEvents& events, cudaStream_t stream) {
+  if (events.signal_event.empty()) {
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return absl::OkStatus();
+  }
+  QTX_ASSIGN_OR_RETURN(SharedEvent event,
+                       OpenIpcEvent(events.signal_event, "cuda_events.signal_event"));
+  QTX_CUDA_RETURN_IF_ERROR(cudaEventRecord(event.get(), stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::Quantize(const QuantizeArgs& args) {
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  // Open both events before enqueueing anything, so a bad signal handle
+  // fails the call before the kernel runs.
+  if (!args.events.signal_event.empty()) {
+    QTX_RETURN_IF_ERROR(
+        OpenIpcEvent(args.events.signal_event, "cuda_events.signal_event").status());
+  }
+  QTX_RETURN_IF_ERROR(WaitForClient(args.events, stream));
+  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeBlock(args.input, args.dtype, args.m, args.n,
+                                                        args.params, args.out, stream));
+  return FinishOp(args.events, stream);
+}
+
+absl::Status CudaDevice::Dequantize(const DequantizeArgs& args) {
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  if (!args.events.signal_event.empty()) {
+    QTX_RETURN_IF_ERROR(
+        OpenIpcEvent(args.events.signal_event, "cuda_events.signal_event").status());
+  }
+  QTX_RETURN_IF_ERROR(WaitForClient(args.events, stream));
+  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::DequantizeBlock(args.in, args.scaling, args.format,
+                                                          args.m, args.n, args.use_rowwise,
+                                                          args.out_dtype, args.out, stream));
+  return FinishOp(args.events, stream);
+}
+
+// ---- Exact all-gather building blocks, staged through host memory ----
+
+absl::Status CudaDevice::ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) {
+  const kernels::ShardGeometry& g = args.geom;
+  const uint64_t in_bytes = static_cast<uint64_t>(g.m * g.n) * InputElementSize(args.dtype);
+  const uint64_t amax_bytes =
+      static_cast<uint64_t>(kernels::BoundaryAmaxLength(args.params.scaling, g)) * 4;
+  HostBuffer input(in_bytes), h_first(amax_bytes), h_last(amax_bytes);
+  QTX_RETURN_IF_ERROR(CopyToHost(input.get(), args.input, in_bytes));
+  kernels::cpu::ShardBoundaryAmax(input.get(), args.dtype, g, args.params.scaling,
+                                  static_cast<float*>(h_first.get()),
+                                  static_cast<float*>(h_last.get()));
+  QTX_RETURN_IF_ERROR(CopyFromHost(first, h_first.get(), amax_bytes));
+  return CopyFromHost(last, h_last.get(), amax_bytes);
+}
+
+absl::Status CudaDevice::QuantizeShard(const ShardArgs& args, const float* first_amax,
+                                       const float* last_amax,
+                                       const kernels::QuantizedBuffers& out) {
+  const kernels::ShardGeometry& g = args.geom;
+  const kernels::QuantizeParams& p = args.params;
+  const uint64_t in_bytes = static_cast<uint64_t>(g.m * g.n) * InputElementSize(args.dtype);
+  const uint64_t amax_bytes = static_cast<uint64_t>(kernels::BoundaryAmaxLength(p.scaling, g)) * 4;
+  const uint64_t data_bytes = static_cast<uint64_t>(g.m * g.n);
+  const uint64_t rs_bytes = static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(p.scaling, g)) * 4;
+  const uint64_t cs_bytes =
+      static_cast<uint64_t>(kernels::ShardColumnwiseScaleCount(p.scaling, g)) * 4;
+  HostBuffer input(in_bytes), h_first(amax_bytes), h_last(amax_bytes);
+  HostBuffer rd(p.rowwise ? data_bytes : 0), rs(p.rowwise ? rs_bytes : 0);
+  HostBuffer cd(p.columnwise ? data_bytes : 0), cs(p.columnwise ? cs_bytes : 0);
+  QTX_RETURN_IF_ERROR(CopyToHost(input.get(), args.input, in_bytes));
+  QTX_RETURN_IF_ERROR(CopyToHost(h_first.get(), first_amax, amax_bytes));
+  QTX_RETURN_IF_ERROR(CopyToHost(h_last.get(), last_amax, amax_bytes));
+  kernels::QuantizedBuffers host_out;
+  host_out.rowwise_data = static_cast<uint8_t*>(rd.get());
+  host_out.rowwise_scale_inv = static_cast<float*>(rs.get());
+  host_out.columnwise_data = static_cast<uint8_t*>(cd.get());
+  host_out.columnwise_scale_inv = static_cast<float*>(cs.get());
+  kernels::cpu::QuantizeShard(input.get(), args.dtype, g, p,
+                              static_cast<const float*>(h_first.get()),
+                              static_cast<const float*>(h_last.get()), host_out);
+  if (p.rowwise) {
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_data, rd.get(), data_bytes));
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_scale_inv, rs.get(), rs_bytes));
+  }
+  if (p.columnwise) {
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_data, cd.get(), data_bytes));
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_scale_inv, cs.get(), cs_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
+                                        const kernels::QuantizedConstBuffers* shards,
+                                        const kernels::QuantizeParams& params,
+                                        const kernels::QuantizedBuffers& out) {
+  std::vector<HostBuffer> keep;
+  std::vector<kernels::QuantizedConstBuffers> host_shards(world_size);
+  int64_t total_m = 0;
+  const int64_t n = world_size > 0 ? geoms[0].n : 0;
+  auto fetch = [&](const void* src, uint64_t bytes) -> absl::StatusOr<const void*> {
+    keep.emplace_back(bytes);
+    QTX_RETURN_IF_ERROR(CopyToHost(keep.back().get(), src, bytes));
+    return static_cast<const void*>(keep.back().get());
+  };
+  for (int r = 0; r < world_size; ++r) {
+    const kernels::ShardGeometry& g = geoms[r];
+    total_m += g.m;
+    const uint64_t data_bytes = static_cast<uint64_t>(g.m * g.n);
+    if (params.rowwise) {
+      QTX_ASSIGN_OR_RETURN(const void* d, fetch(shards[r].rowwise_data, data_bytes));
+      QTX_ASSIGN_OR_RETURN(
+          const void* s,
+          fetch(shards[r].rowwise_scale_inv,
+                static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(params.scaling, g)) * 4));
+      host_shards[r].rowwise_data = static_cast<const uint8_t*>(d);
+      host_shards[r].rowwise_scale_inv = static_cast<const float*>(s);
+    }
+    if (params.columnwise) {
+      QTX_ASSIGN_OR_RETURN(const void* d, fetch(shards[r].columnwise_data, data_bytes));
+      QTX_ASSIGN_OR_RETURN(
+          const void* s,
+          fetch(shards[r].columnwise_scale_inv,
+                static_cast<uint64_t>(kernels::ShardColumnwiseScaleCount(params.scaling, g)) *
+                    4));
+      host_shards[r].columnwise_data = static_cast<const uint8_t*>(d);
+      host_shards[r].columnwise_scale_inv = static_cast<const float*>(s);
+    }
+  }
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(params.scaling, total_m, n);
+  const uint64_t rd_bytes = static_cast<uint64_t>(layout.RowwiseDataBytes());
+  const uint64_t rs_bytes = static_cast<uint64_t>(layout.RowwiseScaleCount()) * 4;
+  const uint64_t cd_bytes = static_cast<uint64_t>(layout.ColumnwiseDataBytes());
+  const uint64_t cs_bytes = static_cast<uint64_t>(layout.ColumnwiseScaleCount()) * 4;
+  HostBuffer rd(params.rowwise ? rd_bytes : 0), rs(params.rowwise ? rs_bytes : 0);
+  HostBuffer cd(params.columnwise ? cd_bytes : 0), cs(params.columnwise ? cs_bytes : 0);
+  kernels::QuantizedBuffers host_out;
+  host_out.rowwise_data = static_cast<uint8_t*>(rd.get());
+  host_out.rowwise_scale_inv = static_cast<float*>(rs.get());
+  host_out.columnwise_data = static_cast<uint8_t*>(cd.get());
+  host_out.columnwise_scale_inv = static_cast<float*>(cs.get());
+  kernels::cpu::AssembleShards(world_size, geoms, host_shards.data(), params, host_out);
+  if (params.rowwise) {
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_data, rd.get(), rd_bytes));
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_scale_inv, rs.get(), rs_bytes));
+  }
+  if (params.columnwise) {
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_data, cd.get(), cd_bytes));
+    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_scale_inv, cs.get(), cs_bytes));
+  }
+  return absl::OkStatus();
+}
+
+// ---- CUDA IPC memory ----
+
+tensor::CudaIpcOpener CudaDevice::cuda_ipc_opener() {
+  return [this](std::string_view handle, int32_t device_id, uint64_t byte_size) {
+    return OpenIpcMemory(handle, device_id, byte_size);
+  };
+}
+
+absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view ipc_handle,
+                                                              int32_t device_id,
+                                                              uint64_t byte_size) {
+  if (ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_ipc.ipc_handle: %d bytes, must be exactly %d (a cudaIpcMemHandle_t)",
+        ipc_handle.size(), sizeof(cudaIpcMemHandle_t)));
+  }
+  QTX_RETURN_IF_ERROR(Activate());
+  const int count = VisibleCudaDevices();
+  if (device_id < 0 || device_id >= count) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_ipc.device_id=%d: this qtxd sees %d CUDA device(s) (ordinals are per process: "
+        "check CUDA_VISIBLE_DEVICES on both sides)",
+        device_id, count));
+  }
+  if (device_id != ordinal_) {
+    int can_access = 0;
+    QTX_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can_access, ordinal_, device_id));
+    if (!can_access) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "cuda_ipc.device_id=%d: this qtxd computes on cuda:%d, which has no peer access to "
+          "cuda:%d; register the memory with the sidecar of cuda:%d",
+          device_id, ordinal_, device_id, device_id));
+    }
+  }
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
+  void* base = nullptr;
+  const cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    const absl::Status s = CudaErrorToStatus(err, "cudaIpcOpenMemHandle", __FILE__, __LINE__);
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_ipc.ipc_handle (%s...): cannot open: %s (it must come from cudaIpcGetMemHandle on "
+        "cudaMalloc memory of a live process on this machine, other than qtxd itself)",
+        HexPrefix(ipc_handle), s.message()));
+  }
+  const int ordinal = ordinal_;
+  auto close = [ordinal, base] {
+    if (cudaSetDevice(ordinal) != cudaSuccess || cudaIpcCloseMemHandle(base) != cudaSuccess) {
+      const cudaError_t e = cudaGetLastError();
+      spdlog::warn("event=cuda_ipc_close_failed device=cuda:{} error={}", ordinal,
+                   cudaGetErrorName(e));
+    }
+  };
+  auto fail = [&](absl::Status s) {
+    close();
+    return s;
+  };
+
+  cudaPointerAttributes attr = {};
+  const cudaError_t aerr = cudaPointerGetAttributes(&attr, base);
+  if (aerr != cudaSuccess) {
+    return fail(CudaErrorToStatus(aerr, "cudaPointerGetAttributes", __FILE__, __LINE__));
+  }
+  if (attr.type != cudaMemoryTypeDevice) {
+    return fail(absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_ipc.ipc_handle: the opened memory is not device memory (type %d)",
+        static_cast<int>(attr.type))));
+  }
+  if (attr.device != device_id) {
+    return fail(absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_ipc.device_id=%d: the handle's memory is on cuda:%d (as this qtxd numbers devices)",
+        device_id, attr.device)));
+  }
+  auto range_fn = AddressRangeFn();
+  if (!range_fn.ok()) return fail(range_fn.status());
+  unsigned long long alloc_base = 0;
+  size_t alloc_size = 0;
+  const int rc = (*range_fn)(&alloc_base, &alloc_size, reinterpret_cast<uintptr_t>(base));
+  if (rc != 0) {
+    return fail(absl::InternalError(
+        absl::StrFormat("cuMemGetAddressRange on the opened IPC memory failed (CUresult %d)", rc)));
+  }
+  const uint64_t start = reinterpret_cast<uintptr_t>(base);
+  // Overflow-safe: bytes from the opened pointer to the allocation's end.
+  const uint64_t available =
+      start >= alloc_base && start - alloc_base <= alloc_size ? alloc_size - (start - alloc_base)
+                                                              : 0;
+  if (byte_size > available) {
+    return fail(absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_ipc.byte_size=%d exceeds the exported allocation: %d bytes from the handle's "
+        "pointer to the end of its %d-byte allocation",
+        byte_size, available, alloc_size)));
+  }
+  tensor::MappedMemory memory;
+  memory.data = static_cast<std::byte*>(base);
+  // A call that returned early (signal event) may still be using the memory:
+  // drain the device's streams before unmapping.
+  memory.release = [this, close] {
+    const absl::Status s = SynchronizeAll();
+    if (!s.ok()) spdlog::warn("event=cuda_ipc_close_sync_failed msg=\"{}\"", std::string(s.message()));
+    close();
+  };
+  return memory;
+}
+
+absl::Status CudaDevice::SynchronizeAll() {
+  QTX_RETURN_IF_ERROR(Activate());
+  for (cudaStream_t s : streams_) QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  return absl::OkStatus();
+}
+
+}  // namespace qtx::server::backend

@@ -1,0 +1,162 @@
+// CudaDevice: the Device on one CUDA GPU ("cuda:N"), running kernels/cuda.
+//
+// Memory: device buffers come from a CUDA memory pool of its own (stream-
+// ordered cudaMallocFromPoolAsync / cudaFreeAsync) that keeps freed memory
+// cached up to a release threshold. Host <-> device copies go through pinned
+// staging buffers in fixed-size chunks (double-buffered), so pageable request
+// bytes (inline tensors, shm mappings) never block on a pageable DMA.
+//
+// Streams: a pool of non-blocking streams. A calling thread always gets the
+// same stream ("this thread's stream"), so the Allocate -> CopyFromHost ->
+// Quantize -> CopyToHost sequence of one request, which runs on one executor
+// thread, is stream-ordered without extra synchronization.
+//
+// CUDA IPC: cuda_ipc_opener() opens a client's cudaIpcMemHandle_t once, at
+// registration, after checking the handle against the real allocation; the
+// mapping is closed (after the device's streams drain) when the region's last
+// pin drops. Interprocess events (CudaEvents in the op arguments) are opened
+// on first use and cached by handle.
+//
+// Thread safety: safe for concurrent use by any number of threads.
+#ifndef QTX_SERVER_BACKEND_CUDA_DEVICE_H_
+#define QTX_SERVER_BACKEND_CUDA_DEVICE_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/backend/device.h"
+
+namespace qtx::server::backend {
+
+struct CudaDeviceOptions {
+  // Streams in the pool (>= 1); threads beyond this share streams.
+  int streams = 8;
+  // Bytes of freed pool memory kept cached instead of returned to the driver
+  // at a synchronization point. UINT64_MAX: keep everything.
+  uint64_t pool_release_threshold = UINT64_MAX;
+  // Size of each of the two pinned staging buffers of one copy (>= 4096).
+  uint64_t staging_chunk_bytes = uint64_t{8} << 20;
+  // Opened interprocess events kept (least recently opened evicted first).
+  size_t max_cached_events = 1024;
+};
+
+// Number of CUDA devices this process sees; 0 when there is no driver or no
+// device (the error is cleared, never raised).
+int VisibleCudaDevices();
+
+class CudaDevice final : public Device {
+ public:
+  // Creates the device for ordinal `ordinal`. INVALID_ARGUMENT for a bad
+  // option; NOT_FOUND when no such device is visible (the message gives the
+  // count); INTERNAL for a CUDA failure (no driver, ...).
+  static absl::StatusOr<std::unique_ptr<CudaDevice>> Create(int ordinal,
+                                                            const CudaDeviceOptions& options = {});
+  // Waits for the streams, then releases streams, events, staging and pool.
+  // REQUIRES: no DeviceBuffer from Allocate and no region opened through
+  // cuda_ipc_opener() outlives the device.
+  ~CudaDevice() override;
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
+
+  int ordinal() const { return ordinal_; }
+  std::string name() const override;
+  tensor::MemoryKind memory_kind() const override { return tensor::MemoryKind::kDevice; }
+
+  // Stream-ordered on this thread's stream: usable by later work on it at
+  // once; freed (cudaFreeAsync) on the same stream when the buffer dies.
+  // RESOURCE_EXHAUSTED when the pool cannot grow.
+  absl::StatusOr<DeviceBuffer> Allocate(uint64_t bytes) override;
+
+  // Chunked through pinned staging buffers on this thread's stream, ordered
+  // after the work already queued there. Return when the copy is done.
+  absl::Status CopyFromHost(void* device_dst, const void* host_src, uint64_t bytes) override;
+  absl::Status CopyToHost(void* host_dst, const void* device_src, uint64_t bytes) override;
+
+  // Enqueue on this thread's stream: wait on args.events.wait_event (if set),
+  // the kernel, record args.events.signal_event (if set). Without a signal
+  // event the call returns when the outputs are written; with one it returns
+  // once the work is enqueued. INVALID_ARGUMENT for an event handle that is
+  // not 64 bytes or cannot be opened; INTERNAL on a CUDA failure.
+  absl::Status Quantize(const QuantizeArgs& args) override;
+  absl::Status Dequantize(const DequantizeArgs& args) override;
+
+  // The exact all-gather building blocks are not yet CUDA kernels: they stage
+  // through host memory and run kernels/cpu (correct, not fast). Each
+  // returns when its outputs are written.
+  absl::Status ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) override;
+  absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax,
+                             const float* last_amax,
+                             const kernels::QuantizedBuffers& out) override;
+  absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
+                              const kernels::QuantizedConstBuffers* shards,
+                              const kernels::QuantizeParams& params,
+                              const kernels::QuantizedBuffers& out) override;
+
+  tensor::CudaIpcOpener cuda_ipc_opener() override;
+
+  // Opens a cudaIpcMemHandle_t exported by another process for device
+  // `device_id` and checks that `byte_size` bytes from the exported pointer
+  // lie inside the real allocation. INVALID_ARGUMENT for a handle that is not
+  // 64 bytes or cannot be opened, a device_id that is not visible or not the
+  // device the memory is on, or a byte_size beyond the allocation;
+  // FAILED_PRECONDITION when memory on device_id is not reachable from this
+  // device (no peer access). The returned release closes the mapping after
+  // the device's streams drain.
+  absl::StatusOr<tensor::MappedMemory> OpenIpcMemory(std::string_view ipc_handle,
+                                                     int32_t device_id, uint64_t byte_size);
+
+  // Blocks until all work queued on every stream of the device is done.
+  absl::Status SynchronizeAll();
+
+ private:
+  struct StagingPair {
+    void* host[2] = {nullptr, nullptr};  // pinned, staging_chunk_bytes each
+    cudaEvent_t done[2] = {nullptr, nullptr};
+  };
+  // An opened interprocess event; destroyed when the last holder drops it.
+  using SharedEvent = std::shared_ptr<CUevent_st>;
+
+  CudaDevice(int ordinal, const CudaDeviceOptions& options);
+  absl::Status Init();
+
+  // Makes ordinal_ the calling thread's current device.
+  absl::Status Activate() const;
+  cudaStream_t ThisThreadStream() const;
+
+  absl::StatusOr<StagingPair*> AcquireStaging();
+  void ReleaseStaging(StagingPair* pair);
+
+  absl::StatusOr<SharedEvent> OpenIpcEvent(std::string_view handle, std::string_view field);
+  // Waits on events.wait_event on `stream` (if set).
+  absl::Status WaitForClient(const CudaEvents& events, cudaStream_t stream);
+  // Records events.signal_event on `stream`, or synchronizes `stream`.
+  absl::Status FinishOp(const CudaEvents& events, cudaStream_t stream);
+
+  // Constant after Init().
+  const int ordinal_;
+  const CudaDeviceOptions options_;
+  std::vector<cudaStream_t> streams_;
+  cudaMemPool_t pool_ = nullptr;
+
+  // State below is protected by mu_.
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<StagingPair>> staging_all_ ABSL_GUARDED_BY(mu_);
+  std::vector<StagingPair*> staging_free_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, SharedEvent, std::less<>> events_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> event_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+};
+
+}  // namespace qtx::server::backend
+
+#endif  // QTX_SERVER_BACKEND_CUDA_DEVICE_H_
