@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  const Variant variants[] = {{"default", {}}, {"stages3_1cta", {3, 1}}, {"stages2_1cta", {2, 1}}};
+  const Variant variants[] = {{"default", {}}, {"stages3", {3, 0}}, {"stages2_1cta", {2, 1}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;  // rotate buffers: >> 60 MB L2

@@ -99,9 +99,9 @@ struct QuantizeArgs {
 template <InputDType D, BlockScaling S, bool kRow, bool kCol, int kStages>
 struct SmemPlan {
   static constexpr int kStageBytes = kTile * kTile * kElemBytes<D>;
-  static constexpr int kTOffset = kStages * kStageBytes;
-  static constexpr int kTSize = kCol ? kTBytes : 0;
-  static constexpr int kRedOffset = kTOffset + kTSize;
+  // The transposed FP8 tile lives in the stage just consumed (see the kernel).
+  static_assert(kStageBytes >= kTBytes, "transposed tile must fit in a stage");
+  static constexpr int kRedOffset = kStages * kStageBytes;
   static constexpr int kRedSize =
       (S == BlockScaling::kBlock2D) ? kWarps * 4 : (kCol ? kWarps * kTile * 4 : 0);
   static constexpr int kColScaleOffset = kRedOffset + kRedSize;
@@ -109,25 +109,42 @@ struct SmemPlan {
   static constexpr int kBytes = kColScaleOffset + kColScaleSize;
 };
 
+// Row-major tile order. Tile counts fit in 32 bits (checked by the launcher),
+// so this is one 32-bit division.
+__device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
+                                           int64_t* tn) {
+  const uint32_t nb = static_cast<uint32_t>(a.nb);
+  const uint32_t r = tile / nb;
+  *tm = r;
+  *tn = tile - r * nb;
+}
+
+// |x| folded into a running amax: fmaxf ignores a NaN operand, so this is
+// exactly AmaxUpdate of kernels/fp8.h (NUMERICS.md §2 step 1) in one FMNMX.
+__device__ __forceinline__ float AbsMax(float amax, float x) { return fmaxf(amax, fabsf(x)); }
+
 // Aligned path: starts the asynchronous copy of one full input tile into a
 // shared-memory stage (row-major, 128 rows of 128 elements; each warp copies two
 // whole rows per step, 16 bytes a lane).
 template <InputDType D>
 __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
-                                              int64_t tile) {
+                                              uint32_t tile) {
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr int kChunksPerRow = kRowBytes / 16;
   constexpr int kChunks = kTile * kChunksPerRow;
   static_assert(kChunks % kThreads == 0, "tile copy must divide evenly among threads");
-  const int64_t m0 = (tile / a.nb) * kTile, n0 = (tile % a.nb) * kTile;
-  const uint8_t* src = static_cast<const uint8_t*>(a.input) +
-                       (m0 * a.n + n0) * kElemBytes<D>;
+  int64_t tm, tn;
+  TileCoords(a, tile, &tm, &tn);
   const int64_t pitch = a.n * kElemBytes<D>;
+  constexpr int kRowsPerStep = kThreads / kChunksPerRow;
+  const int r = static_cast<int>(threadIdx.x) / kChunksPerRow;
+  const int ch = static_cast<int>(threadIdx.x) % kChunksPerRow;
+  const uint8_t* src = static_cast<const uint8_t*>(a.input) +
+                       (tm * kTile + r) * pitch + (tn * kTile) * kElemBytes<D> + ch * 16;
+  uint8_t* dst = stage + r * kRowBytes + ch * 16;
 #pragma unroll
   for (int k = 0; k < kChunks / kThreads; ++k) {
-    const int c = static_cast<int>(threadIdx.x) + k * kThreads;
-    const int r = c / kChunksPerRow, ch = c % kChunksPerRow;
-    CpAsync16(stage + r * kRowBytes + ch * 16, src + r * pitch + ch * 16);
+    CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
   }
 }
 
@@ -187,35 +204,35 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
 
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* const tsm = smem + Plan::kTOffset;
   float* const red = reinterpret_cast<float*>(smem + Plan::kRedOffset);
   float* const col_scale_sm = reinterpret_cast<float*>(smem + Plan::kColScaleOffset);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int q = tid >> 4, v = tid & 15;
-  const int64_t count =
-      (a.num_tiles - static_cast<int64_t>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
+  const uint32_t num_tiles = static_cast<uint32_t>(a.num_tiles);
+  const uint32_t count = (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
 
   if constexpr (kAligned) {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
+    for (uint32_t s = 0; s < kStages - 1; ++s) {
       if (s < count) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, blockIdx.x + s * gridDim.x);
       CpAsyncCommit();
     }
   }
 
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t tile = blockIdx.x + k * gridDim.x;
-    const int64_t tm = tile / a.nb, tn = tile % a.nb;
+  for (uint32_t k = 0; k < count; ++k) {
+    const uint32_t tile = blockIdx.x + k * gridDim.x;
+    int64_t tm, tn;
+    TileCoords(a, tile, &tm, &tn);
     const int64_t m0 = tm * kTile, n0 = tn * kTile;
-    const uint8_t* stage;
+    uint8_t* stage;
     if constexpr (kAligned) {
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
       if (k + kStages - 1 < count) {
         IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a,
-                         tile + (kStages - 1) * static_cast<int64_t>(gridDim.x));
+                         tile + (kStages - 1) * gridDim.x);
       }
       CpAsyncCommit();
       stage = smem + (k % kStages) * Plan::kStageBytes;
@@ -237,8 +254,13 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
           const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            x[i][2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
-            x[i][2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
+            if constexpr (D == InputDType::kBFloat16) {
+              x[i][2 * j] = __uint_as_float(words[j] << 16);
+              x[i][2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+            } else {
+              x[i][2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
+              x[i][2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
+            }
           }
         } else {
           const uint4 w0 = *reinterpret_cast<const uint4*>(base + i * kRowBytes);
@@ -258,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) am = AmaxUpdate(am, x[i][j]);
+        for (int j = 0; j < 8; ++j) am = AbsMax(am, x[i][j]);
       }
 #pragma unroll
       for (int mask = 16; mask > 0; mask >>= 1) {
@@ -294,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         for (int i = 0; i < 8; ++i) {
           r[i] = 0.0f;
 #pragma unroll
-          for (int j = 0; j < 8; ++j) r[i] = AmaxUpdate(r[i], x[i][j]);
+          for (int j = 0; j < 8; ++j) r[i] = AbsMax(r[i], x[i][j]);
         }
         // Butterfly over the 16 lanes of this half warp: after the steps with
         // masks 8, 4, 2, 1 the lane holds the amax of row (lane >> 1) & 7.
@@ -340,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         for (int j = 0; j < 8; ++j) {
           c[j] = 0.0f;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) c[j] = AmaxUpdate(c[j], x[i][j]);
+          for (int i = 0; i < 8; ++i) c[j] = AbsMax(c[j], x[i][j]);
         }
         // Lanes l and l^16 hold the same columns for rows 8q.. and 8(q+1)..:
         // exchange halves, then slot t holds column 8v + 4*(lane>>4) + t.
@@ -375,25 +397,30 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
 
     // ---- rowwise copy: [M, N] ----
     if constexpr (kRow) {
+      const int64_t gm0 = m0 + 8 * q;
+      const int64_t gn = n0 + 8 * v;
+      uint8_t* row_ptr = a.qr + gm0 * a.n + gn;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < 8; ++i, row_ptr += a.n) {
         const uint2 b = Quantize8<F>(x[i], row_scale[i]);
-        const int64_t gm = m0 + 8 * q + i;
-        const int64_t gn = n0 + 8 * v;
         if constexpr (kAligned) {
-          *reinterpret_cast<uint2*>(a.qr + gm * a.n + gn) = b;
-        } else if (gm < a.m) {
+          *reinterpret_cast<uint2*>(row_ptr) = b;
+        } else if (gm0 + i < a.m) {
           const uint32_t words[2] = {b.x, b.y};
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            if (gn + j < a.n) a.qr[gm * a.n + gn + j] = static_cast<uint8_t>(words[j >> 2] >> (8 * (j & 3)));
+            if (gn + j < a.n) row_ptr[j] = static_cast<uint8_t>(words[j >> 2] >> (8 * (j & 3)));
           }
         }
       }
     }
 
     // ---- columnwise copy: [N, M], through the swizzled transposed tile ----
+    // The tile reuses this iteration's input stage: every thread has read its
+    // sub-tile out of it before the barrier above (red / column scales), and
+    // the stage is refilled only after the next iteration's first barrier.
     if constexpr (kCol) {
+      uint8_t* const tsm = stage;
       const int unit = q >> 1, half = q & 1;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -405,21 +432,21 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
       }
       __syncthreads();
+      const int u = tid & 7;
+      const int64_t gm = m0 + 16 * u;
+      uint8_t* col_ptr = a.qc + (n0 + (tid >> 3)) * a.m + gm;
 #pragma unroll
-      for (int p = 0; p < kTile / 32; ++p) {
+      for (int p = 0; p < kTile / 32; ++p, col_ptr += 32 * a.m) {
         const int nl = p * 32 + (tid >> 3);
-        const int u = tid & 7;
         const uint4 val =
             *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
-        const int64_t gn = n0 + nl;
-        const int64_t gm = m0 + 16 * u;
         if constexpr (kAligned) {
-          *reinterpret_cast<uint4*>(a.qc + gn * a.m + gm) = val;
-        } else if (gn < a.n) {
+          *reinterpret_cast<uint4*>(col_ptr) = val;
+        } else if (n0 + nl < a.n) {
           const uint32_t words[4] = {val.x, val.y, val.z, val.w};
 #pragma unroll
           for (int b = 0; b < 16; ++b) {
-            if (gm + b < a.m) a.qc[gn * a.m + gm + b] = static_cast<uint8_t>(words[b >> 2] >> (8 * (b & 3)));
+            if (gm + b < a.m) col_ptr[b] = static_cast<uint8_t>(words[b >> 2] >> (8 * (b & 3)));
           }
         }
       }
@@ -550,6 +577,8 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   args.mb = CeilDiv(m, kBlockLen);
   args.nb = CeilDiv(n, kBlockLen);
   args.num_tiles = args.mb * args.nb;
+  // Tile indices are 32-bit in the kernel (2^31 tiles = 2^45 elements).
+  if (args.num_tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   args.sr_pitch = layout.rowwise_scale_cols;
   args.sc_pitch = layout.columnwise_scale_cols;
   args.fp8_max = Fp8Max(params.format);

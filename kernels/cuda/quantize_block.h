@@ -19,7 +19,8 @@ namespace qtx::kernels::cuda {
 
 // Quantizes the row-major [m, n] tensor `input` of element type `dtype` into
 // the copies requested by params.rowwise / params.columnwise.
-// Returns cudaErrorInvalidValue for m < 0, n < 0, an unknown enum value, a
+// Returns cudaErrorInvalidValue for m < 0, n < 0, 2^31 or more 128x128 tiles,
+// an unknown enum value, a
 // null buffer of a requested copy, or a negative / non-finite amax_epsilon;
 // otherwise the launch error, if any.
 cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
@@ -36,10 +37,10 @@ cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scalin
 namespace detail {
 
 // Launch-shape override for benchmarking the fused quantize kernel:
-// `stages` = shared-memory pipeline depth of the aligned path (2 or 3),
-// `ctas_per_sm` = resident CTAs per SM of the persistent grid (0 = as many as
-// fit). Only BF16 input with E4M3 output honours stages == 3; other values
-// fall back to the defaults. Not part of the stable API.
+// `stages` = shared-memory pipeline depth of the aligned path (2 or 3; only
+// BF16 input with E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
+// of the persistent grid; 0 = the default. Results are identical for every setting. Not part of the
+// stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;

@@ -413,8 +413,9 @@ TEST(QuantizeBlockCuda, TunedLaunchesGiveIdenticalBytes) {
     p.rowwise = p.columnwise = true;
     const QuantizedLayout l = ComputeLayout(s, m, n);
     std::vector<uint8_t> ref;
-    for (detail::LaunchTuning tuning : {detail::LaunchTuning{}, detail::LaunchTuning{3, 1},
-                                        detail::LaunchTuning{2, 1}, detail::LaunchTuning{3, 0}}) {
+    for (detail::LaunchTuning tuning :
+         {detail::LaunchTuning{}, detail::LaunchTuning{3, 1}, detail::LaunchTuning{2, 1},
+          detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2}}) {
       const size_t bytes = l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
                            4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
       DeviceBuffer out(bytes);
