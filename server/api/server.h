@@ -22,7 +22,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/api/executor.h"
+#include "server/api/collective_service.h"
 #include "server/api/services.h"
+#include "server/collective/group_registry.h"
+#include "server/collective/kv_store.h"
 #include "server/backend/device.h"
 #include "server/config/server_config.h"
 #include "server/tensor/region_table.h"
@@ -64,6 +67,11 @@ class QtxServer {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<QuantizerService> quantizer_;
   std::unique_ptr<MemoryService> memory_;
+  // Collectives: declared before server_ so that they outlive it.
+  std::unique_ptr<collective::KvStore> rendezvous_store_;
+  std::unique_ptr<collective::GroupRegistry> groups_;
+  std::unique_ptr<CollectiveService> collective_;
+  std::unique_ptr<RendezvousService> rendezvous_;
   std::unique_ptr<grpc::Server> server_;
   int tcp_port_ = 0;
 

@@ -200,6 +200,7 @@ struct LocalRequest {
 
 absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const OpContext& ctx,
                                            backend::Communicator& comm) {
+  QTX_RETURN_IF_ERROR(r.request_error);
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(r.params, "config"));
   if (r.mode != AllGatherMode::kExactFp8 && r.mode != AllGatherMode::kGatherHighPrecision) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -47,6 +47,9 @@ struct AllGatherRequestSpec {
   kernels::QuantizeParams params;  // defaults applied by the caller
   AllGatherMode mode = AllGatherMode::kExactFp8;
   QuantizeOutputSpecs outputs;     // for the gathered [M, N] tensor
+  // Set by the caller when the request could not even be parsed; the op then
+  // still takes part in the header exchange, so every rank fails with it.
+  absl::Status request_error;
 };
 
 struct AllGatherResult {

@@ -1,0 +1,307 @@
+#include "server/api/collective_service.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "server/api/convert.h"
+#include "server/api/request_context.h"
+#include "server/backend/gloo_communicator.h"
+#include "server/ops/allgather.h"
+#include "server/status_macros.h"
+
+namespace qtx::server::api {
+namespace {
+
+constexpr absl::Duration kDefaultGroupTimeout = absl::Milliseconds(60000);
+constexpr absl::Duration kMaxRendezvousWait = absl::Minutes(10);
+
+absl::Status FromGrpc(const grpc::Status& s, std::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrFormat("%s: %s", what, s.error_message()));
+}
+
+// The deadline the server side works to: shortly before the client's gRPC
+// deadline, so that our own, more precise error reaches the client first.
+absl::Time WorkDeadline(const grpc::CallbackServerContext& context, absl::Duration cap) {
+  const absl::Time now = absl::Now();
+  absl::Time d = absl::FromChrono(context.deadline());
+  if (d >= now + cap || d == absl::InfiniteFuture()) return now + cap;
+  const absl::Duration left = d - now;
+  return d - std::min(absl::Milliseconds(500), left / 10);
+}
+
+void GroupInfoToProto(const collective::GroupInfo& i, v1::GroupInfo* out) {
+  out->set_name(i.name);
+  out->set_rank(i.rank);
+  out->set_world_size(i.world_size);
+  out->set_backend(i.backend == collective::CommBackendKind::kNccl ? v1::NCCL : v1::GLOO);
+  switch (i.state) {
+    case collective::GroupState::kReady:
+      out->set_state(v1::READY);
+      break;
+    case collective::GroupState::kBroken:
+      out->set_state(v1::BROKEN);
+      break;
+    case collective::GroupState::kJoining:
+      out->set_state(v1::GROUP_STATE_UNSPECIFIED);
+      break;
+  }
+  out->set_next_sequence(i.next_sequence);
+  out->set_error(i.error);
+}
+
+absl::StatusOr<collective::GroupSpec> GroupSpecFromProto(const v1::CreateGroupRequest& r) {
+  collective::GroupSpec s;
+  s.name = r.name();
+  s.rank = r.rank();
+  s.world_size = r.world_size();
+  s.coordinator = r.coordinator();
+  s.timeout = r.timeout_ms() == 0 ? kDefaultGroupTimeout : absl::Milliseconds(r.timeout_ms());
+  switch (r.backend()) {
+    case v1::COMM_BACKEND_UNSPECIFIED:
+    case v1::GLOO:
+      s.backend = collective::CommBackendKind::kGloo;
+      break;
+    case v1::NCCL:
+      return absl::UnimplementedError(
+          "backend=NCCL: this qtxd has no NCCL communicator yet; use GLOO");
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("backend=%d: must be GLOO or NCCL", static_cast<int>(r.backend())));
+  }
+  return s;
+}
+
+ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
+  ops::AllGatherRequestSpec spec;
+  spec.group = r.group();
+  spec.sequence = r.sequence();
+  spec.request_error = [&]() -> absl::Status {
+    if (!r.has_input()) return absl::InvalidArgumentError("input: missing");
+    QTX_ASSIGN_OR_RETURN(spec.input, TensorRefFromProto(r.input(), "input"));
+    QTX_ASSIGN_OR_RETURN(spec.params, ParamsFromProto(r.config(), "config"));
+    switch (r.mode()) {
+      case v1::ALL_GATHER_MODE_UNSPECIFIED:
+      case v1::EXACT_FP8:
+        spec.mode = ops::AllGatherMode::kExactFp8;
+        break;
+      case v1::GATHER_HIGH_PRECISION:
+        spec.mode = ops::AllGatherMode::kGatherHighPrecision;
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "mode=%d: must be EXACT_FP8 or GATHER_HIGH_PRECISION", static_cast<int>(r.mode())));
+    }
+    const v1::QuantizeOutputs& o = r.outputs();
+    if (o.has_rowwise_data()) spec.outputs.rowwise_data = SliceFromProto(o.rowwise_data());
+    if (o.has_rowwise_scale_inv()) {
+      spec.outputs.rowwise_scale_inv = SliceFromProto(o.rowwise_scale_inv());
+    }
+    if (o.has_columnwise_data()) spec.outputs.columnwise_data = SliceFromProto(o.columnwise_data());
+    if (o.has_columnwise_scale_inv()) {
+      spec.outputs.columnwise_scale_inv = SliceFromProto(o.columnwise_scale_inv());
+    }
+    return absl::OkStatus();
+  }();
+  return spec;
+}
+
+// Rendezvous.Get: parked in the KvStore, finished by its callback.
+class GetReactor final : public grpc::ServerUnaryReactor {
+ public:
+  GetReactor(grpc::CallbackServerContext* context, collective::KvStore* store,
+             const v1::RendezvousGetRequest* request, v1::RendezvousGetResponse* response)
+      : store_(store), response_(response), log_(StartRequest(context, "Rendezvous.Get")) {
+    std::vector<std::string> keys(request->keys().begin(), request->keys().end());
+    const collective::KvStore::WaiterId id = store_->GetAsync(
+        std::move(keys), WorkDeadline(*context, kMaxRendezvousWait),
+        [this](absl::StatusOr<std::vector<std::string>> values) { Done(std::move(values)); });
+    absl::MutexLock lock(&mu_);
+    if (!finished_) id_ = id;
+  }
+
+  void OnCancel() override {
+    collective::KvStore::WaiterId id = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      id = id_;
+    }
+    if (id != 0) store_->Cancel(id);  // runs Done (CANCELLED) unless already done
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Done(absl::StatusOr<std::vector<std::string>> values) {
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+      id_ = 0;
+    }
+    if (values.ok()) {
+      for (auto& v : *values) response_->add_values(std::move(v));
+    }
+    Finish(EndRequest(log_, values.status()));
+  }
+
+  collective::KvStore* const store_;
+  v1::RendezvousGetResponse* const response_;
+  const RequestLog log_;
+  absl::Mutex mu_;
+  collective::KvStore::WaiterId id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* CollectiveService::CreateGroup(grpc::CallbackServerContext* context,
+                                                         const v1::CreateGroupRequest* request,
+                                                         v1::CreateGroupResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestLog log = StartRequest(context, "CreateGroup");
+  absl::StatusOr<collective::GroupSpec> spec = GroupSpecFromProto(*request);
+  if (!spec.ok()) {
+    reactor->Finish(EndRequest(log, spec.status()));
+    return reactor;
+  }
+  registry_->CreateGroup(std::move(*spec), [reactor, log, response](
+                                               absl::StatusOr<collective::GroupInfo> info) {
+    if (info.ok()) GroupInfoToProto(*info, response->mutable_group());
+    reactor->Finish(EndRequest(log, info.status()));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CollectiveService::AllGather(grpc::CallbackServerContext* context,
+                                                       const v1::AllGatherRequest* request,
+                                                       v1::AllGatherResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestLog log = StartRequest(context, "AllGather");
+  auto spec = std::make_shared<ops::AllGatherRequestSpec>(AllGatherFromProto(*request));
+  absl::Duration timeout = kDefaultGroupTimeout;
+  if (auto info = registry_->GetGroup(request->group()); info.ok()) timeout = info->timeout;
+  collective::Collective c;
+  c.sequence = request->sequence();
+  c.deadline = WorkDeadline(*context, timeout);
+  c.run = [this, spec, response, deadline = c.deadline](backend::Communicator& comm) {
+    bool broken = false;
+    absl::StatusOr<ops::AllGatherResult> r =
+        ops::AllGather(*spec, ctx_, comm, backend::CommCall{deadline}, &broken);
+    if (r.ok()) {
+      v1::QuantizeResponse q;
+      QuantizeResultToProto(std::move(r->result), &q);
+      response->mutable_result()->Swap(q.mutable_result());
+      for (int64_t m : r->shard_rows) response->add_shard_rows(m);
+    }
+    absl::Status s = r.status();
+    if (broken && s.code() != absl::StatusCode::kDeadlineExceeded) {
+      // A peer died or the transport failed: the whole call is aborted.
+      s = absl::AbortedError(absl::StrFormat("%s (the group is now BROKEN)", s.message()));
+    }
+    return collective::CollectiveOutcome{s, broken};
+  };
+  c.finish = [reactor, log](absl::Status s) { reactor->Finish(EndRequest(log, s)); };
+  registry_->Submit(request->group(), std::move(c));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CollectiveService::DestroyGroup(grpc::CallbackServerContext* context,
+                                                          const v1::DestroyGroupRequest* request,
+                                                          v1::DestroyGroupResponse* /*response*/) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestLog log = StartRequest(context, "DestroyGroup");
+  reactor->Finish(EndRequest(log, registry_->DestroyGroup(request->name())));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CollectiveService::ListGroups(grpc::CallbackServerContext* context,
+                                                        const v1::ListGroupsRequest* /*request*/,
+                                                        v1::ListGroupsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestLog log = StartRequest(context, "ListGroups");
+  for (const auto& g : registry_->ListGroups()) GroupInfoToProto(g, response->add_groups());
+  reactor->Finish(EndRequest(log, absl::OkStatus()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RendezvousService::Set(grpc::CallbackServerContext* context,
+                                                 const v1::RendezvousSetRequest* request,
+                                                 v1::RendezvousSetResponse* /*response*/) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestLog log = StartRequest(context, "Rendezvous.Set");
+  reactor->Finish(EndRequest(log, store_->Put(request->key(), request->value())));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RendezvousService::Get(grpc::CallbackServerContext* context,
+                                                 const v1::RendezvousGetRequest* request,
+                                                 v1::RendezvousGetResponse* response) {
+  return new GetReactor(context, store_, request, response);
+}
+
+GrpcRendezvousClient::GrpcRendezvousClient(const std::string& target)
+    : target_(target),
+      stub_(v1::Rendezvous::NewStub(
+          grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {}
+
+absl::Status GrpcRendezvousClient::Set(std::string_view key, std::string_view value,
+                                       absl::Time deadline) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(deadline));
+  ctx.set_wait_for_ready(true);
+  v1::RendezvousSetRequest req;
+  req.set_key(std::string(key));
+  req.set_value(std::string(value));
+  v1::RendezvousSetResponse resp;
+  return FromGrpc(stub_->Set(&ctx, req, &resp),
+                  absl::StrFormat("rendezvous store at '%s'", target_));
+}
+
+absl::StatusOr<std::vector<std::string>> GrpcRendezvousClient::Get(
+    std::span<const std::string> keys, absl::Time deadline) {
+  grpc::ClientContext ctx;
+  // The server stops waiting a little before this and names the missing keys.
+  ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(1)));
+  ctx.set_wait_for_ready(true);
+  v1::RendezvousGetRequest req;
+  for (const auto& k : keys) req.add_keys(k);
+  v1::RendezvousGetResponse resp;
+  QTX_RETURN_IF_ERROR(FromGrpc(stub_->Get(&ctx, req, &resp),
+                               absl::StrFormat("rendezvous store at '%s'", target_)));
+  if (resp.values_size() != static_cast<int>(keys.size())) {
+    return absl::InternalError(absl::StrFormat("rendezvous store at '%s': %d values for %d keys",
+                                               target_, resp.values_size(), keys.size()));
+  }
+  return std::vector<std::string>(resp.values().begin(), resp.values().end());
+}
+
+collective::GroupRegistryOptions MakeGroupRegistryOptions(collective::KvStore* store,
+                                                          const std::string& peer_host) {
+  collective::GroupRegistryOptions o;
+  o.local_store = store;
+  o.connect = [](const std::string& coordinator)
+      -> absl::StatusOr<std::unique_ptr<backend::RendezvousClient>> {
+    return std::make_unique<GrpcRendezvousClient>(coordinator);
+  };
+  o.make_communicator = [peer_host](const collective::GroupSpec& spec,
+                                    backend::RendezvousClient& rendezvous,
+                                    const std::string& prefix, absl::Time deadline)
+      -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
+    backend::GlooCommunicatorOptions g;
+    g.group = spec.name;
+    g.rank = spec.rank;
+    g.world_size = spec.world_size;
+    g.host = peer_host;
+    g.key_prefix = prefix;
+    g.store = &rendezvous;
+    g.deadline = deadline;
+    QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::GlooCommunicator> c,
+                         backend::GlooCommunicator::Create(g));
+    return std::unique_ptr<backend::Communicator>(std::move(c));
+  };
+  return o;
+}
+
+}  // namespace qtx::server::api

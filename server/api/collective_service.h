@@ -1,0 +1,97 @@
+// gRPC front of the collectives: qtx.v1.Collective (groups and AllGather),
+// qtx.v1.Rendezvous (the key-value store this sidecar hosts for groups whose
+// rank 0 it is), and GrpcRendezvousClient (how ranks > 0 reach that store).
+//
+// Handlers hold no math and never block a reaction: CreateGroup and
+// AllGather hand their work to the group's executor (GroupRegistry), which
+// finishes the call; Rendezvous.Get parks its reactor in the KvStore until
+// the keys arrive, its deadline passes or the client cancels.
+//
+// Thread safety: the services are safe for concurrent use; the registry,
+// store and OpContext members must outlive them.
+#ifndef QTX_SERVER_API_COLLECTIVE_SERVICE_H_
+#define QTX_SERVER_API_COLLECTIVE_SERVICE_H_
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "qtx/v1/collective.grpc.pb.h"
+#include "server/backend/communicator.h"
+#include "server/collective/group_registry.h"
+#include "server/collective/kv_store.h"
+#include "server/ops/quantize.h"
+
+namespace qtx::server::api {
+
+class CollectiveService final : public v1::Collective::CallbackService {
+ public:
+  CollectiveService(ops::OpContext ctx, collective::GroupRegistry* registry)
+      : ctx_(ctx), registry_(registry) {}
+
+  grpc::ServerUnaryReactor* CreateGroup(grpc::CallbackServerContext* context,
+                                        const v1::CreateGroupRequest* request,
+                                        v1::CreateGroupResponse* response) override;
+  grpc::ServerUnaryReactor* AllGather(grpc::CallbackServerContext* context,
+                                      const v1::AllGatherRequest* request,
+                                      v1::AllGatherResponse* response) override;
+  grpc::ServerUnaryReactor* DestroyGroup(grpc::CallbackServerContext* context,
+                                         const v1::DestroyGroupRequest* request,
+                                         v1::DestroyGroupResponse* response) override;
+  grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* context,
+                                       const v1::ListGroupsRequest* request,
+                                       v1::ListGroupsResponse* response) override;
+
+ private:
+  // Constant after construction.
+  const ops::OpContext ctx_;
+  collective::GroupRegistry* const registry_;
+};
+
+class RendezvousService final : public v1::Rendezvous::CallbackService {
+ public:
+  explicit RendezvousService(collective::KvStore* store) : store_(store) {}
+
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
+                                const v1::RendezvousSetRequest* request,
+                                v1::RendezvousSetResponse* response) override;
+  // Waits until every key exists, until shortly before the call's gRPC
+  // deadline (so that the client gets the store's DEADLINE_EXCEEDED naming
+  // the missing keys), or at most 10 minutes.
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::RendezvousGetRequest* request,
+                                v1::RendezvousGetResponse* response) override;
+
+ private:
+  collective::KvStore* const store_;
+};
+
+// backend::RendezvousClient over qtx.v1.Rendezvous at `target` (a gRPC
+// target: "host:port" or "unix:/path"). Calls wait for the channel to
+// connect until their deadline. Safe for concurrent use.
+class GrpcRendezvousClient final : public backend::RendezvousClient {
+ public:
+  explicit GrpcRendezvousClient(const std::string& target);
+
+  absl::Status Set(std::string_view key, std::string_view value, absl::Time deadline) override;
+  absl::StatusOr<std::vector<std::string>> Get(std::span<const std::string> keys,
+                                               absl::Time deadline) override;
+
+ private:
+  const std::string target_;
+  std::unique_ptr<v1::Rendezvous::Stub> stub_;
+};
+
+// The production GroupRegistry wiring: Gloo communicators listening on
+// `peer_host`, rendezvous over GrpcRendezvousClient, this sidecar's `store`.
+collective::GroupRegistryOptions MakeGroupRegistryOptions(collective::KvStore* store,
+                                                          const std::string& peer_host);
+
+}  // namespace qtx::server::api
+
+#endif  // QTX_SERVER_API_COLLECTIVE_SERVICE_H_

@@ -1,0 +1,312 @@
+// Several qtxd processes on loopback, driven through generated stubs: one
+// thread per rank calls its own sidecar. Bit identity of AllGather with
+// QuantizeBlock(concat(shards)), and the fault cases.
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/fp8.h"
+#include "qtx/v1/collective.grpc.pb.h"
+
+#ifndef QTXD_PATH
+#error "QTXD_PATH must name the qtxd binary"
+#endif
+
+namespace qtx {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Sidecar {
+  pid_t pid = -1;
+  int port = 0;
+  std::string socket;
+  std::unique_ptr<v1::Collective::Stub> stub;
+  std::shared_ptr<grpc::Channel> channel;
+};
+
+class Cluster {
+ public:
+  explicit Cluster(int n) {
+    static int counter = 0;
+    const int base = 20000 + (getpid() * 37 + 1000 * counter++) % 30000;
+    for (int i = 0; i < n; ++i) {
+      Sidecar s;
+      s.port = base + i;
+      s.socket = absl::StrFormat("/tmp/qtx_coll_%d_%d_%d.sock", getpid(), counter, i);
+      const std::string sock = "--socket=" + s.socket;
+      const std::string tcp = absl::StrCat("--listen_tcp=127.0.0.1:", s.port);
+      s.pid = fork();
+      if (s.pid == 0) {
+        execl(QTXD_PATH, QTXD_PATH, sock.c_str(), tcp.c_str(), "--log_level=warn",
+              "--threads=2", static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      s.channel = grpc::CreateChannel("unix:" + s.socket, grpc::InsecureChannelCredentials());
+      s.stub = v1::Collective::NewStub(s.channel);
+      sidecars.push_back(std::move(s));
+    }
+    for (auto& s : sidecars) {
+      EXPECT_TRUE(s.channel->WaitForConnected(std::chrono::system_clock::now() +
+                                              std::chrono::seconds(20)))
+          << "qtxd on " << s.socket << " did not start";
+    }
+  }
+  ~Cluster() {
+    for (auto& s : sidecars) {
+      if (s.pid > 0) {
+        kill(s.pid, SIGKILL);
+        waitpid(s.pid, nullptr, 0);
+        unlink(s.socket.c_str());
+      }
+    }
+  }
+  void Kill(int i) {
+    kill(sidecars[i].pid, SIGKILL);
+    waitpid(sidecars[i].pid, nullptr, 0);
+    sidecars[i].pid = -1;
+  }
+  std::string Coordinator() const { return absl::StrCat("127.0.0.1:", sidecars[0].port); }
+  bool Healthy(int i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ListGroupsRequest req;
+    v1::ListGroupsResponse resp;
+    return sidecars[i].stub->ListGroups(&ctx, req, &resp).ok();
+  }
+
+  // CreateGroup on ranks [0, world) concurrently.
+  std::vector<grpc::Status> Create(const std::string& name, int world, uint32_t timeout_ms,
+                                   int skip_rank = -1) {
+    std::vector<grpc::Status> out(world);
+    std::vector<std::thread> t;
+    for (int r = 0; r < world; ++r) {
+      if (r == skip_rank) continue;
+      t.emplace_back([&, r] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+        v1::CreateGroupRequest req;
+        req.set_name(name);
+        req.set_rank(r);
+        req.set_world_size(world);
+        req.set_coordinator(r == 0 ? "" : Coordinator());
+        req.set_timeout_ms(timeout_ms);
+        v1::CreateGroupResponse resp;
+        out[r] = sidecars[r].stub->CreateGroup(&ctx, req, &resp);
+      });
+    }
+    for (auto& th : t) th.join();
+    return out;
+  }
+
+  std::vector<grpc::Status> Destroy(const std::string& name, int world) {
+    std::vector<grpc::Status> out(world);
+    for (int r = 0; r < world; ++r) {
+      if (sidecars[r].pid < 0) continue;
+      grpc::ClientContext ctx;
+      v1::DestroyGroupRequest req;
+      req.set_name(name);
+      v1::DestroyGroupResponse resp;
+      out[r] = sidecars[r].stub->DestroyGroup(&ctx, req, &resp);
+    }
+    return out;
+  }
+
+  std::vector<Sidecar> sidecars;
+};
+
+struct Shards {
+  std::vector<int64_t> rows;
+  int64_t n;
+  std::vector<uint16_t> x;  // the concatenation, BF16
+  int64_t m = 0;
+};
+
+Shards MakeShards(std::vector<int64_t> rows, int64_t n) {
+  Shards s{std::move(rows), n, {}};
+  for (int64_t r : s.rows) s.m += r;
+  s.x.resize(s.m * n);
+  std::mt19937 rng(static_cast<uint32_t>(s.m * 131 + n));
+  std::normal_distribution<float> d(0, 1);
+  int64_t row = 0;
+  for (size_t r = 0; r < s.rows.size(); ++r) {
+    const float mag = std::ldexp(1.0f, static_cast<int>((r * 7) % 13) - 6);
+    for (int64_t i = 0; i < s.rows[r] * n; ++i) s.x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
+    row += s.rows[r];
+  }
+  return s;
+}
+
+v1::AllGatherRequest Request(const std::string& group, uint64_t seq, const Shards& s, int rank,
+                             v1::AllGatherMode mode, v1::ScalingMode scaling) {
+  v1::AllGatherRequest req;
+  req.set_group(group);
+  req.set_sequence(seq);
+  int64_t off = 0;
+  for (int r = 0; r < rank; ++r) off += s.rows[r];
+  auto* in = req.mutable_input();
+  in->set_dtype(v1::BFLOAT16);
+  in->add_shape(s.rows[rank]);
+  in->add_shape(s.n);
+  in->set_inline_data(std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n),
+                                  s.rows[rank] * s.n * 2));
+  req.mutable_config()->set_scaling_mode(scaling);
+  req.mutable_config()->set_rowwise(true);
+  req.mutable_config()->set_columnwise(true);
+  req.set_mode(mode);
+  return req;
+}
+
+std::vector<grpc::Status> RunAllGather(Cluster& c, std::vector<v1::AllGatherRequest> reqs,
+                                       std::vector<v1::AllGatherResponse>* resps,
+                                       absl::Duration deadline, int skip_rank = -1) {
+  const int w = static_cast<int>(reqs.size());
+  std::vector<grpc::Status> out(w);
+  resps->assign(w, {});
+  std::vector<std::thread> t;
+  for (int r = 0; r < w; ++r) {
+    if (r == skip_rank) continue;
+    t.emplace_back([&, r] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+      out[r] = c.sidecars[r].stub->AllGather(&ctx, reqs[r], &(*resps)[r]);
+    });
+  }
+  for (auto& th : t) th.join();
+  return out;
+}
+
+std::string Bytes(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
+
+class CollectiveE2E : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectiveE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
+  const int world = GetParam();
+  std::vector<std::vector<int64_t>> grids;
+  if (world == 2) grids = {{64, 64}, {0, 300}, {128, 128}};
+  if (world == 3) grids = {{100, 156, 1}, {129, 127, 256}};
+  if (world == 4) grids = {{250, 250, 250, 250}, {1, 1, 1, 1}};
+  Cluster c(world);
+  for (const auto& s : c.Create("e2e", world, 20000)) ASSERT_TRUE(s.ok()) << s.error_message();
+  uint64_t seq = 0;
+  for (const auto& rows : grids) {
+    for (int64_t n : {1, 100, 128, 300}) {
+      const Shards sh = MakeShards(rows, n);
+      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D}) {
+        const auto ks = scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
+                                                : kernels::BlockScaling::kBlock2D;
+        const kernels::QuantizeParams p{ks, kernels::Fp8Format::kE4M3, true, true, true, 0.0f};
+        const auto l = kernels::ComputeLayout(ks, sh.m, n);
+        std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
+        std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
+        kernels::cpu::QuantizeBlock(sh.x.data(), kernels::InputDType::kBFloat16, sh.m, n, p,
+                                    {rd.data(), rs.data(), cd.data(), cs.data()});
+        for (auto mode : {v1::EXACT_FP8, v1::GATHER_HIGH_PRECISION}) {
+          SCOPED_TRACE(absl::StrFormat("world=%d m=%d n=%d scaling=%d mode=%d", world, sh.m, n,
+                                       scaling, mode));
+          std::vector<v1::AllGatherRequest> reqs;
+          for (int r = 0; r < world; ++r) reqs.push_back(Request("e2e", seq, sh, r, mode, scaling));
+          ++seq;
+          std::vector<v1::AllGatherResponse> resps;
+          auto st = RunAllGather(c, reqs, &resps, absl::Seconds(30));
+          for (int r = 0; r < world; ++r) {
+            ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
+            const auto& q = resps[r].result();
+            EXPECT_EQ(q.rowwise_data().inline_data(), Bytes(rd.data(), rd.size()));
+            EXPECT_EQ(q.rowwise_scale_inv().inline_data(), Bytes(rs.data(), rs.size() * 4));
+            EXPECT_EQ(q.columnwise_data().inline_data(), Bytes(cd.data(), cd.size()));
+            EXPECT_EQ(q.columnwise_scale_inv().inline_data(), Bytes(cs.data(), cs.size() * 4));
+            EXPECT_THAT(resps[r].shard_rows(), ::testing::ElementsAreArray(rows));
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, CollectiveE2E, ::testing::Values(2, 3, 4));
+
+TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
+  Cluster c(3);
+  for (const auto& s : c.Create("f", 3, 20000)) ASSERT_TRUE(s.ok()) << s.error_message();
+  // Mismatched N: every rank fails with INVALID_ARGUMENT naming N and the rank.
+  {
+    const Shards a = MakeShards({64, 64, 64}, 128), b = MakeShards({64, 64, 64}, 100);
+    std::vector<v1::AllGatherRequest> reqs = {Request("f", 0, a, 0, v1::EXACT_FP8, v1::BLOCK_1D),
+                                              Request("f", 0, a, 1, v1::EXACT_FP8, v1::BLOCK_1D),
+                                              Request("f", 0, b, 2, v1::EXACT_FP8, v1::BLOCK_1D)};
+    std::vector<v1::AllGatherResponse> resps;
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(20));
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(st[r].error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st[r].error_message();
+      EXPECT_THAT(st[r].error_message(), HasSubstr("disagree on n: rank 0 has 128, rank 2 has 100"));
+    }
+  }
+  // One rank never calls: the others fail with DEADLINE_EXCEEDED within the deadline.
+  {
+    const Shards a = MakeShards({64, 64, 64}, 128);
+    std::vector<v1::AllGatherRequest> reqs;
+    for (int r = 0; r < 3; ++r) reqs.push_back(Request("f", 1, a, r, v1::EXACT_FP8, v1::BLOCK_1D));
+    std::vector<v1::AllGatherResponse> resps;
+    const absl::Time start = absl::Now();
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(3), /*skip_rank=*/2);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3) + absl::Milliseconds(500));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(st[r].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                  st[r].error_code() == grpc::StatusCode::ABORTED)
+          << st[r].error_code() << " " << st[r].error_message();
+    }
+    for (int r = 0; r < 3; ++r) EXPECT_TRUE(c.Healthy(r));
+    c.Destroy("f", 3);
+  }
+  // A new group works; then a sidecar is killed mid-call.
+  for (const auto& s : c.Create("g", 3, 20000)) ASSERT_TRUE(s.ok()) << s.error_message();
+  {
+    const Shards a = MakeShards({64, 64, 64}, 128);
+    std::vector<v1::AllGatherRequest> reqs;
+    for (int r = 0; r < 3; ++r) reqs.push_back(Request("g", 0, a, r, v1::EXACT_FP8, v1::BLOCK_1D));
+    std::vector<v1::AllGatherResponse> resps;
+    std::thread killer([&] {
+      absl::SleepFor(absl::Milliseconds(500));
+      c.Kill(2);
+    });
+    const absl::Time start = absl::Now();
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(4), /*skip_rank=*/2);
+    killer.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(4) + absl::Milliseconds(500));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(st[r].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                  st[r].error_code() == grpc::StatusCode::ABORTED)
+          << st[r].error_code() << " " << st[r].error_message();
+      EXPECT_TRUE(c.Healthy(r));
+    }
+  }
+  c.Destroy("g", 2);
+  for (const auto& s : c.Create("h", 2, 20000)) EXPECT_TRUE(s.ok()) << s.error_message();
+  const Shards a = MakeShards({10, 300}, 128);
+  std::vector<v1::AllGatherRequest> reqs;
+  for (int r = 0; r < 2; ++r) reqs.push_back(Request("h", 0, a, r, v1::EXACT_FP8, v1::BLOCK_2D));
+  std::vector<v1::AllGatherResponse> resps;
+  for (const auto& s : RunAllGather(c, reqs, &resps, absl::Seconds(20)))
+    EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+}  // namespace
+}  // namespace qtx
