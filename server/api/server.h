@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "server/api/executor.h"
 #include "server/api/collective_service.h"
+#include "server/api/optimizer_service.h"
 #include "server/api/services.h"
 #include "server/collective/group_registry.h"
 #include "server/collective/kv_store.h"
@@ -55,6 +56,7 @@ class QtxServer {
   int tcp_port() const { return tcp_port_; }
   const config::ServerConfig& config() const { return config_; }
   tensor::RegionTable& regions() { return *regions_; }
+  optimizer::OptimizerStore& optimizer_store() { return *optimizer_store_; }
 
  private:
   explicit QtxServer(config::ServerConfig config) : config_(std::move(config)) {}
@@ -67,6 +69,8 @@ class QtxServer {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<QuantizerService> quantizer_;
   std::unique_ptr<MemoryService> memory_;
+  std::unique_ptr<optimizer::OptimizerStore> optimizer_store_;
+  std::unique_ptr<OptimizerService> optimizer_;
   // Collectives: declared before server_ so that they outlive it.
   std::unique_ptr<collective::KvStore> rendezvous_store_;
   std::unique_ptr<collective::GroupRegistry> groups_;

@@ -1,0 +1,391 @@
+#include "server/ops/optimizer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "kernels/block_geometry.h"
+#include "server/optimizer/group_state.h"
+#include "server/status_macros.h"
+#include "server/tensor/dtype.h"
+
+namespace qtx::server::ops {
+namespace {
+
+using tensor::DType;
+using tensor::MemoryKind;
+
+absl::Status RequireHost(MemoryKind kind, std::string_view field) {
+  if (kind != MemoryKind::kHost) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: device-memory (CUDA IPC) tensors are not supported by the Optimizer yet; use "
+        "inline bytes or a shm region",
+        field));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<tensor::TensorView> ResolveHighPrecision(const tensor::TensorRefSpec& spec,
+                                                        const std::vector<int64_t>& shape,
+                                                        std::string_view field,
+                                                        const OpContext& ctx, bool allow_fp16) {
+  QTX_ASSIGN_OR_RETURN(tensor::TensorView v,
+                       tensor::ResolveInput(spec, field, *ctx.regions, ctx.limits));
+  const bool ok = v.dtype == DType::kFloat32 || v.dtype == DType::kBFloat16 ||
+                  (allow_fp16 && v.dtype == DType::kFloat16);
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.dtype=%s: must be FLOAT32 or BFLOAT16%s", field, tensor::DTypeName(v.dtype),
+        allow_fp16 ? " (or FLOAT16)" : ""));
+  }
+  if (v.shape != shape) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.shape=[%s]: must equal the parameter's shape [%s]", field,
+        absl::StrJoin(v.shape, ","), absl::StrJoin(shape, ",")));
+  }
+  QTX_RETURN_IF_ERROR(RequireHost(v.memory, field));
+  return v;
+}
+
+// Where one output buffer goes: a client region slice or an inline string.
+struct Placement {
+  OutputTensor* tensor = nullptr;
+  std::optional<tensor::RegionSliceSpec> slice;
+  uint64_t bytes = 0;
+  uint64_t alignment = 1;
+  std::string field;
+};
+
+// Resolves region slices, checks the inline total, then sizes inline buffers
+// (heap-allocated so that moving the strings later keeps the pointers valid).
+// Returns the host pointer of every placement, in order.
+absl::StatusOr<std::vector<void*>> Place(std::vector<Placement>& ps, const OpContext& ctx,
+                                         std::vector<tensor::OutputSlice>& pins) {
+  uint64_t inline_bytes = 0;
+  for (const Placement& p : ps) {
+    if (!p.slice.has_value()) inline_bytes += p.bytes;
+  }
+  if (inline_bytes > ctx.max_inline_output_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the parameters returned inline need %d bytes, above the %d-byte message budget "
+        "(--max_message_mb): give region destinations or set omit_parameters",
+        inline_bytes, ctx.max_inline_output_bytes));
+  }
+  std::vector<void*> ptrs;
+  ptrs.reserve(ps.size());
+  for (Placement& p : ps) {
+    if (p.slice.has_value()) {
+      QTX_ASSIGN_OR_RETURN(tensor::OutputSlice s,
+                           tensor::ResolveOutputSlice(*p.slice, p.bytes, p.alignment, p.field,
+                                                      *ctx.regions));
+      QTX_RETURN_IF_ERROR(RequireHost(s.memory, p.field));
+      p.tensor->region = *p.slice;
+      ptrs.push_back(s.data);
+      pins.push_back(std::move(s));
+    } else {
+      p.tensor->inline_data.reserve(std::max<uint64_t>(p.bytes, 64));
+      p.tensor->inline_data.resize(p.bytes);
+      ptrs.push_back(p.tensor->inline_data.data());
+    }
+  }
+  return ptrs;
+}
+
+OutputTensor MakeTensor(DType dtype, std::vector<int64_t> shape) {
+  OutputTensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestSpec& request,
+                                                           const OpContext& ctx,
+                                                           optimizer::OptimizerStore& store) {
+  std::vector<optimizer::ParameterInit> inits;
+  std::vector<tensor::TensorView> views;  // keep pins alive until the copy is done
+  int64_t total = 0;
+  for (size_t i = 0; i < request.params.size(); ++i) {
+    const OffloadParameterSpec& p = request.params[i];
+    const std::string field = absl::StrFormat("parameters[%d]", i);
+    QTX_ASSIGN_OR_RETURN(const int64_t elements,
+                         tensor::ValidateShape(p.shape, field + ".shape", ctx.limits));
+    QTX_ASSIGN_OR_RETURN(const Matrix2D mn, FlattenTo2D(p.shape, field + ".shape", ctx.limits));
+    total += elements;
+    if (total > ctx.limits.max_elements) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameters: %d elements in total exceed --max_tensor_elements=%d", total,
+          ctx.limits.max_elements));
+    }
+    optimizer::ParameterInit init;
+    init.name = p.name;
+    init.shape = p.shape;
+    init.m = mn.m;
+    init.n = mn.n;
+    QTX_ASSIGN_OR_RETURN(tensor::TensorView master,
+                         ResolveHighPrecision(p.master, p.shape, field + ".master", ctx, false));
+    init.master = master.data;
+    init.master_dtype = *tensor::ToInputDType(master.dtype);
+    views.push_back(std::move(master));
+    if (p.exp_avg.has_value() != p.exp_avg_sq.has_value()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s ('%s'): give both exp_avg and exp_avg_sq or neither", field, p.name));
+    }
+    if (p.exp_avg.has_value()) {
+      QTX_ASSIGN_OR_RETURN(tensor::TensorView m1, ResolveHighPrecision(*p.exp_avg, p.shape,
+                                                                       field + ".exp_avg", ctx,
+                                                                       false));
+      QTX_ASSIGN_OR_RETURN(tensor::TensorView m2,
+                           ResolveHighPrecision(*p.exp_avg_sq, p.shape, field + ".exp_avg_sq",
+                                                ctx, false));
+      if (m1.dtype != m2.dtype) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: exp_avg is %s but exp_avg_sq is %s; give both in one dtype", field,
+            tensor::DTypeName(m1.dtype), tensor::DTypeName(m2.dtype)));
+      }
+      init.exp_avg = m1.data;
+      init.exp_avg_sq = m2.data;
+      init.moments_dtype = *tensor::ToInputDType(m1.dtype);
+      views.push_back(std::move(m1));
+      views.push_back(std::move(m2));
+    }
+    inits.push_back(std::move(init));
+  }
+  return store.CreateGroup(request.config, inits, request.replace);
+}
+
+absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
+                                         optimizer::OptimizerStore& store) {
+  // Resolve the gradients before taking the group's lock.
+  absl::flat_hash_map<std::string, tensor::TensorView> grads;
+  for (size_t i = 0; i < request.gradients.size(); ++i) {
+    const GradientSpec& g = request.gradients[i];
+    const std::string field = absl::StrFormat("gradients[%d]", i);
+    QTX_ASSIGN_OR_RETURN(tensor::TensorView v,
+                         tensor::ResolveInput(g.grad, field + ".grad", *ctx.regions, ctx.limits));
+    if (!grads.emplace(g.name, std::move(v)).second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.name='%s': a gradient for this parameter was already given", field, g.name));
+    }
+  }
+  absl::flat_hash_map<std::string, const ParameterDestinationSpec*> dests;
+  for (size_t i = 0; i < request.destinations.size(); ++i) {
+    const ParameterDestinationSpec& d = request.destinations[i];
+    if (!dests.emplace(d.name, &d).second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "destinations[%d].name='%s': given twice", i, d.name));
+    }
+  }
+
+  StepResult result;
+  std::vector<tensor::OutputSlice> pins;
+  auto prepare = [&](const optimizer::GroupInfo& info,
+                     bool replay) -> absl::StatusOr<optimizer::StepBuffers> {
+    optimizer::StepBuffers bufs;
+    absl::flat_hash_map<std::string_view, size_t> index;
+    for (size_t i = 0; i < info.params.size(); ++i) index[info.params[i].name] = i;
+    for (const auto& [name, view] : grads) {
+      if (!index.contains(name)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "gradients: '%s' is not a parameter of group '%s'", name, info.config.name));
+      }
+    }
+    for (const auto& [name, d] : dests) {
+      if (!index.contains(name)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "destinations: '%s' is not a parameter of group '%s'", name, info.config.name));
+      }
+    }
+    if (!replay) {
+      for (const optimizer::ParameterInfo& p : info.params) {
+        auto it = grads.find(p.name);
+        if (it == grads.end()) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("gradients: missing the gradient of parameter '%s'", p.name));
+        }
+        const tensor::TensorView& v = it->second;
+        const std::string field = absl::StrFormat("gradients['%s'].grad", p.name);
+        if (v.dtype != DType::kFloat32 && v.dtype != DType::kBFloat16 &&
+            v.dtype != DType::kFloat16) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s.dtype=%s: must be FLOAT32 or BFLOAT16 (or FLOAT16)", field,
+              tensor::DTypeName(v.dtype)));
+        }
+        if (v.shape != p.shape) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s.shape=[%s]: must equal the parameter's shape [%s]", field,
+              absl::StrJoin(v.shape, ","), absl::StrJoin(p.shape, ",")));
+        }
+        QTX_RETURN_IF_ERROR(RequireHost(v.memory, field));
+        bufs.grads.push_back({v.data, *tensor::ToInputDType(v.dtype)});
+      }
+    }
+    if (request.omit_parameters) {
+      bufs.omit_outputs = true;
+      return bufs;
+    }
+    const optimizer::OutputConfig& out = info.config.output;
+    const kernels::QuantizeParams& q = out.quant;
+    result.params.resize(info.params.size());
+    std::vector<Placement> ps;
+    // Placement k -> (parameter, slot): slots 0..3 FP8 buffers, 4 BF16.
+    std::vector<std::pair<size_t, int>> slots;
+    for (size_t i = 0; i < info.params.size(); ++i) {
+      const optimizer::ParameterInfo& p = info.params[i];
+      ParameterResult& r = result.params[i];
+      r.name = p.name;
+      const ParameterDestinationSpec* d = nullptr;
+      if (auto it = dests.find(p.name); it != dests.end()) d = it->second;
+      const std::string field = absl::StrFormat("destinations['%s']", p.name);
+      if (d != nullptr && !out.fp8 &&
+          (d->fp8.rowwise_data || d->fp8.rowwise_scale_inv || d->fp8.columnwise_data ||
+           d->fp8.columnwise_scale_inv)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s.fp8: group '%s' returns BF16 parameters, not FP8", field,
+                            info.config.name));
+      }
+      if (d != nullptr && d->bf16.has_value() && !out.bf16()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s.bf16: group '%s' returns no BF16 copy (set output.bf16_copy)", field,
+            info.config.name));
+      }
+      if (out.fp8) {
+        const kernels::QuantizedLayout l = kernels::ComputeLayout(q.scaling, p.m, p.n);
+        r.fp8.emplace();
+        r.fp8->shape = p.shape;
+        r.fp8->source_dtype = DType::kFloat32;
+        r.fp8->params = q;
+        const DType data = tensor::Fp8DataDType(q.format);
+        auto add = [&](bool wanted, std::optional<OutputTensor>& t, DType dt,
+                       std::vector<int64_t> shape, uint64_t bytes, uint64_t align,
+                       const std::optional<tensor::RegionSliceSpec>& slice, const char* name,
+                       int slot) -> absl::Status {
+          if (!wanted) {
+            if (slice.has_value()) {
+              return absl::InvalidArgumentError(absl::StrFormat(
+                  "%s.fp8.%s: group '%s' does not produce this copy", field, name,
+                  info.config.name));
+            }
+            return absl::OkStatus();
+          }
+          t = MakeTensor(dt, std::move(shape));
+          ps.push_back({&*t, slice, bytes, align, absl::StrFormat("%s.fp8.%s", field, name)});
+          slots.emplace_back(i, slot);
+          return absl::OkStatus();
+        };
+        const QuantizeOutputSpecs none;
+        const QuantizeOutputSpecs& s = d != nullptr ? d->fp8 : none;
+        QTX_RETURN_IF_ERROR(add(q.rowwise, r.fp8->rowwise_data, data, {l.rowwise_data_rows,
+                                l.rowwise_data_cols}, l.RowwiseDataBytes(), 1, s.rowwise_data,
+                                "rowwise_data", 0));
+        QTX_RETURN_IF_ERROR(add(q.rowwise, r.fp8->rowwise_scale_inv, DType::kFloat32,
+                                {l.rowwise_scale_rows, l.rowwise_scale_cols},
+                                4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv,
+                                "rowwise_scale_inv", 1));
+        QTX_RETURN_IF_ERROR(add(q.columnwise, r.fp8->columnwise_data, data,
+                                {l.columnwise_data_rows, l.columnwise_data_cols},
+                                l.ColumnwiseDataBytes(), 1, s.columnwise_data, "columnwise_data",
+                                2));
+        QTX_RETURN_IF_ERROR(add(q.columnwise, r.fp8->columnwise_scale_inv, DType::kFloat32,
+                                {l.columnwise_scale_rows, l.columnwise_scale_cols},
+                                4 * l.ColumnwiseScaleCount(), 4, s.columnwise_scale_inv,
+                                "columnwise_scale_inv", 3));
+      }
+      if (out.bf16()) {
+        r.bf16 = MakeTensor(DType::kBFloat16, p.shape);
+        ps.push_back({&*r.bf16, d != nullptr ? d->bf16 : std::nullopt,
+                      static_cast<uint64_t>(p.m * p.n) * 2, 2, field + ".bf16"});
+        slots.emplace_back(i, 4);
+      }
+    }
+    QTX_ASSIGN_OR_RETURN(std::vector<void*> ptrs, Place(ps, ctx, pins));
+    bufs.outputs.resize(info.params.size());
+    for (size_t k = 0; k < ptrs.size(); ++k) {
+      optimizer::ParameterOutputBuffers& o = bufs.outputs[slots[k].first];
+      switch (slots[k].second) {
+        case 0:
+          o.fp8.rowwise_data = static_cast<uint8_t*>(ptrs[k]);
+          break;
+        case 1:
+          o.fp8.rowwise_scale_inv = static_cast<float*>(ptrs[k]);
+          break;
+        case 2:
+          o.fp8.columnwise_data = static_cast<uint8_t*>(ptrs[k]);
+          break;
+        case 3:
+          o.fp8.columnwise_scale_inv = static_cast<float*>(ptrs[k]);
+          break;
+        default:
+          o.bf16 = static_cast<uint16_t*>(ptrs[k]);
+          break;
+      }
+    }
+    return bufs;
+  };
+  QTX_ASSIGN_OR_RETURN(result.stats, store.Step(request.group, request.options, prepare));
+  return result;
+}
+
+absl::StatusOr<GetStateResult> GetOptimizerState(const std::string& group,
+                                                 const std::vector<std::string>& names,
+                                                 bool include_moments, const OpContext& ctx,
+                                                 const optimizer::OptimizerStore& store) {
+  GetStateResult result;
+  QTX_RETURN_IF_ERROR(store.ReadState(
+      group, [&](const optimizer::GroupInfo& info,
+                 std::span<const optimizer::ParameterStateView> views) -> absl::Status {
+        result.group = info;
+        std::vector<const optimizer::ParameterStateView*> chosen;
+        if (names.empty()) {
+          for (const auto& v : views) chosen.push_back(&v);
+        } else {
+          for (const std::string& n : names) {
+            auto it = std::find_if(views.begin(), views.end(),
+                                   [&](const auto& v) { return v.info->name == n; });
+            if (it == views.end()) {
+              return absl::NotFoundError(
+                  absl::StrFormat("names: '%s' is not a parameter of group '%s'", n, group));
+            }
+            chosen.push_back(&*it);
+          }
+        }
+        const uint64_t mb = optimizer::MomentBytes(info.config.moment_dtype);
+        uint64_t bytes = 0;
+        for (const auto* v : chosen) {
+          const uint64_t count = static_cast<uint64_t>(v->info->m * v->info->n);
+          bytes += count * 4 + (include_moments ? 2 * count * mb : 0);
+        }
+        if (bytes > ctx.max_inline_output_bytes) {
+          return absl::ResourceExhaustedError(absl::StrFormat(
+              "the requested state is %d bytes, above the %d-byte message budget; ask for fewer "
+              "parameters per call (names)",
+              bytes, ctx.max_inline_output_bytes));
+        }
+        const DType mdt = info.config.moment_dtype == kernels::MomentDType::kFloat32
+                              ? DType::kFloat32
+                              : DType::kBFloat16;
+        for (const auto* v : chosen) {
+          const uint64_t count = static_cast<uint64_t>(v->info->m * v->info->n);
+          ParameterStateResult r;
+          r.name = v->info->name;
+          r.master = MakeTensor(DType::kFloat32, v->info->shape);
+          r.master.inline_data.assign(reinterpret_cast<const char*>(v->master), count * 4);
+          if (include_moments) {
+            r.exp_avg = MakeTensor(mdt, v->info->shape);
+            r.exp_avg->inline_data.assign(static_cast<const char*>(v->exp_avg), count * mb);
+            r.exp_avg_sq = MakeTensor(mdt, v->info->shape);
+            r.exp_avg_sq->inline_data.assign(static_cast<const char*>(v->exp_avg_sq), count * mb);
+          }
+          result.params.push_back(std::move(r));
+        }
+        return absl::OkStatus();
+      }));
+  return result;
+}
+
+}  // namespace qtx::server::ops

@@ -1,0 +1,107 @@
+// Optimizer ops: validate requests expressed in plain structs, resolve their
+// tensors (inline bytes or region slices, tensor/), and run them on the
+// OptimizerStore (server/optimizer/). No gRPC, no protobuf: server/api
+// converts. The AdamW math and the FP8 output live in kernels/; the state,
+// step numbers and checkpoints in the store.
+//
+// Gradients and outputs must be in host memory for now (inline, or a shm
+// region); CUDA IPC regions get FAILED_PRECONDITION until the GPU pipeline
+// (D2H -> host step -> H2D) exists.
+//
+// Thread safety: the functions are safe for concurrent use.
+#ifndef QTX_SERVER_OPS_OPTIMIZER_H_
+#define QTX_SERVER_OPS_OPTIMIZER_H_
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/ops/quantize.h"
+#include "server/optimizer/optimizer_store.h"
+#include "server/tensor/tensor_ref.h"
+
+namespace qtx::server::ops {
+
+struct OffloadParameterSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  tensor::TensorRefSpec master;                 // FLOAT32 or BFLOAT16
+  std::optional<tensor::TensorRefSpec> exp_avg;  // FLOAT32 or BFLOAT16
+  std::optional<tensor::TensorRefSpec> exp_avg_sq;
+};
+
+struct OffloadRequestSpec {
+  optimizer::GroupConfig config;  // defaults filled in by the caller
+  std::vector<OffloadParameterSpec> params;
+  bool replace = false;
+};
+
+// INVALID_ARGUMENT for bad shapes, dtypes (naming "parameters[i].field"),
+// byte counts or a master/moment shape differing from `shape`; NOT_FOUND for
+// an unknown region; plus the store's errors (ALREADY_EXISTS,
+// RESOURCE_EXHAUSTED, ...).
+absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestSpec& request,
+                                                           const OpContext& ctx,
+                                                           optimizer::OptimizerStore& store);
+
+struct GradientSpec {
+  std::string name;
+  tensor::TensorRefSpec grad;
+};
+
+struct ParameterDestinationSpec {
+  std::string name;
+  QuantizeOutputSpecs fp8;
+  std::optional<tensor::RegionSliceSpec> bf16;
+};
+
+struct StepRequestSpec {
+  std::string group;
+  optimizer::StepOptions options;
+  std::vector<GradientSpec> gradients;
+  std::vector<ParameterDestinationSpec> destinations;
+  bool omit_parameters = false;
+};
+
+struct ParameterResult {
+  std::string name;
+  std::optional<QuantizeResult> fp8;  // source_dtype FLOAT32 (the master)
+  std::optional<OutputTensor> bf16;
+};
+
+struct StepResult {
+  optimizer::StepStats stats;
+  std::vector<ParameterResult> params;  // group order; empty with omit_parameters
+};
+
+// Runs one Step. INVALID_ARGUMENT: a gradient missing, duplicated, unknown,
+// of the wrong dtype or shape; a destination naming an unknown parameter, a
+// copy the group does not produce, or of the wrong size. RESOURCE_EXHAUSTED:
+// inline outputs above ctx.max_inline_output_bytes. Plus the store's errors
+// (FAILED_PRECONDITION for a wrong step number, ...).
+absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
+                                         optimizer::OptimizerStore& store);
+
+struct ParameterStateResult {
+  std::string name;
+  OutputTensor master;
+  std::optional<OutputTensor> exp_avg;
+  std::optional<OutputTensor> exp_avg_sq;
+};
+
+struct GetStateResult {
+  optimizer::GroupInfo group;
+  std::vector<ParameterStateResult> params;
+};
+
+// Copies master weights (and moments) out inline. NOT_FOUND for an unknown
+// parameter name; RESOURCE_EXHAUSTED above ctx.max_inline_output_bytes.
+absl::StatusOr<GetStateResult> GetOptimizerState(const std::string& group,
+                                                 const std::vector<std::string>& names,
+                                                 bool include_moments, const OpContext& ctx,
+                                                 const optimizer::OptimizerStore& store);
+
+}  // namespace qtx::server::ops
+
+#endif  // QTX_SERVER_OPS_OPTIMIZER_H_
