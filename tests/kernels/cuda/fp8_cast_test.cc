@@ -24,7 +24,7 @@ namespace {
 
 const char* Name(Fp8Format f) { return f == Fp8Format::kE4M3 ? "E4M3" : "E5M2"; }
 
-TEST(Fp8Cast, DeviceEncodeMatchesHardwareOnAllFp32Patterns) {
+TEST(Fp8HardwareCast, DeviceEncodeMatchesHardwareOnAllFp32Patterns) {
   unsigned long long* d_count = nullptr;
   unsigned int* d_first = nullptr;
   QTX_CUDA_ASSERT(cudaMalloc(&d_count, sizeof(*d_count)));
@@ -70,14 +70,14 @@ void CompareWithHost(const std::vector<uint32_t>& bits, Fp8Format f) {
   EXPECT_EQ(bad, 0) << Name(f);
 }
 
-TEST(Fp8Cast, HostEncodeMatchesHardwareOnAllBf16Patterns) {
+TEST(Fp8HardwareCast, HostEncodeMatchesHardwareOnAllBf16Patterns) {
   std::vector<uint32_t> bits(1 << 16);
   for (uint32_t h = 0; h < (1u << 16); ++h) bits[h] = h << 16;
   CompareWithHost(bits, Fp8Format::kE4M3);
   CompareWithHost(bits, Fp8Format::kE5M2);
 }
 
-TEST(Fp8Cast, HostEncodeMatchesHardwareOnSampledFp32Patterns) {
+TEST(Fp8HardwareCast, HostEncodeMatchesHardwareOnSampledFp32Patterns) {
   std::mt19937_64 rng(20261130);
   std::vector<uint32_t> bits;
   bits.reserve(1 << 25);
@@ -109,7 +109,7 @@ TEST(Fp8Cast, HostEncodeMatchesHardwareOnSampledFp32Patterns) {
   CompareWithHost(bits, Fp8Format::kE5M2);
 }
 
-TEST(Fp8Cast, EveryNanEncodesTo0x7F) {
+TEST(Fp8HardwareCast, EveryNanEncodesTo0x7F) {
   std::vector<uint32_t> bits;
   for (uint32_t p = 1; p < (1u << 23); p += 9973) {
     bits.push_back(0x7F800000u | p);

@@ -333,11 +333,11 @@ struct Shape {
   int64_t m, n;
 };
 
-class SmallShapes : public ::testing::TestWithParam<Shape> {};
+class QuantizeBlockCudaSmall : public ::testing::TestWithParam<Shape> {};
 
 // Every dtype x format x pow2 x eps x 1-D/2-D x usage, both data kinds,
 // dequantization included.
-TEST_P(SmallShapes, MatchesCpuReferenceForEveryConfiguration) {
+TEST_P(QuantizeBlockCudaSmall, MatchesCpuReferenceForEveryConfiguration) {
   const Shape s = GetParam();
   uint64_t seed = 1000 + s.m * 7919 + s.n;
   for (InputDType t : {InputDType::kBFloat16, InputDType::kFloat16, InputDType::kFloat32}) {
@@ -353,7 +353,7 @@ TEST_P(SmallShapes, MatchesCpuReferenceForEveryConfiguration) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SmallShapes,
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaSmall,
                          ::testing::Values(Shape{1, 1}, Shape{1, 129}, Shape{127, 129},
                                            Shape{128, 128}, Shape{130, 130}, Shape{200, 300},
                                            Shape{256, 1024}, Shape{3, 100000}, Shape{129, 1},
@@ -362,11 +362,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallShapes,
                            return std::to_string(info.param.m) + "x" + std::to_string(info.param.n);
                          });
 
-class LargeShapes : public ::testing::TestWithParam<Shape> {};
+class QuantizeBlockCudaLarge : public ::testing::TestWithParam<Shape> {};
 
 // Large tensors: the aligned, pipelined path over many tiles per CTA. A
 // selection of configurations (the full cross product runs on small shapes).
-TEST_P(LargeShapes, MatchesCpuReference) {
+TEST_P(QuantizeBlockCudaLarge, MatchesCpuReference) {
   const Shape s = GetParam();
   struct Config {
     InputDType t;
@@ -394,7 +394,7 @@ TEST_P(LargeShapes, MatchesCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, LargeShapes,
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
                          ::testing::Values(Shape{4096, 4096}, Shape{8192, 8192},
                                            Shape{16384, 7168}, Shape{1000, 4000}),
                          [](const auto& info) {
