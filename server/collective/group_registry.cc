@@ -247,9 +247,13 @@ void GroupRegistry::Forget(const std::shared_ptr<Group>& g) {
   if (it != groups_.end() && it->second == g) {
     groups_.erase(it);
     retired_.push_back(g);
-    // The keys stay: peers still waiting on them must see which ranks were
-    // missing, not an emptied store. The next CreateGroup of this name on
-    // rank 0 erases them.
+    // The join keys stay: peers still waiting on them must see which ranks
+    // were missing, not an emptied store (the next CreateGroup of this name
+    // on rank 0 erases them). The session key goes at once, so that a rank
+    // retrying the group cannot join this dead session.
+    if (g->spec.rank == 0 && options_.local_store != nullptr) {
+      options_.local_store->ErasePrefix(g->KeyBase() + "session");
+    }
   }
 }
 
