@@ -33,13 +33,13 @@ MATCHER_P2(StatusIs, code, message_matcher,
 
 #define QTX_ASSERT_OK(expr)                                       \
   do {                                                            \
-    const auto& qtx_s_ = ::qtx::testing::GetStatus((expr));       \
+    const ::absl::Status qtx_s_ = ::qtx::testing::GetStatus((expr)); \
     ASSERT_TRUE(qtx_s_.ok()) << #expr << ": " << qtx_s_.ToString(); \
   } while (false)
 
 #define QTX_EXPECT_OK(expr)                                       \
   do {                                                            \
-    const auto& qtx_s_ = ::qtx::testing::GetStatus((expr));       \
+    const ::absl::Status qtx_s_ = ::qtx::testing::GetStatus((expr)); \
     EXPECT_TRUE(qtx_s_.ok()) << #expr << ": " << qtx_s_.ToString(); \
   } while (false)
 

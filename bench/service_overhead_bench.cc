@@ -1,0 +1,302 @@
+// Service overhead of qtxd on a CUDA device: latency of Quantize calls
+// through the sidecar (unix socket, inputs and outputs in CUDA IPC regions)
+// next to the bare kernel (kernels::cuda::QuantizeBlock launched and
+// synchronized in this process), per tensor size. JSON lines on stdout, a
+// table on stderr. See bench/README.md.
+//
+//   service_overhead_bench --qtxd=build/server/qtxd [--sizes_mib=1,4,16,64,256]
+//                          [--iters=300] [--mps=0|1] [--threads=4]
+//   service_overhead_bench --target=unix:///tmp/qtxd.sock   (an already running qtxd)
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/block_geometry.h"
+#include "kernels/cuda/quantize_block.h"
+#include "qtx/client.h"
+#include "qtx/cuda_ipc.h"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+#define CHECK_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    const cudaError_t e_ = (expr);                                                         \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
+                   cudaGetErrorString(e_));                                                \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+#define CHECK_OK(expr)                                                                     \
+  do {                                                                                     \
+    const absl::Status s_ = (expr);                                                        \
+    if (!s_.ok()) {                                                                        \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
+                   s_.ToString().c_str());                                                 \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+struct Flags {
+  std::string qtxd;
+  std::string target;
+  std::vector<int> sizes_mib = {1, 4, 16, 64, 256};
+  int iters = 300;
+  int mps = 0;
+  int threads = 4;
+  int64_t n = 4096;
+};
+
+Flags ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto val = [&](const char* name) -> const char* {
+      const size_t len = std::strlen(name);
+      return a.compare(0, len, name) == 0 ? a.c_str() + len : nullptr;
+    };
+    if (const char* v = val("--qtxd=")) {
+      f.qtxd = v;
+    } else if (const char* v = val("--target=")) {
+      f.target = v;
+    } else if (const char* v = val("--iters=")) {
+      f.iters = std::atoi(v);
+    } else if (const char* v = val("--mps=")) {
+      f.mps = std::atoi(v);
+    } else if (const char* v = val("--threads=")) {
+      f.threads = std::atoi(v);
+    } else if (const char* v = val("--n=")) {
+      f.n = std::atoll(v);
+    } else if (const char* v = val("--sizes_mib=")) {
+      f.sizes_mib.clear();
+      for (const char* p = v; *p != '\0';) {
+        f.sizes_mib.push_back(std::atoi(p));
+        const char* comma = std::strchr(p, ',');
+        if (comma == nullptr) break;
+        p = comma + 1;
+      }
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
+      std::exit(2);
+    }
+  }
+  if (f.qtxd.empty() == f.target.empty()) {
+    std::fprintf(stderr, "give exactly one of --qtxd=PATH or --target=unix:///...\n");
+    std::exit(2);
+  }
+  return f;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+double Us(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+struct Stats {
+  double p50 = 0, p99 = 0;
+};
+Stats Summarize(const std::vector<double>& v) { return {Percentile(v, 0.5), Percentile(v, 0.99)}; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags flags = ParseFlags(argc, argv);
+  CHECK_CUDA(cudaSetDevice(0));
+  CHECK_CUDA(cudaFree(nullptr));
+
+  pid_t server_pid = -1;
+  std::string target = flags.target;
+  if (!flags.qtxd.empty()) {
+    const std::string socket = "/tmp/qtx-overhead-" + std::to_string(::getpid()) + ".sock";
+    target = "unix://" + socket;
+    std::vector<std::string> args = {flags.qtxd, "--device=cuda:0", "--socket=" + socket,
+                                     "--log_level=warn",
+                                     "--threads=" + std::to_string(flags.threads)};
+    std::vector<char*> argv_c;
+    for (auto& a : args) argv_c.push_back(a.data());
+    argv_c.push_back(nullptr);
+    if (posix_spawn(&server_pid, argv_c[0], nullptr, nullptr, argv_c.data(), environ) != 0) {
+      std::fprintf(stderr, "cannot start %s\n", flags.qtxd.c_str());
+      return 1;
+    }
+  }
+  auto client_or = qtx::Client::Connect(target);
+  CHECK_OK(client_or.status());
+  std::unique_ptr<qtx::Client> client = *std::move(client_or);
+  CHECK_OK(client->WaitUntilServing(absl::Seconds(60)));
+
+  // The floor: a unary RPC answered by gRPC's health service (no executor,
+  // no device), over the same channel.
+  std::vector<double> health;
+  for (int i = 0; i < flags.iters + 20; ++i) {
+    const auto t0 = Clock::now();
+    CHECK_OK(client->Health().status());
+    if (i >= 20) health.push_back(Us(t0, Clock::now()));
+  }
+  const Stats hs = Summarize(health);
+  std::printf(
+      "{\"bench\":\"service_overhead\",\"case\":\"health_rpc\",\"mps\":%d,\"iters\":%d,"
+      "\"rpc_p50_us\":%.2f,\"rpc_p99_us\":%.2f}\n",
+      flags.mps, flags.iters, hs.p50, hs.p99);
+  std::fflush(stdout);
+
+  cudaStream_t stream = nullptr;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t ev0, ev1;
+  CHECK_CUDA(cudaEventCreate(&ev0));
+  CHECK_CUDA(cudaEventCreate(&ev1));
+  auto ready = qtx::cuda::IpcEvent::Create();
+  auto done = qtx::cuda::IpcEvent::Create();
+  CHECK_OK(ready.status());
+  CHECK_OK(done.status());
+
+  std::fprintf(stderr, "%-6s %-7s %10s %10s %10s %10s %12s %12s %12s\n", "MiB", "events",
+               "rpc_p50", "rpc_p99", "kern_p50", "kern_p99", "kern_gpu_p50", "ovh_p50",
+               "ovh_p99");
+  for (int mib : flags.sizes_mib) {
+    const int64_t n = flags.n;
+    const int64_t bytes = int64_t{mib} << 20;
+    const int64_t m = bytes / 2 / n;  // BF16
+    const qtx::kernels::QuantizedLayout L =
+        qtx::kernels::ComputeLayout(qtx::kernels::BlockScaling::kBlock1D, m, n);
+    const uint64_t sizes[4] = {static_cast<uint64_t>(L.RowwiseDataBytes()),
+                               static_cast<uint64_t>(L.RowwiseScaleCount()) * 4,
+                               static_cast<uint64_t>(L.ColumnwiseDataBytes()),
+                               static_cast<uint64_t>(L.ColumnwiseScaleCount()) * 4};
+    uint64_t offsets[4], total = 0;
+    for (int i = 0; i < 4; ++i) {
+      offsets[i] = total;
+      total += (sizes[i] + 255) / 256 * 256;
+    }
+    void* d_in = nullptr;
+    void* d_out = nullptr;
+    CHECK_CUDA(cudaMalloc(&d_in, bytes));
+    CHECK_CUDA(cudaMalloc(&d_out, total));
+    {
+      std::vector<uint16_t> host(m * n);
+      std::mt19937 rng(mib);
+      std::normal_distribution<float> dist(0.0f, 1.0f);
+      for (auto& h : host) {
+        float f = dist(rng);
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        h = static_cast<uint16_t>(u >> 16);
+      }
+      CHECK_CUDA(cudaMemcpy(d_in, host.data(), bytes, cudaMemcpyHostToDevice));
+    }
+    const std::string in_name = "bench_in_" + std::to_string(mib);
+    const std::string out_name = "bench_out_" + std::to_string(mib);
+    CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, in_name, d_in, bytes));
+    CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, out_name, d_out, total));
+
+    qtx::QuantizeConfig config;
+    config.rowwise = true;
+    config.columnwise = true;
+    qtx::QuantizeOutputs outs;
+    outs.rowwise_data = qtx::RegionSlice{out_name, offsets[0], sizes[0]};
+    outs.rowwise_scale_inv = qtx::RegionSlice{out_name, offsets[1], sizes[1]};
+    outs.columnwise_data = qtx::RegionSlice{out_name, offsets[2], sizes[2]};
+    outs.columnwise_scale_inv = qtx::RegionSlice{out_name, offsets[3], sizes[3]};
+    const qtx::Tensor input = qtx::Tensor::InRegion(
+        qtx::DType::kBFloat16, {m, n}, qtx::RegionSlice{in_name, 0, static_cast<uint64_t>(bytes)});
+
+    // Bare kernel in this process: host wall time of launch + synchronize,
+    // and the GPU time between two events.
+    qtx::kernels::QuantizeParams params;
+    params.rowwise = true;
+    params.columnwise = true;
+    qtx::kernels::QuantizedBuffers kb;
+    kb.rowwise_data = static_cast<uint8_t*>(d_out) + offsets[0];
+    kb.rowwise_scale_inv = reinterpret_cast<float*>(static_cast<uint8_t*>(d_out) + offsets[1]);
+    kb.columnwise_data = static_cast<uint8_t*>(d_out) + offsets[2];
+    kb.columnwise_scale_inv = reinterpret_cast<float*>(static_cast<uint8_t*>(d_out) + offsets[3]);
+    const int iters = mib >= 64 ? std::max(50, flags.iters / 3) : flags.iters;
+    std::vector<double> kern_host, kern_gpu;
+    for (int i = 0; i < iters + 10; ++i) {
+      const auto t0 = Clock::now();
+      CHECK_CUDA(cudaEventRecord(ev0, stream));
+      CHECK_CUDA(qtx::kernels::cuda::QuantizeBlock(d_in, qtx::kernels::InputDType::kBFloat16, m,
+                                                   n, params, kb, stream));
+      CHECK_CUDA(cudaEventRecord(ev1, stream));
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const auto t1 = Clock::now();
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, ev0, ev1));
+      if (i >= 10) {
+        kern_host.push_back(Us(t0, t1));
+        kern_gpu.push_back(ms * 1000.0);
+      }
+    }
+    const Stats ks = Summarize(kern_host);
+    const Stats kg = Summarize(kern_gpu);
+
+    for (int with_events = 0; with_events < 2; ++with_events) {
+      qtx::CallOptions call;
+      if (with_events) {
+        call.cuda_wait_event = ready->handle();
+        call.cuda_signal_event = done->handle();
+      }
+      std::vector<double> rpc;
+      for (int i = 0; i < iters + 10; ++i) {
+        const auto t0 = Clock::now();
+        if (with_events) CHECK_CUDA(cudaEventRecord(ready->get(), stream));
+        auto q = client->Quantize(input, config, outs, call);
+        CHECK_OK(q.status());
+        if (with_events) {
+          // Complete when the client's stream has seen the sidecar's event.
+          CHECK_CUDA(cudaStreamWaitEvent(stream, done->get(), 0));
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+        }
+        if (i >= 10) rpc.push_back(Us(t0, Clock::now()));
+      }
+      const Stats rs = Summarize(rpc);
+      std::printf(
+          "{\"bench\":\"service_overhead\",\"case\":\"quantize_1d_row+col_bf16\",\"mps\":%d,"
+          "\"events\":%s,\"bytes\":%lld,\"m\":%lld,\"n\":%lld,\"iters\":%d,"
+          "\"rpc_p50_us\":%.2f,\"rpc_p99_us\":%.2f,\"kernel_p50_us\":%.2f,"
+          "\"kernel_p99_us\":%.2f,\"kernel_gpu_p50_us\":%.2f,\"overhead_p50_us\":%.2f,"
+          "\"overhead_p99_us\":%.2f,\"target_overhead_p50_us\":40}\n",
+          flags.mps, with_events ? "true" : "false", static_cast<long long>(bytes),
+          static_cast<long long>(m), static_cast<long long>(n), iters, rs.p50, rs.p99, ks.p50,
+          ks.p99, kg.p50, rs.p50 - ks.p50, rs.p99 - ks.p99);
+      std::fflush(stdout);
+      std::fprintf(stderr, "%-6d %-7s %10.1f %10.1f %10.1f %10.1f %12.1f %12.1f %12.1f\n", mib,
+                   with_events ? "yes" : "no", rs.p50, rs.p99, ks.p50, ks.p99, kg.p50,
+                   rs.p50 - ks.p50, rs.p99 - ks.p99);
+    }
+    CHECK_OK(client->UnregisterRegion(in_name));
+    CHECK_OK(client->UnregisterRegion(out_name));
+    CHECK_CUDA(cudaFree(d_in));
+    CHECK_CUDA(cudaFree(d_out));
+  }
+  client.reset();
+  if (server_pid > 0) {
+    ::kill(server_pid, SIGTERM);
+    ::waitpid(server_pid, nullptr, 0);
+  }
+  return 0;
+}
