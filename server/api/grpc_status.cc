@@ -2,10 +2,30 @@
 
 #include <string>
 
-#include "absl/strings/escaping.h"
+#include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
+namespace {
+
+// Keeps a log line on one line and its quoted value unambiguous.
+std::string EscapeForLog(absl::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(c);
+    } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      out += absl::StrFormat("\\x%02x", static_cast<unsigned char>(c));
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status, std::string_view request_id,
                           std::string_view method) {
@@ -17,7 +37,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status, std::string_view request_i
                             status.code() == absl::StatusCode::kDataLoss;
   spdlog::log(server_fault ? spdlog::level::err : spdlog::level::warn,
               "rid={} method={} code={} msg=\"{}\"", request_id, method, code,
-              absl::CEscape(status.message()));
+              EscapeForLog(status.message()));
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 

@@ -426,6 +426,21 @@ class StagingDevice final : public backend::Device {
   absl::Status Dequantize(const backend::DequantizeArgs& a) override {
     return cpu_.Dequantize(a);
   }
+  absl::Status ShardBoundaryAmax(const backend::ShardArgs& a, float* first,
+                                 float* last) override {
+    return cpu_.ShardBoundaryAmax(a, first, last);
+  }
+  absl::Status QuantizeShard(const backend::ShardArgs& a, const float* first_amax,
+                             const float* last_amax,
+                             const kernels::QuantizedBuffers& out) override {
+    return cpu_.QuantizeShard(a, first_amax, last_amax, out);
+  }
+  absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
+                              const kernels::QuantizedConstBuffers* shards,
+                              const kernels::QuantizeParams& params,
+                              const kernels::QuantizedBuffers& out) override {
+    return cpu_.AssembleShards(world_size, geoms, shards, params, out);
+  }
   int allocations = 0, to_device = 0, to_host = 0;
 
  private:

@@ -1,0 +1,56 @@
+#include "server/config/server_config.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace qtx::server::config {
+namespace {
+
+using ::qtx::testing::StatusIs;
+using ::testing::HasSubstr;
+
+TEST(ServerConfig, DefaultsAreValid) { QTX_EXPECT_OK(ValidateConfig(ServerConfig())); }
+
+TEST(ServerConfig, TcpOnlyOnLoopback) {
+  ServerConfig c;
+  for (const char* ok : {"127.0.0.1:50051", "localhost:0", "[::1]:7000", "127.1.2.3:1"}) {
+    c.listen_tcp = ok;
+    SCOPED_TRACE(ok);
+    QTX_EXPECT_OK(ValidateConfig(c));
+  }
+  c.listen_tcp = "10.0.0.1:50051";
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("host '10.0.0.1' is not a loopback")));
+  c.listen_tcp = "[::]:50051";
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a loopback")));
+  c.listen_tcp = "localhost";
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected host:port")));
+  c.listen_tcp = "localhost:70000";
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("0..65535")));
+}
+
+TEST(ServerConfig, RangesAreChecked) {
+  ServerConfig c;
+  c.max_message_mb = 2048;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--max_message_mb=2048: must be 1..2047")));
+  c = ServerConfig();
+  c.threads = 0;
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--threads=0")));
+  c = ServerConfig();
+  c.socket_path = std::string(108, 's');
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at most 107")));
+  c = ServerConfig();
+  c.socket_path = "";
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("listen nowhere")));
+}
+
+}  // namespace
+}  // namespace qtx::server::config
