@@ -42,7 +42,7 @@ void RunAndStop(int signal_number) {
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    ::execl(QTXD_PATH, QTXD_PATH, socket_flag.c_str(), "--threads=1", "--log_level=warn",
+    ::execl(QTXD_PATH, QTXD_PATH, socket_flag.c_str(), "--threads=1", "--log_level=warn", "--shutdown_grace_s=1",
             static_cast<char*>(nullptr));
     ::_exit(127);
   }
