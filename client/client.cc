@@ -153,6 +153,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target,
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(options.max_message_bytes);
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  // A sidecar is usually local: retry a lost connection quickly (gRPC's
+  // default starts at 1 s and grows to 120 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   impl->channel =
       grpc::CreateCustomChannel(impl->target, grpc::InsecureChannelCredentials(), args);
   impl->quantizer = v1::Quantizer::NewStub(impl->channel);
@@ -174,8 +179,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target,
 const std::string& Client::target() const { return impl_->target; }
 
 absl::StatusOr<ServingStatus> Client::Health(std::string_view service, const CallOptions& call) {
+  return HealthImpl(service, call, impl_->options.wait_for_ready);
+}
+
+absl::StatusOr<ServingStatus> Client::HealthImpl(std::string_view service,
+                                                 const CallOptions& call, bool wait_for_ready) {
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
+  ctx.set_wait_for_ready(wait_for_ready);
   const std::string request_bytes = EncodeHealthCheckRequest(service);
   grpc::Slice slice(request_bytes);
   grpc::ByteBuffer request(&slice, 1);
@@ -210,7 +221,7 @@ absl::Status Client::WaitUntilServing(absl::Duration timeout) {
     if (left <= absl::ZeroDuration()) break;
     CallOptions call;
     call.timeout = std::min(left, absl::Seconds(2));
-    absl::StatusOr<ServingStatus> s = Health("", call);
+    absl::StatusOr<ServingStatus> s = HealthImpl("", call, /*wait_for_ready=*/true);
     if (s.ok() && *s == ServingStatus::kServing) return absl::OkStatus();
     last = s.ok() ? absl::UnavailableError(absl::StrCat("status ", ServingStatusName(*s)))
                   : s.status();

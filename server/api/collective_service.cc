@@ -241,16 +241,23 @@ grpc::ServerUnaryReactor* RendezvousService::Get(grpc::CallbackServerContext* co
   return new GetReactor(context, store_, request, response);
 }
 
-GrpcRendezvousClient::GrpcRendezvousClient(const std::string& target)
+GrpcRendezvousClient::GrpcRendezvousClient(const std::string& target,
+                                           const PeerSecurity& security)
     : target_(target),
+      token_(security.token),
       stub_(v1::Rendezvous::NewStub(
-          grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {}
+          grpc::CreateChannel(target, PeerChannelCredentials(security, target)))) {}
+
+void GrpcRendezvousClient::Authorize(grpc::ClientContext* ctx) const {
+  if (!token_.empty()) ctx->AddMetadata(std::string(kAuthorizationHeader), "Bearer " + token_);
+}
 
 absl::Status GrpcRendezvousClient::Set(std::string_view key, std::string_view value,
                                        absl::Time deadline) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
   ctx.set_wait_for_ready(true);
+  Authorize(&ctx);
   v1::RendezvousSetRequest req;
   req.set_key(std::string(key));
   req.set_value(std::string(value));
@@ -265,6 +272,7 @@ absl::StatusOr<std::vector<std::string>> GrpcRendezvousClient::Get(
   // The server stops waiting a little before this and names the missing keys.
   ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(1)));
   ctx.set_wait_for_ready(true);
+  Authorize(&ctx);
   v1::RendezvousGetRequest req;
   for (const auto& k : keys) req.add_keys(k);
   v1::RendezvousGetResponse resp;
@@ -278,12 +286,13 @@ absl::StatusOr<std::vector<std::string>> GrpcRendezvousClient::Get(
 }
 
 collective::GroupRegistryOptions MakeGroupRegistryOptions(collective::KvStore* store,
-                                                          const std::string& peer_host) {
+                                                          const std::string& peer_host,
+                                                          const PeerSecurity& security) {
   collective::GroupRegistryOptions o;
   o.local_store = store;
-  o.connect = [](const std::string& coordinator)
+  o.connect = [security](const std::string& coordinator)
       -> absl::StatusOr<std::unique_ptr<backend::RendezvousClient>> {
-    return std::make_unique<GrpcRendezvousClient>(coordinator);
+    return std::make_unique<GrpcRendezvousClient>(coordinator, security);
   };
   o.make_communicator = [peer_host](const collective::GroupSpec& spec,
                                     backend::RendezvousClient& rendezvous,

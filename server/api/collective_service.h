@@ -25,6 +25,7 @@
 #include "server/backend/communicator.h"
 #include "server/collective/group_registry.h"
 #include "server/collective/kv_store.h"
+#include "server/api/security.h"
 #include "server/ops/quantize.h"
 
 namespace qtx::server::api {
@@ -73,24 +74,31 @@ class RendezvousService final : public v1::Rendezvous::CallbackService {
 
 // backend::RendezvousClient over qtx.v1.Rendezvous at `target` (a gRPC
 // target: "host:port" or "unix:/path"). Calls wait for the channel to
-// connect until their deadline. Safe for concurrent use.
+// connect until their deadline. `security` gives the channel credentials
+// (TLS to TCP targets when this sidecar has TLS) and the bearer token sent
+// with every call. Safe for concurrent use.
 class GrpcRendezvousClient final : public backend::RendezvousClient {
  public:
-  explicit GrpcRendezvousClient(const std::string& target);
+  explicit GrpcRendezvousClient(const std::string& target, const PeerSecurity& security = {});
 
   absl::Status Set(std::string_view key, std::string_view value, absl::Time deadline) override;
   absl::StatusOr<std::vector<std::string>> Get(std::span<const std::string> keys,
                                                absl::Time deadline) override;
 
  private:
+  void Authorize(grpc::ClientContext* ctx) const;
+
   const std::string target_;
+  const std::string token_;
   std::unique_ptr<v1::Rendezvous::Stub> stub_;
 };
 
 // The production GroupRegistry wiring: Gloo communicators listening on
-// `peer_host`, rendezvous over GrpcRendezvousClient, this sidecar's `store`.
+// `peer_host`, rendezvous over GrpcRendezvousClient (with `security`), this
+// sidecar's `store`.
 collective::GroupRegistryOptions MakeGroupRegistryOptions(collective::KvStore* store,
-                                                          const std::string& peer_host);
+                                                          const std::string& peer_host,
+                                                          const PeerSecurity& security = {});
 
 }  // namespace qtx::server::api
 

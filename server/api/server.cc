@@ -13,6 +13,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_format.h"
+#include "server/api/security.h"
 #include "server/backend/device_factory.h"
 #include "server/status_macros.h"
 #include "spdlog/spdlog.h"
@@ -114,9 +115,11 @@ absl::Status QtxServer::Start() {
   optimizer_options.num_threads = config_.optimizer_threads;
   QTX_ASSIGN_OR_RETURN(optimizer_store_, optimizer::OptimizerStore::Create(optimizer_options));
   optimizer_ = std::make_unique<OptimizerService>(ctx, optimizer_store_.get(), executor_.get());
+  QTX_ASSIGN_OR_RETURN(ServerSecurity security, MakeServerSecurity(config_));
+  QTX_ASSIGN_OR_RETURN(PeerSecurity peer_security, MakePeerSecurity(config_));
   rendezvous_store_ = std::make_unique<collective::KvStore>();
   groups_ = std::make_unique<collective::GroupRegistry>(
-      MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host));
+      MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security));
   collective_ = std::make_unique<CollectiveService>(ctx, groups_.get());
   rendezvous_ = std::make_unique<RendezvousService>(rendezvous_store_.get());
 
@@ -132,10 +135,10 @@ absl::Status QtxServer::Start() {
   builder.RegisterService(rendezvous_.get());
   if (!config_.socket_path.empty()) {
     QTX_RETURN_IF_ERROR(PrepareSocketPath(config_.socket_path));
-    builder.AddListeningPort("unix:" + config_.socket_path, grpc::InsecureServerCredentials());
+    builder.AddListeningPort("unix:" + config_.socket_path, security.unix_socket);
   }
   if (!config_.listen_tcp.empty()) {
-    builder.AddListeningPort(config_.listen_tcp, grpc::InsecureServerCredentials(), &tcp_port_);
+    builder.AddListeningPort(config_.listen_tcp, security.tcp, &tcp_port_);
   }
   {
     // The socket file is created 0600 (and chmod-ed below in case the
@@ -161,14 +164,31 @@ absl::Status QtxServer::Start() {
     return absl::UnavailableError(
         absl::StrFormat("--listen_tcp=%s: cannot bind", config_.listen_tcp));
   }
-  if (auto* health = server_->GetHealthCheckService()) {
-    for (const char* name : kHealthServices) health->SetServingStatus(name, true);
+  if (config_.health_port != 0) {
+    // A second server with nothing but grpc.health.v1 (its own default
+    // health service): plaintext and without the token, for probes.
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(absl::StrFormat("[::]:%d", config_.health_port),
+                                    grpc::InsecureServerCredentials(), &health_port_);
+    health_server_ = health_builder.BuildAndStart();
+    if (health_server_ == nullptr || health_port_ == 0) {
+      server_->Shutdown(std::chrono::system_clock::now());
+      return absl::UnavailableError(absl::StrFormat(
+          "--health_port=%d: cannot listen (in use?)", config_.health_port));
+    }
+  }
+  for (grpc::Server* s : {server_.get(), health_server_.get()}) {
+    if (s == nullptr) continue;
+    if (auto* health = s->GetHealthCheckService()) {
+      for (const char* name : kHealthServices) health->SetServingStatus(name, true);
+    }
   }
   spdlog::info(
-      "event=listening socket={} tcp_port={} device={} threads={} max_message_mb={} "
-      "allow_client_shm={}",
-      config_.socket_path.empty() ? "-" : config_.socket_path, tcp_port_, device_->name(),
-      config_.threads, config_.max_message_mb, config_.allow_client_shm);
+      "event=listening socket={} tcp_port={} tls={} mtls={} token={} health_port={} device={} "
+      "threads={} max_message_mb={} allow_client_shm={}",
+      config_.socket_path.empty() ? "-" : config_.socket_path, tcp_port_, security.tls,
+      security.mtls, security.token, health_port_, device_->name(), config_.threads,
+      config_.max_message_mb, config_.allow_client_shm);
   return absl::OkStatus();
 }
 
@@ -181,7 +201,11 @@ void QtxServer::Shutdown(absl::Duration grace) {
   if (server_ != nullptr) {
     spdlog::info("event=shutdown_begin grace_s={}", absl::ToDoubleSeconds(grace));
     if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+    if (health_server_ != nullptr) {
+      if (auto* health = health_server_->GetHealthCheckService()) health->Shutdown();
+    }
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
   }
   if (executor_ != nullptr) executor_->Shutdown();
   // In-flight steps are done: checkpoint the optimizer state (SIGTERM path).
@@ -203,6 +227,7 @@ void QtxServer::Shutdown(absl::Duration grace) {
 QtxServer::~QtxServer() {
   Shutdown(absl::ZeroDuration());
   if (server_ != nullptr) server_->Wait();
+  if (health_server_ != nullptr) health_server_->Wait();
 }
 
 }  // namespace qtx::server::api

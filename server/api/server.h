@@ -4,8 +4,10 @@
 // both build one from a ServerConfig.
 //
 // Listeners: a unix domain socket created with mode 0600 (a stale socket file
-// left by a dead server is replaced; a live one is an error), and optionally
-// plaintext TCP on loopback.
+// left by a dead server is replaced; a live one is an error), optionally TCP
+// (TLS, or plaintext on loopback), and optionally a health-only TCP port;
+// with --auth_token_file every call but the health port's needs the bearer
+// token (server/api/security.h).
 //
 // Thread safety: Shutdown may be called from any thread, once or more; the
 // accessors are safe for concurrent use.
@@ -54,6 +56,8 @@ class QtxServer {
   // The unix socket path ("" when none) and the bound TCP port (0 when none).
   const std::string& socket_path() const { return config_.socket_path; }
   int tcp_port() const { return tcp_port_; }
+  // The bound health-only port (0 when none).
+  int health_port() const { return health_port_; }
   const config::ServerConfig& config() const { return config_; }
   tensor::RegionTable& regions() { return *regions_; }
   optimizer::OptimizerStore& optimizer_store() { return *optimizer_store_; }
@@ -77,7 +81,9 @@ class QtxServer {
   std::unique_ptr<CollectiveService> collective_;
   std::unique_ptr<RendezvousService> rendezvous_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;
   int tcp_port_ = 0;
+  int health_port_ = 0;
 
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;

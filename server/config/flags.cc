@@ -7,7 +7,24 @@
 ABSL_FLAG(std::string, socket, "/tmp/qtxd.sock",
           "Unix domain socket to listen on (created with mode 0600). Empty: none.");
 ABSL_FLAG(std::string, listen_tcp, "",
-          "Also listen on plaintext TCP host:port. Loopback hosts only (TLS comes later).");
+          "Also listen on TCP host:port. Plaintext only on loopback; other hosts need "
+          "--tls_cert_file/--tls_key_file and --auth_token_file or --tls_client_ca_file.");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain for TLS on --listen_tcp (and presented to other sidecars).");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: TCP clients must present a certificate it signs (mutual TLS).");
+ABSL_FLAG(std::string, peer_tls_ca_file, "",
+          "PEM roots that verify other sidecars' certificates (collective rendezvous). "
+          "Default: --tls_client_ca_file, else the system roots.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File with a bearer token: every call must send 'authorization: Bearer <token>' "
+          "(UNAUTHENTICATED otherwise); also sent to other sidecars.");
+ABSL_FLAG(int32_t, health_port, 0,
+          "TCP port (all interfaces) serving only grpc.health.v1, plaintext, no token: for "
+          "Kubernetes gRPC probes. 0: off.");
+ABSL_FLAG(int32_t, metrics_port, 0,
+          "TCP port (all interfaces) serving Prometheus text metrics at /metrics. 0: off.");
 ABSL_FLAG(std::string, peer_host, "127.0.0.1",
           "Host (name or address) whose interface collective peers listen on (Gloo TCP).");
 ABSL_FLAG(int32_t, max_message_mb, 1024,
@@ -40,6 +57,13 @@ ServerConfig ServerConfigFromFlags() {
   c.socket_path = absl::GetFlag(FLAGS_socket);
   c.listen_tcp = absl::GetFlag(FLAGS_listen_tcp);
   c.peer_host = absl::GetFlag(FLAGS_peer_host);
+  c.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  c.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  c.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  c.peer_tls_ca_file = absl::GetFlag(FLAGS_peer_tls_ca_file);
+  c.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  c.health_port = absl::GetFlag(FLAGS_health_port);
+  c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   c.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   c.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
   c.device = absl::GetFlag(FLAGS_device);

@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 
+#include <utility>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 
@@ -65,11 +67,35 @@ absl::Status ValidateConfig(const ServerConfig& c) {
       return absl::InvalidArgumentError(
           absl::StrFormat("--listen_tcp=%s: %s", c.listen_tcp, hp.status().message()));
     }
-    if (!IsLoopbackHost(hp->host)) {
+    const bool tls = !c.tls_cert_file.empty();
+    if (!IsLoopbackHost(hp->host) && !tls) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--listen_tcp=%s: host '%s' is not a loopback address; plaintext TCP is only allowed "
-          "on loopback (localhost, 127.0.0.0/8, [::1]) until TLS is supported",
+          "on loopback (localhost, 127.0.0.0/8, [::1]): set --tls_cert_file and --tls_key_file",
           c.listen_tcp, hp->host));
+    }
+    if (!IsLoopbackHost(hp->host) && c.auth_token_file.empty() && c.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--listen_tcp=%s: host '%s' is not a loopback address; clients must authenticate: set "
+          "--auth_token_file (bearer token) and/or --tls_client_ca_file (client certificates)",
+          c.listen_tcp, hp->host));
+    }
+  }
+  if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--tls_cert_file='%s' --tls_key_file='%s': set both or neither", c.tls_cert_file,
+        c.tls_key_file));
+  }
+  if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--tls_client_ca_file=%s: client certificates need TLS: set --tls_cert_file and "
+        "--tls_key_file", c.tls_client_ca_file));
+  }
+  for (const auto& [flag, port] : {std::pair<const char*, int>{"health_port", c.health_port},
+                                   std::pair<const char*, int>{"metrics_port", c.metrics_port}}) {
+    if (port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--%s=%d: must be 0 (off) or 1..65535", flag, port));
     }
   }
   if (c.max_message_mb < 1 || c.max_message_mb > 2047) {

@@ -16,9 +16,30 @@ namespace qtx::server::config {
 struct ServerConfig {
   // Unix domain socket to listen on (mode 0600). Empty: no unix socket.
   std::string socket_path = "/tmp/qtxd.sock";
-  // "host:port" for plaintext TCP; loopback hosts only until TLS exists.
-  // Empty: no TCP. Port 0 picks a free port.
+  // "host:port" for TCP. Empty: no TCP. Port 0 picks a free port. Plaintext
+  // only on a loopback host; any other host needs TLS (tls_cert_file +
+  // tls_key_file) and client authentication (auth_token_file and/or
+  // tls_client_ca_file).
   std::string listen_tcp;
+  // TLS for the TCP listener and for calls to other sidecars: PEM server
+  // certificate chain and its private key (both or neither).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // PEM CA bundle: TCP clients must present a certificate it signs (mTLS).
+  std::string tls_client_ca_file;
+  // PEM roots that verify other sidecars' certificates (rendezvous calls).
+  // Empty: tls_client_ca_file, else the system roots.
+  std::string peer_tls_ca_file;
+  // File holding a bearer token: every call on every listener (except the
+  // health-only port) must carry "authorization: Bearer <token>"; this
+  // sidecar sends it to the other sidecars too. Empty: no token.
+  std::string auth_token_file;
+  // TCP port (all interfaces) serving only grpc.health.v1, plaintext and
+  // without the token: for Kubernetes gRPC probes. 0: none.
+  int health_port = 0;
+  // TCP port (all interfaces) serving Prometheus text metrics at /metrics.
+  // 0: none.
+  int metrics_port = 0;
   // Host whose interface collective peers (Gloo TCP pairs) listen on.
   std::string peer_host = "127.0.0.1";
   // gRPC send and receive limits, MiB (1..2047).
