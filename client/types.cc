@@ -27,7 +27,7 @@ int64_t DTypeSize(DType dtype) {
   return 0;
 }
 
-std::string_view DTypeName(DType dtype) {
+const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
       return "float32";
@@ -47,11 +47,11 @@ std::string_view DTypeName(DType dtype) {
   return "unspecified";
 }
 
-std::string_view ScalingModeName(ScalingMode mode) {
+const char* ScalingModeName(ScalingMode mode) {
   return mode == ScalingMode::kBlock2D ? "block2d" : "block1d";
 }
 
-std::string_view Fp8FormatName(Fp8Format format) {
+const char* Fp8FormatName(Fp8Format format) {
   return format == Fp8Format::kE5M2 ? "e5m2" : "e4m3";
 }
 

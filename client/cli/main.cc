@@ -173,7 +173,7 @@ absl::StatusOr<Tensor> InputFromFlags() {
     if (!array.ok()) return array.status();
     if (array->dtype != DType::kFloat32 && array->dtype != DType::kFloat16) {
       return absl::InvalidArgumentError(
-          absl::StrCat(npy, ": dtype ", std::string(DTypeName(array->dtype)), " cannot be quantized"));
+          absl::StrCat(npy, ": dtype ", DTypeName(array->dtype), " cannot be quantized"));
     }
     return Tensor::Inline(array->dtype, std::move(array->shape), std::move(array->data));
   }
@@ -233,7 +233,7 @@ absl::Status RunHealth() {
   if (!s.ok()) return s.status();
   std::cout << (*client)->target() << ": " << ServingStatusName(*s) << "\n";
   if (*s != ServingStatus::kServing) {
-    return absl::UnavailableError(absl::StrCat("server is ", std::string(ServingStatusName(*s))));
+    return absl::UnavailableError(absl::StrCat("server is ", ServingStatusName(*s)));
   }
   return absl::OkStatus();
 }

@@ -120,7 +120,7 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view file) {
   const absl::string_view payload = file.substr(header_start + header_len);
   if (payload.size() != static_cast<uint64_t>(*bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "npy: shape (", absl::StrJoin(out.shape, ","), ") of ", std::string(DTypeName(out.dtype)), " needs ",
+        "npy: shape (", absl::StrJoin(out.shape, ","), ") of ", DTypeName(out.dtype), " needs ",
         *bytes, " data bytes, file has ", payload.size()));
   }
   out.data.assign(payload.data(), payload.size());

@@ -102,8 +102,9 @@ class Client {
   absl::StatusOr<ServingStatus> Health(std::string_view service = "",
                                        const CallOptions& call = {});
 
-  // Polls Health() until the server reports SERVING. Fails with
-  // DEADLINE_EXCEEDED (naming the last status seen) after `timeout`.
+  // Polls Health() (waiting for the connection, whatever
+  // ClientOptions::wait_for_ready says) until the server reports SERVING.
+  // Fails with DEADLINE_EXCEEDED (naming the last status seen) after `timeout`.
   absl::Status WaitUntilServing(absl::Duration timeout);
 
   // Quantizes `input` (FLOAT32, BFLOAT16 or FLOAT16, inline or in a region).
@@ -160,6 +161,9 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+
+  absl::StatusOr<ServingStatus> HealthImpl(std::string_view service, const CallOptions& call,
+                                           bool wait_for_ready);
 
   // Constant after construction; Impl is itself safe for concurrent use.
   const std::unique_ptr<Impl> impl_;

@@ -34,7 +34,7 @@ enum class DType : int32_t {
 int64_t DTypeSize(DType dtype);
 // "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "uint8",
 // "unspecified".
-std::string_view DTypeName(DType dtype);
+const char* DTypeName(DType dtype);
 
 // Number of elements of `shape` (1 for rank 0).
 // Fails with INVALID_ARGUMENT when a dim is negative or the product overflows
@@ -84,8 +84,8 @@ enum class Fp8Format : int32_t {
   kE5M2 = 2,
 };
 
-std::string_view ScalingModeName(ScalingMode mode);  // "block1d" / "block2d"
-std::string_view Fp8FormatName(Fp8Format format);    // "e4m3" / "e5m2"
+const char* ScalingModeName(ScalingMode mode);       // "block1d" / "block2d"
+const char* Fp8FormatName(Fp8Format format);         // "e4m3" / "e5m2"
 
 // How to quantize. The defaults are the TransformerEngine recipe defaults.
 struct QuantizeConfig {

@@ -23,7 +23,7 @@ TEST(TypesTest, DTypeSizes) {
   EXPECT_EQ(DTypeSize(DType::kFloat8E5M2), 1);
   EXPECT_EQ(DTypeSize(DType::kUInt8), 1);
   EXPECT_EQ(DTypeSize(DType::kUnspecified), 0);
-  EXPECT_EQ(DTypeName(DType::kBFloat16), "bfloat16");
+  EXPECT_STREQ(DTypeName(DType::kBFloat16), "bfloat16");
 }
 
 TEST(TypesTest, NumElementsRejectsNegativeAndOverflow) {
