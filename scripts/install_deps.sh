@@ -9,8 +9,14 @@ PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch
+  python3-pip python3-setuptools python3-wheel
   zlib1g-dev
+  openssl yamllint libcivetweb-dev
 )
+
+# Needed only when the command is missing (a machine may have Node.js from
+# elsewhere, whose nodejs package already provides npm): "command:package".
+COMMANDS=(node:nodejs npm:npm)
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -19,6 +25,12 @@ missing=()
 for p in "${PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$p")
+  fi
+done
+
+for cp in "${COMMANDS[@]}"; do
+  if ! command -v "${cp%%:*}" >/dev/null 2>&1; then
+    missing+=("${cp#*:}")
   fi
 done
 

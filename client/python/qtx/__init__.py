@@ -1,41 +1,26 @@
-"""qtx: Python client for the qtxd sidecar, from the generated qtx.v1 stubs.
-
-The stubs (qtx.v1.*_pb2, *_pb2_grpc) are generated at build time by the CMake
-target ``qtx_python`` with Debian's protoc and grpc_python_plugin; put the
-build's ``client/python`` directory on PYTHONPATH::
+"""qtx: Python client for the qtxd sidecar.
 
     import qtx
-    from qtx.v1 import quantizer_pb2, tensor_pb2
-    channel = qtx.channel("unix:///tmp/qtxd.sock")
-    stub = qtx.v1.quantizer_pb2_grpc.QuantizerStub(channel)
+    with qtx.Client("unix:///tmp/qtxd.sock") as c:
+        q = c.quantize(x, mode="2d", columnwise=True)   # numpy or torch in/out
 
-A richer Python API comes later; this package is the generated stubs plus
-``channel()``, which raises the gRPC message size limits for inline tensors.
+``qtx.Client`` wraps the generated qtx.v1 stubs (``qtx.v1.*_pb2``,
+``*_pb2_grpc``: generated from proto/ when the package is built, by
+``pip install client/python`` or by the CMake target ``qtx_python``).
+``qtx.ShmRegion`` makes POSIX shm regions; ``qtx.errors`` has one exception
+class per gRPC status code; ``qtx.channel()`` is a raw channel with raised
+message limits for using the stubs directly.
 """
 
-import grpc
+from qtx import v1  # noqa: F401  (generated subpackage)
+from qtx.v1 import memory_pb2, memory_pb2_grpc  # noqa: F401
+from qtx.v1 import quantizer_pb2, quantizer_pb2_grpc  # noqa: F401
+from qtx.v1 import tensor_pb2  # noqa: F401
+from qtx import errors  # noqa: F401
+from qtx.client import (  # noqa: F401
+    DEFAULT_TARGET, MAX_MESSAGE_BYTES, Client, QuantizedTensor, channel, tensor_from_proto,
+    tensor_to_proto)
+from qtx.errors import QtxError  # noqa: F401
+from qtx.shm import ShmRegion  # noqa: F401
 
-DEFAULT_TARGET = "unix:///tmp/qtxd.sock"
-MAX_MESSAGE_BYTES = 2**31 - 1
-
-
-def channel(target=DEFAULT_TARGET, max_message_bytes=MAX_MESSAGE_BYTES):
-    """Returns an insecure grpc.Channel to qtxd with raised message limits.
-
-    target: "unix:///abs/path", an absolute socket path, or "host:port".
-    """
-    if target.startswith("/"):
-        target = "unix://" + target
-    return grpc.insecure_channel(
-        target,
-        options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-        ],
-    )
-
-
-from qtx import v1  # noqa: E402  (generated subpackage)
-from qtx.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402,F401
-from qtx.v1 import quantizer_pb2, quantizer_pb2_grpc  # noqa: E402,F401
-from qtx.v1 import tensor_pb2  # noqa: E402,F401
+__version__ = "0.1.0"

@@ -1,0 +1,256 @@
+"""qtx.Client: a thin, synchronous Python wrapper over the generated stubs.
+
+    import numpy as np, qtx
+    with qtx.Client("unix:///tmp/qtxd.sock") as c:
+        q = c.quantize(np.random.randn(256, 1024).astype(np.float32), mode="2d",
+                       columnwise=True)
+        x = c.dequantize(q)
+
+Inputs are numpy arrays (float32, float16) or torch tensors (float32,
+bfloat16, float16) when torch is importable; outputs are numpy arrays, or
+torch tensors when the input was one. Layouts are the C++ client's (README:
+rowwise [M, N] u8, columnwise [N, M] u8, FP32 scale_inv with padded rows).
+Every failure raises a ``qtx.errors.QtxError`` subclass named after its gRPC
+code. A Client is safe for concurrent use by several threads.
+"""
+
+import dataclasses
+import secrets
+import itertools
+
+import grpc
+import numpy as np
+
+from qtx import errors
+from qtx.v1 import memory_pb2, memory_pb2_grpc, quantizer_pb2, quantizer_pb2_grpc, tensor_pb2
+
+try:  # torch is optional
+    import torch  # noqa: F401
+except Exception:  # pragma: no cover - depends on the machine
+    torch = None
+
+DEFAULT_TARGET = "unix:///tmp/qtxd.sock"
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+_MODES = {"1d": quantizer_pb2.BLOCK_1D, "2d": quantizer_pb2.BLOCK_2D}
+_FORMATS = {"e4m3": quantizer_pb2.E4M3, "e5m2": quantizer_pb2.E5M2}
+_NP_DTYPES = {np.dtype(np.float32): tensor_pb2.FLOAT32, np.dtype(np.float16): tensor_pb2.FLOAT16}
+_OUT_DTYPES = {"float32": tensor_pb2.FLOAT32, "bfloat16": tensor_pb2.BFLOAT16,
+               "float16": tensor_pb2.FLOAT16}
+
+
+def _is_torch(x):
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+@dataclasses.dataclass
+class QuantizedTensor:
+    """A block-scaled FP8 tensor as qtxd returns it (inline copies)."""
+    shape: tuple
+    mode: str
+    format: str
+    rowwise_data: object = None          # [M, N] uint8
+    rowwise_scale_inv: object = None     # float32, 2-D
+    columnwise_data: object = None       # [N, M] uint8
+    columnwise_scale_inv: object = None  # float32, 2-D
+    proto: object = None                 # the qtx.v1.QuantizedTensor
+
+
+def normalize_target(target):
+    """'unix:///abs', 'unix:path', '/abs/path' (unix) or 'host:port'."""
+    if not target:
+        raise ValueError("target is empty")
+    if target.startswith("/"):
+        return "unix://" + target
+    return target
+
+
+def channel(target=DEFAULT_TARGET, max_message_bytes=MAX_MESSAGE_BYTES, root_certificates=None,
+            private_key=None, certificate_chain=None):
+    """A grpc.Channel to qtxd with raised message limits; TLS when any PEM
+    argument (bytes) is given, plaintext otherwise."""
+    target = normalize_target(target)
+    options = [("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.max_receive_message_length", max_message_bytes)]
+    if root_certificates or private_key or certificate_chain:
+        creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+        return grpc.secure_channel(target, creds, options=options)
+    return grpc.insecure_channel(target, options=options)
+
+
+class Client:
+    """A client of one qtxd. See the module doc."""
+
+    def __init__(self, target=DEFAULT_TARGET, token=None, token_file=None, timeout=60.0,
+                 root_certificates=None, private_key=None, certificate_chain=None,
+                 max_message_bytes=MAX_MESSAGE_BYTES):
+        if token_file:
+            with open(token_file, "r", encoding="ascii") as f:
+                token = f.read().strip()
+        self.target = normalize_target(target)
+        self.timeout = timeout
+        self._token = token
+        self._channel = channel(self.target, max_message_bytes, root_certificates, private_key,
+                                certificate_chain)
+        self.quantizer = quantizer_pb2_grpc.QuantizerStub(self._channel)
+        self.memory = memory_pb2_grpc.MemoryStub(self._channel)
+        self._health = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response)
+        self._id_prefix = secrets.token_hex(4)
+        self._counter = itertools.count(1)
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    def metadata(self, request_id=None):
+        """Call metadata: the request id and, with a token, the authorization."""
+        md = [("x-request-id", request_id or "%s-%d" % (self._id_prefix, next(self._counter)))]
+        if self._token:
+            md.append(("authorization", "Bearer " + self._token))
+        return md
+
+    def _call(self, method, request, timeout=None, request_id=None):
+        try:
+            return method(request, timeout=timeout or self.timeout,
+                          metadata=self.metadata(request_id))
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- health -------------------------------------------------------------------------------
+
+    def health(self, service="", timeout=None):
+        """'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN' or 'UNKNOWN'."""
+        try:
+            return self._call(self._health, service, timeout)
+        except errors.NotFoundError:
+            return "SERVICE_UNKNOWN"
+
+    # ---- quantizer ----------------------------------------------------------------------------
+
+    def quantize(self, x, mode="1d", format="e4m3", rowwise=True, columnwise=False,
+                 pow2_scales=True, amax_epsilon=0.0, timeout=None, request_id=None):
+        """Quantizes `x` ([..., N]; leading dims are flattened into M)."""
+        as_torch = _is_torch(x)
+        ref = tensor_to_proto(x)
+        if mode not in _MODES:
+            raise ValueError("mode=%r: must be one of %s" % (mode, sorted(_MODES)))
+        if format not in _FORMATS:
+            raise ValueError("format=%r: must be one of %s" % (format, sorted(_FORMATS)))
+        cfg = quantizer_pb2.QuantizeConfig(
+            scaling_mode=_MODES[mode], format=_FORMATS[format], rowwise=rowwise,
+            columnwise=columnwise, force_pow2_scales=pow2_scales, amax_epsilon=amax_epsilon)
+        resp = self._call(self.quantizer.Quantize,
+                          quantizer_pb2.QuantizeRequest(input=ref, config=cfg), timeout,
+                          request_id)
+        r = resp.result
+        out = QuantizedTensor(shape=tuple(r.shape), mode=mode, format=format, proto=r)
+        for field in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
+                      "columnwise_scale_inv"):
+            if r.HasField(field):
+                setattr(out, field, tensor_from_proto(getattr(r, field), as_torch))
+        return out
+
+    def dequantize(self, q, dtype="float32", timeout=None, request_id=None):
+        """Dequantizes a QuantizedTensor (its rowwise copy when present)."""
+        if dtype not in _OUT_DTYPES:
+            raise ValueError("dtype=%r: must be one of %s" % (dtype, sorted(_OUT_DTYPES)))
+        as_torch = _is_torch(q.rowwise_data if q.rowwise_data is not None else q.columnwise_data)
+        req = quantizer_pb2.DequantizeRequest(input=q.proto, output_dtype=_OUT_DTYPES[dtype])
+        resp = self._call(self.quantizer.Dequantize, req, timeout, request_id)
+        return tensor_from_proto(resp.output, as_torch)
+
+    # ---- memory -------------------------------------------------------------------------------
+
+    def register_shm_region(self, region, timeout=None):
+        """Registers a qtx.ShmRegion under region.name (qtxd --allow_client_shm)."""
+        req = memory_pb2.RegisterRegionRequest(
+            name=region.name,
+            shm=memory_pb2.ShmRegion(shm_name=region.shm_name, offset=0,
+                                     byte_size=region.byte_size))
+        self._call(self.memory.RegisterRegion, req, timeout)
+
+    def unregister_region(self, name, timeout=None):
+        self._call(self.memory.UnregisterRegion, memory_pb2.UnregisterRegionRequest(name=name),
+                   timeout)
+
+    def list_regions(self, timeout=None):
+        """The server's regions: a list of qtx.v1.RegionInfo."""
+        return list(self._call(self.memory.ListRegions, memory_pb2.ListRegionsRequest(),
+                               timeout).regions)
+
+    def quantize_region(self, region, offset, shape, dtype="float32", **kwargs):
+        """Quantizes the tensor stored in `region` at `offset` (no inline input copy)."""
+        dt = {"float32": tensor_pb2.FLOAT32, "float16": tensor_pb2.FLOAT16,
+              "bfloat16": tensor_pb2.BFLOAT16}[dtype]
+        nbytes = int(np.prod(shape)) * (4 if dtype == "float32" else 2)
+        ref = tensor_pb2.TensorRef(dtype=dt, shape=list(shape),
+                                   region=tensor_pb2.RegionSlice(region=region.name,
+                                                                 offset=offset, size=nbytes))
+        return self.quantize(ref, **kwargs)
+
+
+# ---- tensor conversion ----------------------------------------------------------------------
+
+
+def tensor_to_proto(x):
+    """A qtx.v1.TensorRef (inline) for a numpy array or torch tensor; a
+    TensorRef passes through unchanged."""
+    if isinstance(x, tensor_pb2.TensorRef):
+        return x
+    if _is_torch(x):
+        t = x.detach().to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            raw = t.view(torch.int16).numpy().tobytes()
+            return tensor_pb2.TensorRef(dtype=tensor_pb2.BFLOAT16, shape=list(t.shape),
+                                        inline_data=raw)
+        x = t.numpy()
+    a = np.ascontiguousarray(x)
+    if a.dtype not in _NP_DTYPES:
+        raise TypeError("dtype %s: qtx quantizes float32, float16 (numpy) or bfloat16 (torch)"
+                        % a.dtype)
+    return tensor_pb2.TensorRef(dtype=_NP_DTYPES[a.dtype], shape=list(a.shape),
+                                inline_data=a.tobytes())
+
+
+_FROM_PROTO = {tensor_pb2.FLOAT32: np.float32, tensor_pb2.FLOAT16: np.float16,
+               tensor_pb2.BFLOAT16: np.uint16, tensor_pb2.FLOAT8_E4M3: np.uint8,
+               tensor_pb2.FLOAT8_E5M2: np.uint8, tensor_pb2.UINT8: np.uint8}
+
+
+def tensor_from_proto(ref, as_torch=False):
+    """numpy array (or torch tensor) of an inline TensorRef; a region tensor
+    is returned as its TensorRef (its bytes are in the region)."""
+    if ref.WhichOneof("data") != "inline_data":
+        return ref
+    a = np.frombuffer(ref.inline_data, dtype=_FROM_PROTO[ref.dtype]).reshape(tuple(ref.shape))
+    if as_torch:
+        if ref.dtype == tensor_pb2.BFLOAT16:
+            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(a.copy())
+    return a
+
+
+# grpc.health.v1 messages, encoded by hand (no generated health stubs needed).
+def _encode_health_request(service):
+    raw = service.encode()
+    if not raw:
+        return b""
+    assert len(raw) < 128
+    return b"\x0a" + bytes([len(raw)]) + raw
+
+
+def _decode_health_response(data):
+    status = 0
+    if len(data) >= 2 and data[0] == 0x08:
+        status = data[1]
+    return {1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(status, "UNKNOWN")

@@ -1,0 +1,248 @@
+#!/usr/bin/python3
+"""The pip-installable Python package `qtx` (client/python) against a qtxd.
+
+Installs client/python with pip into a temporary --target folder (stubs are
+generated from proto/ during the install), imports it from there, starts a
+qtxd with a bearer token, a health-only port and client shm, and checks the
+wrapper: numpy and torch in/out, FP8 bytes and scales against a decoder
+written here, dequantize, shm regions, the error classes and the token.
+
+  /usr/bin/python3 tests/python/test_package.py --qtxd=build/server/qtxd
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+ARGS = None
+qtx = None
+SERVER = {}
+TOKEN = "py-test-token-123"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fp8_table(exp_bits, man_bits):
+    bias = (1 << (exp_bits - 1)) - 1
+    out = np.empty(256, dtype=np.float64)
+    for b in range(256):
+        sign = -1.0 if b & 0x80 else 1.0
+        e = (b >> man_bits) & ((1 << exp_bits) - 1)
+        m = b & ((1 << man_bits) - 1)
+        if exp_bits == 4 and e == 15 and m == 7:
+            v = np.nan
+        elif exp_bits == 5 and e == 31:
+            v = np.inf if m == 0 else np.nan
+        elif e == 0:
+            v = m / (1 << man_bits) * 2.0 ** (1 - bias)
+        else:
+            v = (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+        out[b] = sign * v
+    return out
+
+
+E4M3 = fp8_table(4, 3)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def install_package(tmp):
+    """pip install client/python into tmp/site; returns that folder."""
+    src = os.path.join(tmp, "src")
+    shutil.copytree(os.path.join(REPO, "client", "python"), src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    site = os.path.join(tmp, "site")
+    env = dict(os.environ, QTX_PROTO_DIR=os.path.join(REPO, "proto"))
+    subprocess.check_call(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-build-isolation",
+         "--no-deps", "--no-index", "--disable-pip-version-check", "--target", site, src],
+        env=env)
+    return site
+
+
+def setUpModule():
+    global qtx
+    tmp = tempfile.mkdtemp(prefix="qtx-pkg-")
+    SERVER["tmp"] = tmp
+    site = install_package(tmp)
+    sys.path.insert(0, site)
+    import qtx as q  # noqa: E402
+    qtx = q
+    assert os.path.dirname(qtx.__file__) == os.path.join(site, "qtx"), qtx.__file__
+    token_file = os.path.join(tmp, "token")
+    with open(token_file, "w") as f:
+        f.write(TOKEN + "\n")
+    sock = os.path.join(tmp, "qtxd.sock")
+    SERVER["health_port"] = free_port()
+    SERVER["proc"] = subprocess.Popen(
+        [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn", "--allow_client_shm",
+         "--auth_token_file=" + token_file, "--health_port=%d" % SERVER["health_port"]])
+    SERVER["target"] = "unix://" + sock
+    SERVER["token_file"] = token_file
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if SERVER["proc"].poll() is not None:
+            raise RuntimeError("qtxd exited with %d" % SERVER["proc"].returncode)
+        if os.path.exists(sock):
+            try:
+                with qtx.Client(SERVER["target"], token=TOKEN, timeout=2) as c:
+                    if c.health() == "SERVING":
+                        return
+            except qtx.QtxError:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError("qtxd did not answer within 30 s")
+
+
+def tearDownModule():
+    proc = SERVER.get("proc")
+    if proc is not None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    shutil.rmtree(SERVER.get("tmp", "/nonexistent"), ignore_errors=True)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def pad4(x):
+    return cdiv(x, 4) * 4
+
+
+class PackageTest(unittest.TestCase):
+    def setUp(self):
+        self.c = qtx.Client(SERVER["target"], token_file=SERVER["token_file"], timeout=30)
+
+    def tearDown(self):
+        self.c.close()
+
+    def check_rowwise_1d(self, x, q):
+        m, n = x.shape
+        self.assertEqual(q.rowwise_data.shape, (m, n))
+        self.assertEqual(q.rowwise_data.dtype, np.uint8)
+        self.assertEqual(q.rowwise_scale_inv.shape, (cdiv(n, 128), pad4(m)))
+        s = q.rowwise_scale_inv[np.arange(n)[None, :] // 128, np.arange(m)[:, None]]
+        recon = (E4M3[q.rowwise_data].astype(np.float32) * s).astype(np.float32)
+        bound = np.maximum(np.abs(x) * 2.0**-4, s * 2.0**-10) * 1.0001
+        self.assertTrue(np.all(np.abs(recon - x) <= bound),
+                        "max excess %g" % np.max(np.abs(recon - x) - bound))
+        # pow2 scales: scale_inv is a power of two
+        used = q.rowwise_scale_inv[:, :m]
+        self.assertTrue(np.all(np.log2(used) == np.round(np.log2(used))))
+        return recon
+
+    def test_numpy_1d_rowwise_columnwise_and_dequantize(self):
+        rng = np.random.default_rng(1)
+        x = (rng.standard_normal((200, 300)) * 3).astype(np.float32)
+        q = self.c.quantize(x, mode="1d", columnwise=True)
+        self.assertEqual(q.shape, (200, 300))
+        recon = self.check_rowwise_1d(x, q)
+        self.assertEqual(q.columnwise_data.shape, (300, 200))
+        self.assertEqual(q.columnwise_scale_inv.shape, (cdiv(200, 128), pad4(300)))
+        y = self.c.dequantize(q)
+        self.assertIsInstance(y, np.ndarray)
+        self.assertEqual(y.dtype, np.float32)
+        np.testing.assert_array_equal(y, recon)
+
+    def test_numpy_2d_float16(self):
+        rng = np.random.default_rng(2)
+        x = rng.standard_normal((130, 260)).astype(np.float16)
+        q = self.c.quantize(x, mode="2d", format="e5m2", columnwise=True)
+        self.assertEqual(q.rowwise_scale_inv.shape, (2, pad4(3)))
+        self.assertEqual(q.columnwise_scale_inv.shape, (3, pad4(2)))
+        y = self.c.dequantize(q, dtype="float16")
+        self.assertEqual(y.dtype, np.float16)
+        err = np.abs(y.astype(np.float32) - x.astype(np.float32))
+        self.assertLess(float(err.max()), 0.3)
+
+    def test_torch_bfloat16_in_and_out(self):
+        try:
+            import torch
+        except Exception:
+            self.skipTest("torch not importable")
+        torch.manual_seed(0)
+        x = torch.randn(64, 256, dtype=torch.bfloat16)
+        q = self.c.quantize(x, mode="1d")
+        self.assertIsInstance(q.rowwise_data, torch.Tensor)
+        self.assertEqual(q.rowwise_data.dtype, torch.uint8)
+        self.assertEqual(tuple(q.rowwise_data.shape), (64, 256))
+        y = self.c.dequantize(q, dtype="bfloat16")
+        self.assertIsInstance(y, torch.Tensor)
+        self.assertEqual(y.dtype, torch.bfloat16)
+        rel = ((y.float() - x.float()).abs() / x.float().abs().clamp_min(1e-2)).max().item()
+        self.assertLess(rel, 0.15)
+        # Same bytes as the float32 path for the same values.
+        q32 = self.c.quantize(x.float().numpy(), mode="1d")
+        np.testing.assert_array_equal(q.rowwise_data.numpy(), q32.rowwise_data)
+
+    def test_shm_region_matches_inline(self):
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((128, 384)).astype(np.float32)
+        with qtx.ShmRegion("py-region", x.nbytes + 64) as region:
+            region.view(64, np.float32, x.shape)[...] = x
+            self.c.register_shm_region(region)
+            names = [r.name for r in self.c.list_regions()]
+            self.assertIn("py-region", names)
+            q = self.c.quantize_region(region, 64, x.shape, mode="2d")
+            inline = self.c.quantize(x, mode="2d")
+            np.testing.assert_array_equal(q.rowwise_data, inline.rowwise_data)
+            np.testing.assert_array_equal(q.rowwise_scale_inv, inline.rowwise_scale_inv)
+            with self.assertRaises(ValueError):
+                region.view(64, np.float32, (129, 384))
+            self.c.unregister_region("py-region")
+        with self.assertRaises(qtx.errors.NotFoundError) as cm:
+            self.c.unregister_region("py-region")
+        self.assertIn("py-region", cm.exception.message)
+
+    def test_error_classes(self):
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            self.c.quantize(np.zeros((4, 8), np.float32), rowwise=False, columnwise=False)
+        self.assertEqual(cm.exception.code.name, "INVALID_ARGUMENT")
+        self.assertIsInstance(cm.exception, qtx.QtxError)
+        with self.assertRaises(TypeError):
+            self.c.quantize(np.zeros((4, 8), np.int32))
+        ref = qtx.tensor_pb2.TensorRef(
+            dtype=qtx.tensor_pb2.FLOAT32, shape=[4, 8],
+            region=qtx.tensor_pb2.RegionSlice(region="nope", offset=0, size=128))
+        with self.assertRaises(qtx.errors.NotFoundError):
+            self.c.quantize(ref)
+
+    def test_token_is_required(self):
+        with qtx.Client(SERVER["target"], timeout=10) as anonymous:
+            with self.assertRaises(qtx.errors.UnauthenticatedError):
+                anonymous.health()
+        with qtx.Client(SERVER["target"], token="wrong", timeout=10) as wrong:
+            with self.assertRaises(qtx.errors.UnauthenticatedError) as cm:
+                wrong.quantize(np.ones((2, 2), np.float32))
+            self.assertNotIn("wrong", cm.exception.message)
+
+    def test_health_port_without_token(self):
+        with qtx.Client("127.0.0.1:%d" % SERVER["health_port"], timeout=10) as h:
+            self.assertEqual(h.health(), "SERVING")
+            with self.assertRaises(qtx.errors.UnimplementedError):
+                h.list_regions()
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--qtxd", required=True)
+    ARGS, rest = parser.parse_known_args()
+    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+
+
+if __name__ == "__main__":
+    main()
