@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_format.h"
 #include "kernels/block_geometry.h"
-#include "kernels/cpu/quantize_block.h"
 #include "kernels/cuda/quantize_block.h"
+#include "kernels/cuda/quantize_shard.h"
 #include "kernels/shard_geometry.h"
 #include "server/backend/cuda_status.h"
 #include "server/status_macros.h"
@@ -39,10 +39,6 @@ absl::StatusOr<CuMemGetAddressRangeFn> AddressRangeFn() {
   return *fn;
 }
 
-uint64_t InputElementSize(kernels::InputDType dtype) {
-  return dtype == kernels::InputDType::kFloat32 ? 4 : 2;
-}
-
 std::string HexPrefix(std::string_view bytes) {
   std::string out;
   for (size_t i = 0; i < std::min<size_t>(bytes.size(), 8); ++i) {
@@ -59,13 +55,6 @@ absl::Status CheckEventLength(std::string_view handle, std::string_view field) {
   }
   return absl::OkStatus();
 }
-
-// Host copies for the staged (CPU-kernel) all-gather building blocks.
-struct HostBuffer {
-  std::unique_ptr<std::byte[]> bytes;
-  explicit HostBuffer(uint64_t n) : bytes(n ? new std::byte[n] : nullptr) {}
-  void* get() const { return bytes.get(); }
-};
 
 }  // namespace
 
@@ -91,8 +80,12 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal,
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
-    return CudaErrorToStatus(err, "cudaGetDeviceCount (is there a GPU and an NVIDIA driver?)",
-                             __FILE__, __LINE__);
+    // No driver, no device, or a driver too old: the host cannot run CUDA.
+    const absl::Status s = CudaErrorToStatus(err, "cudaGetDeviceCount", __FILE__, __LINE__);
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "cuda:%d: no usable CUDA device on this host (is there a GPU and a recent enough NVIDIA "
+        "driver?): %s",
+        ordinal, s.message()));
   }
   if (ordinal < 0 || ordinal >= count) {
     return absl::NotFoundError(absl::StrFormat(
@@ -381,55 +374,26 @@ absl::Status CudaDevice::Dequantize(const DequantizeArgs& args) {
   return FinishOp(args.events, stream);
 }
 
-// ---- Exact all-gather building blocks, staged through host memory ----
+// ---- Exact all-gather building blocks: kernels/cuda/quantize_shard ----
 
 absl::Status CudaDevice::ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) {
-  const kernels::ShardGeometry& g = args.geom;
-  const uint64_t in_bytes = static_cast<uint64_t>(g.m * g.n) * InputElementSize(args.dtype);
-  const uint64_t amax_bytes =
-      static_cast<uint64_t>(kernels::BoundaryAmaxLength(args.params.scaling, g)) * 4;
-  HostBuffer input(in_bytes), h_first(amax_bytes), h_last(amax_bytes);
-  QTX_RETURN_IF_ERROR(CopyToHost(input.get(), args.input, in_bytes));
-  kernels::cpu::ShardBoundaryAmax(input.get(), args.dtype, g, args.params.scaling,
-                                  static_cast<float*>(h_first.get()),
-                                  static_cast<float*>(h_last.get()));
-  QTX_RETURN_IF_ERROR(CopyFromHost(first, h_first.get(), amax_bytes));
-  return CopyFromHost(last, h_last.get(), amax_bytes);
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::ShardBoundaryAmax(
+      args.input, args.dtype, args.geom, args.params.scaling, first, last, stream));
+  QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
 }
 
 absl::Status CudaDevice::QuantizeShard(const ShardArgs& args, const float* first_amax,
                                        const float* last_amax,
                                        const kernels::QuantizedBuffers& out) {
-  const kernels::ShardGeometry& g = args.geom;
-  const kernels::QuantizeParams& p = args.params;
-  const uint64_t in_bytes = static_cast<uint64_t>(g.m * g.n) * InputElementSize(args.dtype);
-  const uint64_t amax_bytes = static_cast<uint64_t>(kernels::BoundaryAmaxLength(p.scaling, g)) * 4;
-  const uint64_t data_bytes = static_cast<uint64_t>(g.m * g.n);
-  const uint64_t rs_bytes = static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(p.scaling, g)) * 4;
-  const uint64_t cs_bytes =
-      static_cast<uint64_t>(kernels::ShardColumnwiseScaleCount(p.scaling, g)) * 4;
-  HostBuffer input(in_bytes), h_first(amax_bytes), h_last(amax_bytes);
-  HostBuffer rd(p.rowwise ? data_bytes : 0), rs(p.rowwise ? rs_bytes : 0);
-  HostBuffer cd(p.columnwise ? data_bytes : 0), cs(p.columnwise ? cs_bytes : 0);
-  QTX_RETURN_IF_ERROR(CopyToHost(input.get(), args.input, in_bytes));
-  QTX_RETURN_IF_ERROR(CopyToHost(h_first.get(), first_amax, amax_bytes));
-  QTX_RETURN_IF_ERROR(CopyToHost(h_last.get(), last_amax, amax_bytes));
-  kernels::QuantizedBuffers host_out;
-  host_out.rowwise_data = static_cast<uint8_t*>(rd.get());
-  host_out.rowwise_scale_inv = static_cast<float*>(rs.get());
-  host_out.columnwise_data = static_cast<uint8_t*>(cd.get());
-  host_out.columnwise_scale_inv = static_cast<float*>(cs.get());
-  kernels::cpu::QuantizeShard(input.get(), args.dtype, g, p,
-                              static_cast<const float*>(h_first.get()),
-                              static_cast<const float*>(h_last.get()), host_out);
-  if (p.rowwise) {
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_data, rd.get(), data_bytes));
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_scale_inv, rs.get(), rs_bytes));
-  }
-  if (p.columnwise) {
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_data, cd.get(), data_bytes));
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_scale_inv, cs.get(), cs_bytes));
-  }
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeShard(args.input, args.dtype, args.geom,
+                                                        args.params, first_amax, last_amax, out,
+                                                        stream));
+  QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return absl::OkStatus();
 }
 
@@ -437,60 +401,11 @@ absl::Status CudaDevice::AssembleShards(int world_size, const kernels::ShardGeom
                                         const kernels::QuantizedConstBuffers* shards,
                                         const kernels::QuantizeParams& params,
                                         const kernels::QuantizedBuffers& out) {
-  std::vector<HostBuffer> keep;
-  std::vector<kernels::QuantizedConstBuffers> host_shards(world_size);
-  int64_t total_m = 0;
-  const int64_t n = world_size > 0 ? geoms[0].n : 0;
-  auto fetch = [&](const void* src, uint64_t bytes) -> absl::StatusOr<const void*> {
-    keep.emplace_back(bytes);
-    QTX_RETURN_IF_ERROR(CopyToHost(keep.back().get(), src, bytes));
-    return static_cast<const void*>(keep.back().get());
-  };
-  for (int r = 0; r < world_size; ++r) {
-    const kernels::ShardGeometry& g = geoms[r];
-    total_m += g.m;
-    const uint64_t data_bytes = static_cast<uint64_t>(g.m * g.n);
-    if (params.rowwise) {
-      QTX_ASSIGN_OR_RETURN(const void* d, fetch(shards[r].rowwise_data, data_bytes));
-      QTX_ASSIGN_OR_RETURN(
-          const void* s,
-          fetch(shards[r].rowwise_scale_inv,
-                static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(params.scaling, g)) * 4));
-      host_shards[r].rowwise_data = static_cast<const uint8_t*>(d);
-      host_shards[r].rowwise_scale_inv = static_cast<const float*>(s);
-    }
-    if (params.columnwise) {
-      QTX_ASSIGN_OR_RETURN(const void* d, fetch(shards[r].columnwise_data, data_bytes));
-      QTX_ASSIGN_OR_RETURN(
-          const void* s,
-          fetch(shards[r].columnwise_scale_inv,
-                static_cast<uint64_t>(kernels::ShardColumnwiseScaleCount(params.scaling, g)) *
-                    4));
-      host_shards[r].columnwise_data = static_cast<const uint8_t*>(d);
-      host_shards[r].columnwise_scale_inv = static_cast<const float*>(s);
-    }
-  }
-  const kernels::QuantizedLayout layout = kernels::ComputeLayout(params.scaling, total_m, n);
-  const uint64_t rd_bytes = static_cast<uint64_t>(layout.RowwiseDataBytes());
-  const uint64_t rs_bytes = static_cast<uint64_t>(layout.RowwiseScaleCount()) * 4;
-  const uint64_t cd_bytes = static_cast<uint64_t>(layout.ColumnwiseDataBytes());
-  const uint64_t cs_bytes = static_cast<uint64_t>(layout.ColumnwiseScaleCount()) * 4;
-  HostBuffer rd(params.rowwise ? rd_bytes : 0), rs(params.rowwise ? rs_bytes : 0);
-  HostBuffer cd(params.columnwise ? cd_bytes : 0), cs(params.columnwise ? cs_bytes : 0);
-  kernels::QuantizedBuffers host_out;
-  host_out.rowwise_data = static_cast<uint8_t*>(rd.get());
-  host_out.rowwise_scale_inv = static_cast<float*>(rs.get());
-  host_out.columnwise_data = static_cast<uint8_t*>(cd.get());
-  host_out.columnwise_scale_inv = static_cast<float*>(cs.get());
-  kernels::cpu::AssembleShards(world_size, geoms, host_shards.data(), params, host_out);
-  if (params.rowwise) {
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_data, rd.get(), rd_bytes));
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.rowwise_scale_inv, rs.get(), rs_bytes));
-  }
-  if (params.columnwise) {
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_data, cd.get(), cd_bytes));
-    QTX_RETURN_IF_ERROR(CopyFromHost(out.columnwise_scale_inv, cs.get(), cs_bytes));
-  }
+  QTX_RETURN_IF_ERROR(Activate());
+  cudaStream_t stream = ThisThreadStream();
+  QTX_CUDA_RETURN_IF_ERROR(
+      kernels::cuda::AssembleShards(world_size, geoms, shards, params, out, stream));
+  QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return absl::OkStatus();
 }
 
@@ -597,6 +512,11 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view 
     close();
   };
   return memory;
+}
+
+absl::StatusOr<cudaStream_t> CudaDevice::CurrentThreadStream() {
+  QTX_RETURN_IF_ERROR(Activate());
+  return ThisThreadStream();
 }
 
 absl::Status CudaDevice::SynchronizeAll() {

@@ -58,8 +58,9 @@ int VisibleCudaDevices();
 class CudaDevice final : public Device {
  public:
   // Creates the device for ordinal `ordinal`. INVALID_ARGUMENT for a bad
-  // option; NOT_FOUND when no such device is visible (the message gives the
-  // count); INTERNAL for a CUDA failure (no driver, ...).
+  // option; FAILED_PRECONDITION when the host cannot run CUDA at all (no
+  // driver, no GPU, driver too old); NOT_FOUND when no such device is visible
+  // (the message gives the count); INTERNAL for other CUDA failures.
   static absl::StatusOr<std::unique_ptr<CudaDevice>> Create(int ordinal,
                                                             const CudaDeviceOptions& options = {});
   // Waits for the streams, then releases streams, events, staging and pool.
@@ -91,9 +92,8 @@ class CudaDevice final : public Device {
   absl::Status Quantize(const QuantizeArgs& args) override;
   absl::Status Dequantize(const DequantizeArgs& args) override;
 
-  // The exact all-gather building blocks are not yet CUDA kernels: they stage
-  // through host memory and run kernels/cpu (correct, not fast). Each
-  // returns when its outputs are written.
+  // The exact all-gather building blocks (kernels/cuda/quantize_shard.h) on
+  // this thread's stream; each returns when its outputs are written.
   absl::Status ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) override;
   absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax,
                              const float* last_amax,
@@ -115,6 +115,11 @@ class CudaDevice final : public Device {
   // the device's streams drain.
   absl::StatusOr<tensor::MappedMemory> OpenIpcMemory(std::string_view ipc_handle,
                                                      int32_t device_id, uint64_t byte_size);
+
+  // The calling thread's stream (see Streams above) with this device made
+  // current on the thread: a device communicator (NCCL) orders its work on
+  // it, after this thread's kernels and copies. INTERNAL on a CUDA failure.
+  absl::StatusOr<cudaStream_t> CurrentThreadStream();
 
   // Blocks until all work queued on every stream of the device is done.
   absl::Status SynchronizeAll();
