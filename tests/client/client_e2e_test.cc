@@ -304,7 +304,8 @@ TEST_F(ClientE2eTest, QuantizeThroughShmRegion) {
     EXPECT_EQ(r.kind, "shm");
     EXPECT_EQ(r.shm_name, region->shm_name());
     EXPECT_EQ(r.byte_size, region->size());
-    EXPECT_EQ(r.in_use, 0u);
+    // in_use is not checked: the server unpins a region when the request's
+    // reactor is done, which may be just after the client has the response.
   }
   EXPECT_TRUE(found) << "e2e-shm not listed";
   QTX_ASSERT_OK(client_->UnregisterRegion("e2e-shm"));
