@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "server/api/convert.h"
+#include "server/api/nccl_wiring.h"
 #include "server/api/request_context.h"
 #include "server/backend/gloo_communicator.h"
 #include "server/ops/allgather.h"
@@ -66,8 +67,8 @@ absl::StatusOr<collective::GroupSpec> GroupSpecFromProto(const v1::CreateGroupRe
       s.backend = collective::CommBackendKind::kGloo;
       break;
     case v1::NCCL:
-      return absl::UnimplementedError(
-          "backend=NCCL: this qtxd has no NCCL communicator yet; use GLOO");
+      s.backend = collective::CommBackendKind::kNccl;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrFormat("backend=%d: must be GLOO or NCCL", static_cast<int>(r.backend())));
@@ -162,6 +163,9 @@ grpc::ServerUnaryReactor* CollectiveService::CreateGroup(grpc::CallbackServerCon
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   RequestLog log = StartRequest(context, "CreateGroup");
   absl::StatusOr<collective::GroupSpec> spec = GroupSpecFromProto(*request);
+  if (spec.ok() && request->backend() == v1::COMM_BACKEND_UNSPECIFIED) {
+    spec->backend = DefaultCommBackend(*ctx_.device);  // NCCL on a CUDA device
+  }
   if (!spec.ok()) {
     reactor->Finish(EndRequest(log, spec.status()));
     return reactor;

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_format.h"
 #include "server/api/security.h"
+#include "server/api/nccl_wiring.h"
 #include "server/backend/device_factory.h"
 #include "server/status_macros.h"
 #include "spdlog/spdlog.h"
@@ -119,7 +120,8 @@ absl::Status QtxServer::Start() {
   QTX_ASSIGN_OR_RETURN(PeerSecurity peer_security, MakePeerSecurity(config_));
   rendezvous_store_ = std::make_unique<collective::KvStore>();
   groups_ = std::make_unique<collective::GroupRegistry>(
-      MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security));
+      WithNcclCommunicator(MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
+                           device_.get()));
   collective_ = std::make_unique<CollectiveService>(ctx, groups_.get());
   rendezvous_ = std::make_unique<RendezvousService>(rendezvous_store_.get());
 

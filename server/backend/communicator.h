@@ -70,7 +70,9 @@ class Communicator {
   // contribution in rank order, rank r's at offset sum(recv_bytes[0..r)).
   // Every rank must pass the same `recv_bytes`.
   // REQUIRES: recv_bytes.size() == world_size(); `recv` holds the total;
-  // `send` and `recv` do not overlap. Null pointers are allowed for 0 bytes.
+  // `send` and `recv` do not overlap, except that `send` may be exactly
+  // recv + sum(recv_bytes[0..rank())) (in place: this rank's contribution
+  // already at its place). Null pointers are allowed for 0 bytes.
   // INVALID_ARGUMENT when recv_bytes has the wrong length.
   virtual absl::Status AllGatherV(const void* send, std::span<const uint64_t> recv_bytes,
                                   void* recv, const CommCall& call) = 0;

@@ -203,9 +203,17 @@ absl::Status GlooCommunicator::AllGatherV(const void* send, std::span<const uint
     if (recv_bytes[0] > 0) std::memmove(recv, send, recv_bytes[0]);
     return absl::OkStatus();
   }
-  // Gloo wants real pointers even for empty contributions.
+  // Gloo wants real pointers even for empty contributions. An in-place
+  // contribution is copied out first (Gloo copies the input into the output).
   char dummy = 0;
   char* in = recv_bytes[rank_] > 0 ? static_cast<char*>(const_cast<void*>(send)) : &dummy;
+  std::vector<char> in_place;
+  const uint64_t my_offset =
+      std::accumulate(recv_bytes.begin(), recv_bytes.begin() + rank_, uint64_t{0});
+  if (recv_bytes[rank_] > 0 && send == static_cast<const char*>(recv) + my_offset) {
+    in_place.assign(in, in + recv_bytes[rank_]);
+    in = in_place.data();
+  }
   const uint32_t tag = next_tag_++;
   absl::Status s = Guard(absl::StrCat(name_, ": AllGatherV"), call.deadline, [&] {
     gloo::AllgathervOptions opts(context_);

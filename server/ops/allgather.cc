@@ -168,8 +168,11 @@ absl::Status PlaceOutput(const std::optional<tensor::RegionSliceSpec>& spec, uin
 
 // Byte layout of one rank's packed shard (kernels/shard_geometry.h shard
 // layout, each section rounded up to 16 bytes so that scales stay aligned).
+// The rowwise data is not packed: it is quantized straight into its place in
+// the output and gathered there in place (the bulk of the bytes never takes
+// an extra copy).
 struct PackedShard {
-  uint64_t rw_data = 0, rw_scale = 0, cw_data = 0, cw_scale = 0, total = 0;
+  uint64_t rw_scale = 0, cw_data = 0, cw_scale = 0, total = 0;
 };
 uint64_t Round16(uint64_t x) { return (x + 15) / 16 * 16; }
 PackedShard PackShard(const kernels::ShardGeometry& g, const kernels::QuantizeParams& p) {
@@ -177,8 +180,6 @@ PackedShard PackShard(const kernels::ShardGeometry& g, const kernels::QuantizePa
   uint64_t off = 0;
   const uint64_t data = static_cast<uint64_t>(g.m * g.n);
   if (p.rowwise) {
-    s.rw_data = off;
-    off += Round16(data);
     s.rw_scale = off;
     off += Round16(4 * static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(p.scaling, g)));
   }
@@ -470,7 +471,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     const PackedShard& mp = packs[rank];
     kernels::QuantizedBuffers shard_bufs;
     if (p.rowwise) {
-      shard_bufs.rowwise_data = sbase + mp.rw_data;
+      shard_bufs.rowwise_data = out_bufs.rowwise_data + g.row_offset * n;
       shard_bufs.rowwise_scale_inv = reinterpret_cast<float*>(sbase + mp.rw_scale);
     }
     if (p.columnwise) {
@@ -483,6 +484,15 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
                                                     amax_len ? amax_ptr + amax_len : nullptr,
                                                     shard_bufs));
     }
+    if (p.rowwise) {
+      std::vector<uint64_t> data_sizes(world);
+      for (int r = 0; r < world; ++r) data_sizes[r] = static_cast<uint64_t>(geoms[r].m * n);
+      if (absl::Status s = comm.AllGatherV(shard_bufs.rowwise_data, data_sizes,
+                                           out_bufs.rowwise_data, call);
+          !s.ok()) {
+        return comm_failed(s);
+      }
+    }
     if (absl::Status s = comm.AllGatherV(shard.data(), sizes, gathered.data(), call); !s.ok()) {
       return comm_failed(s);
     }
@@ -492,7 +502,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     for (int r = 0; r < world; ++r) {
       const uint8_t* b = gbase + off;
       if (p.rowwise) {
-        views[r].rowwise_data = b + packs[r].rw_data;
+        views[r].rowwise_data = out_bufs.rowwise_data + geoms[r].row_offset * n;
         views[r].rowwise_scale_inv = reinterpret_cast<const float*>(b + packs[r].rw_scale);
       }
       if (p.columnwise) {

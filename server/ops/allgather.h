@@ -15,9 +15,11 @@
 //  3. output placement against the agreed M = sum M_r, plus (EXACT_FP8) the
 //     partial amaxes of the shard's boundary block rows; both exchanged in
 //     one small all-gather, so an output error on one rank fails all ranks;
-//  4. EXACT_FP8: combine amaxes, quantize the shard into the shard layout,
-//     all-gather the FP8 shards (variable sizes), assemble the GEMM-ready
-//     output. GATHER_HIGH_PRECISION: all-gather the high-precision shards and
+//  4. EXACT_FP8: combine amaxes, quantize the shard into the shard layout
+//     (its rowwise data straight into its rows of the output), all-gather
+//     the rowwise data in place in the output, then the rest of the FP8
+//     shards (scales, columnwise data; variable sizes); assemble the
+//     GEMM-ready output. GATHER_HIGH_PRECISION: all-gather the high-precision shards and
 //     quantize the whole tensor.
 //
 // Thread safety: runs on the group's executor; one call per communicator at

@@ -1,0 +1,50 @@
+// CUDA building blocks of the exact all-gather (NUMERICS.md §A), bit-exact
+// with kernels/cpu/quantize_block.h (ShardBoundaryAmax, QuantizeShard,
+// AssembleShards). Plain header: CUDA runtime types only.
+//
+// All pointers are device pointers, except `geoms` / `shards` of
+// AssembleShards, which are host arrays (of device pointers). Shard buffers
+// use the shard layout of kernels/shard_geometry.h. Work is enqueued on
+// `stream`; nothing synchronizes. Empty shards launch nothing.
+#ifndef QTX_KERNELS_CUDA_QUANTIZE_SHARD_H_
+#define QTX_KERNELS_CUDA_QUANTIZE_SHARD_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/quantize_params.h"
+#include "kernels/shard_geometry.h"
+
+namespace qtx::kernels::cuda {
+
+// Partial amaxes of the shard's first and last block rows (per column for
+// 1-D, per tile column for 2-D), BoundaryAmaxLength(scaling, g) floats each.
+// cudaErrorInvalidValue for a negative size, an unknown enum or null outputs.
+cudaError_t ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGeometry& g,
+                              BlockScaling scaling, float* first, float* last,
+                              cudaStream_t stream);
+
+// Quantizes the shard with the combined boundary amaxes (device vectors, as
+// for kernels::cpu::QuantizeShard; ignored by 1-D rowwise). The 1-D
+// rowwise-only case runs the fused kernels/cuda QuantizeBlock kernel (a
+// rowwise block never straddles ranks).
+// cudaErrorInvalidValue for bad arguments (null requested buffer, missing
+// amax vectors when columnwise or 2-D, unknown enums, too many tiles).
+cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
+                          const QuantizeParams& params, const float* first_amax,
+                          const float* last_amax, const QuantizedBuffers& out,
+                          cudaStream_t stream);
+
+// Writes the GEMM-ready [sum m, N] tensor from every rank's shard buffers
+// (stream-ordered copies and one small transpose kernel); scale padding is
+// zeroed. A shard whose rowwise data already lies at its place in
+// out.rowwise_data (an in-place gather) is not copied.
+// REQUIRES: geoms in rank order with contiguous row offsets.
+cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
+                           const QuantizedConstBuffers* shards, const QuantizeParams& params,
+                           const QuantizedBuffers& out, cudaStream_t stream);
+
+}  // namespace qtx::kernels::cuda
+
+#endif  // QTX_KERNELS_CUDA_QUANTIZE_SHARD_H_

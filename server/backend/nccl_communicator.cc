@@ -1,0 +1,369 @@
+// DESIGN note, AllGatherV: the exact all-gather moves shards of different
+// sizes (M_r need not be equal, and may be 0). Two ways with NCCL: pad every
+// contribution to the largest and run one ncclAllGather (extra bytes on the
+// wire plus a compaction copy on every rank), or run one ncclBroadcast per
+// rank inside ncclGroupStart/End, each received directly at the rank's
+// offset. qtx uses the grouped broadcasts (no padding, no copy, and an
+// in-place contribution works as NCCL's in-place broadcast), and a plain
+// ncclAllGather when all sizes are equal (the common case, NCCL's fastest
+// path).
+#include "server/backend/nccl_communicator.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace qtx::server::backend {
+namespace {
+
+// NCCL status -> absl::Status: remote and system errors (a peer died, the
+// network failed) are UNAVAILABLE, everything else INTERNAL. The message
+// carries the expression, file:line, ncclGetErrorString and ncclGetLastError.
+absl::Status NcclErrorToStatus(const std::string& name, ncclResult_t r, const char* expr,
+                               const char* file, int line, ncclComm_t comm) {
+  const char* last = ncclGetLastError(comm);
+  const std::string msg =
+      absl::StrFormat("%s: %s failed at %s:%d: %s%s%s", name, expr, file, line,
+                      ncclGetErrorString(r), last != nullptr && *last ? " - " : "",
+                      last != nullptr ? last : "");
+  (void)cudaGetLastError();  // never leak a sticky CUDA error into the next request
+  if (r == ncclRemoteError || r == ncclSystemError) return absl::UnavailableError(msg);
+  return absl::InternalError(msg);
+}
+
+absl::Status CudaErrorStatus(const std::string& name, cudaError_t e, const char* expr,
+                             const char* file, int line) {
+  (void)cudaGetLastError();
+  return absl::InternalError(absl::StrFormat("%s: %s failed at %s:%d: %s (%s)", name, expr, file,
+                                             line, cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+}  // namespace
+
+// ncclInProgress is not an error for a nonblocking communicator: the caller
+// polls ncclCommGetAsyncError next.
+#define QTX_NCCL_RETURN_IF_ERROR(expr, comm)                                           \
+  do {                                                                                 \
+    const ncclResult_t qtx_nccl_r_ = (expr);                                           \
+    if (qtx_nccl_r_ != ncclSuccess && qtx_nccl_r_ != ncclInProgress) {                 \
+      return NcclErrorToStatus(name_, qtx_nccl_r_, #expr, __FILE__, __LINE__, (comm)); \
+    }                                                                                  \
+  } while (false)
+
+#define QTX_NCCL_CUDA_RETURN_IF_ERROR(expr)                                  \
+  do {                                                                       \
+    const cudaError_t qtx_cuda_e_ = (expr);                                  \
+    if (qtx_cuda_e_ != cudaSuccess) {                                        \
+      return CudaErrorStatus(name_, qtx_cuda_e_, #expr, __FILE__, __LINE__); \
+    }                                                                        \
+  } while (false)
+
+namespace {
+
+// Polls `done` (true when finished, or an error) until the deadline; spins
+// with yields for the first 2 ms (collectives are often that short), then
+// sleeps 50 us between polls.
+template <typename Fn>
+absl::StatusOr<bool> PollUntil(absl::Time deadline, Fn done) {
+  const absl::Time start = absl::Now();
+  for (;;) {
+    absl::StatusOr<bool> d = done();
+    if (!d.ok() || *d) return d;
+    const absl::Time now = absl::Now();
+    if (now >= deadline) return false;
+    if (now - start < absl::Milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    const NcclCommunicatorOptions& options) {
+  const std::string name_ = absl::StrFormat("nccl[group=%s rank=%d/%d cuda:%d]", options.group,
+                                            options.rank, options.world_size,
+                                            options.device_ordinal);
+  if (options.world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: world_size=%d: must be >= 1", name_, options.world_size));
+  }
+  if (options.rank < 0 || options.rank >= options.world_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: rank=%d: must be in [0, %d)", name_, options.rank, options.world_size));
+  }
+  if (options.store == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(name_, ": no rendezvous store"));
+  }
+  if (options.device_ordinal < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: device_ordinal=%d: must be >= 0", name_, options.device_ordinal));
+  }
+  if (absl::Now() >= options.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat(name_, ": deadline passed before connecting"));
+  }
+  QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device_ordinal));
+
+  // The unique id, through the rendezvous store.
+  const std::string key = options.key_prefix + "nccl/unique_id";
+  ncclUniqueId id;
+  if (options.rank == 0) {
+    QTX_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id), nullptr);
+    absl::Status s = options.store->Set(
+        key, std::string_view(reinterpret_cast<const char*>(&id), sizeof id), options.deadline);
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat(name_, ": publishing the NCCL unique id: ", s.message()));
+    }
+  } else {
+    const std::string keys[1] = {key};
+    absl::StatusOr<std::vector<std::string>> v = options.store->Get(keys, options.deadline);
+    if (!v.ok()) {
+      return absl::Status(v.status().code(),
+                          absl::StrCat(name_, ": waiting for rank 0's NCCL unique id: ",
+                                       v.status().message()));
+    }
+    if ((*v)[0].size() != sizeof id) {
+      return absl::InternalError(absl::StrFormat("%s: the NCCL unique id has %d bytes, expected %d",
+                                                 name_, (*v)[0].size(), sizeof id));
+    }
+    std::memcpy(&id, (*v)[0].data(), sizeof id);
+  }
+
+  // Nonblocking init, polled until ready or the deadline.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t init =
+      ncclCommInitRankConfig(&comm, options.world_size, id, options.rank, &config);
+  if (init != ncclSuccess && init != ncclInProgress) {
+    absl::Status s = NcclErrorToStatus(name_, init, "ncclCommInitRankConfig", __FILE__, __LINE__,
+                                       comm);
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    return s;
+  }
+  ncclResult_t state = ncclInProgress;
+  absl::StatusOr<bool> ready = PollUntil(options.deadline, [&]() -> absl::StatusOr<bool> {
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) state = r;
+    return state != ncclInProgress;
+  });
+  if (!*ready || state != ncclSuccess) {
+    absl::Status s =
+        !*ready ? absl::DeadlineExceededError(absl::StrFormat(
+                      "%s: not every rank joined the NCCL communicator before the deadline "
+                      "(the half-built communicator was aborted)",
+                      name_))
+                : NcclErrorToStatus(name_, state, "ncclCommInitRankConfig (async)", __FILE__,
+                                    __LINE__, comm);
+    (void)ncclCommAbort(comm);
+    return s;
+  }
+  float* scratch = nullptr;
+  if (cudaError_t e = cudaMalloc(&scratch, sizeof(float)); e != cudaSuccess) {
+    (void)ncclCommAbort(comm);
+    return CudaErrorStatus(name_, e, "cudaMalloc(barrier scratch)", __FILE__, __LINE__);
+  }
+  return std::unique_ptr<NcclCommunicator>(
+      new NcclCommunicator(name_, options.rank, options.world_size, options.device_ordinal, comm,
+                           scratch, options.default_stream));
+}
+
+NcclCommunicator::NcclCommunicator(std::string name, int rank, int world_size, int device,
+                                   ncclComm* comm, float* scratch,
+                                   std::function<absl::StatusOr<void*>()> default_stream)
+    : name_(std::move(name)),
+      rank_(rank),
+      world_size_(world_size),
+      device_(device),
+      default_stream_(std::move(default_stream)),
+      scratch_(scratch),
+      comm_(comm) {}
+
+NcclCommunicator::~NcclCommunicator() {
+  (void)cudaSetDevice(device_);
+  ncclComm* c = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    c = std::exchange(comm_, nullptr);
+  }
+  // Abort, not Destroy: it never waits for peers that may be gone.
+  if (c != nullptr) (void)ncclCommAbort(c);
+  (void)cudaFree(scratch_);
+  (void)cudaGetLastError();
+}
+
+void NcclCommunicator::Abort() { abort_requested_.store(true); }
+
+absl::Status NcclCommunicator::Fail(absl::Status status) {
+  ncclComm* c = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (broken_reason_.empty()) broken_reason_ = std::string(status.message());
+    c = std::exchange(comm_, nullptr);
+  }
+  if (c != nullptr) {
+    (void)cudaSetDevice(device_);
+    (void)ncclCommAbort(c);  // also stops this communicator's in-flight kernels
+    (void)cudaGetLastError();
+  }
+  return status;
+}
+
+absl::StatusOr<void*> NcclCommunicator::Begin(const CommCall& call, const char* op) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!broken_reason_.empty()) {
+      return absl::AbortedError(absl::StrFormat(
+          "%s: %s: unusable after an earlier failure: %s", name_, op, broken_reason_));
+    }
+  }
+  if (abort_requested_.load()) {
+    return Fail(absl::AbortedError(
+        absl::StrFormat("%s: %s: the communicator was aborted", name_, op)));
+  }
+  if (absl::Now() >= call.deadline) {
+    return Fail(absl::DeadlineExceededError(
+        absl::StrFormat("%s: %s: the deadline passed before the call began", name_, op)));
+  }
+  QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  if (call.stream != nullptr) return call.stream;
+  if (default_stream_) {
+    absl::StatusOr<void*> s = default_stream_();
+    if (!s.ok()) {
+      return absl::Status(s.status().code(), absl::StrCat(name_, ": ", s.status().message()));
+    }
+    QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return *s;
+  }
+  return nullptr;
+}
+
+absl::Status NcclCommunicator::Finish(int enqueued, void* stream_ptr, absl::Time deadline,
+                                      const char* op) {
+  ncclComm* comm = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    comm = comm_;
+  }
+  const ncclResult_t r = static_cast<ncclResult_t>(enqueued);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    return Fail(NcclErrorToStatus(name_, r, op, __FILE__, __LINE__, comm));
+  }
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  // Until NCCL has enqueued (nonblocking group end), then until the stream
+  // has run it; NCCL's async error is checked at every poll.
+  bool enqueued_done = r == ncclSuccess;
+  absl::Status failure;
+  absl::StatusOr<bool> done = PollUntil(deadline, [&]() -> absl::StatusOr<bool> {
+    if (abort_requested_.load()) {
+      return absl::AbortedError(
+          absl::StrFormat("%s: %s: aborted while waiting for the peers", name_, op));
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess) state = q;
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return NcclErrorToStatus(name_, state, op, __FILE__, __LINE__, comm);
+    }
+    if (!enqueued_done) {
+      if (state == ncclInProgress) return false;
+      enqueued_done = true;
+    }
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaErrorNotReady) return false;
+    if (e != cudaSuccess) return CudaErrorStatus(name_, e, "cudaStreamQuery", __FILE__, __LINE__);
+    return true;
+  });
+  if (!done.ok()) return Fail(done.status());
+  if (!*done) {
+    return Fail(absl::DeadlineExceededError(absl::StrFormat(
+        "%s: %s: a peer did not take part before the deadline (the NCCL communicator was "
+        "aborted)",
+        name_, op)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::AllGatherV(const void* send, std::span<const uint64_t> recv_bytes,
+                                          void* recv, const CommCall& call) {
+  if (recv_bytes.size() != static_cast<size_t>(world_size_)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d", name_,
+        recv_bytes.size(), world_size_));
+  }
+  absl::StatusOr<void*> stream = Begin(call, "AllGatherV");
+  if (!stream.ok()) return stream.status();
+  const uint64_t total = std::accumulate(recv_bytes.begin(), recv_bytes.end(), uint64_t{0});
+  if (total == 0) return absl::OkStatus();  // every rank passes the same sizes
+  auto* out = static_cast<char*>(recv);
+  auto s = static_cast<cudaStream_t>(*stream);
+  ncclComm* comm = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    comm = comm_;
+  }
+  const bool equal = std::all_of(recv_bytes.begin(), recv_bytes.end(),
+                                 [&](uint64_t b) { return b == recv_bytes[0]; });
+  ncclResult_t res;
+  if (equal) {
+    res = ncclAllGather(send, recv, recv_bytes[0], ncclUint8, comm, s);
+  } else {
+    res = ncclGroupStart();
+    if (res == ncclSuccess) {
+      uint64_t off = 0;
+      for (int r = 0; r < world_size_; ++r) {
+        if (recv_bytes[r] > 0) {
+          const void* src = r == rank_ ? send : out + off;
+          const ncclResult_t b = ncclBroadcast(src, out + off, recv_bytes[r], ncclUint8, r, comm, s);
+          if (b != ncclSuccess && b != ncclInProgress && res == ncclSuccess) res = b;
+        }
+        off += recv_bytes[r];
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      if (res == ncclSuccess) res = end;
+    }
+  }
+  return Finish(res, s, call.deadline, equal ? "ncclAllGather" : "ncclBroadcast group");
+}
+
+absl::Status NcclCommunicator::AllReduceMax(float* data, uint64_t count, const CommCall& call) {
+  absl::StatusOr<void*> stream = Begin(call, "AllReduceMax");
+  if (!stream.ok()) return stream.status();
+  if (count == 0) return absl::OkStatus();
+  ncclComm* comm = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    comm = comm_;
+  }
+  auto s = static_cast<cudaStream_t>(*stream);
+  return Finish(ncclAllReduce(data, data, count, ncclFloat32, ncclMax, comm, s), s, call.deadline,
+                "ncclAllReduce(max)");
+}
+
+absl::Status NcclCommunicator::Barrier(const CommCall& call) {
+  absl::StatusOr<void*> stream = Begin(call, "Barrier");
+  if (!stream.ok()) return stream.status();
+  ncclComm* comm = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    comm = comm_;
+  }
+  auto s = static_cast<cudaStream_t>(*stream);
+  return Finish(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclMax, comm, s), s,
+                call.deadline, "ncclAllReduce(barrier)");
+}
+
+}  // namespace qtx::server::backend

@@ -1,0 +1,126 @@
+// NcclCommunicator: the Communicator for device memory, over NCCL (one CUDA
+// device per sidecar, one rank per sidecar).
+//
+// Bootstrap: rank 0 calls ncclGetUniqueId and publishes the 128-byte id
+// through the group's RendezvousClient under `key_prefix` + "nccl/unique_id"
+// (the same KV path the Gloo bootstrap uses); every rank reads it and calls
+// ncclCommInitRankConfig with ncclConfig_t.blocking = 0, then polls
+// ncclCommGetAsyncError until the communicator is ready or the deadline
+// passes (then ncclCommAbort + DEADLINE_EXCEEDED): a rank that never arrives
+// never hangs Create().
+//
+// Collectives are enqueued on CommCall::stream, or, when that is null, on the
+// stream `default_stream` returns for the calling thread (the CudaDevice's
+// per-thread stream, so NCCL work is ordered after the thread's kernels and
+// copies). Each call then waits for that stream by polling cudaStreamQuery and
+// ncclCommGetAsyncError until the work is done, the deadline passes, Abort()
+// is called or NCCL reports an error; in the last three cases it calls
+// ncclCommAbort (which also stops the in-flight kernels) and the communicator
+// is broken from then on (communicator.h error codes: DEADLINE_EXCEEDED,
+// ABORTED, UNAVAILABLE for a remote/system error, INTERNAL otherwise).
+//
+// AllGatherV: equal sizes use one ncclAllGather; unequal sizes a group
+// (ncclGroupStart/End) of one ncclBroadcast per rank with a non-empty
+// contribution, rooted at that rank and received at its offset, so that no
+// rank pads or copies (see DESIGN note in nccl_communicator.cc).
+//
+// The ncclComm_t is released with ncclCommAbort in the destructor (never
+// leaked, never blocking on peers).
+//
+// Thread safety: as Communicator (one collective caller at a time); Abort()
+// and the accessors from any thread.
+#ifndef QTX_SERVER_BACKEND_NCCL_COMMUNICATOR_H_
+#define QTX_SERVER_BACKEND_NCCL_COMMUNICATOR_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/backend/communicator.h"
+
+struct ncclComm;
+
+namespace qtx::server::backend {
+
+struct NcclCommunicatorOptions {
+  std::string group;  // for name() and messages
+  int rank = 0;
+  int world_size = 1;
+  int device_ordinal = 0;  // the CUDA device of this rank
+  // Scope of this communicator's rendezvous keys (unique per group instance).
+  std::string key_prefix;
+  RendezvousClient* store = nullptr;  // not owned; used only inside Create()
+  // Create() fails with DEADLINE_EXCEEDED if the communicator is not ready by then.
+  absl::Time deadline = absl::InfiniteFuture();
+  // The cudaStream_t (as void*) for calls whose CommCall::stream is null;
+  // called on the collective's thread. Null: the legacy default stream.
+  std::function<absl::StatusOr<void*>()> default_stream;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // INVALID_ARGUMENT for bad options (rank outside [0, world_size),
+  // world_size < 1, no store, negative ordinal); DEADLINE_EXCEEDED when the
+  // unique id or a peer did not arrive before the deadline (the half-built
+  // communicator is aborted); UNAVAILABLE when the store is unreachable or
+  // NCCL reports a remote/system error; INTERNAL for other CUDA/NCCL failures.
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(
+      const NcclCommunicatorOptions& options);
+
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  std::string name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  tensor::MemoryKind memory_kind() const override { return tensor::MemoryKind::kDevice; }
+
+  // `send` may also be exactly recv + sum(recv_bytes[0..rank)) (in place).
+  absl::Status AllGatherV(const void* send, std::span<const uint64_t> recv_bytes, void* recv,
+                          const CommCall& call) override;
+  absl::Status AllReduceMax(float* data, uint64_t count, const CommCall& call) override;
+  absl::Status Barrier(const CommCall& call) override;
+  // Sets a flag that the waiting call (or the next one) turns into
+  // ncclCommAbort + ABORTED.
+  void Abort() override;
+
+ private:
+  NcclCommunicator(std::string name, int rank, int world_size, int device, ncclComm* comm,
+                   float* scratch, std::function<absl::StatusOr<void*>()> default_stream);
+
+  // Checks that the communicator is usable and the deadline has not passed,
+  // makes the device current and returns the stream to enqueue on.
+  absl::StatusOr<void*> Begin(const CommCall& call, const char* op);
+  // After enqueueing (ncclGroupEnd or a single call returned `enqueued`):
+  // waits until the work on `stream` is done; on any failure aborts the
+  // communicator and returns the error.
+  absl::Status Finish(int enqueued, void* stream, absl::Time deadline, const char* op);
+  // Records the failure, aborts the NCCL communicator, returns `status`.
+  absl::Status Fail(absl::Status status);
+
+  // Constant after construction.
+  const std::string name_;
+  const int rank_;
+  const int world_size_;
+  const int device_;
+  const std::function<absl::StatusOr<void*>()> default_stream_;
+  float* const scratch_;  // one device float for Barrier
+
+  std::atomic<bool> abort_requested_{false};
+  mutable absl::Mutex mu_;
+  ncclComm* comm_ ABSL_GUARDED_BY(mu_);  // null once aborted
+  std::string broken_reason_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace qtx::server::backend
+
+#endif  // QTX_SERVER_BACKEND_NCCL_COMMUNICATOR_H_

@@ -1,0 +1,165 @@
+// kernels/cuda/quantize_shard vs kernels/cpu (ShardBoundaryAmax, QuantizeShard,
+// AssembleShards), byte for byte: the whole exact all-gather pipeline run on
+// one GPU for several ranks' shards, against QuantizeBlock of the whole.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/block_geometry.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/cuda/quantize_shard.h"
+#include "kernels/fp8.h"
+#include "kernels/shard_geometry.h"
+
+namespace qtx::kernels {
+namespace {
+
+#define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess); }
+  ~Dev() { cudaFree(p); }
+};
+
+struct Case {
+  std::vector<int64_t> rows;
+  int64_t n;
+};
+
+void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise, Fp8Format fmt) {
+  int64_t m = 0;
+  for (int64_t r : c.rows) m += r;
+  const int64_t n = c.n;
+  const int w = static_cast<int>(c.rows.size());
+  std::vector<uint16_t> x(m * n);
+  std::mt19937 rng(static_cast<uint32_t>(m * 17 + n));
+  std::normal_distribution<float> d(0, 1);
+  int64_t row = 0;
+  for (int r = 0; r < w; ++r) {
+    const float mag = std::ldexp(1.0f, (r * 5) % 11 - 5);
+    for (int64_t i = 0; i < c.rows[r] * n; ++i) x[row * n + i] = FloatToBf16(d(rng) * mag);
+    row += c.rows[r];
+  }
+  if (m * n > 3) x[3] = 0x7FC0;  // a NaN: ignored by amax, encodes to 0x7F
+  const QuantizeParams p{scaling, fmt, rowwise, columnwise, true, 0.0f};
+  const QuantizedLayout l = ComputeLayout(scaling, m, n);
+  std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
+  std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
+  cpu::QuantizeBlock(x.data(), InputDType::kBFloat16, m, n, p,
+                     {rd.data(), rs.data(), cd.data(), cs.data()});
+
+  Dev<uint16_t> dx(m * n);
+  ASSERT_CUDA(cudaMemcpy(dx.p, x.data(), 2 * m * n, cudaMemcpyHostToDevice));
+  std::vector<ShardGeometry> geoms(w);
+  int64_t off = 0;
+  for (int r = 0; r < w; ++r) {
+    geoms[r] = {off, c.rows[r], n};
+    off += c.rows[r];
+  }
+  // Boundary amaxes on the GPU, combined on the host (as the op does).
+  std::vector<std::vector<float>> firsts(w), lasts(w);
+  for (int r = 0; r < w; ++r) {
+    const int64_t len = BoundaryAmaxLength(scaling, geoms[r]);
+    firsts[r].assign(len, 0.0f);
+    lasts[r].assign(len, 0.0f);
+    std::vector<float> cf(len, 0.0f), cl(len, 0.0f);
+    cpu::ShardBoundaryAmax(x.data() + geoms[r].row_offset * n, InputDType::kBFloat16, geoms[r],
+                           scaling, cf.data(), cl.data());
+    if (geoms[r].m == 0) continue;
+    Dev<float> f(len), la(len);
+    ASSERT_CUDA(cuda::ShardBoundaryAmax(dx.p + geoms[r].row_offset * n, InputDType::kBFloat16,
+                                  geoms[r], scaling, f.p, la.p, nullptr));
+    ASSERT_CUDA(cudaMemcpy(firsts[r].data(), f.p, 4 * len, cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(lasts[r].data(), la.p, 4 * len, cudaMemcpyDeviceToHost));
+    ASSERT_EQ(0, std::memcmp(firsts[r].data(), cf.data(), 4 * len)) << "first amax rank " << r;
+    ASSERT_EQ(0, std::memcmp(lasts[r].data(), cl.data(), 4 * len)) << "last amax rank " << r;
+  }
+  std::vector<const float*> fp(w), lp(w);
+  for (int r = 0; r < w; ++r) {
+    fp[r] = firsts[r].data();
+    lp[r] = lasts[r].data();
+  }
+  std::vector<Dev<uint8_t>*> keep;
+  std::vector<QuantizedConstBuffers> views(w);
+  std::vector<Dev<float>*> keepf;
+  for (int r = 0; r < w; ++r) {
+    const ShardGeometry& g = geoms[r];
+    const int64_t len = BoundaryAmaxLength(scaling, g);
+    std::vector<float> f(len), la(len);
+    cpu::CombineBoundaryAmax(w, geoms.data(), fp.data(), lp.data(), r, scaling, f.data(),
+                             la.data());
+    auto* df = new Dev<float>(2 * len);
+    keepf.push_back(df);
+    ASSERT_CUDA(cudaMemcpy(df->p, f.data(), 4 * len, cudaMemcpyHostToDevice));
+    ASSERT_CUDA(cudaMemcpy(df->p + len, la.data(), 4 * len, cudaMemcpyHostToDevice));
+    auto* d = new Dev<uint8_t>(2 * g.m * n);
+    keep.push_back(d);
+    auto* s = new Dev<float>(ShardRowwiseScaleCount(scaling, g) + ShardColumnwiseScaleCount(scaling, g));
+    keepf.push_back(s);
+    QuantizedBuffers b;
+    if (rowwise) {
+      b.rowwise_data = d->p;
+      b.rowwise_scale_inv = s->p;
+    }
+    if (columnwise) {
+      b.columnwise_data = d->p + g.m * n;
+      b.columnwise_scale_inv = s->p + ShardRowwiseScaleCount(scaling, g);
+    }
+    ASSERT_CUDA(cuda::QuantizeShard(dx.p + g.row_offset * n, InputDType::kBFloat16, g, p, df->p,
+                              df->p + len, b, nullptr));
+    views[r] = {b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv};
+  }
+  Dev<uint8_t> ord(rd.size()), ocd(cd.size());
+  Dev<float> ors(rs.size()), ocs(cs.size());
+  ASSERT_CUDA(cudaMemset(ors.p, 0xFF, 4 * std::max<size_t>(rs.size(), 1)));  // padding must be zeroed
+  ASSERT_CUDA(cudaMemset(ocs.p, 0xFF, 4 * std::max<size_t>(cs.size(), 1)));
+  ASSERT_CUDA(cuda::AssembleShards(w, geoms.data(), views.data(), p, {ord.p, ors.p, ocd.p, ocs.p},
+                             nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  if (rowwise) {
+    std::vector<uint8_t> a(rd.size());
+    std::vector<float> as(rs.size());
+    ASSERT_CUDA(cudaMemcpy(a.data(), ord.p, a.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(as.data(), ors.p, 4 * as.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a, rd);
+    EXPECT_EQ(0, std::memcmp(as.data(), rs.data(), 4 * as.size()));
+  }
+  if (columnwise) {
+    std::vector<uint8_t> a(cd.size());
+    std::vector<float> as(cs.size());
+    ASSERT_CUDA(cudaMemcpy(a.data(), ocd.p, a.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(as.data(), ocs.p, 4 * as.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a, cd);
+    EXPECT_EQ(0, std::memcmp(as.data(), cs.data(), 4 * as.size()));
+  }
+  for (auto* k : keep) delete k;
+  for (auto* k : keepf) delete k;
+}
+
+TEST(QuantizeShardCuda, PipelineMatchesQuantizeOfConcatenation) {
+  const std::vector<Case> cases = {{{64, 64}, 128},       {{0, 300}, 100},
+                                   {{100, 156, 1}, 300},  {{129, 127, 256}, 1},
+                                   {{1, 1, 1, 1}, 129},   {{250, 250, 250, 250}, 300},
+                                   {{4095, 4097}, 256},   {{3, 0, 130}, 257}};
+  for (const Case& c : cases) {
+    for (auto s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+      for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+        for (int usage = 1; usage <= 3; ++usage) {
+          SCOPED_TRACE(testing::Message() << "ranks=" << c.rows.size() << " rows0=" << c.rows[0]
+                                          << " n=" << c.n << " 2d=" << (s == BlockScaling::kBlock2D)
+                                          << " usage=" << usage);
+          RunCase(c, s, usage & 1, usage & 2, fmt);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace qtx::kernels

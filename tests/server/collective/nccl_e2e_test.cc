@@ -1,0 +1,309 @@
+// Two qtxd processes, one per GPU (--device=cuda:0, cuda:1), in an NCCL
+// group: AllGather is byte-identical to kernels::cpu::QuantizeBlock of the
+// concatenation (both modes, 1-D and 2-D, rowwise+columnwise and
+// rowwise-only), and a rank that never calls makes the other fail with
+// DEADLINE_EXCEEDED within the deadline, its group BROKEN (the NCCL
+// communicator aborted), after which a new group works. Label gpu: needs two
+// CUDA devices and libnccl on the library path.
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/fp8.h"
+#include "qtx/v1/collective.grpc.pb.h"
+
+#ifndef QTXD_PATH
+#error "QTXD_PATH must name the qtxd binary"
+#endif
+
+namespace qtx {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kWorld = 2;
+constexpr int kMaxMessageMb = 256;
+
+struct Sidecar {
+  pid_t pid = -1;
+  int port = 0;
+  std::string socket;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Collective::Stub> stub;
+};
+
+// qtxd on cuda:0 and cuda:1. QTXD may override the binary (a bundle's launcher).
+class GpuPair {
+ public:
+  GpuPair() {
+    const char* env = getenv("QTXD");
+    const std::string qtxd = env != nullptr && *env ? env : QTXD_PATH;
+    const int base = 21000 + (getpid() * 31) % 20000;
+    for (int i = 0; i < kWorld; ++i) {
+      Sidecar s;
+      s.port = base + i;
+      s.socket = absl::StrFormat("/tmp/qtx_nccl_%d_%d.sock", getpid(), i);
+      const std::string args[] = {
+          "--socket=" + s.socket, absl::StrCat("--listen_tcp=127.0.0.1:", s.port),
+          absl::StrCat("--device=cuda:", i), absl::StrCat("--max_message_mb=", kMaxMessageMb),
+          "--log_level=warn", "--threads=2"};
+      s.pid = fork();
+      if (s.pid == 0) {
+        execl(qtxd.c_str(), qtxd.c_str(), args[0].c_str(), args[1].c_str(), args[2].c_str(),
+              args[3].c_str(), args[4].c_str(), args[5].c_str(), static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      grpc::ChannelArguments ch;
+      ch.SetMaxReceiveMessageSize(kMaxMessageMb << 20);
+      ch.SetMaxSendMessageSize(kMaxMessageMb << 20);
+      s.channel = grpc::CreateCustomChannel("unix:" + s.socket, grpc::InsecureChannelCredentials(),
+                                            ch);
+      s.stub = v1::Collective::NewStub(s.channel);
+      sidecars.push_back(std::move(s));
+    }
+    for (auto& s : sidecars) {
+      EXPECT_TRUE(s.channel->WaitForConnected(std::chrono::system_clock::now() +
+                                              std::chrono::seconds(60)))
+          << "qtxd on " << s.socket << " did not start";
+    }
+  }
+  ~GpuPair() {
+    for (auto& s : sidecars) {
+      kill(s.pid, SIGKILL);
+      waitpid(s.pid, nullptr, 0);
+      unlink(s.socket.c_str());
+    }
+  }
+  std::string Coordinator() const { return absl::StrCat("127.0.0.1:", sidecars[0].port); }
+
+  std::vector<grpc::Status> Create(const std::string& name, v1::CommBackend backend) {
+    std::vector<grpc::Status> out(kWorld);
+    std::vector<std::thread> t;
+    for (int r = 0; r < kWorld; ++r) {
+      t.emplace_back([&, r] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(90));
+        v1::CreateGroupRequest req;
+        req.set_name(name);
+        req.set_rank(r);
+        req.set_world_size(kWorld);
+        req.set_coordinator(r == 0 ? "" : Coordinator());
+        req.set_timeout_ms(60000);
+        req.set_backend(backend);
+        v1::CreateGroupResponse resp;
+        out[r] = sidecars[r].stub->CreateGroup(&ctx, req, &resp);
+        if (out[r].ok()) {
+          EXPECT_EQ(resp.group().backend(), v1::NCCL) << "rank " << r;
+        }
+      });
+    }
+    for (auto& th : t) th.join();
+    return out;
+  }
+  void Destroy(const std::string& name) {
+    for (auto& s : sidecars) {
+      grpc::ClientContext ctx;
+      v1::DestroyGroupRequest req;
+      req.set_name(name);
+      v1::DestroyGroupResponse resp;
+      (void)s.stub->DestroyGroup(&ctx, req, &resp);
+    }
+  }
+  v1::GroupInfo Info(int rank, const std::string& name) {
+    grpc::ClientContext ctx;
+    v1::ListGroupsRequest req;
+    v1::ListGroupsResponse resp;
+    EXPECT_TRUE(sidecars[rank].stub->ListGroups(&ctx, req, &resp).ok());
+    for (const auto& g : resp.groups()) {
+      if (g.name() == name) return g;
+    }
+    return {};
+  }
+
+  std::vector<Sidecar> sidecars;
+};
+
+struct Shards {
+  std::vector<int64_t> rows;
+  int64_t n = 0;
+  int64_t m = 0;
+  std::vector<uint16_t> x;  // the concatenation, BF16
+};
+
+Shards MakeShards(std::vector<int64_t> rows, int64_t n) {
+  Shards s;
+  s.rows = std::move(rows);
+  s.n = n;
+  for (int64_t r : s.rows) s.m += r;
+  s.x.resize(s.m * n);
+  std::mt19937 rng(static_cast<uint32_t>(s.m * 131 + n));
+  std::normal_distribution<float> d(0, 1);
+  int64_t row = 0;
+  for (size_t r = 0; r < s.rows.size(); ++r) {
+    // Different magnitudes per rank, so straddling blocks take the max from
+    // the other rank.
+    const float mag = std::ldexp(1.0f, static_cast<int>((r * 7) % 13) - 6);
+    for (int64_t i = 0; i < s.rows[r] * n; ++i) {
+      s.x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
+    }
+    row += s.rows[r];
+  }
+  return s;
+}
+
+v1::AllGatherRequest Request(const std::string& group, uint64_t seq, const Shards& s, int rank,
+                             v1::AllGatherMode mode, v1::ScalingMode scaling, bool columnwise) {
+  v1::AllGatherRequest req;
+  req.set_group(group);
+  req.set_sequence(seq);
+  int64_t off = 0;
+  for (int r = 0; r < rank; ++r) off += s.rows[r];
+  auto* in = req.mutable_input();
+  in->set_dtype(v1::BFLOAT16);
+  in->add_shape(s.rows[rank]);
+  in->add_shape(s.n);
+  in->set_inline_data(std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n),
+                                  s.rows[rank] * s.n * 2));
+  req.mutable_config()->set_scaling_mode(scaling);
+  req.mutable_config()->set_rowwise(true);
+  req.mutable_config()->set_columnwise(columnwise);
+  req.set_mode(mode);
+  return req;
+}
+
+std::vector<grpc::Status> RunAllGather(GpuPair& c, const std::vector<v1::AllGatherRequest>& reqs,
+                                       std::vector<v1::AllGatherResponse>* resps,
+                                       absl::Duration deadline, int skip_rank = -1) {
+  std::vector<grpc::Status> out(kWorld);
+  resps->assign(kWorld, {});
+  std::vector<std::thread> t;
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == skip_rank) continue;
+    t.emplace_back([&, r] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+      out[r] = c.sidecars[r].stub->AllGather(&ctx, reqs[r], &(*resps)[r]);
+    });
+  }
+  for (auto& th : t) th.join();
+  return out;
+}
+
+std::string Bytes(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
+
+TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
+  GpuPair c;
+  // Unspecified backend on a CUDA device means NCCL (checked in Create).
+  for (const auto& s : c.Create("nccl", v1::COMM_BACKEND_UNSPECIFIED)) {
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  const std::vector<std::vector<int64_t>> grids = {
+      {64, 64}, {0, 300}, {300, 0}, {128, 128}, {100, 156}, {129, 127}, {1, 255}, {4095, 4097}};
+  uint64_t seq = 0;
+  int checked = 0;
+  for (const auto& rows : grids) {
+    for (int64_t n : {1, 100, 128, 300}) {
+      const Shards sh = MakeShards(rows, n);
+      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D}) {
+        const auto ks = scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
+                                                : kernels::BlockScaling::kBlock2D;
+        for (bool columnwise : {true, false}) {
+          const kernels::QuantizeParams p{ks, kernels::Fp8Format::kE4M3, true, columnwise, true,
+                                          0.0f};
+          const auto l = kernels::ComputeLayout(ks, sh.m, n);
+          std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
+          std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
+          kernels::cpu::QuantizeBlock(sh.x.data(), kernels::InputDType::kBFloat16, sh.m, n, p,
+                                      {rd.data(), rs.data(), cd.data(), cs.data()});
+          for (auto mode : {v1::EXACT_FP8, v1::GATHER_HIGH_PRECISION}) {
+            SCOPED_TRACE(absl::StrFormat("rows=%d+%d n=%d scaling=%d columnwise=%d mode=%d",
+                                         rows[0], rows[1], n, scaling, columnwise, mode));
+            std::vector<v1::AllGatherRequest> reqs;
+            for (int r = 0; r < kWorld; ++r) {
+              reqs.push_back(Request("nccl", seq, sh, r, mode, scaling, columnwise));
+            }
+            ++seq;
+            std::vector<v1::AllGatherResponse> resps;
+            auto st = RunAllGather(c, reqs, &resps, absl::Seconds(60));
+            for (int r = 0; r < kWorld; ++r) {
+              ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
+              const auto& q = resps[r].result();
+              ASSERT_EQ(q.rowwise_data().inline_data(), Bytes(rd.data(), rd.size()));
+              ASSERT_EQ(q.rowwise_scale_inv().inline_data(), Bytes(rs.data(), rs.size() * 4));
+              if (columnwise) {
+                ASSERT_EQ(q.columnwise_data().inline_data(), Bytes(cd.data(), cd.size()));
+                ASSERT_EQ(q.columnwise_scale_inv().inline_data(),
+                          Bytes(cs.data(), cs.size() * 4));
+              } else {
+                EXPECT_FALSE(q.has_columnwise_data());
+              }
+              EXPECT_THAT(resps[r].shard_rows(), ::testing::ElementsAreArray(rows));
+            }
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 8 * 4 * 2 * 2 * 2);
+  EXPECT_EQ(c.Info(0, "nccl").state(), v1::READY);
+}
+
+TEST(NcclE2E, MissingRankFailsWithinDeadlineAndNewGroupWorks) {
+  GpuPair c;
+  for (const auto& s : c.Create("f", v1::NCCL)) ASSERT_TRUE(s.ok()) << s.error_message();
+  const Shards a = MakeShards({4095, 4097}, 300);
+  std::vector<v1::AllGatherRequest> reqs;
+  for (int r = 0; r < kWorld; ++r) {
+    reqs.push_back(Request("f", 0, a, r, v1::EXACT_FP8, v1::BLOCK_1D, true));
+  }
+  std::vector<v1::AllGatherResponse> resps;
+  const absl::Time start = absl::Now();
+  auto st = RunAllGather(c, reqs, &resps, absl::Seconds(3), /*skip_rank=*/1);
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_LT(took, absl::Seconds(3) + absl::Milliseconds(500));
+  EXPECT_EQ(st[0].error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st[0].error_message();
+  EXPECT_THAT(st[0].error_message(), HasSubstr("aborted"));
+  const v1::GroupInfo info = c.Info(0, "f");
+  EXPECT_EQ(info.state(), v1::BROKEN) << info.error();
+  c.Destroy("f");
+
+  for (const auto& s : c.Create("g", v1::NCCL)) ASSERT_TRUE(s.ok()) << s.error_message();
+  const Shards b = MakeShards({10, 300}, 128);
+  const kernels::QuantizeParams p{kernels::BlockScaling::kBlock2D, kernels::Fp8Format::kE4M3,
+                                  true, true, true, 0.0f};
+  const auto l = kernels::ComputeLayout(p.scaling, b.m, b.n);
+  std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
+  std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
+  kernels::cpu::QuantizeBlock(b.x.data(), kernels::InputDType::kBFloat16, b.m, b.n, p,
+                              {rd.data(), rs.data(), cd.data(), cs.data()});
+  reqs.clear();
+  for (int r = 0; r < kWorld; ++r) {
+    reqs.push_back(Request("g", 0, b, r, v1::EXACT_FP8, v1::BLOCK_2D, true));
+  }
+  st = RunAllGather(c, reqs, &resps, absl::Seconds(30));
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
+    EXPECT_EQ(resps[r].result().rowwise_data().inline_data(), Bytes(rd.data(), rd.size()));
+    EXPECT_EQ(resps[r].result().columnwise_data().inline_data(), Bytes(cd.data(), cd.size()));
+  }
+}
+
+}  // namespace
+}  // namespace qtx
