@@ -13,6 +13,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_format.h"
+#include "server/api/metrics_interceptor.h"
 #include "server/api/security.h"
 #include "server/api/nccl_wiring.h"
 #include "server/backend/device_factory.h"
@@ -135,6 +136,13 @@ absl::Status QtxServer::Start() {
   builder.RegisterService(optimizer_.get());
   builder.RegisterService(collective_.get());
   builder.RegisterService(rendezvous_.get());
+  if (config_.metrics_port != 0) {
+    metrics_ = std::make_unique<metrics::Metrics>();
+    AddGauges();
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(std::make_unique<MetricsInterceptorFactory>(metrics_.get()));
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   if (!config_.socket_path.empty()) {
     QTX_RETURN_IF_ERROR(PrepareSocketPath(config_.socket_path));
     builder.AddListeningPort("unix:" + config_.socket_path, security.unix_socket);
@@ -179,6 +187,14 @@ absl::Status QtxServer::Start() {
           "--health_port=%d: cannot listen (in use?)", config_.health_port));
     }
   }
+  if (metrics_ != nullptr) {
+    auto exporter = metrics::HttpExporter::Create(config_.metrics_port, metrics_.get());
+    if (!exporter.ok()) {
+      server_->Shutdown(std::chrono::system_clock::now());
+      return exporter.status();
+    }
+    metrics_exporter_ = *std::move(exporter);
+  }
   for (grpc::Server* s : {server_.get(), health_server_.get()}) {
     if (s == nullptr) continue;
     if (auto* health = s->GetHealthCheckService()) {
@@ -186,12 +202,33 @@ absl::Status QtxServer::Start() {
     }
   }
   spdlog::info(
-      "event=listening socket={} tcp_port={} tls={} mtls={} token={} health_port={} device={} "
-      "threads={} max_message_mb={} allow_client_shm={}",
+      "event=listening socket={} tcp_port={} tls={} mtls={} token={} health_port={} "
+      "metrics_port={} device={} threads={} max_message_mb={} allow_client_shm={}",
       config_.socket_path.empty() ? "-" : config_.socket_path, tcp_port_, security.tls,
-      security.mtls, security.token, health_port_, device_->name(), config_.threads,
+      security.mtls, security.token, health_port_, metrics_port(), device_->name(),
+      config_.threads,
       config_.max_message_mb, config_.allow_client_shm);
   return absl::OkStatus();
+}
+
+void QtxServer::AddGauges() {
+  metrics_->AddGauge("qtx_regions", "Registered memory regions.",
+                     [this] { return static_cast<double>(regions_->size()); });
+  metrics_->AddGauge("qtx_region_bytes", "Bytes of all registered memory regions.", [this] {
+    double bytes = 0;
+    for (const tensor::RegionInfo& r : regions_->List()) bytes += static_cast<double>(r.byte_size);
+    return bytes;
+  });
+  metrics_->AddGauge("qtx_collective_groups", "Collective groups this sidecar is a member of.",
+                     [this] { return static_cast<double>(groups_->ListGroups().size()); });
+  metrics_->AddGauge("qtx_optimizer_groups", "Offloaded optimizer parameter groups.",
+                     [this] { return static_cast<double>(optimizer_store_->ListGroups().size()); });
+  metrics_->AddGauge(
+      "qtx_optimizer_state_bytes", "Host bytes of optimizer state (master weights + moments).",
+      [this] { return static_cast<double>(optimizer_store_->memory_used_bytes()); });
+  metrics_->AddGauge(
+      "qtx_optimizer_state_limit_bytes", "The optimizer state cap (--optimizer_memory_limit_mb).",
+      [this] { return static_cast<double>(optimizer_store_->memory_limit_bytes()); });
 }
 
 void QtxServer::Shutdown(absl::Duration grace) {

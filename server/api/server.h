@@ -31,6 +31,8 @@
 #include "server/collective/kv_store.h"
 #include "server/backend/device.h"
 #include "server/config/server_config.h"
+#include "server/metrics/http_exporter.h"
+#include "server/metrics/metrics.h"
 #include "server/tensor/region_table.h"
 
 namespace qtx::server::api {
@@ -58,6 +60,8 @@ class QtxServer {
   int tcp_port() const { return tcp_port_; }
   // The bound health-only port (0 when none).
   int health_port() const { return health_port_; }
+  // The Prometheus /metrics port (0 when none).
+  int metrics_port() const { return metrics_exporter_ ? metrics_exporter_->port() : 0; }
   const config::ServerConfig& config() const { return config_; }
   tensor::RegionTable& regions() { return *regions_; }
   optimizer::OptimizerStore& optimizer_store() { return *optimizer_store_; }
@@ -65,6 +69,8 @@ class QtxServer {
  private:
   explicit QtxServer(config::ServerConfig config) : config_(std::move(config)) {}
   absl::Status Start();
+  // REQUIRES: metrics_, regions_, groups_ and optimizer_store_ exist.
+  void AddGauges();
 
   // Constant after Create.
   const config::ServerConfig config_;
@@ -80,8 +86,12 @@ class QtxServer {
   std::unique_ptr<collective::GroupRegistry> groups_;
   std::unique_ptr<CollectiveService> collective_;
   std::unique_ptr<RendezvousService> rendezvous_;
+  // Outlives server_ (its interceptors record into it).
+  std::unique_ptr<metrics::Metrics> metrics_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;
+  // Reads the members above at each scrape: destroyed first.
+  std::unique_ptr<metrics::HttpExporter> metrics_exporter_;
   int tcp_port_ = 0;
   int health_port_ = 0;
 
