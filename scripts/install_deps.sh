@@ -18,6 +18,18 @@ PACKAGES=(
 # elsewhere, whose nodejs package already provides npm): "command:package".
 COMMANDS=(node:nodejs npm:npm)
 
+# QTX_DEPS=build (the container images' build stage): only what building
+# qtxd and the qtx CLI needs; the test-only tools below are skipped.
+TEST_ONLY=(python3-torch python3-pip python3-setuptools python3-wheel yamllint)
+if [ "${QTX_DEPS:-all}" = "build" ]; then
+  kept=()
+  for p in "${PACKAGES[@]}"; do
+    [[ " ${TEST_ONLY[*]} " == *" $p "* ]] || kept+=("$p")
+  done
+  PACKAGES=("${kept[@]}")
+  COMMANDS=()
+fi
+
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
