@@ -107,6 +107,10 @@ OutputTensor MakeTensor(DType dtype, std::vector<int64_t> shape) {
 absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestSpec& request,
                                                            const OpContext& ctx,
                                                            optimizer::OptimizerStore& store) {
+  if (request.params.empty()) {
+    return absl::InvalidArgumentError(
+        "parameters: empty; an optimizer group needs at least one parameter");
+  }
   std::vector<optimizer::ParameterInit> inits;
   std::vector<tensor::TensorView> views;  // keep pins alive until the copy is done
   int64_t total = 0;
