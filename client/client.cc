@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "client/client_impl.h"
 #include "client/proto_convert.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -105,32 +106,6 @@ const char* ServingStatusName(ServingStatus status) {
   }
   return "UNKNOWN";
 }
-
-struct Client::Impl {
-  // Constant after construction; gRPC channels and stubs are thread-safe.
-  std::string target;
-  ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Quantizer::Stub> quantizer;
-  std::unique_ptr<v1::Memory::Stub> memory;
-  std::unique_ptr<grpc::GenericStub> generic;
-  std::string id_prefix;
-
-  // Distinguishes the request ids of this client.
-  std::atomic<uint64_t> next_request{1};
-
-  void Prepare(grpc::ClientContext* ctx, const CallOptions& call) {
-    const absl::Duration timeout = call.timeout.value_or(options.timeout);
-    if (timeout != absl::InfiniteDuration()) {
-      ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-    }
-    if (options.wait_for_ready) ctx->set_wait_for_ready(true);
-    ctx->AddMetadata("x-request-id",
-                     call.request_id.empty()
-                         ? absl::StrCat(id_prefix, "-", next_request.fetch_add(1))
-                         : call.request_id);
-  }
-};
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;

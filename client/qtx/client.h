@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "qtx/optimizer_types.h"
 #include "qtx/types.h"
 
 namespace qtx {
@@ -157,6 +158,59 @@ class Client {
 
   // The regions registered with the server, as it reports them.
   absl::StatusOr<std::vector<RegionInfo>> ListRegions(const CallOptions& call = {});
+
+  // ---- Optimizer (qtx.v1.Optimizer; semantics in proto/qtx/v1/optimizer.proto) ----
+
+  // Hands a parameter group (FP32/BF16 master weights, optional moments) to
+  // the sidecar's host memory. Returns the group as the server holds it.
+  // Fails with INVALID_ARGUMENT (bad name, shape, dtype, hyper-parameter;
+  // naming the field), ALREADY_EXISTS (group exists and !config.replace),
+  // RESOURCE_EXHAUSTED (over qtxd's --optimizer_memory_limit_mb, checked
+  // before allocating), NOT_FOUND (unknown region).
+  absl::StatusOr<OptimizerGroupInfo> OffloadOptimizerState(
+      const OptimizerGroupConfig& config, const std::vector<OptimizerParameterInit>& parameters,
+      const CallOptions& call = {});
+
+  // Applies AdamW step `step` (the group's step + 1) with one gradient per
+  // parameter and returns the updated parameters (FP8 per the group's output
+  // config, into options.destinations or inline) and the step statistics.
+  // `step` equal to the group's step retries the last step: the stored result
+  // is returned (stats.replayed) and nothing is applied twice. Fails with
+  // FAILED_PRECONDITION for any other step number (naming the group's step),
+  // NOT_FOUND for an unknown group, INVALID_ARGUMENT for a missing, unknown or
+  // mis-shaped gradient, DATA_LOSS for a group whose checkpoint was corrupted.
+  absl::StatusOr<OptimizerStepResult> Step(std::string_view group, int64_t step,
+                                           const std::vector<OptimizerGradient>& gradients,
+                                           const StepOptions& options = {},
+                                           const CallOptions& call = {});
+
+  // Fetches master weights (and with include_moments the moments), inline or
+  // into options.destinations. NOT_FOUND for an unknown group or parameter;
+  // RESOURCE_EXHAUSTED when the inline part exceeds the server's message
+  // budget (give destinations or fewer names).
+  absl::StatusOr<OptimizerState> GetState(std::string_view group,
+                                          const GetStateOptions& options = {},
+                                          const CallOptions& call = {});
+
+  // Writes the checkpoint of `group` ("" = every usable group) in qtxd's
+  // --checkpoint_dir. FAILED_PRECONDITION without a checkpoint directory;
+  // INTERNAL on I/O errors (the previous checkpoint is then intact).
+  absl::StatusOr<std::vector<CheckpointInfo>> SaveCheckpoint(std::string_view group = "",
+                                                             const CallOptions& call = {});
+
+  // Replaces the group's state with its checkpoint (creating the group);
+  // with `previous`, with the checkpoint before the newest (the explicit
+  // fallback when the newest is reported corrupted; qtxd never falls back on
+  // its own). NOT_FOUND: no checkpoint; DATA_LOSS: corrupted;
+  // FAILED_PRECONDITION: no checkpoint directory or an unsupported version.
+  absl::StatusOr<OptimizerGroupInfo> LoadCheckpoint(std::string_view group, bool previous = false,
+                                                    const CallOptions& call = {});
+
+  // Frees the group's host memory (checkpoints stay). NOT_FOUND if absent.
+  absl::Status ReleaseGroup(std::string_view group, const CallOptions& call = {});
+
+  // Every optimizer group (failed ones carry `error`) and the memory cap.
+  absl::StatusOr<OptimizerGroupList> ListOptimizerGroups(const CallOptions& call = {});
 
  private:
   struct Impl;

@@ -208,9 +208,18 @@ grpc::ServerUnaryReactor* OptimizerService::GetState(grpc::CallbackServerContext
                                                      v1::GetStateResponse* response) {
   return RunOnExecutor(context, "GetState", executor_, [this, request, response] {
     std::vector<std::string> names(request->names().begin(), request->names().end());
+    std::vector<ops::StateDestinationSpec> dests;
+    for (const v1::StateDestination& d : request->destinations()) {
+      ops::StateDestinationSpec ds;
+      ds.name = d.name();
+      if (d.has_master()) ds.master = SliceFromProto(d.master());
+      if (d.has_exp_avg()) ds.exp_avg = SliceFromProto(d.exp_avg());
+      if (d.has_exp_avg_sq()) ds.exp_avg_sq = SliceFromProto(d.exp_avg_sq());
+      dests.push_back(std::move(ds));
+    }
     QTX_ASSIGN_OR_RETURN(ops::GetStateResult r,
                          ops::GetOptimizerState(request->group(), names,
-                                                request->include_moments(), ctx_, *store_));
+                                                request->include_moments(), ctx_, *store_, dests));
     GroupInfoToProto(r.group, response->mutable_group());
     for (ops::ParameterStateResult& p : r.params) {
       v1::ParameterState* out = response->add_parameters();
@@ -244,7 +253,7 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(
     grpc::CallbackServerContext* context, const v1::LoadCheckpointRequest* request,
     v1::LoadCheckpointResponse* response) {
   return RunOnExecutor(context, "LoadCheckpoint", executor_, [this, request, response] {
-    QTX_ASSIGN_OR_RETURN(optimizer::GroupInfo info, store_->LoadCheckpoint(request->group()));
+    QTX_ASSIGN_OR_RETURN(optimizer::GroupInfo info, store_->LoadCheckpoint(request->group(), request->previous()));
     spdlog::info("event=optimizer_group_restored group={} step={}", info.config.name,
                  info.config.step);
     GroupInfoToProto(info, response->mutable_group());

@@ -335,11 +335,24 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
   return result;
 }
 
-absl::StatusOr<GetStateResult> GetOptimizerState(const std::string& group,
-                                                 const std::vector<std::string>& names,
-                                                 bool include_moments, const OpContext& ctx,
-                                                 const optimizer::OptimizerStore& store) {
+absl::StatusOr<GetStateResult> GetOptimizerState(
+    const std::string& group, const std::vector<std::string>& names, bool include_moments,
+    const OpContext& ctx, const optimizer::OptimizerStore& store,
+    const std::vector<StateDestinationSpec>& destinations) {
+  absl::flat_hash_map<std::string_view, const StateDestinationSpec*> dests;
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    const StateDestinationSpec& d = destinations[i];
+    if (!dests.emplace(d.name, &d).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("destinations[%d].name='%s': given twice", i, d.name));
+    }
+    if (!include_moments && (d.exp_avg.has_value() || d.exp_avg_sq.has_value())) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "destinations[%d] ('%s'): moment destinations need include_moments", i, d.name));
+    }
+  }
   GetStateResult result;
+  std::vector<tensor::OutputSlice> pins;  // held until the copies are done
   QTX_RETURN_IF_ERROR(store.ReadState(
       group, [&](const optimizer::GroupInfo& info,
                  std::span<const optimizer::ParameterStateView> views) -> absl::Status {
@@ -358,34 +371,57 @@ absl::StatusOr<GetStateResult> GetOptimizerState(const std::string& group,
             chosen.push_back(&*it);
           }
         }
+        for (const auto& [name, d] : dests) {
+          if (std::none_of(chosen.begin(), chosen.end(),
+                           [&](const auto* v) { return v->info->name == name; })) {
+            return absl::InvalidArgumentError(absl::StrFormat(
+                "destinations: '%s' is not among the parameters returned from group '%s'", name,
+                group));
+          }
+        }
         const uint64_t mb = optimizer::MomentBytes(info.config.moment_dtype);
-        uint64_t bytes = 0;
-        for (const auto* v : chosen) {
-          const uint64_t count = static_cast<uint64_t>(v->info->m * v->info->n);
-          bytes += count * 4 + (include_moments ? 2 * count * mb : 0);
-        }
-        if (bytes > ctx.max_inline_output_bytes) {
-          return absl::ResourceExhaustedError(absl::StrFormat(
-              "the requested state is %d bytes, above the %d-byte message budget; ask for fewer "
-              "parameters per call (names)",
-              bytes, ctx.max_inline_output_bytes));
-        }
         const DType mdt = info.config.moment_dtype == kernels::MomentDType::kFloat32
                               ? DType::kFloat32
                               : DType::kBFloat16;
-        for (const auto* v : chosen) {
+        result.params.resize(chosen.size());
+        std::vector<Placement> ps;
+        std::vector<const void*> sources;
+        uint64_t inline_bytes = 0;
+        for (size_t i = 0; i < chosen.size(); ++i) {
+          const optimizer::ParameterStateView* v = chosen[i];
           const uint64_t count = static_cast<uint64_t>(v->info->m * v->info->n);
-          ParameterStateResult r;
+          ParameterStateResult& r = result.params[i];
           r.name = v->info->name;
+          const StateDestinationSpec* d = nullptr;
+          if (auto it = dests.find(r.name); it != dests.end()) d = it->second;
+          const std::string field = absl::StrFormat("destinations['%s']", r.name);
+          auto add = [&](OutputTensor* t, const std::optional<tensor::RegionSliceSpec>& slice,
+                         uint64_t bytes, uint64_t align, const void* src, const char* what) {
+            if (!slice.has_value()) inline_bytes += bytes;
+            ps.push_back({t, slice, bytes, align, absl::StrFormat("%s.%s", field, what)});
+            sources.push_back(src);
+          };
           r.master = MakeTensor(DType::kFloat32, v->info->shape);
-          r.master.inline_data.assign(reinterpret_cast<const char*>(v->master), count * 4);
+          add(&r.master, d != nullptr ? d->master : std::nullopt, count * 4, 4, v->master,
+              "master");
           if (include_moments) {
             r.exp_avg = MakeTensor(mdt, v->info->shape);
-            r.exp_avg->inline_data.assign(static_cast<const char*>(v->exp_avg), count * mb);
             r.exp_avg_sq = MakeTensor(mdt, v->info->shape);
-            r.exp_avg_sq->inline_data.assign(static_cast<const char*>(v->exp_avg_sq), count * mb);
+            add(&*r.exp_avg, d != nullptr ? d->exp_avg : std::nullopt, count * mb, mb,
+                v->exp_avg, "exp_avg");
+            add(&*r.exp_avg_sq, d != nullptr ? d->exp_avg_sq : std::nullopt, count * mb, mb,
+                v->exp_avg_sq, "exp_avg_sq");
           }
-          result.params.push_back(std::move(r));
+        }
+        if (inline_bytes > ctx.max_inline_output_bytes) {
+          return absl::ResourceExhaustedError(absl::StrFormat(
+              "the requested state is %d bytes inline, above the %d-byte message budget; give "
+              "region destinations or ask for fewer parameters per call (names)",
+              inline_bytes, ctx.max_inline_output_bytes));
+        }
+        QTX_ASSIGN_OR_RETURN(std::vector<void*> ptrs, Place(ps, ctx, pins));
+        for (size_t k = 0; k < ptrs.size(); ++k) {
+          if (ps[k].bytes > 0) std::memcpy(ptrs[k], sources[k], ps[k].bytes);
         }
         return absl::OkStatus();
       }));

@@ -95,12 +95,24 @@ struct GetStateResult {
   std::vector<ParameterStateResult> params;
 };
 
-// Copies master weights (and moments) out inline. NOT_FOUND for an unknown
-// parameter name; RESOURCE_EXHAUSTED above ctx.max_inline_output_bytes.
-absl::StatusOr<GetStateResult> GetOptimizerState(const std::string& group,
-                                                 const std::vector<std::string>& names,
-                                                 bool include_moments, const OpContext& ctx,
-                                                 const optimizer::OptimizerStore& store);
+// Where GetState copies one parameter's state; unset slices go inline.
+struct StateDestinationSpec {
+  std::string name;
+  std::optional<tensor::RegionSliceSpec> master;
+  std::optional<tensor::RegionSliceSpec> exp_avg;
+  std::optional<tensor::RegionSliceSpec> exp_avg_sq;
+};
+
+// Copies master weights (and moments) out, into `destinations` (host
+// regions; sizes must equal the tensors' bytes) or inline. NOT_FOUND for an
+// unknown parameter name; INVALID_ARGUMENT for a destination naming a
+// parameter not returned, given twice, for moments without include_moments,
+// or of the wrong size; FAILED_PRECONDITION for a device (CUDA IPC) region;
+// RESOURCE_EXHAUSTED when the inline part exceeds ctx.max_inline_output_bytes.
+absl::StatusOr<GetStateResult> GetOptimizerState(
+    const std::string& group, const std::vector<std::string>& names, bool include_moments,
+    const OpContext& ctx, const optimizer::OptimizerStore& store,
+    const std::vector<StateDestinationSpec>& destinations = {});
 
 }  // namespace qtx::server::ops
 

@@ -292,6 +292,10 @@ std::string CheckpointPath(const std::string& dir, std::string_view group) {
   return dir + "/" + std::string(group) + std::string(kCheckpointSuffix);
 }
 
+std::string PreviousCheckpointPath(const std::string& dir, std::string_view group) {
+  return CheckpointPath(dir, group) + std::string(kPreviousSuffix);
+}
+
 absl::StatusOr<ParamState> AllocateParamState(const ParameterInfo& info,
                                               kernels::MomentDType moment_dtype) {
   ParamState p;
@@ -309,7 +313,8 @@ absl::StatusOr<ParamState> AllocateParamState(const ParameterInfo& info,
   return p;
 }
 
-absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state) {
+absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state,
+                                         bool keep_previous) {
   const std::string path = CheckpointPath(dir, state.config.name);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const std::string meta = BuildMeta(state);
@@ -346,6 +351,22 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupStat
   if (!s.ok()) {
     ::unlink(tmp.c_str());
     return s;
+  }
+  if (keep_previous) {
+    // Keep the checkpoint being replaced as .prev: link it there first, so
+    // `path` itself is never missing (a crash in between leaves the newest
+    // intact and at worst no .prev).
+    const std::string prev = PreviousCheckpointPath(dir, state.config.name);
+    if (::unlink(prev.c_str()) != 0 && errno != ENOENT) {
+      absl::Status e = Errno("remove old", prev);
+      ::unlink(tmp.c_str());
+      return e;
+    }
+    if (::link(path.c_str(), prev.c_str()) != 0 && errno != ENOENT) {
+      absl::Status e = Errno("keep previous as", prev);
+      ::unlink(tmp.c_str());
+      return e;
+    }
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     absl::Status e = Errno("rename to", path);

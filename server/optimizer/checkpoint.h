@@ -1,5 +1,8 @@
 // Optimizer checkpoints: one file per group, "<dir>/<group>.qtxopt".
 //
+// "<dir>/<group>.qtxopt.prev" is the checkpoint it replaced (see
+// WriteCheckpoint), for an explicit fallback when the newest is corrupted.
+//
 // Format (little-endian), version 1:
 //   "QTXOPTCK" | u32 version | u32 0 | u64 meta_bytes | u64 data_bytes |
 //   meta (group config, counters, last step result, parameter table) |
@@ -30,12 +33,20 @@ namespace qtx::server::optimizer {
 inline constexpr std::string_view kCheckpointSuffix = ".qtxopt";
 inline constexpr uint32_t kCheckpointVersion = 1;
 
+inline constexpr std::string_view kPreviousSuffix = ".prev";
+
 std::string CheckpointPath(const std::string& dir, std::string_view group);
+// The checkpoint before the newest: CheckpointPath(dir, group) + ".prev".
+std::string PreviousCheckpointPath(const std::string& dir, std::string_view group);
 
 // Writes `state` to CheckpointPath(dir, group) atomically; returns the file
-// size. INTERNAL (naming the path and errno text) on any I/O failure; the
-// previous checkpoint is then untouched.
-absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state);
+// size. With `keep_previous`, the checkpoint it replaces is kept as
+// PreviousCheckpointPath (hard link, made before the rename, so the newest
+// path never goes missing); without, the old .prev stays as it is.
+// INTERNAL (naming the path and errno text) on any I/O failure; the newest
+// checkpoint is then untouched.
+absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state,
+                                         bool keep_previous = true);
 
 // Reads and verifies a checkpoint. `reserve(bytes)` is called with the state's
 // host bytes before any state buffer is allocated; its error is returned.

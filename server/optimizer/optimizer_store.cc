@@ -28,6 +28,16 @@ struct OptimizerStore::Group {
   GroupState state ABSL_GUARDED_BY(mu);
   absl::Status error ABSL_GUARDED_BY(mu);  // not OK: unusable (e.g. corrupted checkpoint)
   int64_t last_checkpoint_step ABSL_GUARDED_BY(mu) = -1;
+  // False after a fallback to the .prev checkpoint: the newest file on disk is
+  // not trusted, so the next write must not rotate it into .prev.
+  bool rotate_on_write ABSL_GUARDED_BY(mu) = true;
+
+  // Whether the next checkpoint write keeps the newest file as .prev: not
+  // after a fallback, and not when the newest already holds this very step
+  // (a rewrite, e.g. at shutdown, must not push the older .prev out).
+  bool KeepPrevious() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return rotate_on_write && last_checkpoint_step != state.config.step;
+  }
 };
 
 namespace {
@@ -161,19 +171,33 @@ absl::Status OptimizerStore::LoadAllCheckpoints() {
       continue;
     }
     absl::StatusOr<GroupInfo> info =
-        InstallFromCheckpoint(name, CheckpointPath(options_.checkpoint_dir, name));
+        InstallFromCheckpoint(name, CheckpointPath(options_.checkpoint_dir, name), false);
     if (info.ok()) {
       spdlog::info("event=optimizer_group_restored group={} step={} params={} bytes={}", name,
                    info->config.step, info->params.size(), info->state_bytes);
       continue;
     }
-    spdlog::error("event=optimizer_group_restore_failed group={} code={} msg=\"{}\"", name,
-                  absl::StatusCodeToString(info.status().code()), std::string(info.status().message()));
+    // Never fall back silently: say whether a previous checkpoint exists and
+    // how to restore it, and leave the choice to the client.
+    const std::string prev = PreviousCheckpointPath(options_.checkpoint_dir, name);
+    struct stat st;
+    const bool has_prev = ::stat(prev.c_str(), &st) == 0;
+    const absl::Status error(
+        info.status().code(),
+        absl::StrFormat("%s; %s", info.status().message(),
+                        has_prev ? absl::StrFormat("the previous checkpoint '%s' exists: "
+                                                   "LoadCheckpoint with previous=true restores "
+                                                   "it (it is one checkpoint older)",
+                                                   prev)
+                                 : std::string("no previous checkpoint exists")));
+    spdlog::error("event=optimizer_group_restore_failed group={} code={} previous={} msg=\"{}\"",
+                  name, absl::StatusCodeToString(error.code()), has_prev,
+                  std::string(error.message()));
     auto g = std::make_shared<Group>();
     {
       absl::MutexLock glock(&g->mu);
       g->state.config.name = name;
-      g->error = info.status();
+      g->error = error;
     }
     absl::MutexLock lock(&mu_);
     groups_[name] = std::move(g);
@@ -394,9 +418,11 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   s.last = stats;
 
   if (options_.checkpoint_every_steps > 0 && s.config.step % options_.checkpoint_every_steps == 0) {
-    absl::StatusOr<uint64_t> written = WriteCheckpoint(options_.checkpoint_dir, s);
+    absl::StatusOr<uint64_t> written =
+        WriteCheckpoint(options_.checkpoint_dir, s, g->KeepPrevious());
     if (written.ok()) {
       g->last_checkpoint_step = s.config.step;
+      g->rotate_on_write = true;
       spdlog::info("event=optimizer_checkpoint group={} step={} bytes={} reason=periodic", name,
                    s.config.step, *written);
     } else {
@@ -453,8 +479,10 @@ absl::StatusOr<std::vector<CheckpointResult>> OptimizerStore::SaveCheckpoint(
       if (!name.empty()) return Unusable(n, g->error);
       continue;  // never overwrite the evidence of a failed group
     }
-    QTX_ASSIGN_OR_RETURN(uint64_t bytes, WriteCheckpoint(options_.checkpoint_dir, g->state));
+    QTX_ASSIGN_OR_RETURN(uint64_t bytes,
+                         WriteCheckpoint(options_.checkpoint_dir, g->state, g->KeepPrevious()));
     g->last_checkpoint_step = g->state.config.step;
+    g->rotate_on_write = true;
     spdlog::info("event=optimizer_checkpoint group={} step={} bytes={}", n, g->state.config.step,
                  bytes);
     results.push_back(
@@ -464,7 +492,8 @@ absl::StatusOr<std::vector<CheckpointResult>> OptimizerStore::SaveCheckpoint(
 }
 
 absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::string& name,
-                                                                const std::string& path) {
+                                                                const std::string& path,
+                                                                bool previous) {
   std::shared_ptr<Group> existing;
   {
     absl::MutexLock lock(&mu_);
@@ -500,6 +529,7 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
     absl::MutexLock glock(&g->mu);
     g->state = *std::move(state);
     g->last_checkpoint_step = g->state.config.step;
+    g->rotate_on_write = !previous;
     info = InfoOf(g->state, g->last_checkpoint_step, absl::OkStatus());
   }
   absl::MutexLock lock(&mu_);
@@ -509,14 +539,24 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
   return info;
 }
 
-absl::StatusOr<GroupInfo> OptimizerStore::LoadCheckpoint(std::string_view name) {
+absl::StatusOr<GroupInfo> OptimizerStore::LoadCheckpoint(std::string_view name, bool previous) {
   if (options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError(
         "checkpoints need a checkpoint directory (start qtxd with --checkpoint_dir)");
   }
   QTX_RETURN_IF_ERROR(ValidateGroupName(name));
   const std::string n(name);
-  return InstallFromCheckpoint(n, CheckpointPath(options_.checkpoint_dir, n));
+  const std::string path = previous ? PreviousCheckpointPath(options_.checkpoint_dir, n)
+                                    : CheckpointPath(options_.checkpoint_dir, n);
+  QTX_ASSIGN_OR_RETURN(GroupInfo info, InstallFromCheckpoint(n, path, previous));
+  if (previous) {
+    spdlog::warn(
+        "event=optimizer_group_restored_previous group={} step={} path={} (fallback requested "
+        "by the client; the newest checkpoint is not used and will be replaced without "
+        "rotation)",
+        n, info.config.step, path);
+  }
+  return info;
 }
 
 absl::Status OptimizerStore::CheckpointAll() {

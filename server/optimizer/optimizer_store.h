@@ -145,8 +145,9 @@ class OptimizerStore {
   // Creates the store. With a checkpoint directory, creates it if missing and
   // loads every group checkpoint found there; a group whose checkpoint is
   // corrupted or over the memory cap is registered as failed (every call on
-  // it returns that error; OffloadOptimizerState with replace, or
-  // ReleaseGroup, clears it). INVALID_ARGUMENT for bad options; INTERNAL if
+  // it returns that error, which says whether a previous checkpoint exists to
+  // fall back to with LoadCheckpoint(previous=true); OffloadOptimizerState
+  // with replace, ReleaseGroup, or a successful LoadCheckpoint clears it). INVALID_ARGUMENT for bad options; INTERNAL if
   // the directory cannot be created or listed.
   static absl::StatusOr<std::unique_ptr<OptimizerStore>> Create(Options options);
   ~OptimizerStore();
@@ -162,6 +163,15 @@ class OptimizerStore {
                                         std::span<const ParameterInit> params, bool replace);
 
   // Applies step `options.step` (or replays it; see optimizer.proto).
+  // With checkpoint_every_steps = K, the step whose number is a multiple of K
+  // also writes the group's checkpoint before it returns, under the group's
+  // lock: that Step's latency grows by state_bytes / disk bandwidth plus an
+  // fsync (12 B per parameter with FP32 moments: ~12 GB for 1 B parameters).
+  // Known limitation, kept because it is simple and always consistent; to
+  // keep it off the training loop's critical path, leave K = 0 and call
+  // SaveCheckpoint from the client when a pause is acceptable (e.g. next to
+  // the training framework's own checkpoint). A failed periodic write is
+  // logged and does not fail the step (the previous checkpoint is intact).
   // NOT_FOUND: no such group; FAILED_PRECONDITION: wrong step number (the
   // message names the step the group is at); DATA_LOSS: failed group; errors
   // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm.
@@ -176,14 +186,19 @@ class OptimizerStore {
       const std::function<absl::Status(const GroupInfo&, std::span<const ParameterStateView>)>&
           read) const;
 
-  // Writes the group's checkpoint (empty name: every usable group).
+  // Writes the group's checkpoint (empty name: every usable group). The
+  // checkpoint it replaces is kept as <group>.qtxopt.prev when it holds an
+  // older step (not after a LoadCheckpoint(previous) fallback).
   // FAILED_PRECONDITION without a checkpoint directory; INTERNAL on I/O errors.
   absl::StatusOr<std::vector<CheckpointResult>> SaveCheckpoint(std::string_view group);
 
-  // Replaces the group's state with its checkpoint. FAILED_PRECONDITION
-  // without a checkpoint directory; NOT_FOUND: no checkpoint; DATA_LOSS:
-  // corrupted; RESOURCE_EXHAUSTED: over the cap.
-  absl::StatusOr<GroupInfo> LoadCheckpoint(std::string_view group);
+  // Replaces the group's state with its checkpoint — with `previous`, with
+  // the one before the newest (<group>.qtxopt.prev: the explicit fallback when
+  // the newest is corrupted; the next checkpoint write then replaces the
+  // newest without rotating it into .prev, so the good .prev survives).
+  // FAILED_PRECONDITION without a checkpoint directory; NOT_FOUND: no such
+  // checkpoint; DATA_LOSS: corrupted; RESOURCE_EXHAUSTED: over the cap.
+  absl::StatusOr<GroupInfo> LoadCheckpoint(std::string_view group, bool previous = false);
 
   // Checkpoints every usable group (the shutdown path). Returns the first
   // error; tries every group. OK without a checkpoint directory.
@@ -204,8 +219,9 @@ class OptimizerStore {
   absl::StatusOr<std::shared_ptr<Group>> Find(std::string_view name) const;
   absl::Status LoadAllCheckpoints();
   // Loads `path` into a new group and installs it (replacing any).
+  // `previous`: `path` is the .prev checkpoint (see LoadCheckpoint).
   absl::StatusOr<GroupInfo> InstallFromCheckpoint(const std::string& name,
-                                                  const std::string& path);
+                                                  const std::string& path, bool previous);
   // Reserves `bytes` against the cap, given that `freed` bytes go away when
   // the new state replaces the old. RESOURCE_EXHAUSTED naming `what`.
   absl::Status Reserve(uint64_t bytes, uint64_t freed, std::string_view what)

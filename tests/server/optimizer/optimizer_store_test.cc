@@ -520,6 +520,54 @@ TEST(OptimizerStore, CheckpointsEveryKStepsAndIgnoresTornTempFiles) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--checkpoint_dir")));
 }
 
+TEST(OptimizerStore, CorruptedNewestFallsBackToPreviousOnlyWhenAskedAndKeepsIt) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{40, 30}}, 13);
+  const std::string path = CheckpointPath(dir.path(), "g");
+  const std::string prev = PreviousCheckpointPath(dir.path(), "g");
+  EXPECT_EQ(prev, path + ".prev");
+  std::vector<std::vector<float>> masters_at_1;
+  {
+    auto a = MakeStore(o);
+    QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+    for (int64_t t = 1; t <= 2; ++t) {
+      const auto g = f.Grads();
+      Outputs out;
+      QTX_ASSERT_OK(a->Step("g", {.step = t}, f.Prepare(g, &out)));
+      QTX_ASSERT_OK(a->SaveCheckpoint("g").status());
+      if (t == 1) {
+        masters_at_1 = ReadMasters(*a, "g");
+        EXPECT_FALSE(std::filesystem::exists(prev));  // nothing replaced yet
+      }
+    }
+    EXPECT_TRUE(std::filesystem::exists(prev));
+  }
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 1);  // torn newest
+  auto b = MakeStore(o);
+  // Never a silent fallback: the group is unusable, and says a previous exists.
+  EXPECT_THAT(b->Describe("g"), StatusIs(absl::StatusCode::kDataLoss,
+                                         HasSubstr("previous=true restores it")));
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->LoadCheckpoint("g", /*previous=*/true));
+  EXPECT_EQ(info.config.step, 1);
+  EXPECT_EQ(ReadMasters(*b, "g"), masters_at_1);
+  // The next write replaces the bad newest and keeps the good previous.
+  QTX_ASSERT_OK(b->SaveCheckpoint("g").status());
+  QTX_ASSERT_OK_AND_ASSIGN(info, b->LoadCheckpoint("g", true));
+  EXPECT_EQ(info.config.step, 1);
+  QTX_ASSERT_OK_AND_ASSIGN(info, b->LoadCheckpoint("g"));
+  EXPECT_EQ(info.config.step, 1);
+  // Without a previous checkpoint the error says so.
+  std::filesystem::remove(prev);
+  std::filesystem::resize_file(path, 10);
+  auto c = MakeStore(o);
+  EXPECT_THAT(c->Describe("g"), StatusIs(absl::StatusCode::kDataLoss,
+                                         HasSubstr("no previous checkpoint exists")));
+  EXPECT_THAT(c->LoadCheckpoint("g", true),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(".qtxopt.prev")));
+}
+
 TEST(OptimizerStore, CheckpointOverTheMemoryCapIsRefused) {
   TempDir dir;
   OptimizerStore::Options o;

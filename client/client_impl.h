@@ -1,0 +1,55 @@
+// Client::Impl: the channel, stubs and call preparation shared by the .cc
+// files that implement qtx::Client (client.cc, optimizer_client.cc). Internal
+// to qtx_client (not installed).
+//
+// Thread safety: constant after construction except next_request (atomic);
+// gRPC channels and stubs are safe for concurrent use.
+#ifndef QTX_CLIENT_CLIENT_IMPL_H_
+#define QTX_CLIENT_CLIENT_IMPL_H_
+
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/generic/generic_stub.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "qtx/client.h"
+#include "qtx/v1/memory.grpc.pb.h"
+#include "qtx/v1/quantizer.grpc.pb.h"
+
+namespace qtx {
+
+struct Client::Impl {
+  // Constant after construction; gRPC channels and stubs are thread-safe.
+  std::string target;
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Quantizer::Stub> quantizer;
+  std::unique_ptr<v1::Memory::Stub> memory;
+  std::unique_ptr<grpc::GenericStub> generic;
+  std::string id_prefix;
+
+  // Distinguishes the request ids of this client.
+  std::atomic<uint64_t> next_request{1};
+
+  void Prepare(grpc::ClientContext* ctx, const CallOptions& call) {
+    const absl::Duration timeout = call.timeout.value_or(options.timeout);
+    if (timeout != absl::InfiniteDuration()) {
+      ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    }
+    if (options.wait_for_ready) ctx->set_wait_for_ready(true);
+    ctx->AddMetadata("x-request-id",
+                     call.request_id.empty()
+                         ? absl::StrCat(id_prefix, "-", next_request.fetch_add(1))
+                         : call.request_id);
+  }
+};
+
+}  // namespace qtx
+
+#endif  // QTX_CLIENT_CLIENT_IMPL_H_
