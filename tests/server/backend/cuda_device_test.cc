@@ -15,6 +15,7 @@
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/shard_geometry.h"
 #include "server/backend/cpu_device.h"
+#include "server/backend/cuda_status.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx::server::backend {
@@ -47,7 +48,7 @@ std::vector<uint16_t> RandomBf16(size_t n, uint32_t seed) {
 class CudaDeviceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (VisibleCudaDevices() == 0) GTEST_SKIP() << "no CUDA device visible";
+    ASSERT_GT(VisibleCudaDevices(), 0) << "gpu-labelled test: needs a visible CUDA device";
     CudaDeviceOptions options;
     options.staging_chunk_bytes = 4096;  // many chunks even for small copies
     options.streams = 2;
@@ -215,6 +216,16 @@ TEST_F(CudaDeviceTest, StagedShardBuildingBlocksMatchCpuDevice) {
   QTX_ASSERT_OK(device_->CopyToHost(gl.data(), dl.data(), len * 4));
   EXPECT_EQ(gf, cf);
   EXPECT_EQ(gl, cl);
+}
+
+TEST(CudaStatus, ClearsTheLastErrorSoTheNextCallStartsClean) {
+  ASSERT_GT(VisibleCudaDevices(), 0) << "gpu-labelled test: needs a visible CUDA device";
+  // An invalid device ordinal raises a non-sticky error.
+  int value = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&value, cudaDevAttrMaxThreadsPerBlock, -1);
+  ASSERT_NE(err, cudaSuccess);
+  (void)CudaErrorToStatus(err, "cudaDeviceGetAttribute", __FILE__, __LINE__);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 }  // namespace

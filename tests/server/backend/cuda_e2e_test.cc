@@ -221,7 +221,7 @@ class CudaE2ETest : public ::testing::Test {
     server_ = nullptr;
   }
   void SetUp() override {
-    if (server_ == nullptr) GTEST_SKIP() << "no CUDA device visible";
+    ASSERT_NE(server_, nullptr) << "gpu-labelled test: needs a visible CUDA device";
     ASSERT_NE(client_, nullptr) << "qtxd (" << QtxdPath() << ") did not start serving";
     CUDA_ASSERT(cudaSetDevice(0));
   }
