@@ -40,8 +40,16 @@ uint32_t Crc(uint32_t crc, const void* data, uint64_t size) {
 }
 
 absl::Status Errno(std::string_view what, const std::string& path) {
+  const int err = errno;
+  // A full disk, quota or file-size limit is something the operator can fix:
+  // RESOURCE_EXHAUSTED, not INTERNAL.
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("checkpoint %s '%s': %s (free space in --checkpoint_dir)", what, path,
+                        std::strerror(err)));
+  }
   return absl::InternalError(
-      absl::StrFormat("checkpoint %s '%s': %s", what, path, std::strerror(errno)));
+      absl::StrFormat("checkpoint %s '%s': %s", what, path, std::strerror(err)));
 }
 
 // Appends to a file descriptor with a running CRC.

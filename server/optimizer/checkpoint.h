@@ -43,7 +43,8 @@ std::string PreviousCheckpointPath(const std::string& dir, std::string_view grou
 // size. With `keep_previous`, the checkpoint it replaces is kept as
 // PreviousCheckpointPath (hard link, made before the rename, so the newest
 // path never goes missing); without, the old .prev stays as it is.
-// INTERNAL (naming the path and errno text) on any I/O failure; the newest
+// RESOURCE_EXHAUSTED when the disk, quota or file-size limit is full, INTERNAL
+// on any other I/O failure (both naming the path and errno text); the newest
 // checkpoint is then untouched.
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state,
                                          bool keep_previous = true);

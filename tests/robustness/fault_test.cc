@@ -1,0 +1,434 @@
+// Process-level faults against real qtxd processes:
+//   - a client process killed mid-call (the qtx CLI, SIGKILL);
+//   - qtxd SIGKILLed during Step and during SaveCheckpoint, then restarted:
+//     the state is the last checkpoint, bit-identical to an uninterrupted
+//     sidecar at that step, step numbers continue from it, never doubled;
+//   - the checkpoint directory unwritable (replaced by a file; read-only when
+//     not root) and full (RLIMIT_FSIZE): a clear error, the state intact, the
+//     previous checkpoint still loadable, and saving works once fixed.
+// (A peer sidecar killed during AllGather: tests/server/collective,
+// CollectiveFaults.MissingRankMismatchedNAndKilledSidecar.)
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "qtx/v1/optimizer.grpc.pb.h"
+#include "qtx/v1/quantizer.grpc.pb.h"
+
+namespace qtx::robustness {
+namespace {
+
+namespace v1 = ::qtx::v1;
+namespace fs = std::filesystem;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+std::chrono::system_clock::time_point In(int ms) {
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
+}
+
+// A child process (fork + exec), killed and reaped by the destructor.
+class Child {
+ public:
+  // `fsize_limit` > 0: RLIMIT_FSIZE of the child (SIGXFSZ ignored, so a write
+  // past it fails with EFBIG instead of killing the process).
+  Child(const std::vector<std::string>& argv, rlim_t fsize_limit = 0) {
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      if (fsize_limit > 0) {
+        ::signal(SIGXFSZ, SIG_IGN);
+        struct rlimit rl = {fsize_limit, fsize_limit};
+        ::setrlimit(RLIMIT_FSIZE, &rl);
+      }
+      const int devnull = ::open("/dev/null", O_WRONLY);
+      if (devnull >= 0 && std::getenv("QTX_FAULT_TEST_VERBOSE") == nullptr) {
+        ::dup2(devnull, 1);
+        ::dup2(devnull, 2);
+      }
+      ::execv(args[0], args.data());
+      ::_exit(127);
+    }
+  }
+  ~Child() { Kill(SIGKILL); }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+
+  // Sends `sig` and reaps; returns the wait status (-1 if already reaped).
+  int Kill(int sig) {
+    if (pid_ <= 0) return -1;
+    ::kill(pid_, sig);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+  // Waits up to `ms` for exit; true if it exited.
+  bool WaitExit(int ms, int* status) {
+    for (int i = 0; i < ms / 10; ++i) {
+      if (::waitpid(pid_, status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  bool alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0; }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// A qtxd on `dir`/qtxd.sock with its checkpoints in `dir`/ckpt.
+class Sidecar {
+ public:
+  Sidecar(const std::string& dir, std::vector<std::string> extra, rlim_t fsize_limit = 0)
+      : socket_(dir + "/qtxd.sock") {
+    std::vector<std::string> argv = {QTXD_PATH, "--device=cpu", "--socket=" + socket_,
+                                     "--checkpoint_dir=" + dir + "/ckpt", "--threads=2",
+                                     "--shutdown_grace_s=1", "--log_level=warn"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    child_ = std::make_unique<Child>(argv, fsize_limit);
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    // A fresh channel per sidecar (no reuse of a dead one's subchannel).
+    args.SetInt("qtx.fault_test.instance", ++instances_);
+    channel_ = grpc::CreateCustomChannel("unix:" + socket_, grpc::InsecureChannelCredentials(),
+                                         args);
+    quantizer = v1::Quantizer::NewStub(channel_);
+    optimizer = v1::Optimizer::NewStub(channel_);
+  }
+
+  // Waits until the socket answers a call.
+  bool WaitReady(int ms = 30000) {
+    const auto end = In(ms);
+    while (std::chrono::system_clock::now() < end) {
+      if (!child_->alive()) return false;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(In(500));
+      ctx.set_wait_for_ready(true);
+      v1::ListOptimizerGroupsResponse resp;
+      if (optimizer->ListGroups(&ctx, v1::ListOptimizerGroupsRequest(), &resp).ok()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  Child& process() { return *child_; }
+  const std::string& socket() const { return socket_; }
+
+  std::unique_ptr<v1::Quantizer::Stub> quantizer;
+  std::unique_ptr<v1::Optimizer::Stub> optimizer;
+
+ private:
+  static inline int instances_ = 0;
+  std::string socket_;
+  std::unique_ptr<Child> child_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+std::string TempDir() {
+  char tmpl[] = "/tmp/qtx-fault-XXXXXX";
+  const char* d = ::mkdtemp(tmpl);
+  return d == nullptr ? "" : d;
+}
+
+v1::TensorRef F32(int64_t m, int64_t n, float (*f)(int64_t)) {
+  v1::TensorRef t;
+  t.set_dtype(v1::FLOAT32);
+  t.add_shape(m);
+  t.add_shape(n);
+  std::vector<float> v(m * n);
+  for (int64_t i = 0; i < m * n; ++i) v[i] = f(i);
+  t.set_inline_data(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  return t;
+}
+
+float Init(int64_t i) { return static_cast<float>((i * 7919) % 1000) / 1000.0f - 0.5f; }
+float Grad(int64_t i) { return static_cast<float>((i * 104729) % 200) / 1000.0f - 0.1f; }
+
+constexpr int64_t kM = 512, kN = 1024;  // 2 MiB of master weights, 6 MiB of state
+
+grpc::Status Offload(Sidecar& s, const std::string& group, int64_t m = kM, int64_t n = kN) {
+  v1::OffloadOptimizerStateRequest req;
+  req.set_group(group);
+  v1::ParameterInit* p = req.add_parameters();
+  p->set_name("w");
+  p->add_shape(m);
+  p->add_shape(n);
+  *p->mutable_master() = F32(m, n, Init);
+  v1::OffloadOptimizerStateResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(60000));
+  return s.optimizer->OffloadOptimizerState(&ctx, req, &resp);
+}
+
+grpc::Status Step(Sidecar& s, const std::string& group, int64_t step,
+                  v1::StepResponse* out = nullptr, int64_t m = kM, int64_t n = kN) {
+  v1::StepRequest req;
+  req.set_group(group);
+  req.set_step(step);
+  req.set_omit_parameters(true);
+  v1::Gradient* g = req.add_gradients();
+  g->set_name("w");
+  *g->mutable_grad() = F32(m, n, Grad);
+  v1::StepResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(60000));
+  grpc::Status st = s.optimizer->Step(&ctx, req, out != nullptr ? out : &resp);
+  return st;
+}
+
+grpc::Status GetState(Sidecar& s, const std::string& group, v1::GetStateResponse* resp) {
+  v1::GetStateRequest req;
+  req.set_group(group);
+  req.set_include_moments(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(60000));
+  return s.optimizer->GetState(&ctx, req, resp);
+}
+
+grpc::Status Save(Sidecar& s, const std::string& group) {
+  v1::SaveCheckpointRequest req;
+  req.set_group(group);
+  v1::SaveCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(60000));
+  return s.optimizer->SaveCheckpoint(&ctx, req, &resp);
+}
+
+// Master weights and moments of `group` on `s`, as one string.
+std::string StateBytes(Sidecar& s, const std::string& group, int64_t* step,
+                       int64_t* updates) {
+  v1::GetStateResponse resp;
+  grpc::Status st = GetState(s, group, &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  *step = resp.group().step();
+  *updates = resp.group().update_count();
+  std::string out;
+  for (const auto& p : resp.parameters()) {
+    out += p.master().inline_data();
+    out += p.exp_avg().inline_data();
+    out += p.exp_avg_sq().inline_data();
+  }
+  return out;
+}
+
+// The state an uninterrupted sidecar reaches after `steps` steps.
+std::string ReferenceState(int64_t steps) {
+  const std::string dir = TempDir();
+  Sidecar ref(dir, {});
+  EXPECT_TRUE(ref.WaitReady());
+  EXPECT_TRUE(Offload(ref, "opt").ok());
+  for (int64_t i = 1; i <= steps; ++i) EXPECT_TRUE(Step(ref, "opt", i).ok());
+  int64_t step = 0, updates = 0;
+  std::string bytes = StateBytes(ref, "opt", &step, &updates);
+  EXPECT_EQ(step, steps);
+  ref.process().Kill(SIGKILL);
+  fs::remove_all(dir);
+  return bytes;
+}
+
+TEST(Faults, ClientProcessKilledMidCall) {
+  const std::string dir = TempDir();
+  Sidecar s(dir, {});
+  ASSERT_TRUE(s.WaitReady());
+  for (int i = 0; i < 5; ++i) {
+    // A large inline Quantize from the CLI, killed while it is in flight.
+    Child cli({QTX_CLI_PATH, "--target=unix:" + s.socket(), "quantize",
+               "--shape=2048x4096", "--usages=rowwise,columnwise"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 + 40 * i));
+    cli.Kill(SIGKILL);
+  }
+  // Still serving, correct size.
+  v1::QuantizeRequest req;
+  *req.mutable_input() = F32(256, 256, Init);
+  v1::QuantizeResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(30000));
+  grpc::Status st = s.quantizer->Quantize(&ctx, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(resp.result().rowwise_data().inline_data().size(), 256u * 256u);
+  EXPECT_TRUE(s.process().alive());
+  fs::remove_all(dir);
+}
+
+TEST(Faults, QtxdKilledDuringStepRestartsFromLastCheckpoint) {
+  const std::string dir = TempDir();
+  {
+    Sidecar s(dir, {"--checkpoint_every_steps=3"});
+    ASSERT_TRUE(s.WaitReady());
+    ASSERT_TRUE(Offload(s, "opt").ok());
+    for (int64_t i = 1; i <= 4; ++i) ASSERT_TRUE(Step(s, "opt", i).ok());
+    // Step 5 in flight; SIGKILL.
+    std::thread step5([&] { (void)Step(s, "opt", 5); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(15));
+    s.process().Kill(SIGKILL);
+    step5.join();
+  }
+  Sidecar s(dir, {"--checkpoint_every_steps=3"});
+  ASSERT_TRUE(s.WaitReady());
+  int64_t step = 0, updates = 0;
+  const std::string restored = StateBytes(s, "opt", &step, &updates);
+  // Step 3 was the last checkpoint: steps 4 and 5 are lost, never half-applied.
+  EXPECT_EQ(step, 3);
+  EXPECT_EQ(updates, 3);
+  EXPECT_TRUE(restored == ReferenceState(3)) << "restored state differs from 3 clean steps";
+  // Step numbers continue from the checkpoint: 4 is next, 6 is refused.
+  grpc::Status st = Step(s, "opt", 6);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("is at step 3"));
+  v1::StepResponse r4;
+  ASSERT_TRUE(Step(s, "opt", 4, &r4).ok());
+  EXPECT_FALSE(r4.stats().replayed());
+  v1::StepResponse again;
+  ASSERT_TRUE(Step(s, "opt", 4, &again).ok());  // a retry is answered, not applied
+  EXPECT_TRUE(again.stats().replayed());
+  const std::string after = StateBytes(s, "opt", &step, &updates);
+  EXPECT_EQ(step, 4);
+  EXPECT_EQ(updates, 4);
+  EXPECT_TRUE(after == ReferenceState(4)) << "state after the retried step 4 differs";
+  s.process().Kill(SIGKILL);
+  fs::remove_all(dir);
+}
+
+TEST(Faults, QtxdKilledDuringSaveCheckpointKeepsAValidOne) {
+  const std::string dir = TempDir();
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    int64_t saved = 0;
+    {
+      Sidecar s(dir, {});
+      ASSERT_TRUE(s.WaitReady());
+      if (attempt == 0) ASSERT_TRUE(Offload(s, "opt").ok());
+      v1::GetStateResponse state;
+      ASSERT_TRUE(GetState(s, "opt", &state).ok());
+      saved = state.group().step();
+      ASSERT_TRUE(Step(s, "opt", saved + 1).ok());
+      ASSERT_TRUE(Save(s, "opt").ok());  // checkpoint at saved + 1
+      ASSERT_TRUE(Step(s, "opt", saved + 2).ok());
+      std::thread save([&] { (void)Save(s, "opt"); });  // checkpoint at saved + 2, killed
+      std::this_thread::sleep_for(std::chrono::milliseconds(2 + 3 * attempt));
+      s.process().Kill(SIGKILL);
+      save.join();
+    }
+    Sidecar s(dir, {});
+    ASSERT_TRUE(s.WaitReady());
+    v1::GetStateResponse state;
+    grpc::Status st = GetState(s, "opt", &state);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(state.group().error(), "");
+    EXPECT_THAT(state.group().step(), AnyOf(saved + 1, saved + 2));
+    EXPECT_EQ(state.group().update_count(), state.group().step());
+    ASSERT_TRUE(Save(s, "opt").ok());
+    s.process().Kill(SIGKILL);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Faults, CheckpointDirectoryUnwritable) {
+  const std::string dir = TempDir();
+  Sidecar s(dir, {});
+  ASSERT_TRUE(s.WaitReady());
+  ASSERT_TRUE(Offload(s, "opt").ok());
+  ASSERT_TRUE(Step(s, "opt", 1).ok());
+  ASSERT_TRUE(Save(s, "opt").ok());
+  // The directory is replaced by a plain file: nothing can be written there.
+  const std::string ckpt = dir + "/ckpt";
+  fs::rename(ckpt, dir + "/ckpt.saved");
+  { std::FILE* f = std::fopen(ckpt.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  ASSERT_TRUE(Step(s, "opt", 2).ok());
+  grpc::Status st = Save(s, "opt");
+  EXPECT_FALSE(st.ok());
+  EXPECT_THAT(st.error_code(), AnyOf(grpc::StatusCode::INTERNAL,
+                                     grpc::StatusCode::FAILED_PRECONDITION,
+                                     grpc::StatusCode::PERMISSION_DENIED));
+  EXPECT_THAT(st.error_message(), HasSubstr(ckpt));
+  // The in-memory state is intact and steps go on.
+  ASSERT_TRUE(Step(s, "opt", 3).ok());
+  int64_t step = 0, updates = 0;
+  (void)StateBytes(s, "opt", &step, &updates);
+  EXPECT_EQ(step, 3);
+  if (::geteuid() != 0) {
+    // A read-only directory (root ignores the mode bits).
+    fs::remove(ckpt);
+    fs::rename(dir + "/ckpt.saved", ckpt);
+    ::chmod(ckpt.c_str(), 0500);
+    st = Save(s, "opt");
+    EXPECT_FALSE(st.ok());
+    EXPECT_THAT(st.error_message(), HasSubstr(ckpt));
+    ::chmod(ckpt.c_str(), 0700);
+  } else {
+    fs::remove(ckpt);
+    fs::rename(dir + "/ckpt.saved", ckpt);
+  }
+  // Fixed: saving works again, and the checkpoint holds step 3.
+  ASSERT_TRUE(Save(s, "opt").ok());
+  v1::LoadCheckpointRequest load;
+  load.set_group("opt");
+  v1::LoadCheckpointResponse loaded;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(s.optimizer->LoadCheckpoint(&ctx, load, &loaded).ok());
+  EXPECT_EQ(loaded.group().step(), 3);
+  s.process().Kill(SIGKILL);
+  fs::remove_all(dir);
+}
+
+TEST(Faults, CheckpointDiskFull) {
+  const std::string dir = TempDir();
+  // Files written by qtxd may not exceed 1 MiB (a "full" disk for the 6 MiB
+  // group, room for the small one).
+  Sidecar s(dir, {}, /*fsize_limit=*/1 << 20);
+  ASSERT_TRUE(s.WaitReady());
+  ASSERT_TRUE(Offload(s, "small", 64, 64).ok());
+  ASSERT_TRUE(Offload(s, "big").ok());
+  ASSERT_TRUE(Step(s, "big", 1).ok());
+  grpc::Status st = Save(s, "big");
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("big"));
+  // No partial checkpoint file is left to be mistaken for a good one.
+  for (const auto& e : fs::directory_iterator(dir + "/ckpt")) {
+    EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("big")))
+        << "left behind: " << e.path();
+  }
+  // The small group still checkpoints; the big one keeps stepping.
+  ASSERT_TRUE(Save(s, "small").ok());
+  ASSERT_TRUE(Step(s, "big", 2).ok());
+  int64_t step = 0, updates = 0;
+  (void)StateBytes(s, "big", &step, &updates);
+  EXPECT_EQ(step, 2);
+  // SIGTERM: the shutdown checkpoint of "big" fails too, but qtxd still exits
+  // (and says so); the small group's checkpoint survives a restart.
+  int status = s.process().Kill(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+  Sidecar again(dir, {});
+  ASSERT_TRUE(again.WaitReady());
+  v1::GetStateResponse small;
+  ASSERT_TRUE(GetState(again, "small", &small).ok());
+  EXPECT_EQ(small.group().error(), "");
+  again.process().Kill(SIGKILL);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace qtx::robustness
