@@ -209,7 +209,11 @@ __global__ void TransposeTileScalesKernel(const float* s, int64_t nk, int64_t nb
 template <InputDType D, Fp8Format F, BlockScaling S>
 cudaError_t LaunchShard(const ShardKernelArgs& a, dim3 grid, cudaStream_t stream) {
   auto kernel = QuantizeShardKernel<D, F, S>;
-  static const cudaError_t attr =
+  // kSmemBytes > 48 KiB needs the opt-in, which is per device (per context):
+  // set it at every launch (a cheap host call), never once per process, so
+  // that a process driving several GPUs (one thread per GPU) can launch on
+  // each of them.
+  const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (attr != cudaSuccess) return attr;
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);

@@ -161,5 +161,27 @@ TEST(QuantizeShardCuda, PipelineMatchesQuantizeOfConcatenation) {
   }
 }
 
+// The shape class allgather_nccl_bench first failed on: 1-D (and 2-D) row+col
+// shards of 4096 and 4095/4097 rows at N = 8192, whose kernel needs more than
+// 48 KiB of shared memory. The opt-in is per device, so each visible device is
+// run in turn in this process (the first test above already launched on
+// device 0): a launch configured once per process fails on the second device
+// with cudaErrorInvalidValue.
+TEST(QuantizeShardCuda, LargeRowAndColumnShardsOnEveryDevice) {
+  int devices = 0;
+  ASSERT_CUDA(cudaGetDeviceCount(&devices));
+  ASSERT_GE(devices, 1);
+  for (int d = 0; d < devices; ++d) {
+    ASSERT_CUDA(cudaSetDevice(d));
+    for (const Case& c : std::vector<Case>{{{4096, 4096}, 8192}, {{4095, 4097}, 8192}}) {
+      SCOPED_TRACE(testing::Message() << "device=" << d << " rows0=" << c.rows[0]);
+      RunCase(c, BlockScaling::kBlock1D, true, true, Fp8Format::kE4M3);
+    }
+    SCOPED_TRACE(testing::Message() << "device=" << d << " 2d");
+    RunCase({{4095, 4097}, 8192}, BlockScaling::kBlock2D, true, true, Fp8Format::kE4M3);
+  }
+  ASSERT_CUDA(cudaSetDevice(0));
+}
+
 }  // namespace
 }  // namespace qtx::kernels
