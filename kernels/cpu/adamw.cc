@@ -21,6 +21,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_block.h"
@@ -151,6 +154,42 @@ void EncodeRowPerColumn(const float* p, const float* scale, uint8_t* out, int64_
   }
 }
 
+#if defined(__SSE2__)
+// out row j (16 bytes at out + j * out_pitch) = column j of the 16x16 byte
+// block at in (row pitch kBlockLen): four rounds of byte/word/dword/qword
+// interleaves.
+inline void Transpose16x16(const uint8_t* in, uint8_t* out, int64_t out_pitch) {
+  __m128i r[16];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * kBlockLen));
+  }
+  __m128i t[16];
+  for (int i = 0; i < 8; ++i) {  // bytes: rows (2i, 2i+1)
+    t[2 * i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // words: pairs (4i, 4i+2), (4i+1, 4i+3)
+    r[4 * i + 0] = _mm_unpacklo_epi16(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm_unpackhi_epi16(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm_unpacklo_epi16(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm_unpackhi_epi16(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {  // dwords: quads (8i + q, 8i + 4 + q)
+    for (int q = 0; q < 4; ++q) {
+      t[8 * i + 2 * q] = _mm_unpacklo_epi32(r[8 * i + q], r[8 * i + 4 + q]);
+      t[8 * i + 2 * q + 1] = _mm_unpackhi_epi32(r[8 * i + q], r[8 * i + 4 + q]);
+    }
+  }
+  for (int q = 0; q < 8; ++q) {  // qwords: (q, 8 + q)
+    r[2 * q] = _mm_unpacklo_epi64(t[q], t[8 + q]);
+    r[2 * q + 1] = _mm_unpackhi_epi64(t[q], t[8 + q]);
+  }
+  for (int j = 0; j < 16; ++j) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * out_pitch), r[j]);
+  }
+}
+#endif
+
 // Writes tile bytes [rows, cols] (row pitch kBlockLen) transposed into the
 // columnwise copy: col_data[(c0 + j) * m + r0 + i] = tile[i][j].
 void StoreTransposed(const uint8_t* tile, int64_t rows, int64_t cols, uint8_t* col_data,
@@ -160,10 +199,44 @@ void StoreTransposed(const uint8_t* tile, int64_t rows, int64_t cols, uint8_t* c
     const int64_t je = std::min(cols, jb + kB);
     for (int64_t ib = 0; ib < rows; ib += kB) {
       const int64_t ie = std::min(rows, ib + kB);
+#if defined(__SSE2__)
+      if (je - jb == kB && ie - ib == kB) {
+        Transpose16x16(tile + ib * kBlockLen + jb, col_data + (c0 + jb) * m + r0 + ib, m);
+        continue;
+      }
+#endif
       for (int64_t j = jb; j < je; ++j) {
         uint8_t* dst = col_data + (c0 + j) * m + r0;
         for (int64_t i = ib; i < ie; ++i) dst[i] = tile[i * kBlockLen + j];
       }
+    }
+  }
+}
+
+// max over MagnitudeBits(p[0..len)) in eight independent lanes, so that the
+// compiler vectorizes it (an exact max: the order does not matter).
+inline uint32_t RowMagnitudeMax(const float* __restrict p, int64_t len) {
+  uint32_t lane[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], MagnitudeBits(p[j + l]));
+  }
+  for (; j < len; ++j) lane[0] = std::max(lane[0], MagnitudeBits(p[j]));
+  uint32_t r = 0;
+  for (int l = 0; l < 8; ++l) r = std::max(r, lane[l]);
+  return r;
+}
+
+// Rows ahead whose lines ProcessTile prefetches.
+constexpr int64_t kPrefetchRows = 4;
+
+inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    if (write) {
+      __builtin_prefetch(c + o, 1, 3);
+    } else {
+      __builtin_prefetch(c + o, 0, 3);
     }
   }
 }
@@ -203,6 +276,15 @@ void ProcessTile(const ParamPlan& plan, int64_t k, int64_t tj, const AdamWScalar
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t off = (r0 + i) * n + c0;
     float* p = b.master + off;
+    if (i + kPrefetchRows < rows) {
+      // The tile's rows are short runs at a stride of n elements: the hardware
+      // prefetchers do not see them coming, so ask for a later row's lines.
+      const int64_t ahead = off + kPrefetchRows * n;
+      PrefetchSpan(b.master + ahead, cols * 4, /*write=*/true);
+      PrefetchSpan(mom1 + ahead, cols * sizeof(MomentT<kM>), true);
+      PrefetchSpan(mom2 + ahead, cols * sizeof(MomentT<kM>), true);
+      PrefetchSpan(static_cast<const char*>(b.grad) + ahead * gsize, cols * gsize, false);
+    }
     UpdateSpan<kG, kM>(p, mom1 + off, mom2 + off,
                        static_cast<const char*>(b.grad) + off * gsize, cols, s);
     if (b.bf16 != nullptr) {
@@ -210,8 +292,7 @@ void ProcessTile(const ParamPlan& plan, int64_t k, int64_t tj, const AdamWScalar
       for (int64_t j = 0; j < cols; ++j) o[j] = ToBf16(p[j]);
     }
     if (!fp8) continue;
-    uint32_t rm = 0;
-    for (int64_t j = 0; j < cols; ++j) rm = std::max(rm, MagnitudeBits(p[j]));
+    const uint32_t rm = RowMagnitudeMax(p, cols);
     if (col1d) {
       for (int64_t j = 0; j < cols; ++j) col_max[j] = std::max(col_max[j], MagnitudeBits(p[j]));
     }
