@@ -5,8 +5,10 @@
 //    "time_ms":..,"params_per_s":..,"bytes_moved_gbps":..}
 //   {"bench":"memcpy","bytes":..,"threads":..,"gbps":..}
 // bytes_moved counts the step's compulsory traffic: read+write master (8 B),
-// read+write both moments (4*mb B), read the gradient, write FP8 row+col (2 B).
-// Usage: optimizer_cpu_bench [m n] [max_threads] [reps]
+// read+write both moments (4*mb B), read the gradient (2 or 4 B), write FP8
+// row+col (2 B).
+// Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
+// bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
 
 #include <algorithm>
@@ -54,14 +56,21 @@ int main(int argc, char** argv) {
   const int64_t n = argc > 2 ? std::atoll(argv[2]) : 4096;
   const int max_threads = argc > 3 ? std::atoi(argv[3]) : omp_get_max_threads();
   const int reps = argc > 4 ? std::atoi(argv[4]) : 5;
+  const bool grad_fp32 = argc > 5 && std::strcmp(argv[5], "fp32") == 0;
+  if (argc > 5 && !grad_fp32 && std::strcmp(argv[5], "bf16") != 0) {
+    std::fprintf(stderr, "gradient dtype '%s': must be bf16 or fp32\n", argv[5]);
+    return 2;
+  }
   const int64_t count = m * n;
   std::vector<float> master(count), m1(count, 0.0f), m2(count, 0.0f);
   std::vector<uint16_t> grad(count);
+  std::vector<float> grad32(count);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (int64_t i = 0; i < count; ++i) {
     master[i] = nd(rng) * 0.02f;
-    grad[i] = FloatToBf16(nd(rng) * 1e-3f);
+    grad32[i] = nd(rng) * 1e-3f;
+    grad[i] = FloatToBf16(grad32[i]);
   }
   QuantizeParams q;
   q.scaling = BlockScaling::kBlock2D;
@@ -76,11 +85,11 @@ int main(int argc, char** argv) {
   b.master = master.data();
   b.exp_avg = m1.data();
   b.exp_avg_sq = m2.data();
-  b.grad = grad.data();
-  b.grad_dtype = InputDType::kBFloat16;
+  b.grad = grad_fp32 ? static_cast<const void*>(grad32.data()) : grad.data();
+  b.grad_dtype = grad_fp32 ? InputDType::kFloat32 : InputDType::kBFloat16;
   b.quant = q;
   b.fp8 = {row.data(), rs.data(), col.data(), cs.data()};
-  const double bytes_moved = count * (8.0 + 2 * 8.0 + 2.0 + 2.0);
+  const double bytes_moved = count * (8.0 + 2 * 8.0 + (grad_fp32 ? 4.0 : 2.0) + 2.0);
   int64_t step = 0;
   for (int threads = 1; threads <= max_threads; threads *= 2) {
     cpu::AdamWStepFused({&b, 1}, MakeAdamWScalars(AdamWHyperParams{}, ++step, 1.0), threads);
@@ -92,9 +101,10 @@ int main(int argc, char** argv) {
     }
     std::printf(
         "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
-        "\"grad\":\"bf16\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
+        "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
         "\"bytes_moved_gbps\":%.3f}\n",
-        static_cast<long long>(m), static_cast<long long>(n), threads, best * 1e3, count / best,
+        static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
+        best * 1e3, count / best,
         bytes_moved / best / 1e9);
     std::printf("{\"bench\":\"memcpy\",\"bytes\":%lld,\"threads\":%d,\"gbps\":%.3f}\n",
                 static_cast<long long>(count * 4), threads,
