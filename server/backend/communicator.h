@@ -77,6 +77,34 @@ class Communicator {
   virtual absl::Status AllGatherV(const void* send, std::span<const uint64_t> recv_bytes,
                                   void* recv, const CommCall& call) = 0;
 
+  // Several AllGatherV in one step: for a device communicator one launch
+  // (NCCL: one ncclGroupStart/End), so that a call pays the per-collective
+  // host cost once. Each part follows AllGatherV's rules; every rank passes
+  // the same parts in the same order. The default runs them one by one.
+  struct GatherPart {
+    const void* send = nullptr;
+    std::span<const uint64_t> recv_bytes;
+    void* recv = nullptr;
+  };
+  virtual absl::Status AllGatherVParts(std::span<const GatherPart> parts, const CommCall& call) {
+    for (const GatherPart& p : parts) {
+      absl::Status s = AllGatherV(p.send, p.recv_bytes, p.recv, call);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // All-gather of `bytes` HOST bytes per rank (a small agreement message):
+  // on return host `recv` holds every rank's `send`, in rank order. A device
+  // communicator moves them through its own reusable pinned and device
+  // buffers with a single wait; the default (host communicators) is
+  // AllGatherV. Errors as AllGatherV.
+  virtual absl::Status AllGatherHost(const void* send, uint64_t bytes, void* recv,
+                                     const CommCall& call) {
+    std::vector<uint64_t> sizes(static_cast<size_t>(world_size()), bytes);
+    return AllGatherV(send, sizes, recv, call);
+  }
+
   // Element-wise maximum over all ranks of `count` floats, in place: on return
   // data[i] = max over ranks of their data[i]. Every rank passes the same count.
   // NaN handling follows std::max (callers pass amaxes, which are never NaN).

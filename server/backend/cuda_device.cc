@@ -118,6 +118,10 @@ absl::Status CudaDevice::Init() {
   uint64_t threshold = options_.pool_release_threshold;
   QTX_CUDA_RETURN_IF_ERROR(
       cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
+  // Kernels' own stream-ordered temporaries (cudaMallocAsync) come from this
+  // pool too: the default pool returns its memory at every synchronization
+  // (release threshold 0), so each call would map memory afresh.
+  QTX_CUDA_RETURN_IF_ERROR(cudaDeviceSetMemPool(ordinal_, pool_));
   return absl::OkStatus();
 }
 
@@ -140,7 +144,14 @@ CudaDevice::~CudaDevice() {
     staging_free_.clear();
   }
   for (cudaStream_t s : streams_) (void)cudaStreamDestroy(s);
-  if (pool_ != nullptr) (void)cudaMemPoolDestroy(pool_);
+  if (pool_ != nullptr) {
+    cudaMemPool_t current = nullptr, fallback = nullptr;
+    if (cudaDeviceGetMemPool(&current, ordinal_) == cudaSuccess && current == pool_ &&
+        cudaDeviceGetDefaultMemPool(&fallback, ordinal_) == cudaSuccess) {
+      (void)cudaDeviceSetMemPool(ordinal_, fallback);
+    }
+    (void)cudaMemPoolDestroy(pool_);
+  }
   (void)cudaGetLastError();
 }
 
@@ -381,8 +392,7 @@ absl::Status CudaDevice::ShardBoundaryAmax(const ShardArgs& args, float* first, 
   cudaStream_t stream = ThisThreadStream();
   QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::ShardBoundaryAmax(
       args.input, args.dtype, args.geom, args.params.scaling, first, last, stream));
-  QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  return absl::OkStatus();
+  return absl::OkStatus();  // stream-ordered (device.h)
 }
 
 absl::Status CudaDevice::QuantizeShard(const ShardArgs& args, const float* first_amax,
@@ -393,8 +403,7 @@ absl::Status CudaDevice::QuantizeShard(const ShardArgs& args, const float* first
   QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeShard(args.input, args.dtype, args.geom,
                                                         args.params, first_amax, last_amax, out,
                                                         stream));
-  QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  return absl::OkStatus();
+  return absl::OkStatus();  // stream-ordered (device.h)
 }
 
 absl::Status CudaDevice::AssembleShards(int world_size, const kernels::ShardGeometry* geoms,

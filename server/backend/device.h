@@ -146,7 +146,12 @@ class Device {
   virtual tensor::CudaIpcOpener cuda_ipc_opener() { return nullptr; }
 
   // ---- Exact all-gather building blocks (kernels/cpu/quantize_block.h) ----
-  // All pointers are device memory; each returns when its outputs are written.
+  // All pointers are device memory. ShardBoundaryAmax and QuantizeShard are
+  // stream-ordered: a device with streams (CUDA) may return once the work is
+  // enqueued on the calling thread's stream, so that later work of the same
+  // thread (copies, AssembleShards, the device communicator's calls, whose
+  // default stream is that one) sees the outputs; AssembleShards returns when
+  // its outputs are written (and so everything before it).
 
   // Partial amaxes of the shard's first and last block rows, each
   // kernels::BoundaryAmaxLength(params.scaling, geom) floats.

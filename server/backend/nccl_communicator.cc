@@ -201,7 +201,11 @@ NcclCommunicator::~NcclCommunicator() {
   }
   // Abort, not Destroy: it never waits for peers that may be gone.
   if (c != nullptr) (void)ncclCommAbort(c);
+  if (reaper_.joinable()) reaper_.join();  // a failed call's abort
+  (void)cudaSetDevice(device_);
   (void)cudaFree(scratch_);
+  if (dev_buf_ != nullptr) (void)cudaFree(dev_buf_);
+  if (host_buf_ != nullptr) (void)cudaFreeHost(host_buf_);
   (void)cudaGetLastError();
 }
 
@@ -214,11 +218,21 @@ absl::Status NcclCommunicator::Fail(absl::Status status) {
     if (broken_reason_.empty()) broken_reason_ = std::string(status.message());
     c = std::exchange(comm_, nullptr);
   }
-  if (c != nullptr) {
+  if (c != nullptr && !reaper_.joinable()) {
+    // Off the request path: the abort (which also stops this communicator's
+    // in-flight kernels, so the stream drains) may take long.
+    const int device = device_;
+    reaper_ = std::thread([c, device] {
+      (void)cudaSetDevice(device);
+      (void)ncclCommAbort(c);
+      (void)cudaGetLastError();
+    });
+  } else if (c != nullptr) {
     (void)cudaSetDevice(device_);
-    (void)ncclCommAbort(c);  // also stops this communicator's in-flight kernels
+    (void)ncclCommAbort(c);
     (void)cudaGetLastError();
   }
+  (void)cudaGetLastError();
   return status;
 }
 
@@ -297,46 +311,107 @@ absl::Status NcclCommunicator::Finish(int enqueued, void* stream_ptr, absl::Time
   return absl::OkStatus();
 }
 
+int NcclCommunicator::EnqueueGather(std::span<const GatherPart> parts, ncclComm* comm,
+                                    void* stream_ptr) {
+  auto s = static_cast<cudaStream_t>(stream_ptr);
+  auto keep = [](ncclResult_t& res, ncclResult_t r) {
+    if (r != ncclSuccess && r != ncclInProgress && res == ncclSuccess) res = r;
+  };
+  ncclResult_t res = ncclGroupStart();
+  if (res != ncclSuccess) return res;
+  for (const GatherPart& p : parts) {
+    const std::span<const uint64_t> sizes = p.recv_bytes;
+    if (std::all_of(sizes.begin(), sizes.end(), [](uint64_t b) { return b == 0; })) continue;
+    const bool equal =
+        std::all_of(sizes.begin(), sizes.end(), [&](uint64_t b) { return b == sizes[0]; });
+    auto* out = static_cast<char*>(p.recv);
+    if (equal) {
+      keep(res, ncclAllGather(p.send, p.recv, sizes[0], ncclUint8, comm, s));
+      continue;
+    }
+    uint64_t off = 0;
+    for (int r = 0; r < world_size_; ++r) {
+      if (sizes[r] > 0) {
+        const void* src = r == rank_ ? p.send : out + off;
+        keep(res, ncclBroadcast(src, out + off, sizes[r], ncclUint8, r, comm, s));
+      }
+      off += sizes[r];
+    }
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  return res == ncclSuccess ? end : res;
+}
+
 absl::Status NcclCommunicator::AllGatherV(const void* send, std::span<const uint64_t> recv_bytes,
                                           void* recv, const CommCall& call) {
-  if (recv_bytes.size() != static_cast<size_t>(world_size_)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d", name_,
-        recv_bytes.size(), world_size_));
+  const GatherPart part{send, recv_bytes, recv};
+  return AllGatherVParts(std::span<const GatherPart>(&part, 1), call);
+}
+
+absl::Status NcclCommunicator::AllGatherVParts(std::span<const GatherPart> parts,
+                                               const CommCall& call) {
+  for (const GatherPart& p : parts) {
+    if (p.recv_bytes.size() != static_cast<size_t>(world_size_)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d", name_,
+          p.recv_bytes.size(), world_size_));
+    }
   }
   absl::StatusOr<void*> stream = Begin(call, "AllGatherV");
   if (!stream.ok()) return stream.status();
-  const uint64_t total = std::accumulate(recv_bytes.begin(), recv_bytes.end(), uint64_t{0});
+  uint64_t total = 0;
+  for (const GatherPart& p : parts) {
+    total += std::accumulate(p.recv_bytes.begin(), p.recv_bytes.end(), uint64_t{0});
+  }
   if (total == 0) return absl::OkStatus();  // every rank passes the same sizes
-  auto* out = static_cast<char*>(recv);
-  auto s = static_cast<cudaStream_t>(*stream);
   ncclComm* comm = nullptr;
   {
     absl::MutexLock lock(&mu_);
     comm = comm_;
   }
-  const bool equal = std::all_of(recv_bytes.begin(), recv_bytes.end(),
-                                 [&](uint64_t b) { return b == recv_bytes[0]; });
-  ncclResult_t res;
-  if (equal) {
-    res = ncclAllGather(send, recv, recv_bytes[0], ncclUint8, comm, s);
-  } else {
-    res = ncclGroupStart();
-    if (res == ncclSuccess) {
-      uint64_t off = 0;
-      for (int r = 0; r < world_size_; ++r) {
-        if (recv_bytes[r] > 0) {
-          const void* src = r == rank_ ? send : out + off;
-          const ncclResult_t b = ncclBroadcast(src, out + off, recv_bytes[r], ncclUint8, r, comm, s);
-          if (b != ncclSuccess && b != ncclInProgress && res == ncclSuccess) res = b;
-        }
-        off += recv_bytes[r];
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      if (res == ncclSuccess) res = end;
-    }
+  const int res = EnqueueGather(parts, comm, *stream);
+  return Finish(res, *stream, call.deadline, "ncclAllGather/ncclBroadcast group");
+}
+
+absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, void* recv,
+                                             const CommCall& call) {
+  absl::StatusOr<void*> stream = Begin(call, "AllGatherHost");
+  if (!stream.ok()) return stream.status();
+  if (bytes == 0) return absl::OkStatus();
+  const uint64_t need = bytes * static_cast<uint64_t>(world_size_);
+  if (need > host_bytes_) {
+    // Grown rarely (the messages are small and of few sizes), kept for reuse.
+    if (dev_buf_ != nullptr) QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaFree(dev_buf_));
+    if (host_buf_ != nullptr) QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaFreeHost(host_buf_));
+    dev_buf_ = host_buf_ = nullptr;
+    host_bytes_ = 0;
+    const uint64_t alloc = std::max<uint64_t>(need, 4096);
+    QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev_buf_, alloc));
+    QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_buf_, alloc));
+    host_bytes_ = alloc;
   }
-  return Finish(res, s, call.deadline, equal ? "ncclAllGather" : "ncclBroadcast group");
+  auto s = static_cast<cudaStream_t>(*stream);
+  auto* host = static_cast<char*>(host_buf_);
+  auto* dev = static_cast<char*>(dev_buf_);
+  const uint64_t mine = bytes * static_cast<uint64_t>(rank_);
+  // The previous call's copies have completed (Finish waited for the stream).
+  std::memcpy(host + mine, send, bytes);
+  QTX_NCCL_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dev + mine, host + mine, bytes, cudaMemcpyHostToDevice, s));
+  ncclComm* comm = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    comm = comm_;
+  }
+  const ncclResult_t res = ncclAllGather(dev + mine, dev, bytes, ncclUint8, comm, s);
+  // A nonblocking communicator may enqueue the gather's kernel later (from
+  // NCCL's launch thread), so the copy back is enqueued only after Finish.
+  absl::Status st = Finish(res, s, call.deadline, "ncclAllGather(agreement)");
+  if (!st.ok()) return st;
+  QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, dev, need, cudaMemcpyDeviceToHost, s));
+  QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  std::memcpy(recv, host, need);
+  return absl::OkStatus();
 }
 
 absl::Status NcclCommunicator::AllReduceMax(float* data, uint64_t count, const CommCall& call) {

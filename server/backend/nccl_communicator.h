@@ -18,6 +18,16 @@
 // ncclCommAbort (which also stops the in-flight kernels) and the communicator
 // is broken from then on (communicator.h error codes: DEADLINE_EXCEEDED,
 // ABORTED, UNAVAILABLE for a remote/system error, INTERNAL otherwise).
+// The failing call marks the communicator broken and returns at once; the
+// ncclCommAbort itself (which can take hundreds of milliseconds while NCCL
+// tears down its connections and proxy threads) runs on a background thread,
+// off the request path, so that the caller's error still reaches its client
+// before the client's deadline. The destructor waits for that thread.
+//
+// Costs: with a nonblocking communicator NCCL starts a host thread for every
+// launch (every ncclGroupEnd), so callers batch: AllGatherVParts is one
+// launch, and AllGatherHost (the ops' small agreement messages) is one launch
+// with one wait, through reusable pinned and device buffers.
 //
 // AllGatherV: equal sizes use one ncclAllGather; unequal sizes a group
 // (ncclGroupStart/End) of one ncclBroadcast per rank with a non-empty
@@ -34,6 +44,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <thread>
 #include <functional>
 #include <memory>
 #include <span>
@@ -87,6 +98,9 @@ class NcclCommunicator final : public Communicator {
   // `send` may also be exactly recv + sum(recv_bytes[0..rank)) (in place).
   absl::Status AllGatherV(const void* send, std::span<const uint64_t> recv_bytes, void* recv,
                           const CommCall& call) override;
+  absl::Status AllGatherVParts(std::span<const GatherPart> parts, const CommCall& call) override;
+  absl::Status AllGatherHost(const void* send, uint64_t bytes, void* recv,
+                             const CommCall& call) override;
   absl::Status AllReduceMax(float* data, uint64_t count, const CommCall& call) override;
   absl::Status Barrier(const CommCall& call) override;
   // Sets a flag that the waiting call (or the next one) turns into
@@ -104,8 +118,13 @@ class NcclCommunicator final : public Communicator {
   // waits until the work on `stream` is done; on any failure aborts the
   // communicator and returns the error.
   absl::Status Finish(int enqueued, void* stream, absl::Time deadline, const char* op);
-  // Records the failure, aborts the NCCL communicator, returns `status`.
+  // Records the failure (the communicator is broken from now on), starts
+  // ncclCommAbort on the reaper thread, returns `status` at once.
   absl::Status Fail(absl::Status status);
+  // Enqueues `parts` on `stream` inside one ncclGroupStart/End; returns the
+  // first NCCL result that is neither success nor in-progress, else the
+  // group end's.
+  int EnqueueGather(std::span<const GatherPart> parts, ncclComm* comm, void* stream);
 
   // Constant after construction.
   const std::string name_;
@@ -116,6 +135,11 @@ class NcclCommunicator final : public Communicator {
   float* const scratch_;  // one device float for Barrier
 
   std::atomic<bool> abort_requested_{false};
+  // Used by the (single) collective caller and the destructor only.
+  std::thread reaper_;         // runs the ncclCommAbort of a failed call
+  void* host_buf_ = nullptr;   // pinned, host_bytes_ (AllGatherHost)
+  void* dev_buf_ = nullptr;    // device, host_bytes_ (AllGatherHost)
+  uint64_t host_bytes_ = 0;
   mutable absl::Mutex mu_;
   ncclComm* comm_ ABSL_GUARDED_BY(mu_);  // null once aborted
   std::string broken_reason_ ABSL_GUARDED_BY(mu_);

@@ -60,20 +60,11 @@ absl::Status FromWire(const WireStatus& w, const std::string& prefix) {
                       prefix + std::string(w.message, strnlen(w.message, kMessageBytes)));
 }
 
-// Moves `bytes` host bytes through device memory (for a device communicator)
-// and all-gathers them; every rank contributes the same size.
-absl::Status ExchangeFixed(const void* send, uint64_t bytes, void* recv, const OpContext& ctx,
+// All-gathers `bytes` host bytes per rank (a device communicator moves them
+// through its own reusable buffers: one launch, one wait).
+absl::Status ExchangeFixed(const void* send, uint64_t bytes, void* recv,
                            backend::Communicator& comm, const backend::CommCall& call) {
-  const int w = comm.world_size();
-  std::vector<uint64_t> sizes(w, bytes);
-  if (ctx.device->memory_kind() == MemoryKind::kHost) {
-    return comm.AllGatherV(send, sizes, recv, call);
-  }
-  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer dsend, ctx.device->Allocate(bytes));
-  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer drecv, ctx.device->Allocate(bytes * w));
-  QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(dsend.data(), send, bytes));
-  QTX_RETURN_IF_ERROR(comm.AllGatherV(dsend.data(), sizes, drecv.data(), call));
-  return ctx.device->CopyToHost(recv, drecv.data(), bytes * w);
+  return comm.AllGatherHost(send, bytes, recv, call);
 }
 
 // The first field in which rank r's header differs from rank 0's.
@@ -287,7 +278,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     mine.status = ToWire(local.status());
   }
   std::vector<WireHeader> headers(world);
-  if (absl::Status s = ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), ctx, comm, call);
+  if (absl::Status s = ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), comm, call);
       !s.ok()) {
     return comm_failed(s);
   }
@@ -401,8 +392,10 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer d, ctx.device->Allocate(8 * amax_len));
       float* df = static_cast<float*>(d.data());
       QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(args, df, df + amax_len));
-      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(amax_first.data(), df, 4 * amax_len));
-      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(amax_last.data(), df + amax_len, 4 * amax_len));
+      std::vector<float> both(2 * amax_len);
+      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(both.data(), df, 8 * amax_len));
+      std::copy(both.begin(), both.begin() + amax_len, amax_first.begin());
+      std::copy(both.begin() + amax_len, both.end(), amax_last.begin());
     }
     return absl::OkStatus();
   }();
@@ -416,7 +409,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     std::memcpy(send.data() + sizeof ws, amax_first.data(), 4 * amax_len);
     std::memcpy(send.data() + sizeof ws + 4 * amax_len, amax_last.data(), 4 * amax_len);
   }
-  if (absl::Status s = ExchangeFixed(send.data(), block, recv.data(), ctx, comm, call); !s.ok()) {
+  if (absl::Status s = ExchangeFixed(send.data(), block, recv.data(), comm, call); !s.ok()) {
     return comm_failed(s);
   }
   if (!prepared.ok()) return prepared;
@@ -463,9 +456,9 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer amax_dev, ctx.device->Allocate(8 * amax_len));
     float* amax_ptr = static_cast<float*>(amax_dev.data());
     if (amax_len > 0) {
-      QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(amax_ptr, first.data(), 4 * amax_len));
-      QTX_RETURN_IF_ERROR(
-          ctx.device->CopyFromHost(amax_ptr + amax_len, last.data(), 4 * amax_len));
+      std::vector<float> both(first);
+      both.insert(both.end(), last.begin(), last.end());
+      QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(amax_ptr, both.data(), 8 * amax_len));
     }
     auto* sbase = static_cast<uint8_t*>(shard.data());
     const PackedShard& mp = packs[rank];
@@ -484,16 +477,16 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
                                                     amax_len ? amax_ptr + amax_len : nullptr,
                                                     shard_bufs));
     }
+    // The rowwise data (in place in the output) and the packed rest in one
+    // communicator step (one NCCL launch).
+    std::vector<uint64_t> data_sizes(world);
+    std::vector<backend::Communicator::GatherPart> parts;
     if (p.rowwise) {
-      std::vector<uint64_t> data_sizes(world);
       for (int r = 0; r < world; ++r) data_sizes[r] = static_cast<uint64_t>(geoms[r].m * n);
-      if (absl::Status s = comm.AllGatherV(shard_bufs.rowwise_data, data_sizes,
-                                           out_bufs.rowwise_data, call);
-          !s.ok()) {
-        return comm_failed(s);
-      }
+      parts.push_back({shard_bufs.rowwise_data, data_sizes, out_bufs.rowwise_data});
     }
-    if (absl::Status s = comm.AllGatherV(shard.data(), sizes, gathered.data(), call); !s.ok()) {
+    parts.push_back({shard.data(), sizes, gathered.data()});
+    if (absl::Status s = comm.AllGatherVParts(parts, call); !s.ok()) {
       return comm_failed(s);
     }
     std::vector<kernels::QuantizedConstBuffers> views(world);
