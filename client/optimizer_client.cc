@@ -127,6 +127,12 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
     if (d.bf16) ToProto(*d.bf16, out->mutable_bf16());
   }
   request.set_omit_parameters(options.omit_parameters);
+  if (!call.cuda_wait_event.empty()) {
+    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
+  }
+  if (!call.cuda_signal_event.empty()) {
+    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
+  }
   v1::StepResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);

@@ -59,8 +59,8 @@ struct CallOptions {
   // Sent as "x-request-id"; generated ("<client id>-<counter>") when empty.
   std::string request_id;
   // Interprocess CUDA event handles (64-byte cudaIpcEventHandle_t, e.g. from
-  // qtx::cuda::ExportEvent in qtx_client_cuda) for Quantize and Dequantize
-  // against a CUDA sidecar; empty = none; ignored by the other calls.
+  // qtx::cuda::ExportEvent in qtx_client_cuda) for Quantize, Dequantize and
+  // Step against a CUDA sidecar; empty = none; ignored by the other calls.
   // cuda_wait_event: the sidecar's stream waits on it before touching the
   // tensors. cuda_signal_event: recorded after the outputs are written, and
   // the call returns once the work is enqueued -- wait on the event (e.g.

@@ -517,6 +517,19 @@ GradNormResult GradSumSquares(std::span<const AdamWParamBuffers> params, int num
   return r;
 }
 
+std::vector<double> GradChunkSumSquares(const AdamWParamBuffers& b, int num_threads) {
+  const int64_t count = b.m * b.n;
+  const int64_t nchunks = (count + kNormChunk - 1) / kNormChunk;
+  std::vector<double> partial(nchunks);
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    partial[c] = ChunkSumSquaresDispatch(b.grad, b.grad_dtype, c * kNormChunk,
+                                         std::min(count, (c + 1) * kNormChunk));
+  }
+  return partial;
+}
+
 namespace internal {
 uint8_t EncodeFp8Branchless(float x, Fp8Format f) {
   return f == Fp8Format::kE4M3 ? EncodeFast<4, 3>(x) : EncodeFast<5, 2>(x);

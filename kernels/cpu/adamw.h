@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "kernels/adamw.h"
 #include "kernels/quantize_params.h"
@@ -62,6 +63,13 @@ struct GradNormResult {
   bool all_finite = true;
 };
 GradNormResult GradSumSquares(std::span<const AdamWParamBuffers> params, int num_threads = 0);
+
+// The chunk sums GradSumSquares adds up, for one parameter: element c is the
+// sum of squares of gradient elements [4096c, min(m*n, 4096(c+1))). Adding, in
+// double and starting from 0, every element of the result for params[0], then
+// params[1], ... in order gives exactly GradSumSquares(params).sum_squares —
+// for a caller that receives the gradients one parameter at a time.
+std::vector<double> GradChunkSumSquares(const AdamWParamBuffers& param, int num_threads = 0);
 
 namespace internal {
 // The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel;

@@ -169,6 +169,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
     if (request->has_max_grad_norm()) spec.options.max_grad_norm = request->max_grad_norm();
     spec.options.skip_if_non_finite = request->skip_if_non_finite();
     spec.omit_parameters = request->omit_parameters();
+    spec.events = CudaEventsFromProto(request->cuda_events());
     for (int i = 0; i < request->gradients_size(); ++i) {
       const v1::Gradient& g = request->gradients(i);
       ops::GradientSpec gs;

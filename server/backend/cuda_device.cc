@@ -531,7 +531,168 @@ absl::StatusOr<cudaStream_t> CudaDevice::CurrentThreadStream() {
 absl::Status CudaDevice::SynchronizeAll() {
   QTX_RETURN_IF_ERROR(Activate());
   for (cudaStream_t s : streams_) QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  absl::MutexLock lock(&pipeline_mu_);
+  for (cudaStream_t s : pipeline_streams_) QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   return absl::OkStatus();
+}
+
+void CudaDevice::AddPipelineStreams(cudaStream_t a, cudaStream_t b) {
+  absl::MutexLock lock(&pipeline_mu_);
+  pipeline_streams_.push_back(a);
+  pipeline_streams_.push_back(b);
+}
+
+void CudaDevice::RemovePipelineStreams(cudaStream_t a, cudaStream_t b) {
+  absl::MutexLock lock(&pipeline_mu_);
+  std::erase_if(pipeline_streams_, [&](cudaStream_t s) { return s == a || s == b; });
+}
+
+// ---- Transfer pipeline (D2H inbound, H2D outbound, pinned staging) ----
+
+namespace {
+
+class CudaTransferPipeline final : public TransferPipeline {
+ public:
+  CudaTransferPipeline(CudaDevice* device, int ordinal) : device_(device), ordinal_(ordinal) {}
+
+  absl::Status Init() {
+    QTX_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&inbound_, cudaStreamNonBlocking));
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&outbound_, cudaStreamNonBlocking));
+    device_->AddPipelineStreams(inbound_, outbound_);
+    registered_ = true;
+    return absl::OkStatus();
+  }
+
+  ~CudaTransferPipeline() override {
+    if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
+    for (cudaStream_t s : {inbound_, outbound_}) {
+      if (s != nullptr && cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
+    }
+    if (registered_) device_->RemovePipelineStreams(inbound_, outbound_);
+    for (cudaEvent_t e : inbound_done_) (void)cudaEventDestroy(e);
+    if (staging_ != nullptr) (void)cudaFreeHost(staging_);
+    for (cudaStream_t s : {inbound_, outbound_}) {
+      if (s != nullptr) (void)cudaStreamDestroy(s);
+    }
+    (void)cudaGetLastError();
+  }
+
+  absl::StatusOr<std::byte*> Staging(uint64_t bytes) override {
+    if (bytes <= staging_bytes_ && staging_ != nullptr) return staging_;
+    QTX_RETURN_IF_ERROR(Drain());
+    if (staging_ != nullptr) QTX_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
+    staging_ = nullptr;
+    staging_bytes_ = 0;
+    void* p = nullptr;
+    const cudaError_t err = cudaHostAlloc(&p, std::max<uint64_t>(bytes, 1), cudaHostAllocDefault);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "cuda:%d: cannot allocate %d bytes of page-locked host staging: %s", ordinal_, bytes,
+          cudaGetErrorString(err)));
+    }
+    staging_ = static_cast<std::byte*>(p);
+    staging_bytes_ = bytes;
+    return staging_;
+  }
+
+  uint64_t staging_bytes() const override { return staging_bytes_; }
+
+  absl::Status Begin(const CudaEvents& events) override {
+    QTX_RETURN_IF_ERROR(Drain());
+    signal_ = nullptr;
+    tickets_ = 0;
+    if (!events.signal_event.empty()) {
+      QTX_ASSIGN_OR_RETURN(signal_, device_->OpenEvent(events.signal_event,
+                                                       "cuda_events.signal_event"));
+    }
+    if (!events.wait_event.empty()) {
+      QTX_ASSIGN_OR_RETURN(std::shared_ptr<CUevent_st> wait,
+                           device_->OpenEvent(events.wait_event, "cuda_events.wait_event"));
+      QTX_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(inbound_, wait.get(), 0));
+      QTX_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(outbound_, wait.get(), 0));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int> CopyToHostAsync(void* host_dst, const void* device_src,
+                                      uint64_t bytes) override {
+    const int ticket = tickets_;
+    if (static_cast<size_t>(ticket) == inbound_done_.size()) {
+      cudaEvent_t e = nullptr;
+      QTX_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      inbound_done_.push_back(e);
+    }
+    if (bytes > 0) {
+      QTX_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(host_dst, device_src, bytes, cudaMemcpyDeviceToHost, inbound_));
+    }
+    QTX_CUDA_RETURN_IF_ERROR(cudaEventRecord(inbound_done_[ticket], inbound_));
+    ++tickets_;
+    return ticket;
+  }
+
+  absl::Status WaitInbound(int ticket) override {
+    if (ticket < 0 || ticket >= tickets_) {
+      return absl::InternalError(absl::StrFormat("WaitInbound: ticket %d of %d", ticket, tickets_));
+    }
+    QTX_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(inbound_done_[ticket]));
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyFromHostAsync(void* device_dst, const void* host_src,
+                                 uint64_t bytes) override {
+    if (bytes == 0) return absl::OkStatus();
+    QTX_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, outbound_));
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    if (signal_ != nullptr) {
+      QTX_CUDA_RETURN_IF_ERROR(cudaEventRecord(signal_.get(), outbound_));
+      signal_ = nullptr;
+      return absl::OkStatus();
+    }
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(outbound_));
+    return absl::OkStatus();
+  }
+
+  absl::Status Drain() override {
+    QTX_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(inbound_));
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(outbound_));
+    return absl::OkStatus();
+  }
+
+ private:
+  // Constant after Init().
+  CudaDevice* const device_;
+  const int ordinal_;
+  cudaStream_t inbound_ = nullptr;
+  cudaStream_t outbound_ = nullptr;
+  bool registered_ = false;
+
+  // One user at a time (see TransferPipeline).
+  std::byte* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+  std::vector<cudaEvent_t> inbound_done_;  // reused across calls
+  int tickets_ = 0;
+  std::shared_ptr<CUevent_st> signal_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransferPipeline>> CudaDevice::CreateTransferPipeline() {
+  auto pipeline = std::make_unique<CudaTransferPipeline>(this, ordinal_);
+  QTX_RETURN_IF_ERROR(pipeline->Init());
+  return pipeline;
+}
+
+absl::StatusOr<std::shared_ptr<CUevent_st>> CudaDevice::OpenEvent(std::string_view handle,
+                                                                  std::string_view field) {
+  return OpenIpcEvent(handle, field);
 }
 
 }  // namespace qtx::server::backend

@@ -105,6 +105,13 @@ class CudaDevice final : public Device {
 
   tensor::CudaIpcOpener cuda_ipc_opener() override;
 
+  // A pipeline with two non-blocking streams of its own (inbound D2H,
+  // outbound H2D), one reusable event per inbound copy, and cudaHostAlloc
+  // staging. Its streams count as the device's streams for SynchronizeAll (so
+  // a CUDA IPC region is unmapped only after its copies). INTERNAL on a CUDA
+  // failure.
+  absl::StatusOr<std::unique_ptr<TransferPipeline>> CreateTransferPipeline() override;
+
   // Opens a cudaIpcMemHandle_t exported by another process for device
   // `device_id` and checks that `byte_size` bytes from the exported pointer
   // lie inside the real allocation. INVALID_ARGUMENT for a handle that is not
@@ -121,8 +128,18 @@ class CudaDevice final : public Device {
   // it, after this thread's kernels and copies. INTERNAL on a CUDA failure.
   absl::StatusOr<cudaStream_t> CurrentThreadStream();
 
-  // Blocks until all work queued on every stream of the device is done.
+  // Blocks until all work queued on every stream of the device (the pool's
+  // and every live transfer pipeline's) is done.
   absl::Status SynchronizeAll();
+
+  // Opens (or finds cached) the interprocess event with the 64-byte handle;
+  // INVALID_ARGUMENT naming `field` when it cannot be opened.
+  absl::StatusOr<std::shared_ptr<CUevent_st>> OpenEvent(std::string_view handle,
+                                                        std::string_view field);
+
+  // Transfer pipelines add and remove their streams here.
+  void AddPipelineStreams(cudaStream_t a, cudaStream_t b);
+  void RemovePipelineStreams(cudaStream_t a, cudaStream_t b);
 
  private:
   struct StagingPair {
@@ -160,6 +177,11 @@ class CudaDevice final : public Device {
   std::vector<StagingPair*> staging_free_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, SharedEvent, std::less<>> events_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> event_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+
+  // Streams of live transfer pipelines. Held while synchronizing them, so a
+  // pipeline cannot destroy a stream SynchronizeAll is waiting on.
+  absl::Mutex pipeline_mu_;
+  std::vector<cudaStream_t> pipeline_streams_ ABSL_GUARDED_BY(pipeline_mu_);
 };
 
 }  // namespace qtx::server::backend

@@ -12,8 +12,10 @@
 #ifndef QTX_SERVER_BACKEND_DEVICE_H_
 #define QTX_SERVER_BACKEND_DEVICE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -107,6 +109,54 @@ struct ShardArgs {
   kernels::QuantizeParams params;
 };
 
+// Asynchronous copies between device memory and page-locked host staging that
+// the pipeline owns, for an op that overlaps host work with transfers (the
+// optimizer step: parameter i+1's gradient travels to the host while the host
+// steps parameter i and parameter i-1's outputs travel back). Two in-order
+// queues run concurrently with each other and with the host: the inbound queue
+// (device -> host) and the outbound queue (host -> device).
+//
+// Kept across calls so that its staging is allocated once. One call at a time:
+// Begin, copies, Finish (or Drain on an error path). Not safe for concurrent
+// use. Destroying it waits for its queued copies, then frees the staging.
+class TransferPipeline {
+ public:
+  virtual ~TransferPipeline() = default;
+
+  // Page-locked host memory of at least `bytes` owned by the pipeline; grows
+  // (contents lost) only when it is smaller. Drains queued copies first.
+  // RESOURCE_EXHAUSTED when it cannot be allocated.
+  virtual absl::StatusOr<std::byte*> Staging(uint64_t bytes) = 0;
+  virtual uint64_t staging_bytes() const = 0;
+
+  // Starts a call: waits (host) until every copy of the previous call is done,
+  // then makes both queues wait on events.wait_event (when set) before their
+  // first copy. Opens events.signal_event too, so that a bad handle fails here,
+  // before any copy. INVALID_ARGUMENT for a handle that cannot be opened.
+  virtual absl::Status Begin(const CudaEvents& events) = 0;
+
+  // Enqueues a device -> host copy on the inbound queue and returns its ticket
+  // (0, 1, 2, ... within a call). `host_dst` lies in the staging.
+  virtual absl::StatusOr<int> CopyToHostAsync(void* host_dst, const void* device_src,
+                                              uint64_t bytes) = 0;
+  // Blocks until the inbound copy `ticket` (and every one before it) is done.
+  virtual absl::Status WaitInbound(int ticket) = 0;
+
+  // Enqueues a host -> device copy on the outbound queue. `host_src` lies in
+  // the staging and must not change until the copy is done.
+  virtual absl::Status CopyFromHostAsync(void* device_dst, const void* host_src,
+                                         uint64_t bytes) = 0;
+
+  // Ends the call. With events.signal_event set: records it on the outbound
+  // queue after every copy and returns at once (the next Begin or Staging
+  // waits for the copies before the staging is reused). Without one: returns
+  // when every outbound copy is done.
+  virtual absl::Status Finish() = 0;
+
+  // Blocks until every queued copy is done (for error paths).
+  virtual absl::Status Drain() = 0;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -140,6 +190,14 @@ class Device {
   // for Quantize).
   // REQUIRES: as Quantize, for the chosen copy.
   virtual absl::Status Dequantize(const DequantizeArgs& args) = 0;
+
+  // A new transfer pipeline between this device's memory and host staging
+  // (see TransferPipeline). FAILED_PRECONDITION on a device whose memory is
+  // host memory (the default): there is nothing to transfer.
+  virtual absl::StatusOr<std::unique_ptr<TransferPipeline>> CreateTransferPipeline() {
+    return absl::FailedPreconditionError(
+        "device '" + name() + "' computes on host memory: it has no transfer pipeline");
+  }
 
   // Opens device memory another process exported (CUDA IPC) for the region
   // table; null when this device cannot use such memory (the default).

@@ -62,9 +62,11 @@ struct Placement {
 
 // Resolves region slices, checks the inline total, then sizes inline buffers
 // (heap-allocated so that moving the strings later keeps the pointers valid).
-// Returns the host pointer of every placement, in order.
+// Returns the pointer of every placement, in order; with `device` set, device
+// (CUDA IPC) slices are allowed and (*device)[k] tells which they are.
 absl::StatusOr<std::vector<void*>> Place(std::vector<Placement>& ps, const OpContext& ctx,
-                                         std::vector<tensor::OutputSlice>& pins) {
+                                         std::vector<tensor::OutputSlice>& pins,
+                                         std::vector<bool>* device = nullptr) {
   uint64_t inline_bytes = 0;
   for (const Placement& p : ps) {
     if (!p.slice.has_value()) inline_bytes += p.bytes;
@@ -82,7 +84,11 @@ absl::StatusOr<std::vector<void*>> Place(std::vector<Placement>& ps, const OpCon
       QTX_ASSIGN_OR_RETURN(tensor::OutputSlice s,
                            tensor::ResolveOutputSlice(*p.slice, p.bytes, p.alignment, p.field,
                                                       *ctx.regions));
-      QTX_RETURN_IF_ERROR(RequireHost(s.memory, p.field));
+      if (device != nullptr) {
+        device->push_back(s.memory == MemoryKind::kDevice);
+      } else {
+        QTX_RETURN_IF_ERROR(RequireHost(s.memory, p.field));
+      }
       p.tensor->region = *p.slice;
       ptrs.push_back(s.data);
       pins.push_back(std::move(s));
@@ -90,10 +96,89 @@ absl::StatusOr<std::vector<void*>> Place(std::vector<Placement>& ps, const OpCon
       p.tensor->inline_data.reserve(std::max<uint64_t>(p.bytes, 64));
       p.tensor->inline_data.resize(p.bytes);
       ptrs.push_back(p.tensor->inline_data.data());
+      if (device != nullptr) device->push_back(false);
     }
   }
   return ptrs;
 }
+
+// ---- The GPU path of Step: device tensors through a TransferPipeline ----
+
+constexpr uint64_t kStagingAlign = 256;
+
+uint64_t AlignUp(uint64_t x) { return (x + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
+// The group's transfer pipeline and its page-locked staging, kept across
+// steps by the store (optimizer::StepScratch).
+class DeviceStepScratch final : public optimizer::StepScratch {
+ public:
+  explicit DeviceStepScratch(std::unique_ptr<backend::TransferPipeline> pipeline)
+      : pipeline_(std::move(pipeline)) {}
+  backend::TransferPipeline& pipeline() { return *pipeline_; }
+
+ private:
+  std::unique_ptr<backend::TransferPipeline> pipeline_;
+};
+
+// One copy between a device tensor and its slot in the staging.
+struct StagedCopy {
+  void* device = nullptr;
+  uint64_t bytes = 0;
+  uint64_t offset = 0;  // in the staging
+  int slot = 0;         // outputs: 0..3 the FP8 buffers, 4 BF16 (see OptimizerStep)
+};
+
+// StepHooks on a TransferPipeline: every device gradient is queued inbound at
+// Begin, in parameter order; parameter i's device outputs are queued outbound
+// once the host wrote them.
+class DeviceStepHooks final : public optimizer::StepHooks {
+ public:
+  DeviceStepHooks(backend::TransferPipeline* pipeline, std::byte* staging,
+                  backend::CudaEvents events, std::vector<std::optional<StagedCopy>> grads,
+                  std::vector<std::vector<StagedCopy>> outputs)
+      : pipeline_(pipeline),
+        staging_(staging),
+        events_(std::move(events)),
+        grads_(std::move(grads)),
+        outputs_(std::move(outputs)),
+        tickets_(grads_.size(), -1) {}
+
+  absl::Status Begin(bool gradients) override {
+    QTX_RETURN_IF_ERROR(pipeline_->Begin(events_));
+    if (!gradients) return absl::OkStatus();
+    for (size_t i = 0; i < grads_.size(); ++i) {
+      if (!grads_[i].has_value()) continue;
+      QTX_ASSIGN_OR_RETURN(tickets_[i], pipeline_->CopyToHostAsync(staging_ + grads_[i]->offset,
+                                                                   grads_[i]->device,
+                                                                   grads_[i]->bytes));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status GradientArrived(size_t i) override {
+    if (i < tickets_.size() && tickets_[i] >= 0) return pipeline_->WaitInbound(tickets_[i]);
+    return absl::OkStatus();
+  }
+  absl::Status OutputsWritten(size_t i) override {
+    if (i >= outputs_.size()) return absl::OkStatus();
+    for (const StagedCopy& c : outputs_[i]) {
+      QTX_RETURN_IF_ERROR(pipeline_->CopyFromHostAsync(c.device, staging_ + c.offset, c.bytes));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Finish() override { return pipeline_->Finish(); }
+  void Abort() override {
+    const absl::Status s = pipeline_->Drain();
+    (void)s;  // the step's own error is the one reported
+  }
+
+ private:
+  backend::TransferPipeline* const pipeline_;
+  std::byte* const staging_;
+  const backend::CudaEvents events_;
+  const std::vector<std::optional<StagedCopy>> grads_;
+  const std::vector<std::vector<StagedCopy>> outputs_;
+  std::vector<int> tickets_;
+};
 
 OutputTensor MakeTensor(DType dtype, std::vector<int64_t> shape) {
   OutputTensor t;
@@ -165,6 +250,7 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
 
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
                                          optimizer::OptimizerStore& store) {
+  QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
   // Resolve the gradients before taking the group's lock.
   absl::flat_hash_map<std::string, tensor::TensorView> grads;
   for (size_t i = 0; i < request.gradients.size(); ++i) {
@@ -188,9 +274,83 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
 
   StepResult result;
   std::vector<tensor::OutputSlice> pins;
-  auto prepare = [&](const optimizer::GroupInfo& info,
-                     bool replay) -> absl::StatusOr<optimizer::StepBuffers> {
+  // Device (CUDA IPC) gradients and outputs, per parameter: they travel
+  // through the group's transfer pipeline (see UseTransferPipeline below).
+  std::vector<std::optional<StagedCopy>> grad_copies;
+  std::vector<std::vector<StagedCopy>> out_copies;
+  // Points the buffers of device tensors at slots of the group's staging and
+  // attaches the hooks that move them (optimizer::StepHooks). The staging is
+  // sized once and reused while it is large enough.
+  auto use_transfer_pipeline = [&](optimizer::StepBuffers& bufs,
+                                   optimizer::StepScratchSlot& slot) -> absl::Status {
+    if (ctx.device->memory_kind() != MemoryKind::kDevice) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "device-memory (CUDA IPC) tensors need a CUDA device, but this server computes on %s",
+          ctx.device->name()));
+    }
+    uint64_t total = 0;
+    for (auto& g : grad_copies) {
+      if (!g.has_value()) continue;
+      g->offset = total;
+      total += AlignUp(g->bytes);
+    }
+    for (auto& outs : out_copies) {
+      for (StagedCopy& c : outs) {
+        c.offset = total;
+        total += AlignUp(c.bytes);
+      }
+    }
+    auto* scratch = dynamic_cast<DeviceStepScratch*>(slot.get());
+    if (scratch == nullptr || scratch->pipeline().staging_bytes() < total) {
+      QTX_ASSIGN_OR_RETURN(
+          optimizer::StepScratch * made,
+          slot.Replace(total, [&]() -> absl::StatusOr<std::unique_ptr<optimizer::StepScratch>> {
+            QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::TransferPipeline> pipeline,
+                                 ctx.device->CreateTransferPipeline());
+            QTX_RETURN_IF_ERROR(pipeline->Staging(total).status());
+            return std::make_unique<DeviceStepScratch>(std::move(pipeline));
+          }));
+      scratch = static_cast<DeviceStepScratch*>(made);
+    }
+    backend::TransferPipeline& pipeline = scratch->pipeline();
+    QTX_ASSIGN_OR_RETURN(std::byte* const staging, pipeline.Staging(total));
+    for (size_t i = 0; i < grad_copies.size() && i < bufs.grads.size(); ++i) {
+      if (grad_copies[i].has_value()) bufs.grads[i].data = staging + grad_copies[i]->offset;
+    }
+    // The host writes device outputs into their staging slots.
+    for (size_t i = 0; i < out_copies.size() && i < bufs.outputs.size(); ++i) {
+      for (const StagedCopy& c : out_copies[i]) {
+        optimizer::ParameterOutputBuffers& o = bufs.outputs[i];
+        void* const host = staging + c.offset;
+        switch (c.slot) {
+          case 0:
+            o.fp8.rowwise_data = static_cast<uint8_t*>(host);
+            break;
+          case 1:
+            o.fp8.rowwise_scale_inv = static_cast<float*>(host);
+            break;
+          case 2:
+            o.fp8.columnwise_data = static_cast<uint8_t*>(host);
+            break;
+          case 3:
+            o.fp8.columnwise_scale_inv = static_cast<float*>(host);
+            break;
+          default:
+            o.bf16 = static_cast<uint16_t*>(host);
+            break;
+        }
+      }
+    }
+    bufs.hooks = std::make_shared<DeviceStepHooks>(&pipeline, staging, request.events,
+                                                   std::move(grad_copies), std::move(out_copies));
+    return absl::OkStatus();
+  };
+  bool any_device = false;
+  auto prepare = [&](const optimizer::GroupInfo& info, bool replay,
+                     optimizer::StepScratchSlot& slot) -> absl::StatusOr<optimizer::StepBuffers> {
     optimizer::StepBuffers bufs;
+    grad_copies.assign(info.params.size(), std::nullopt);
+    out_copies.assign(info.params.size(), {});
     absl::flat_hash_map<std::string_view, size_t> index;
     for (size_t i = 0; i < info.params.size(); ++i) index[info.params[i].name] = i;
     for (const auto& [name, view] : grads) {
@@ -225,12 +385,19 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
               "%s.shape=[%s]: must equal the parameter's shape [%s]", field,
               absl::StrJoin(v.shape, ","), absl::StrJoin(p.shape, ",")));
         }
-        QTX_RETURN_IF_ERROR(RequireHost(v.memory, field));
+        if (v.memory == MemoryKind::kDevice) {
+          grad_copies[bufs.grads.size()] =
+              StagedCopy{const_cast<void*>(v.data), v.byte_size, 0};
+          any_device = true;
+        }
         bufs.grads.push_back({v.data, *tensor::ToInputDType(v.dtype)});
       }
     }
     if (request.omit_parameters) {
       bufs.omit_outputs = true;
+      if (any_device || !request.events.empty()) {
+        QTX_RETURN_IF_ERROR(use_transfer_pipeline(bufs, slot));
+      }
       return bufs;
     }
     const optimizer::OutputConfig& out = info.config.output;
@@ -307,7 +474,13 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
         slots.emplace_back(i, 4);
       }
     }
-    QTX_ASSIGN_OR_RETURN(std::vector<void*> ptrs, Place(ps, ctx, pins));
+    std::vector<bool> on_device;
+    QTX_ASSIGN_OR_RETURN(std::vector<void*> ptrs, Place(ps, ctx, pins, &on_device));
+    for (size_t k = 0; k < ptrs.size(); ++k) {
+      if (!on_device[k]) continue;
+      out_copies[slots[k].first].push_back(StagedCopy{ptrs[k], ps[k].bytes, 0, slots[k].second});
+      any_device = true;
+    }
     bufs.outputs.resize(info.params.size());
     for (size_t k = 0; k < ptrs.size(); ++k) {
       optimizer::ParameterOutputBuffers& o = bufs.outputs[slots[k].first];
@@ -329,9 +502,14 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
           break;
       }
     }
+    if (any_device || !request.events.empty()) {
+      QTX_RETURN_IF_ERROR(use_transfer_pipeline(bufs, slot));
+    }
     return bufs;
   };
-  QTX_ASSIGN_OR_RETURN(result.stats, store.Step(request.group, request.options, prepare));
+  QTX_ASSIGN_OR_RETURN(result.stats,
+                       store.Step(request.group, request.options,
+                                  optimizer::PrepareStepWithScratchFn(prepare)));
   return result;
 }
 

@@ -4,9 +4,14 @@
 // converts. The AdamW math and the FP8 output live in kernels/; the state,
 // step numbers and checkpoints in the store.
 //
-// Gradients and outputs must be in host memory for now (inline, or a shm
-// region); CUDA IPC regions get FAILED_PRECONDITION until the GPU pipeline
-// (D2H -> host step -> H2D) exists.
+// Gradients and outputs may be in host memory (inline, shm) or, on a CUDA
+// device, in device memory (CUDA IPC regions): the Step then pipelines per
+// parameter through the group's backend::TransferPipeline — gradient i+1
+// copies to page-locked staging (inbound stream) while the host steps
+// parameter i, whose FP8/BF16 outputs then copy to their device slices
+// (outbound stream) — with the same bytes as the host-only path. The
+// staging is allocated once per group (counted against the memory cap) and
+// reused. GetState still needs host destinations.
 //
 // Thread safety: the functions are safe for concurrent use.
 #ifndef QTX_SERVER_OPS_OPTIMIZER_H_
@@ -62,6 +67,10 @@ struct StepRequestSpec {
   std::vector<GradientSpec> gradients;
   std::vector<ParameterDestinationSpec> destinations;
   bool omit_parameters = false;
+  // Interprocess CUDA events (CUDA device only): the device copies wait on
+  // wait_event; signal_event is recorded once the device outputs are written
+  // and the call then returns before they are.
+  backend::CudaEvents events;
 };
 
 struct ParameterResult {

@@ -23,6 +23,10 @@ namespace qtx::server::optimizer {
 struct OptimizerStore::Group {
   // Constant after the group is installed.
   uint64_t bytes = 0;  // accounted against the cap while the group is in the map
+  // Bytes of `scratch`, accounted against the cap too. Guarded by the store's
+  // mu_ (written with both locks held).
+  uint64_t scratch_bytes = 0;
+  uint64_t HeldBytes() const { return bytes + scratch_bytes; }
 
   mutable absl::Mutex mu;
   GroupState state ABSL_GUARDED_BY(mu);
@@ -31,6 +35,7 @@ struct OptimizerStore::Group {
   // False after a fallback to the .prev checkpoint: the newest file on disk is
   // not trusted, so the next write must not rotate it into .prev.
   bool rotate_on_write ABSL_GUARDED_BY(mu) = true;
+  std::unique_ptr<StepScratch> scratch ABSL_GUARDED_BY(mu);  // see StepScratchSlot
 
   // Whether the next checkpoint write keeps the newest file as .prev: not
   // after a fallback, and not when the newest already holds this very step
@@ -271,7 +276,7 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
       }
       existing = it->second;
     }
-    QTX_RETURN_IF_ERROR(Reserve(bytes, existing ? existing->bytes : 0,
+    QTX_RETURN_IF_ERROR(Reserve(bytes, existing ? existing->HeldBytes() : 0,
                                 absl::StrFormat("optimizer group '%s'", config.name)));
   }
   auto unreserve = [&] {
@@ -320,13 +325,135 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
     return absl::AlreadyExistsError(absl::StrFormat(
         "optimizer group '%s' was created concurrently by another call", config.name));
   }
-  if (existing) used_bytes_ -= existing->bytes;
+  if (existing) used_bytes_ -= existing->HeldBytes();
   groups_[config.name] = std::move(g);
   return info;
 }
 
+namespace {
+
+// The group's scratch slot during one Step (the group's lock held).
+class GroupScratchSlot final : public StepScratchSlot {
+ public:
+  using ReplaceFn = std::function<absl::StatusOr<StepScratch*>(uint64_t, const MakeFn&)>;
+  GroupScratchSlot(const std::unique_ptr<StepScratch>* scratch, uint64_t bytes, ReplaceFn replace)
+      : scratch_(scratch), bytes_(bytes), replace_(std::move(replace)) {}
+  StepScratch* get() const override { return scratch_->get(); }
+  uint64_t bytes() const override { return bytes_; }
+  absl::StatusOr<StepScratch*> Replace(uint64_t bytes, const MakeFn& make) override {
+    QTX_ASSIGN_OR_RETURN(StepScratch * p, replace_(bytes, make));
+    bytes_ = bytes;
+    return p;
+  }
+
+ private:
+  const std::unique_ptr<StepScratch>* scratch_;
+  uint64_t bytes_;
+  ReplaceFn replace_;
+};
+
+// What a pipelined step did, for Step to commit or report.
+struct PipelineOutcome {
+  absl::Status failure;  // the update did not complete
+  size_t updated = 0;    // parameters updated before `failure`
+  absl::Status delivery;  // the update completed; the outputs did not arrive
+};
+
+// Runs a step whose buffers come with hooks (StepHooks), one parameter at a
+// time; the same arithmetic as the unpipelined step (tiles are independent,
+// the norm adds the same chunk sums in the same order), so the same bits.
+// Without clipping or skipping, parameter i is stepped as soon as its own
+// gradient arrived and the norm is only reported; with either, the norm must
+// be known before any update, so every gradient arrives first (the copies
+// back still overlap the host steps).
+PipelineOutcome RunPipelinedStep(GroupState& s,
+                                 std::span<const kernels::cpu::AdamWParamBuffers> kb,
+                                 const StepBuffers& bufs, const StepOptions& options,
+                                 int threads, StepStats& stats) {
+  StepHooks& h = *bufs.hooks;
+  const size_t np = kb.size();
+  const OutputConfig& out = s.config.output;
+  PipelineOutcome r;
+  auto fail = [&](absl::Status st, size_t updated) {
+    h.Abort();
+    r.failure = std::move(st);
+    r.updated = updated;
+    return r;
+  };
+  if (absl::Status st = h.Begin(/*gradients=*/true); !st.ok()) return fail(st, 0);
+  std::vector<std::vector<double>> partial(np);
+  auto arrive = [&](size_t i) -> absl::Status {
+    QTX_RETURN_IF_ERROR(h.GradientArrived(i));
+    partial[i] = kernels::cpu::GradChunkSumSquares(kb[i], threads);
+    return absl::OkStatus();
+  };
+  auto set_norm = [&] {
+    double sum = 0.0;
+    for (const std::vector<double>& p : partial) {
+      for (double x : p) sum += x;
+    }
+    stats.grad_norm = std::sqrt(sum);
+    stats.non_finite = !std::isfinite(sum);
+  };
+  auto deliver = [&](size_t i) {
+    if (bufs.omit_outputs || !r.delivery.ok()) return;
+    r.delivery = h.OutputsWritten(i);
+  };
+  kernels::AdamWHyperParams hp = s.config.hyper;
+  hp.lr = stats.lr;
+  const bool norm_first = options.max_grad_norm.has_value() || options.skip_if_non_finite;
+  if (norm_first) {
+    for (size_t i = 0; i < np; ++i) {
+      if (absl::Status st = arrive(i); !st.ok()) return fail(st, 0);
+    }
+    set_norm();
+    if (stats.non_finite && options.skip_if_non_finite) {
+      stats.skipped = true;
+      for (size_t i = 0; i < np && !bufs.omit_outputs; ++i) {
+        WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+        deliver(i);
+      }
+    } else {
+      if (options.max_grad_norm.has_value() && !stats.non_finite) {
+        const double coef = *options.max_grad_norm / (stats.grad_norm + 1e-6);
+        if (coef < 1.0) stats.clip_coef = coef;
+      }
+      const kernels::AdamWScalars scalars =
+          kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
+      for (size_t i = 0; i < np; ++i) {
+        kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
+        deliver(i);
+      }
+      ++s.update_count;
+    }
+  } else {
+    const kernels::AdamWScalars scalars = kernels::MakeAdamWScalars(hp, s.update_count + 1, 1.0);
+    for (size_t i = 0; i < np; ++i) {
+      if (absl::Status st = arrive(i); !st.ok()) return fail(st, i);
+      kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
+      deliver(i);
+    }
+    set_norm();
+    ++s.update_count;
+  }
+  if (r.delivery.ok()) r.delivery = h.Finish();
+  if (!r.delivery.ok()) h.Abort();
+  return r;
+}
+
+}  // namespace
+
 absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
                                                const PrepareStepFn& prepare) {
+  return Step(name, options,
+              PrepareStepWithScratchFn(
+                  [&prepare](const GroupInfo& info, bool replay, StepScratchSlot&) {
+                    return prepare(info, replay);
+                  }));
+}
+
+absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
+                                               const PrepareStepWithScratchFn& prepare) {
   if (options.lr.has_value() && !FiniteNonNegative(*options.lr)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("lr=%g: must be finite and >= 0", *options.lr));
@@ -350,7 +477,42 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
         options.step));
   }
   const GroupInfo info = InfoOf(s, g->last_checkpoint_step, absl::OkStatus());
-  QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, replay));
+  uint64_t scratch_bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    scratch_bytes = g->scratch_bytes;
+  }
+  GroupScratchSlot slot(
+      &g->scratch, scratch_bytes,
+      [&](uint64_t bytes,
+          const StepScratchSlot::MakeFn& make) -> absl::StatusOr<StepScratch*> {
+        g->mu.AssertHeld();
+        g->scratch.reset();  // its destructor waits for its transfers
+        {
+          absl::MutexLock lock(&mu_);
+          used_bytes_ -= g->scratch_bytes;
+          g->scratch_bytes = 0;
+          auto it = groups_.find(std::string(name));
+          if (it == groups_.end() || it->second != g) {
+            return absl::FailedPreconditionError(absl::StrFormat(
+                "optimizer group '%s' was released or replaced during this step", name));
+          }
+          QTX_RETURN_IF_ERROR(Reserve(
+              bytes, 0, absl::StrFormat("the transfer staging of optimizer group '%s'", name)));
+          g->scratch_bytes = bytes;
+        }
+        absl::StatusOr<std::unique_ptr<StepScratch>> made = make();
+        if (!made.ok()) {
+          absl::MutexLock lock(&mu_);
+          used_bytes_ -= g->scratch_bytes;
+          g->scratch_bytes = 0;
+          return made.status();
+        }
+        g->scratch = *std::move(made);
+        return g->scratch.get();
+      });
+  QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, replay, slot));
+  StepHooks* const hooks = bufs.hooks.get();
   const size_t np = s.params.size();
   if (!bufs.omit_outputs && bufs.outputs.size() != np) {
     return absl::InternalError(absl::StrFormat("step: %d output buffers for %d parameters",
@@ -359,7 +521,20 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   const OutputConfig& out = s.config.output;
   if (replay) {
     if (!bufs.omit_outputs) {
-      for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+      if (hooks != nullptr) {
+        absl::Status st = hooks->Begin(/*gradients=*/false);
+        for (size_t i = 0; i < np && st.ok(); ++i) {
+          WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+          st = hooks->OutputsWritten(i);
+        }
+        if (st.ok()) st = hooks->Finish();
+        if (!st.ok()) {
+          hooks->Abort();
+          return st;
+        }
+      } else {
+        for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+      }
     }
     StepStats r = *s.last;
     r.replayed = true;
@@ -391,6 +566,22 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   StepStats stats;
   stats.step = options.step;
   stats.lr = options.lr.value_or(s.config.hyper.lr);
+  absl::Status delivery;
+  if (hooks != nullptr) {
+    PipelineOutcome o =
+        RunPipelinedStep(s, kb, bufs, options, options_.num_threads, stats);
+    if (!o.failure.ok()) {
+      if (o.updated == 0) return o.failure;  // nothing changed
+      g->error = absl::DataLossError(absl::StrFormat(
+          "step %d failed after %d of %d parameters were updated (%s), so its state is half a "
+          "step ahead",
+          options.step, o.updated, np, o.failure.message()));
+      spdlog::error("event=optimizer_step_partial group={} step={} updated={} params={} msg=\"{}\"",
+                    name, options.step, o.updated, np, std::string(o.failure.message()));
+      return Unusable(name, g->error);
+    }
+    delivery = std::move(o.delivery);
+  } else {
   const kernels::cpu::GradNormResult norm =
       kernels::cpu::GradSumSquares(kb, options_.num_threads);
   stats.grad_norm = std::sqrt(norm.sum_squares);
@@ -414,6 +605,7 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
     kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
     ++s.update_count;
   }
+  }
   s.config.step = options.step;
   s.last = stats;
 
@@ -430,6 +622,12 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
       spdlog::error("event=optimizer_checkpoint_failed group={} step={} msg=\"{}\"", name,
                     s.config.step, std::string(written.status().message()));
     }
+  }
+  if (!delivery.ok()) {
+    return absl::Status(delivery.code(),
+                        absl::StrFormat("step %d was applied, but its parameters were not "
+                                        "delivered: %s; retry step %d to receive them",
+                                        options.step, delivery.message(), options.step));
   }
   return stats;
 }
@@ -500,7 +698,11 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
     auto it = groups_.find(std::string(name));
     if (it != groups_.end()) existing = it->second;
   }
-  const uint64_t freed = existing ? existing->bytes : 0;
+  uint64_t freed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (existing) freed = existing->HeldBytes();
+  }
   uint64_t reserved = 0;
   absl::StatusOr<GroupState> state = ReadCheckpoint(path, [&](uint64_t bytes) -> absl::Status {
     absl::MutexLock lock(&mu_);
@@ -534,7 +736,9 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
   }
   absl::MutexLock lock(&mu_);
   auto it = groups_.find(std::string(name));
-  if (it != groups_.end() && it->second == existing && existing) used_bytes_ -= existing->bytes;
+  if (it != groups_.end() && it->second == existing && existing) {
+    used_bytes_ -= existing->HeldBytes();
+  }
   groups_[name] = std::move(g);
   return info;
 }
@@ -570,7 +774,7 @@ absl::Status OptimizerStore::ReleaseGroup(std::string_view name) {
   if (it == groups_.end()) {
     return absl::NotFoundError(absl::StrFormat("optimizer group '%s' does not exist", name));
   }
-  used_bytes_ -= it->second->bytes;
+  used_bytes_ -= it->second->HeldBytes();
   groups_.erase(it);
   return absl::OkStatus();
 }

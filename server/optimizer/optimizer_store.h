@@ -107,16 +107,70 @@ struct ParameterOutputBuffers {
   uint16_t* bf16 = nullptr;       // m*n; when the group returns BF16; null to skip
   bool skip = false;              // write nothing for this parameter
 };
+// Moves a step's tensors that live where the host cannot address them (device
+// memory; server/ops implements it on a backend::TransferPipeline). With hooks
+// set, StepBuffers' grads and outputs point into host staging, and the store
+// steps one parameter at a time: it waits for gradient i (GradientArrived),
+// steps parameter i on the host, writes its outputs and hands them back
+// (OutputsWritten) while later gradients are still arriving and earlier
+// outputs are still travelling. Called on the Step's thread, in this order:
+// Begin, then GradientArrived(i) / OutputsWritten(i) for increasing i, then
+// Finish; Abort instead of Finish after a failure.
+class StepHooks {
+ public:
+  virtual ~StepHooks() = default;
+  // Starts the transfers; with `gradients`, every gradient starts travelling
+  // to its staging in parameter order (a replay needs none).
+  virtual absl::Status Begin(bool gradients) = 0;
+  // Blocks until grads[i] holds parameter i's gradient.
+  virtual absl::Status GradientArrived(size_t i) = 0;
+  // outputs[i] is complete: sends it on (may return before it arrives).
+  virtual absl::Status OutputsWritten(size_t i) = 0;
+  // Every output was handed over: returns when they have arrived, or once
+  // their arrival is ordered before a completion signal (interprocess event).
+  virtual absl::Status Finish() = 0;
+  // Waits for whatever is in flight, after a failure.
+  virtual void Abort() = 0;
+};
+
 struct StepBuffers {
   std::vector<GradientView> grads;  // may be empty on a replay
   std::vector<ParameterOutputBuffers> outputs;
   bool omit_outputs = false;
+  std::shared_ptr<StepHooks> hooks;  // null: every buffer is host memory, ready
 };
 
 // Called under the group's lock with the group as it is, to resolve the
 // request's gradients and output destinations against it.
 using PrepareStepFn =
     std::function<absl::StatusOr<StepBuffers>(const GroupInfo& group, bool replay)>;
+
+// Something an op keeps with a group across steps (the GPU path's transfer
+// pipeline and its page-locked staging), freed with the group.
+class StepScratch {
+ public:
+  virtual ~StepScratch() = default;
+};
+
+// The group's scratch, reachable from a prepare function (under the group's
+// lock). Its bytes count against the store's memory cap.
+class StepScratchSlot {
+ public:
+  using MakeFn = std::function<absl::StatusOr<std::unique_ptr<StepScratch>>()>;
+  virtual ~StepScratchSlot() = default;
+  // The scratch an earlier step installed, or null.
+  virtual StepScratch* get() const = 0;
+  // Bytes accounted for it.
+  virtual uint64_t bytes() const = 0;
+  // Frees the current scratch, reserves `bytes` against the memory cap and
+  // installs make()'s result. RESOURCE_EXHAUSTED (naming the group) over the
+  // cap; FAILED_PRECONDITION when the group was released or replaced
+  // meanwhile; make()'s error (the slot is then empty).
+  virtual absl::StatusOr<StepScratch*> Replace(uint64_t bytes, const MakeFn& make) = 0;
+};
+
+using PrepareStepWithScratchFn = std::function<absl::StatusOr<StepBuffers>(
+    const GroupInfo& group, bool replay, StepScratchSlot& scratch)>;
 
 // A read-only view of one parameter's state, valid during a ReadState callback.
 struct ParameterStateView {
@@ -177,6 +231,17 @@ class OptimizerStore {
   // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm.
   absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
                                  const PrepareStepFn& prepare);
+  // As above, with the group's scratch slot for `prepare`. When the buffers
+  // come with hooks (StepHooks), the step is pipelined per parameter; the
+  // results are bit for bit those of the unpipelined step. A hook failure
+  // before any parameter was updated fails the step with the state unchanged;
+  // one after some were updated marks the group failed (every later call gets
+  // DATA_LOSS until LoadCheckpoint or a replacing OffloadOptimizerState),
+  // since half a step cannot be undone; a failure to deliver the outputs
+  // after the update keeps the step applied and returns the error (retrying
+  // the step number then delivers them).
+  absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
+                                 const PrepareStepWithScratchFn& prepare);
 
   absl::StatusOr<GroupInfo> Describe(std::string_view group) const;
 
