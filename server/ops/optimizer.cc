@@ -549,7 +549,9 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
             chosen.push_back(&*it);
           }
         }
-        for (const auto& [name, d] : dests) {
+        for (const auto& dest : dests) {
+          // (clang 14 cannot capture a structured binding in a lambda)
+          const auto& name = dest.first;
           if (std::none_of(chosen.begin(), chosen.end(),
                            [&](const auto* v) { return v->info->name == name; })) {
             return absl::InvalidArgumentError(absl::StrFormat(
