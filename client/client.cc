@@ -122,6 +122,22 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target,
     return absl::InvalidArgumentError(
         absl::StrCat("timeout=", absl::FormatDuration(options.timeout), ": must be > 0"));
   }
+  if (options.auth_token.find_first_of("\r\n") != std::string::npos) {
+    return absl::InvalidArgumentError("auth_token: must not contain line breaks");
+  }
+  if (options.tls_client_cert_pem.empty() != options.tls_client_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_client_cert_pem and tls_client_key_pem: give both (mTLS) or neither");
+  }
+  if (!options.tls && (!options.tls_root_certs_pem.empty() ||
+                       !options.tls_client_cert_pem.empty() || !options.tls_server_name.empty())) {
+    return absl::InvalidArgumentError("TLS settings given but tls=false: set tls=true");
+  }
+  if (options.tls && absl::StartsWith(*normalized, "unix:")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tls=true with unix socket target '", *normalized,
+        "': TLS is for host:port targets (a unix socket is protected by its file mode)"));
+  }
   auto impl = std::make_unique<Impl>();
   impl->target = *std::move(normalized);
   impl->options = options;
@@ -133,8 +149,20 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target,
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
-  impl->channel =
-      grpc::CreateCustomChannel(impl->target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs_pem;
+    ssl.pem_cert_chain = options.tls_client_cert_pem;
+    ssl.pem_private_key = options.tls_client_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  } else {
+    credentials = grpc::InsecureChannelCredentials();
+  }
+  impl->channel = grpc::CreateCustomChannel(impl->target, credentials, args);
   impl->quantizer = v1::Quantizer::NewStub(impl->channel);
   impl->memory = v1::Memory::NewStub(impl->channel);
   impl->generic = std::make_unique<grpc::GenericStub>(impl->channel);

@@ -43,6 +43,9 @@ struct Client::Impl {
       ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     }
     if (options.wait_for_ready) ctx->set_wait_for_ready(true);
+    if (!options.auth_token.empty()) {
+      ctx->AddMetadata("authorization", absl::StrCat("Bearer ", options.auth_token));
+    }
     ctx->AddMetadata("x-request-id",
                      call.request_id.empty()
                          ? absl::StrCat(id_prefix, "-", next_request.fetch_add(1))

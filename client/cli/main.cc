@@ -17,10 +17,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include "absl/strings/string_view.h"
 #include <vector>
@@ -37,6 +39,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
 #include "absl/time/time.h"
 #include "client/cli/npy.h"
 #include "qtx/client.h"
@@ -45,6 +49,13 @@
 ABSL_FLAG(std::string, target, std::string(qtx::kDefaultTarget),
           "qtxd address: unix:///path, an absolute socket path, or host:port");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "deadline of each call");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token of a qtxd started with --auth_token_file");
+ABSL_FLAG(bool, tls, false, "use TLS (host:port targets of a qtxd with --tls_cert_file)");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM roots of the server certificate (default: system)");
+ABSL_FLAG(std::string, tls_cert_file, "", "client certificate (PEM) for mTLS");
+ABSL_FLAG(std::string, tls_key_file, "", "client key (PEM) for mTLS");
+ABSL_FLAG(std::string, tls_server_name, "", "name to check the server certificate against");
 ABSL_FLAG(std::string, npy, "", "quantize: input .npy file ('<f4' or '<f2', C order)");
 ABSL_FLAG(std::string, shape, "", "quantize: shape of a generated N(0,1) tensor, e.g. 256x1024");
 ABSL_FLAG(uint64_t, seed, 0, "quantize: seed of the generated tensor");
@@ -220,9 +231,38 @@ absl::Status PrintStatus(const absl::Status& s) {
   return s;
 }
 
+// Reads a whole file named by a flag; NOT_FOUND names the flag and path.
+absl::StatusOr<std::string> ReadFlagFile(const char* flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, "=", path, ": cannot read"));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
 absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags() {
   ClientOptions options;
   options.timeout = absl::GetFlag(FLAGS_timeout);
+  if (const std::string f = absl::GetFlag(FLAGS_token_file); !f.empty()) {
+    absl::StatusOr<std::string> token = ReadFlagFile("token_file", f);
+    if (!token.ok()) return token.status();
+    options.auth_token = std::string(absl::StripAsciiWhitespace(*token));
+  }
+  options.tls = absl::GetFlag(FLAGS_tls);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  const struct {
+    const char* flag;
+    std::string path;
+    std::string* dst;
+  } files[] = {{"tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &options.tls_root_certs_pem},
+               {"tls_cert_file", absl::GetFlag(FLAGS_tls_cert_file), &options.tls_client_cert_pem},
+               {"tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls_client_key_pem}};
+  for (const auto& file : files) {
+    if (file.path.empty()) continue;
+    absl::StatusOr<std::string> pem = ReadFlagFile(file.flag, file.path);
+    if (!pem.ok()) return pem.status();
+    *file.dst = *std::move(pem);
+  }
   return Client::Connect(absl::GetFlag(FLAGS_target), options);
 }
 

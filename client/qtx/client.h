@@ -51,6 +51,24 @@ struct ClientOptions {
   // Wait for the server to become reachable (within the deadline) instead of
   // failing a call at once with UNAVAILABLE.
   bool wait_for_ready = false;
+
+  // Bearer token sent as "authorization: Bearer <token>" on every call, for a
+  // qtxd started with --auth_token_file. Empty: none. Without it such a
+  // server answers UNAUTHENTICATED.
+  std::string auth_token;
+
+  // TLS for a "host:port" target whose qtxd listens with --tls_cert_file.
+  // Off: plaintext (unix sockets and loopback TCP).
+  bool tls = false;
+  // PEM roots that sign the server certificate; empty = the system roots.
+  std::string tls_root_certs_pem;
+  // Client certificate chain and key (PEM) for a server that requires client
+  // certificates (--tls_client_ca_file); both or neither.
+  std::string tls_client_cert_pem;
+  std::string tls_client_key_pem;
+  // Name checked against the server certificate instead of the target's
+  // host; empty = the host.
+  std::string tls_server_name;
 };
 
 struct CallOptions {
@@ -83,7 +101,9 @@ class Client {
   // Creates a client for `target`: "unix:///abs/path", "unix:path", an
   // absolute socket path ("/run/qtxd.sock", taken as unix://), or "host:port"
   // (plaintext; TLS comes with the TCP listener).
-  // Fails with INVALID_ARGUMENT for an empty target or bad options, and with
+  // Fails with INVALID_ARGUMENT for an empty target or bad options (e.g. TLS
+  // on a unix socket, a client certificate without its key, a token with
+  // line breaks), and with
   // UNAVAILABLE when options.connect_timeout > 0 and the channel does not
   // become ready in time.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(std::string_view target,

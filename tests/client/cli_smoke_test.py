@@ -40,6 +40,39 @@ def check_quantize_output(out, shape, rows_cols):
     assert re.search(r"scale_inv\s+\[", out), out
 
 
+def check_token(a):
+    """A token-protected qtxd: the CLI is refused without --token_file, served with it."""
+    tmp = tempfile.mkdtemp(prefix="qtx-cli-tok-")
+    sock = os.path.join(tmp, "qtxd.sock")
+    token_file = os.path.join(tmp, "token")
+    with open(token_file, "w") as f:
+        f.write("cli-token-77\n")
+    target = "unix://" + sock
+    server = subprocess.Popen([a.qtxd, "--socket=" + sock, "--device=cpu",
+                               "--auth_token_file=" + token_file, "--log_level=warn"])
+    try:
+        deadline = time.time() + 30
+        while subprocess.run([a.qtx, "--target=" + target, "--token_file=" + token_file, "health"],
+                             capture_output=True).returncode != 0:
+            assert time.time() < deadline, "token-protected qtxd not healthy"
+            time.sleep(0.1)
+        _, err = run(a.qtx, target, "regions", expect_rc=1)
+        assert "UNAUTHENTICATED" in err, err
+        out, _ = run(a.qtx, target, "--token_file=" + token_file, "quantize", "--shape=8x8")
+        check_quantize_output(out, [8, 8], [(8, 8)])
+        with open(token_file + ".bad", "w") as f:
+            f.write("wrong\n")
+        _, err = run(a.qtx, target, "--token_file=" + token_file + ".bad", "regions", expect_rc=1)
+        assert "UNAUTHENTICATED" in err, err
+        _, err = run(a.qtx, target, "--token_file=" + tmp + "/missing", "regions", expect_rc=1)
+        assert "--token_file=" in err, err
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert code == 0, "token qtxd exit %d" % code
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--qtxd", required=True)
@@ -105,6 +138,7 @@ def main():
         code = server.wait(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
     assert code == 0, "qtxd exit %d" % code
+    check_token(a)
     print("cli smoke test passed")
     return 0
 

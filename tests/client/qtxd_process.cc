@@ -21,7 +21,7 @@ namespace qtx::testing {
 
 absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
     const std::string& qtxd_path, const std::vector<std::string>& extra_args,
-    absl::Duration timeout) {
+    absl::Duration timeout, const ClientOptions& probe) {
   char dir_template[] = "/tmp/qtx-e2e-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) {
     return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
@@ -40,7 +40,7 @@ absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
     return absl::InternalError(absl::StrCat("posix_spawn ", qtxd_path, ": ", std::strerror(rc)));
   }
   std::unique_ptr<QtxdProcess> process(new QtxdProcess(pid, dir, socket_path));
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(process->target());
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(process->target(), probe);
   if (!client.ok()) return client.status();
   const absl::Time deadline = absl::Now() + timeout;
   absl::Status last;

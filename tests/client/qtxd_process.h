@@ -13,17 +13,22 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "qtx/client.h"
 
 namespace qtx::testing {
 
 class QtxdProcess {
  public:
   // Starts `qtxd_path --socket=<tmpdir>/qtxd.sock <extra_args...>` and waits
-  // up to `timeout` for SERVING. Fails with the spawn error or
-  // DEADLINE_EXCEEDED (the child is killed then).
+  // up to `timeout` for SERVING, asking over the socket with `probe` options
+  // (e.g. the auth token of a token-protected qtxd). Fails with the spawn
+  // error or DEADLINE_EXCEEDED (the child is killed then).
   static absl::StatusOr<std::unique_ptr<QtxdProcess>> Start(
       const std::string& qtxd_path, const std::vector<std::string>& extra_args,
-      absl::Duration timeout = absl::Seconds(30));
+      absl::Duration timeout = absl::Seconds(30), const ClientOptions& probe = {});
+
+  // The temporary directory holding the socket (removed with the process).
+  const std::string& dir() const { return dir_; }
 
   QtxdProcess(const QtxdProcess&) = delete;
   QtxdProcess& operator=(const QtxdProcess&) = delete;

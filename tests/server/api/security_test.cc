@@ -26,6 +26,7 @@
 #include "server/api/collective_service.h"
 #include "server/api/server.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/test_pki.h"
 
 namespace qtx::server::api {
 namespace {
@@ -33,64 +34,16 @@ namespace {
 using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using ::qtx::testing::TestPki;
+
+// The shared test PKI, through the name this file always used.
+struct Pki {
+  static const TestPki* Get() { return &TestPki::Get(); }
+};
 
 void WriteAll(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
+  ::qtx::testing::WriteFile(path, text);
 }
-
-// A CA, a server certificate for localhost/127.0.0.1 and a client
-// certificate, both signed by the CA; plus a second, unrelated CA.
-class Pki {
- public:
-  static Pki* Get() {
-    static Pki* pki = new Pki();
-    return pki;
-  }
-  bool ok() const { return ok_; }
-  std::string dir;
-  std::string ca_pem, ca_file, other_ca_pem;
-  std::string server_cert, server_key;            // files
-  std::string client_cert_pem, client_key_pem;    // contents
-
- private:
-  Pki() {
-    char tmpl[] = "/tmp/qtx-pki-XXXXXX";
-    dir = ::mkdtemp(tmpl);
-    const std::string d = dir;
-    WriteAll(d + "/san.ext", "subjectAltName=DNS:localhost,IP:127.0.0.1\n");
-    const std::string script = absl::StrCat(
-        "set -e; cd ", d, "; exec >openssl.log 2>&1\n",
-        "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=qtx-test-ca "
-        "-keyout ca.key -out ca.pem\n",
-        "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=other-ca "
-        "-keyout other.key -out other.pem\n",
-        "openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout server.key "
-        "-out server.csr\n",
-        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
-        "-extfile san.ext -out server.pem\n",
-        "openssl req -newkey rsa:2048 -nodes -subj /CN=qtx-client -keyout client.key "
-        "-out client.csr\n",
-        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
-        "-out client.pem\n");
-    WriteAll(d + "/make.sh", script);
-    ok_ = std::system(("bash " + d + "/make.sh").c_str()) == 0;
-    ca_file = d + "/ca.pem";
-    ca_pem = ReadAll(ca_file);
-    other_ca_pem = ReadAll(d + "/other.pem");
-    server_cert = d + "/server.pem";
-    server_key = d + "/server.key";
-    client_cert_pem = ReadAll(d + "/client.pem");
-    client_key_pem = ReadAll(d + "/client.key");
-  }
-  bool ok_ = false;
-};
 
 class SecurityTest : public ::testing::Test {
  protected:
