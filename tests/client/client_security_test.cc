@@ -132,6 +132,27 @@ TEST_F(ClientSecurityTest, TlsAndTokenOverTcp) {
   EXPECT_THAT(plaintext->ListRegions(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
 }
 
+TEST_F(ClientSecurityTest, MutualTlsNeedsTheClientCertificate) {
+  const int port = FreePort();
+  auto mtls = QtxdProcess::Start(
+      absl::GetFlag(FLAGS_qtxd),
+      {"--device=cpu", absl::StrCat("--listen_tcp=127.0.0.1:", port),
+       "--tls_cert_file=" + TestPki::Get().server_cert,
+       "--tls_key_file=" + TestPki::Get().server_key,
+       "--tls_client_ca_file=" + TestPki::Get().ca_file});
+  ASSERT_TRUE(mtls.ok()) << mtls.status();
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  ClientOptions with_cert = Tls("", TestPki::Get().ca_pem);
+  with_cert.tls_client_cert_pem = TestPki::Get().client_cert_pem;
+  with_cert.tls_client_key_pem = TestPki::Get().client_key_pem;
+  QTX_ASSERT_OK_AND_ASSIGN(auto client, Client::Connect(target, with_cert));
+  QTX_EXPECT_OK(client->ListRegions());
+  QTX_ASSERT_OK_AND_ASSIGN(auto no_cert, Client::Connect(target, Tls("", TestPki::Get().ca_pem)));
+  EXPECT_THAT(no_cert->ListRegions(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+  client.reset();
+  no_cert.reset();
+}
+
 TEST_F(ClientSecurityTest, BadTlsOptionsAreRefusedAtConnect) {
   ClientOptions o = Tls(kToken, TestPki::Get().ca_pem);
   EXPECT_THAT(Client::Connect(server_->target(), o),
