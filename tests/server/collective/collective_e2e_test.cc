@@ -259,11 +259,27 @@ TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
       EXPECT_THAT(st[r].error_message(), HasSubstr("disagree on n: rank 0 has 128, rank 2 has 100"));
     }
   }
-  // One rank never calls: the others fail with DEADLINE_EXCEEDED within the deadline.
+  // Interprocess CUDA events are not taken by AllGather yet: refused on the
+  // rank that sent them, and every other rank fails too, naming that rank.
   {
     const Shards a = MakeShards({64, 64, 64}, 128);
     std::vector<v1::AllGatherRequest> reqs;
     for (int r = 0; r < 3; ++r) reqs.push_back(Request("f", 1, a, r, v1::EXACT_FP8, v1::BLOCK_1D));
+    reqs[1].mutable_cuda_events()->set_wait_event(std::string(64, 'e'));
+    std::vector<v1::AllGatherResponse> resps;
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(20));
+    EXPECT_EQ(st[1].error_code(), grpc::StatusCode::UNIMPLEMENTED) << st[1].error_message();
+    EXPECT_THAT(st[1].error_message(), HasSubstr("cuda_events"));
+    for (int r : {0, 2}) {
+      EXPECT_FALSE(st[r].ok());
+      EXPECT_THAT(st[r].error_message(), HasSubstr("rank 1"));
+    }
+  }
+  // One rank never calls: the others fail with DEADLINE_EXCEEDED within the deadline.
+  {
+    const Shards a = MakeShards({64, 64, 64}, 128);
+    std::vector<v1::AllGatherRequest> reqs;
+    for (int r = 0; r < 3; ++r) reqs.push_back(Request("f", 2, a, r, v1::EXACT_FP8, v1::BLOCK_1D));
     std::vector<v1::AllGatherResponse> resps;
     const absl::Time start = absl::Now();
     auto st = RunAllGather(c, reqs, &resps, absl::Seconds(3), /*skip_rank=*/2);
