@@ -1,17 +1,27 @@
 // Host AdamW fused with the block-scaled FP8 parameter output. See adamw.h and
 // kernels/adamw.h (operation order), NUMERICS.md §2 (scales), §4 (layouts).
 //
-// Work split: every parameter is cut into 128x128 tiles; one OpenMP loop runs
-// over the tiles of all parameters of the call (static schedule). One tile:
-//   A. for each of its rows: the AdamW update of the row's <=128 contiguous
-//      elements (vectorized: sqrtps/divps), then the row's |p| maximum (and
-//      per-column maxima for 1-D columnwise) as unsigned compares of the
-//      magnitude bits (NaN excluded, as AmaxUpdate does);
-//   B. scales from the amaxes (kernels::ComputeScale, the QuantizeBlock rule);
-//   C. for each row: encode RN(p * scale) with a branch-free encoder into a
-//      128x128 byte tile (rowwise bytes go straight to the output), then the
-//      tile is transposed into the columnwise [N, M] copy.
-// The tile's master weights are re-read in B/C from L1/L2, never from memory.
+// Work split: every parameter is cut into work units of one 128-row band by up
+// to kUnitTiles 128x128 tiles; one OpenMP loop runs over the units of all
+// parameters of the call (static schedule: each thread gets a contiguous run
+// of units). One unit:
+//   A. row by row over the band, the AdamW update of the row's contiguous run
+//      of up to kUnitTiles * 128 elements (auto-vectorized: sqrtps/divps),
+//      with the optional BF16 copy, then each tile segment's |p| maximum
+//      (from L1) as unsigned compares of the magnitude bits (NaN excluded, as
+//      AmaxUpdate does); per-tile, per-row (1-D rowwise) and per-column (1-D
+//      columnwise) maxima are kept in the thread's scratch. The lines of the
+//      row kPrefetchRows ahead are prefetched: the runs restart at a stride
+//      of n elements, and the hardware prefetchers (which stop at 4 KiB
+//      pages) lag behind on each restart.
+//   B. per tile: scales from the amaxes (kernels::ComputeScale, the
+//      QuantizeBlock rule);
+//   C. per tile: encode RN(p * scale) (branch-free encoder, AVX2 intrinsics
+//      where built with AVX2) into the rowwise copy, or a scratch tile when
+//      there is none, then the bytes are transposed into the columnwise [N, M]
+//      copy (SSE2 16x16 blocks).
+// B/C re-read the unit's master weights from L2: the unit's whole footprint
+// in A (master, two moments, gradient: 4 x 256 KiB at FP32) is sized to L2.
 #include "kernels/cpu/adamw.h"
 
 #include <algorithm>
@@ -110,10 +120,12 @@ inline void StoreMoment(MomentT<kM>* p, int64_t i, float v) {
   }
 }
 
-// The AdamW update of `len` contiguous elements (kernels/adamw.h order).
-template <InputDType kG, MomentDType kM>
+// The AdamW update of `len` contiguous elements (kernels/adamw.h order), with
+// the optional BF16 copy of the updated weights.
+template <InputDType kG, MomentDType kM, bool kBf16>
 void UpdateSpan(float* __restrict p, MomentT<kM>* __restrict m, MomentT<kM>* __restrict v,
-                const void* __restrict g, int64_t len, const AdamWScalars& s) {
+                const void* __restrict g, uint16_t* __restrict bf16, int64_t len,
+                const AdamWScalars& s) {
   const AdamWScalars c = s;  // local copy: no aliasing with the stores
   for (int64_t j = 0; j < len; ++j) {
     float pj = p[j];
@@ -123,12 +135,93 @@ void UpdateSpan(float* __restrict p, MomentT<kM>* __restrict m, MomentT<kM>* __r
     p[j] = pj;
     StoreMoment<kM>(m, j, mj);
     StoreMoment<kM>(v, j, vj);
+    if constexpr (kBf16) bf16[j] = ToBf16(pj);
   }
 }
 
+// max over MagnitudeBits(p[0..len)) (an exact max: the order does not
+// matter). AVX2: the magnitude bits as signed 32-bit integers (<= 0x7FFFFFFF),
+// NaN (> 0x7F800000) zeroed, unsigned max; otherwise eight independent lanes.
+inline uint32_t RowMagnitudeMax(const float* __restrict p, int64_t len) {
+  int64_t j = 0;
+  uint32_t r = 0;
+#if defined(__AVX2__)
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i inf_bits = _mm256_set1_epi32(0x7F800000);
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  for (; j + 16 <= len; j += 16) {
+    const __m256i a0 = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), abs_mask);
+    const __m256i a1 = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j + 8)), abs_mask);
+    acc0 = _mm256_max_epu32(acc0, _mm256_andnot_si256(_mm256_cmpgt_epi32(a0, inf_bits), a0));
+    acc1 = _mm256_max_epu32(acc1, _mm256_andnot_si256(_mm256_cmpgt_epi32(a1, inf_bits), a1));
+  }
+  acc0 = _mm256_max_epu32(acc0, acc1);
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(acc0), _mm256_extracti128_si256(acc0, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+  r = static_cast<uint32_t>(_mm_cvtsi128_si32(h));
+#else
+  uint32_t lane[8] = {};
+  for (; j + 8 <= len; j += 8) {
+    for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], MagnitudeBits(p[j + l]));
+  }
+  for (int l = 0; l < 8; ++l) r = std::max(r, lane[l]);
+#endif
+  for (; j < len; ++j) r = std::max(r, MagnitudeBits(p[j]));
+  return r;
+}
+
+#if defined(__AVX2__)
+// EncodeFast of eight floats, the same integer and FP32 steps on 32-bit lanes;
+// the code is in the low byte of each lane. (GCC's own vectorization of
+// EncodeFast spills and costs ~3x this.)
+template <int E, int M>
+inline __m256i EncodeFast8(__m256 x) {
+  constexpr int kBias = (1 << (E - 1)) - 1;
+  constexpr int kMaxCode = E == 4 ? 0x7E : 0x7B;
+  constexpr int kDrop = 23 - M;
+  constexpr int kMinNormalBits = (127 + 1 - kBias) << 23;
+  constexpr int kSubMagicBits = (127 + 23 + 1 - kBias - M) << 23;
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i rounded = _mm256_add_epi32(
+      _mm256_add_epi32(a, _mm256_set1_epi32((1 << (kDrop - 1)) - 1)),
+      _mm256_and_si256(_mm256_srli_epi32(a, kDrop), _mm256_set1_epi32(1)));
+  __m256i code_n = _mm256_sub_epi32(_mm256_srli_epi32(rounded, kDrop),
+                                    _mm256_set1_epi32((127 - kBias) << M));
+  code_n = _mm256_min_epu32(code_n, _mm256_set1_epi32(kMaxCode));
+  const __m256 t = _mm256_add_ps(_mm256_castsi256_ps(a),
+                                 _mm256_castsi256_ps(_mm256_set1_epi32(kSubMagicBits)));
+  const __m256i code_s = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(kSubMagicBits));
+  // a <= 0x7FFFFFFF: signed compares order the magnitudes.
+  const __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(kMinNormalBits), a);
+  const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+  const __m256i code = _mm256_or_si256(_mm256_blendv_epi8(code_n, code_s, sub), sign);
+  return _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), nan);
+}
+#endif
+
 template <int E, int M>
 void EncodeSpan(const float* __restrict p, float scale, uint8_t* __restrict out, int64_t len) {
-  for (int64_t j = 0; j < len; ++j) out[j] = EncodeFast<E, M>(p[j] * scale);
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 sc = _mm256_set1_ps(scale);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (; j + 32 <= len; j += 32) {
+    const __m256i c0 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j), sc));
+    const __m256i c1 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), sc));
+    const __m256i c2 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j + 16), sc));
+    const __m256i c3 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j + 24), sc));
+    // Lanes hold values <= 0xFF, so the saturating packs are plain narrowing;
+    // the packs interleave 128-bit halves, the permute restores the order.
+    const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(w, order));
+  }
+#endif
+  for (; j < len; ++j) out[j] = EncodeFast<E, M>(p[j] * scale);
 }
 
 template <int E, int M>
@@ -156,12 +249,12 @@ void EncodeRowPerColumn(const float* p, const float* scale, uint8_t* out, int64_
 
 #if defined(__SSE2__)
 // out row j (16 bytes at out + j * out_pitch) = column j of the 16x16 byte
-// block at in (row pitch kBlockLen): four rounds of byte/word/dword/qword
+// block at in (row pitch in_pitch): four rounds of byte/word/dword/qword
 // interleaves.
-inline void Transpose16x16(const uint8_t* in, uint8_t* out, int64_t out_pitch) {
+inline void Transpose16x16(const uint8_t* in, int64_t in_pitch, uint8_t* out, int64_t out_pitch) {
   __m128i r[16];
   for (int i = 0; i < 16; ++i) {
-    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * kBlockLen));
+    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * in_pitch));
   }
   __m128i t[16];
   for (int i = 0; i < 8; ++i) {  // bytes: rows (2i, 2i+1)
@@ -190,10 +283,10 @@ inline void Transpose16x16(const uint8_t* in, uint8_t* out, int64_t out_pitch) {
 }
 #endif
 
-// Writes tile bytes [rows, cols] (row pitch kBlockLen) transposed into the
-// columnwise copy: col_data[(c0 + j) * m + r0 + i] = tile[i][j].
-void StoreTransposed(const uint8_t* tile, int64_t rows, int64_t cols, uint8_t* col_data,
-                     int64_t m, int64_t r0, int64_t c0) {
+// Writes tile bytes [rows, cols] (row pitch `pitch`) transposed into the
+// columnwise copy: col_data[(c0 + j) * m + r0 + i] = tile[i * pitch + j].
+void StoreTransposed(const uint8_t* tile, int64_t pitch, int64_t rows, int64_t cols,
+                     uint8_t* col_data, int64_t m, int64_t r0, int64_t c0) {
   constexpr int64_t kB = 16;  // 16x16 sub-blocks keep both sides in few cache lines
   for (int64_t jb = 0; jb < cols; jb += kB) {
     const int64_t je = std::min(cols, jb + kB);
@@ -201,34 +294,20 @@ void StoreTransposed(const uint8_t* tile, int64_t rows, int64_t cols, uint8_t* c
       const int64_t ie = std::min(rows, ib + kB);
 #if defined(__SSE2__)
       if (je - jb == kB && ie - ib == kB) {
-        Transpose16x16(tile + ib * kBlockLen + jb, col_data + (c0 + jb) * m + r0 + ib, m);
+        Transpose16x16(tile + ib * pitch + jb, pitch, col_data + (c0 + jb) * m + r0 + ib, m);
         continue;
       }
 #endif
       for (int64_t j = jb; j < je; ++j) {
         uint8_t* dst = col_data + (c0 + j) * m + r0;
-        for (int64_t i = ib; i < ie; ++i) dst[i] = tile[i * kBlockLen + j];
+        for (int64_t i = ib; i < ie; ++i) dst[i] = tile[i * pitch + j];
       }
     }
   }
 }
 
-// max over MagnitudeBits(p[0..len)) in eight independent lanes, so that the
-// compiler vectorizes it (an exact max: the order does not matter).
-inline uint32_t RowMagnitudeMax(const float* __restrict p, int64_t len) {
-  uint32_t lane[8] = {};
-  int64_t j = 0;
-  for (; j + 8 <= len; j += 8) {
-    for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], MagnitudeBits(p[j + l]));
-  }
-  for (; j < len; ++j) lane[0] = std::max(lane[0], MagnitudeBits(p[j]));
-  uint32_t r = 0;
-  for (int l = 0; l < 8; ++l) r = std::max(r, lane[l]);
-  return r;
-}
-
-// Rows ahead whose lines ProcessTile prefetches.
-constexpr int64_t kPrefetchRows = 4;
+// Rows ahead whose lines ProcessUnit prefetches.
+constexpr int64_t kPrefetchRows = 2;
 
 inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
   const char* c = static_cast<const char*>(p);
@@ -241,67 +320,38 @@ inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
   }
 }
 
+// Tiles per work unit (one 128-row band by up to this many tiles): 4 tiles
+// are 256 KiB of FP32 master weights, re-read by the encode pass, and 1 MiB
+// streamed through the cache by the update pass with FP32 moments and
+// gradients (CI host: 1 MiB L2 per core; 2 tiles: +20% time, 8 tiles: +5%).
+constexpr int64_t kUnitTiles = 4;
+
 struct ParamPlan {
   const AdamWParamBuffers* b = nullptr;
   QuantizedLayout layout;
   int64_t mb = 0, nb = 0;
-  int64_t first_tile = 0;  // index of tile (0, 0) in the flattened tile list
+  int64_t chunks = 0;      // work units per band: ceil(nb / kUnitTiles)
+  int64_t first_unit = 0;  // index of unit (0, 0) in the flattened unit list
 };
 
-// Scratch of one thread: the tile's encoded bytes.
-struct alignas(64) TileScratch {
+// Scratch of one thread: a tile's encoded bytes and the amaxes of a unit (as
+// MagnitudeBits).
+struct alignas(64) UnitScratch {
   uint8_t bytes[kBlockLen * kBlockLen];
+  uint32_t row_max[kUnitTiles][kBlockLen];  // [tile][row]: 1-D rowwise scales
+  uint32_t tile_max[kUnitTiles];            // 2-D scales
+  uint32_t col_max[kUnitTiles * kBlockLen];  // [unit column]: 1-D columnwise scales
 };
 
-template <InputDType kG, MomentDType kM>
-void ProcessTile(const ParamPlan& plan, int64_t k, int64_t tj, const AdamWScalars& s,
-                 TileScratch& scratch) {
+// B and C of one tile (rows x cols at (r0, c0) = tile (k, tj)) whose master
+// weights are updated and whose amaxes are in row_max / tile_max / col_max.
+void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* row_max,
+                uint32_t tile_max, const uint32_t* col_max, uint8_t* tile_bytes) {
   const AdamWParamBuffers& b = *plan.b;
   const int64_t n = b.n;
   const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
   const int64_t rows = std::min(kBlockLen, b.m - r0);
   const int64_t cols = std::min(kBlockLen, n - c0);
-  auto* mom1 = static_cast<MomentT<kM>*>(b.exp_avg);
-  auto* mom2 = static_cast<MomentT<kM>*>(b.exp_avg_sq);
-  const int64_t gsize = kG == InputDType::kFloat32 ? 4 : 2;
-  const bool fp8 = b.fp8_output;
-  const bool one_d = b.quant.scaling == BlockScaling::kBlock1D;
-  const bool col1d = fp8 && one_d && b.quant.columnwise;
-
-  // A. update, BF16 copy, amaxes.
-  uint32_t row_max[kBlockLen];
-  uint32_t col_max[kBlockLen];
-  uint32_t tile_max = 0;
-  if (col1d) std::fill(col_max, col_max + cols, 0u);
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t off = (r0 + i) * n + c0;
-    float* p = b.master + off;
-    if (i + kPrefetchRows < rows) {
-      // The tile's rows are short runs at a stride of n elements: the hardware
-      // prefetchers do not see them coming, so ask for a later row's lines.
-      const int64_t ahead = off + kPrefetchRows * n;
-      PrefetchSpan(b.master + ahead, cols * 4, /*write=*/true);
-      PrefetchSpan(mom1 + ahead, cols * sizeof(MomentT<kM>), true);
-      PrefetchSpan(mom2 + ahead, cols * sizeof(MomentT<kM>), true);
-      PrefetchSpan(static_cast<const char*>(b.grad) + ahead * gsize, cols * gsize, false);
-    }
-    UpdateSpan<kG, kM>(p, mom1 + off, mom2 + off,
-                       static_cast<const char*>(b.grad) + off * gsize, cols, s);
-    if (b.bf16 != nullptr) {
-      uint16_t* __restrict o = b.bf16 + off;
-      for (int64_t j = 0; j < cols; ++j) o[j] = ToBf16(p[j]);
-    }
-    if (!fp8) continue;
-    const uint32_t rm = RowMagnitudeMax(p, cols);
-    if (col1d) {
-      for (int64_t j = 0; j < cols; ++j) col_max[j] = std::max(col_max[j], MagnitudeBits(p[j]));
-    }
-    row_max[i] = rm;
-    tile_max = std::max(tile_max, rm);
-  }
-  if (!fp8) return;
-
-  // B/C. scales and bytes.
   const QuantizeParams& q = b.quant;
   const float fp8_max = Fp8Max(q.format);
   const float value_for_inf = InputDTypeMax(InputDType::kFloat32);
@@ -310,18 +360,21 @@ void ProcessTile(const ParamPlan& plan, int64_t k, int64_t tj, const AdamWScalar
                         q.amax_epsilon, value_for_inf);
   };
   const QuantizedLayout& l = plan.layout;
-  if (!one_d) {
+  if (q.scaling != BlockScaling::kBlock1D) {
     const float scale = scale_of(tile_max);
     const float scale_inv = ScaleInv(scale);
     if (q.rowwise) b.fp8.rowwise_scale_inv[k * l.rowwise_scale_cols + tj] = scale_inv;
     if (q.columnwise) b.fp8.columnwise_scale_inv[tj * l.columnwise_scale_cols + k] = scale_inv;
+    // The bytes go to the rowwise copy when there is one (the columnwise copy
+    // is then transposed from it, still in L1/L2), else to the scratch tile.
+    uint8_t* const bytes = q.rowwise ? b.fp8.rowwise_data + r0 * n + c0 : tile_bytes;
+    const int64_t pitch = q.rowwise ? n : kBlockLen;
     for (int64_t i = 0; i < rows; ++i) {
-      const int64_t off = (r0 + i) * n + c0;
-      uint8_t* dst = q.columnwise ? scratch.bytes + i * kBlockLen : b.fp8.rowwise_data + off;
-      EncodeRow(b.master + off, scale, dst, cols, q.format);
-      if (q.columnwise && q.rowwise) std::memcpy(b.fp8.rowwise_data + off, dst, cols);
+      EncodeRow(b.master + (r0 + i) * n + c0, scale, bytes + i * pitch, cols, q.format);
     }
-    if (q.columnwise) StoreTransposed(scratch.bytes, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
+    if (q.columnwise) {
+      StoreTransposed(bytes, pitch, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
+    }
     return;
   }
   if (q.rowwise) {
@@ -339,31 +392,93 @@ void ProcessTile(const ParamPlan& plan, int64_t k, int64_t tj, const AdamWScalar
       b.fp8.columnwise_scale_inv[k * l.columnwise_scale_cols + c0 + j] = ScaleInv(col_scale[j]);
     }
     for (int64_t i = 0; i < rows; ++i) {
-      EncodeRowPerColumn(b.master + (r0 + i) * n + c0, col_scale, scratch.bytes + i * kBlockLen,
+      EncodeRowPerColumn(b.master + (r0 + i) * n + c0, col_scale, tile_bytes + i * kBlockLen,
                          cols, q.format);
     }
-    StoreTransposed(scratch.bytes, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
+    StoreTransposed(tile_bytes, kBlockLen, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
   }
 }
 
-void DispatchTile(const ParamPlan& plan, int64_t k, int64_t tj, const AdamWScalars& s,
-                  TileScratch& scratch) {
+// One work unit: band k, tiles [tj0, tj1).
+template <InputDType kG, MomentDType kM>
+void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
+                 const AdamWScalars& s, UnitScratch& sc) {
+  const AdamWParamBuffers& b = *plan.b;
+  const int64_t n = b.n;
+  const int64_t r0 = k * kBlockLen;
+  const int64_t rows = std::min(kBlockLen, b.m - r0);
+  const int64_t c0 = tj0 * kBlockLen, c1 = std::min(n, tj1 * kBlockLen);
+  const int64_t tiles = tj1 - tj0;
+  auto* mom1 = static_cast<MomentT<kM>*>(b.exp_avg);
+  auto* mom2 = static_cast<MomentT<kM>*>(b.exp_avg_sq);
+  const auto* grad = static_cast<const char*>(b.grad);
+  constexpr int64_t kGSize = kG == InputDType::kFloat32 ? 4 : 2;
+  const bool fp8 = b.fp8_output;
+  const bool col1d = fp8 && b.quant.scaling == BlockScaling::kBlock1D && b.quant.columnwise;
+
+  // A. update (+ BF16 copy) row by row over the band, amaxes per tile segment.
+  std::fill(sc.tile_max, sc.tile_max + tiles, 0u);
+  if (col1d) std::fill(sc.col_max, sc.col_max + (c1 - c0), 0u);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = (r0 + i) * n;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t off = row + c0 + t * kBlockLen;
+      const int64_t len = std::min(kBlockLen, c1 - (c0 + t * kBlockLen));
+      if (i + kPrefetchRows < rows) {
+        // The unit's rows are runs of <= 4 KiB at a stride of n elements: the
+        // hardware prefetchers (which stop at page boundaries) restart on
+        // every row, so ask for a later row's lines.
+        const int64_t ahead = off + kPrefetchRows * n;
+        PrefetchSpan(b.master + ahead, len * 4, /*write=*/true);
+        PrefetchSpan(mom1 + ahead, len * sizeof(MomentT<kM>), true);
+        PrefetchSpan(mom2 + ahead, len * sizeof(MomentT<kM>), true);
+        PrefetchSpan(grad + ahead * kGSize, len * kGSize, false);
+      }
+      if (b.bf16 != nullptr) {
+        UpdateSpan<kG, kM, true>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
+                                 b.bf16 + off, len, s);
+      } else {
+        UpdateSpan<kG, kM, false>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
+                                  nullptr, len, s);
+      }
+      if (!fp8) continue;
+      // Segment just written: in L1.
+      const uint32_t rm = RowMagnitudeMax(b.master + off, len);
+      sc.row_max[t][i] = rm;
+      sc.tile_max[t] = std::max(sc.tile_max[t], rm);
+    }
+    if (col1d) {
+      const float* __restrict p = b.master + row + c0;
+      uint32_t* __restrict cm = sc.col_max;
+      for (int64_t j = 0; j < c1 - c0; ++j) cm[j] = std::max(cm[j], MagnitudeBits(p[j]));
+    }
+  }
+  if (!fp8) return;
+  // B/C. per tile: scales and bytes, from L2.
+  for (int64_t t = 0; t < tiles; ++t) {
+    EncodeTile(plan, k, tj0 + t, sc.row_max[t], sc.tile_max[t], sc.col_max + t * kBlockLen,
+               sc.bytes);
+  }
+}
+
+void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
+                  const AdamWScalars& s, UnitScratch& sc) {
   const bool bf16_moments = plan.b->moment_dtype == MomentDType::kBFloat16;
   switch (plan.b->grad_dtype) {
     case InputDType::kFloat32:
       return bf16_moments
-                 ? ProcessTile<InputDType::kFloat32, MomentDType::kBFloat16>(plan, k, tj, s, scratch)
-                 : ProcessTile<InputDType::kFloat32, MomentDType::kFloat32>(plan, k, tj, s, scratch);
+                 ? ProcessUnit<InputDType::kFloat32, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc)
+                 : ProcessUnit<InputDType::kFloat32, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc);
     case InputDType::kBFloat16:
       return bf16_moments
-                 ? ProcessTile<InputDType::kBFloat16, MomentDType::kBFloat16>(plan, k, tj, s,
-                                                                               scratch)
-                 : ProcessTile<InputDType::kBFloat16, MomentDType::kFloat32>(plan, k, tj, s,
-                                                                              scratch);
+                 ? ProcessUnit<InputDType::kBFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s,
+                                                                               sc)
+                 : ProcessUnit<InputDType::kBFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s,
+                                                                              sc);
     case InputDType::kFloat16:
       return bf16_moments
-                 ? ProcessTile<InputDType::kFloat16, MomentDType::kBFloat16>(plan, k, tj, s, scratch)
-                 : ProcessTile<InputDType::kFloat16, MomentDType::kFloat32>(plan, k, tj, s, scratch);
+                 ? ProcessUnit<InputDType::kFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc)
+                 : ProcessUnit<InputDType::kFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc);
   }
 }
 
@@ -415,9 +530,9 @@ double ChunkSumSquaresDispatch(const void* g, InputDType t, int64_t begin, int64
 void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,
                     int num_threads) {
   std::vector<ParamPlan> plans;  // non-empty parameters only
-  std::vector<int64_t> first_tiles;
+  std::vector<int64_t> first_units;
   plans.reserve(params.size());
-  int64_t tiles = 0;
+  int64_t units = 0;
   for (const AdamWParamBuffers& b : params) {
     ParamPlan plan;
     plan.b = &b;
@@ -426,23 +541,27 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
     if (b.m == 0 || b.n == 0) continue;
     plan.mb = CeilDiv(b.m, kBlockLen);
     plan.nb = CeilDiv(b.n, kBlockLen);
-    plan.first_tile = tiles;
-    tiles += plan.mb * plan.nb;
+    plan.chunks = CeilDiv(plan.nb, kUnitTiles);
+    plan.first_unit = units;
+    units += plan.mb * plan.chunks;
     plans.push_back(plan);
-    first_tiles.push_back(plan.first_tile);
+    first_units.push_back(plan.first_unit);
   }
-  if (tiles == 0) return;
+  if (units == 0) return;
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    TileScratch scratch;
+    UnitScratch scratch;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t u = 0; u < units; ++u) {
       const size_t p =
-          std::upper_bound(first_tiles.begin(), first_tiles.end(), t) - first_tiles.begin() - 1;
+          std::upper_bound(first_units.begin(), first_units.end(), u) - first_units.begin() - 1;
       const ParamPlan& plan = plans[p];
-      const int64_t local = t - plan.first_tile;
-      DispatchTile(plan, local / plan.nb, local % plan.nb, s, scratch);
+      const int64_t local = u - plan.first_unit;
+      const int64_t chunk = local % plan.chunks;
+      // The band's tiles split as evenly as possible over its chunks.
+      DispatchUnit(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
+                   (chunk + 1) * plan.nb / plan.chunks, s, scratch);
     }
   }
 }
@@ -533,6 +652,9 @@ std::vector<double> GradChunkSumSquares(const AdamWParamBuffers& b, int num_thre
 namespace internal {
 uint8_t EncodeFp8Branchless(float x, Fp8Format f) {
   return f == Fp8Format::kE4M3 ? EncodeFast<4, 3>(x) : EncodeFast<5, 2>(x);
+}
+void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f) {
+  EncodeRow(p, scale, out, len, f);
 }
 }  // namespace internal
 

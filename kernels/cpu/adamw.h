@@ -75,6 +75,10 @@ namespace internal {
 // The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel;
 // equals kernels::EncodeFp8 for every input. Exposed for its test.
 uint8_t EncodeFp8Branchless(float x, Fp8Format f);
+// The fused kernel's row encoder: out[j] = EncodeFp8Branchless(p[j] * scale, f)
+// for j < len (AVX2 blocks of 32 elements where built with AVX2, then a
+// scalar tail). Exposed for its test.
+void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f);
 }  // namespace internal
 
 }  // namespace qtx::kernels::cpu

@@ -3,6 +3,7 @@
 // FP8 encoder against kernels::EncodeFp8, and the gradient-norm reduction.
 #include "kernels/cpu/adamw.h"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -39,6 +40,36 @@ TEST(EncodeFp8Branchless, EqualsEncodeFp8OnTiesAndSamples) {
     const float x = BitsToFloat(static_cast<uint32_t>(u));
     for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
       if (internal::EncodeFp8Branchless(x, f) != EncodeFp8(x, f)) ++mismatches;
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+// The vector row encoder (AVX2 blocks of 32 + scalar tail) on the same
+// patterns, in rows of odd length (so every block position and the tail are
+// hit), with scale 1 and with scales that move values across the subnormal,
+// normal and saturation ranges.
+TEST(EncodeFp8Row, EqualsEncodeFp8OnTiesAndSamples) {
+  std::vector<float> xs;
+  const uint32_t lows[] = {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu, 0x1234u, 0xC000u};
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi) {
+    for (uint32_t lo : lows) xs.push_back(BitsToFloat((hi << 16) | lo));
+  }
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 4099) {
+    xs.push_back(BitsToFloat(static_cast<uint32_t>(u)));
+  }
+  constexpr int64_t kRow = 1000 + 37;
+  std::vector<uint8_t> out(kRow);
+  int64_t mismatches = 0;
+  for (float scale : {1.0f, 0.5f, 3.0f, 1.0f / 1024, 65536.0f}) {
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (size_t r = 0; r < xs.size(); r += kRow) {
+        const int64_t len = std::min<int64_t>(kRow, static_cast<int64_t>(xs.size() - r));
+        internal::EncodeFp8Row(xs.data() + r, scale, out.data(), len, f);
+        for (int64_t j = 0; j < len; ++j) {
+          if (out[j] != EncodeFp8(xs[r + j] * scale, f)) ++mismatches;
+        }
+      }
     }
   }
   EXPECT_EQ(mismatches, 0);
@@ -288,6 +319,34 @@ TEST(AdamWStepFused, EqualsReferenceAcrossShapesDtypesAndLayouts) {
             ParamState p = MakeParam(sh.m, sh.n, md, gd, q, bf16, Pattern::kRandom, seed++);
             ExpectFusedEqualsReference(p, h, 3, 2, 1.0, Label(sh, md, gd, q, bf16, true));
           }
+        }
+      }
+    }
+  }
+}
+
+// Parameters wider than one work unit (a 128-row band by up to 4 tiles): the
+// band is split into several units (unevenly when the tile count does not
+// divide), with partial edge tiles, at several thread counts.
+TEST(AdamWStepFused, EqualsReferenceOnWideBandsSplitIntoUnits) {
+  const Shape shapes[] = {{130, 1100}, {260, 641}, {1, 2049}, {129, 1024}};
+  uint32_t seed = 500;
+  for (const Shape& sh : shapes) {
+    for (BlockScaling sc : {BlockScaling::kBlock2D, BlockScaling::kBlock1D}) {
+      for (int usage = 1; usage <= 3; ++usage) {
+        QuantizeParams q;
+        q.scaling = sc;
+        q.rowwise = usage & 1;
+        q.columnwise = usage & 2;
+        q.format = seed % 2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+        const bool bf16 = seed % 3 == 0;
+        const MomentDType md = seed % 4 == 0 ? MomentDType::kBFloat16 : MomentDType::kFloat32;
+        const InputDType gd = seed % 2 ? InputDType::kBFloat16 : InputDType::kFloat32;
+        ParamState p = MakeParam(sh.m, sh.n, md, gd, q, bf16, Pattern::kRandom, seed++);
+        for (int threads : {1, 3}) {
+          ExpectFusedEqualsReference(p, AdamWHyperParams{}, 2, threads, 1.0,
+                                     Label(sh, md, gd, q, bf16, true) + " threads " +
+                                         std::to_string(threads));
         }
       }
     }
