@@ -230,7 +230,10 @@ void EncodeSpanPerColumn(const float* __restrict p, const float* __restrict scal
   for (int64_t j = 0; j < len; ++j) out[j] = EncodeFast<E, M>(p[j] * scale[j]);
 }
 
-void EncodeRow(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f) {
+// Not inlined nor cloned: one call per row costs nothing, and with a constant
+// `len` GCC warns about the (dead) scalar tail.
+[[gnu::noipa]] void EncodeRow(const float* p, float scale, uint8_t* out, int64_t len,
+                              Fp8Format f) {
   if (f == Fp8Format::kE4M3) {
     EncodeSpan<4, 3>(p, scale, out, len);
   } else {
@@ -338,15 +341,40 @@ struct ParamPlan {
 // MagnitudeBits).
 struct alignas(64) UnitScratch {
   uint8_t bytes[kBlockLen * kBlockLen];
+  uint8_t transposed[kBlockLen * kBlockLen];
   uint32_t row_max[kUnitTiles][kBlockLen];  // [tile][row]: 1-D rowwise scales
   uint32_t tile_max[kUnitTiles];            // 2-D scales
   uint32_t col_max[kUnitTiles * kBlockLen];  // [unit column]: 1-D columnwise scales
 };
 
+#if defined(__AVX2__)
+// Copies 128 rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
+// `pitch`), with non-temporal stores when every row is 32-byte aligned: the
+// FP8 copies are not read again by this step, so they need not be read into
+// the cache first (write-allocate) nor stay there.
+void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch) {
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0 && pitch % 32 == 0;
+  for (int64_t i = 0; i < kBlockLen; ++i) {
+    const auto* in = reinterpret_cast<const __m256i*>(src + i * kBlockLen);
+    auto* out = reinterpret_cast<__m256i*>(dst + i * pitch);
+    for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
+      const __m256i x = _mm256_load_si256(in + w);
+      if (aligned) {
+        _mm256_stream_si256(out + w, x);
+      } else {
+        _mm256_storeu_si256(out + w, x);
+      }
+    }
+  }
+}
+#endif
+
 // B and C of one tile (rows x cols at (r0, c0) = tile (k, tj)) whose master
 // weights are updated and whose amaxes are in row_max / tile_max / col_max.
+// tile_bytes and transposed: 64-byte aligned [kBlockLen * kBlockLen] scratch.
 void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* row_max,
-                uint32_t tile_max, const uint32_t* col_max, uint8_t* tile_bytes) {
+                uint32_t tile_max, const uint32_t* col_max, uint8_t* tile_bytes,
+                uint8_t* transposed) {
   const AdamWParamBuffers& b = *plan.b;
   const int64_t n = b.n;
   const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
@@ -365,6 +393,21 @@ void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* ro
     const float scale_inv = ScaleInv(scale);
     if (q.rowwise) b.fp8.rowwise_scale_inv[k * l.rowwise_scale_cols + tj] = scale_inv;
     if (q.columnwise) b.fp8.columnwise_scale_inv[tj * l.columnwise_scale_cols + k] = scale_inv;
+#if defined(__AVX2__)
+    if (rows == kBlockLen && cols == kBlockLen) {
+      // Full tile: encode and transpose in L1 scratch, then store whole rows.
+      for (int64_t i = 0; i < rows; ++i) {
+        EncodeRow(b.master + (r0 + i) * n + c0, scale, tile_bytes + i * kBlockLen, cols,
+                  q.format);
+      }
+      if (q.rowwise) StoreTileRows(tile_bytes, b.fp8.rowwise_data + r0 * n + c0, n);
+      if (q.columnwise) {
+        StoreTransposed(tile_bytes, kBlockLen, rows, cols, transposed, kBlockLen, 0, 0);
+        StoreTileRows(transposed, b.fp8.columnwise_data + c0 * b.m + r0, b.m);
+      }
+      return;
+    }
+#endif
     // The bytes go to the rowwise copy when there is one (the columnwise copy
     // is then transposed from it, still in L1/L2), else to the scratch tile.
     uint8_t* const bytes = q.rowwise ? b.fp8.rowwise_data + r0 * n + c0 : tile_bytes;
@@ -457,7 +500,7 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
   // B/C. per tile: scales and bytes, from L2.
   for (int64_t t = 0; t < tiles; ++t) {
     EncodeTile(plan, k, tj0 + t, sc.row_max[t], sc.tile_max[t], sc.col_max + t * kBlockLen,
-               sc.bytes);
+               sc.bytes, sc.transposed);
   }
 }
 
@@ -552,7 +595,7 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     UnitScratch scratch;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t u = 0; u < units; ++u) {
       const size_t p =
           std::upper_bound(first_units.begin(), first_units.end(), u) - first_units.begin() - 1;
@@ -563,6 +606,9 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
       DispatchUnit(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
                    (chunk + 1) * plan.nb / plan.chunks, s, scratch);
     }
+#if defined(__AVX2__)
+    _mm_sfence();  // the non-temporal stores are visible before the region ends
+#endif
   }
 }
 
