@@ -3,8 +3,10 @@
 // runs), then stops accepting, lets in-flight calls finish, removes the
 // socket and exits 0.
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "absl/flags/parse.h"
@@ -15,6 +17,17 @@
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
+  // Several requests run at once, each with its own OpenMP team for the CPU
+  // kernels; libgomp's default lets idle team threads spin after every
+  // parallel region, stealing the cores from the other requests and the gRPC
+  // threads. PASSIVE lets them sleep (bench/load_bench, 16 clients, 16 cores:
+  // +11% calls/s, -11% CPU per call; see bench/README.md). libgomp reads the
+  // variable when it is loaded, before main, so set it and exec ourselves once;
+  // a value the user set is kept.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    ::execv("/proc/self/exe", argv);  // returns only on failure: run as we are
+  }
   absl::SetProgramUsageMessage(
       "qtxd: gRPC sidecar for block-scaled FP8 quantization (qtx.v1).\n"
       "Example: qtxd --socket=/tmp/qtxd.sock --allow_client_shm");
