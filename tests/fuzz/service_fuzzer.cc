@@ -38,6 +38,9 @@ namespace {
 namespace v1 = ::qtx::v1;
 constexpr uint64_t kRegionBytes = 64 * 1024;
 const char kShmName[] = "/qtx-fuzz-region";
+// Collective calls wait at most this long for a missing predecessor (a
+// fuzzed sequence number far ahead), well within the 20 s call deadline.
+constexpr uint32_t kGroupTimeoutMs = 2000;
 
 struct Env {
   std::string dir;
@@ -130,6 +133,7 @@ Env& Get() {
     v1::CreateGroupRequest g;
     g.set_name("g");
     g.set_world_size(1);
+    g.set_timeout_ms(kGroupTimeoutMs);
     v1::CreateGroupResponse gr;
     if (!e->collective->CreateGroup(Ctx().get(), g, &gr).ok()) std::abort();
     v1::OffloadOptimizerStateResponse orr;
@@ -177,6 +181,7 @@ void Tidy(Env& e) {
       v1::CreateGroupRequest g;
       g.set_name("g");
       g.set_world_size(1);
+      g.set_timeout_ms(kGroupTimeoutMs);
       v1::CreateGroupResponse gr;
       (void)e.collective->CreateGroup(Ctx().get(), g, &gr);
     }
@@ -220,7 +225,9 @@ void Adjust(Req*) {}
   req->set_world_size(1);
   req->set_rank(0);
   req->clear_coordinator();
-  if (req->timeout_ms() > 5000) req->set_timeout_ms(5000);
+  if (req->timeout_ms() == 0 || req->timeout_ms() > kGroupTimeoutMs) {
+    req->set_timeout_ms(kGroupTimeoutMs);
+  }
 }
 
 void RunOne(Env& e, uint8_t method, const uint8_t* data, size_t size) {
