@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/grpcpp.h>
 
 #include "qtx/v1/collective.grpc.pb.h"
@@ -95,6 +96,7 @@ v1::OffloadOptimizerStateRequest FixtureOffload() {
 Env& Get() {
   static Env* env = [] {
     spdlog::set_level(spdlog::level::off);
+    google::protobuf::SetLogHandler(nullptr);  // invalid UTF-8 in strings is logged per parse
     auto* e = new Env;
     char tmpl[] = "/tmp/qtx-fuzz-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) std::abort();

@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <string>
 
+#include <google/protobuf/stubs/logging.h>
+
 #include "qtx/v1/quantizer.pb.h"
 #include "server/api/convert.h"
 #include "server/tensor/region_table.h"
@@ -25,6 +27,7 @@ constexpr uint64_t kRegionBytes = 64 * 1024;
 
 tensor::RegionTable* Table() {
   static tensor::RegionTable* table = [] {
+    google::protobuf::SetLogHandler(nullptr);  // invalid UTF-8 in strings is logged per parse
     const std::string shm = "/qtx-fuzz-tensor-" + std::to_string(::getpid());
     const int fd = ::shm_open(shm.c_str(), O_CREAT | O_RDWR, 0600);
     if (fd < 0 || ::ftruncate(fd, kRegionBytes) != 0) std::abort();
