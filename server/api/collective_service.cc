@@ -103,15 +103,7 @@ ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "mode=%d: must be EXACT_FP8 or GATHER_HIGH_PRECISION", static_cast<int>(r.mode())));
     }
-    const v1::QuantizeOutputs& o = r.outputs();
-    if (o.has_rowwise_data()) spec.outputs.rowwise_data = SliceFromProto(o.rowwise_data());
-    if (o.has_rowwise_scale_inv()) {
-      spec.outputs.rowwise_scale_inv = SliceFromProto(o.rowwise_scale_inv());
-    }
-    if (o.has_columnwise_data()) spec.outputs.columnwise_data = SliceFromProto(o.columnwise_data());
-    if (o.has_columnwise_scale_inv()) {
-      spec.outputs.columnwise_scale_inv = SliceFromProto(o.columnwise_scale_inv());
-    }
+    QuantizeOutputsFromProto(r.outputs(), &spec.outputs);
     return absl::OkStatus();
   }();
   return spec;
@@ -201,9 +193,7 @@ grpc::ServerUnaryReactor* CollectiveService::AllGather(grpc::CallbackServerConte
     absl::StatusOr<ops::AllGatherResult> r =
         ops::AllGather(*spec, ctx_, comm, backend::CommCall{deadline}, &broken);
     if (r.ok()) {
-      v1::QuantizeResponse q;
-      QuantizeResultToProto(std::move(r->result), &q);
-      response->mutable_result()->Swap(q.mutable_result());
+      QuantizedTensorToProto(std::move(r->result), response->mutable_result());
       for (int64_t m : r->shard_rows) response->add_shard_rows(m);
     }
     absl::Status s = r.status();

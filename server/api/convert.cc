@@ -133,15 +133,7 @@ absl::StatusOr<ops::QuantizeRequestSpec> QuantizeRequestFromProto(
   }
   QTX_ASSIGN_OR_RETURN(spec.input, TensorRefFromProto(req.input(), "input"));
   QTX_ASSIGN_OR_RETURN(spec.params, ParamsFromProto(req.config(), "config"));
-  const v1::QuantizeOutputs& o = req.outputs();
-  if (o.has_rowwise_data()) spec.outputs.rowwise_data = SliceFromProto(o.rowwise_data());
-  if (o.has_rowwise_scale_inv()) {
-    spec.outputs.rowwise_scale_inv = SliceFromProto(o.rowwise_scale_inv());
-  }
-  if (o.has_columnwise_data()) spec.outputs.columnwise_data = SliceFromProto(o.columnwise_data());
-  if (o.has_columnwise_scale_inv()) {
-    spec.outputs.columnwise_scale_inv = SliceFromProto(o.columnwise_scale_inv());
-  }
+  QuantizeOutputsFromProto(req.outputs(), &spec.outputs);
   spec.events = CudaEventsFromProto(req.cuda_events());
   return spec;
 }
@@ -160,7 +152,19 @@ void OutputTensorToProto(ops::OutputTensor&& t, v1::TensorRef* ref) {
 }
 
 void QuantizeResultToProto(ops::QuantizeResult&& r, v1::QuantizeResponse* response) {
-  v1::QuantizedTensor* q = response->mutable_result();
+  QuantizedTensorToProto(std::move(r), response->mutable_result());
+}
+
+void QuantizeOutputsFromProto(const v1::QuantizeOutputs& o, ops::QuantizeOutputSpecs* s) {
+  if (o.has_rowwise_data()) s->rowwise_data = SliceFromProto(o.rowwise_data());
+  if (o.has_rowwise_scale_inv()) s->rowwise_scale_inv = SliceFromProto(o.rowwise_scale_inv());
+  if (o.has_columnwise_data()) s->columnwise_data = SliceFromProto(o.columnwise_data());
+  if (o.has_columnwise_scale_inv()) {
+    s->columnwise_scale_inv = SliceFromProto(o.columnwise_scale_inv());
+  }
+}
+
+void QuantizedTensorToProto(ops::QuantizeResult&& r, v1::QuantizedTensor* q) {
   for (int64_t d : r.shape) q->add_shape(d);
   q->set_source_dtype(DTypeToProto(r.source_dtype));
   ParamsToProto(r.params, q->mutable_config());

@@ -39,6 +39,13 @@ void ParamsToProto(const kernels::QuantizeParams& params, v1::QuantizeConfig* co
 // Copies the (up to 64-byte) handles; lengths are checked by ops.
 backend::CudaEvents CudaEventsFromProto(const v1::CudaEvents& events);
 
+// The output placement of a quantized tensor (Quantize, AllGather, Step):
+// set slices become region outputs, unset ones mean "inline".
+void QuantizeOutputsFromProto(const v1::QuantizeOutputs& outputs, ops::QuantizeOutputSpecs* specs);
+// A quantized tensor (shape, source dtype, config, up to four buffers). Moves
+// inline bytes out of `result`.
+void QuantizedTensorToProto(ops::QuantizeResult&& result, v1::QuantizedTensor* out);
+
 absl::StatusOr<ops::QuantizeRequestSpec> QuantizeRequestFromProto(const v1::QuantizeRequest& req);
 // Moves inline bytes out of `result`.
 void QuantizeResultToProto(ops::QuantizeResult&& result, v1::QuantizeResponse* response);

@@ -82,30 +82,6 @@ void GroupInfoToProto(const optimizer::GroupInfo& g, v1::OptimizerGroupInfo* p) 
   p->set_error(g.error);
 }
 
-void QuantizeOutputsFromProto(const v1::QuantizeOutputs& o, ops::QuantizeOutputSpecs* s) {
-  if (o.has_rowwise_data()) s->rowwise_data = SliceFromProto(o.rowwise_data());
-  if (o.has_rowwise_scale_inv()) s->rowwise_scale_inv = SliceFromProto(o.rowwise_scale_inv());
-  if (o.has_columnwise_data()) s->columnwise_data = SliceFromProto(o.columnwise_data());
-  if (o.has_columnwise_scale_inv()) {
-    s->columnwise_scale_inv = SliceFromProto(o.columnwise_scale_inv());
-  }
-}
-
-void QuantizedToProto(ops::QuantizeResult&& r, v1::QuantizedTensor* q) {
-  for (int64_t d : r.shape) q->add_shape(d);
-  q->set_source_dtype(DTypeToProto(r.source_dtype));
-  ParamsToProto(r.params, q->mutable_config());
-  if (r.rowwise_data) OutputTensorToProto(std::move(*r.rowwise_data), q->mutable_rowwise_data());
-  if (r.rowwise_scale_inv) {
-    OutputTensorToProto(std::move(*r.rowwise_scale_inv), q->mutable_rowwise_scale_inv());
-  }
-  if (r.columnwise_data) {
-    OutputTensorToProto(std::move(*r.columnwise_data), q->mutable_columnwise_data());
-  }
-  if (r.columnwise_scale_inv) {
-    OutputTensorToProto(std::move(*r.columnwise_scale_inv), q->mutable_columnwise_scale_inv());
-  }
-}
 
 }  // namespace
 
@@ -197,7 +173,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
     for (ops::ParameterResult& p : result.params) {
       v1::ParameterOutput* out = response->add_parameters();
       out->set_name(p.name);
-      if (p.fp8) QuantizedToProto(std::move(*p.fp8), out->mutable_fp8());
+      if (p.fp8) QuantizedTensorToProto(std::move(*p.fp8), out->mutable_fp8());
       if (p.bf16) OutputTensorToProto(std::move(*p.bf16), out->mutable_bf16());
     }
     return absl::OkStatus();
