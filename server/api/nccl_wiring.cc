@@ -43,7 +43,7 @@ collective::GroupRegistryOptions WithNcclCommunicator(collective::GroupRegistryO
 #ifdef QTX_NCCL_WIRING
     auto* cuda = dynamic_cast<backend::CudaDevice*>(device);
     if (cuda == nullptr) {
-      return absl::UnimplementedError(absl::StrFormat(
+      return absl::FailedPreconditionError(absl::StrFormat(
           "backend=NCCL: this qtxd computes on %s; NCCL groups need --device=cuda:N",
           device == nullptr ? "no device" : device->name()));
     }
