@@ -29,6 +29,7 @@
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/shm_region.h"
+#include "tests/server/backend/qtxd_child.h"
 #include "tests/testing/status_matchers.h"
 
 extern char** environ;
@@ -41,36 +42,8 @@ using ::testing::HasSubstr;
 
 #define CUDA_ASSERT(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-// qtxd as a child process; SIGTERM (then SIGKILL) on destruction.
-class QtxdProcess {
- public:
-  explicit QtxdProcess(const std::vector<std::string>& args) {
-    std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    if (posix_spawn(&pid_, argv[0], nullptr, nullptr, argv.data(), environ) != 0) pid_ = -1;
-  }
-  ~QtxdProcess() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGTERM);
-    for (int i = 0; i < 100; ++i) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-  }
-  bool started() const { return pid_ > 0; }
-
- private:
-  pid_t pid_ = -1;
-};
-
-std::string QtxdPath() {
-  const char* env = std::getenv("QTXD");
-  return env != nullptr && *env != '\0' ? env : QTXD_PATH;
-}
+using ::qtx::testing::QtxdChild;
+using ::qtx::testing::QtxdPath;
 
 // Random input of `dtype` with normal values, some large, some exact zeros.
 std::string RandomInput(kernels::InputDType dtype, int64_t count, uint32_t seed) {
@@ -207,7 +180,7 @@ class CudaE2ETest : public ::testing::Test {
       return;
     }
     socket_ = absl::StrFormat("/tmp/qtx-cuda-e2e-%d.sock", ::getpid());
-    server_ = new QtxdProcess({QtxdPath(), "--device=cuda:0", "--socket=" + socket_,
+    server_ = new QtxdChild({QtxdPath(), "--device=cuda:0", "--socket=" + socket_,
                                "--allow_client_shm", "--log_level=warn"});
     auto client = Client::Connect("unix://" + socket_);
     if (!client.ok()) return;
@@ -226,7 +199,7 @@ class CudaE2ETest : public ::testing::Test {
     CUDA_ASSERT(cudaSetDevice(0));
   }
 
-  static inline QtxdProcess* server_ = nullptr;
+  static inline QtxdChild* server_ = nullptr;
   static inline Client* client_ = nullptr;
   static inline std::string socket_;
 };

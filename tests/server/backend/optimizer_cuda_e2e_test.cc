@@ -32,6 +32,7 @@
 #include "kernels/cpu/adamw.h"
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
+#include "tests/server/backend/qtxd_child.h"
 #include "tests/testing/status_matchers.h"
 
 extern char** environ;
@@ -42,34 +43,8 @@ namespace {
 #define CUDA_ASSERT(expr) \
   ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-class QtxdProcess {
- public:
-  explicit QtxdProcess(const std::vector<std::string>& args) {
-    std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    if (posix_spawn(&pid_, argv[0], nullptr, nullptr, argv.data(), environ) != 0) pid_ = -1;
-  }
-  ~QtxdProcess() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGTERM);
-    for (int i = 0; i < 100; ++i) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-  }
-
- private:
-  pid_t pid_ = -1;
-};
-
-std::string QtxdPath() {
-  const char* env = std::getenv("QTXD");
-  return env != nullptr && *env != '\0' ? env : QTXD_PATH;
-}
+using ::qtx::testing::QtxdChild;
+using ::qtx::testing::QtxdPath;
 
 uint16_t Bf16Bits(float f) {  // truncation: any BF16 value is a valid gradient
   uint32_t u;
@@ -107,7 +82,7 @@ class OptimizerCudaE2ETest : public ::testing::Test {
     ASSERT_GT(count, 0) << "gpu-labelled test: needs a visible CUDA device";
     CUDA_ASSERT(cudaSetDevice(0));
     socket_ = absl::StrFormat("/tmp/qtx-opt-cuda-%d.sock", ::getpid());
-    server_ = std::make_unique<QtxdProcess>(std::vector<std::string>{
+    server_ = std::make_unique<QtxdChild>(std::vector<std::string>{
         QtxdPath(), "--device=cuda:0", "--socket=" + socket_, "--log_level=warn"});
     auto client = Client::Connect("unix://" + socket_);
     ASSERT_TRUE(client.ok()) << client.status();
@@ -317,7 +292,7 @@ class OptimizerCudaE2ETest : public ::testing::Test {
 
   void ClearOutputs() { ASSERT_EQ(cudaMemset(out_dev_, 0xAB, out_bytes_), cudaSuccess); }
 
-  std::unique_ptr<QtxdProcess> server_;
+  std::unique_ptr<QtxdChild> server_;
   std::unique_ptr<Client> client_;
   std::string socket_;
   cudaStream_t stream_ = nullptr;
