@@ -13,6 +13,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <string_view>
@@ -171,18 +172,153 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     (void)ncclCommAbort(comm);
     return s;
   }
-  float* scratch = nullptr;
-  if (cudaError_t e = cudaMalloc(&scratch, sizeof(float)); e != cudaSuccess) {
+  // The blocking child: an asynchronous job of the nonblocking parent.
+  ncclConfig_t child_config = NCCL_CONFIG_INITIALIZER;
+  child_config.blocking = 1;
+  ncclComm_t child = nullptr;
+  const ncclResult_t split = ncclCommSplit(comm, 0, options.rank, &child, &child_config);
+  if (split != ncclSuccess && split != ncclInProgress) {
+    absl::Status s = NcclErrorToStatus(name_, split, "ncclCommSplit", __FILE__, __LINE__, comm);
     (void)ncclCommAbort(comm);
+    return s;
+  }
+  state = ncclInProgress;
+  ready = PollUntil(options.deadline, [&]() -> absl::StatusOr<bool> {
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) state = r;
+    // NCCL publishes the child when its init job has finished.
+    return state != ncclInProgress &&
+           (state != ncclSuccess || __atomic_load_n(&child, __ATOMIC_ACQUIRE) != nullptr);
+  });
+  if (!*ready || state != ncclSuccess) {
+    absl::Status s =
+        !*ready ? absl::DeadlineExceededError(absl::StrFormat(
+                      "%s: not every rank joined the blocking NCCL communicator (ncclCommSplit) "
+                      "before the deadline (both communicators were aborted)",
+                      name_))
+                : NcclErrorToStatus(name_, state, "ncclCommSplit (async)", __FILE__, __LINE__,
+                                    comm);
+    (void)ncclCommAbort(comm);  // also stops the child's init
+    if (ncclComm_t c = __atomic_load_n(&child, __ATOMIC_ACQUIRE); c != nullptr) {
+      (void)ncclCommAbort(c);
+    }
+    return s;
+  }
+  child = __atomic_load_n(&child, __ATOMIC_ACQUIRE);
+  auto abort_both = [&] {
+    (void)ncclCommAbort(child);
+    (void)ncclCommAbort(comm);
+    (void)cudaGetLastError();
+  };
+
+  float* scratch = nullptr;
+  cudaStream_t side = nullptr;
+  if (cudaError_t e = cudaMalloc(&scratch, sizeof(float)); e != cudaSuccess) {
+    abort_both();
     return CudaErrorStatus(name_, e, "cudaMalloc(barrier scratch)", __FILE__, __LINE__);
   }
-  return std::unique_ptr<NcclCommunicator>(
-      new NcclCommunicator(name_, options.rank, options.world_size, options.device_ordinal, comm,
-                           scratch, options.default_stream));
+  if (cudaError_t e = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking); e != cudaSuccess) {
+    abort_both();
+    (void)cudaFree(scratch);
+    return CudaErrorStatus(name_, e, "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+  }
+  auto cleanup = [&] {
+    abort_both();
+    (void)cudaStreamDestroy(side);
+    (void)cudaFree(scratch);
+    (void)cudaGetLastError();
+  };
+
+  // Warm-up of the child on a helper thread: every collective kind the ops
+  // use, small and large, so that NCCL sets up its connections (which waits
+  // for the peers on the host) here, where the deadline still holds.
+  std::atomic<int> warm_state{0};  // 0 running, 1 done, 2 failed
+  std::string warm_error;
+  const int device = options.device_ordinal;
+  const int world = options.world_size;
+  const int me = options.rank;
+  std::thread warm([&, device, world, me] {
+    auto fail = [&](std::string what) {
+      warm_error = std::move(what);
+      warm_state.store(2);
+    };
+    if (cudaSetDevice(device) != cudaSuccess) return fail("cudaSetDevice");
+    constexpr uint64_t kLarge = uint64_t{4} << 20;  // bytes per rank
+    void* buf = nullptr;
+    const uint64_t total = kLarge * static_cast<uint64_t>(world) + 4096;
+    if (cudaMalloc(&buf, total) != cudaSuccess) return fail("cudaMalloc(warm-up)");
+    auto* b = static_cast<char*>(buf);
+    ncclResult_t r = ncclSuccess;
+    auto step = [&](ncclResult_t x, const char* what) {
+      if (r == ncclSuccess && x != ncclSuccess) {
+        r = x;
+        warm_error = what;
+      }
+    };
+    step(ncclAllGather(b + 256 * me, b, 256, ncclUint8, child, side), "ncclAllGather(small)");
+    step(ncclAllGather(b + kLarge * me, b, kLarge, ncclUint8, child, side),
+         "ncclAllGather(large)");
+    if (r == ncclSuccess) {
+      // Unequal contributions: the grouped broadcasts of AllGatherV.
+      step(ncclGroupStart(), "ncclGroupStart");
+      uint64_t off = 0;
+      for (int q = 0; q < world && r == ncclSuccess; ++q) {
+        const uint64_t bytes = kLarge - 16 * static_cast<uint64_t>(q + 1);
+        step(ncclBroadcast(b + off, b + off, bytes, ncclUint8, q, child, side), "ncclBroadcast");
+        off += bytes;
+      }
+      step(ncclGroupEnd(), "ncclGroupEnd(broadcasts)");
+    }
+    step(ncclAllReduce(b, b, 1, ncclFloat32, ncclMax, child, side), "ncclAllReduce(small)");
+    step(ncclAllReduce(b, b, kLarge / 4, ncclFloat32, ncclMax, child, side),
+         "ncclAllReduce(large)");
+    const cudaError_t e = cudaStreamSynchronize(side);
+    (void)cudaFree(buf);
+    if (r != ncclSuccess) return fail(absl::StrCat(warm_error, ": ", ncclGetErrorString(r)));
+    if (e != cudaSuccess) return fail(absl::StrCat("cudaStreamSynchronize: ", cudaGetErrorName(e)));
+    warm_state.store(1);
+  });
+  ready = PollUntil(options.deadline, [&]() -> absl::StatusOr<bool> {
+    if (warm_state.load() != 0) return true;
+    ncclResult_t st = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(child, &st);
+    if (q != ncclSuccess) st = q;
+    if (st != ncclSuccess && st != ncclInProgress) {
+      return NcclErrorToStatus(name_, st, "warm-up (async)", __FILE__, __LINE__, child);
+    }
+    return false;
+  });
+  if (!ready.ok() || !*ready || warm_state.load() != 1) {
+    const bool running = warm_state.load() == 0;
+    if (running) (void)ncclCommAbort(child);  // unblocks the helper's NCCL call
+    warm.join();
+    absl::Status s = !ready.ok() ? ready.status()
+                     : running   ? absl::DeadlineExceededError(absl::StrFormat(
+                                     "%s: a peer did not take part in the communicator's "
+                                     "warm-up before the deadline (both communicators were "
+                                     "aborted)",
+                                     name_))
+                                 : absl::InternalError(absl::StrFormat(
+                                       "%s: warm-up failed: %s", name_, warm_error));
+    if (running) {
+      (void)ncclCommAbort(comm);
+      (void)cudaStreamDestroy(side);
+      (void)cudaFree(scratch);
+      (void)cudaGetLastError();
+    } else {
+      cleanup();
+    }
+    return s;
+  }
+  warm.join();
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(
+      name_, options.rank, options.world_size, options.device_ordinal, comm, child, scratch,
+      side, options.default_stream));
 }
 
 NcclCommunicator::NcclCommunicator(std::string name, int rank, int world_size, int device,
-                                   ncclComm* comm, float* scratch,
+                                   ncclComm* parent, ncclComm* comm, float* scratch,
+                                   void* side_stream,
                                    std::function<absl::StatusOr<void*>()> default_stream)
     : name_(std::move(name)),
       rank_(rank),
@@ -190,19 +326,25 @@ NcclCommunicator::NcclCommunicator(std::string name, int rank, int world_size, i
       device_(device),
       default_stream_(std::move(default_stream)),
       scratch_(scratch),
+      side_stream_(side_stream),
+      parent_(parent),
       comm_(comm) {}
 
 NcclCommunicator::~NcclCommunicator() {
   (void)cudaSetDevice(device_);
   ncclComm* c = nullptr;
+  ncclComm* p = nullptr;
   {
     absl::MutexLock lock(&mu_);
     c = std::exchange(comm_, nullptr);
+    p = std::exchange(parent_, nullptr);
   }
   // Abort, not Destroy: it never waits for peers that may be gone.
   if (c != nullptr) (void)ncclCommAbort(c);
+  if (p != nullptr) (void)ncclCommAbort(p);
   if (reaper_.joinable()) reaper_.join();  // a failed call's abort
   (void)cudaSetDevice(device_);
+  (void)cudaStreamDestroy(static_cast<cudaStream_t>(side_stream_));
   (void)cudaFree(scratch_);
   if (dev_buf_ != nullptr) (void)cudaFree(dev_buf_);
   if (host_buf_ != nullptr) (void)cudaFreeHost(host_buf_);
@@ -213,23 +355,27 @@ void NcclCommunicator::Abort() { abort_requested_.store(true); }
 
 absl::Status NcclCommunicator::Fail(absl::Status status) {
   ncclComm* c = nullptr;
+  ncclComm* p = nullptr;
   {
     absl::MutexLock lock(&mu_);
     if (broken_reason_.empty()) broken_reason_ = std::string(status.message());
     c = std::exchange(comm_, nullptr);
+    p = std::exchange(parent_, nullptr);
   }
-  if (c != nullptr && !reaper_.joinable()) {
+  if ((c != nullptr || p != nullptr) && !reaper_.joinable()) {
     // Off the request path: the abort (which also stops this communicator's
     // in-flight kernels, so the stream drains) may take long.
     const int device = device_;
-    reaper_ = std::thread([c, device] {
+    reaper_ = std::thread([c, p, device] {
       (void)cudaSetDevice(device);
-      (void)ncclCommAbort(c);
+      if (c != nullptr) (void)ncclCommAbort(c);
+      if (p != nullptr) (void)ncclCommAbort(p);
       (void)cudaGetLastError();
     });
-  } else if (c != nullptr) {
+  } else if (c != nullptr || p != nullptr) {
     (void)cudaSetDevice(device_);
-    (void)ncclCommAbort(c);
+    if (c != nullptr) (void)ncclCommAbort(c);
+    if (p != nullptr) (void)ncclCommAbort(p);
     (void)cudaGetLastError();
   }
   (void)cudaGetLastError();
@@ -390,7 +536,9 @@ absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, v
     QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_buf_, alloc));
     host_bytes_ = alloc;
   }
-  auto s = static_cast<cudaStream_t>(*stream);
+  // The communicator's own stream: host bytes need no ordering with the
+  // caller's stream, and device work the caller enqueued there overlaps.
+  auto s = static_cast<cudaStream_t>(side_stream_);
   auto* host = static_cast<char*>(host_buf_);
   auto* dev = static_cast<char*>(dev_buf_);
   const uint64_t mine = bytes * static_cast<uint64_t>(rank_);
@@ -403,13 +551,14 @@ absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, v
     absl::MutexLock lock(&mu_);
     comm = comm_;
   }
+  // Blocking communicator: the gather is enqueued when the call returns, so
+  // the copy back goes on the same stream and one wait covers all three.
   const ncclResult_t res = ncclAllGather(dev + mine, dev, bytes, ncclUint8, comm, s);
-  // A nonblocking communicator may enqueue the gather's kernel later (from
-  // NCCL's launch thread), so the copy back is enqueued only after Finish.
+  if (res == ncclSuccess) {
+    QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, dev, need, cudaMemcpyDeviceToHost, s));
+  }
   absl::Status st = Finish(res, s, call.deadline, "ncclAllGather(agreement)");
   if (!st.ok()) return st;
-  QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, dev, need, cudaMemcpyDeviceToHost, s));
-  QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   std::memcpy(recv, host, need);
   return absl::OkStatus();
 }

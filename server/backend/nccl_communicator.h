@@ -9,32 +9,51 @@
 // passes (then ncclCommAbort + DEADLINE_EXCEEDED): a rank that never arrives
 // never hangs Create().
 //
+// Two communicators: a nonblocking one only makes Create abortable. With
+// blocking = 0 NCCL starts a host thread for every launch (every
+// ncclGroupEnd, ~150-190 us on an H200 host), so Create then splits it
+// (ncclCommSplit, color 0, key = rank) into a child with blocking = 1 and
+// runs every collective on that child. The split is an asynchronous job of
+// the nonblocking parent (NCCL runs it as the parent's group job), so Create
+// polls the parent's ncclCommGetAsyncError and aborts the parent (which also
+// stops the child's init) at the deadline. Create then warms the child up
+// (the collectives and sizes the ops use, so that NCCL's runtime connection
+// setup, which blocks on the peers' host threads, happens inside Create):
+// on a helper thread, while Create polls to the deadline and calls
+// ncclCommAbort on the child if it passes (aborting from another thread is
+// how NCCL documents unblocking a blocking call). After Create, a blocking
+// collective call returns once enqueued (the peers are met on the GPU), so
+// the no-hang guarantee is unchanged: the wait below polls the stream.
+//
 // Collectives are enqueued on CommCall::stream, or, when that is null, on the
 // stream `default_stream` returns for the calling thread (the CudaDevice's
 // per-thread stream, so NCCL work is ordered after the thread's kernels and
-// copies). Each call then waits for that stream by polling cudaStreamQuery and
-// ncclCommGetAsyncError until the work is done, the deadline passes, Abort()
-// is called or NCCL reports an error; in the last three cases it calls
-// ncclCommAbort (which also stops the in-flight kernels) and the communicator
-// is broken from then on (communicator.h error codes: DEADLINE_EXCEEDED,
-// ABORTED, UNAVAILABLE for a remote/system error, INTERNAL otherwise).
+// copies). AllGatherHost (host bytes in and out) runs on the communicator's
+// own stream instead, so that it overlaps with device work the caller has
+// already enqueued on its stream. Each call then waits for its stream by
+// polling cudaStreamQuery and ncclCommGetAsyncError until the work is done,
+// the deadline passes, Abort() is called or NCCL reports an error; in the
+// last three cases the communicator is broken from then on
+// (communicator.h error codes: DEADLINE_EXCEEDED, ABORTED, UNAVAILABLE for a
+// remote/system error, INTERNAL otherwise).
 // The failing call marks the communicator broken and returns at once; the
-// ncclCommAbort itself (which can take hundreds of milliseconds while NCCL
-// tears down its connections and proxy threads) runs on a background thread,
-// off the request path, so that the caller's error still reaches its client
-// before the client's deadline. The destructor waits for that thread.
+// ncclCommAbort of both communicators (which also stops the in-flight
+// kernels, and can take hundreds of milliseconds while NCCL tears down its
+// connections and proxy threads) runs on a background thread, off the
+// request path, so that the caller's error still reaches its client before
+// the client's deadline. The destructor waits for that thread.
 //
-// Costs: with a nonblocking communicator NCCL starts a host thread for every
-// launch (every ncclGroupEnd), so callers batch: AllGatherVParts is one
-// launch, and AllGatherHost (the ops' small agreement messages) is one launch
-// with one wait, through reusable pinned and device buffers.
+// Costs: one launch per call (AllGatherVParts batches its parts into one
+// ncclGroupStart/End); AllGatherHost (the ops' small agreement messages) is
+// H2D copy + ncclAllGather + D2H copy on one stream with one wait, through
+// reusable pinned and device buffers.
 //
 // AllGatherV: equal sizes use one ncclAllGather; unequal sizes a group
 // (ncclGroupStart/End) of one ncclBroadcast per rank with a non-empty
 // contribution, rooted at that rank and received at its offset, so that no
 // rank pads or copies (see DESIGN note in nccl_communicator.cc).
 //
-// The ncclComm_t is released with ncclCommAbort in the destructor (never
+// Both ncclComm_t are released with ncclCommAbort in the destructor (never
 // leaked, never blocking on peers).
 //
 // Thread safety: as Communicator (one collective caller at a time); Abort()
@@ -108,8 +127,9 @@ class NcclCommunicator final : public Communicator {
   void Abort() override;
 
  private:
-  NcclCommunicator(std::string name, int rank, int world_size, int device, ncclComm* comm,
-                   float* scratch, std::function<absl::StatusOr<void*>()> default_stream);
+  NcclCommunicator(std::string name, int rank, int world_size, int device, ncclComm* parent,
+                   ncclComm* comm, float* scratch, void* side_stream,
+                   std::function<absl::StatusOr<void*>()> default_stream);
 
   // Checks that the communicator is usable and the deadline has not passed,
   // makes the device current and returns the stream to enqueue on.
@@ -133,6 +153,7 @@ class NcclCommunicator final : public Communicator {
   const int device_;
   const std::function<absl::StatusOr<void*>()> default_stream_;
   float* const scratch_;  // one device float for Barrier
+  void* const side_stream_;  // cudaStream_t of AllGatherHost (owned)
 
   std::atomic<bool> abort_requested_{false};
   // Used by the (single) collective caller and the destructor only.
@@ -141,7 +162,8 @@ class NcclCommunicator final : public Communicator {
   void* dev_buf_ = nullptr;    // device, host_bytes_ (AllGatherHost)
   uint64_t host_bytes_ = 0;
   mutable absl::Mutex mu_;
-  ncclComm* comm_ ABSL_GUARDED_BY(mu_);  // null once aborted
+  ncclComm* parent_ ABSL_GUARDED_BY(mu_);  // nonblocking; null once aborted
+  ncclComm* comm_ ABSL_GUARDED_BY(mu_);    // blocking child; null once aborted
   std::string broken_reason_ ABSL_GUARDED_BY(mu_);
 };
 

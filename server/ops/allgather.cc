@@ -43,8 +43,13 @@ struct WireHeader {
   int32_t columnwise = 0;
   int32_t pow2 = 0;
   uint32_t epsilon_bits = 0;
-  int32_t pad = 0;
+  // 1 when this rank resolved its outputs before the exchange (PrepareEarly):
+  // when every rank did, nothing is left that can fail on one rank only, and
+  // the status exchange of step 3 is skipped.
+  int32_t early = 0;
+  uint64_t out_size[4] = {};  // the output slices' sizes (early only)
   WireStatus status;
+  WireStatus prepared;  // early: the outcome of PrepareEarly
 };
 
 WireStatus ToWire(const absl::Status& s) {
@@ -232,6 +237,60 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
   return l;
 }
 
+constexpr const char* kOutputFields[4] = {"outputs.rowwise_data", "outputs.rowwise_scale_inv",
+                                          "outputs.columnwise_data",
+                                          "outputs.columnwise_scale_inv"};
+
+// Step 1b, the early path. When every output is a region slice in memory
+// the device computes on and the input is there too (no staging), the only
+// step-3 checks left that depend on the peers are the slice sizes, which
+// every rank can check for every rank once the sizes travel in the header.
+// So the slices are resolved now (at their stated sizes: region, bounds,
+// alignment, memory kind, overlaps) and the outcome travels in the header.
+// Returns false when the request does not qualify (nothing resolved), an
+// error when it qualifies but a slice is bad.
+absl::StatusOr<bool> PrepareEarly(const AllGatherRequestSpec& r, const LocalRequest& l,
+                                  const OpContext& ctx,
+                                  std::array<std::optional<Output>, 4>& outs) {
+  const kernels::QuantizeParams& p = r.params;
+  const std::optional<tensor::RegionSliceSpec>* specs[4] = {
+      &r.outputs.rowwise_data, &r.outputs.rowwise_scale_inv, &r.outputs.columnwise_data,
+      &r.outputs.columnwise_scale_inv};
+  const bool requested[4] = {p.rowwise, p.rowwise, p.columnwise, p.columnwise};
+  const uint64_t alignment[4] = {1, 4, 1, 4};
+  for (int i = 0; i < 4; ++i) {
+    if (requested[i] && !specs[i]->has_value()) return false;  // inline: staged
+  }
+  if (l.input.byte_size > 0 && l.input.memory != ctx.device->memory_kind()) return false;
+  for (int i = 0; i < 4; ++i) {
+    if (!requested[i]) continue;
+    const tensor::RegionSliceSpec& spec = **specs[i];
+    outs[i].emplace();
+    outs[i]->bytes = spec.size;
+    outs[i]->tensor.region = spec;
+    QTX_ASSIGN_OR_RETURN(outs[i]->slice, tensor::ResolveOutputSlice(spec, spec.size, alignment[i],
+                                                                     kOutputFields[i],
+                                                                     *ctx.regions));
+    if (spec.size > 0 && outs[i]->slice->memory != ctx.device->memory_kind()) return false;
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (!outs[i]) continue;
+    if (l.input.pin != nullptr && tensor::RangesOverlap(l.input.data, l.input.byte_size,
+                                                        outs[i]->slice->data, outs[i]->bytes)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s overlaps input: outputs may not alias the input", kOutputFields[i]));
+    }
+    for (int j = 0; j < i; ++j) {
+      if (outs[j] && tensor::RangesOverlap(outs[j]->slice->data, outs[j]->bytes,
+                                           outs[i]->slice->data, outs[i]->bytes)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s overlaps %s: outputs may not alias", kOutputFields[i], kOutputFields[j]));
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 std::string_view AllGatherModeName(AllGatherMode m) {
@@ -262,6 +321,45 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   absl::StatusOr<LocalRequest> local = ValidateLocal(request, ctx, comm);
   const kernels::QuantizeParams& p = request.params;
 
+  // Step 1b: the early path (PrepareEarly). For EXACT_FP8 rowwise-only 1-D
+  // the shard's quantization needs nothing from the peers (1x128 blocks never
+  // straddle ranks, and its shard layout does not depend on the row offset),
+  // so it is enqueued now, into a scratch shard, and runs on the device while
+  // the headers are exchanged (a device communicator moves them on its own
+  // stream); the gather then sends from the scratch into the output.
+  const bool exact = request.mode == AllGatherMode::kExactFp8;
+  std::array<std::optional<Output>, 4> outs;
+  bool early = false;
+  absl::Status early_status;
+  backend::DeviceBuffer early_shard;  // [m * n data | rowwise scales], EXACT_FP8
+  const bool early_quantize =
+      exact && p.rowwise && !p.columnwise && p.scaling == kernels::BlockScaling::kBlock1D;
+  if (local.ok() && (!exact || early_quantize)) {
+    absl::StatusOr<bool> e = PrepareEarly(request, *local, ctx, outs);
+    early = !e.ok() || *e;
+    if (!e.ok()) early_status = e.status();
+    if (!early) {
+      for (auto& o : outs) o.reset();
+    }
+    const kernels::ShardGeometry g0{0, local->mn.m, local->mn.n};
+    if (early && early_status.ok() && early_quantize && g0.m > 0) {
+      early_status = [&]() -> absl::Status {
+        const uint64_t data = static_cast<uint64_t>(g0.m * g0.n);
+        const uint64_t scales = 4 * static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(
+                                        kernels::BlockScaling::kBlock1D, g0));
+        // Round16(scales): the gather sends the packed shard's rounded size.
+        QTX_ASSIGN_OR_RETURN(early_shard,
+                             ctx.device->Allocate(Round16(data) + Round16(scales)));
+        auto* base = static_cast<uint8_t*>(early_shard.data());
+        kernels::QuantizedBuffers b;
+        b.rowwise_data = base;
+        b.rowwise_scale_inv = reinterpret_cast<float*>(base + Round16(data));
+        return ctx.device->QuantizeShard(backend::ShardArgs{local->input.data, local->dtype, g0, p},
+                                         nullptr, nullptr, b);
+      }();
+    }
+  }
+
   // Step 2: headers.
   WireHeader mine;
   mine.sequence = request.sequence;
@@ -276,6 +374,9 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   if (local.ok()) {
     mine.n = local->mn.n;
     mine.m = local->mn.m;
+    mine.early = early ? 1 : 0;
+    for (int i = 0; i < 4; ++i) mine.out_size[i] = outs[i] ? outs[i]->bytes : 0;
+    mine.prepared = ToWire(early_status);
   } else {
     mine.status = ToWire(local.status());
   }
@@ -315,15 +416,67 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   }
   const kernels::ShardGeometry& g = geoms[rank];
   const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m_total, n);
-  const bool exact = request.mode == AllGatherMode::kExactFp8;
   const bool need_amax = exact && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
   const int64_t amax_len = need_amax ? kernels::BoundaryAmaxLength(p.scaling, g) : 0;
 
-  std::array<std::optional<Output>, 4> outs;
   backend::DeviceBuffer input_staging;
-  const void* input_ptr = nullptr;
+  const void* input_ptr = local->input.data;
   std::vector<float> amax_first(amax_len, 0.0f), amax_last(amax_len, 0.0f);
-  absl::Status prepared = [&]() -> absl::Status {
+  const bool all_early = std::all_of(headers.begin(), headers.end(),
+                                     [](const WireHeader& h) { return h.early != 0; });
+  const uint64_t needed[4] = {
+      p.rowwise ? static_cast<uint64_t>(layout.RowwiseDataBytes()) : 0,
+      p.rowwise ? 4 * static_cast<uint64_t>(layout.RowwiseScaleCount()) : 0,
+      p.columnwise ? static_cast<uint64_t>(layout.ColumnwiseDataBytes()) : 0,
+      p.columnwise ? 4 * static_cast<uint64_t>(layout.ColumnwiseScaleCount()) : 0};
+  const std::vector<int64_t> shapes[4] = {
+      {layout.rowwise_data_rows, layout.rowwise_data_cols},
+      {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
+      {layout.columnwise_data_rows, layout.columnwise_data_cols},
+      {layout.columnwise_scale_rows, layout.columnwise_scale_cols}};
+  // The early path's step 3: every rank evaluates every rank's outcome and
+  // slice sizes from the headers, so all reach the same verdict with no
+  // further exchange. (Nothing else in it can fail on one rank only before
+  // the data moves, except a device allocation or launch, which the other
+  // paths do not exchange either.)
+  auto early_verdict = [&]() -> absl::Status {
+    auto size_error = [&](const WireHeader& h) -> absl::Status {
+      for (int i = 0; i < 4; ++i) {
+        if ((i < 2 ? p.rowwise : p.columnwise) && h.out_size[i] != needed[i]) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s.size=%d: expected %d", kOutputFields[i], h.out_size[i], needed[i]));
+        }
+      }
+      return absl::OkStatus();
+    };
+    if (!early_status.ok()) return early_status;
+    QTX_RETURN_IF_ERROR(size_error(headers[rank]));
+    for (int r = 0; r < world; ++r) {
+      if (headers[r].prepared.code != 0) {
+        return FromWire(headers[r].prepared,
+                        absl::StrFormat("%srank %d could not take part: ", prefix, r));
+      }
+      if (absl::Status e = size_error(headers[r]); !e.ok()) {
+        return absl::Status(e.code(), absl::StrFormat("%srank %d could not take part: %s",
+                                                      prefix, r, e.message()));
+      }
+    }
+    const DType data_dtype = tensor::Fp8DataDType(p.format);
+    for (int i = 0; i < 4; ++i) {
+      if (!outs[i]) continue;
+      outs[i]->tensor.dtype = i % 2 == 0 ? data_dtype : DType::kFloat32;
+      outs[i]->tensor.shape = shapes[i];
+    }
+    return absl::OkStatus();
+  };
+  if (all_early) {
+    QTX_RETURN_IF_ERROR(early_verdict());
+  } else {
+    // Re-placed below; an early quantization is not used.
+    for (auto& o : outs) o.reset();
+    early_shard = backend::DeviceBuffer();
+  }
+  absl::Status prepared = all_early ? absl::OkStatus() : [&]() -> absl::Status {
     const DType data_dtype = tensor::Fp8DataDType(p.format);
     if (p.rowwise) {
       QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, layout.RowwiseDataBytes(), 1,
@@ -411,8 +564,10 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     std::memcpy(send.data() + sizeof ws, amax_first.data(), 4 * amax_len);
     std::memcpy(send.data() + sizeof ws + 4 * amax_len, amax_last.data(), 4 * amax_len);
   }
-  if (absl::Status s = ExchangeFixed(send.data(), block, recv.data(), comm, call); !s.ok()) {
-    return comm_failed(s);
+  if (!all_early) {
+    if (absl::Status s = ExchangeFixed(send.data(), block, recv.data(), comm, call); !s.ok()) {
+      return comm_failed(s);
+    }
   }
   if (!prepared.ok()) return prepared;
   for (int r = 0; r < world; ++r) {
@@ -453,7 +608,11 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       sizes[r] = packs[r].total;
       total += sizes[r];
     }
-    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer shard, ctx.device->Allocate(packs[rank].total));
+    const bool have_early = early_shard.data() != nullptr;
+    backend::DeviceBuffer shard;
+    if (!have_early) {
+      QTX_ASSIGN_OR_RETURN(shard, ctx.device->Allocate(packs[rank].total));
+    }
     QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
     QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer amax_dev, ctx.device->Allocate(8 * amax_len));
     float* amax_ptr = static_cast<float*>(amax_dev.data());
@@ -462,18 +621,24 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       both.insert(both.end(), last.begin(), last.end());
       QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(amax_ptr, both.data(), 8 * amax_len));
     }
-    auto* sbase = static_cast<uint8_t*>(shard.data());
+    // The early shard holds [data | scales]; its scales section is this
+    // rank's packed shard (rowwise-only: rw_scale = 0, total = scales).
+    const uint64_t early_data = Round16(static_cast<uint64_t>(g.m * n));
+    auto* sbase = have_early ? static_cast<uint8_t*>(early_shard.data()) + early_data
+                             : static_cast<uint8_t*>(shard.data());
+    const void* shard_send = sbase;
     const PackedShard& mp = packs[rank];
     kernels::QuantizedBuffers shard_bufs;
     if (p.rowwise) {
-      shard_bufs.rowwise_data = out_bufs.rowwise_data + g.row_offset * n;
+      shard_bufs.rowwise_data = have_early ? static_cast<uint8_t*>(early_shard.data())
+                                           : out_bufs.rowwise_data + g.row_offset * n;
       shard_bufs.rowwise_scale_inv = reinterpret_cast<float*>(sbase + mp.rw_scale);
     }
     if (p.columnwise) {
       shard_bufs.columnwise_data = sbase + mp.cw_data;
       shard_bufs.columnwise_scale_inv = reinterpret_cast<float*>(sbase + mp.cw_scale);
     }
-    if (g.m > 0) {
+    if (g.m > 0 && !have_early) {
       backend::ShardArgs args{input_ptr, local->dtype, g, p};
       QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(args, amax_len ? amax_ptr : nullptr,
                                                     amax_len ? amax_ptr + amax_len : nullptr,
@@ -487,7 +652,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       for (int r = 0; r < world; ++r) data_sizes[r] = static_cast<uint64_t>(geoms[r].m * n);
       parts.push_back({shard_bufs.rowwise_data, data_sizes, out_bufs.rowwise_data});
     }
-    parts.push_back({shard.data(), sizes, gathered.data()});
+    parts.push_back({shard_send, sizes, gathered.data()});
     if (absl::Status s = comm.AllGatherVParts(parts, call); !s.ok()) {
       return comm_failed(s);
     }
