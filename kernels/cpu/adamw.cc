@@ -1,83 +1,31 @@
 // Host AdamW fused with the block-scaled FP8 parameter output. See adamw.h and
 // kernels/adamw.h (operation order), NUMERICS.md §2 (scales), §4 (layouts).
 //
-// Work split: every parameter is cut into work units of one 128-row band by up
-// to kUnitTiles 128x128 tiles; one OpenMP loop runs over the units of all
-// parameters of the call (static schedule: each thread gets a contiguous run
-// of units). One unit:
-//   A. row by row over the band, the AdamW update of the row's contiguous run
-//      of up to kUnitTiles * 128 elements (auto-vectorized: sqrtps/divps),
-//      with the optional BF16 copy, then each tile segment's |p| maximum
-//      (from L1) as unsigned compares of the magnitude bits (NaN excluded, as
-//      AmaxUpdate does); per-tile, per-row (1-D rowwise) and per-column (1-D
-//      columnwise) maxima are kept in the thread's scratch. The lines of the
-//      row kPrefetchRows ahead are prefetched: the runs restart at a stride
-//      of n elements, and the hardware prefetchers (which stop at 4 KiB
-//      pages) lag behind on each restart.
-//   B. per tile: scales from the amaxes (kernels::ComputeScale, the
-//      QuantizeBlock rule);
-//   C. per tile: encode RN(p * scale) (branch-free encoder, AVX2 intrinsics
-//      where built with AVX2) into the rowwise copy, or a scratch tile when
-//      there is none, then the bytes are transposed into the columnwise [N, M]
-//      copy (SSE2 16x16 blocks).
-// B/C re-read the unit's master weights from L2: the unit's whole footprint
-// in A (master, two moments, gradient: 4 x 256 KiB at FP32) is sized to L2.
+// This file plans the call (work units of every parameter), runs the band
+// kernel (adamw_band.cc: the update, amax, scales, encode and transpose of a
+// unit) on contiguous runs of units per OpenMP thread, and picks the band
+// kernel's instruction set at run time: AVX-512 where it is compiled in and
+// the CPU has it, else the baseline build (AVX2 with the default
+// QTX_CPU_ARCH, scalar without). Both produce the same bytes.
 #include "kernels/cpu/adamw.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include <omp.h>
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
 
 #include "kernels/block_geometry.h"
+#include "kernels/cpu/adamw_band.h"
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cpu {
 namespace {
-
-template <int E, int M>
-inline uint8_t EncodeFast(float x) {
-  constexpr int kBias = (1 << (E - 1)) - 1;
-  constexpr uint32_t kMaxCode = E == 4 ? 0x7Eu : 0x7Bu;
-  constexpr int kDrop = 23 - M;
-  // Smallest normal FP8 magnitude 2^(1-bias), as FP32 bits.
-  constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - kBias) << 23;
-  // C = 2^(23 + 1 - bias - M): FP32 spacing at C is 2^(1-bias-M), the FP8
-  // subnormal step, so RN(|x| + C) rounds |x| (< min normal) onto the FP8
-  // subnormal grid with ties to even; the step count is bits(sum) - bits(C).
-  constexpr uint32_t kSubMagicBits = static_cast<uint32_t>(127 + 23 + 1 - kBias - M) << 23;
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  const uint32_t sign = (bits >> 24) & 0x80u;
-  const uint32_t a = bits & 0x7FFFFFFFu;
-  // Normal range: round the FP32 significand to M bits (ties to even); a carry
-  // moves into the exponent field. Re-bias the exponent; saturate (Inf too).
-  const uint32_t rounded = a + ((1u << (kDrop - 1)) - 1u) + ((a >> kDrop) & 1u);
-  uint32_t code_n = (rounded >> kDrop) - (static_cast<uint32_t>(127 - kBias) << M);
-  code_n = code_n < kMaxCode ? code_n : kMaxCode;
-  const float t = std::bit_cast<float>(a) + std::bit_cast<float>(kSubMagicBits);
-  const uint32_t code_s = std::bit_cast<uint32_t>(t) - kSubMagicBits;
-  // Selections as bit masks: with trapping math on, GCC will not if-convert a
-  // ?: whose arm it sank the float add into, and the loop would stay scalar.
-  const uint32_t sub = 0u - static_cast<uint32_t>(a < kMinNormalBits);
-  const uint32_t nan = 0u - static_cast<uint32_t>(a > 0x7F800000u);
-  const uint32_t code = ((sub & code_s) | (~sub & code_n)) | sign;
-  return static_cast<uint8_t>((nan & 0x7Fu) | (~nan & code));
-}
-
-// |x| as FP32 bits, NaN mapped to 0: for non-NaN magnitudes the unsigned
-// order of the bits is the float order, so a max over these equals the
-// AmaxUpdate fold (NaN ignored, start at 0).
-inline uint32_t MagnitudeBits(float x) {
-  const uint32_t a = std::bit_cast<uint32_t>(x) & 0x7FFFFFFFu;
-  return a > 0x7F800000u ? 0u : a;
-}
 
 template <InputDType kT>
 inline float LoadGrad(const void* g, int64_t i) {
@@ -90,439 +38,30 @@ inline float LoadGrad(const void* g, int64_t i) {
   }
 }
 
-template <MomentDType kM>
-using MomentT = std::conditional_t<kM == MomentDType::kFloat32, float, uint16_t>;
-
-template <MomentDType kM>
-inline float LoadMoment(const MomentT<kM>* p, int64_t i) {
-  if constexpr (kM == MomentDType::kFloat32) {
-    return p[i];
-  } else {
-    return std::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
-  }
-}
-
-// FP32 -> BF16, round to nearest even, NaN kept quiet (= kernels::FloatToBf16,
-// written with std::bit_cast so that it vectorizes).
-inline uint16_t ToBf16(float f) {
-  const uint32_t u = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x0040u;
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
-}
-
-template <MomentDType kM>
-inline void StoreMoment(MomentT<kM>* p, int64_t i, float v) {
-  if constexpr (kM == MomentDType::kFloat32) {
-    p[i] = v;
-  } else {
-    p[i] = ToBf16(v);
-  }
-}
-
-// The AdamW update of `len` contiguous elements (kernels/adamw.h order), with
-// the optional BF16 copy of the updated weights.
-template <InputDType kG, MomentDType kM, bool kBf16>
-void UpdateSpan(float* __restrict p, MomentT<kM>* __restrict m, MomentT<kM>* __restrict v,
-                const void* __restrict g, uint16_t* __restrict bf16, int64_t len,
-                const AdamWScalars& s) {
-  const AdamWScalars c = s;  // local copy: no aliasing with the stores
-  for (int64_t j = 0; j < len; ++j) {
-    float pj = p[j];
-    float mj = LoadMoment<kM>(m, j);
-    float vj = LoadMoment<kM>(v, j);
-    AdamWUpdate(pj, mj, vj, LoadGrad<kG>(g, j), c);
-    p[j] = pj;
-    StoreMoment<kM>(m, j, mj);
-    StoreMoment<kM>(v, j, vj);
-    if constexpr (kBf16) bf16[j] = ToBf16(pj);
-  }
-}
-
-// max over MagnitudeBits(p[0..len)) (an exact max: the order does not
-// matter). AVX2: the magnitude bits as signed 32-bit integers (<= 0x7FFFFFFF),
-// NaN (> 0x7F800000) zeroed, unsigned max; otherwise eight independent lanes.
-inline uint32_t RowMagnitudeMax(const float* __restrict p, int64_t len) {
-  int64_t j = 0;
-  uint32_t r = 0;
-#if defined(__AVX2__)
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
-  const __m256i inf_bits = _mm256_set1_epi32(0x7F800000);
-  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
-  for (; j + 16 <= len; j += 16) {
-    const __m256i a0 = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), abs_mask);
-    const __m256i a1 = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j + 8)), abs_mask);
-    acc0 = _mm256_max_epu32(acc0, _mm256_andnot_si256(_mm256_cmpgt_epi32(a0, inf_bits), a0));
-    acc1 = _mm256_max_epu32(acc1, _mm256_andnot_si256(_mm256_cmpgt_epi32(a1, inf_bits), a1));
-  }
-  acc0 = _mm256_max_epu32(acc0, acc1);
-  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(acc0), _mm256_extracti128_si256(acc0, 1));
-  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
-  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
-  r = static_cast<uint32_t>(_mm_cvtsi128_si32(h));
+bool CpuHasAvx512() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx2") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
 #else
-  uint32_t lane[8] = {};
-  for (; j + 8 <= len; j += 8) {
-    for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], MagnitudeBits(p[j + l]));
-  }
-  for (int l = 0; l < 8; ++l) r = std::max(r, lane[l]);
+  return false;
 #endif
-  for (; j < len; ++j) r = std::max(r, MagnitudeBits(p[j]));
-  return r;
 }
 
-#if defined(__AVX2__)
-// EncodeFast of eight floats, the same integer and FP32 steps on 32-bit lanes;
-// the code is in the low byte of each lane. (GCC's own vectorization of
-// EncodeFast spills and costs ~3x this.)
-template <int E, int M>
-inline __m256i EncodeFast8(__m256 x) {
-  constexpr int kBias = (1 << (E - 1)) - 1;
-  constexpr int kMaxCode = E == 4 ? 0x7E : 0x7B;
-  constexpr int kDrop = 23 - M;
-  constexpr int kMinNormalBits = (127 + 1 - kBias) << 23;
-  constexpr int kSubMagicBits = (127 + 23 + 1 - kBias - M) << 23;
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
-  const __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i rounded = _mm256_add_epi32(
-      _mm256_add_epi32(a, _mm256_set1_epi32((1 << (kDrop - 1)) - 1)),
-      _mm256_and_si256(_mm256_srli_epi32(a, kDrop), _mm256_set1_epi32(1)));
-  __m256i code_n = _mm256_sub_epi32(_mm256_srli_epi32(rounded, kDrop),
-                                    _mm256_set1_epi32((127 - kBias) << M));
-  code_n = _mm256_min_epu32(code_n, _mm256_set1_epi32(kMaxCode));
-  const __m256 t = _mm256_add_ps(_mm256_castsi256_ps(a),
-                                 _mm256_castsi256_ps(_mm256_set1_epi32(kSubMagicBits)));
-  const __m256i code_s = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(kSubMagicBits));
-  // a <= 0x7FFFFFFF: signed compares order the magnitudes.
-  const __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(kMinNormalBits), a);
-  const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
-  const __m256i code = _mm256_or_si256(_mm256_blendv_epi8(code_n, code_s, sub), sign);
-  return _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), nan);
-}
-#endif
-
-template <int E, int M>
-void EncodeSpan(const float* __restrict p, float scale, uint8_t* __restrict out, int64_t len) {
-  int64_t j = 0;
-#if defined(__AVX2__)
-  const __m256 sc = _mm256_set1_ps(scale);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (; j + 32 <= len; j += 32) {
-    const __m256i c0 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j), sc));
-    const __m256i c1 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), sc));
-    const __m256i c2 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j + 16), sc));
-    const __m256i c3 = EncodeFast8<E, M>(_mm256_mul_ps(_mm256_loadu_ps(p + j + 24), sc));
-    // Lanes hold values <= 0xFF, so the saturating packs are plain narrowing;
-    // the packs interleave 128-bit halves, the permute restores the order.
-    const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(w, order));
-  }
-#endif
-  for (; j < len; ++j) out[j] = EncodeFast<E, M>(p[j] * scale);
+// The best available ISA, or QTX_ADAMW_ISA=baseline|avx512 from the
+// environment when that one is available.
+internal::BandIsa InitialIsa() {
+  const char* env = std::getenv("QTX_ADAMW_ISA");
+  if (env != nullptr && std::strcmp(env, "baseline") == 0) return internal::BandIsa::kBaseline;
+  if (internal::BandIsaAvailable(internal::BandIsa::kAvx512)) return internal::BandIsa::kAvx512;
+  return internal::BandIsa::kBaseline;
 }
 
-template <int E, int M>
-void EncodeSpanPerColumn(const float* __restrict p, const float* __restrict scale,
-                         uint8_t* __restrict out, int64_t len) {
-  for (int64_t j = 0; j < len; ++j) out[j] = EncodeFast<E, M>(p[j] * scale[j]);
-}
-
-// Not inlined nor cloned: one call per row costs nothing, and with a constant
-// `len` GCC warns about the (dead) scalar tail.
-[[gnu::noipa]] void EncodeRow(const float* p, float scale, uint8_t* out, int64_t len,
-                              Fp8Format f) {
-  if (f == Fp8Format::kE4M3) {
-    EncodeSpan<4, 3>(p, scale, out, len);
-  } else {
-    EncodeSpan<5, 2>(p, scale, out, len);
-  }
-}
-
-void EncodeRowPerColumn(const float* p, const float* scale, uint8_t* out, int64_t len,
-                        Fp8Format f) {
-  if (f == Fp8Format::kE4M3) {
-    EncodeSpanPerColumn<4, 3>(p, scale, out, len);
-  } else {
-    EncodeSpanPerColumn<5, 2>(p, scale, out, len);
-  }
-}
-
-#if defined(__SSE2__)
-// out row j (16 bytes at out + j * out_pitch) = column j of the 16x16 byte
-// block at in (row pitch in_pitch): four rounds of byte/word/dword/qword
-// interleaves.
-inline void Transpose16x16(const uint8_t* in, int64_t in_pitch, uint8_t* out, int64_t out_pitch) {
-  __m128i r[16];
-  for (int i = 0; i < 16; ++i) {
-    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * in_pitch));
-  }
-  __m128i t[16];
-  for (int i = 0; i < 8; ++i) {  // bytes: rows (2i, 2i+1)
-    t[2 * i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // words: pairs (4i, 4i+2), (4i+1, 4i+3)
-    r[4 * i + 0] = _mm_unpacklo_epi16(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 1] = _mm_unpackhi_epi16(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 2] = _mm_unpacklo_epi16(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm_unpackhi_epi16(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i) {  // dwords: quads (8i + q, 8i + 4 + q)
-    for (int q = 0; q < 4; ++q) {
-      t[8 * i + 2 * q] = _mm_unpacklo_epi32(r[8 * i + q], r[8 * i + 4 + q]);
-      t[8 * i + 2 * q + 1] = _mm_unpackhi_epi32(r[8 * i + q], r[8 * i + 4 + q]);
-    }
-  }
-  for (int q = 0; q < 8; ++q) {  // qwords: (q, 8 + q)
-    r[2 * q] = _mm_unpacklo_epi64(t[q], t[8 + q]);
-    r[2 * q + 1] = _mm_unpackhi_epi64(t[q], t[8 + q]);
-  }
-  for (int j = 0; j < 16; ++j) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * out_pitch), r[j]);
-  }
-}
-#endif
-
-// Writes tile bytes [rows, cols] (row pitch `pitch`) transposed into the
-// columnwise copy: col_data[(c0 + j) * m + r0 + i] = tile[i * pitch + j].
-void StoreTransposed(const uint8_t* tile, int64_t pitch, int64_t rows, int64_t cols,
-                     uint8_t* col_data, int64_t m, int64_t r0, int64_t c0) {
-  constexpr int64_t kB = 16;  // 16x16 sub-blocks keep both sides in few cache lines
-  for (int64_t jb = 0; jb < cols; jb += kB) {
-    const int64_t je = std::min(cols, jb + kB);
-    for (int64_t ib = 0; ib < rows; ib += kB) {
-      const int64_t ie = std::min(rows, ib + kB);
-#if defined(__SSE2__)
-      if (je - jb == kB && ie - ib == kB) {
-        Transpose16x16(tile + ib * pitch + jb, pitch, col_data + (c0 + jb) * m + r0 + ib, m);
-        continue;
-      }
-#endif
-      for (int64_t j = jb; j < je; ++j) {
-        uint8_t* dst = col_data + (c0 + j) * m + r0;
-        for (int64_t i = ib; i < ie; ++i) dst[i] = tile[i * pitch + j];
-      }
-    }
-  }
-}
-
-// Rows ahead whose lines ProcessUnit prefetches.
-constexpr int64_t kPrefetchRows = 2;
-
-inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) {
-    if (write) {
-      __builtin_prefetch(c + o, 1, 3);
-    } else {
-      __builtin_prefetch(c + o, 0, 3);
-    }
-  }
-}
-
-// Tiles per work unit (one 128-row band by up to this many tiles): 4 tiles
-// are 256 KiB of FP32 master weights, re-read by the encode pass, and 1 MiB
-// streamed through the cache by the update pass with FP32 moments and
-// gradients (CI host: 1 MiB L2 per core; 2 tiles: +20% time, 8 tiles: +5%).
-constexpr int64_t kUnitTiles = 4;
-
-struct ParamPlan {
-  const AdamWParamBuffers* b = nullptr;
-  QuantizedLayout layout;
-  int64_t mb = 0, nb = 0;
-  int64_t chunks = 0;      // work units per band: ceil(nb / kUnitTiles)
-  int64_t first_unit = 0;  // index of unit (0, 0) in the flattened unit list
-};
-
-// Scratch of one thread: a tile's encoded bytes and the amaxes of a unit (as
-// MagnitudeBits).
-struct alignas(64) UnitScratch {
-  uint8_t bytes[kBlockLen * kBlockLen];
-  uint8_t transposed[kBlockLen * kBlockLen];
-  uint32_t row_max[kUnitTiles][kBlockLen];  // [tile][row]: 1-D rowwise scales
-  uint32_t tile_max[kUnitTiles];            // 2-D scales
-  uint32_t col_max[kUnitTiles * kBlockLen];  // [unit column]: 1-D columnwise scales
-};
-
-#if defined(__AVX2__)
-// Copies 128 rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
-// `pitch`), with non-temporal stores when every row is 32-byte aligned: the
-// FP8 copies are not read again by this step, so they need not be read into
-// the cache first (write-allocate) nor stay there.
-void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch) {
-  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0 && pitch % 32 == 0;
-  for (int64_t i = 0; i < kBlockLen; ++i) {
-    const auto* in = reinterpret_cast<const __m256i*>(src + i * kBlockLen);
-    auto* out = reinterpret_cast<__m256i*>(dst + i * pitch);
-    for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
-      const __m256i x = _mm256_load_si256(in + w);
-      if (aligned) {
-        _mm256_stream_si256(out + w, x);
-      } else {
-        _mm256_storeu_si256(out + w, x);
-      }
-    }
-  }
-}
-#endif
-
-// B and C of one tile (rows x cols at (r0, c0) = tile (k, tj)) whose master
-// weights are updated and whose amaxes are in row_max / tile_max / col_max.
-// tile_bytes and transposed: 64-byte aligned [kBlockLen * kBlockLen] scratch.
-void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* row_max,
-                uint32_t tile_max, const uint32_t* col_max, uint8_t* tile_bytes,
-                uint8_t* transposed) {
-  const AdamWParamBuffers& b = *plan.b;
-  const int64_t n = b.n;
-  const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
-  const int64_t rows = std::min(kBlockLen, b.m - r0);
-  const int64_t cols = std::min(kBlockLen, n - c0);
-  const QuantizeParams& q = b.quant;
-  const float fp8_max = Fp8Max(q.format);
-  const float value_for_inf = InputDTypeMax(InputDType::kFloat32);
-  auto scale_of = [&](uint32_t amax_bits) {
-    return ComputeScale(std::bit_cast<float>(amax_bits), fp8_max, q.force_pow2_scales,
-                        q.amax_epsilon, value_for_inf);
-  };
-  const QuantizedLayout& l = plan.layout;
-  if (q.scaling != BlockScaling::kBlock1D) {
-    const float scale = scale_of(tile_max);
-    const float scale_inv = ScaleInv(scale);
-    if (q.rowwise) b.fp8.rowwise_scale_inv[k * l.rowwise_scale_cols + tj] = scale_inv;
-    if (q.columnwise) b.fp8.columnwise_scale_inv[tj * l.columnwise_scale_cols + k] = scale_inv;
-#if defined(__AVX2__)
-    if (rows == kBlockLen && cols == kBlockLen) {
-      // Full tile: encode and transpose in L1 scratch, then store whole rows.
-      for (int64_t i = 0; i < rows; ++i) {
-        EncodeRow(b.master + (r0 + i) * n + c0, scale, tile_bytes + i * kBlockLen, cols,
-                  q.format);
-      }
-      if (q.rowwise) StoreTileRows(tile_bytes, b.fp8.rowwise_data + r0 * n + c0, n);
-      if (q.columnwise) {
-        StoreTransposed(tile_bytes, kBlockLen, rows, cols, transposed, kBlockLen, 0, 0);
-        StoreTileRows(transposed, b.fp8.columnwise_data + c0 * b.m + r0, b.m);
-      }
-      return;
-    }
-#endif
-    // The bytes go to the rowwise copy when there is one (the columnwise copy
-    // is then transposed from it, still in L1/L2), else to the scratch tile.
-    uint8_t* const bytes = q.rowwise ? b.fp8.rowwise_data + r0 * n + c0 : tile_bytes;
-    const int64_t pitch = q.rowwise ? n : kBlockLen;
-    for (int64_t i = 0; i < rows; ++i) {
-      EncodeRow(b.master + (r0 + i) * n + c0, scale, bytes + i * pitch, cols, q.format);
-    }
-    if (q.columnwise) {
-      StoreTransposed(bytes, pitch, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
-    }
-    return;
-  }
-  if (q.rowwise) {
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t off = (r0 + i) * n + c0;
-      const float scale = scale_of(row_max[i]);
-      b.fp8.rowwise_scale_inv[tj * l.rowwise_scale_cols + r0 + i] = ScaleInv(scale);
-      EncodeRow(b.master + off, scale, b.fp8.rowwise_data + off, cols, q.format);
-    }
-  }
-  if (q.columnwise) {
-    float col_scale[kBlockLen];
-    for (int64_t j = 0; j < cols; ++j) {
-      col_scale[j] = scale_of(col_max[j]);
-      b.fp8.columnwise_scale_inv[k * l.columnwise_scale_cols + c0 + j] = ScaleInv(col_scale[j]);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      EncodeRowPerColumn(b.master + (r0 + i) * n + c0, col_scale, tile_bytes + i * kBlockLen,
-                         cols, q.format);
-    }
-    StoreTransposed(tile_bytes, kBlockLen, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
-  }
-}
-
-// One work unit: band k, tiles [tj0, tj1).
-template <InputDType kG, MomentDType kM>
-void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
-                 const AdamWScalars& s, UnitScratch& sc) {
-  const AdamWParamBuffers& b = *plan.b;
-  const int64_t n = b.n;
-  const int64_t r0 = k * kBlockLen;
-  const int64_t rows = std::min(kBlockLen, b.m - r0);
-  const int64_t c0 = tj0 * kBlockLen, c1 = std::min(n, tj1 * kBlockLen);
-  const int64_t tiles = tj1 - tj0;
-  auto* mom1 = static_cast<MomentT<kM>*>(b.exp_avg);
-  auto* mom2 = static_cast<MomentT<kM>*>(b.exp_avg_sq);
-  const auto* grad = static_cast<const char*>(b.grad);
-  constexpr int64_t kGSize = kG == InputDType::kFloat32 ? 4 : 2;
-  const bool fp8 = b.fp8_output;
-  const bool col1d = fp8 && b.quant.scaling == BlockScaling::kBlock1D && b.quant.columnwise;
-
-  // A. update (+ BF16 copy) row by row over the band, amaxes per tile segment.
-  std::fill(sc.tile_max, sc.tile_max + tiles, 0u);
-  if (col1d) std::fill(sc.col_max, sc.col_max + (c1 - c0), 0u);
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t row = (r0 + i) * n;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t off = row + c0 + t * kBlockLen;
-      const int64_t len = std::min(kBlockLen, c1 - (c0 + t * kBlockLen));
-      if (i + kPrefetchRows < rows) {
-        // The unit's rows are runs of <= 4 KiB at a stride of n elements: the
-        // hardware prefetchers (which stop at page boundaries) restart on
-        // every row, so ask for a later row's lines.
-        const int64_t ahead = off + kPrefetchRows * n;
-        PrefetchSpan(b.master + ahead, len * 4, /*write=*/true);
-        PrefetchSpan(mom1 + ahead, len * sizeof(MomentT<kM>), true);
-        PrefetchSpan(mom2 + ahead, len * sizeof(MomentT<kM>), true);
-        PrefetchSpan(grad + ahead * kGSize, len * kGSize, false);
-      }
-      if (b.bf16 != nullptr) {
-        UpdateSpan<kG, kM, true>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
-                                 b.bf16 + off, len, s);
-      } else {
-        UpdateSpan<kG, kM, false>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
-                                  nullptr, len, s);
-      }
-      if (!fp8) continue;
-      // Segment just written: in L1.
-      const uint32_t rm = RowMagnitudeMax(b.master + off, len);
-      sc.row_max[t][i] = rm;
-      sc.tile_max[t] = std::max(sc.tile_max[t], rm);
-    }
-    if (col1d) {
-      const float* __restrict p = b.master + row + c0;
-      uint32_t* __restrict cm = sc.col_max;
-      for (int64_t j = 0; j < c1 - c0; ++j) cm[j] = std::max(cm[j], MagnitudeBits(p[j]));
-    }
-  }
-  if (!fp8) return;
-  // B/C. per tile: scales and bytes, from L2.
-  for (int64_t t = 0; t < tiles; ++t) {
-    EncodeTile(plan, k, tj0 + t, sc.row_max[t], sc.tile_max[t], sc.col_max + t * kBlockLen,
-               sc.bytes, sc.transposed);
-  }
-}
-
-void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
-                  const AdamWScalars& s, UnitScratch& sc) {
-  const bool bf16_moments = plan.b->moment_dtype == MomentDType::kBFloat16;
-  switch (plan.b->grad_dtype) {
-    case InputDType::kFloat32:
-      return bf16_moments
-                 ? ProcessUnit<InputDType::kFloat32, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc)
-                 : ProcessUnit<InputDType::kFloat32, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc);
-    case InputDType::kBFloat16:
-      return bf16_moments
-                 ? ProcessUnit<InputDType::kBFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s,
-                                                                               sc)
-                 : ProcessUnit<InputDType::kBFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s,
-                                                                              sc);
-    case InputDType::kFloat16:
-      return bf16_moments
-                 ? ProcessUnit<InputDType::kFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc)
-                 : ProcessUnit<InputDType::kFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc);
-  }
+std::atomic<int>& ActiveIsaSlot() {
+  static std::atomic<int> slot{static_cast<int>(InitialIsa())};
+  return slot;
 }
 
 void ZeroScales(const AdamWParamBuffers& b, const QuantizedLayout& l) {
@@ -572,43 +111,41 @@ double ChunkSumSquaresDispatch(const void* g, InputDType t, int64_t begin, int64
 
 void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,
                     int num_threads) {
-  std::vector<ParamPlan> plans;  // non-empty parameters only
-  std::vector<int64_t> first_units;
+  std::vector<band::ParamPlan> plans;  // non-empty parameters only
   plans.reserve(params.size());
   int64_t units = 0;
   for (const AdamWParamBuffers& b : params) {
-    ParamPlan plan;
+    band::ParamPlan plan;
     plan.b = &b;
     plan.layout = ComputeLayout(b.quant.scaling, b.m, b.n);
     ZeroScales(b, plan.layout);  // padding entries stay 0, as QuantizeBlock writes them
     if (b.m == 0 || b.n == 0) continue;
     plan.mb = CeilDiv(b.m, kBlockLen);
     plan.nb = CeilDiv(b.n, kBlockLen);
-    plan.chunks = CeilDiv(plan.nb, kUnitTiles);
+    plan.chunks = CeilDiv(plan.nb, band::kUnitTiles);
     plan.first_unit = units;
     units += plan.mb * plan.chunks;
     plans.push_back(plan);
-    first_units.push_back(plan.first_unit);
   }
   if (units == 0) return;
-  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    UnitScratch scratch;
-#pragma omp for schedule(static) nowait
-    for (int64_t u = 0; u < units; ++u) {
-      const size_t p =
-          std::upper_bound(first_units.begin(), first_units.end(), u) - first_units.begin() - 1;
-      const ParamPlan& plan = plans[p];
-      const int64_t local = u - plan.first_unit;
-      const int64_t chunk = local % plan.chunks;
-      // The band's tiles split as evenly as possible over its chunks.
-      DispatchUnit(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
-                   (chunk + 1) * plan.nb / plan.chunks, s, scratch);
-    }
-#if defined(__AVX2__)
-    _mm_sfence();  // the non-temporal stores are visible before the region ends
+  auto* run = internal::ActiveBandIsa() == internal::BandIsa::kAvx512
+#if defined(QTX_ADAMW_HAVE_AVX512)
+                  ? &band::avx512::RunUnits
+#else
+                  ? &band::base::RunUnits
 #endif
+                  : &band::base::RunUnits;
+  const int threads = static_cast<int>(
+      std::min<int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), units));
+  if (threads <= 1) {
+    run(plans.data(), plans.size(), 0, units, s);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    // Contiguous runs of units, as even as possible (as schedule(static)).
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    run(plans.data(), plans.size(), units * t / nt, units * (t + 1) / nt, s);
   }
 }
 
@@ -696,11 +233,36 @@ std::vector<double> GradChunkSumSquares(const AdamWParamBuffers& b, int num_thre
 }
 
 namespace internal {
-uint8_t EncodeFp8Branchless(float x, Fp8Format f) {
-  return f == Fp8Format::kE4M3 ? EncodeFast<4, 3>(x) : EncodeFast<5, 2>(x);
+bool BandIsaAvailable(BandIsa isa) {
+  if (isa == BandIsa::kBaseline) return true;
+#if defined(QTX_ADAMW_HAVE_AVX512)
+  static const bool cpu = CpuHasAvx512();
+  return cpu;
+#else
+  return false;
+#endif
 }
+
+BandIsa ActiveBandIsa() { return static_cast<BandIsa>(ActiveIsaSlot().load()); }
+
+bool SetBandIsa(BandIsa isa) {
+  if (!BandIsaAvailable(isa)) return false;
+  ActiveIsaSlot().store(static_cast<int>(isa));
+  return true;
+}
+
+uint8_t EncodeFp8Branchless(float x, Fp8Format f) {
+#if defined(QTX_ADAMW_HAVE_AVX512)
+  if (ActiveBandIsa() == BandIsa::kAvx512) return band::avx512::EncodeFp8Branchless(x, f);
+#endif
+  return band::base::EncodeFp8Branchless(x, f);
+}
+
 void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f) {
-  EncodeRow(p, scale, out, len, f);
+#if defined(QTX_ADAMW_HAVE_AVX512)
+  if (ActiveBandIsa() == BandIsa::kAvx512) return band::avx512::EncodeFp8Row(p, scale, out, len, f);
+#endif
+  band::base::EncodeFp8Row(p, scale, out, len, f);
 }
 }  // namespace internal
 

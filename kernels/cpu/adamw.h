@@ -72,12 +72,27 @@ GradNormResult GradSumSquares(std::span<const AdamWParamBuffers> params, int num
 std::vector<double> GradChunkSumSquares(const AdamWParamBuffers& param, int num_threads = 0);
 
 namespace internal {
-// The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel;
-// equals kernels::EncodeFp8 for every input. Exposed for its test.
+// Instruction set of the band kernel (the update + FP8 output loop) that
+// AdamWStepFused runs. Both give the same bytes; kAvx512 exists where the
+// library was built for x86-64 with a compiler that knows -march=x86-64-v4.
+enum class BandIsa : int { kBaseline = 0, kAvx512 = 1 };
+// Whether `isa` is compiled in and this CPU can run it (kBaseline: always).
+bool BandIsaAvailable(BandIsa isa);
+// The ISA in use: the best available one, unless the environment variable
+// QTX_ADAMW_ISA=baseline (read once, at first use) or SetBandIsa chose another.
+BandIsa ActiveBandIsa();
+// Selects `isa` for later calls (tests, benchmarks); false (and no change)
+// when it is not available. Not to be called while a step runs.
+bool SetBandIsa(BandIsa isa);
+
+// The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel
+// (of the active ISA); equals kernels::EncodeFp8 for every input. Exposed for
+// its test.
 uint8_t EncodeFp8Branchless(float x, Fp8Format f);
-// The fused kernel's row encoder: out[j] = EncodeFp8Branchless(p[j] * scale, f)
-// for j < len (AVX2 blocks of 32 elements where built with AVX2, then a
-// scalar tail). Exposed for its test.
+// The fused kernel's row encoder (of the active ISA): out[j] =
+// EncodeFp8Branchless(p[j] * scale, f) for j < len (AVX2 blocks of 32 or
+// AVX-512 blocks of 64 elements where built so, then a scalar tail). Exposed
+// for its test.
 void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f);
 }  // namespace internal
 

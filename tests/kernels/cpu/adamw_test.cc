@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -461,6 +462,102 @@ TEST(AdamWStepFused, ManyParametersInOneCallEqualReference) {
     for (size_t i = 0; i < fused.size(); ++i) {
       EXPECT_EQ(FirstDifference(fused[i], ref[i]), "") << "param " << i << " step " << t;
     }
+  }
+}
+
+// ---- instruction sets of the band kernel ----------------------------------
+// CTest runs this binary twice: as is (the band kernel picks AVX-512 where the
+// CPU has it) and with QTX_ADAMW_ISA=baseline (the AVX2 build), so every test
+// here covers the ISA that BandIsa.ActiveIsa reports (and skips, saying so,
+// when AVX-512 could not be exercised).
+
+bool BaselineRequested() {
+  const char* env = std::getenv("QTX_ADAMW_ISA");
+  return env != nullptr && std::string(env) == "baseline";
+}
+
+TEST(BandIsa, ActiveIsa) {
+  if (BaselineRequested()) {
+    EXPECT_EQ(internal::ActiveBandIsa(), internal::BandIsa::kBaseline);
+    return;
+  }
+  if (!internal::BandIsaAvailable(internal::BandIsa::kAvx512)) {
+    EXPECT_EQ(internal::ActiveBandIsa(), internal::BandIsa::kBaseline);
+    GTEST_SKIP() << "AVX-512 band kernel NOT exercised: not compiled in, or this CPU lacks "
+                    "AVX-512 F/BW/VL/DQ/CD; only the baseline (AVX2) kernel was tested";
+  }
+  EXPECT_EQ(internal::ActiveBandIsa(), internal::BandIsa::kAvx512);
+}
+
+// Every available ISA in one process, each against the reference: one call
+// over parameters whose units mix deferred encodes (full 2-D tiles, encoded
+// while the next unit updates, also across parameters and into a partial
+// band) with immediate ones (partial tiles, 1-D), at 1 and 3 threads; and the
+// row encoder on every 2^32/65537-th bit pattern at odd lengths.
+TEST(BandIsa, EveryAvailableIsaEqualsReference) {
+  const internal::BandIsa initial = internal::ActiveBandIsa();
+  bool avx512_tested = false;
+  for (internal::BandIsa isa : {internal::BandIsa::kBaseline, internal::BandIsa::kAvx512}) {
+    if (!internal::SetBandIsa(isa)) continue;
+    avx512_tested |= isa == internal::BandIsa::kAvx512;
+    const std::string name = isa == internal::BandIsa::kAvx512 ? "avx512" : "baseline";
+    for (int threads : {1, 3}) {
+      std::vector<ParamState> fused, ref;
+      const Shape shapes[] = {{256, 640}, {200, 1024}, {128, 384}, {384, 515}, {130, 256}};
+      uint32_t seed = 900;
+      for (const Shape& sh : shapes) {
+        QuantizeParams q;
+        q.scaling = seed % 5 == 3 ? BlockScaling::kBlock1D : BlockScaling::kBlock2D;
+        q.rowwise = seed % 3 != 1;
+        q.columnwise = seed % 3 != 2;
+        q.format = seed % 2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+        ParamState p = MakeParam(sh.m, sh.n, MomentDType::kFloat32,
+                                 seed % 2 ? InputDType::kBFloat16 : InputDType::kFloat32, q,
+                                 seed % 4 == 0, Pattern::kRandom, seed);
+        ++seed;
+        fused.push_back(p);
+        ref.push_back(p);
+      }
+      for (int t = 1; t <= 2; ++t) {
+        std::vector<AdamWParamBuffers> fb, rb;
+        for (auto& p : fused) {
+          p.FillOutputs(0x01);
+          fb.push_back(p.Buffers());
+        }
+        for (auto& p : ref) {
+          p.FillOutputs(0x02);
+          rb.push_back(p.Buffers());
+        }
+        const AdamWScalars s = MakeAdamWScalars(AdamWHyperParams{}, t, 1.0);
+        AdamWStepFused(fb, s, threads);
+        AdamWReference(rb, s);
+        for (size_t i = 0; i < fused.size(); ++i) {
+          EXPECT_EQ(FirstDifference(fused[i], ref[i]), "")
+              << name << " threads " << threads << " param " << i << " step " << t;
+        }
+      }
+    }
+    std::vector<float> xs;
+    for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65537) {
+      xs.push_back(BitsToFloat(static_cast<uint32_t>(u)));
+    }
+    std::vector<uint8_t> out(xs.size());
+    int64_t mismatches = 0;
+    for (int64_t len : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{63}, int64_t{64},
+                        int64_t{129}, static_cast<int64_t>(xs.size())}) {
+      for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+        internal::EncodeFp8Row(xs.data(), 0.25f, out.data(), len, f);
+        for (int64_t j = 0; j < len; ++j) {
+          if (out[j] != EncodeFp8(xs[j] * 0.25f, f)) ++mismatches;
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << name;
+  }
+  ASSERT_TRUE(internal::SetBandIsa(initial));
+  if (!avx512_tested) {
+    GTEST_SKIP() << "AVX-512 band kernel NOT exercised (not compiled in, or this CPU lacks "
+                    "AVX-512); the baseline kernel passed";
   }
 }
 

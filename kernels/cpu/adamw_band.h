@@ -1,0 +1,58 @@
+// Internal to kernels/cpu/adamw.cc: the band kernel of AdamWStepFused, compiled
+// once per instruction set (adamw_band.cc with the library's -march, and
+// adamw_band_avx512.cc = the same source with -march=x86-64-v4 where the
+// compiler supports it); adamw.cc picks one at run time (BandIsa).
+//
+// Both translation units define everything in a namespace of their own
+// (band::base, band::avx512) or an anonymous one, and use from headers only
+// functions that inline completely: an out-of-line copy of a shared inline
+// function compiled with AVX-512 could otherwise be the one the linker keeps
+// and run on a CPU without it. Check after changing adamw_band.cc: `nm -C
+// --defined-only adamw_band_avx512.cc.o | grep -v ' [trdb] '` lists only
+// band::avx512 functions.
+#ifndef QTX_KERNELS_CPU_ADAMW_BAND_H_
+#define QTX_KERNELS_CPU_ADAMW_BAND_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/adamw.h"
+#include "kernels/block_geometry.h"
+#include "kernels/cpu/adamw.h"
+
+namespace qtx::kernels::cpu::band {
+
+// Tiles per work unit (one 128-row band by up to this many tiles): see
+// adamw_band.cc.
+constexpr int64_t kUnitTiles = 4;
+
+// One non-empty parameter of a call.
+struct ParamPlan {
+  const AdamWParamBuffers* b = nullptr;
+  QuantizedLayout layout;
+  int64_t mb = 0, nb = 0;
+  int64_t chunks = 0;      // work units per band: ceil(nb / kUnitTiles)
+  int64_t first_unit = 0;  // index of unit (0, 0) in the flattened unit list
+};
+
+// The units [u0, u1) of the flattened unit list of `plans` (first_unit
+// ascending), in order, with scratch of the calling thread. Ends with a store
+// fence (the FP8 copies may be written with non-temporal stores).
+#define QTX_ADAMW_BAND_DECLS                                                              \
+  void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,        \
+                const AdamWScalars& s);                                                   \
+  uint8_t EncodeFp8Branchless(float x, Fp8Format f);                                      \
+  void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f);
+
+namespace base {
+QTX_ADAMW_BAND_DECLS
+}  // namespace base
+namespace avx512 {  // defined only where QTX_ADAMW_HAVE_AVX512 is set
+QTX_ADAMW_BAND_DECLS
+}  // namespace avx512
+
+#undef QTX_ADAMW_BAND_DECLS
+
+}  // namespace qtx::kernels::cpu::band
+
+#endif  // QTX_KERNELS_CPU_ADAMW_BAND_H_
