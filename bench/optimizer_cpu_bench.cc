@@ -7,6 +7,9 @@
 // bytes_moved counts the step's compulsory traffic: read+write master (8 B),
 // read+write both moments (4*mb B), read the gradient (2 or 4 B), write FP8
 // row+col (2 B).
+// "isa" is the band kernel's instruction set (kernels/cpu/adamw.h BandIsa:
+// "avx512" where the CPU has it, else "baseline"; QTX_ADAMW_ISA=baseline
+// forces the baseline AVX2 kernel).
 // Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
 // bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
@@ -102,10 +105,11 @@ int main(int argc, char** argv) {
     std::printf(
         "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
         "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
-        "\"bytes_moved_gbps\":%.3f}\n",
+        "\"bytes_moved_gbps\":%.3f,\"isa\":\"%s\"}\n",
         static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
         best * 1e3, count / best,
-        bytes_moved / best / 1e9);
+        bytes_moved / best / 1e9,
+        cpu::internal::ActiveBandIsa() == cpu::internal::BandIsa::kAvx512 ? "avx512" : "baseline");
     std::printf("{\"bench\":\"memcpy\",\"bytes\":%lld,\"threads\":%d,\"gbps\":%.3f}\n",
                 static_cast<long long>(count * 4), threads,
                 MemcpyGbps(static_cast<size_t>(count) * 4, threads, reps));
