@@ -82,13 +82,6 @@ ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
   spec.sequence = r.sequence();
   spec.request_error = [&]() -> absl::Status {
     if (!r.has_input()) return absl::InvalidArgumentError("input: missing");
-    if (!r.cuda_events().wait_event().empty() || !r.cuda_events().signal_event().empty()) {
-      // Not wired into the collective path yet: refuse rather than read a
-      // shard the client's stream may still be writing.
-      return absl::UnimplementedError(
-          "cuda_events: AllGather does not take interprocess events yet; finish writing the "
-          "shard before the call (AllGather returns once its outputs are complete)");
-    }
     QTX_ASSIGN_OR_RETURN(spec.input, TensorRefFromProto(r.input(), "input"));
     QTX_ASSIGN_OR_RETURN(spec.params, ParamsFromProto(r.config(), "config"));
     switch (r.mode()) {
@@ -104,6 +97,7 @@ ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
             "mode=%d: must be EXACT_FP8 or GATHER_HIGH_PRECISION", static_cast<int>(r.mode())));
     }
     QuantizeOutputsFromProto(r.outputs(), &spec.outputs);
+    spec.events = CudaEventsFromProto(r.cuda_events());
     return absl::OkStatus();
   }();
   return spec;

@@ -356,6 +356,24 @@ absl::Status CudaDevice::FinishOp(const CudaEvents& events, cudaStream_t stream)
   return absl::OkStatus();
 }
 
+absl::Status CudaDevice::OrderAfterClient(const CudaEvents& events) {
+  if (events.empty()) return absl::OkStatus();
+  QTX_RETURN_IF_ERROR(Activate());
+  if (!events.signal_event.empty()) {
+    QTX_RETURN_IF_ERROR(OpenIpcEvent(events.signal_event, "cuda_events.signal_event").status());
+  }
+  return WaitForClient(events, ThisThreadStream());
+}
+
+absl::Status CudaDevice::SignalClient(const CudaEvents& events) {
+  if (events.signal_event.empty()) return absl::OkStatus();
+  QTX_RETURN_IF_ERROR(Activate());
+  QTX_ASSIGN_OR_RETURN(SharedEvent event,
+                       OpenIpcEvent(events.signal_event, "cuda_events.signal_event"));
+  QTX_CUDA_RETURN_IF_ERROR(cudaEventRecord(event.get(), ThisThreadStream()));
+  return absl::OkStatus();
+}
+
 absl::Status CudaDevice::Quantize(const QuantizeArgs& args) {
   QTX_RETURN_IF_ERROR(Activate());
   cudaStream_t stream = ThisThreadStream();

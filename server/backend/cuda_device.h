@@ -98,6 +98,8 @@ class CudaDevice final : public Device {
   absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax,
                              const float* last_amax,
                              const kernels::QuantizedBuffers& out) override;
+  absl::Status OrderAfterClient(const CudaEvents& events) override;
+  absl::Status SignalClient(const CudaEvents& events) override;
   absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
                               const kernels::QuantizedConstBuffers* shards,
                               const kernels::QuantizeParams& params,

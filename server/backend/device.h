@@ -228,6 +228,23 @@ class Device {
                                       const kernels::QuantizedConstBuffers* shards,
                                       const kernels::QuantizeParams& params,
                                       const kernels::QuantizedBuffers& out) = 0;
+
+  // Interprocess-event ordering of an op made of several device steps
+  // (AllGather). OrderAfterClient opens both events (a bad handle fails
+  // before anything is enqueued) and makes this thread's stream wait for
+  // events.wait_event; SignalClient records events.signal_event on that stream
+  // once everything enqueued so far is done. A device without streams takes
+  // only empty events (FAILED_PRECONDITION otherwise; server/ops checks first).
+  virtual absl::Status OrderAfterClient(const CudaEvents& events) { return NoEvents(events); }
+  virtual absl::Status SignalClient(const CudaEvents& events) { return NoEvents(events); }
+
+ private:
+  static absl::Status NoEvents(const CudaEvents& events) {
+    if (events.empty()) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        "cuda_events: interprocess CUDA events need a CUDA device (start qtxd with "
+        "--device=cuda:N)");
+  }
 };
 
 }  // namespace qtx::server::backend

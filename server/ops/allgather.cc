@@ -201,6 +201,7 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
                                            backend::Communicator& comm) {
   QTX_RETURN_IF_ERROR(r.request_error);
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(r.params, "config"));
+  QTX_RETURN_IF_ERROR(ValidateCudaEvents(r.events, ctx));
   if (r.mode != AllGatherMode::kExactFp8 && r.mode != AllGatherMode::kGatherHighPrecision) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "mode=%d: must be EXACT_FP8 or GATHER_HIGH_PRECISION", static_cast<int>(r.mode)));
@@ -319,6 +320,12 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
 
   // Step 1: local validation. A failure is still announced to the peers.
   absl::StatusOr<LocalRequest> local = ValidateLocal(request, ctx, comm);
+  // The client's wait event orders every read of the shard below (the early
+  // quantize, the boundary amaxes, the gather of a high-precision shard: all
+  // on this thread's stream). A bad handle is announced like any local error.
+  if (local.ok()) {
+    if (absl::Status s = ctx.device->OrderAfterClient(request.events); !s.ok()) local = s;
+  }
   const kernels::QuantizeParams& p = request.params;
 
   // Step 1b: the early path (PrepareEarly). For EXACT_FP8 rowwise-only 1-D
@@ -698,6 +705,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(o->Destination(), o->staging.data(), o->bytes));
     }
   }
+  QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
 
   AllGatherResult result;
   result.shard_rows = std::move(shard_rows);

@@ -49,6 +49,10 @@ struct AllGatherRequestSpec {
   kernels::QuantizeParams params;  // defaults applied by the caller
   AllGatherMode mode = AllGatherMode::kExactFp8;
   QuantizeOutputSpecs outputs;     // for the gathered [M, N] tensor
+  // Optional interprocess events (CUDA device only): the shard is read only
+  // after wait_event; signal_event is recorded once the outputs are written.
+  // AllGather returns when its outputs are complete either way.
+  backend::CudaEvents events;
   // Set by the caller when the request could not even be parsed; the op then
   // still takes part in the header exchange, so every rank fails with it.
   absl::Status request_error;

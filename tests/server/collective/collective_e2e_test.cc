@@ -259,8 +259,8 @@ TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
       EXPECT_THAT(st[r].error_message(), HasSubstr("disagree on n: rank 0 has 128, rank 2 has 100"));
     }
   }
-  // Interprocess CUDA events are not taken by AllGather yet: refused on the
-  // rank that sent them, and every other rank fails too, naming that rank.
+  // Interprocess CUDA events need a CUDA device: refused on the CPU rank that
+  // sent them, and every other rank fails too, naming that rank.
   {
     const Shards a = MakeShards({64, 64, 64}, 128);
     std::vector<v1::AllGatherRequest> reqs;
@@ -268,8 +268,9 @@ TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
     reqs[1].mutable_cuda_events()->set_wait_event(std::string(64, 'e'));
     std::vector<v1::AllGatherResponse> resps;
     auto st = RunAllGather(c, reqs, &resps, absl::Seconds(20));
-    EXPECT_EQ(st[1].error_code(), grpc::StatusCode::UNIMPLEMENTED) << st[1].error_message();
+    EXPECT_EQ(st[1].error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st[1].error_message();
     EXPECT_THAT(st[1].error_message(), HasSubstr("cuda_events"));
+    EXPECT_THAT(st[1].error_message(), HasSubstr("--device=cuda:N"));
     for (int r : {0, 2}) {
       EXPECT_FALSE(st[r].ok());
       EXPECT_THAT(st[r].error_message(), HasSubstr("rank 1"));

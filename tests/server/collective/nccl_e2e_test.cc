@@ -3,20 +3,26 @@
 // concatenation (both modes, 1-D and 2-D, rowwise+columnwise and
 // rowwise-only), and a rank that never calls makes the other fail with
 // DEADLINE_EXCEEDED within the deadline, its group BROKEN (the NCCL
-// communicator aborted), after which a new group works. Label gpu: needs two
+// communicator aborted), after which a new group works; with the shard and
+// the outputs in CUDA IPC regions (the early path: rowwise 1-D quantized
+// before the header exchange) and interprocess events ordering the call
+// after the client's stream, the bytes are the same. Label gpu: needs two
 // CUDA devices and libnccl on the library path.
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
@@ -26,7 +32,9 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/fp8.h"
+#include "qtx/cuda_ipc.h"
 #include "qtx/v1/collective.grpc.pb.h"
+#include "qtx/v1/memory.grpc.pb.h"
 
 #ifndef QTXD_PATH
 #error "QTXD_PATH must name the qtxd binary"
@@ -46,6 +54,7 @@ struct Sidecar {
   std::string socket;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Collective::Stub> stub;
+  std::unique_ptr<v1::Memory::Stub> memory;
 };
 
 // qtxd on cuda:0 and cuda:1. QTXD may override the binary (a bundle's launcher).
@@ -75,6 +84,7 @@ class GpuPair {
       s.channel = grpc::CreateCustomChannel("unix:" + s.socket, grpc::InsecureChannelCredentials(),
                                             ch);
       s.stub = v1::Collective::NewStub(s.channel);
+      s.memory = v1::Memory::NewStub(s.channel);
       sidecars.push_back(std::move(s));
     }
     for (auto& s : sidecars) {
@@ -302,6 +312,180 @@ TEST(NcclE2E, MissingRankFailsWithinDeadlineAndNewGroupWorks) {
     ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
     EXPECT_EQ(resps[r].result().rowwise_data().inline_data(), Bytes(rd.data(), rd.size()));
     EXPECT_EQ(resps[r].result().columnwise_data().inline_data(), Bytes(cd.data(), cd.size()));
+  }
+}
+
+#define ASSERT_CUDA(expr)                                                              \
+  do {                                                                                 \
+    const cudaError_t e_ = (expr);                                                     \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);             \
+  } while (0)
+
+// One rank's device memory, registered with its sidecar as a CUDA IPC
+// region: [input | rowwise data | rowwise scales | columnwise data |
+// columnwise scales], each part 256-byte aligned.
+struct RankBuffers {
+  void* base = nullptr;
+  uint64_t bytes = 0;
+  uint64_t off[5] = {};
+  ~RankBuffers() {
+    if (base != nullptr) (void)cudaFree(base);
+  }
+};
+
+uint64_t Align256(uint64_t x) { return (x + 255) / 256 * 256; }
+
+v1::RegionSlice Slice(const std::string& region, uint64_t offset, uint64_t size) {
+  v1::RegionSlice s;
+  s.set_region(region);
+  s.set_offset(offset);
+  s.set_size(size);
+  return s;
+}
+
+// Blocks the client's stream for a while, so that a sidecar that did not
+// wait for the client's event would read the stale shard.
+void CUDART_CB SleepOnStream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(60)); }
+
+TEST(NcclE2E, CudaIpcRegionsAndEventsGiveTheSameBytes) {
+  int devices = 0;
+  ASSERT_CUDA(cudaGetDeviceCount(&devices));
+  ASSERT_GE(devices, kWorld);
+  GpuPair c;
+  for (const auto& s : c.Create("ipc", v1::NCCL)) ASSERT_TRUE(s.ok()) << s.error_message();
+  // Enough room for the largest case below: 8192 x 300 gathered.
+  constexpr int64_t kMaxM = 8192, kMaxN = 300;
+  const auto lmax = kernels::ComputeLayout(kernels::BlockScaling::kBlock1D, kMaxM, kMaxN);
+  RankBuffers bufs[kWorld];
+  cudaStream_t streams[kWorld];
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_CUDA(cudaSetDevice(r));
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+    RankBuffers& b = bufs[r];
+    const uint64_t parts[5] = {static_cast<uint64_t>(kMaxM * kMaxN * 2),
+                               static_cast<uint64_t>(lmax.RowwiseDataBytes()),
+                               4 * static_cast<uint64_t>(lmax.RowwiseScaleCount()) + 4096,
+                               static_cast<uint64_t>(lmax.ColumnwiseDataBytes()),
+                               4 * static_cast<uint64_t>(lmax.ColumnwiseScaleCount()) + 4096};
+    for (int i = 0; i < 5; ++i) {
+      b.off[i] = b.bytes;
+      b.bytes += Align256(parts[i]);
+    }
+    ASSERT_CUDA(cudaMalloc(&b.base, b.bytes));
+    absl::StatusOr<std::string> handle = qtx::cuda::ExportMemHandle(b.base);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    grpc::ClientContext ctx;
+    v1::RegisterRegionRequest req;
+    req.set_name("buf");
+    req.mutable_cuda_ipc()->set_ipc_handle(*handle);
+    req.mutable_cuda_ipc()->set_device_id(r);
+    req.mutable_cuda_ipc()->set_byte_size(b.bytes);
+    v1::RegisterRegionResponse resp;
+    const grpc::Status st = c.sidecars[r].memory->RegisterRegion(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+  }
+  struct Case {
+    std::vector<int64_t> rows;
+    int64_t n;
+    v1::ScalingMode scaling;
+    bool columnwise;
+    v1::AllGatherMode mode;
+  };
+  const Case cases[] = {
+      // EXACT_FP8 rowwise-only 1-D: quantized before the header exchange.
+      {{4095, 4097}, 128, v1::BLOCK_1D, false, v1::EXACT_FP8},
+      {{100, 156}, 300, v1::BLOCK_1D, false, v1::EXACT_FP8},
+      {{128, 128}, 128, v1::BLOCK_1D, false, v1::EXACT_FP8},
+      // The other early-path combinations (no early quantize).
+      {{129, 127}, 300, v1::BLOCK_1D, true, v1::EXACT_FP8},
+      {{4095, 4097}, 300, v1::BLOCK_2D, true, v1::EXACT_FP8},
+      {{1, 255}, 128, v1::BLOCK_2D, false, v1::GATHER_HIGH_PRECISION},
+      {{300, 200}, 100, v1::BLOCK_1D, true, v1::GATHER_HIGH_PRECISION},
+  };
+  uint64_t seq = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(absl::StrFormat("rows=%d+%d n=%d scaling=%d columnwise=%d mode=%d", k.rows[0],
+                                 k.rows[1], k.n, k.scaling, k.columnwise, k.mode));
+    const Shards sh = MakeShards(k.rows, k.n);
+    const auto ks = k.scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
+                                              : kernels::BlockScaling::kBlock2D;
+    const kernels::QuantizeParams p{ks, kernels::Fp8Format::kE4M3, true, k.columnwise, true, 0.0f};
+    const auto l = kernels::ComputeLayout(ks, sh.m, k.n);
+    std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
+    std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
+    kernels::cpu::QuantizeBlock(sh.x.data(), kernels::InputDType::kBFloat16, sh.m, k.n, p,
+                                {rd.data(), rs.data(), cd.data(), cs.data()});
+    const uint64_t sizes[4] = {rd.size(), rs.size() * 4, cd.size(), cs.size() * 4};
+    std::vector<v1::AllGatherRequest> reqs(kWorld);
+    std::vector<qtx::cuda::IpcEvent> ready, done;
+    int64_t off = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_CUDA(cudaSetDevice(r));
+      RankBuffers& b = bufs[r];
+      auto* base = static_cast<uint8_t*>(b.base);
+      // Stale bytes everywhere, synchronously; then the real shard behind a
+      // 60 ms stall on the client's stream, and the ready event after it.
+      ASSERT_CUDA(cudaMemset(base, 0x3C, b.bytes));
+      const uint64_t in_bytes = static_cast<uint64_t>(k.rows[r] * k.n * 2);
+      ASSERT_CUDA(cudaLaunchHostFunc(streams[r], SleepOnStream, nullptr));
+      ASSERT_CUDA(cudaMemcpyAsync(base + b.off[0], sh.x.data() + off * k.n, in_bytes,
+                                  cudaMemcpyHostToDevice, streams[r]));
+      off += k.rows[r];
+      absl::StatusOr<qtx::cuda::IpcEvent> e1 = qtx::cuda::IpcEvent::Create();
+      absl::StatusOr<qtx::cuda::IpcEvent> e2 = qtx::cuda::IpcEvent::Create();
+      ASSERT_TRUE(e1.ok() && e2.ok());
+      ASSERT_CUDA(cudaEventRecord(e1->get(), streams[r]));
+      v1::AllGatherRequest& req = reqs[r];
+      req.set_group("ipc");
+      req.set_sequence(seq);
+      req.mutable_input()->set_dtype(v1::BFLOAT16);
+      req.mutable_input()->add_shape(k.rows[r]);
+      req.mutable_input()->add_shape(k.n);
+      *req.mutable_input()->mutable_region() = Slice("buf", b.off[0], in_bytes);
+      req.mutable_config()->set_scaling_mode(k.scaling);
+      req.mutable_config()->set_rowwise(true);
+      req.mutable_config()->set_columnwise(k.columnwise);
+      req.set_mode(k.mode);
+      auto* o = req.mutable_outputs();
+      *o->mutable_rowwise_data() = Slice("buf", b.off[1], sizes[0]);
+      *o->mutable_rowwise_scale_inv() = Slice("buf", b.off[2], sizes[1]);
+      if (k.columnwise) {
+        *o->mutable_columnwise_data() = Slice("buf", b.off[3], sizes[2]);
+        *o->mutable_columnwise_scale_inv() = Slice("buf", b.off[4], sizes[3]);
+      }
+      req.mutable_cuda_events()->set_wait_event(e1->handle());
+      req.mutable_cuda_events()->set_signal_event(e2->handle());
+      ready.push_back(std::move(*e1));
+      done.push_back(std::move(*e2));
+    }
+    ++seq;
+    std::vector<v1::AllGatherResponse> resps;
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(60));
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
+      EXPECT_THAT(resps[r].shard_rows(), ::testing::ElementsAreArray(k.rows));
+      ASSERT_CUDA(cudaSetDevice(r));
+      // Ordered after the sidecar's signal event, like a consumer kernel.
+      ASSERT_CUDA(cudaStreamWaitEvent(streams[r], done[r].get(), 0));
+      const auto* base = static_cast<const uint8_t*>(bufs[r].base);
+      std::vector<uint8_t> got[4];
+      for (int i = 0; i < (k.columnwise ? 4 : 2); ++i) {
+        got[i].resize(sizes[i]);
+        ASSERT_CUDA(cudaMemcpyAsync(got[i].data(), base + bufs[r].off[i + 1], sizes[i],
+                                    cudaMemcpyDeviceToHost, streams[r]));
+      }
+      ASSERT_CUDA(cudaStreamSynchronize(streams[r]));
+      EXPECT_TRUE(got[0] == std::vector<uint8_t>(rd.begin(), rd.end())) << "rank " << r;
+      EXPECT_EQ(std::memcmp(got[1].data(), rs.data(), sizes[1]), 0) << "rank " << r;
+      if (k.columnwise) {
+        EXPECT_TRUE(got[2] == std::vector<uint8_t>(cd.begin(), cd.end())) << "rank " << r;
+        EXPECT_EQ(std::memcmp(got[3].data(), cs.data(), sizes[3]), 0) << "rank " << r;
+      }
+    }
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_CUDA(cudaSetDevice(r));
+    ASSERT_CUDA(cudaStreamDestroy(streams[r]));
   }
 }
 
