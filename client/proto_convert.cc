@@ -1,7 +1,11 @@
 #include "client/proto_convert.h"
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace qtx::client_internal {
 
@@ -111,6 +115,37 @@ RegionInfo FromProto(const v1::RegionInfo& in) {
   r.device_id = in.device_id();
   r.in_use = in.in_use();
   return r;
+}
+
+absl::Status ToProto(const CollectiveGroupConfig& in, v1::CreateGroupRequest* out) {
+  const absl::Duration max_timeout = absl::Milliseconds(std::numeric_limits<uint32_t>::max());
+  if (in.timeout < absl::ZeroDuration() || in.timeout > max_timeout) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout=", absl::FormatDuration(in.timeout), ": must be >= 0 and <= ",
+                     absl::FormatDuration(max_timeout), " (0 = the server default)"));
+  }
+  out->set_name(in.name);
+  out->set_rank(in.rank);
+  out->set_world_size(in.world_size);
+  out->set_coordinator(in.coordinator);
+  out->set_backend(static_cast<v1::CommBackend>(in.backend));
+  // Rounded up, so that a positive sub-millisecond timeout does not become 0
+  // (the server default).
+  out->set_timeout_ms(static_cast<uint32_t>(
+      absl::ToInt64Milliseconds(absl::Ceil(in.timeout, absl::Milliseconds(1)))));
+  return absl::OkStatus();
+}
+
+CollectiveGroupInfo FromProto(const v1::GroupInfo& in) {
+  CollectiveGroupInfo g;
+  g.name = in.name();
+  g.rank = in.rank();
+  g.world_size = in.world_size();
+  g.backend = static_cast<CommBackend>(in.backend());
+  g.state = static_cast<GroupState>(in.state());
+  g.next_sequence = in.next_sequence();
+  g.error = in.error();
+  return g;
 }
 
 }  // namespace qtx::client_internal

@@ -7,7 +7,9 @@
 #include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
+#include "qtx/collective_types.h"
 #include "qtx/types.h"
+#include "qtx/v1/collective.pb.h"
 #include "qtx/v1/memory.pb.h"
 #include "qtx/v1/quantizer.pb.h"
 #include "qtx/v1/tensor.pb.h"
@@ -36,6 +38,13 @@ QuantizedTensor FromProto(v1::QuantizedTensor&& in);
 
 void ToProto(const QuantizeOutputs& in, v1::QuantizeOutputs* out);
 RegionInfo FromProto(const v1::RegionInfo& in);
+
+// Fills name, rank, world_size, coordinator, backend and timeout_ms (the
+// timeout rounded up to whole milliseconds). Fails with INVALID_ARGUMENT for
+// a negative timeout or one that does not fit in uint32 milliseconds; the
+// server checks everything else.
+absl::Status ToProto(const CollectiveGroupConfig& in, v1::CreateGroupRequest* out);
+CollectiveGroupInfo FromProto(const v1::GroupInfo& in);
 
 }  // namespace qtx::client_internal
 

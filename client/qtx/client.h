@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "qtx/collective_types.h"
 #include "qtx/optimizer_types.h"
 #include "qtx/types.h"
 
@@ -77,8 +78,9 @@ struct CallOptions {
   // Sent as "x-request-id"; generated ("<client id>-<counter>") when empty.
   std::string request_id;
   // Interprocess CUDA event handles (64-byte cudaIpcEventHandle_t, e.g. from
-  // qtx::cuda::ExportEvent in qtx_client_cuda) for Quantize, Dequantize and
-  // Step against a CUDA sidecar; empty = none; ignored by the other calls.
+  // qtx::cuda::ExportEvent in qtx_client_cuda) for Quantize, Dequantize,
+  // Step and AllGather against a CUDA sidecar; empty = none; ignored by the
+  // other calls.
   // cuda_wait_event: the sidecar's stream waits on it before touching the
   // tensors. cuda_signal_event: recorded after the outputs are written, and
   // the call returns once the work is enqueued -- wait on the event (e.g.
@@ -231,6 +233,51 @@ class Client {
 
   // Every optimizer group (failed ones carry `error`) and the memory cap.
   absl::StatusOr<OptimizerGroupList> ListOptimizerGroups(const CallOptions& call = {});
+
+  // ---- Collective (qtx.v1.Collective; semantics in proto/qtx/v1/collective.proto) ----
+  //
+  // A group has one sidecar per rank; every rank calls its own sidecar
+  // through its own Client. CreateGroup and AllGather are collective: each
+  // returns once every rank of the group has made the matching call (or
+  // fails on every rank that made it).
+
+  // Joins the group `config.name` as `config.rank`, waiting up to
+  // config.timeout for every rank to join (keep the call's deadline longer).
+  // Returns the group as this sidecar holds it (state kReady).
+  // Fails with INVALID_ARGUMENT for a bad name, rank, world size, backend or
+  // timeout, or an empty coordinator on a rank > 0 (naming the field);
+  // ALREADY_EXISTS for a name in use on this sidecar; FAILED_PRECONDITION (or
+  // UNIMPLEMENTED in a qtxd built without NCCL) for NCCL on a sidecar without
+  // a CUDA device; DEADLINE_EXCEEDED when the other ranks do not join in time.
+  absl::StatusOr<CollectiveGroupInfo> CreateGroup(const CollectiveGroupConfig& config,
+                                                  const CallOptions& call = {});
+
+  // All-gathers this rank's shard `input` ([M_r, N], or higher rank with the
+  // leading dims flattened; FLOAT32, BFLOAT16 or FLOAT16, inline or in a
+  // region; M_r may be 0 and need not be a multiple of 128) and returns the
+  // quantized [sum M_r, N] tensor, byte-identical to Quantize of the
+  // concatenation of the shards in rank order, with every rank's M_r.
+  // `sequence` counts the group's AllGathers from 0; every rank passes the
+  // same value. Outputs with a slice in `outputs` are written into that
+  // region slice (sized for [sum M_r, N]); the others are returned inline.
+  // CallOptions::cuda_wait_event / cuda_signal_event are sent as for
+  // Quantize.
+  // Fails with INVALID_ARGUMENT when the ranks disagree (N, dtype, config,
+  // mode, ...: on every rank, naming the field and the ranks) or for a bad
+  // input; FAILED_PRECONDITION for a sequence number already used or too far
+  // ahead; NOT_FOUND for an unknown group or region; DEADLINE_EXCEEDED or
+  // ABORTED when a peer is missing or dies (the group is then broken).
+  absl::StatusOr<AllGatherResult> AllGather(std::string_view group, uint64_t sequence,
+                                            const Tensor& input, const QuantizeConfig& config,
+                                            AllGatherMode mode = AllGatherMode::kExactFp8,
+                                            const QuantizeOutputs& outputs = {},
+                                            const CallOptions& call = {});
+
+  // Leaves and frees the group `name` on this sidecar. NOT_FOUND if absent.
+  absl::Status DestroyGroup(std::string_view name, const CallOptions& call = {});
+
+  // The collective groups this sidecar is a member of.
+  absl::StatusOr<std::vector<CollectiveGroupInfo>> ListGroups(const CallOptions& call = {});
 
  private:
   struct Impl;

@@ -12,7 +12,8 @@ endfunction()
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
 run(${CMAKE_COMMAND} --install ${QTX_BUILD_DIR} --prefix ${prefix})
-foreach(f include/qtx/client.h include/qtx/shm_region.h include/qtx/types.h
+foreach(f include/qtx/client.h include/qtx/collective_types.h include/qtx/shm_region.h
+          include/qtx/types.h
           include/qtx/v1/quantizer.pb.h include/qtx/v1/memory.grpc.pb.h
           lib/cmake/qtx/qtxConfig.cmake share/qtx/proto/qtx/v1/tensor.proto)
   if(NOT EXISTS ${prefix}/${f})

@@ -130,5 +130,70 @@ TEST(ProtoConvertTest, OutputsAndRegionInfo) {
   EXPECT_EQ(r.in_use, 2u);
 }
 
+TEST(ProtoConvertTest, CollectiveGroupConfigToProto) {
+  CollectiveGroupConfig c;
+  c.name = "tp";
+  c.rank = 2;
+  c.world_size = 3;
+  c.coordinator = "unix:/tmp/r0.sock";
+  c.backend = CommBackend::kGloo;
+  c.timeout = absl::Milliseconds(1500) + absl::Microseconds(1);  // rounded up
+  v1::CreateGroupRequest p;
+  ASSERT_TRUE(ToProto(c, &p).ok());
+  EXPECT_EQ(p.name(), "tp");
+  EXPECT_EQ(p.rank(), 2);
+  EXPECT_EQ(p.world_size(), 3);
+  EXPECT_EQ(p.coordinator(), "unix:/tmp/r0.sock");
+  EXPECT_EQ(p.backend(), v1::GLOO);
+  EXPECT_EQ(p.timeout_ms(), 1501u);
+
+  c.backend = CommBackend::kNccl;
+  c.timeout = absl::Nanoseconds(1);  // positive: never 0 (= the server default)
+  ASSERT_TRUE(ToProto(c, &p).ok());
+  EXPECT_EQ(p.backend(), v1::NCCL);
+  EXPECT_EQ(p.timeout_ms(), 1u);
+
+  c.backend = CommBackend::kUnspecified;
+  c.timeout = absl::ZeroDuration();
+  ASSERT_TRUE(ToProto(c, &p).ok());
+  EXPECT_EQ(p.backend(), v1::COMM_BACKEND_UNSPECIFIED);
+  EXPECT_EQ(p.timeout_ms(), 0u);
+
+  for (absl::Duration bad : {absl::Milliseconds(-1), absl::Hours(24 * 50),
+                             absl::InfiniteDuration()}) {
+    EXPECT_THAT(ToProto(CollectiveGroupConfig{.timeout = bad}, &p),
+                StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("timeout=")));
+  }
+}
+
+TEST(ProtoConvertTest, GroupInfoFromProto) {
+  v1::GroupInfo g;
+  g.set_name("tp");
+  g.set_rank(1);
+  g.set_world_size(4);
+  g.set_backend(v1::GLOO);
+  g.set_state(v1::BROKEN);
+  g.set_next_sequence(7);
+  g.set_error("rank 3 died");
+  const CollectiveGroupInfo i = FromProto(g);
+  EXPECT_EQ(i.name, "tp");
+  EXPECT_EQ(i.rank, 1);
+  EXPECT_EQ(i.world_size, 4);
+  EXPECT_EQ(i.backend, CommBackend::kGloo);
+  EXPECT_EQ(i.state, GroupState::kBroken);
+  EXPECT_EQ(i.next_sequence, 7u);
+  EXPECT_EQ(i.error, "rank 3 died");
+  EXPECT_STREQ(CommBackendName(i.backend), "gloo");
+  EXPECT_STREQ(GroupStateName(i.state), "broken");
+  EXPECT_STREQ(GroupStateName(FromProto(v1::GroupInfo()).state), "unspecified");
+  EXPECT_STREQ(CommBackendName(static_cast<CommBackend>(9)), "unknown");
+  EXPECT_STREQ(AllGatherModeName(AllGatherMode::kGatherHighPrecision), "gather_high_precision");
+  // The client enums carry the proto numbers.
+  EXPECT_EQ(static_cast<int>(AllGatherMode::kExactFp8), v1::EXACT_FP8);
+  EXPECT_EQ(static_cast<int>(AllGatherMode::kGatherHighPrecision), v1::GATHER_HIGH_PRECISION);
+  EXPECT_EQ(static_cast<int>(GroupState::kReady), v1::READY);
+  EXPECT_EQ(static_cast<int>(CommBackend::kNccl), v1::NCCL);
+}
+
 }  // namespace
 }  // namespace qtx::client_internal

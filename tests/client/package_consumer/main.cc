@@ -25,6 +25,13 @@ int main() {
     std::fprintf(stderr, "expected UNAVAILABLE, got %s\n", health.status().ToString().c_str());
     return 1;
   }
+  qtx::CollectiveGroupConfig group{.name = "g", .backend = qtx::CommBackend::kGloo};
+  auto created = (*client)->CreateGroup(group);
+  if (created.ok() || created.status().code() != absl::StatusCode::kUnavailable) {
+    std::fprintf(stderr, "CreateGroup: expected UNAVAILABLE, got %s\n",
+                 created.status().ToString().c_str());
+    return 1;
+  }
   std::printf("consumer ok\n");
   return 0;
 }

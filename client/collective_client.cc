@@ -1,0 +1,122 @@
+// qtx::Client's Collective calls: plain types (qtx/collective_types.h) <->
+// qtx.v1.Collective messages, one unary RPC each.
+#include <grpcpp/client_context.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "client/client_impl.h"
+#include "client/proto_convert.h"
+#include "qtx/client.h"
+#include "qtx/v1/collective.grpc.pb.h"
+
+namespace qtx {
+
+using client_internal::FromGrpcStatus;
+using client_internal::FromProto;
+using client_internal::ToProto;
+
+const char* CommBackendName(CommBackend backend) {
+  switch (backend) {
+    case CommBackend::kUnspecified:
+      return "unspecified";
+    case CommBackend::kGloo:
+      return "gloo";
+    case CommBackend::kNccl:
+      return "nccl";
+  }
+  return "unknown";
+}
+
+const char* AllGatherModeName(AllGatherMode mode) {
+  switch (mode) {
+    case AllGatherMode::kExactFp8:
+      return "exact_fp8";
+    case AllGatherMode::kGatherHighPrecision:
+      return "gather_high_precision";
+  }
+  return "unknown";
+}
+
+const char* GroupStateName(GroupState state) {
+  switch (state) {
+    case GroupState::kUnspecified:
+      return "unspecified";
+    case GroupState::kReady:
+      return "ready";
+    case GroupState::kBroken:
+      return "broken";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<CollectiveGroupInfo> Client::CreateGroup(const CollectiveGroupConfig& config,
+                                                        const CallOptions& call) {
+  v1::CreateGroupRequest request;
+  if (absl::Status s = ToProto(config, &request); !s.ok()) return s;
+  v1::CreateGroupResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  v1::Collective::Stub stub(impl_->channel);
+  grpc::Status status = stub.CreateGroup(&ctx, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return FromProto(response.group());
+}
+
+absl::StatusOr<AllGatherResult> Client::AllGather(std::string_view group, uint64_t sequence,
+                                                  const Tensor& input,
+                                                  const QuantizeConfig& config,
+                                                  AllGatherMode mode,
+                                                  const QuantizeOutputs& outputs,
+                                                  const CallOptions& call) {
+  v1::AllGatherRequest request;
+  request.set_group(std::string(group));
+  request.set_sequence(sequence);
+  ToProto(input, request.mutable_input());
+  ToProto(config, request.mutable_config());
+  request.set_mode(static_cast<v1::AllGatherMode>(mode));
+  ToProto(outputs, request.mutable_outputs());
+  if (!call.cuda_wait_event.empty()) {
+    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
+  }
+  if (!call.cuda_signal_event.empty()) {
+    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
+  }
+  v1::AllGatherResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  v1::Collective::Stub stub(impl_->channel);
+  grpc::Status status = stub.AllGather(&ctx, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  AllGatherResult result;
+  result.tensor = FromProto(std::move(*response.mutable_result()));
+  result.shard_rows.assign(response.shard_rows().begin(), response.shard_rows().end());
+  return result;
+}
+
+absl::Status Client::DestroyGroup(std::string_view name, const CallOptions& call) {
+  v1::DestroyGroupRequest request;
+  request.set_name(std::string(name));
+  v1::DestroyGroupResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  v1::Collective::Stub stub(impl_->channel);
+  return FromGrpcStatus(stub.DestroyGroup(&ctx, request, &response));
+}
+
+absl::StatusOr<std::vector<CollectiveGroupInfo>> Client::ListGroups(const CallOptions& call) {
+  v1::ListGroupsRequest request;
+  v1::ListGroupsResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  v1::Collective::Stub stub(impl_->channel);
+  grpc::Status status = stub.ListGroups(&ctx, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<CollectiveGroupInfo> out;
+  out.reserve(response.groups_size());
+  for (const v1::GroupInfo& g : response.groups()) out.push_back(FromProto(g));
+  return out;
+}
+
+}  // namespace qtx
