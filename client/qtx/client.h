@@ -261,7 +261,8 @@ class Client {
   // same value. Outputs with a slice in `outputs` are written into that
   // region slice (sized for [sum M_r, N]); the others are returned inline.
   // CallOptions::cuda_wait_event / cuda_signal_event are sent as for
-  // Quantize.
+  // Quantize (CUDA sidecars; a CPU rank refuses them with
+  // FAILED_PRECONDITION, and its peers fail too).
   // Fails with INVALID_ARGUMENT when the ranks disagree (N, dtype, config,
   // mode, ...: on every rank, naming the field and the ranks) or for a bad
   // input; FAILED_PRECONDITION for a sequence number already used or too far
