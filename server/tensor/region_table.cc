@@ -42,6 +42,12 @@ class FdCloser {
   ~FdCloser() {
     if (fd_ >= 0) ::close(fd_);
   }
+  // Hands the descriptor over; the closer no longer closes it.
+  int Release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
   FdCloser(const FdCloser&) = delete;
   FdCloser& operator=(const FdCloser&) = delete;
 
@@ -159,7 +165,7 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
     return absl::InvalidArgumentError(absl::StrFormat(
         "shm.shm_name=%s: shm_open failed: %s", Quoted(shm_name), std::strerror(err)));
   }
-  FdCloser closer(fd);
+  FdCloser closer(fd);  // released below once the region owns the descriptor
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     return absl::InternalError(absl::StrFormat("shm.shm_name=%s: fstat failed: %s",
@@ -195,7 +201,31 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
   }
   MappedMemory memory;
   memory.data = static_cast<std::byte*>(base) + delta;
-  memory.release = [base, map_len] { ::munmap(base, map_len); };
+  // The descriptor stays open for the size check on every pin: a client that
+  // truncates the object after registering it would make the next access
+  // fault (SIGBUS); the check refuses the pin instead.
+  const int kept_fd = closer.Release();
+  memory.release = [base, map_len, kept_fd] {
+    ::munmap(base, map_len);
+    ::close(kept_fd);
+  };
+  const uint64_t needed = offset + byte_size;  // checked above: no overflow
+  memory.check = [kept_fd, needed, name = std::string(name), shm]() -> absl::Status {
+    struct stat now;
+    if (::fstat(kept_fd, &now) != 0) {
+      return absl::InternalError(absl::StrFormat("region %s: fstat of shm object %s failed: %s",
+                                                 Quoted(name), Quoted(shm),
+                                                 std::strerror(errno)));
+    }
+    if (static_cast<uint64_t>(now.st_size) < needed) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "region %s: shm object %s shrank to %d bytes after registration, below the registered "
+          "range's end %d (offset + byte_size); unregister the region and register it again "
+          "once the object is large enough",
+          Quoted(name), Quoted(shm), static_cast<int64_t>(now.st_size), needed));
+    }
+    return absl::OkStatus();
+  };
   auto region = std::make_shared<Region>(std::string(name), RegionKind::kShm, shm, 0, byte_size,
                                          std::move(memory));
   return Insert(std::move(region));
@@ -254,6 +284,7 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionTable::Acquire(std::string_v
     }
     region = it->second;
   }
+  if (region->memory_.check) QTX_RETURN_IF_ERROR(region->memory_.check());
   region->pins_.fetch_add(1, std::memory_order_relaxed);
   Region* raw = region.get();
   // The deleter owns a reference, so the mapping lives as long as any copy

@@ -39,6 +39,10 @@ enum class MemoryKind { kHost, kDevice };
 struct MappedMemory {
   std::byte* data = nullptr;      // start of the registered range
   std::function<void()> release;  // called once when the region is destroyed
+  // Optional, called on every pin (RegionTable::Acquire): a non-OK status
+  // refuses the pin (e.g. a shm object shrunk below the mapped range, which
+  // would fault on access).
+  std::function<absl::Status()> check;
 };
 
 // Opens a CUDA IPC handle (64 bytes) on `device_id`, `byte_size` bytes.
@@ -137,7 +141,9 @@ class RegionTable {
   absl::Status Unregister(std::string_view name);
 
   // Pins region `name`: the returned pointer keeps it mapped and counts in
-  // in_use() until every copy is dropped. NOT_FOUND if not registered.
+  // in_use() until every copy is dropped. NOT_FOUND if not registered;
+  // FAILED_PRECONDITION if its shm object has shrunk below the registered
+  // range since registration (touching it would fault).
   absl::StatusOr<std::shared_ptr<const Region>> Acquire(std::string_view name) const;
 
   // All registered regions, sorted by name.

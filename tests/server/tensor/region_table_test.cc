@@ -1,5 +1,9 @@
 #include "server/tensor/region_table.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -47,6 +51,28 @@ TEST(RegionTable, RegisterMapsTheRequestedRangeAtAnUnalignedOffset) {
   // Writes through the server mapping are visible to the client.
   pin->data()[0] = std::byte{0xAB};
   EXPECT_EQ(shm.data()[4196], std::byte{0xAB});
+}
+
+// A client that truncates its shm object after registering it would make the
+// server's next access fault (SIGBUS): the pin is refused instead, naming the
+// sizes, and works again once the object has its size back.
+TEST(RegionTable, ShmObjectShrunkAfterRegistrationIsRefusedAtPinTime) {
+  ShmObject shm(3 * 4096);
+  ASSERT_TRUE(shm.ok());
+  RegionTable table(ShmAllowed());
+  QTX_ASSERT_OK(table.RegisterShm("w", shm.name(), 4096, 8192));
+  QTX_EXPECT_OK(table.Acquire("w").status());
+  const int fd = ::shm_open(shm.name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096 + 100), 0);
+  EXPECT_THAT(table.Acquire("w").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("shrank to 4196 bytes after registration, below the registered "
+                                 "range's end 12288")));
+  EXPECT_EQ(table.List()[0].in_use, 0u);  // the refused pin left no count behind
+  ASSERT_EQ(::ftruncate(fd, 3 * 4096), 0);
+  QTX_EXPECT_OK(table.Acquire("w").status());
+  ::close(fd);
 }
 
 TEST(RegionTable, RangeBeyondTheObjectIsRejected) {
