@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -234,6 +235,106 @@ class PackageTest(unittest.TestCase):
             self.assertEqual(h.health(), "SERVING")
             with self.assertRaises(qtx.errors.UnimplementedError):
                 h.list_regions()
+
+
+class CollectiveTest(unittest.TestCase):
+    """create_group / all_gather / list_groups / destroy_group: the module's
+    qtxd is rank 0, a second qtxd with the same token is rank 1."""
+
+    @classmethod
+    def setUpClass(cls):
+        sock = os.path.join(SERVER["tmp"], "rank1.sock")
+        cls.proc = subprocess.Popen(
+            [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn",
+             "--auth_token_file=" + SERVER["token_file"]])
+        cls.targets = [SERVER["target"], "unix://" + sock]
+        deadline = time.time() + 30
+        while True:
+            if cls.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("rank 1 qtxd did not start")
+            if os.path.exists(sock):
+                try:
+                    with qtx.Client(cls.targets[1], token=TOKEN, timeout=2) as c:
+                        if c.health() == "SERVING":
+                            break
+                except qtx.QtxError:
+                    pass
+            time.sleep(0.05)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.proc.send_signal(signal.SIGTERM)
+        cls.proc.wait(timeout=30)
+
+    def setUp(self):
+        self.clients = [qtx.Client(t, token=TOKEN, timeout=30) for t in self.targets]
+
+    def tearDown(self):
+        for c in self.clients:
+            c.close()
+
+    def on_every_rank(self, fn):
+        """fn(rank, client) on one thread per rank: results or exceptions."""
+        out = [None, None]
+
+        def run(r):
+            try:
+                out[r] = fn(r, self.clients[r])
+            except Exception as e:  # noqa: BLE001 - returned to the test
+                out[r] = e
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    def test_all_gather_equals_quantize_of_concatenation(self):
+        infos = self.on_every_rank(lambda r, c: c.create_group(
+            "py-tp", r, 2, coordinator="" if r == 0 else self.targets[0], backend="gloo",
+            group_timeout=20))
+        for r, info in enumerate(infos):
+            self.assertNotIsInstance(info, Exception, msg=str(info))
+            self.assertEqual((info.name, info.rank, info.world_size), ("py-tp", r, 2))
+            self.assertEqual(info.state, qtx.collective_pb2.READY)
+        rng = np.random.default_rng(7)
+        seq = 0
+        for rows in ((100, 29), (0, 300)):
+            x = [(rng.standard_normal((m, 200)) * (4.0 if r else 0.25)).astype(np.float32)
+                 for r, m in enumerate(rows)]
+            for mode in ("1d", "2d"):
+                ref = self.clients[0].quantize(np.concatenate(x), mode=mode, columnwise=True)
+                for gather_mode in ("exact_fp8", "gather_high_precision"):
+                    res = self.on_every_rank(lambda r, c: c.all_gather(
+                        "py-tp", seq, x[r], gather_mode=gather_mode, mode=mode,
+                        columnwise=True))
+                    seq += 1
+                    for r in range(2):
+                        self.assertNotIsInstance(res[r], Exception, msg=str(res[r]))
+                        self.assertEqual(res[r].shard_rows, list(rows))
+                        self.assertEqual(res[r].tensor.shape, (sum(rows), 200))
+                        for f in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
+                                  "columnwise_scale_inv"):
+                            np.testing.assert_array_equal(
+                                getattr(res[r].tensor, f), getattr(ref, f),
+                                err_msg="%s %s %s rank %d" % (rows, mode, gather_mode, r))
+        # Ranks that disagree on N: INVALID_ARGUMENT on both, naming n.
+        res = self.on_every_rank(lambda r, c: c.all_gather(
+            "py-tp", seq, np.ones((8, 128 if r == 0 else 64), np.float32)))
+        for e in res:
+            self.assertIsInstance(e, qtx.errors.InvalidArgumentError)
+            self.assertIn("disagree on n", e.message)
+        for r, c in enumerate(self.clients):
+            groups = c.list_groups()
+            self.assertEqual([(g.name, g.rank, g.state, g.next_sequence) for g in groups],
+                             [("py-tp", r, qtx.collective_pb2.READY, seq + 1)])
+            c.destroy_group("py-tp")
+            self.assertEqual(c.list_groups(), [])
+            with self.assertRaises(qtx.errors.NotFoundError):
+                c.destroy_group("py-tp")
+        with self.assertRaises(ValueError):
+            self.clients[0].all_gather("py-tp", 0, x[0], gather_mode="fast")
 
 
 def main():

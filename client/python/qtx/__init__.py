@@ -13,13 +13,14 @@ message limits for using the stubs directly.
 """
 
 from qtx import v1  # noqa: F401  (generated subpackage)
+from qtx.v1 import collective_pb2, collective_pb2_grpc  # noqa: F401
 from qtx.v1 import memory_pb2, memory_pb2_grpc  # noqa: F401
 from qtx.v1 import quantizer_pb2, quantizer_pb2_grpc  # noqa: F401
 from qtx.v1 import tensor_pb2  # noqa: F401
 from qtx import errors  # noqa: F401
 from qtx.client import (  # noqa: F401
-    DEFAULT_TARGET, MAX_MESSAGE_BYTES, Client, QuantizedTensor, channel, tensor_from_proto,
-    tensor_to_proto)
+    DEFAULT_TARGET, MAX_MESSAGE_BYTES, AllGatherResult, Client, QuantizedTensor, channel,
+    tensor_from_proto, tensor_to_proto)
 from qtx.errors import QtxError  # noqa: F401
 from qtx.shm import ShmRegion  # noqa: F401
 

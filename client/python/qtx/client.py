@@ -15,13 +15,15 @@ code. A Client is safe for concurrent use by several threads.
 """
 
 import dataclasses
-import secrets
 import itertools
+import math
+import secrets
 
 import grpc
 import numpy as np
 
 from qtx import errors
+from qtx.v1 import collective_pb2, collective_pb2_grpc
 from qtx.v1 import memory_pb2, memory_pb2_grpc, quantizer_pb2, quantizer_pb2_grpc, tensor_pb2
 
 try:  # torch is optional
@@ -37,6 +39,10 @@ _FORMATS = {"e4m3": quantizer_pb2.E4M3, "e5m2": quantizer_pb2.E5M2}
 _NP_DTYPES = {np.dtype(np.float32): tensor_pb2.FLOAT32, np.dtype(np.float16): tensor_pb2.FLOAT16}
 _OUT_DTYPES = {"float32": tensor_pb2.FLOAT32, "bfloat16": tensor_pb2.BFLOAT16,
                "float16": tensor_pb2.FLOAT16}
+_GATHER_MODES = {"exact_fp8": collective_pb2.EXACT_FP8,
+                 "gather_high_precision": collective_pb2.GATHER_HIGH_PRECISION}
+_BACKENDS = {"auto": collective_pb2.COMM_BACKEND_UNSPECIFIED, "gloo": collective_pb2.GLOO,
+             "nccl": collective_pb2.NCCL}
 
 
 def _is_torch(x):
@@ -54,6 +60,13 @@ class QuantizedTensor:
     columnwise_data: object = None       # [N, M] uint8
     columnwise_scale_inv: object = None  # float32, 2-D
     proto: object = None                 # the qtx.v1.QuantizedTensor
+
+
+@dataclasses.dataclass
+class AllGatherResult:
+    """What Client.all_gather returns on every rank."""
+    tensor: QuantizedTensor  # the quantized [sum M_r, N] tensor
+    shard_rows: list         # M_r of every rank, in rank order
 
 
 def normalize_target(target):
@@ -94,6 +107,7 @@ class Client:
                                 certificate_chain)
         self.quantizer = quantizer_pb2_grpc.QuantizerStub(self._channel)
         self.memory = memory_pb2_grpc.MemoryStub(self._channel)
+        self.collective = collective_pb2_grpc.CollectiveStub(self._channel)
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=_encode_health_request,
@@ -142,23 +156,11 @@ class Client:
         """Quantizes `x` ([..., N]; leading dims are flattened into M)."""
         as_torch = _is_torch(x)
         ref = tensor_to_proto(x)
-        if mode not in _MODES:
-            raise ValueError("mode=%r: must be one of %s" % (mode, sorted(_MODES)))
-        if format not in _FORMATS:
-            raise ValueError("format=%r: must be one of %s" % (format, sorted(_FORMATS)))
-        cfg = quantizer_pb2.QuantizeConfig(
-            scaling_mode=_MODES[mode], format=_FORMATS[format], rowwise=rowwise,
-            columnwise=columnwise, force_pow2_scales=pow2_scales, amax_epsilon=amax_epsilon)
+        cfg = _quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         resp = self._call(self.quantizer.Quantize,
                           quantizer_pb2.QuantizeRequest(input=ref, config=cfg), timeout,
                           request_id)
-        r = resp.result
-        out = QuantizedTensor(shape=tuple(r.shape), mode=mode, format=format, proto=r)
-        for field in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
-                      "columnwise_scale_inv"):
-            if r.HasField(field):
-                setattr(out, field, tensor_from_proto(getattr(r, field), as_torch))
-        return out
+        return _quantized_from_proto(resp.result, mode, format, as_torch)
 
     def dequantize(self, q, dtype="float32", timeout=None, request_id=None):
         """Dequantizes a QuantizedTensor (its rowwise copy when present)."""
@@ -197,6 +199,79 @@ class Client:
                                    region=tensor_pb2.RegionSlice(region=region.name,
                                                                  offset=offset, size=nbytes))
         return self.quantize(ref, **kwargs)
+
+    # ---- collective ---------------------------------------------------------------------------
+    # One qtxd per rank; each rank calls its own. create_group and all_gather
+    # return once every rank has made the matching call.
+
+    def create_group(self, name, rank, world_size, coordinator="", backend="auto",
+                     group_timeout=60.0, timeout=None):
+        """Joins the group `name` as `rank` of `world_size`; `coordinator` is
+        rank 0's sidecar as this rank's sidecar reaches it ('unix:/path' or
+        'host:port'; rank 0 may leave it empty). backend: 'auto' (NCCL on a
+        GPU sidecar, else Gloo), 'gloo' or 'nccl'. Waits up to group_timeout
+        seconds for every rank (also the group's collective deadline).
+        Returns the qtx.v1.GroupInfo."""
+        if backend not in _BACKENDS:
+            raise ValueError("backend=%r: must be one of %s" % (backend, sorted(_BACKENDS)))
+        if not 0 <= group_timeout < 2**32 / 1000:
+            raise ValueError("group_timeout=%r: must be >= 0 seconds (0 = the server default)"
+                             % group_timeout)
+        req = collective_pb2.CreateGroupRequest(
+            name=name, rank=rank, world_size=world_size, coordinator=coordinator,
+            backend=_BACKENDS[backend], timeout_ms=math.ceil(group_timeout * 1000))
+        if timeout is None:
+            timeout = max(self.timeout, (group_timeout or 60.0) + 10.0)
+        return self._call(self.collective.CreateGroup, req, timeout).group
+
+    def all_gather(self, group, sequence, x, gather_mode="exact_fp8", mode="1d", format="e4m3",
+                   rowwise=True, columnwise=False, pow2_scales=True, amax_epsilon=0.0,
+                   timeout=None, request_id=None):
+        """All-gathers this rank's shard `x` ([M_r, N]; any M_r, even 0) and
+        returns AllGatherResult: the quantized [sum M_r, N] tensor (bit-identical
+        to quantize() of the concatenated shards) and every rank's M_r.
+        `sequence` counts the group's calls from 0, the same on every rank.
+        gather_mode: 'exact_fp8' or 'gather_high_precision' (same bytes)."""
+        if gather_mode not in _GATHER_MODES:
+            raise ValueError("gather_mode=%r: must be one of %s"
+                             % (gather_mode, sorted(_GATHER_MODES)))
+        as_torch = _is_torch(x)
+        req = collective_pb2.AllGatherRequest(
+            group=group, sequence=sequence, input=tensor_to_proto(x),
+            config=_quantize_config(mode, format, rowwise, columnwise, pow2_scales,
+                                    amax_epsilon),
+            mode=_GATHER_MODES[gather_mode])
+        resp = self._call(self.collective.AllGather, req, timeout, request_id)
+        return AllGatherResult(_quantized_from_proto(resp.result, mode, format, as_torch),
+                               list(resp.shard_rows))
+
+    def destroy_group(self, name, timeout=None):
+        self._call(self.collective.DestroyGroup, collective_pb2.DestroyGroupRequest(name=name),
+                   timeout)
+
+    def list_groups(self, timeout=None):
+        """This sidecar's collective groups: a list of qtx.v1.GroupInfo."""
+        return list(self._call(self.collective.ListGroups, collective_pb2.ListGroupsRequest(),
+                               timeout).groups)
+
+
+def _quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon):
+    if mode not in _MODES:
+        raise ValueError("mode=%r: must be one of %s" % (mode, sorted(_MODES)))
+    if format not in _FORMATS:
+        raise ValueError("format=%r: must be one of %s" % (format, sorted(_FORMATS)))
+    return quantizer_pb2.QuantizeConfig(
+        scaling_mode=_MODES[mode], format=_FORMATS[format], rowwise=rowwise,
+        columnwise=columnwise, force_pow2_scales=pow2_scales, amax_epsilon=amax_epsilon)
+
+
+def _quantized_from_proto(r, mode, format, as_torch):
+    out = QuantizedTensor(shape=tuple(r.shape), mode=mode, format=format, proto=r)
+    for field in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
+                  "columnwise_scale_inv"):
+        if r.HasField(field):
+            setattr(out, field, tensor_from_proto(getattr(r, field), as_torch))
+    return out
 
 
 # ---- tensor conversion ----------------------------------------------------------------------
