@@ -1,0 +1,198 @@
+// Canary for the TSan step of scripts/hardening.sh: proves the TSan setup
+// (instrumentation, tests/testing/tsan_absl_shim.cc, tests/robustness/tsan.supp,
+// TSAN_OPTIONS) is neither blind nor crying wolf.
+//   tsan_canary <mode>
+// Racy modes must be reported by TSan (the step fails if TSan stays silent):
+//   unlocked      two threads write one int, no lock
+//   two_mutexes   each thread holds its own absl::Mutex (no common lock)
+//   after_notify  the writer writes again after Notify()
+// Clean modes must run without a report (the step fails on one):
+//   mutex         absl::MutexLock around both writes
+//   await         hand-off through Mutex::Await(Condition) and AwaitWithDeadline
+//   lock_when     hand-off through Mutex::LockWhen(Condition)
+//   condvar       hand-off through absl::CondVar::Wait
+//   notification  hand-off through Notify / WaitForNotification
+// Each mode returns 0 when its threads ran to the end (TSan's exit code, 66 by
+// default, tells that it reported); an unknown mode returns 2.
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace {
+
+// Written by both threads; `volatile` only so the compiler keeps each store.
+volatile int shared_value = 0;
+
+void Write(int v) { shared_value = shared_value + v; }
+
+template <typename A, typename B>
+void RunPair(A a, B b) {
+  std::thread t1(a);
+  std::thread t2(b);
+  t1.join();
+  t2.join();
+}
+
+int Unlocked() {
+  RunPair([] { Write(1); }, [] { Write(2); });
+  return 0;
+}
+
+int TwoMutexes() {
+  absl::Mutex mu1, mu2;
+  RunPair(
+      [&] {
+        absl::MutexLock l(&mu1);
+        Write(1);
+      },
+      [&] {
+        absl::MutexLock l(&mu2);
+        Write(2);
+      });
+  return 0;
+}
+
+int AfterNotify() {
+  absl::Notification n;
+  RunPair(
+      [&] {
+        Write(1);
+        n.Notify();
+        Write(3);  // not covered by the notification
+      },
+      [&] {
+        n.WaitForNotification();
+        Write(2);
+      });
+  return 0;
+}
+
+int Guarded() {
+  absl::Mutex mu;
+  RunPair(
+      [&] {
+        for (int i = 0; i < 1000; ++i) {
+          absl::MutexLock l(&mu);
+          Write(1);
+        }
+      },
+      [&] {
+        for (int i = 0; i < 1000; ++i) {
+          absl::MutexLock l(&mu);
+          Write(2);
+        }
+      });
+  return 0;
+}
+
+// Producer writes the value, then flips `ready` under the lock; the consumer
+// waits for it (Await, then AwaitWithDeadline for a second round) and writes.
+int Await() {
+  absl::Mutex mu;
+  int round = 0;  // guarded by mu
+  RunPair(
+      [&] {
+        Write(1);
+        {
+          absl::MutexLock l(&mu);
+          round = 1;
+          mu.Await(absl::Condition(+[](int* r) { return *r == 2; }, &round));
+        }
+        Write(3);
+        absl::MutexLock l(&mu);
+        round = 3;
+      },
+      [&] {
+        {
+          absl::MutexLock l(&mu);
+          mu.Await(absl::Condition(+[](int* r) { return *r == 1; }, &round));
+        }
+        Write(2);
+        absl::MutexLock l(&mu);
+        round = 2;
+        while (!mu.AwaitWithDeadline(absl::Condition(+[](int* r) { return *r == 3; }, &round),
+                                     absl::Now() + absl::Seconds(1))) {
+        }
+      });
+  return 0;
+}
+
+int LockWhen() {
+  absl::Mutex mu;
+  bool ready = false;  // guarded by mu
+  RunPair(
+      [&] {
+        Write(1);
+        absl::MutexLock l(&mu);
+        ready = true;
+      },
+      [&] {
+        mu.LockWhen(absl::Condition(&ready));
+        mu.Unlock();
+        Write(2);
+      });
+  return 0;
+}
+
+int CondVar() {
+  absl::Mutex mu;
+  absl::CondVar cv;
+  bool ready = false;  // guarded by mu
+  RunPair(
+      [&] {
+        Write(1);
+        absl::MutexLock l(&mu);
+        ready = true;
+        cv.Signal();
+      },
+      [&] {
+        {
+          absl::MutexLock l(&mu);
+          while (!ready) cv.Wait(&mu);
+        }
+        Write(2);
+      });
+  return 0;
+}
+
+int Notification() {
+  absl::Notification n;
+  RunPair(
+      [&] {
+        Write(1);
+        n.Notify();
+      },
+      [&] {
+        n.WaitForNotification();
+        Write(2);
+      });
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  struct Mode {
+    const char* name;
+    int (*run)();
+  };
+  const Mode modes[] = {
+      {"unlocked", Unlocked}, {"two_mutexes", TwoMutexes}, {"after_notify", AfterNotify},
+      {"mutex", Guarded},     {"await", Await},            {"lock_when", LockWhen},
+      {"condvar", CondVar},   {"notification", Notification},
+  };
+  if (argc == 2) {
+    for (const Mode& m : modes) {
+      if (std::strcmp(argv[1], m.name) == 0) return m.run();
+    }
+  }
+  std::fprintf(stderr, "usage: tsan_canary <mode>; modes:");
+  for (const Mode& m : modes) std::fprintf(stderr, " %s", m.name);
+  std::fprintf(stderr, "\n");
+  return 2;
+}
