@@ -8,21 +8,25 @@
 #   2. The libFuzzer targets of that build, QTX_FUZZ_SECONDS each, from the
 #      seed corpus in tests/fuzz/corpus/<target> (new inputs go to a scratch
 #      copy); prints the executions and fails on any finding.
-#   3. (opt-in: QTX_HARDENING_STEPS="tsan") TSan (clang) build of the
-#      concurrency test (concurrent calls, regions unregistered during use,
-#      cancellations). Not in CI: Debian's Abseil and gRPC are not built with
-#      TSan, so absl::Mutex is invisible to it and the state it guards shows up
-#      as races (see tests/robustness/tsan.supp); run it to triage.
+#   3. TSan (clang, QTX_TSAN=ON) build of the concurrency test (concurrent
+#      calls, regions unregistered during use, cancellations) and the
+#      in-process server tests; runs them. Debian's Abseil and gRPC are not
+#      built with TSan: tests/testing/tsan_{absl,grpc}_shim.cc annotate
+#      absl::Mutex / CondVar / Notification and gRPC's completion hand-off
+#      for it. tests/robustness/tsan.supp (third-party frames only) is empty.
+#      First a canary (tests/robustness/tsan_canary):
+#      its racy modes must be reported and its absl-synchronized modes must be
+#      clean, under the same TSAN_OPTIONS, or the step fails.
 # Builds go to their own directories; nothing touches the default build.
 #   scripts/hardening.sh   env: QTX_ASAN_BUILD_DIR=build-asan  QTX_TSAN_BUILD_DIR=build-tsan
 #                               QTX_JOBS=$(nproc)
-#                               QTX_FUZZ_SECONDS=20  QTX_HARDENING_STEPS="asan fuzz"
+#                               QTX_FUZZ_SECONDS=20  QTX_HARDENING_STEPS="asan fuzz tsan"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 JOBS="${QTX_JOBS:-$(nproc)}"
 FUZZ_SECONDS="${QTX_FUZZ_SECONDS:-20}"
-STEPS="${QTX_HARDENING_STEPS:-asan fuzz}"
+STEPS="${QTX_HARDENING_STEPS:-asan fuzz tsan}"
 ASAN="${QTX_ASAN_BUILD_DIR:-build-asan}"
 TSAN="${QTX_TSAN_BUILD_DIR:-build-tsan}"
 export CC=clang CXX=clang++
@@ -48,6 +52,15 @@ ASAN_TESTS=(
   tests/robustness/robustness_concurrency_test
   tests/robustness/robustness_fault_test
 )
+TSAN_TESTS=(
+  tests/robustness/robustness_concurrency_test
+  tests/server/server_api_test
+  tests/server/server_tensor_test
+  tests/server/collective/server_collective_test
+)
+# tsan_canary modes: the racy ones must be reported, the others must be clean.
+CANARY_RACY=(unlocked two_mutexes after_notify)
+CANARY_CLEAN=(mutex await lock_when condvar notification)
 FUZZERS=(fuzz_tensor_ref fuzz_quantizer fuzz_memory fuzz_collective fuzz_optimizer)
 
 if has_step asan || has_step fuzz; then
@@ -98,13 +111,36 @@ fi
 if has_step tsan; then
   stamp "configure TSan build in $TSAN"
   mkdir -p "$TSAN"
-  cmake -S . -B "$TSAN" "${COMMON[@]}" -DQTX_FUZZ=OFF \
-    "-DCMAKE_CXX_FLAGS=-fsanitize=thread" "-DCMAKE_C_FLAGS=-fsanitize=thread" \
-    "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread" \
+  cmake -S . -B "$TSAN" "${COMMON[@]}" -DQTX_FUZZ=OFF -DQTX_TSAN=ON \
     > "$TSAN/hardening-configure.log" 2>&1 || { cat "$TSAN/hardening-configure.log"; exit 1; }
-  cmake --build "$TSAN" -j"$JOBS" --target robustness_concurrency_test
-  stamp "TSan: robustness_concurrency_test"
-  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:report_atomic_races=0:suppressions=$PWD/tests/robustness/tsan.supp" \
-    "$TSAN/tests/robustness/robustness_concurrency_test" --gtest_brief=1
+  targets=(tsan_canary)
+  for t in "${TSAN_TESTS[@]}"; do targets+=("$(basename "$t")"); done
+  stamp "build ${targets[*]}"
+  cmake --build "$TSAN" -j"$JOBS" --target "${targets[@]}"
+  # Every report fails the run (exit code 66 at exit); all of them are printed.
+  export TSAN_OPTIONS="halt_on_error=0:exitcode=66:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$PWD/tests/robustness/tsan.supp"
+  logs="$TSAN/tsan-logs"
+  rm -rf "$logs" && mkdir -p "$logs"
+  for m in "${CANARY_RACY[@]}"; do
+    if "$TSAN/tests/robustness/tsan_canary" "$m" > "$logs/canary-$m" 2>&1 ||
+        ! grep -q "WARNING: ThreadSanitizer: data race" "$logs/canary-$m"; then
+      cat "$logs/canary-$m"
+      echo "hardening: TSan did not report the deliberate race of tsan_canary $m: the setup is blind"
+      exit 1
+    fi
+  done
+  for m in "${CANARY_CLEAN[@]}"; do
+    if ! "$TSAN/tests/robustness/tsan_canary" "$m" > "$logs/canary-$m" 2>&1; then
+      cat "$logs/canary-$m"
+      echo "hardening: TSan reported tsan_canary $m (absl-synchronized): absl is invisible to it"
+      exit 1
+    fi
+  done
+  stamp "TSan canary: ${#CANARY_RACY[@]} racy modes reported, ${#CANARY_CLEAN[@]} synchronized modes clean"
+  for t in "${TSAN_TESTS[@]}"; do
+    stamp "TSan: $t"
+    "$TSAN/$t" --gtest_brief=1
+  done
+  echo "tsan: {\"tests\":${#TSAN_TESTS[@]},\"canary_racy_reported\":${#CANARY_RACY[@]},\"canary_clean\":${#CANARY_CLEAN[@]},\"reports\":0}"
 fi
 stamp "done"
