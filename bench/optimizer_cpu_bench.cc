@@ -67,7 +67,8 @@ double MemcpyGbps(size_t bytes, int threads, int reps) {
 }
 
 // Every unit width x update order x prefetch x encode schedule that the
-// GPU-host sweep compares (the first entry is the library default).
+// GPU-host sweep compares (the library default, kernels/cpu/adamw.h
+// BandConfig, is cols=full,update=tile,prefetch=2,encode=immediate).
 std::vector<std::string> DefaultSweep() {
   std::vector<std::string> out;
   for (const char* cols : {"512", "1024", "2048", "full"}) {

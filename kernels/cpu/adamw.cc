@@ -190,6 +190,7 @@ double ChunkSumSquaresDispatch(const void* g, InputDType t, int64_t begin, int64
 void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,
                     int num_threads) {
   const internal::BandConfig cfg = internal::ActiveBandConfig();
+  const int64_t want_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   std::vector<band::ParamPlan> plans;  // non-empty parameters only
   plans.reserve(params.size());
   int64_t units = 0;
@@ -202,6 +203,11 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
     plan.mb = CeilDiv(b.m, kBlockLen);
     plan.nb = CeilDiv(b.n, kBlockLen);
     plan.chunks = CeilDiv(plan.nb, cfg.unit_tiles > 0 ? std::min(plan.nb, cfg.unit_tiles) : plan.nb);
+    // Fewer bands than threads (wide units of a short parameter): split the
+    // bands further, so that no thread idles.
+    if (plan.mb * plan.chunks < want_threads) {
+      plan.chunks = std::max(plan.chunks, std::min(plan.nb, CeilDiv(want_threads, plan.mb)));
+    }
     plan.unit_tiles = CeilDiv(plan.nb, plan.chunks);
     plan.first_unit = units;
     units += plan.mb * plan.chunks;
@@ -215,8 +221,7 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
                   ? &band::base::RunUnits
 #endif
                   : &band::base::RunUnits;
-  const int threads = static_cast<int>(
-      std::min<int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), units));
+  const int threads = static_cast<int>(std::min<int64_t>(want_threads, units));
   if (threads <= 1) {
     run(plans.data(), plans.size(), 0, units, s, cfg);
     return;

@@ -327,9 +327,10 @@ TEST(AdamWStepFused, EqualsReferenceAcrossShapesDtypesAndLayouts) {
   }
 }
 
-// Parameters wider than one work unit (a 128-row band by up to 4 tiles): the
-// band is split into several units (unevenly when the tile count does not
-// divide), with partial edge tiles, at several thread counts.
+// Wide parameters under the active configuration (by default full-width units;
+// at 3 threads the 1- and 2-band ones have their bands split into several
+// units, unevenly when the tile count does not divide), with partial edge
+// tiles. BandConfig.EveryKnobOnEveryIsaEqualsReference covers every width.
 TEST(AdamWStepFused, EqualsReferenceOnWideBandsSplitIntoUnits) {
   const Shape shapes[] = {{130, 1100}, {260, 641}, {1, 2049}, {129, 1024}};
   uint32_t seed = 500;
