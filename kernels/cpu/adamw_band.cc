@@ -459,24 +459,34 @@ struct Deferred {
 };
 
 #if defined(__AVX2__)
-// Copies 128 rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
-// `pitch`), with non-temporal stores when every row is 32-byte aligned: the
-// FP8 copies are not read again by this step, so they need not be read into
-// the cache first (write-allocate) nor stay there.
-void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch) {
-  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0 && pitch % 32 == 0;
-  for (int64_t i = 0; i < kBlockLen; ++i) {
-    const auto* in = reinterpret_cast<const __m256i*>(src + i * kBlockLen);
-    auto* out = reinterpret_cast<__m256i*>(dst + i * pitch);
+// Copies 128 bytes from src (32-byte aligned) to dst with non-temporal stores
+// when dst is 16-byte aligned (32-byte streams, or 16-byte ones: malloc'd
+// buffers are often only 16-byte aligned), else plain stores: the FP8 copies
+// are not read again by this step, so they need not be read into the cache
+// first (write-allocate) nor stay there. Each 64-byte line is written whole.
+inline void StoreRow128(const uint8_t* src, uint8_t* dst) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst);
+  const auto* in = reinterpret_cast<const __m256i*>(src);
+  if (a % 32 == 0) {
     for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
-      const __m256i x = _mm256_load_si256(in + w);
-      if (aligned) {
-        _mm256_stream_si256(out + w, x);
-      } else {
-        _mm256_storeu_si256(out + w, x);
-      }
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + w, _mm256_load_si256(in + w));
+    }
+  } else if (a % 16 == 0) {
+    for (int w = 0; w < static_cast<int>(kBlockLen / 16); ++w) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst) + w,
+                       _mm_load_si128(reinterpret_cast<const __m128i*>(src) + w));
+    }
+  } else {
+    for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + w, _mm256_load_si256(in + w));
     }
   }
+}
+
+// Copies 128 rows of 128 bytes (source pitch kBlockLen, 32-byte aligned) to
+// dst (row pitch `pitch`), as StoreRow128.
+void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch) {
+  for (int64_t i = 0; i < kBlockLen; ++i) StoreRow128(src + i * kBlockLen, dst + i * pitch);
 }
 #endif
 
@@ -567,16 +577,7 @@ void DeferredRow(Deferred& d, int64_t i) {
     uint8_t* const bytes = strip + (i % 16) * kBlockLen;
     EncodeRow(b.master + r * n + c0, d.scale[t], bytes, kBlockLen, q.format);
     if (q.rowwise) {
-      uint8_t* const dst = b.fp8.rowwise_data + r * n + c0;
-      const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0;
-      for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
-        const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes) + w);
-        if (aligned) {
-          _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + w, x);
-        } else {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + w, x);
-        }
-      }
+      StoreRow128(bytes, b.fp8.rowwise_data + r * n + c0);
     }
     if (q.columnwise && i % 16 == 15) {
       const int64_t i0 = i - 15;
