@@ -54,4 +54,18 @@ void Executor::WorkerLoop() {
   }
 }
 
+bool InlineSlots::TryAcquire() {
+  int used = used_.load(std::memory_order_relaxed);
+  while (used < max_) {
+    if (used_.compare_exchange_weak(used, used + 1, std::memory_order_acquire,
+                                    std::memory_order_relaxed)) {
+      runs_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  return false;
+}
+
+void InlineSlots::Release() { used_.fetch_sub(1, std::memory_order_release); }
+
 }  // namespace qtx::server::api

@@ -1,12 +1,15 @@
 // Executor: a fixed pool of worker threads with a bounded FIFO queue. gRPC
-// reactions hand their work here so that they never block; each task calls
-// Finish on its reactor when done.
+// reactions hand their long work here so that they never block; each task
+// calls Finish on its reactor when done. Short work runs on the reaction
+// thread itself, bounded by InlineSlots (below).
 //
 // Thread safety: Submit and Shutdown are safe for concurrent use.
 #ifndef QTX_SERVER_API_EXECUTOR_H_
 #define QTX_SERVER_API_EXECUTOR_H_
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <thread>
@@ -51,6 +54,35 @@ class Executor {
   // Used by the constructing thread and Shutdown (serialized by join_mu_).
   absl::Mutex join_mu_;
   std::vector<std::thread> workers_ ABSL_GUARDED_BY(join_mu_);
+};
+
+// InlineSlots: how many short requests may run at once on gRPC's own threads
+// (the thread that received the call) instead of going to the Executor. A
+// short request saves the hand-off to a worker and back (bench/README.md,
+// rpc_overhead_bench); the bound keeps a burst of them from occupying every
+// thread that polls the sockets.
+//
+// Thread safety: safe for concurrent use.
+class InlineSlots {
+ public:
+  // max_concurrent == 0: never run inline. REQUIRES: max_concurrent >= 0.
+  explicit InlineSlots(int max_concurrent) : max_(max_concurrent) {}
+  InlineSlots(const InlineSlots&) = delete;
+  InlineSlots& operator=(const InlineSlots&) = delete;
+
+  // Takes a slot: true if fewer than max_concurrent are taken. The caller
+  // must Release it when done.
+  bool TryAcquire();
+  void Release();
+
+  // Requests that ran inline since construction.
+  uint64_t runs() const { return runs_.load(std::memory_order_relaxed); }
+  int max_concurrent() const { return max_; }
+
+ private:
+  const int max_;
+  std::atomic<int> used_{0};
+  std::atomic<uint64_t> runs_{0};
 };
 
 }  // namespace qtx::server::api

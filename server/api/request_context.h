@@ -1,7 +1,8 @@
 // Per-request bookkeeping shared by the handlers: the request id (the
 // client's "x-request-id" metadata when it is well-formed, else generated),
 // echoed back in the initial metadata, and the one log line per request.
-// Also RunOnExecutor, which moves a handler's work off the reaction thread.
+// Also RunOnExecutor, which moves a handler's work off the reaction thread,
+// and RunShortInline, which keeps short work on it.
 #ifndef QTX_SERVER_API_REQUEST_CONTEXT_H_
 #define QTX_SERVER_API_REQUEST_CONTEXT_H_
 
@@ -64,6 +65,28 @@ grpc::ServerUnaryReactor* RunOnExecutor(grpc::CallbackServerContext* context,
         refused_log, absl::UnavailableError(
                          "the server is shutting down or all workers are busy; retry later")));
   }
+  return reactor;
+}
+
+// Runs `work` right here, on the reaction thread, when `is_short` (the op's
+// host work is bounded: server/ops *RunsShort) and `slots` has a free slot;
+// otherwise exactly as RunOnExecutor. Inline work sees the same request id,
+// log line, cancellation check and status mapping; it only skips the
+// hand-off to a worker thread and back.
+template <typename Work>
+grpc::ServerUnaryReactor* RunShortInline(grpc::CallbackServerContext* context,
+                                         std::string_view method, Executor* executor,
+                                         InlineSlots* slots, bool is_short, Work work) {
+  if (!is_short || !slots->TryAcquire()) {
+    return RunOnExecutor(context, method, executor, std::move(work));
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const RequestLog log = StartRequest(context, method);
+  const absl::Status status = context->IsCancelled()
+                                  ? absl::CancelledError("the call was cancelled before it started")
+                                  : work();
+  slots->Release();
+  reactor->Finish(EndRequest(log, status));
   return reactor;
 }
 

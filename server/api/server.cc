@@ -107,8 +107,11 @@ absl::Status QtxServer::Start() {
   ctx.limits.max_elements = config_.max_tensor_elements;
   // Leave room for the response's non-data fields.
   ctx.max_inline_output_bytes = max_message_bytes - (max_message_bytes >> 6);
-  quantizer_ = std::make_unique<QuantizerService>(ctx, executor_.get());
-  memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get());
+  ctx.inline_limits.max_host_bytes = static_cast<uint64_t>(config_.inline_max_bytes);
+  ctx.inline_limits.max_device_bytes = static_cast<uint64_t>(config_.inline_max_device_bytes);
+  inline_slots_ = std::make_unique<InlineSlots>(config_.inline_max_concurrent);
+  quantizer_ = std::make_unique<QuantizerService>(ctx, executor_.get(), inline_slots_.get());
+  memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get(), inline_slots_.get());
   optimizer::OptimizerStore::Options optimizer_options;
   optimizer_options.memory_limit_bytes =
       static_cast<uint64_t>(config_.optimizer_memory_limit_mb) << 20;
@@ -203,15 +206,19 @@ absl::Status QtxServer::Start() {
   }
   spdlog::info(
       "event=listening socket={} tcp_port={} tls={} mtls={} token={} health_port={} "
-      "metrics_port={} device={} threads={} max_message_mb={} allow_client_shm={}",
+      "metrics_port={} device={} threads={} inline_max_concurrent={} inline_max_bytes={} "
+      "inline_max_device_bytes={} max_message_mb={} allow_client_shm={}",
       config_.socket_path.empty() ? "-" : config_.socket_path, tcp_port_, security.tls,
       security.mtls, security.token, health_port_, metrics_port(), device_->name(),
-      config_.threads,
-      config_.max_message_mb, config_.allow_client_shm);
+      config_.threads, config_.inline_max_concurrent, config_.inline_max_bytes,
+      config_.inline_max_device_bytes, config_.max_message_mb, config_.allow_client_shm);
   return absl::OkStatus();
 }
 
 void QtxServer::AddGauges() {
+  metrics_->AddGauge("qtx_requests_inline_total",
+                     "Requests run on the gRPC thread that received them (short ops), since start.",
+                     [this] { return static_cast<double>(inline_slots_->runs()); });
   metrics_->AddGauge("qtx_regions", "Registered memory regions.",
                      [this] { return static_cast<double>(regions_->size()); });
   metrics_->AddGauge("qtx_region_bytes", "Bytes of all registered memory regions.", [this] {

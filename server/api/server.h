@@ -77,6 +77,7 @@ class QtxServer {
   std::unique_ptr<backend::Device> device_;
   std::unique_ptr<tensor::RegionTable> regions_;
   std::unique_ptr<Executor> executor_;
+  std::unique_ptr<InlineSlots> inline_slots_;
   std::unique_ptr<QuantizerService> quantizer_;
   std::unique_ptr<MemoryService> memory_;
   std::unique_ptr<optimizer::OptimizerStore> optimizer_store_;

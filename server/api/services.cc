@@ -12,23 +12,32 @@ namespace qtx::server::api {
 grpc::ServerUnaryReactor* QuantizerService::Quantize(grpc::CallbackServerContext* context,
                                                      const v1::QuantizeRequest* request,
                                                      v1::QuantizeResponse* response) {
-  return RunOnExecutor(context, "Quantize", executor_, [this, request, response] {
-    QTX_ASSIGN_OR_RETURN(ops::QuantizeRequestSpec spec, QuantizeRequestFromProto(*request));
-    QTX_ASSIGN_OR_RETURN(ops::QuantizeResult result, ops::Quantize(spec, ctx_));
-    QuantizeResultToProto(std::move(result), response);
-    return absl::OkStatus();
-  });
+  // Parsed here (no tensor bytes are copied) to tell a short call from a long one.
+  absl::StatusOr<ops::QuantizeRequestSpec> spec = QuantizeRequestFromProto(*request);
+  const bool is_short = !spec.ok() || ops::QuantizeRunsShort(*spec, ctx_);
+  return RunShortInline(context, "Quantize", executor_, inline_slots_, is_short,
+                        [this, spec = std::move(spec), response]() -> absl::Status {
+                          QTX_RETURN_IF_ERROR(spec.status());
+                          QTX_ASSIGN_OR_RETURN(ops::QuantizeResult result,
+                                               ops::Quantize(*spec, ctx_));
+                          QuantizeResultToProto(std::move(result), response);
+                          return absl::OkStatus();
+                        });
 }
 
 grpc::ServerUnaryReactor* QuantizerService::Dequantize(grpc::CallbackServerContext* context,
                                                        const v1::DequantizeRequest* request,
                                                        v1::DequantizeResponse* response) {
-  return RunOnExecutor(context, "Dequantize", executor_, [this, request, response] {
-    QTX_ASSIGN_OR_RETURN(ops::DequantizeRequestSpec spec, DequantizeRequestFromProto(*request));
-    QTX_ASSIGN_OR_RETURN(ops::OutputTensor out, ops::Dequantize(spec, ctx_));
-    OutputTensorToProto(std::move(out), response->mutable_output());
-    return absl::OkStatus();
-  });
+  absl::StatusOr<ops::DequantizeRequestSpec> spec = DequantizeRequestFromProto(*request);
+  const bool is_short = !spec.ok() || ops::DequantizeRunsShort(*spec, ctx_);
+  return RunShortInline(context, "Dequantize", executor_, inline_slots_, is_short,
+                        [this, spec = std::move(spec), response]() -> absl::Status {
+                          QTX_RETURN_IF_ERROR(spec.status());
+                          QTX_ASSIGN_OR_RETURN(ops::OutputTensor out,
+                                               ops::Dequantize(*spec, ctx_));
+                          OutputTensorToProto(std::move(out), response->mutable_output());
+                          return absl::OkStatus();
+                        });
 }
 
 grpc::ServerUnaryReactor* MemoryService::RegisterRegion(
@@ -72,7 +81,9 @@ grpc::ServerUnaryReactor* MemoryService::UnregisterRegion(
 grpc::ServerUnaryReactor* MemoryService::ListRegions(grpc::CallbackServerContext* context,
                                                      const v1::ListRegionsRequest* /*request*/,
                                                      v1::ListRegionsResponse* response) {
-  return RunOnExecutor(context, "ListRegions", executor_, [this, response] {
+  // A copy of the table under its lock: short.
+  return RunShortInline(context, "ListRegions", executor_, inline_slots_, /*is_short=*/true,
+                        [this, response] {
     for (const tensor::RegionInfo& info : regions_->List()) {
       RegionInfoToProto(info, response->add_regions());
     }

@@ -1,7 +1,9 @@
 // gRPC callback handlers for qtx.v1.Quantizer and qtx.v1.Memory. Each handler
-// converts the request to plain structs, runs an op on the Executor (never on
-// the reaction thread), writes the response and finishes with
-// ToGrpcStatus. Handlers hold no math.
+// converts the request to plain structs, runs an op, writes the response and
+// finishes with ToGrpcStatus. Handlers hold no math. A short op (bounded host
+// work: ops::QuantizeRunsShort / DequantizeRunsShort, ListRegions) runs on
+// the reaction thread when an InlineSlots slot is free; every other op runs
+// on the Executor, never blocking the reaction thread.
 //
 // Thread safety: the services are used concurrently by gRPC; their members
 // are safe for concurrent use and outlive the grpc::Server.
@@ -20,8 +22,10 @@ namespace qtx::server::api {
 
 class QuantizerService final : public v1::Quantizer::CallbackService {
  public:
-  // `ctx` members and `executor` are not owned and must outlive the service.
-  QuantizerService(ops::OpContext ctx, Executor* executor) : ctx_(ctx), executor_(executor) {}
+  // `ctx` members, `executor` and `inline_slots` are not owned and must
+  // outlive the service.
+  QuantizerService(ops::OpContext ctx, Executor* executor, InlineSlots* inline_slots)
+      : ctx_(ctx), executor_(executor), inline_slots_(inline_slots) {}
 
   grpc::ServerUnaryReactor* Quantize(grpc::CallbackServerContext* context,
                                      const v1::QuantizeRequest* request,
@@ -34,12 +38,13 @@ class QuantizerService final : public v1::Quantizer::CallbackService {
   // Constant after construction.
   const ops::OpContext ctx_;
   Executor* const executor_;
+  InlineSlots* const inline_slots_;
 };
 
 class MemoryService final : public v1::Memory::CallbackService {
  public:
-  MemoryService(tensor::RegionTable* regions, Executor* executor)
-      : regions_(regions), executor_(executor) {}
+  MemoryService(tensor::RegionTable* regions, Executor* executor, InlineSlots* inline_slots)
+      : regions_(regions), executor_(executor), inline_slots_(inline_slots) {}
 
   grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
                                            const v1::RegisterRegionRequest* request,
@@ -55,6 +60,7 @@ class MemoryService final : public v1::Memory::CallbackService {
   // Constant after construction.
   tensor::RegionTable* const regions_;
   Executor* const executor_;
+  InlineSlots* const inline_slots_;
 };
 
 }  // namespace qtx::server::api

@@ -37,6 +37,15 @@ ABSL_FLAG(std::string, device, "auto",
 ABSL_FLAG(int32_t, threads, 4, "Worker threads that run requests.");
 ABSL_FLAG(int32_t, max_queued_requests, 1024,
           "Requests waiting for a worker beyond this are refused with UNAVAILABLE.");
+ABSL_FLAG(int32_t, inline_max_concurrent, 2,
+          "Short calls (see --inline_max_bytes) run on the gRPC thread that received them, at "
+          "most this many at a time; 0: every call goes to a worker thread.");
+ABSL_FLAG(int64_t, inline_max_bytes, int64_t{64} << 10,
+          "Short-call bound: bytes the host computes on or copies (the CPU kernel's input; "
+          "bytes staged between host and GPU).");
+ABSL_FLAG(int64_t, inline_max_device_bytes, int64_t{64} << 20,
+          "Short-call bound: input bytes of a GPU kernel the host waits for. A call whose host "
+          "would wait on a client CUDA event is never short.");
 ABSL_FLAG(int64_t, max_tensor_elements, int64_t{1} << 34, "Largest tensor, in elements.");
 ABSL_FLAG(int32_t, shutdown_grace_s, 30,
           "On SIGTERM/SIGINT, seconds to let in-flight calls finish before cancelling them.");
@@ -69,6 +78,9 @@ ServerConfig ServerConfigFromFlags() {
   c.device = absl::GetFlag(FLAGS_device);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
+  c.inline_max_concurrent = absl::GetFlag(FLAGS_inline_max_concurrent);
+  c.inline_max_bytes = absl::GetFlag(FLAGS_inline_max_bytes);
+  c.inline_max_device_bytes = absl::GetFlag(FLAGS_inline_max_device_bytes);
   c.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   c.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
   c.optimizer_memory_limit_mb = absl::GetFlag(FLAGS_optimizer_memory_limit_mb);

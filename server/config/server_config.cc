@@ -106,6 +106,18 @@ absl::Status ValidateConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--threads=%d: must be 1..1024", c.threads));
   }
+  if (c.inline_max_concurrent < 0 || c.inline_max_concurrent > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--inline_max_concurrent=%d: must be 0..1024", c.inline_max_concurrent));
+  }
+  if (c.inline_max_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--inline_max_bytes=%d: must be >= 0", c.inline_max_bytes));
+  }
+  if (c.inline_max_device_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--inline_max_device_bytes=%d: must be >= 0", c.inline_max_device_bytes));
+  }
   if (c.max_queued_requests < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--max_queued_requests=%d: must be >= 1", c.max_queued_requests));

@@ -53,6 +53,15 @@ struct ServerConfig {
   int threads = 4;
   // Requests waiting for a worker beyond this are refused with UNAVAILABLE.
   int max_queued_requests = 1024;
+  // Short calls run on the gRPC thread that received them instead of a
+  // worker (no thread hand-off), at most inline_max_concurrent at a time (0:
+  // never). Short: at most inline_max_bytes of host work (CPU kernel input,
+  // or bytes staged between host and GPU) and, when the host waits for a GPU
+  // kernel, at most inline_max_device_bytes of kernel input (server/ops
+  // QuantizeRunsShort).
+  int inline_max_concurrent = 2;
+  int64_t inline_max_bytes = int64_t{64} << 10;
+  int64_t inline_max_device_bytes = int64_t{64} << 20;
   // Largest tensor, in elements.
   int64_t max_tensor_elements = int64_t{1} << 34;
   // How long SIGTERM waits for in-flight calls before cancelling them.

@@ -1,8 +1,10 @@
 #include "server/ops/quantize.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <utility>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -158,7 +160,129 @@ absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
   return view;
 }
 
+// Host and device work of one op, for the *RunsShort predicates.
+class WorkEstimate {
+ public:
+  explicit WorkEstimate(const OpContext& ctx) : ctx_(ctx) {}
+
+  // A tensor the op reads: `bytes` in memory of kind `kind`.
+  void Input(uint64_t bytes, MemoryKind kind) {
+    if (ctx_.device->memory_kind() == MemoryKind::kHost) {
+      Add(host_, bytes);  // the kernel runs on the host
+      return;
+    }
+    Add(device_, bytes);
+    if (kind != MemoryKind::kDevice) {
+      Add(host_, bytes);  // staged through the host
+      staged_ = true;
+    }
+  }
+  // A buffer the op writes (kernel work counted with the inputs).
+  void Output(uint64_t bytes, MemoryKind kind) {
+    if (ctx_.device->memory_kind() == MemoryKind::kDevice && kind != MemoryKind::kDevice) {
+      Add(host_, bytes);
+      staged_ = true;
+    }
+  }
+
+  bool Short(const backend::CudaEvents& events) const {
+    if (ctx_.device->memory_kind() == MemoryKind::kHost) {
+      return host_ <= ctx_.inline_limits.max_host_bytes;
+    }
+    // Without a signal event, or with a staged copy, the host waits for the
+    // stream: the kernel and, first, the client's wait event.
+    const bool host_waits = events.signal_event.empty() || staged_;
+    if (host_waits && !events.wait_event.empty()) return false;
+    return host_ <= ctx_.inline_limits.max_host_bytes &&
+           (!host_waits || device_ <= ctx_.inline_limits.max_device_bytes);
+  }
+
+ private:
+  static void Add(uint64_t& total, uint64_t bytes) {
+    total = bytes > UINT64_MAX - total ? UINT64_MAX : total + bytes;
+  }
+
+  const OpContext& ctx_;
+  uint64_t host_ = 0;
+  uint64_t device_ = 0;
+  bool staged_ = false;
+};
+
+// Where a region slice's bytes live; host for an unknown region (the op
+// fails with NOT_FOUND before any work).
+MemoryKind SliceMemory(const tensor::RegionSliceSpec& slice, const OpContext& ctx) {
+  auto region = ctx.regions->Acquire(slice.region);
+  return region.ok() ? (*region)->memory_kind() : MemoryKind::kHost;
+}
+
+MemoryKind RefMemory(const tensor::TensorRefSpec& ref, const OpContext& ctx) {
+  if (const auto* slice = std::get_if<tensor::RegionSliceSpec>(&ref.data)) {
+    return SliceMemory(*slice, ctx);
+  }
+  return MemoryKind::kHost;
+}
+
+MemoryKind OutputMemory(const std::optional<tensor::RegionSliceSpec>& spec,
+                        const OpContext& ctx) {
+  return spec.has_value() ? SliceMemory(*spec, ctx) : MemoryKind::kHost;
+}
+
+// Elements of `shape`; nullopt for a negative dim or an overflow (such a
+// request fails validation before any work).
+std::optional<uint64_t> Elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return std::nullopt;
+  }
+  return static_cast<uint64_t>(n);
+}
+
+uint64_t SaturatingBytes(uint64_t elements, int64_t elem_size) {
+  const uint64_t size = static_cast<uint64_t>(std::max<int64_t>(elem_size, 1));
+  return elements > UINT64_MAX / size ? UINT64_MAX : elements * size;
+}
+
 }  // namespace
+
+bool QuantizeRunsShort(const QuantizeRequestSpec& request, const OpContext& ctx) {
+  const std::optional<uint64_t> elements = Elements(request.input.shape);
+  if (!elements.has_value()) return true;
+  WorkEstimate work(ctx);
+  work.Input(SaturatingBytes(*elements, tensor::ElementSize(request.input.dtype)),
+             RefMemory(request.input, ctx));
+  // FP8 data is one byte per element; scales are 1/128 of that or less.
+  const QuantizeOutputSpecs& o = request.outputs;
+  if (request.params.rowwise) {
+    work.Output(*elements, OutputMemory(o.rowwise_data, ctx));
+    work.Output(*elements / 32, OutputMemory(o.rowwise_scale_inv, ctx));
+  }
+  if (request.params.columnwise) {
+    work.Output(*elements, OutputMemory(o.columnwise_data, ctx));
+    work.Output(*elements / 32, OutputMemory(o.columnwise_scale_inv, ctx));
+  }
+  return work.Short(request.events);
+}
+
+bool DequantizeRunsShort(const DequantizeRequestSpec& request, const OpContext& ctx) {
+  const std::optional<uint64_t> elements = Elements(request.input.shape);
+  if (!elements.has_value()) return true;
+  const QuantizedTensorSpec& q = request.input;
+  WorkEstimate work(ctx);
+  const bool rowwise = q.rowwise_data.has_value();
+  const auto& data = rowwise ? q.rowwise_data : q.columnwise_data;
+  const auto& scale = rowwise ? q.rowwise_scale_inv : q.columnwise_scale_inv;
+  if (data.has_value()) work.Input(*elements, RefMemory(*data, ctx));
+  if (scale.has_value()) work.Input(*elements / 32, RefMemory(*scale, ctx));
+  const DType out_dtype =
+      request.output_dtype == DType::kUnspecified ? DType::kFloat32 : request.output_dtype;
+  work.Output(SaturatingBytes(*elements, tensor::ElementSize(out_dtype)),
+              OutputMemory(request.output, ctx));
+  if (ctx.device->memory_kind() == MemoryKind::kHost) {
+    // The kernel writes every output byte on the host.
+    work.Input(SaturatingBytes(*elements, tensor::ElementSize(out_dtype)), MemoryKind::kHost);
+  }
+  return work.Short(request.events);
+}
 
 std::string_view ScalingName(kernels::BlockScaling s) {
   return s == kernels::BlockScaling::kBlock2D ? "BLOCK_2D" : "BLOCK_1D";

@@ -28,6 +28,17 @@ namespace qtx::server::ops {
 // Length of a cudaIpcEventHandle_t.
 inline constexpr size_t kCudaIpcEventHandleBytes = 64;
 
+// When an op's work is short enough for server/api to run it on the gRPC
+// thread that received the call (no hand-off to a worker thread).
+struct InlineLimits {
+  // Bytes the host computes on or copies (the kernel's input on a host
+  // device; staged inputs and outputs on a CUDA device).
+  uint64_t max_host_bytes = uint64_t{64} << 10;
+  // Input bytes of a device kernel that the host waits for (on the order of
+  // 50 us of an H200's bandwidth at 64 MiB).
+  uint64_t max_device_bytes = uint64_t{64} << 20;
+};
+
 // What an op needs from the server. Not owned.
 struct OpContext {
   const tensor::RegionTable* regions = nullptr;
@@ -35,6 +46,7 @@ struct OpContext {
   tensor::ShapeLimits limits;
   // Total bytes an op may return inline (the gRPC send limit, less headroom).
   uint64_t max_inline_output_bytes = uint64_t{1} << 30;
+  InlineLimits inline_limits;
 };
 
 // Client-chosen destinations; an unset slice means "return inline".
@@ -132,6 +144,17 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
 // the layout of (scaling, M, N).
 absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
                                         const OpContext& ctx);
+
+// True when Quantize(request, ctx) / Dequantize(request, ctx) would do little
+// host work: at most ctx.inline_limits.max_host_bytes bytes computed on or
+// copied by the host, and, when the host waits for a device kernel, at most
+// max_device_bytes of kernel input. Never short when the host would wait on a
+// client's cuda_events.wait_event (its GPU work may take any time): that is,
+// a wait event without a signal event, or with outputs or inputs staged
+// through the host. A request that fails validation counts as short (it fails
+// before any work). Cheap (region lookups only); never fails.
+bool QuantizeRunsShort(const QuantizeRequestSpec& request, const OpContext& ctx);
+bool DequantizeRunsShort(const DequantizeRequestSpec& request, const OpContext& ctx);
 
 std::string_view ScalingName(kernels::BlockScaling s);
 std::string_view FormatName(kernels::Fp8Format f);

@@ -151,6 +151,9 @@ TEST(MetricsTest, ServerExportsRpcMetricsOverHttp) {
   const size_t out_at = r.find(out_key);
   ASSERT_NE(out_at, std::string::npos);
   EXPECT_GE(std::stoll(r.substr(out_at + out_key.size())), 2 * 256);
+  // The two small Quantize calls and the invalid one ran inline; RegisterRegion
+  // went to a worker.
+  EXPECT_THAT(r, HasSubstr("\nqtx_requests_inline_total 3\n"));
   EXPECT_THAT(r, HasSubstr("\nqtx_regions 1\n"));
   EXPECT_THAT(r, HasSubstr("\nqtx_region_bytes 65536\n"));
   EXPECT_THAT(r, HasSubstr("\nqtx_collective_groups 0\n"));
@@ -167,6 +170,53 @@ TEST(MetricsTest, ServerExportsRpcMetricsOverHttp) {
   server->Shutdown(absl::Seconds(2));
   server.reset();
   std::system(("rm -rf " + dir).c_str());
+}
+
+// Short calls run inline up to --inline_max_bytes; none with
+// --inline_max_concurrent=0. Both paths answer alike.
+TEST(MetricsTest, ShortCallsRunInlineWithinTheLimits) {
+  for (const int max_concurrent : {2, 0}) {
+    SCOPED_TRACE(max_concurrent);
+    char tmpl[] = "/tmp/qtxd-inline-XXXXXX";
+    const std::string dir = ::mkdtemp(tmpl);
+    config::ServerConfig config;
+    config.socket_path = dir + "/qtxd.sock";
+    config.threads = 1;
+    config.metrics_port = FreePort();
+    config.inline_max_bytes = 1024;
+    config.inline_max_concurrent = max_concurrent;
+    QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<QtxServer> server, QtxServer::Create(config));
+    auto channel =
+        grpc::CreateChannel("unix:" + config.socket_path, grpc::InsecureChannelCredentials());
+    auto quantizer = v1::Quantizer::NewStub(channel);
+    auto memory = v1::Memory::NewStub(channel);
+    for (const int rows : {2, 3, 2}) {  // 1024 bytes of FP32 (short), 1536 (long), 1024
+      grpc::ClientContext ctx;
+      v1::QuantizeRequest req;
+      req.mutable_input()->set_dtype(v1::FLOAT32);
+      req.mutable_input()->add_shape(rows);
+      req.mutable_input()->add_shape(128);
+      req.mutable_input()->set_inline_data(std::string(rows * 128 * 4, '\0'));
+      req.mutable_config()->set_rowwise(true);
+      v1::QuantizeResponse resp;
+      ASSERT_TRUE(quantizer->Quantize(&ctx, req, &resp).ok());
+      EXPECT_EQ(resp.result().rowwise_data().inline_data().size(), rows * 128);
+      EXPECT_FALSE(ctx.GetServerInitialMetadata().find("x-request-id") ==
+                   ctx.GetServerInitialMetadata().end());
+    }
+    {
+      grpc::ClientContext ctx;
+      v1::ListRegionsRequest req;
+      v1::ListRegionsResponse resp;
+      ASSERT_TRUE(memory->ListRegions(&ctx, req, &resp).ok());
+    }
+    const std::string r = HttpGet(server->metrics_port(), "/metrics");
+    EXPECT_THAT(r, HasSubstr(max_concurrent == 0 ? "\nqtx_requests_inline_total 0\n"
+                                                 : "\nqtx_requests_inline_total 3\n"));
+    server->Shutdown(absl::Seconds(2));
+    server.reset();
+    std::system(("rm -rf " + dir).c_str());
+  }
 }
 
 }  // namespace

@@ -43,6 +43,21 @@ TEST(ServerConfig, RangesAreChecked) {
   EXPECT_THAT(ValidateConfig(c),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--threads=0")));
   c = ServerConfig();
+  c.inline_max_concurrent = -1;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--inline_max_concurrent=-1: must be 0..1024")));
+  c = ServerConfig();
+  c.inline_max_bytes = -5;
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--inline_max_bytes=-5")));
+  c = ServerConfig();
+  c.inline_max_device_bytes = -5;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--inline_max_device_bytes=-5")));
+  c = ServerConfig();
+  c.inline_max_concurrent = 0;  // never inline: valid
+  QTX_EXPECT_OK(ValidateConfig(c));
+  c = ServerConfig();
   c.socket_path = std::string(108, 's');
   EXPECT_THAT(ValidateConfig(c),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at most 107")));

@@ -463,5 +463,163 @@ TEST_F(QuantizeOpTest, NonHostDeviceStagesThroughDeviceMemory) {
   EXPECT_EQ(res.columnwise_scale_inv->inline_data, ref.columnwise_scale);
 }
 
+// ---- QuantizeRunsShort / DequantizeRunsShort ----
+
+TEST_F(QuantizeOpTest, RunsShortOnTheCpuDeviceUpToTheHostByteLimit) {
+  ctx_.inline_limits.max_host_bytes = 4096;
+  const std::string small(1024 * 4, '\0');  // 4096 bytes of FP32: at the limit
+  const std::string large(1025 * 4, '\0');
+  QuantizeRequestSpec r = InlineRequest(DType::kFloat32, {8, 128}, small);
+  r.params.rowwise = true;
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+  r = InlineRequest(DType::kFloat32, {1, 1025}, large);
+  r.params.rowwise = true;
+  EXPECT_FALSE(QuantizeRunsShort(r, ctx_));
+  // The same bytes in a shm region count alike (the kernel reads them on the host).
+  r.input.data = RegionSliceSpec{"r", 0, 1025 * 4};
+  EXPECT_FALSE(QuantizeRunsShort(r, ctx_));
+  // A request that fails validation is short: it fails before any work.
+  r.input.shape = {-1, 128};
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+  r.input.shape = {int64_t{1} << 40, int64_t{1} << 40};
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+}
+
+TEST_F(QuantizeOpTest, DequantizeRunsShortCountsTheOutputItWrites) {
+  ctx_.inline_limits.max_host_bytes = 4096;
+  DequantizeRequestSpec r;
+  r.input.shape = {4, 128};  // 512 elements: 2 KiB of FP32 output, 512 B of FP8 input
+  r.input.rowwise_data = tensor::TensorRefSpec{DType::kFloat8E4M3, {4, 128}, RegionSliceSpec{"r", 0, 512}};
+  EXPECT_TRUE(DequantizeRunsShort(r, ctx_));
+  r.input.shape = {8, 128};  // 4 KiB of FP32 output + 1 KiB of input
+  EXPECT_FALSE(DequantizeRunsShort(r, ctx_));
+  r.output_dtype = DType::kBFloat16;  // 2 KiB of output + 1 KiB of input
+  EXPECT_TRUE(DequantizeRunsShort(r, ctx_));
+}
+
+// A device computing on device memory, for the CUDA rules of *RunsShort
+// (nothing runs on it).
+class FakeDeviceMemoryDevice final : public backend::Device {
+ public:
+  std::string name() const override { return "fake-gpu"; }
+  tensor::MemoryKind memory_kind() const override { return tensor::MemoryKind::kDevice; }
+  absl::StatusOr<backend::DeviceBuffer> Allocate(uint64_t) override { return Unused(); }
+  absl::Status CopyFromHost(void*, const void*, uint64_t) override { return Unused(); }
+  absl::Status CopyToHost(void*, const void*, uint64_t) override { return Unused(); }
+  absl::Status Quantize(const backend::QuantizeArgs&) override { return Unused(); }
+  absl::Status Dequantize(const backend::DequantizeArgs&) override { return Unused(); }
+  absl::Status ShardBoundaryAmax(const backend::ShardArgs&, float*, float*) override {
+    return Unused();
+  }
+  absl::Status QuantizeShard(const backend::ShardArgs&, const float*, const float*,
+                             const kernels::QuantizedBuffers&) override {
+    return Unused();
+  }
+  absl::Status AssembleShards(int, const kernels::ShardGeometry*,
+                              const kernels::QuantizedConstBuffers*,
+                              const kernels::QuantizeParams&,
+                              const kernels::QuantizedBuffers&) override {
+    return Unused();
+  }
+
+ private:
+  static absl::Status Unused() { return absl::UnimplementedError("fake device"); }
+};
+
+class RunsShortOnDeviceTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kRegionBytes = uint64_t{1} << 30;
+  RunsShortOnDeviceTest() : shm_(1 << 16), regions_(Options()) {}
+  static tensor::RegionTableOptions Options() {
+    tensor::RegionTableOptions o;
+    o.allow_client_shm = true;
+    // "Device memory" that is never touched: a fake address range.
+    o.cuda_ipc_opener = [](std::string_view, int32_t, uint64_t) {
+      tensor::MappedMemory m;
+      m.data = reinterpret_cast<std::byte*>(uintptr_t{1} << 40);
+      m.release = [] {};
+      return absl::StatusOr<tensor::MappedMemory>(std::move(m));
+    };
+    return o;
+  }
+  void SetUp() override {
+    ASSERT_TRUE(shm_.ok());
+    QTX_ASSERT_OK(regions_.RegisterShm("host", shm_.name(), 0, shm_.size()));
+    QTX_ASSERT_OK(regions_.RegisterCudaIpc("gpu", std::string(64, '\1'), 0, kRegionBytes));
+    ctx_.regions = &regions_;
+    ctx_.device = &device_;
+    ctx_.inline_limits.max_host_bytes = 4096;
+    ctx_.inline_limits.max_device_bytes = 1 << 20;
+  }
+  // BF16 [m, 1024] in the "gpu" region, both copies written to the "gpu" region.
+  QuantizeRequestSpec DeviceRequest(int64_t m) {
+    QuantizeRequestSpec r;
+    r.input.dtype = DType::kBFloat16;
+    r.input.shape = {m, 1024};
+    r.input.data = RegionSliceSpec{"gpu", 0, static_cast<uint64_t>(m * 1024 * 2)};
+    r.params.rowwise = true;
+    r.params.columnwise = true;
+    r.outputs.rowwise_data = RegionSliceSpec{"gpu", 0, 1};
+    r.outputs.rowwise_scale_inv = RegionSliceSpec{"gpu", 0, 1};
+    r.outputs.columnwise_data = RegionSliceSpec{"gpu", 0, 1};
+    r.outputs.columnwise_scale_inv = RegionSliceSpec{"gpu", 0, 1};
+    return r;
+  }
+
+  ShmObject shm_;
+  tensor::RegionTable regions_;
+  FakeDeviceMemoryDevice device_;
+  OpContext ctx_;
+};
+
+TEST_F(RunsShortOnDeviceTest, DeviceRegionsAreBoundedByTheDeviceByteLimit) {
+  EXPECT_TRUE(QuantizeRunsShort(DeviceRequest(512), ctx_));   // 1 MiB: at the limit
+  EXPECT_FALSE(QuantizeRunsShort(DeviceRequest(513), ctx_));  // the host would wait longer
+}
+
+TEST_F(RunsShortOnDeviceTest, StagingThroughTheHostIsBoundedByTheHostByteLimit) {
+  QuantizeRequestSpec r = DeviceRequest(1);  // 2 KiB input, 1 KiB per FP8 copy
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+  r.outputs.columnwise_data.reset();  // returned inline: staged to the host
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));  // 1 KiB staged
+  r.input.data = RegionSliceSpec{"host", 0, 2048};  // + 2 KiB staged in
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+  r.outputs.rowwise_data.reset();  // + 1 KiB: 4 KiB, at the limit
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+  r.outputs.rowwise_scale_inv.reset();  // + the scales: over it
+  EXPECT_FALSE(QuantizeRunsShort(r, ctx_));
+  // An unknown region counts as host memory (the call fails with NOT_FOUND).
+  r = DeviceRequest(2);
+  r.input.data = RegionSliceSpec{"nope", 0, 4096};
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+  r.input.shape = {3, 1024};  // 6 KiB "staged"
+  EXPECT_FALSE(QuantizeRunsShort(r, ctx_));
+}
+
+TEST_F(RunsShortOnDeviceTest, AHostWaitOnAClientEventIsNeverShort) {
+  QuantizeRequestSpec r = DeviceRequest(1);
+  r.events.wait_event = std::string(64, 'w');
+  EXPECT_FALSE(QuantizeRunsShort(r, ctx_));  // synchronizes: waits for the client's work
+  r.events.signal_event = std::string(64, 's');
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));  // enqueue only
+  r.outputs.rowwise_scale_inv.reset();  // a staged output synchronizes again
+  EXPECT_FALSE(QuantizeRunsShort(r, ctx_));
+}
+
+TEST_F(RunsShortOnDeviceTest, EnqueueOnlyCallsAreShortAtAnySize) {
+  QuantizeRequestSpec r = DeviceRequest(1 << 16);  // 128 MiB
+  EXPECT_FALSE(QuantizeRunsShort(r, ctx_));
+  r.events.signal_event = std::string(64, 's');
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
+  DequantizeRequestSpec d;
+  d.input.shape = {1 << 16, 1024};
+  d.input.rowwise_data = tensor::TensorRefSpec{DType::kFloat8E4M3, {1 << 16, 1024}, RegionSliceSpec{"gpu", 0, 1}};
+  d.input.rowwise_scale_inv = tensor::TensorRefSpec{DType::kFloat32, {1}, RegionSliceSpec{"gpu", 0, 1}};
+  d.output = RegionSliceSpec{"gpu", 0, 1};
+  EXPECT_FALSE(DequantizeRunsShort(d, ctx_));
+  d.events.signal_event = std::string(64, 's');
+  EXPECT_TRUE(DequantizeRunsShort(d, ctx_));
+}
+
 }  // namespace
 }  // namespace qtx::server::ops
