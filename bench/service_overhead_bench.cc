@@ -5,7 +5,9 @@
 // table on stderr. See bench/README.md.
 //
 //   service_overhead_bench --qtxd=build/server/qtxd [--sizes_mib=1,4,16,64,256]
-//                          [--iters=300] [--mps=0|1] [--threads=4]
+//                          [--iters=300] [--mps=0|1] [--threads=4] [--label=TEXT]
+//                          [--qtxd_arg=--flag=value ...]   (extra qtxd flags, e.g. for A/B:
+//                                                           --qtxd_arg=--inline_max_concurrent=0)
 //   service_overhead_bench --target=unix:///tmp/qtxd.sock   (an already running qtxd)
 #include <signal.h>
 #include <spawn.h>
@@ -64,6 +66,8 @@ struct Flags {
   int mps = 0;
   int threads = 4;
   int64_t n = 4096;
+  std::vector<std::string> qtxd_args;
+  std::string label;
 };
 
 Flags ParseFlags(int argc, char** argv) {
@@ -84,6 +88,10 @@ Flags ParseFlags(int argc, char** argv) {
       f.mps = std::atoi(v);
     } else if (const char* v = val("--threads=")) {
       f.threads = std::atoi(v);
+    } else if (const char* v = val("--qtxd_arg=")) {
+      f.qtxd_args.emplace_back(v);
+    } else if (const char* v = val("--label=")) {
+      f.label = v;
     } else if (const char* v = val("--n=")) {
       f.n = std::atoll(v);
     } else if (const char* v = val("--sizes_mib=")) {
@@ -136,6 +144,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args = {flags.qtxd, "--device=cuda:0", "--socket=" + socket,
                                      "--log_level=warn",
                                      "--threads=" + std::to_string(flags.threads)};
+    args.insert(args.end(), flags.qtxd_args.begin(), flags.qtxd_args.end());
     std::vector<char*> argv_c;
     for (auto& a : args) argv_c.push_back(a.data());
     argv_c.push_back(nullptr);
@@ -160,8 +169,8 @@ int main(int argc, char** argv) {
   const Stats hs = Summarize(health);
   std::printf(
       "{\"bench\":\"service_overhead\",\"case\":\"health_rpc\",\"mps\":%d,\"iters\":%d,"
-      "\"rpc_p50_us\":%.2f,\"rpc_p99_us\":%.2f}\n",
-      flags.mps, flags.iters, hs.p50, hs.p99);
+      "\"rpc_p50_us\":%.2f,\"rpc_p99_us\":%.2f,\"label\":\"%s\"}\n",
+      flags.mps, flags.iters, hs.p50, hs.p99, flags.label.c_str());
   std::fflush(stdout);
 
   cudaStream_t stream = nullptr;
@@ -279,10 +288,10 @@ int main(int argc, char** argv) {
           "\"events\":%s,\"bytes\":%lld,\"m\":%lld,\"n\":%lld,\"iters\":%d,"
           "\"rpc_p50_us\":%.2f,\"rpc_p99_us\":%.2f,\"kernel_p50_us\":%.2f,"
           "\"kernel_p99_us\":%.2f,\"kernel_gpu_p50_us\":%.2f,\"overhead_p50_us\":%.2f,"
-          "\"overhead_p99_us\":%.2f,\"target_overhead_p50_us\":40}\n",
+          "\"overhead_p99_us\":%.2f,\"target_overhead_p50_us\":40,\"label\":\"%s\"}\n",
           flags.mps, with_events ? "true" : "false", static_cast<long long>(bytes),
           static_cast<long long>(m), static_cast<long long>(n), iters, rs.p50, rs.p99, ks.p50,
-          ks.p99, kg.p50, rs.p50 - ks.p50, rs.p99 - ks.p99);
+          ks.p99, kg.p50, rs.p50 - ks.p50, rs.p99 - ks.p99, flags.label.c_str());
       std::fflush(stdout);
       std::fprintf(stderr, "%-6d %-7s %10.1f %10.1f %10.1f %10.1f %12.1f %12.1f %12.1f\n", mib,
                    with_events ? "yes" : "no", rs.p50, rs.p99, ks.p50, ks.p99, kg.p50,
