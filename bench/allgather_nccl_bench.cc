@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <span>
 #include <cstdio>
@@ -220,6 +221,7 @@ int main(int argc, char** argv) {
     const kernels::QuantizedLayout lay = kernels::ComputeLayout(p.scaling, m_total, cfg.n);
     // Method -> per-rank median time (us); errors counted.
     std::map<std::string, double> times[2];
+    std::array<double, 5> phases[2] = {};  // exact_fp8 steps, per rank (median us)
     std::atomic<int> errors{0};
     std::vector<std::thread> th;
     for (int r = 0; r < 2; ++r) {
@@ -267,7 +269,9 @@ int main(int argc, char** argv) {
         const uint64_t b_sizes[2] = {static_cast<uint64_t>(cfg.m0 * cfg.n * 2),
                                      static_cast<uint64_t>(cfg.m1 * cfg.n * 2)};
 
-        auto op = [&](server::ops::AllGatherMode mode, uint64_t seq) {
+        std::vector<server::ops::AllGatherTiming> exact_timing;
+        auto op = [&](server::ops::AllGatherMode mode, uint64_t seq,
+                      std::vector<server::ops::AllGatherTiming>* timing = nullptr) {
           server::ops::AllGatherRequestSpec req;
           req.group = "bench";
           req.sequence = seq;
@@ -290,6 +294,7 @@ int main(int argc, char** argv) {
           auto res = server::ops::AllGather(req, k.ctx, *k.comm,
                                             CommCall{absl::Now() + absl::Seconds(60)}, &broken);
           CHECK_OK(res.status());
+          if (timing != nullptr) timing->push_back(res->timing);
         };
         auto raw_gather = [&] {
           CHECK_OK(k.comm->AllGatherV(qgather + (r == 0 ? 0 : q_sizes[0]), q_sizes, qgather,
@@ -330,7 +335,20 @@ int main(int argc, char** argv) {
           }
           times[r][name] = Median(t);
         };
-        time_it("exact_fp8", [&] { op(server::ops::AllGatherMode::kExactFp8, seq_base[r]++); });
+        time_it("exact_fp8", [&] {
+          op(server::ops::AllGatherMode::kExactFp8, seq_base[r]++, &exact_timing);
+        });
+        {
+          // Median of each step of the op on this rank (server/ops AllGatherTiming).
+          auto med = [&](absl::Duration server::ops::AllGatherTiming::*f) {
+            std::vector<double> v;
+            for (const auto& t : exact_timing) v.push_back(absl::ToDoubleMicroseconds(t.*f));
+            return Median(v);
+          };
+          using T = server::ops::AllGatherTiming;
+          phases[r] = {med(&T::local), med(&T::header), med(&T::prepare), med(&T::gather),
+                       med(&T::assemble)};
+        }
         time_it("gather_high_precision",
                 [&] { op(server::ops::AllGatherMode::kGatherHighPrecision, seq_base[r]++); });
         time_it("raw_fp8_gather_plus_quantize", [&] {
@@ -371,6 +389,20 @@ int main(int argc, char** argv) {
           method, static_cast<long long>(m_total), static_cast<long long>(cfg.m0),
           static_cast<long long>(cfg.m1), static_cast<long long>(cfg.n), usage, us,
           out_bytes / us / 1e3, us / raw, us / bf, errors.load());
+      if (std::string(method) == "exact_fp8") {
+        for (int r = 0; r < 2; ++r) {
+          std::printf(
+              "{\"bench\":\"allgather_nccl_steps\",\"rank\":%d,\"m0\":%lld,\"m1\":%lld,"
+              "\"n\":%lld,\"usage\":\"%s\",\"local_us\":%.1f,\"header_us\":%.1f,"
+              "\"prepare_us\":%.1f,\"gather_us\":%.1f,\"assemble_us\":%.1f}\n",
+              r, static_cast<long long>(cfg.m0), static_cast<long long>(cfg.m1),
+              static_cast<long long>(cfg.n), usage, phases[r][0], phases[r][1], phases[r][2],
+              phases[r][3], phases[r][4]);
+          std::fprintf(stderr, "  steps rank %d: local %.1f header %.1f prepare %.1f gather %.1f "
+                       "assemble %.1f us\n", r, phases[r][0], phases[r][1], phases[r][2],
+                       phases[r][3], phases[r][4]);
+        }
+      }
       std::fprintf(stderr, "%-28s %6lld %6lld %4s %9.1f %12.3f\n", method,
                    static_cast<long long>(cfg.m0), static_cast<long long>(cfg.m1),
                    cfg.columnwise ? "y" : "n", us, us / raw);

@@ -100,7 +100,13 @@ struct QuantizeArgs {
   // neighbouring tiles then land next to each other).
   uint32_t group;
   bool stream_stores;  // st.global.cs (evict-first) for the FP8 outputs
+  int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
 };
+
+// How a launch loads and stores its tiles.
+constexpr int kPathTail = 0;     // every tile bounds-checked, synchronous loads
+constexpr int kPathAligned = 1;  // M, N multiples of 128: every tile pipelined
+constexpr int kPathMixed = 2;    // whole tiles pipelined, the edge tiles checked
 
 template <InputDType D, BlockScaling S, bool kRow, bool kCol, int kStages>
 struct SmemPlan {
@@ -201,6 +207,10 @@ __device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeAr
 // 16-byte aligned buffers): tiles stream into a kStages-deep ring of shared
 // memory with cp.async, so the next tile's loads are in flight while this one
 // is processed. Tail path: one synchronous, bounds-checked load per tile.
+// Mixed path (any M, N with 16-byte aligned rows): the tiles wholly inside the
+// tensor take the aligned path's loads and vector stores, the edge tiles the
+// tail path's (a uniform branch per tile), so a tensor of 8191 rows runs at
+// nearly the aligned speed.
 //
 // Thread t owns rows 8q..8q+7 and columns 8v..8v+7 of the tile (q = t / 16,
 // v = t % 16), read from shared memory as 16-byte vectors (conflict-free: a
@@ -221,12 +231,13 @@ __device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeAr
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, bool kAligned,
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath,
           int kStages>
 __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
-  static_assert(kAligned ? (kStages >= 2 && kStages <= 4) : kStages == 1,
+  constexpr bool kPipelined = kPath != kPathTail;
+  static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
@@ -242,10 +253,23 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   const uint32_t num_tiles = static_cast<uint32_t>(a.num_tiles);
   const uint32_t count = (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
 
-  if constexpr (kAligned) {
+  // Whether a tile lies wholly inside the tensor (constant but for kPathMixed).
+  auto whole = [&a](uint32_t t) -> bool {
+    if constexpr (kPath == kPathAligned) {
+      return true;
+    } else if constexpr (kPath == kPathTail) {
+      return false;
+    } else {
+      int64_t tm, tn;
+      TileCoords(a, t, &tm, &tn);
+      return tm < a.full_mb && tn < a.full_nb;
+    }
+  };
+  if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
-      if (s < count) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, blockIdx.x + s * gridDim.x);
+      const uint32_t t = blockIdx.x + s * gridDim.x;
+      if (s < count && whole(t)) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, t);
       CpAsyncCommit();
     }
   }
@@ -256,15 +280,25 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     TileCoords(a, tile, &tm, &tn);
     const int64_t m0 = tm * kTile, n0 = tn * kTile;
     uint8_t* stage;
-    if constexpr (kAligned) {
+    // Uniform across the CTA: vector loads/stores, no bounds checks.
+    const bool full = whole(tile);
+    if constexpr (kPipelined) {
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
       if (k + kStages - 1 < count) {
-        IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a,
-                         tile + (kStages - 1) * gridDim.x);
+        const uint32_t next = tile + (kStages - 1) * gridDim.x;
+        if (whole(next)) {
+          IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a, next);
+        }
       }
       CpAsyncCommit();
       stage = smem + (k % kStages) * Plan::kStageBytes;
+      if constexpr (kPath == kPathMixed) {
+        if (!full) {  // an edge tile: no copy was issued into its stage
+          LoadTileChecked<D>(stage, a, m0, n0);
+          __syncthreads();
+        }
+      }
     } else {
       __syncthreads();  // every thread is done with the previous tile
       LoadTileChecked<D>(smem, a, m0, n0);
@@ -377,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         const float s = ComputeScale(r[0], a.fp8_max, a.pow2, a.eps, a.value_for_inf);
         if ((v & 1) == 0) {
           const int64_t gm = m0 + 8 * q + (v >> 1);
-          if (kAligned || gm < a.m) a.sr[tn * a.sr_pitch + gm] = ScaleInv(s);
+          if (full || gm < a.m) a.sr[tn * a.sr_pitch + gm] = ScaleInv(s);
         }
         if (tm == a.mb - 1 && tid < a.sr_pitch - a.m) a.sr[tn * a.sr_pitch + a.m + tid] = 0.0f;
 #pragma unroll
@@ -412,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
           const float s = ComputeScale(am, a.fp8_max, a.pow2, a.eps, a.value_for_inf);
           col_scale_sm[tid] = s;
           const int64_t gn = n0 + tid;
-          if (kAligned || gn < a.n) a.sc[tm * a.sc_pitch + gn] = ScaleInv(s);
+          if (full || gn < a.n) a.sc[tm * a.sc_pitch + gn] = ScaleInv(s);
         } else if (tn == a.nb - 1 && tid - kTile < a.sc_pitch - a.n) {
           a.sc[tm * a.sc_pitch + a.n + (tid - kTile)] = 0.0f;
         }
@@ -432,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
 #pragma unroll
       for (int i = 0; i < 8; ++i, row_ptr += a.n) {
         const uint2 b = Quantize8<F>(x[i], row_scale[i]);
-        if constexpr (kAligned) {
+        if (full) {
           StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
         } else if (gm0 + i < a.m) {
           const uint32_t words[2] = {b.x, b.y};
@@ -469,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         const int nl = p * 32 + (tid >> 3);
         const uint4 val =
             *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
-        if constexpr (kAligned) {
+        if (full) {
           StoreFp8(reinterpret_cast<uint4*>(col_ptr), val, a.stream_stores);
         } else if (n0 + nl < a.n) {
           const uint32_t words[4] = {val.x, val.y, val.z, val.w};
@@ -481,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       }
     }
   }
-  if constexpr (kAligned) CpAsyncWait<0>();  // nothing may stay in flight at exit
+  if constexpr (kPipelined) CpAsyncWait<0>();  // nothing may stay in flight at exit
 }
 
 // ---- launch helpers -------------------------------------------------------------
@@ -517,10 +551,10 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   return cudaSuccess;
 }
 
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, bool kAligned,
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath,
           int kStages>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kAligned, kStages>;
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
@@ -623,6 +657,15 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&
                        (!params.rowwise || Aligned16(out.rowwise_data)) &&
                        (!params.columnwise || Aligned16(out.columnwise_data));
+  // Whole tiles can use the aligned path's 16-byte loads and stores when every
+  // row of the input and of each requested copy starts 16-byte aligned.
+  const int64_t elem = dtype == InputDType::kFloat32 ? 4 : 2;
+  args.full_mb = m / kTile;
+  args.full_nb = n / kTile;
+  const bool mixed = !aligned && args.full_mb > 0 && args.full_nb > 0 && Aligned16(input) &&
+                     (n * elem) % 16 == 0 &&
+                     (!params.rowwise || (Aligned16(out.rowwise_data) && n % 16 == 0)) &&
+                     (!params.columnwise || (Aligned16(out.columnwise_data) && m % 16 == 0));
   const int usage = (params.rowwise ? 1 : 0) | (params.columnwise ? 2 : 0);
 
   return WithDType(dtype, [&](auto dt) {
@@ -634,13 +677,21 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
         auto by_path = [&](auto row, auto col) -> cudaError_t {
           constexpr bool kRow = decltype(row)::value;
           constexpr bool kCol = decltype(col)::value;
-          if (!aligned) return LaunchQuantize<D, F, S, kRow, kCol, false, 1>(args, 0, stream);
+          if (mixed) {
+            return LaunchQuantize<D, F, S, kRow, kCol, kPathMixed, 2>(args, tuning.ctas_per_sm,
+                                                                      stream);
+          }
+          if (!aligned) {
+            return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
+          }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {
-              return LaunchQuantize<D, F, S, kRow, kCol, true, 3>(args, tuning.ctas_per_sm, stream);
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(
+                  args, tuning.ctas_per_sm, stream);
             }
           }
-          return LaunchQuantize<D, F, S, kRow, kCol, true, 2>(args, tuning.ctas_per_sm, stream);
+          return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2>(args, tuning.ctas_per_sm,
+                                                                      stream);
         };
         switch (usage) {
           case 1:

@@ -206,6 +206,33 @@ __global__ void TransposeTileScalesKernel(const float* s, int64_t nk, int64_t nb
   out[tj * ld + k0 + kk] = s[t];
 }
 
+// 1-D rowwise scales of the gathered tensor in one pass: out is [nb, pitch]
+// (pitch = pad4(M)); rank r's shard scales are [nb, m_r], dense, and land in
+// columns [begin[r], begin[r + 1]); the padding columns get 0. Replaces a
+// memset plus one 2-D copy per rank (launch latency on the all-gather's
+// critical path).
+constexpr int kMaxAssembleRanks = 64;
+struct RowScaleSources {
+  const float* src[kMaxAssembleRanks];
+  int64_t begin[kMaxAssembleRanks + 1];
+};
+__global__ void AssembleRowScales1DKernel(const RowScaleSources s, float* out, int64_t nb,
+                                          int64_t pitch, int64_t m) {
+  const int64_t total = nb * pitch;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t tn = i / pitch, col = i - tn * pitch;
+    float v = 0.0f;
+    if (col < m) {
+      int r = 0;
+      while (col >= s.begin[r + 1]) ++r;  // empty shards are skipped: begin[r] == begin[r + 1]
+      const int64_t rows = s.begin[r + 1] - s.begin[r];
+      v = s.src[r][tn * rows + (col - s.begin[r])];
+    }
+    out[i] = v;
+  }
+}
+
 template <InputDType D, Fp8Format F, BlockScaling S>
 cudaError_t LaunchShard(const ShardKernelArgs& a, dim3 grid, cudaStream_t stream) {
   auto kernel = QuantizeShardKernel<D, F, S>;
@@ -381,7 +408,11 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
     if (e == cudaSuccess) e = x;
     return e == cudaSuccess;
   };
-  if (p.rowwise && l.RowwiseScaleCount() > 0 &&
+  // 1-D rowwise scales in one kernel (padding included) when the ranks fit in
+  // its argument block; otherwise a memset and a 2-D copy per rank.
+  const bool row_scales_in_one_pass =
+      p.rowwise && one_d && world_size <= kMaxAssembleRanks && l.RowwiseScaleCount() > 0;
+  if (p.rowwise && !row_scales_in_one_pass && l.RowwiseScaleCount() > 0 &&
       !ok(cudaMemsetAsync(out.rowwise_scale_inv, 0, 4 * l.RowwiseScaleCount(), stream))) {
     return e;
   }
@@ -401,9 +432,11 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
         return e;
       }
       if (one_d) {
-        ok(cudaMemcpy2DAsync(out.rowwise_scale_inv + o, 4 * l.rowwise_scale_cols,
-                             s.rowwise_scale_inv, 4 * g.m, 4 * g.m, nb,
-                             cudaMemcpyDeviceToDevice, stream));
+        if (!row_scales_in_one_pass) {
+          ok(cudaMemcpy2DAsync(out.rowwise_scale_inv + o, 4 * l.rowwise_scale_cols,
+                               s.rowwise_scale_inv, 4 * g.m, 4 * g.m, nb,
+                               cudaMemcpyDeviceToDevice, stream));
+        }
       } else {
         ok(cudaMemcpy2DAsync(out.rowwise_scale_inv + k0 * l.rowwise_scale_cols,
                              4 * l.rowwise_scale_cols, s.rowwise_scale_inv, 4 * nb, 4 * nb, nk,
@@ -430,6 +463,20 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
       }
       if (e != cudaSuccess) return e;
     }
+  }
+  if (row_scales_in_one_pass) {
+    RowScaleSources src = {};
+    src.begin[0] = 0;
+    for (int r = 0; r < world_size; ++r) {
+      src.src[r] = shards[r].rowwise_scale_inv;
+      src.begin[r + 1] = src.begin[r] + geoms[r].m;
+    }
+    const int64_t total = nb * l.rowwise_scale_cols;
+    const int threads = 256;
+    const int64_t blocks = std::min<int64_t>(CeilDiv(total, threads), 4096);
+    AssembleRowScales1DKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        src, out.rowwise_scale_inv, nb, l.rowwise_scale_cols, m);
+    ok(cudaGetLastError());
   }
   return e;
 }

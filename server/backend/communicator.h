@@ -34,6 +34,7 @@
 #define QTX_SERVER_BACKEND_COMMUNICATOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -98,9 +99,16 @@ class Communicator {
   // on return host `recv` holds every rank's `send`, in rank order. A device
   // communicator moves them through its own reusable pinned and device
   // buffers with a single wait; the default (host communicators) is
-  // AllGatherV. Errors as AllGatherV.
+  // AllGatherV. `in_flight`, if set, is called at most once, and always when
+  // the call returns OK, while the exchange is under way: a device
+  // communicator calls it after its collective is enqueued and before waiting
+  // for it (device work the caller enqueues there then cannot hold the
+  // collective's kernel back); the default calls it first. Errors as
+  // AllGatherV.
   virtual absl::Status AllGatherHost(const void* send, uint64_t bytes, void* recv,
-                                     const CommCall& call) {
+                                     const CommCall& call,
+                                     const std::function<void()>& in_flight = nullptr) {
+    if (in_flight) in_flight();
     std::vector<uint64_t> sizes(static_cast<size_t>(world_size()), bytes);
     return AllGatherV(send, sizes, recv, call);
   }

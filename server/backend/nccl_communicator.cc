@@ -520,10 +520,14 @@ absl::Status NcclCommunicator::AllGatherVParts(std::span<const GatherPart> parts
 }
 
 absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, void* recv,
-                                             const CommCall& call) {
+                                             const CommCall& call,
+                                             const std::function<void()>& in_flight) {
   absl::StatusOr<void*> stream = Begin(call, "AllGatherHost");
   if (!stream.ok()) return stream.status();
-  if (bytes == 0) return absl::OkStatus();
+  if (bytes == 0) {
+    if (in_flight) in_flight();
+    return absl::OkStatus();
+  }
   const uint64_t need = bytes * static_cast<uint64_t>(world_size_);
   if (need > host_bytes_) {
     // Grown rarely (the messages are small and of few sizes), kept for reuse.
@@ -556,6 +560,9 @@ absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, v
   const ncclResult_t res = ncclAllGather(dev + mine, dev, bytes, ncclUint8, comm, s);
   if (res == ncclSuccess) {
     QTX_NCCL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, dev, need, cudaMemcpyDeviceToHost, s));
+    // The gather's kernel is queued ahead of whatever the caller launches now
+    // (a persistent quantize grid would otherwise hold every SM until done).
+    if (in_flight) in_flight();
   }
   absl::Status st = Finish(res, s, call.deadline, "ncclAllGather(agreement)");
   if (!st.ok()) return st;

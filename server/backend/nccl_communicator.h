@@ -119,7 +119,8 @@ class NcclCommunicator final : public Communicator {
                           const CommCall& call) override;
   absl::Status AllGatherVParts(std::span<const GatherPart> parts, const CommCall& call) override;
   absl::Status AllGatherHost(const void* send, uint64_t bytes, void* recv,
-                             const CommCall& call) override;
+                             const CommCall& call,
+                             const std::function<void()>& in_flight = nullptr) override;
   absl::Status AllReduceMax(float* data, uint64_t count, const CommCall& call) override;
   absl::Status Barrier(const CommCall& call) override;
   // Sets a flag that the waiting call (or the next one) turns into

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/shard_geometry.h"
@@ -70,8 +72,9 @@ absl::Status FromWire(const WireStatus& w, const std::string& prefix) {
 // All-gathers `bytes` host bytes per rank (a device communicator moves them
 // through its own reusable buffers: one launch, one wait).
 absl::Status ExchangeFixed(const void* send, uint64_t bytes, void* recv,
-                           backend::Communicator& comm, const backend::CommCall& call) {
-  return comm.AllGatherHost(send, bytes, recv, call);
+                           backend::Communicator& comm, const backend::CommCall& call,
+                           const std::function<void()>& in_flight = nullptr) {
+  return comm.AllGatherHost(send, bytes, recv, call, in_flight);
 }
 
 // The first field in which rank r's header differs from rank 0's.
@@ -317,6 +320,13 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     *group_broken = true;
     return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
   };
+  AllGatherTiming timing;
+  absl::Time mark = absl::Now();
+  auto lap = [&mark](absl::Duration* d) {
+    const absl::Time now = absl::Now();
+    *d = now - mark;
+    mark = now;
+  };
 
   // Step 1: local validation. A failure is still announced to the peers.
   absl::StatusOr<LocalRequest> local = ValidateLocal(request, ctx, comm);
@@ -331,14 +341,17 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   // Step 1b: the early path (PrepareEarly). For EXACT_FP8 rowwise-only 1-D
   // the shard's quantization needs nothing from the peers (1x128 blocks never
   // straddle ranks, and its shard layout does not depend on the row offset),
-  // so it is enqueued now, into a scratch shard, and runs on the device while
+  // so its scratch shard is allocated now and the quantize is enqueued while
   // the headers are exchanged (a device communicator moves them on its own
-  // stream); the gather then sends from the scratch into the output.
+  // stream and launches the quantize once the exchange's kernel is queued);
+  // the gather then sends from the scratch into the output.
   const bool exact = request.mode == AllGatherMode::kExactFp8;
   std::array<std::optional<Output>, 4> outs;
   bool early = false;
   absl::Status early_status;
   backend::DeviceBuffer early_shard;  // [m * n data | rowwise scales], EXACT_FP8
+  std::function<void()> enqueue_early;  // the early quantize, run by the header exchange
+  absl::Status early_launch;            // its outcome
   const bool early_quantize =
       exact && p.rowwise && !p.columnwise && p.scaling == kernels::BlockScaling::kBlock1D;
   if (local.ok() && (!exact || early_quantize)) {
@@ -350,24 +363,30 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     }
     const kernels::ShardGeometry g0{0, local->mn.m, local->mn.n};
     if (early && early_status.ok() && early_quantize && g0.m > 0) {
-      early_status = [&]() -> absl::Status {
-        const uint64_t data = static_cast<uint64_t>(g0.m * g0.n);
-        const uint64_t scales = 4 * static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(
-                                        kernels::BlockScaling::kBlock1D, g0));
-        // Round16(scales): the gather sends the packed shard's rounded size.
-        QTX_ASSIGN_OR_RETURN(early_shard,
-                             ctx.device->Allocate(Round16(data) + Round16(scales)));
+      const uint64_t data = static_cast<uint64_t>(g0.m * g0.n);
+      const uint64_t scales = 4 * static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(
+                                      kernels::BlockScaling::kBlock1D, g0));
+      // Round16(scales): the gather sends the packed shard's rounded size.
+      absl::StatusOr<backend::DeviceBuffer> buf =
+          ctx.device->Allocate(Round16(data) + Round16(scales));
+      if (buf.ok()) {
+        early_shard = std::move(*buf);
         auto* base = static_cast<uint8_t*>(early_shard.data());
         kernels::QuantizedBuffers b;
         b.rowwise_data = base;
         b.rowwise_scale_inv = reinterpret_cast<float*>(base + Round16(data));
-        return ctx.device->QuantizeShard(backend::ShardArgs{local->input.data, local->dtype, g0, p},
-                                         nullptr, nullptr, b);
-      }();
+        enqueue_early = [&, b, g0] {
+          early_launch = ctx.device->QuantizeShard(
+              backend::ShardArgs{local->input.data, local->dtype, g0, p}, nullptr, nullptr, b);
+        };
+      } else {
+        early_status = buf.status();
+      }
     }
   }
 
   // Step 2: headers.
+  lap(&timing.local);
   WireHeader mine;
   mine.sequence = request.sequence;
   mine.dtype = static_cast<int32_t>(request.input.dtype);
@@ -388,9 +407,17 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     mine.status = ToWire(local.status());
   }
   std::vector<WireHeader> headers(world);
-  if (absl::Status s = ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), comm, call);
+  if (absl::Status s = ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), comm, call,
+                                     enqueue_early);
       !s.ok()) {
     return comm_failed(s);
+  }
+  if (!early_launch.ok()) {
+    // The peers have gone on towards the gather: this rank cannot follow.
+    return comm_failed(absl::Status(
+        early_launch.code(),
+        absl::StrCat("the shard's quantize failed after the header exchange: ",
+                     early_launch.message())));
   }
   if (!local.ok()) return local.status();
   for (int r = 0; r < world; ++r) {
@@ -404,6 +431,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     }
   }
   QTX_RETURN_IF_ERROR(CheckAgreement(headers, prefix));
+  lap(&timing.header);
 
   // Step 3: geometry, outputs, boundary amaxes; then a status exchange.
   const int64_t n = local->mn.n;
@@ -651,6 +679,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
                                                     amax_len ? amax_ptr + amax_len : nullptr,
                                                     shard_bufs));
     }
+    lap(&timing.prepare);
     // The rowwise data (in place in the output) and the packed rest in one
     // communicator step (one NCCL launch).
     std::vector<uint64_t> data_sizes(world);
@@ -663,6 +692,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     if (absl::Status s = comm.AllGatherVParts(parts, call); !s.ok()) {
       return comm_failed(s);
     }
+    lap(&timing.gather);
     std::vector<kernels::QuantizedConstBuffers> views(world);
     uint64_t off = 0;
     auto* gbase = static_cast<const uint8_t*>(gathered.data());
@@ -688,9 +718,11 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       total += sizes[r];
     }
     QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
+    lap(&timing.prepare);
     if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), call); !s.ok()) {
       return comm_failed(s);
     }
+    lap(&timing.gather);
     backend::QuantizeArgs args;
     args.input = total > 0 ? gathered.data() : nullptr;
     args.dtype = local->dtype;
@@ -706,8 +738,10 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     }
   }
   QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
+  lap(&timing.assemble);
 
   AllGatherResult result;
+  result.timing = timing;
   result.shard_rows = std::move(shard_rows);
   result.result.shape = {m_total, n};
   result.result.source_dtype = request.input.dtype;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/backend/communicator.h"
 #include "server/ops/quantize.h"
 
@@ -58,9 +59,20 @@ struct AllGatherRequestSpec {
   absl::Status request_error;
 };
 
+// Wall time of the steps of one AllGather on this rank (for benchmarks and
+// metrics): local validation and the early enqueue; the header exchange
+// (waits for the slowest rank); geometry, outputs, allocations, boundary
+// amaxes and the status exchange; the data gather (including the shard
+// quantize enqueued before it); assembly into the GEMM-ready layout and the
+// copies back to host outputs.
+struct AllGatherTiming {
+  absl::Duration local, header, prepare, gather, assemble;
+};
+
 struct AllGatherResult {
   QuantizeResult result;            // shape [M, N]
   std::vector<int64_t> shard_rows;  // M_r of every rank, in rank order
+  AllGatherTiming timing;
 };
 
 // Runs one all-gather. Errors: as Quantize for this rank's own request; the

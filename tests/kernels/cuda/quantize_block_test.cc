@@ -357,7 +357,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaSmall,
                          ::testing::Values(Shape{1, 1}, Shape{1, 129}, Shape{127, 129},
                                            Shape{128, 128}, Shape{130, 130}, Shape{200, 300},
                                            Shape{256, 1024}, Shape{3, 100000}, Shape{129, 1},
-                                           Shape{384, 256}),
+                                           Shape{384, 256},
+                                           // The mixed path: whole tiles vectorized, edge
+                                           // tiles checked (M % 16 == 0: columnwise too;
+                                           // M % 16 != 0: rowwise-only).
+                                           Shape{272, 400}, Shape{300, 256}, Shape{129, 384}),
                          [](const auto& info) {
                            return std::to_string(info.param.m) + "x" + std::to_string(info.param.n);
                          });
@@ -396,7 +400,9 @@ TEST_P(QuantizeBlockCudaLarge, MatchesCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
                          ::testing::Values(Shape{4096, 4096}, Shape{8192, 8192},
-                                           Shape{16384, 7168}, Shape{1000, 4000}),
+                                           Shape{16384, 7168}, Shape{1000, 4000},
+                                           Shape{8191, 8192}, Shape{8208, 4096},
+                                           Shape{4100, 1040}),
                          [](const auto& info) {
                            return std::to_string(info.param.m) + "x" + std::to_string(info.param.n);
                          });
