@@ -89,16 +89,18 @@ bool SetBandIsa(BandIsa isa);
 
 // Geometry and schedule of the band kernel: tuning knobs only, every setting
 // gives the same bytes (tests check each one against AdamWReference). The
-// defaults (full-width units, tile-segment update, 2 rows prefetched,
-// immediate encode) were the fastest on the dev host (bench/README.md, AdamW);
-// bench/optimizer_cpu_bench --sweep compares all of them on another.
+// defaults (512-column units, tile-segment update, 2 rows prefetched,
+// deferred encode) were the best on the GPU host's 32-core Xeon in the 64-way
+// sweep (bench/results/optimizer_sweep_h200x2_host.jsonl): full-width units
+// with immediate encode, the fastest on the 2-core Zen 5 dev host, were 40%
+// slower there. bench/optimizer_cpu_bench --sweep compares all of them.
 struct BandConfig {
   // Columns of a work unit, in 128-column tiles: a unit is one 128-row band by
   // up to this many tiles (a band of nb tiles is split into ceil(nb /
   // unit_tiles) units as evenly as possible). 0: the parameter's full width.
   // A parameter with fewer units than threads has its bands split further
   // (down to one tile per unit), so that no thread idles.
-  int64_t unit_tiles = 0;
+  int64_t unit_tiles = 4;
   // false: the update walks each row of the unit in 128-column segments, the
   // segment's amax right after it (from L1) and the prefetch of the segment
   // `prefetch_rows` rows ahead before it. true ("row streaming"): one update
@@ -109,7 +111,7 @@ struct BandConfig {
   int prefetch_rows = 2;
   // true: the encode of a unit of full 2-D tiles runs interleaved with the
   // next unit's update rows (pipelined); false: right after its own update.
-  bool deferred_encode = false;
+  bool deferred_encode = true;
 };
 inline constexpr int kMaxPrefetchRows = 64;
 // "cols=512,update=tile,prefetch=2,encode=deferred" ("cols=full" for 0).
