@@ -101,6 +101,7 @@ struct QuantizeArgs {
   uint32_t group;
   bool stream_stores;  // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
+  bool col_vec;  // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
 };
 
 // How a launch loads and stores its tiles.
@@ -200,6 +201,26 @@ __device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeAr
   }
 }
 
+// Mixed path, a tile whose 128 columns lie inside the tensor but whose rows
+// do not (the last tile row): 16-byte loads of the rows that exist, zeros
+// for the others. REQUIRES: 16-byte aligned input rows.
+template <InputDType D>
+__device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const QuantizeArgs& a,
+                                                    int64_t m0, int64_t n0) {
+  constexpr int kRowBytes = kTile * kElemBytes<D>;
+  constexpr int kChunksPerRow = kRowBytes / 16;
+  constexpr int kChunks = kTile * kChunksPerRow;
+  const int64_t pitch = a.n * kElemBytes<D>;
+  const uint8_t* src = static_cast<const uint8_t*>(a.input) + n0 * kElemBytes<D>;
+#pragma unroll 4
+  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+    const int r = c / kChunksPerRow, ch = c % kChunksPerRow;
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (m0 + r < a.m) w = *reinterpret_cast<const uint4*>(src + (m0 + r) * pitch + ch * 16);
+    *reinterpret_cast<uint4*>(stage + r * kRowBytes + ch * 16) = w;
+  }
+}
+
 // One persistent kernel for every 1-D / 2-D, rowwise / columnwise combination.
 //
 // Grid: min(#tiles, resident CTAs); CTA b handles tiles b, b + grid, ... of the
@@ -295,7 +316,11 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       stage = smem + (k % kStages) * Plan::kStageBytes;
       if constexpr (kPath == kPathMixed) {
         if (!full) {  // an edge tile: no copy was issued into its stage
-          LoadTileChecked<D>(stage, a, m0, n0);
+          if (tn < a.full_nb) {
+            LoadTileRowsChecked<D>(stage, a, m0, n0);
+          } else {
+            LoadTileChecked<D>(stage, a, m0, n0);
+          }
           __syncthreads();
         }
       }
@@ -463,11 +488,15 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       const int64_t gm0 = m0 + 8 * q;
       const int64_t gn = n0 + 8 * v;
       uint8_t* row_ptr = a.qr + gm0 * a.n + gn;
+      // Whole columns (the mixed path's last tile row too): 8-byte stores.
+      const bool row_vec = full || (kPath == kPathMixed && tn < a.full_nb);
 #pragma unroll
       for (int i = 0; i < 8; ++i, row_ptr += a.n) {
         const uint2 b = Quantize8<F>(x[i], row_scale[i]);
-        if (full) {
-          StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
+        if (row_vec) {
+          if (full || gm0 + i < a.m) {
+            StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
+          }
         } else if (gm0 + i < a.m) {
           const uint32_t words[2] = {b.x, b.y};
 #pragma unroll
@@ -495,6 +524,41 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
       }
       __syncthreads();
+      if (kPath == kPathMixed && full && !a.col_vec) {
+        // Whole tile, but the [N, M] rows do not start 16-byte aligned
+        // (M % 16 != 0). A warp writes one 128-byte row segment per step as
+        // aligned 4-byte words: lane l the word holding segment bytes
+        // [4l - mis, 4l - mis + 4), where mis = the segment's start mod 4,
+        // assembled from two aligned shared-memory words (funnel shift); the
+        // partial words at both ends (mis != 0) go byte by byte (lane 0).
+        for (int nl = warp; nl < kTile; nl += kWarps) {
+          uint8_t* const seg = a.qc + (n0 + nl) * a.m + m0;
+          const int mis = static_cast<int>(reinterpret_cast<uintptr_t>(seg) & 3);
+          const uint8_t* const row = tsm + nl * kTile;
+          const int sw = (nl >> 3) & 7;
+          auto word_at = [&](int b) {  // the aligned 4 bytes holding segment byte b
+            return *reinterpret_cast<const uint32_t*>(row + (((b >> 4) ^ sw) << 4) +
+                                                      (b & 12));
+          };
+          const int b0 = 4 * lane - mis;
+          uint32_t* const dst = reinterpret_cast<uint32_t*>(seg - mis) + lane;
+          if (mis == 0) {
+            StoreFp8(dst, word_at(b0), a.stream_stores);
+          } else {
+            if (b0 >= 0) {
+              const uint32_t lo = word_at(b0), hi = word_at(b0 + 4);
+              StoreFp8(dst, __funnelshift_r(lo, hi, 8 * (b0 & 3)), a.stream_stores);
+            }
+            if (lane == 0) {
+              for (int b = 0; b < 4 - mis; ++b) seg[b] = row[((b >> 4) ^ sw) << 4 | (b & 15)];
+              for (int b = kTile - mis; b < kTile; ++b) {
+                seg[b] = row[(((b >> 4) ^ sw) << 4) + (b & 15)];
+              }
+            }
+          }
+        }
+        continue;
+      }
       const int u = tid & 7;
       const int64_t gm = m0 + 16 * u;
       uint8_t* col_ptr = a.qc + (n0 + (tid >> 3)) * a.m + gm;
@@ -503,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         const int nl = p * 32 + (tid >> 3);
         const uint4 val =
             *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
-        if (full) {
+        if (full && (kPath == kPathAligned || a.col_vec)) {
           StoreFp8(reinterpret_cast<uint4*>(col_ptr), val, a.stream_stores);
         } else if (n0 + nl < a.n) {
           const uint32_t words[4] = {val.x, val.y, val.z, val.w};
@@ -662,10 +726,11 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   const int64_t elem = dtype == InputDType::kFloat32 ? 4 : 2;
   args.full_mb = m / kTile;
   args.full_nb = n / kTile;
+  // (The columnwise copy's rows are written byte by byte when M % 16 != 0.)
   const bool mixed = !aligned && args.full_mb > 0 && args.full_nb > 0 && Aligned16(input) &&
                      (n * elem) % 16 == 0 &&
-                     (!params.rowwise || (Aligned16(out.rowwise_data) && n % 16 == 0)) &&
-                     (!params.columnwise || (Aligned16(out.columnwise_data) && m % 16 == 0));
+                     (!params.rowwise || (Aligned16(out.rowwise_data) && n % 16 == 0));
+  args.col_vec = params.columnwise && Aligned16(out.columnwise_data) && m % 16 == 0;
   const int usage = (params.rowwise ? 1 : 0) | (params.columnwise ? 2 : 0);
 
   return WithDType(dtype, [&](auto dt) {
