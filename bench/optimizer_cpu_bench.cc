@@ -9,22 +9,8 @@
 // row+col (2 B).
 // "isa" is the band kernel's instruction set (kernels/cpu/adamw.h BandIsa:
 // "avx512" where the CPU has it, else "baseline"; QTX_ADAMW_ISA=baseline
-// forces the baseline AVX2 kernel). "band" is the band kernel's configuration
-// (kernels/cpu/adamw.h BandConfig: unit width, update order, prefetch rows,
-// encode schedule), also split into "unit_cols", "update", "prefetch_rows",
-// "encode"; "default" says whether it is the starting configuration (the
-// built-in default, or QTX_ADAMW_* from the environment, then --band).
+// forces the baseline AVX2 kernel).
 // Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
-//            [--band=SPEC] [--sweep[=SPEC;SPEC;...]]
-//   --band=SPEC  run with this configuration (ParseBandConfig syntax, e.g.
-//                cols=1024,update=row,prefetch=0,encode=deferred; unset keys keep
-//                the active configuration, i.e. the defaults or QTX_ADAMW_* env)
-//   --sweep      at each thread count, one "adamw_cpu" line per configuration of
-//                DefaultSweep() (64: cols 512|1024|2048|full x update tile|row x
-//                prefetch 0|1|2|4 x encode deferred|immediate), in that order, each
-//                the best of `reps` steps after one warm-up step; --sweep=A;B;...
-//                sweeps the given ones (each applied on top of the starting
-//                configuration).
 // bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
 
@@ -34,7 +20,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <string>
 #include <vector>
 
 #include "kernels/block_geometry.h"
@@ -66,86 +51,10 @@ double MemcpyGbps(size_t bytes, int threads, int reps) {
   return 2.0 * bytes / best / 1e9;  // read + write
 }
 
-// Every unit width x update order x prefetch x encode schedule that the
-// GPU-host sweep compares (the library default, kernels/cpu/adamw.h
-// BandConfig, is cols=full,update=tile,prefetch=2,encode=immediate).
-std::vector<std::string> DefaultSweep() {
-  std::vector<std::string> out;
-  for (const char* cols : {"512", "1024", "2048", "full"}) {
-    for (const char* update : {"tile", "row"}) {
-      for (const char* pf : {"0", "1", "2", "4"}) {
-        for (const char* enc : {"deferred", "immediate"}) {
-          out.push_back(std::string("cols=") + cols + ",update=" + update + ",prefetch=" + pf +
-                        ",encode=" + enc);
-        }
-      }
-    }
-  }
-  return out;
-}
-
-std::vector<std::string> SplitSemicolons(const std::string& s) {
-  std::vector<std::string> out;
-  size_t a = 0;
-  while (a <= s.size()) {
-    const size_t b = std::min(s.find(';', a), s.size());
-    if (b > a) out.push_back(s.substr(a, b - a));
-    a = b + 1;
-  }
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace qtx::kernels;
-  namespace ci = cpu::internal;
-  // Flags out of argv, the positional arguments stay.
-  std::vector<std::string> configs;  // empty: the active configuration only
-  bool sweep = false;
-  {
-    int out = 1;
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      if (a.rfind("--band=", 0) == 0) {
-        ci::BandConfig c = ci::ActiveBandConfig();
-        if (!ci::ParseBandConfig(a.substr(7), &c) || !ci::SetBandConfig(c)) {
-          std::fprintf(stderr, "bad --band '%s' (kernels/cpu/adamw.h ParseBandConfig)\n",
-                       a.c_str() + 7);
-          return 2;
-        }
-      } else if (a == "--sweep") {
-        sweep = true;
-        configs = DefaultSweep();
-      } else if (a.rfind("--sweep=", 0) == 0) {
-        sweep = true;
-        configs = SplitSemicolons(a.substr(8));
-      } else if (a.rfind("--", 0) == 0) {
-        std::fprintf(stderr, "unknown flag '%s'\n", a.c_str());
-        return 2;
-      } else {
-        argv[out++] = argv[i];
-      }
-    }
-    argc = out;
-  }
-  // Each swept configuration applied on top of the starting one (validated
-  // before anything runs).
-  const ci::BandConfig base_config = ci::ActiveBandConfig();
-  std::vector<ci::BandConfig> parsed;
-  for (const std::string& spec : configs) {
-    ci::BandConfig c = base_config;
-    if (!ci::ParseBandConfig(spec, &c)) {
-      std::fprintf(stderr, "bad sweep entry '%s'\n", spec.c_str());
-      return 2;
-    }
-    parsed.push_back(c);
-  }
-  if (sweep && parsed.empty()) {
-    std::fprintf(stderr, "empty --sweep list\n");
-    return 2;
-  }
-  if (!sweep) parsed.push_back(base_config);
   const int64_t m = argc > 2 ? std::atoll(argv[1]) : 4096;
   const int64_t n = argc > 2 ? std::atoll(argv[2]) : 4096;
   const int max_threads = argc > 3 ? std::atoi(argv[3]) : omp_get_max_threads();
@@ -186,32 +95,21 @@ int main(int argc, char** argv) {
   const double bytes_moved = count * (8.0 + 2 * 8.0 + (grad_fp32 ? 4.0 : 2.0) + 2.0);
   int64_t step = 0;
   for (int threads = 1; threads <= max_threads; threads *= 2) {
-    for (const ci::BandConfig& config : parsed) {
-      ci::SetBandConfig(config);
+    cpu::AdamWStepFused({&b, 1}, MakeAdamWScalars(AdamWHyperParams{}, ++step, 1.0), threads);
+    double best = 1e30;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = Clock::now();
       cpu::AdamWStepFused({&b, 1}, MakeAdamWScalars(AdamWHyperParams{}, ++step, 1.0), threads);
-      double best = 1e30;
-      for (int r = 0; r < reps; ++r) {
-        const auto t0 = Clock::now();
-        cpu::AdamWStepFused({&b, 1}, MakeAdamWScalars(AdamWHyperParams{}, ++step, 1.0), threads);
-        best = std::min(best, Seconds(t0, Clock::now()));
-      }
-      std::printf(
-          "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
-          "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
-          "\"bytes_moved_gbps\":%.3f,\"isa\":\"%s\",\"band\":\"%s\",\"unit_cols\":%lld,"
-          "\"update\":\"%s\",\"prefetch_rows\":%d,\"encode\":\"%s\",\"sweep\":%s,"
-          "\"default\":%s}\n",
-          static_cast<long long>(m), static_cast<long long>(n), threads,
-          grad_fp32 ? "fp32" : "bf16", best * 1e3, count / best, bytes_moved / best / 1e9,
-          ci::ActiveBandIsa() == ci::BandIsa::kAvx512 ? "avx512" : "baseline",
-          ci::BandConfigString(config).c_str(),
-          static_cast<long long>(config.unit_tiles == 0 ? n : std::min(n, config.unit_tiles * kBlockLen)),
-          config.row_update ? "row" : "tile", config.prefetch_rows,
-          config.deferred_encode ? "deferred" : "immediate", sweep ? "true" : "false",
-          ci::BandConfigString(config) == ci::BandConfigString(base_config) ? "true" : "false");
-      std::fflush(stdout);
+      best = std::min(best, Seconds(t0, Clock::now()));
     }
-    ci::SetBandConfig(base_config);
+    std::printf(
+        "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
+        "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
+        "\"bytes_moved_gbps\":%.3f,\"isa\":\"%s\"}\n",
+        static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
+        best * 1e3, count / best,
+        bytes_moved / best / 1e9,
+        cpu::internal::ActiveBandIsa() == cpu::internal::BandIsa::kAvx512 ? "avx512" : "baseline");
     std::printf("{\"bench\":\"memcpy\",\"bytes\":%lld,\"threads\":%d,\"gbps\":%.3f}\n",
                 static_cast<long long>(count * 4), threads,
                 MemcpyGbps(static_cast<size_t>(count) * 4, threads, reps));

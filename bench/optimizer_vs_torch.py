@@ -12,16 +12,7 @@ torch implementations: "fused" (torch.optim.AdamW(fused=True) on CPU: torch >= 2
 torch 1.13 has no fused CPU AdamW; it is reported as unavailable there.
 
   /usr/bin/python3 bench/optimizer_vs_torch.py --bench=build/bench/optimizer_cpu_bench \\
-      [--m=4096 --n=4096] [--max_threads=N] [--reps=5] [--grad=fp32] [--band=SPEC] \\
-      [--sweep | --sweep='SPEC;SPEC;...']
-
---band / --sweep are passed to optimizer_cpu_bench (band kernel configurations,
-kernels/cpu/adamw.h BandConfig). With --sweep, "adamw_vs_torch" compares the best
-configuration at each thread count ("qtx_band") and also gives the default's
-ratio ("ratio_default"); then one "adamw_sweep_summary" line per configuration,
-best first, with its ratio at every thread count and the smallest of them
-("min_ratio": the configuration to make the default is the one with the
-largest min_ratio).
+      [--m=4096 --n=4096] [--max_threads=N] [--reps=5] [--grad=fp32]
 """
 
 import argparse
@@ -85,39 +76,20 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--grad", choices=["fp32", "bf16"], default="fp32",
                     help="qtx gradient dtype (torch always steps FP32 gradients)")
-    ap.add_argument("--band", default=None,
-                    help="band kernel configuration for qtx (optimizer_cpu_bench --band)")
-    ap.add_argument("--sweep", nargs="?", const="", default=None,
-                    help="sweep band kernel configurations (optimizer_cpu_bench --sweep[=...])")
     args = ap.parse_args()
 
-    cmd = [args.bench, str(args.m), str(args.n), str(args.max_threads), str(args.reps),
-           args.grad]
-    if args.band is not None:
-        cmd.append("--band=" + args.band)
-    if args.sweep is not None:
-        cmd.append("--sweep" if args.sweep == "" else "--sweep=" + args.sweep)
-    # qtx_rate[threads]: best over the configurations run; default_rate: the
-    # starting configuration's; by_band[band][threads]: every configuration's.
-    qtx_rate, qtx_band, default_rate, by_band, memcpy = {}, {}, {}, {}, {}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # streamed: a long sweep shows progress
-        line = line.rstrip("\n")
+    qtx_rate, memcpy = {}, {}
+    out = subprocess.run([args.bench, str(args.m), str(args.n), str(args.max_threads),
+                          str(args.reps), args.grad], check=True, capture_output=True,
+                         text=True).stdout
+    for line in out.splitlines():
         print(line)
-        sys.stdout.flush()
         r = json.loads(line)
         if r["bench"] == "adamw_cpu":
-            t, rate = r["threads"], r["params_per_s"]
-            band = r.get("band", "")
-            by_band.setdefault(band, {})[t] = rate
-            if rate > qtx_rate.get(t, 0.0):
-                qtx_rate[t], qtx_band[t] = rate, band
-            if r.get("default", True):
-                default_rate[t] = rate
+            qtx_rate[r["threads"]] = r["params_per_s"]
         elif r["bench"] == "memcpy":
             memcpy[r["threads"]] = r["gbps"]
-    if proc.wait() != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    sys.stdout.flush()
 
     try:
         import torch
@@ -130,7 +102,6 @@ def main():
         print(json.dumps({"bench": "torch_adamw", "impl": "fused", "torch": torch.__version__,
                           "available": False, "reason": why}))
     count = args.m * args.n
-    torch_rate = {}
     torch_bytes = count * (8 + 16 + 4)  # master r+w, 2 moments r+w, FP32 grad read
     for t in thread_counts(args.max_threads):
         best_impl, best_rate = None, 0.0
@@ -144,30 +115,15 @@ def main():
                               "bytes_moved_gbps": round(torch_bytes / s / 1e9, 3)}))
             if rate > best_rate:
                 best_impl, best_rate = impl, rate
-        torch_rate[t] = best_rate
         if t in qtx_rate:
-            row = {"bench": "adamw_vs_torch", "threads": t, "qtx_params_per_s": qtx_rate[t],
-                   "torch_impl": best_impl, "torch_params_per_s": float("%.4g" % best_rate),
-                   "ratio": round(qtx_rate[t] / best_rate, 3), "memcpy_gbps": memcpy.get(t),
-                   "torch_fused_available": has_fused}
-            if args.sweep is not None:
-                row["qtx_band"] = qtx_band[t]
-                if t in default_rate:
-                    row["qtx_default_params_per_s"] = default_rate[t]
-                    row["ratio_default"] = round(default_rate[t] / best_rate, 3)
-            print(json.dumps(row))
+            print(json.dumps({"bench": "adamw_vs_torch", "threads": t,
+                              "qtx_params_per_s": qtx_rate[t],
+                              "torch_impl": best_impl, "torch_params_per_s":
+                              float("%.4g" % best_rate),
+                              "ratio": round(qtx_rate[t] / best_rate, 3),
+                              "memcpy_gbps": memcpy.get(t),
+                              "torch_fused_available": has_fused}))
         sys.stdout.flush()
-    if args.sweep is not None:
-        summary = []
-        for band, rates in by_band.items():
-            ratios = {t: round(rates[t] / torch_rate[t], 3) for t in rates if t in torch_rate}
-            if ratios:
-                summary.append((min(ratios.values()), band, ratios))
-        summary.sort(key=lambda x: -x[0])
-        for min_ratio, band, ratios in summary:
-            print(json.dumps({"bench": "adamw_sweep_summary", "band": band,
-                              "min_ratio": min_ratio,
-                              "ratio_by_threads": {str(t): ratios[t] for t in sorted(ratios)}}))
     return 0
 
 

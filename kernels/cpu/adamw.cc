@@ -14,10 +14,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdlib>
-#include <cstdio>
 #include <cstring>
-#include <string>
-#include <string_view>
 #include <vector>
 
 #include <omp.h>
@@ -64,81 +61,6 @@ internal::BandIsa InitialIsa() {
 
 std::atomic<int>& ActiveIsaSlot() {
   static std::atomic<int> slot{static_cast<int>(InitialIsa())};
-  return slot;
-}
-
-bool ValidBandConfig(const internal::BandConfig& c) {
-  return c.unit_tiles >= 0 && c.prefetch_rows >= 0 && c.prefetch_rows <= internal::kMaxPrefetchRows;
-}
-
-bool ParseInt(std::string_view v, int64_t* out) {
-  if (v.empty() || v.size() > 12) return false;
-  int64_t x = 0;
-  for (char ch : v) {
-    if (ch < '0' || ch > '9') return false;
-    x = x * 10 + (ch - '0');
-  }
-  *out = x;
-  return true;
-}
-
-// One key=value setting onto *c; false on an unknown key or a bad value.
-bool ApplySetting(std::string_view key, std::string_view v, internal::BandConfig* c) {
-  int64_t x = 0;
-  if (key == "cols") {
-    if (v == "full") {
-      c->unit_tiles = 0;
-      return true;
-    }
-    if (!ParseInt(v, &x) || x < kBlockLen || x % kBlockLen != 0) return false;
-    c->unit_tiles = x / kBlockLen;
-    return true;
-  }
-  if (key == "update") {
-    if (v != "tile" && v != "row") return false;
-    c->row_update = v == "row";
-    return true;
-  }
-  if (key == "prefetch") {
-    if (!ParseInt(v, &x) || x > internal::kMaxPrefetchRows) return false;
-    c->prefetch_rows = static_cast<int>(x);
-    return true;
-  }
-  if (key == "encode") {
-    if (v != "deferred" && v != "immediate") return false;
-    c->deferred_encode = v == "deferred";
-    return true;
-  }
-  return false;
-}
-
-}  // namespace
-
-// The defaults, then QTX_ADAMW_BAND, then the single-knob variables.
-internal::BandConfig internal::BandConfigFromEnvironment() {
-  internal::BandConfig c;
-  if (const char* env = std::getenv("QTX_ADAMW_BAND"); env != nullptr) {
-    if (!internal::ParseBandConfig(env, &c)) {
-      std::fprintf(stderr, "qtx: ignoring QTX_ADAMW_BAND='%s' (see kernels/cpu/adamw.h)\n", env);
-    }
-  }
-  const char* const single[][2] = {{"QTX_ADAMW_UNIT_COLS", "cols"},
-                                   {"QTX_ADAMW_UPDATE", "update"},
-                                   {"QTX_ADAMW_PREFETCH_ROWS", "prefetch"},
-                                   {"QTX_ADAMW_ENCODE", "encode"}};
-  for (const auto& [var, key] : single) {
-    const char* env = std::getenv(var);
-    if (env != nullptr && !ApplySetting(key, env, &c)) {
-      std::fprintf(stderr, "qtx: ignoring %s='%s' (see kernels/cpu/adamw.h)\n", var, env);
-    }
-  }
-  return c;
-}
-
-namespace {
-
-internal::BandConfig& BandConfigSlot() {
-  static internal::BandConfig slot = internal::BandConfigFromEnvironment();
   return slot;
 }
 
@@ -189,8 +111,6 @@ double ChunkSumSquaresDispatch(const void* g, InputDType t, int64_t begin, int64
 
 void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,
                     int num_threads) {
-  const internal::BandConfig cfg = internal::ActiveBandConfig();
-  const int64_t want_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   std::vector<band::ParamPlan> plans;  // non-empty parameters only
   plans.reserve(params.size());
   int64_t units = 0;
@@ -202,13 +122,7 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
     if (b.m == 0 || b.n == 0) continue;
     plan.mb = CeilDiv(b.m, kBlockLen);
     plan.nb = CeilDiv(b.n, kBlockLen);
-    plan.chunks = CeilDiv(plan.nb, cfg.unit_tiles > 0 ? std::min(plan.nb, cfg.unit_tiles) : plan.nb);
-    // Fewer bands than threads (wide units of a short parameter): split the
-    // bands further, so that no thread idles.
-    if (plan.mb * plan.chunks < want_threads) {
-      plan.chunks = std::max(plan.chunks, std::min(plan.nb, CeilDiv(want_threads, plan.mb)));
-    }
-    plan.unit_tiles = CeilDiv(plan.nb, plan.chunks);
+    plan.chunks = CeilDiv(plan.nb, band::kUnitTiles);
     plan.first_unit = units;
     units += plan.mb * plan.chunks;
     plans.push_back(plan);
@@ -221,16 +135,17 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
                   ? &band::base::RunUnits
 #endif
                   : &band::base::RunUnits;
-  const int threads = static_cast<int>(std::min<int64_t>(want_threads, units));
+  const int threads = static_cast<int>(
+      std::min<int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), units));
   if (threads <= 1) {
-    run(plans.data(), plans.size(), 0, units, s, cfg);
+    run(plans.data(), plans.size(), 0, units, s);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
     // Contiguous runs of units, as even as possible (as schedule(static)).
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    run(plans.data(), plans.size(), units * t / nt, units * (t + 1) / nt, s, cfg);
+    run(plans.data(), plans.size(), units * t / nt, units * (t + 1) / nt, s);
   }
 }
 
@@ -333,39 +248,6 @@ BandIsa ActiveBandIsa() { return static_cast<BandIsa>(ActiveIsaSlot().load()); }
 bool SetBandIsa(BandIsa isa) {
   if (!BandIsaAvailable(isa)) return false;
   ActiveIsaSlot().store(static_cast<int>(isa));
-  return true;
-}
-
-std::string BandConfigString(const BandConfig& c) {
-  return std::string("cols=") +
-         (c.unit_tiles == 0 ? std::string("full") : std::to_string(c.unit_tiles * kBlockLen)) +
-         ",update=" + (c.row_update ? "row" : "tile") +
-         ",prefetch=" + std::to_string(c.prefetch_rows) +
-         ",encode=" + (c.deferred_encode ? "deferred" : "immediate");
-}
-
-bool ParseBandConfig(std::string_view spec, BandConfig* c) {
-  BandConfig r = *c;
-  if (spec.empty()) return true;
-  for (bool last = false; !last;) {
-    const size_t comma = spec.find(',');
-    last = comma == std::string_view::npos;
-    const std::string_view item = spec.substr(0, comma);
-    spec = last ? std::string_view() : spec.substr(comma + 1);
-    const size_t eq = item.find('=');
-    if (eq == std::string_view::npos || !ApplySetting(item.substr(0, eq), item.substr(eq + 1), &r)) {
-      return false;
-    }
-  }
-  *c = r;
-  return true;
-}
-
-BandConfig ActiveBandConfig() { return BandConfigSlot(); }
-
-bool SetBandConfig(const BandConfig& c) {
-  if (!ValidBandConfig(c)) return false;
-  BandConfigSlot() = c;
   return true;
 }
 

@@ -18,8 +18,6 @@
 
 #include <cstdint>
 #include <span>
-#include <string>
-#include <string_view>
 #include <vector>
 
 #include "kernels/adamw.h"
@@ -86,55 +84,6 @@ BandIsa ActiveBandIsa();
 // Selects `isa` for later calls (tests, benchmarks); false (and no change)
 // when it is not available. Not to be called while a step runs.
 bool SetBandIsa(BandIsa isa);
-
-// Geometry and schedule of the band kernel: tuning knobs only, every setting
-// gives the same bytes (tests check each one against AdamWReference). The
-// defaults (512-column units, tile-segment update, 2 rows prefetched,
-// deferred encode) were the best on the GPU host's 32-core Xeon in the 64-way
-// sweep (bench/results/optimizer_sweep_h200x2_host.jsonl): full-width units
-// with immediate encode, the fastest on the 2-core Zen 5 dev host, were 40%
-// slower there. bench/optimizer_cpu_bench --sweep compares all of them.
-struct BandConfig {
-  // Columns of a work unit, in 128-column tiles: a unit is one 128-row band by
-  // up to this many tiles (a band of nb tiles is split into ceil(nb /
-  // unit_tiles) units as evenly as possible). 0: the parameter's full width.
-  // A parameter with fewer units than threads has its bands split further
-  // (down to one tile per unit), so that no thread idles.
-  int64_t unit_tiles = 4;
-  // false: the update walks each row of the unit in 128-column segments, the
-  // segment's amax right after it (from L1) and the prefetch of the segment
-  // `prefetch_rows` rows ahead before it. true ("row streaming"): one update
-  // pass over the row's whole run in the unit, then the amaxes of its tile
-  // segments, the prefetch of the whole run `prefetch_rows` rows ahead first.
-  bool row_update = false;
-  // Rows ahead whose lines the update prefetches (0: no software prefetch).
-  int prefetch_rows = 2;
-  // true: the encode of a unit of full 2-D tiles runs interleaved with the
-  // next unit's update rows (pipelined); false: right after its own update.
-  bool deferred_encode = true;
-};
-inline constexpr int kMaxPrefetchRows = 64;
-// "cols=512,update=tile,prefetch=2,encode=deferred" ("cols=full" for 0).
-std::string BandConfigString(const BandConfig& c);
-// Applies a comma-separated list of key=value settings to *c: cols=<multiple of
-// 128, >= 128>|full, update=tile|row, prefetch=<0..kMaxPrefetchRows>,
-// encode=deferred|immediate. Returns false (with *c unchanged) on an unknown
-// key or a bad value. The empty string is valid (no change).
-bool ParseBandConfig(std::string_view spec, BandConfig* c);
-// The configuration in use: the defaults above, unless set from the
-// environment (read once, at first use; an invalid value is ignored with a
-// message on stderr): QTX_ADAMW_BAND=<ParseBandConfig list>, then the single
-// knobs QTX_ADAMW_UNIT_COLS=<cols>, QTX_ADAMW_UPDATE=tile|row,
-// QTX_ADAMW_PREFETCH_ROWS=<n>, QTX_ADAMW_ENCODE=deferred|immediate on top; or
-// SetBandConfig.
-BandConfig ActiveBandConfig();
-// The configuration the environment variables above give now (defaults for
-// those unset; invalid values ignored with a message on stderr); what
-// ActiveBandConfig starts from.
-BandConfig BandConfigFromEnvironment();
-// Selects `c` for later calls (tests, benchmarks); false (and no change) when
-// it is out of range. Not to be called while a step runs.
-bool SetBandConfig(const BandConfig& c);
 
 // The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel
 // (of the active ISA); equals kernels::EncodeFp8 for every input. Exposed for

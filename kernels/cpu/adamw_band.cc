@@ -1,33 +1,28 @@
 // The band kernel of AdamWStepFused (see adamw_band.h for why it is compiled
 // twice). Work split: every parameter is cut into work units of one 128-row
-// band by up to BandConfig::unit_tiles 128x128 tiles (the run-time knob of
-// kernels/cpu/adamw.h; 0 = the full width); adamw.cc hands each thread a
+// band by up to kUnitTiles 128x128 tiles; adamw.cc hands each thread a
 // contiguous run of units. One unit:
 //   A. row by row over the band, the AdamW update of the row's contiguous run
-//      of up to unit_tiles * 128 elements (auto-vectorized: vsqrtps/vdivps,
+//      of up to kUnitTiles * 128 elements (auto-vectorized: vsqrtps/vdivps,
 //      512-bit in the AVX-512 build), with the optional BF16 copy, then each
 //      tile segment's |p| maximum (from L1) as unsigned compares of the
 //      magnitude bits (NaN excluded, as AmaxUpdate does); per-tile, per-row
 //      (1-D rowwise) and per-column (1-D columnwise) maxima are kept in the
-//      thread's scratch. Either per 128-column segment (update + amax of one
-//      segment at a time) or, with row_update, one update pass over the whole
-//      run then the segments' amaxes ("row streaming"). The lines of the row
-//      prefetch_rows ahead are prefetched (0: none): with short runs the rows
-//      restart at a stride of n elements, and the hardware prefetchers (which
-//      stop at 4 KiB pages) lag behind on each restart.
+//      thread's scratch. The lines of the row kPrefetchRows ahead are
+//      prefetched: the runs restart at a stride of n elements, and the
+//      hardware prefetchers (which stop at 4 KiB pages) lag behind on each
+//      restart.
 //   B. per tile: scales from the amaxes (kernels::ComputeScale, the
 //      QuantizeBlock rule);
 //   C. per tile: encode RN(p * scale) (branch-free encoder, AVX2 or AVX-512
 //      intrinsics where built with them) into the rowwise copy, or a scratch
 //      tile when there is none, then the bytes are transposed into the
-//      columnwise [N, M] copy (SSE2 16x16 blocks). With deferred_encode, a
-//      unit of full 2-D tiles is encoded row by row during the next unit's
-//      update instead (see Deferred).
-// B/C re-read the unit's master weights: from L2 while the unit's footprint
-// (4 tiles: 256 KiB of FP32 master, 1 MiB streamed through the cache by the
-// update with FP32 moments and gradients) fits; wider units stream more
-// linearly but re-read from further away. Which wins depends on the host:
-// bench/optimizer_cpu_bench --sweep measures every setting.
+//      columnwise [N, M] copy (SSE2 16x16 blocks).
+// B/C re-read the unit's master weights from L2: the unit's whole footprint
+// in A (master, two moments, gradient: 4 x 256 KiB at FP32) is sized to L2
+// (kUnitTiles = 4: 4 tiles are 256 KiB of FP32 master weights, re-read by the
+// encode pass, and 1 MiB streamed through the cache by the update pass with
+// FP32 moments and gradients; 2 tiles: +20% time, 8 tiles: +5% on the CI host).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
@@ -42,7 +37,6 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
-#include <new>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -381,6 +375,9 @@ void StoreTransposed(const uint8_t* tile, int64_t pitch, int64_t rows, int64_t c
   }
 }
 
+// Rows ahead whose lines ProcessUnit prefetches.
+constexpr int64_t kPrefetchRows = 2;
+
 inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) {
@@ -392,42 +389,14 @@ inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
   }
 }
 
-// 64-byte aligned raw storage (operator new/delete, not std::vector: an
-// out-of-line template instance compiled here with AVX-512 could be the one
-// the linker keeps, see adamw_band.h).
-struct AlignedBlock {
-  void* p = nullptr;
-  explicit AlignedBlock(size_t bytes) : p(::operator new(bytes, std::align_val_t{64})) {}
-  ~AlignedBlock() { ::operator delete(p, std::align_val_t{64}); }
-  AlignedBlock(const AlignedBlock&) = delete;
-  AlignedBlock& operator=(const AlignedBlock&) = delete;
-};
-
-inline size_t RoundUp64(size_t x) { return (x + 63) / 64 * 64; }
-
-// Scratch of one thread: a tile's encoded bytes and the amaxes of a unit of up
-// to `cap` tiles (as MagnitudeBits).
-struct UnitScratch {
-  uint8_t* bytes;       // [kBlockLen * kBlockLen]
-  uint8_t* transposed;  // [kBlockLen * kBlockLen]
-  uint32_t* row_max;    // [tile][row] (pitch kBlockLen): 1-D rowwise scales
-  uint32_t* tile_max;   // [tile]: 2-D scales
-  uint32_t* col_max;    // [unit column]: 1-D columnwise scales
-  AlignedBlock block;
-  explicit UnitScratch(int64_t cap)
-      : block(2 * RoundUp64(kBlockLen * kBlockLen) +
-              RoundUp64(sizeof(uint32_t) * cap * kBlockLen) * 2 + RoundUp64(sizeof(uint32_t) * cap)) {
-    auto* c = static_cast<uint8_t*>(block.p);
-    bytes = c;
-    c += RoundUp64(kBlockLen * kBlockLen);
-    transposed = c;
-    c += RoundUp64(kBlockLen * kBlockLen);
-    row_max = reinterpret_cast<uint32_t*>(c);
-    c += RoundUp64(sizeof(uint32_t) * cap * kBlockLen);
-    col_max = reinterpret_cast<uint32_t*>(c);
-    c += RoundUp64(sizeof(uint32_t) * cap * kBlockLen);
-    tile_max = reinterpret_cast<uint32_t*>(c);
-  }
+// Scratch of one thread: a tile's encoded bytes and the amaxes of a unit (as
+// MagnitudeBits).
+struct alignas(64) UnitScratch {
+  uint8_t bytes[kBlockLen * kBlockLen];
+  uint8_t transposed[kBlockLen * kBlockLen];
+  uint32_t row_max[kUnitTiles][kBlockLen];  // [tile][row]: 1-D rowwise scales
+  uint32_t tile_max[kUnitTiles];            // 2-D scales
+  uint32_t col_max[kUnitTiles * kBlockLen];  // [unit column]: 1-D columnwise scales
 };
 
 // The encode of a unit of full 2-D tiles, deferred into the next unit's update
@@ -435,58 +404,36 @@ struct UnitScratch {
 // every tile (pipelined: the encode's arithmetic runs while the update's
 // streams are in flight, instead of the memory idling through a separate
 // encode phase). The bytes are stored to the rowwise copy as they are made and
-// kept in the tile's 16-row strip; each strip is transposed into the tile's
-// `transposed`, which is stored to the columnwise copy after row 127. Sized
-// for up to `cap` tiles.
-struct Deferred {
-  uint8_t* strip;       // [tile][16 * kBlockLen]
-  uint8_t* transposed;  // [tile][kBlockLen * kBlockLen]
-  float* scale;         // [tile]
+// kept in `bytes`; each 16-row strip is transposed into `transposed`, which is
+// stored to the columnwise copy after row 127.
+struct alignas(64) Deferred {
+  uint8_t bytes[kUnitTiles][kBlockLen * kBlockLen];
+  uint8_t transposed[kUnitTiles][kBlockLen * kBlockLen];
+  float scale[kUnitTiles];
   const ParamPlan* plan = nullptr;  // null: nothing deferred
   int64_t k = 0, tj0 = 0, tiles = 0;
   int64_t next_row = 0;  // rows [0, next_row) are done
-  AlignedBlock block;
-  explicit Deferred(int64_t cap)
-      : block(static_cast<size_t>(cap) * (16 * kBlockLen + kBlockLen * kBlockLen) +
-              RoundUp64(sizeof(float) * cap)) {
-    auto* c = static_cast<uint8_t*>(block.p);
-    strip = c;
-    c += cap * 16 * kBlockLen;
-    transposed = c;
-    c += cap * kBlockLen * kBlockLen;
-    scale = reinterpret_cast<float*>(c);
-  }
 };
 
 #if defined(__AVX2__)
-// Copies 128 bytes from src (32-byte aligned) to dst with non-temporal stores
-// when dst is 16-byte aligned (32-byte streams, or 16-byte ones: malloc'd
-// buffers are often only 16-byte aligned), else plain stores: the FP8 copies
-// are not read again by this step, so they need not be read into the cache
-// first (write-allocate) nor stay there. Each 64-byte line is written whole.
-inline void StoreRow128(const uint8_t* src, uint8_t* dst) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst);
-  const auto* in = reinterpret_cast<const __m256i*>(src);
-  if (a % 32 == 0) {
+// Copies 128 rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
+// `pitch`), with non-temporal stores when every row is 32-byte aligned: the
+// FP8 copies are not read again by this step, so they need not be read into
+// the cache first (write-allocate) nor stay there.
+void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch) {
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0 && pitch % 32 == 0;
+  for (int64_t i = 0; i < kBlockLen; ++i) {
+    const auto* in = reinterpret_cast<const __m256i*>(src + i * kBlockLen);
+    auto* out = reinterpret_cast<__m256i*>(dst + i * pitch);
     for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + w, _mm256_load_si256(in + w));
-    }
-  } else if (a % 16 == 0) {
-    for (int w = 0; w < static_cast<int>(kBlockLen / 16); ++w) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst) + w,
-                       _mm_load_si128(reinterpret_cast<const __m128i*>(src) + w));
-    }
-  } else {
-    for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + w, _mm256_load_si256(in + w));
+      const __m256i x = _mm256_load_si256(in + w);
+      if (aligned) {
+        _mm256_stream_si256(out + w, x);
+      } else {
+        _mm256_storeu_si256(out + w, x);
+      }
     }
   }
-}
-
-// Copies 128 rows of 128 bytes (source pitch kBlockLen, 32-byte aligned) to
-// dst (row pitch `pitch`), as StoreRow128.
-void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch) {
-  for (int64_t i = 0; i < kBlockLen; ++i) StoreRow128(src + i * kBlockLen, dst + i * pitch);
 }
 #endif
 
@@ -572,20 +519,28 @@ void DeferredRow(Deferred& d, int64_t i) {
   const int64_t n = b.n, r = d.k * kBlockLen + i;
   for (int64_t t = 0; t < d.tiles; ++t) {
     const int64_t c0 = (d.tj0 + t) * kBlockLen;
-    uint8_t* const strip = d.strip + t * 16 * kBlockLen;
-    uint8_t* const transposed = d.transposed + t * kBlockLen * kBlockLen;
-    uint8_t* const bytes = strip + (i % 16) * kBlockLen;
+    uint8_t* const bytes = d.bytes[t] + i * kBlockLen;
     EncodeRow(b.master + r * n + c0, d.scale[t], bytes, kBlockLen, q.format);
     if (q.rowwise) {
-      StoreRow128(bytes, b.fp8.rowwise_data + r * n + c0);
+      uint8_t* const dst = b.fp8.rowwise_data + r * n + c0;
+      const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+      for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
+        const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes) + w);
+        if (aligned) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + w, x);
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + w, x);
+        }
+      }
     }
     if (q.columnwise && i % 16 == 15) {
       const int64_t i0 = i - 15;
       for (int64_t jb = 0; jb < kBlockLen; jb += 16) {
-        Transpose16x16(strip + jb, kBlockLen, transposed + jb * kBlockLen + i0, kBlockLen);
+        Transpose16x16(d.bytes[t] + i0 * kBlockLen + jb, kBlockLen,
+                       d.transposed[t] + jb * kBlockLen + i0, kBlockLen);
       }
       if (i == kBlockLen - 1) {
-        StoreTileRows(transposed, b.fp8.columnwise_data + c0 * b.m + d.k * kBlockLen, b.m);
+        StoreTileRows(d.transposed[t], b.fp8.columnwise_data + c0 * b.m + d.k * kBlockLen, b.m);
       }
     }
   }
@@ -612,8 +567,7 @@ bool Deferrable(const ParamPlan& plan, int64_t k, int64_t tj1) {
 // unit's encode is then deferred into `d` when possible, else done here.
 template <InputDType kG, MomentDType kM>
 void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
-                 const AdamWScalars& s, const internal::BandConfig& cfg, UnitScratch& sc,
-                 Deferred* d) {
+                 const AdamWScalars& s, UnitScratch& sc, Deferred* d) {
   const AdamWParamBuffers& b = *plan.b;
   const int64_t n = b.n;
   const int64_t r0 = k * kBlockLen;
@@ -628,53 +582,35 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
   const bool col1d = fp8 && b.quant.scaling == BlockScaling::kBlock1D && b.quant.columnwise;
 
   // A. update (+ BF16 copy) row by row over the band, amaxes per tile segment.
-  const int64_t pf = cfg.prefetch_rows;
-  // The lines of the run [c0 + x0, c0 + x1) of row i + pf. With short runs the
-  // unit's rows restart at a stride of n elements: the hardware prefetchers
-  // (which stop at page boundaries) restart on every row, so ask for a later
-  // row's lines.
-  auto prefetch_ahead = [&](int64_t row, int64_t x0, int64_t x1) {
-    const int64_t ahead = row + pf * n + c0 + x0, len = x1 - x0;
-    PrefetchSpan(b.master + ahead, len * 4, /*write=*/true);
-    PrefetchSpan(mom1 + ahead, len * sizeof(MomentT<kM>), true);
-    PrefetchSpan(mom2 + ahead, len * sizeof(MomentT<kM>), true);
-    PrefetchSpan(grad + ahead * kGSize, len * kGSize, false);
-  };
-  auto update = [&](int64_t off, int64_t len) {
-    if (b.bf16 != nullptr) {
-      UpdateSpan<kG, kM, true>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
-                               b.bf16 + off, len, s);
-    } else {
-      UpdateSpan<kG, kM, false>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
-                                nullptr, len, s);
-    }
-  };
-  // Segment t of row i (just written: in L1, or L2 for a long row run).
-  auto amax = [&](int64_t i, int64_t off, int64_t t, int64_t len) {
-    const uint32_t rm = RowMagnitudeMax(b.master + off, len);
-    sc.row_max[t * kBlockLen + i] = rm;
-    sc.tile_max[t] = std::max(sc.tile_max[t], rm);
-  };
   std::fill(sc.tile_max, sc.tile_max + tiles, 0u);
   if (col1d) std::fill(sc.col_max, sc.col_max + (c1 - c0), 0u);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = (r0 + i) * n;
-    const bool prefetch = pf > 0 && i + pf < rows;
-    if (cfg.row_update) {
-      if (prefetch) prefetch_ahead(row, 0, c1 - c0);
-      update(row + c0, c1 - c0);
-      if (fp8) {
-        for (int64_t t = 0; t < tiles; ++t) {
-          amax(i, row + c0 + t * kBlockLen, t, std::min(kBlockLen, c1 - (c0 + t * kBlockLen)));
-        }
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t off = row + c0 + t * kBlockLen;
+      const int64_t len = std::min(kBlockLen, c1 - (c0 + t * kBlockLen));
+      if (i + kPrefetchRows < rows) {
+        // The unit's rows are runs of <= 4 KiB at a stride of n elements: the
+        // hardware prefetchers (which stop at page boundaries) restart on
+        // every row, so ask for a later row's lines.
+        const int64_t ahead = off + kPrefetchRows * n;
+        PrefetchSpan(b.master + ahead, len * 4, /*write=*/true);
+        PrefetchSpan(mom1 + ahead, len * sizeof(MomentT<kM>), true);
+        PrefetchSpan(mom2 + ahead, len * sizeof(MomentT<kM>), true);
+        PrefetchSpan(grad + ahead * kGSize, len * kGSize, false);
       }
-    } else {
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t x0 = t * kBlockLen, len = std::min(kBlockLen, c1 - (c0 + x0));
-        if (prefetch) prefetch_ahead(row, x0, x0 + len);
-        update(row + c0 + x0, len);
-        if (fp8) amax(i, row + c0 + x0, t, len);
+      if (b.bf16 != nullptr) {
+        UpdateSpan<kG, kM, true>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
+                                 b.bf16 + off, len, s);
+      } else {
+        UpdateSpan<kG, kM, false>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
+                                  nullptr, len, s);
       }
+      if (!fp8) continue;
+      // Segment just written: in L1.
+      const uint32_t rm = RowMagnitudeMax(b.master + off, len);
+      sc.row_max[t][i] = rm;
+      sc.tile_max[t] = std::max(sc.tile_max[t], rm);
     }
 #if defined(__AVX2__)
     if (d != nullptr && d->plan != nullptr) DeferredRow(*d, i);
@@ -714,48 +650,42 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
 #endif
   // B/C. per tile: scales and bytes, from L2.
   for (int64_t t = 0; t < tiles; ++t) {
-    EncodeTile(plan, k, tj0 + t, sc.row_max + t * kBlockLen, sc.tile_max[t],
-               sc.col_max + t * kBlockLen,
+    EncodeTile(plan, k, tj0 + t, sc.row_max[t], sc.tile_max[t], sc.col_max + t * kBlockLen,
                sc.bytes, sc.transposed);
   }
 }
 
 void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
-                  const AdamWScalars& s, const internal::BandConfig& cfg, UnitScratch& sc,
-                  Deferred* d) {
-  constexpr auto kF32 = InputDType::kFloat32, kBf16 = InputDType::kBFloat16,
-                 kF16 = InputDType::kFloat16;
-  constexpr auto kM32 = MomentDType::kFloat32, kM16 = MomentDType::kBFloat16;
+                  const AdamWScalars& s, UnitScratch& sc, Deferred* d) {
   const bool bf16_moments = plan.b->moment_dtype == MomentDType::kBFloat16;
   switch (plan.b->grad_dtype) {
     case InputDType::kFloat32:
-      return bf16_moments ? ProcessUnit<kF32, kM16>(plan, k, tj0, tj1, s, cfg, sc, d)
-                          : ProcessUnit<kF32, kM32>(plan, k, tj0, tj1, s, cfg, sc, d);
+      return bf16_moments
+                 ? ProcessUnit<InputDType::kFloat32, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc, d)
+                 : ProcessUnit<InputDType::kFloat32, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc, d);
     case InputDType::kBFloat16:
-      return bf16_moments ? ProcessUnit<kBf16, kM16>(plan, k, tj0, tj1, s, cfg, sc, d)
-                          : ProcessUnit<kBf16, kM32>(plan, k, tj0, tj1, s, cfg, sc, d);
+      return bf16_moments
+                 ? ProcessUnit<InputDType::kBFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s,
+                                                                               sc, d)
+                 : ProcessUnit<InputDType::kBFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s,
+                                                                              sc, d);
     case InputDType::kFloat16:
-      return bf16_moments ? ProcessUnit<kF16, kM16>(plan, k, tj0, tj1, s, cfg, sc, d)
-                          : ProcessUnit<kF16, kM32>(plan, k, tj0, tj1, s, cfg, sc, d);
+      return bf16_moments
+                 ? ProcessUnit<InputDType::kFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc, d)
+                 : ProcessUnit<InputDType::kFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc, d);
   }
 }
+
 
 }  // namespace
 
 void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
-              const AdamWScalars& s, const internal::BandConfig& cfg) {
-  if (u0 >= u1) return;
-  int64_t cap = 1;  // the widest unit of any plan in [u0, u1)
-  for (size_t p = 0; p < num_plans; ++p) {
-    const int64_t end = p + 1 < num_plans ? plans[p + 1].first_unit
-                                          : plans[p].first_unit + plans[p].mb * plans[p].chunks;
-    if (plans[p].first_unit < u1 && end > u0) cap = std::max(cap, plans[p].unit_tiles);
-  }
+              const AdamWScalars& s) {
   // Heap, not stack: a caller's thread may have a small stack.
-  UnitScratch scratch(cap);
+  auto* scratch = new UnitScratch;
   Deferred* deferred = nullptr;
 #if defined(__AVX2__)
-  if (cfg.deferred_encode) deferred = new Deferred(cap);
+  deferred = new Deferred;
 #endif
   size_t p = 0;
   for (int64_t u = u0; u < u1; ++u) {
@@ -765,12 +695,13 @@ void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
     const int64_t chunk = local % plan.chunks;
     // The band's tiles split as evenly as possible over its chunks.
     DispatchUnit(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
-                 (chunk + 1) * plan.nb / plan.chunks, s, cfg, scratch, deferred);
+                 (chunk + 1) * plan.nb / plan.chunks, s, *scratch, deferred);
   }
 #if defined(__AVX2__)
-  if (deferred != nullptr) DeferredRows(*deferred, kBlockLen);
+  DeferredRows(*deferred, kBlockLen);
 #endif
   delete deferred;
+  delete scratch;
 #if defined(__SSE2__)
   _mm_sfence();  // the non-temporal stores are visible before the caller goes on
 #endif

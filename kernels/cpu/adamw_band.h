@@ -22,23 +22,25 @@
 
 namespace qtx::kernels::cpu::band {
 
+// Tiles per work unit (one 128-row band by up to this many tiles): see
+// adamw_band.cc.
+constexpr int64_t kUnitTiles = 4;
+
 // One non-empty parameter of a call.
 struct ParamPlan {
   const AdamWParamBuffers* b = nullptr;
   QuantizedLayout layout;
   int64_t mb = 0, nb = 0;
-  int64_t chunks = 0;      // work units per band: ceil(nb / configured unit tiles)
-  int64_t unit_tiles = 0;  // most tiles in one of its units: ceil(nb / chunks)
+  int64_t chunks = 0;      // work units per band: ceil(nb / kUnitTiles)
   int64_t first_unit = 0;  // index of unit (0, 0) in the flattened unit list
 };
 
 // The units [u0, u1) of the flattened unit list of `plans` (first_unit
-// ascending), in order, with scratch of the calling thread, run as `cfg` says
-// (its unit_tiles is already in the plans). Ends with a store
+// ascending), in order, with scratch of the calling thread. Ends with a store
 // fence (the FP8 copies may be written with non-temporal stores).
 #define QTX_ADAMW_BAND_DECLS                                                              \
   void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,        \
-                const AdamWScalars& s, const internal::BandConfig& cfg);                  \
+                const AdamWScalars& s);                                                   \
   uint8_t EncodeFp8Branchless(float x, Fp8Format f);                                      \
   void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f);
 

@@ -11,7 +11,6 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -327,10 +326,9 @@ TEST(AdamWStepFused, EqualsReferenceAcrossShapesDtypesAndLayouts) {
   }
 }
 
-// Wide parameters under the active configuration (by default full-width units;
-// at 3 threads the 1- and 2-band ones have their bands split into several
-// units, unevenly when the tile count does not divide), with partial edge
-// tiles. BandConfig.EveryKnobOnEveryIsaEqualsReference covers every width.
+// Parameters wider than one work unit (a 128-row band by up to 4 tiles): the
+// band is split into several units (unevenly when the tile count does not
+// divide), with partial edge tiles, at several thread counts.
 TEST(AdamWStepFused, EqualsReferenceOnWideBandsSplitIntoUnits) {
   const Shape shapes[] = {{130, 1100}, {260, 641}, {1, 2049}, {129, 1024}};
   uint32_t seed = 500;
@@ -560,169 +558,6 @@ TEST(BandIsa, EveryAvailableIsaEqualsReference) {
   if (!avx512_tested) {
     GTEST_SKIP() << "AVX-512 band kernel NOT exercised (not compiled in, or this CPU lacks "
                     "AVX-512); the baseline kernel passed";
-  }
-}
-
-// ---- band kernel configurations (kernels/cpu/adamw.h BandConfig) -----------
-
-bool SameConfig(const internal::BandConfig& a, const internal::BandConfig& b) {
-  return a.unit_tiles == b.unit_tiles && a.row_update == b.row_update &&
-         a.prefetch_rows == b.prefetch_rows && a.deferred_encode == b.deferred_encode;
-}
-
-TEST(BandConfig, ParseAndStringRoundTrip) {
-  internal::BandConfig c;
-  ASSERT_TRUE(internal::ParseBandConfig("cols=1024,update=row,prefetch=0,encode=immediate", &c));
-  EXPECT_EQ(c.unit_tiles, 8);
-  EXPECT_TRUE(c.row_update);
-  EXPECT_EQ(c.prefetch_rows, 0);
-  EXPECT_FALSE(c.deferred_encode);
-  EXPECT_EQ(internal::BandConfigString(c), "cols=1024,update=row,prefetch=0,encode=immediate");
-  ASSERT_TRUE(internal::ParseBandConfig("cols=full", &c));
-  EXPECT_EQ(c.unit_tiles, 0);
-  EXPECT_TRUE(c.row_update);  // unset keys keep their values
-  EXPECT_EQ(internal::BandConfigString(c), "cols=full,update=row,prefetch=0,encode=immediate");
-  ASSERT_TRUE(internal::ParseBandConfig("", &c));
-  internal::BandConfig back;
-  ASSERT_TRUE(internal::ParseBandConfig(internal::BandConfigString(c), &back));
-  EXPECT_TRUE(SameConfig(back, c));
-  // Rejected, and *c left as it was.
-  const internal::BandConfig before = c;
-  for (const char* bad : {"cols=100", "cols=0", "cols=-128", "cols=", "cols=12x", "update=col",
-                          "prefetch=65", "prefetch=-1", "encode=late", "colour=1", "cols=512,",
-                          "cols=512,update=row,prefetch=99", "prefetch"}) {
-    EXPECT_FALSE(internal::ParseBandConfig(bad, &c)) << bad;
-    EXPECT_TRUE(SameConfig(c, before)) << bad;
-  }
-  internal::BandConfig neg;
-  neg.prefetch_rows = -1;
-  EXPECT_FALSE(internal::SetBandConfig(neg));
-  neg.prefetch_rows = internal::kMaxPrefetchRows + 1;
-  EXPECT_FALSE(internal::SetBandConfig(neg));
-}
-
-// The environment variables: QTX_ADAMW_BAND, then the single knobs on top;
-// invalid values ignored (the rest still applied).
-TEST(BandConfig, FromEnvironment) {
-  const char* vars[] = {"QTX_ADAMW_BAND", "QTX_ADAMW_UNIT_COLS", "QTX_ADAMW_UPDATE",
-                        "QTX_ADAMW_PREFETCH_ROWS", "QTX_ADAMW_ENCODE"};
-  std::vector<std::pair<std::string, std::string>> saved;
-  for (const char* v : vars) {
-    if (const char* e = std::getenv(v)) saved.emplace_back(v, e);
-    unsetenv(v);
-  }
-  EXPECT_TRUE(SameConfig(internal::BandConfigFromEnvironment(), internal::BandConfig{}));
-  setenv("QTX_ADAMW_BAND", "cols=full,update=row,prefetch=1,encode=immediate", 1);
-  internal::BandConfig c = internal::BandConfigFromEnvironment();
-  EXPECT_EQ(internal::BandConfigString(c), "cols=full,update=row,prefetch=1,encode=immediate");
-  setenv("QTX_ADAMW_UNIT_COLS", "1536", 1);
-  setenv("QTX_ADAMW_PREFETCH_ROWS", "0", 1);
-  c = internal::BandConfigFromEnvironment();
-  EXPECT_EQ(internal::BandConfigString(c), "cols=1536,update=row,prefetch=0,encode=immediate");
-  setenv("QTX_ADAMW_UPDATE", "tile", 1);
-  setenv("QTX_ADAMW_ENCODE", "deferred", 1);
-  setenv("QTX_ADAMW_UNIT_COLS", "full", 1);
-  c = internal::BandConfigFromEnvironment();
-  EXPECT_EQ(internal::BandConfigString(c), "cols=full,update=tile,prefetch=0,encode=deferred");
-  setenv("QTX_ADAMW_BAND", "cols=100", 1);        // invalid: ignored
-  setenv("QTX_ADAMW_UNIT_COLS", "2048", 1);
-  setenv("QTX_ADAMW_PREFETCH_ROWS", "lots", 1);   // invalid: ignored
-  c = internal::BandConfigFromEnvironment();
-  EXPECT_EQ(internal::BandConfigString(c), "cols=2048,update=tile,prefetch=2,encode=deferred");
-  for (const char* v : vars) unsetenv(v);
-  for (const auto& [k, v] : saved) setenv(k.c_str(), v.c_str(), 1);
-}
-
-// Every configuration knob (unit widths of 1..32 tiles and the full width,
-// including widths that split the bands unevenly, tile-segment and row
-// updates, prefetch distances up to beyond the band, deferred and immediate
-// encodes) on every available ISA at 1 and 3 threads, against the reference:
-// parameters with partial edge tiles, partial bands, 1-D and 2-D scaling,
-// row/column-only outputs, a BF16 copy, and one without FP8 output.
-TEST(BandConfig, EveryKnobOnEveryIsaEqualsReference) {
-  const internal::BandIsa initial_isa = internal::ActiveBandIsa();
-  const internal::BandConfig initial = internal::ActiveBandConfig();
-  // The parameters and their reference results after each of two steps
-  // (independent of the configuration).
-  const Shape shapes[] = {{256, 640}, {200, 1100}, {384, 515}, {130, 2049}, {128, 384},
-                          {260, 1024}, {1, 300}};
-  std::vector<ParamState> init;
-  uint32_t seed = 1300;
-  for (const Shape& sh : shapes) {
-    QuantizeParams q;
-    q.scaling = seed % 4 == 2 ? BlockScaling::kBlock1D : BlockScaling::kBlock2D;
-    q.rowwise = seed % 3 != 1;
-    q.columnwise = seed % 3 != 2;
-    q.format = seed % 2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-    ParamState p = MakeParam(sh.m, sh.n, seed % 5 == 4 ? MomentDType::kBFloat16 : MomentDType::kFloat32,
-                             seed % 2 ? InputDType::kBFloat16 : InputDType::kFloat32, q,
-                             seed % 3 == 0, Pattern::kRandom, seed);
-    p.fp8 = seed != 1305;  // one parameter without FP8 output
-    ++seed;
-    init.push_back(p);
-  }
-  constexpr int kSteps = 2;
-  std::vector<std::vector<ParamState>> expect(kSteps);  // [step][param]
-  {
-    std::vector<ParamState> ref = init;
-    for (int t = 1; t <= kSteps; ++t) {
-      std::vector<AdamWParamBuffers> rb;
-      for (auto& p : ref) {
-        p.FillOutputs(0x02);
-        rb.push_back(p.Buffers());
-      }
-      AdamWReference(rb, MakeAdamWScalars(AdamWHyperParams{}, t, 1.0));
-      expect[t - 1] = ref;
-    }
-  }
-  int isas = 0, runs = 0;
-  for (internal::BandIsa isa : {internal::BandIsa::kBaseline, internal::BandIsa::kAvx512}) {
-    if (!internal::SetBandIsa(isa)) continue;
-    ++isas;
-    const std::string name = isa == internal::BandIsa::kAvx512 ? "avx512" : "baseline";
-    for (int64_t tiles : {1, 2, 3, 4, 5, 7, 8, 16, 32, 0}) {
-      for (bool row : {false, true}) {
-        for (int pf : {0, 1, 2, 3, internal::kMaxPrefetchRows}) {
-          for (bool deferred : {true, false}) {
-            internal::BandConfig c;
-            c.unit_tiles = tiles;
-            c.row_update = row;
-            c.prefetch_rows = pf;
-            c.deferred_encode = deferred;
-            ASSERT_TRUE(internal::SetBandConfig(c));
-            ASSERT_TRUE(SameConfig(internal::ActiveBandConfig(), c));
-            // Both thread counts only for a subset of prefetch distances
-            // (the prefetch does not change the work split).
-            for (int threads : {1, 3}) {
-              if (threads == 3 && pf % 2 == 1) continue;
-              std::vector<ParamState> fused = init;
-              for (int t = 1; t <= kSteps; ++t) {
-                std::vector<AdamWParamBuffers> fb;
-                for (auto& p : fused) {
-                  p.FillOutputs(0x01);
-                  fb.push_back(p.Buffers());
-                }
-                AdamWStepFused(fb, MakeAdamWScalars(AdamWHyperParams{}, t, 1.0), threads);
-                for (size_t i = 0; i < fused.size(); ++i) {
-                  const std::string d = FirstDifference(fused[i], expect[t - 1][i]);
-                  ASSERT_EQ(d, "") << name << " " << internal::BandConfigString(c) << " threads "
-                                   << threads << " param " << i << " (" << shapes[i].m << "x"
-                                   << shapes[i].n << ") step " << t;
-                }
-              }
-              ++runs;
-            }
-          }
-        }
-      }
-    }
-  }
-  ASSERT_TRUE(internal::SetBandIsa(initial_isa));
-  ASSERT_TRUE(internal::SetBandConfig(initial));
-  EXPECT_EQ(runs, isas * 10 * 2 * 2 * (5 + 3));
-  if (isas < 2) {
-    GTEST_SKIP() << "AVX-512 band kernel NOT exercised (not compiled in, or this CPU lacks "
-                    "AVX-512); every configuration passed on the baseline kernel";
   }
 }
 
