@@ -3,6 +3,7 @@
 // runs), then stops accepting, lets in-flight calls finish, removes the
 // socket and exits 0.
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -58,6 +59,16 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // A client that disconnects mid-write must not kill the server.
   signal(SIGPIPE, SIG_IGN);
+  // Every registered shm region keeps its descriptor open (its size is
+  // checked on each use), up to RegionTableOptions::max_regions of them:
+  // raise the soft limit on open files to the hard one.
+  struct rlimit files;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &files) != 0) {
+      spdlog::warn("event=rlimit_nofile_unchanged soft={}", static_cast<uint64_t>(files.rlim_cur));
+    }
+  }
 
   const qtx::server::config::ServerConfig config =
       qtx::server::config::ServerConfigFromFlags();
