@@ -5,7 +5,8 @@ Installs client/python with pip into a temporary --target folder (stubs are
 generated from proto/ during the install), imports it from there, starts a
 qtxd with a bearer token, a health-only port and client shm, and checks the
 wrapper: numpy and torch in/out, FP8 bytes and scales against a decoder
-written here, dequantize, shm regions, the error classes and the token.
+written here, dequantize, shm regions, the error classes, the token and the
+Optimizer calls.
 
   /usr/bin/python3 tests/python/test_package.py --qtxd=build/server/qtxd
 """
@@ -235,6 +236,25 @@ class PackageTest(unittest.TestCase):
             self.assertEqual(h.health(), "SERVING")
             with self.assertRaises(qtx.errors.UnimplementedError):
                 h.list_regions()
+
+    def test_optimizer_calls(self):
+        # The installed package's Optimizer wrapper, with the token (the AdamW
+        # numerics are checked in test_client_optimizer.py).
+        w = np.full((2, 128), 0.5, np.float32)
+        info = self.c.offload_optimizer_state("py-pkg", {"w": w}, lr=0.1, weight_decay=0.0)
+        self.assertEqual((info.name, info.step, info.num_elements), ("py-pkg", 0, 256))
+        r = self.c.step("py-pkg", 1, {"w": np.ones_like(w)})
+        self.assertEqual(r.stats.step, 1)
+        master = self.c.get_state("py-pkg").parameters["w"].master
+        self.assertLess(float(np.max(master)), 0.5)  # moved against the gradient
+        ref = self.c.quantize(master, mode="2d", columnwise=True)
+        np.testing.assert_array_equal(r.parameters["w"].fp8.rowwise_data, ref.rowwise_data)
+        np.testing.assert_array_equal(r.parameters["w"].fp8.columnwise_data,
+                                      ref.columnwise_data)
+        with self.assertRaises(qtx.errors.FailedPreconditionError):
+            self.c.step("py-pkg", 3, {"w": np.ones_like(w)})
+        self.c.release_group("py-pkg")
+        self.assertEqual(self.c.list_optimizer_groups().groups, [])
 
 
 class CollectiveTest(unittest.TestCase):

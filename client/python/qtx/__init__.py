@@ -3,10 +3,13 @@
     import qtx
     with qtx.Client("unix:///tmp/qtxd.sock") as c:
         q = c.quantize(x, mode="2d", columnwise=True)   # numpy or torch in/out
+        c.offload_optimizer_state("mlp", {"w": w}, lr=1e-3)  # AdamW in qtxd
+        r = c.step("mlp", 1, {"w": grad_w})              # r.parameters["w"].fp8
 
 ``qtx.Client`` wraps the generated qtx.v1 stubs (``qtx.v1.*_pb2``,
 ``*_pb2_grpc``: generated from proto/ when the package is built, by
 ``pip install client/python`` or by the CMake target ``qtx_python``).
+The Optimizer calls' types are in ``qtx.optimizer`` (also exported here).
 ``qtx.ShmRegion`` makes POSIX shm regions; ``qtx.errors`` has one exception
 class per gRPC status code; ``qtx.channel()`` is a raw channel with raised
 message limits for using the stubs directly.
@@ -15,6 +18,7 @@ message limits for using the stubs directly.
 from qtx import v1  # noqa: F401  (generated subpackage)
 from qtx.v1 import collective_pb2, collective_pb2_grpc  # noqa: F401
 from qtx.v1 import memory_pb2, memory_pb2_grpc  # noqa: F401
+from qtx.v1 import optimizer_pb2, optimizer_pb2_grpc  # noqa: F401
 from qtx.v1 import quantizer_pb2, quantizer_pb2_grpc  # noqa: F401
 from qtx.v1 import tensor_pb2  # noqa: F401
 from qtx import errors  # noqa: F401
@@ -22,6 +26,9 @@ from qtx.client import (  # noqa: F401
     DEFAULT_TARGET, MAX_MESSAGE_BYTES, AllGatherResult, Client, QuantizedTensor, channel,
     tensor_from_proto, tensor_to_proto)
 from qtx.errors import QtxError  # noqa: F401
+from qtx.optimizer import (  # noqa: F401
+    AdamWHyperParams, CheckpointInfo, OptimizerGroupInfo, OptimizerGroupList, OptimizerState,
+    ParameterInit, ParameterOutput, ParameterOutputConfig, ParameterState, StepResult, StepStats)
 from qtx.shm import ShmRegion  # noqa: F401
 
 __version__ = "0.1.0"

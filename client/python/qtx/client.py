@@ -10,6 +10,8 @@ Inputs are numpy arrays (float32, float16) or torch tensors (float32,
 bfloat16, float16) when torch is importable; outputs are numpy arrays, or
 torch tensors when the input was one. Layouts are the C++ client's (README:
 rowwise [M, N] u8, columnwise [N, M] u8, FP32 scale_inv with padded rows).
+The Optimizer calls (offload_optimizer_state, step, get_state, checkpoints,
+release_group, list_optimizer_groups) use the types of ``qtx.optimizer``.
 Every failure raises a ``qtx.errors.QtxError`` subclass named after its gRPC
 code. A Client is safe for concurrent use by several threads.
 """
@@ -23,7 +25,8 @@ import grpc
 import numpy as np
 
 from qtx import errors
-from qtx.v1 import collective_pb2, collective_pb2_grpc
+from qtx import optimizer as opt
+from qtx.v1 import collective_pb2, collective_pb2_grpc, optimizer_pb2, optimizer_pb2_grpc
 from qtx.v1 import memory_pb2, memory_pb2_grpc, quantizer_pb2, quantizer_pb2_grpc, tensor_pb2
 
 try:  # torch is optional
@@ -108,6 +111,7 @@ class Client:
         self.quantizer = quantizer_pb2_grpc.QuantizerStub(self._channel)
         self.memory = memory_pb2_grpc.MemoryStub(self._channel)
         self.collective = collective_pb2_grpc.CollectiveStub(self._channel)
+        self.optimizer = optimizer_pb2_grpc.OptimizerStub(self._channel)
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=_encode_health_request,
@@ -253,6 +257,143 @@ class Client:
         """This sidecar's collective groups: a list of qtx.v1.GroupInfo."""
         return list(self._call(self.collective.ListGroups, collective_pb2.ListGroupsRequest(),
                                timeout).groups)
+
+
+    # ---- optimizer ----------------------------------------------------------------------------
+    # AdamW offload (qtx.v1.Optimizer; semantics in proto/qtx/v1/optimizer.proto). Types in
+    # qtx.optimizer. Named as the C++ client's calls; list_optimizer_groups because
+    # list_groups lists the Collective groups.
+
+    def offload_optimizer_state(self, group, parameters, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=1e-2, bias_correction=True,
+                                moment_dtype="float32", output="fp8", mode="2d",
+                                format="e4m3", rowwise=True, columnwise=True,
+                                pow2_scales=True, amax_epsilon=0.0, bf16_copy=False, step=0,
+                                replace=False, timeout=None, request_id=None):
+        """Hands a parameter group's master weights (and optionally its AdamW
+        moments) to qtxd and returns its OptimizerGroupInfo.
+
+        parameters: {name: master}, or a list of qtx.ParameterInit (with
+        exp_avg/exp_avg_sq); masters are numpy float32, bfloat16 bits as numpy
+        uint16, or torch float32/bfloat16. lr, betas, eps, weight_decay,
+        bias_correction: torch.optim.AdamW's. moment_dtype: 'float32' or
+        'bfloat16' (storage). output: 'fp8' (mode '2d' 128x128 tiles or '1d',
+        both copies by default; bf16_copy=True adds a BF16 copy) or 'bf16'.
+        step: steps already applied to the given state (the first step() then
+        carries step + 1). replace: replace a group of that name (else
+        AlreadyExistsError)."""
+        req = optimizer_pb2.OffloadOptimizerStateRequest(
+            group=group, moment_dtype=opt.choice(moment_dtype, opt.MOMENT_DTYPES,
+                                                  "moment_dtype"),
+            step=step, replace=replace)
+        opt.hyper_to_proto(opt.AdamWHyperParams(lr, tuple(betas), eps, weight_decay,
+                                                bias_correction), req.hyper_params)
+        opt.output_to_proto(opt.ParameterOutputConfig(output, mode, format, rowwise, columnwise,
+                                                      pow2_scales, amax_epsilon, bf16_copy),
+                            req.output, _quantize_config)
+        for p in opt.parameters_from_arg(parameters):
+            master = opt.state_tensor_to_proto(p.master, "%s.master" % p.name, tensor_to_proto,
+                                               _is_torch)
+            init = req.parameters.add(name=p.name, master=master)
+            init.shape.extend(p.shape if p.shape is not None else master.shape)
+            if p.exp_avg is not None:
+                init.exp_avg.CopyFrom(opt.state_tensor_to_proto(
+                    p.exp_avg, "%s.exp_avg" % p.name, tensor_to_proto, _is_torch))
+            if p.exp_avg_sq is not None:
+                init.exp_avg_sq.CopyFrom(opt.state_tensor_to_proto(
+                    p.exp_avg_sq, "%s.exp_avg_sq" % p.name, tensor_to_proto, _is_torch))
+        resp = self._call(self.optimizer.OffloadOptimizerState, req, timeout, request_id)
+        return opt.group_from_proto(resp.group)
+
+    def step(self, group, step, gradients, lr=None, max_grad_norm=None, skip_if_non_finite=False,
+             omit_parameters=False, timeout=None, request_id=None):
+        """Applies AdamW step number `step` (the group's step + 1; the group's
+        step again replays the last result without applying it twice, any
+        other number raises FailedPreconditionError) and returns a StepResult:
+        .stats (grad_norm, clip_coef, skipped, replayed, ...) and .parameters
+        {name: ParameterOutput(.fp8 QuantizedTensor, .bf16 uint16 bits)},
+        inline. gradients: {name: array} (or (name, array) pairs), one per
+        parameter: numpy float32/float16, bfloat16 bits as uint16, or torch
+        (outputs are then torch tensors). lr: this step's learning rate (else
+        the group's). max_grad_norm: global clipping as clip_grad_norm_.
+        skip_if_non_finite: a NaN/Inf gradient skips the update (the step
+        number still advances)."""
+        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
+        as_torch = bool(items) and all(_is_torch(g) for _, g in items)
+        req = optimizer_pb2.StepRequest(group=group, step=step,
+                                        skip_if_non_finite=skip_if_non_finite,
+                                        omit_parameters=omit_parameters)
+        for name, g in items:
+            req.gradients.add(name=name, grad=opt.state_tensor_to_proto(
+                g, "gradient %s" % name, tensor_to_proto, _is_torch))
+        if lr is not None:
+            req.lr = lr
+        if max_grad_norm is not None:
+            req.max_grad_norm = max_grad_norm
+        resp = self._call(self.optimizer.Step, req, timeout, request_id)
+        s = resp.stats
+        stats = opt.StepStats(step=s.step, grad_norm=s.grad_norm, skipped=s.skipped,
+                              non_finite=s.non_finite, clip_coef=s.clip_coef, lr=s.lr,
+                              replayed=s.replayed)
+        params = {}
+        for p in resp.parameters:
+            out = opt.ParameterOutput(p.name)
+            if p.HasField("fp8"):
+                mode, fmt = opt.quantized_names(p.fp8.config)
+                out.fp8 = _quantized_from_proto(p.fp8, mode, fmt, as_torch)
+            if p.HasField("bf16"):
+                out.bf16 = tensor_from_proto(p.bf16, as_torch)
+            params[p.name] = out
+        return opt.StepResult(stats, params)
+
+    def get_state(self, group, names=None, include_moments=False, timeout=None,
+                  request_id=None):
+        """The group's OptimizerGroupInfo and the FP32 master weights (and with
+        include_moments the moments, in the moment dtype: uint16 bits for
+        bfloat16) of `names` (default: every parameter), as numpy arrays:
+        an OptimizerState with .group and .parameters {name: ParameterState}."""
+        if isinstance(names, str):
+            names = [names]
+        req = optimizer_pb2.GetStateRequest(group=group, names=list(names or []),
+                                            include_moments=include_moments)
+        resp = self._call(self.optimizer.GetState, req, timeout, request_id)
+        params = {}
+        for p in resp.parameters:
+            st = opt.ParameterState(p.name, tensor_from_proto(p.master))
+            if p.HasField("exp_avg"):
+                st.exp_avg = tensor_from_proto(p.exp_avg)
+            if p.HasField("exp_avg_sq"):
+                st.exp_avg_sq = tensor_from_proto(p.exp_avg_sq)
+            params[p.name] = st
+        return opt.OptimizerState(opt.group_from_proto(resp.group), params)
+
+    def save_checkpoint(self, group="", timeout=None, request_id=None):
+        """Checkpoints `group` (empty: every group) into qtxd's
+        --checkpoint_dir; a list of CheckpointInfo (group, step, path, bytes)."""
+        resp = self._call(self.optimizer.SaveCheckpoint,
+                          optimizer_pb2.SaveCheckpointRequest(group=group), timeout, request_id)
+        return [opt.CheckpointInfo(c.group, c.step, c.path, c.bytes) for c in resp.checkpoints]
+
+    def load_checkpoint(self, group, previous=False, timeout=None, request_id=None):
+        """Replaces the group's state with its checkpoint (previous=True: the
+        one before it, '<group>.qtxopt.prev'); returns its OptimizerGroupInfo."""
+        resp = self._call(self.optimizer.LoadCheckpoint,
+                          optimizer_pb2.LoadCheckpointRequest(group=group, previous=previous),
+                          timeout, request_id)
+        return opt.group_from_proto(resp.group)
+
+    def release_group(self, group, timeout=None, request_id=None):
+        """Drops an optimizer group and frees its host memory."""
+        self._call(self.optimizer.ReleaseGroup, optimizer_pb2.ReleaseGroupRequest(group=group),
+                   timeout, request_id)
+
+    def list_optimizer_groups(self, timeout=None):
+        """Every optimizer group (unusable ones carry .error) and qtxd's memory
+        cap: an OptimizerGroupList."""
+        resp = self._call(self.optimizer.ListGroups, optimizer_pb2.ListOptimizerGroupsRequest(),
+                          timeout)
+        return opt.OptimizerGroupList([opt.group_from_proto(g) for g in resp.groups],
+                                      resp.memory_limit_bytes, resp.memory_used_bytes)
 
 
 def _quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon):
