@@ -12,9 +12,6 @@
 // One JSON line per (events) case on stdout; a table on stderr.
 //
 //   optimizer_gpu_bench --qtxd=PATH [--params=8 --m=8192 --n=16384 --steps=5]
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
@@ -35,8 +32,7 @@
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/shm_region.h"
-
-extern char** environ;
+#include "tests/testing/qtxd_process.h"
 
 namespace {
 
@@ -154,29 +150,15 @@ int main(int argc, char** argv) {
   };
 
   // ---- qtxd ----
-  const std::string socket = "/tmp/qtx-optgpu-" + std::to_string(::getpid()) + ".sock";
-  std::vector<std::string> args = {f.qtxd, "--device=cuda:0", "--socket=" + socket,
-                                   "--log_level=warn", "--allow_client_shm",
-                                   "--optimizer_memory_limit_mb=65536"};
-  std::vector<char*> argv_c;
-  for (auto& a : args) argv_c.push_back(a.data());
-  argv_c.push_back(nullptr);
-  pid_t server_pid = -1;
-  if (posix_spawn(&server_pid, argv_c[0], nullptr, nullptr, argv_c.data(), environ) != 0) {
-    std::fprintf(stderr, "cannot start %s\n", f.qtxd.c_str());
-    return 1;
-  }
-  auto stop_server = [&] {
-    if (server_pid > 0) {
-      ::kill(server_pid, SIGTERM);
-      ::waitpid(server_pid, nullptr, 0);
-      server_pid = -1;
-    }
-  };
-  auto client_or = qtx::Client::Connect("unix://" + socket);
+  auto server_or = qtx::testing::QtxdProcess::Start(
+      f.qtxd, {"--device=cuda:0", "--allow_client_shm", "--optimizer_memory_limit_mb=65536"},
+      absl::Seconds(60));
+  CHECK_OK(server_or.status());
+  std::unique_ptr<qtx::testing::QtxdProcess> server = *std::move(server_or);
+  auto stop_server = [&] { server.reset(); };
+  auto client_or = qtx::Client::Connect(server->target());
   CHECK_OK(client_or.status());
   std::unique_ptr<qtx::Client> client = *std::move(client_or);
-  CHECK_OK(client->WaitUntilServing(absl::Seconds(60)));
 
   // Initial master weights: BF16 in a shm region (widened exactly by qtxd).
   auto t_off0 = Clock::now();

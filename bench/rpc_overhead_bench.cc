@@ -18,9 +18,6 @@
 // the service path, not OpenMP team wake-ups. The cases alternate in rounds
 // so that a noisy moment of a shared machine hits all of them alike.
 #include <omp.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,8 +38,7 @@
 #include "kernels/cpu/quantize_block.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
-
-extern char** environ;
+#include "tests/testing/qtxd_process.h"
 
 namespace {
 
@@ -217,31 +213,19 @@ int main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
   omp_set_num_threads(1);
 
-  pid_t server_pid = -1;
+  std::unique_ptr<qtx::testing::QtxdProcess> server;
   std::string target = flags.target;
   if (!flags.qtxd.empty()) {
-    const std::string socket = "/tmp/qtx-rpc-overhead-" + std::to_string(::getpid()) + ".sock";
-    target = "unix://" + socket;
-    std::vector<std::string> args = {flags.qtxd, "--device=cpu", "--socket=" + socket,
-                                     "--allow_client_shm", "--log_level=warn",
+    std::vector<std::string> args = {"--device=cpu", "--allow_client_shm",
                                      "--threads=" + std::to_string(flags.threads)};
     args.insert(args.end(), flags.qtxd_args.begin(), flags.qtxd_args.end());
-    std::vector<char*> argv_c;
-    for (auto& a : args) argv_c.push_back(a.data());
-    argv_c.push_back(nullptr);
-    // The child gets OMP_NUM_THREADS=1 (and keeps the rest of the environment).
-    std::vector<std::string> env_s = {"OMP_NUM_THREADS=1"};
-    for (char** e = environ; *e != nullptr; ++e) {
-      if (std::strncmp(*e, "OMP_NUM_THREADS=", 16) != 0) env_s.emplace_back(*e);
-    }
-    std::vector<char*> env_c;
-    for (auto& e : env_s) env_c.push_back(e.data());
-    env_c.push_back(nullptr);
-    if (posix_spawn(&server_pid, argv_c[0], nullptr, nullptr, argv_c.data(), env_c.data()) != 0) {
-      std::fprintf(stderr, "cannot start %s\n", flags.qtxd.c_str());
-      return 1;
-    }
+    ::setenv("OMP_NUM_THREADS", "1", 1);  // for the child (see the top comment)
+    auto server_or = qtx::testing::QtxdProcess::Start(flags.qtxd, args, absl::Seconds(60));
+    CHECK_OK(server_or.status());
+    server = *std::move(server_or);
+    target = server->target();
   }
+  const pid_t server_pid = server != nullptr ? server->pid() : -1;
   auto client_or = qtx::Client::Connect(target);
   CHECK_OK(client_or.status());
   std::unique_ptr<qtx::Client> client = *std::move(client_or);
@@ -378,9 +362,6 @@ int main(int argc, char** argv) {
     CHECK_OK(client->UnregisterRegion(region->name()));
   }
   client.reset();
-  if (server_pid > 0) {
-    ::kill(server_pid, SIGTERM);
-    ::waitpid(server_pid, nullptr, 0);
-  }
+  server.reset();
   return 0;
 }

@@ -9,9 +9,6 @@
 //                          [--qtxd_arg=--flag=value ...]   (extra qtxd flags, e.g. for A/B:
 //                                                           --qtxd_arg=--inline_max_concurrent=0)
 //   service_overhead_bench --target=unix:///tmp/qtxd.sock   (an already running qtxd)
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
@@ -31,8 +28,7 @@
 #include "kernels/cuda/quantize_block.h"
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
-
-extern char** environ;
+#include "tests/testing/qtxd_process.h"
 
 namespace {
 
@@ -136,22 +132,16 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaSetDevice(0));
   CHECK_CUDA(cudaFree(nullptr));
 
-  pid_t server_pid = -1;
+  std::unique_ptr<qtx::testing::QtxdProcess> server;
   std::string target = flags.target;
   if (!flags.qtxd.empty()) {
-    const std::string socket = "/tmp/qtx-overhead-" + std::to_string(::getpid()) + ".sock";
-    target = "unix://" + socket;
-    std::vector<std::string> args = {flags.qtxd, "--device=cuda:0", "--socket=" + socket,
-                                     "--log_level=warn",
+    std::vector<std::string> args = {"--device=cuda:0",
                                      "--threads=" + std::to_string(flags.threads)};
     args.insert(args.end(), flags.qtxd_args.begin(), flags.qtxd_args.end());
-    std::vector<char*> argv_c;
-    for (auto& a : args) argv_c.push_back(a.data());
-    argv_c.push_back(nullptr);
-    if (posix_spawn(&server_pid, argv_c[0], nullptr, nullptr, argv_c.data(), environ) != 0) {
-      std::fprintf(stderr, "cannot start %s\n", flags.qtxd.c_str());
-      return 1;
-    }
+    auto server_or = qtx::testing::QtxdProcess::Start(flags.qtxd, args, absl::Seconds(60));
+    CHECK_OK(server_or.status());
+    server = *std::move(server_or);
+    target = server->target();
   }
   auto client_or = qtx::Client::Connect(target);
   CHECK_OK(client_or.status());
@@ -303,9 +293,6 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaFree(d_out));
   }
   client.reset();
-  if (server_pid > 0) {
-    ::kill(server_pid, SIGTERM);
-    ::waitpid(server_pid, nullptr, 0);
-  }
+  server.reset();
   return 0;
 }

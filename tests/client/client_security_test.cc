@@ -16,7 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "qtx/client.h"
-#include "tests/client/qtxd_process.h"
+#include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_pki.h"
 

@@ -27,7 +27,7 @@
 #include "kernels/fp8.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
-#include "tests/client/qtxd_process.h"
+#include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx {

@@ -26,7 +26,7 @@
 #include "kernels/cpu/adamw.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
-#include "tests/client/qtxd_process.h"
+#include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx {

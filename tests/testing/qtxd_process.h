@@ -1,9 +1,10 @@
 // QtxdProcess: a qtxd child process on a private unix socket, for end-to-end
-// tests. Start() spawns it and waits until its health service says SERVING;
-// the destructor sends SIGTERM and reaps it (SIGKILL after a grace period).
+// tests and benchmarks. Start() spawns it and waits until its health service
+// says SERVING; the destructor sends SIGTERM and reaps it (SIGKILL after a
+// grace period).
 // One owner thread.
-#ifndef QTX_TESTS_CLIENT_QTXD_PROCESS_H_
-#define QTX_TESTS_CLIENT_QTXD_PROCESS_H_
+#ifndef QTX_TESTS_TESTING_QTXD_PROCESS_H_
+#define QTX_TESTS_TESTING_QTXD_PROCESS_H_
 
 #include <sys/types.h>
 
@@ -37,6 +38,8 @@ class QtxdProcess {
   // "unix://<socket path>".
   std::string target() const { return "unix://" + socket_path_; }
   const std::string& socket_path() const { return socket_path_; }
+  // The child's process id (e.g. to read its CPU time); -1 once reaped.
+  pid_t pid() const { return pid_; }
 
   // Sends SIGTERM and waits up to `grace` for exit. Returns the exit status
   // (as from waitpid's WEXITSTATUS; 128+signal when killed by a signal).
@@ -53,4 +56,4 @@ class QtxdProcess {
 
 }  // namespace qtx::testing
 
-#endif  // QTX_TESTS_CLIENT_QTXD_PROCESS_H_
+#endif  // QTX_TESTS_TESTING_QTXD_PROCESS_H_

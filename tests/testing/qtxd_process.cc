@@ -1,4 +1,4 @@
-#include "tests/client/qtxd_process.h"
+#include "tests/testing/qtxd_process.h"
 
 #include <signal.h>
 #include <spawn.h>
