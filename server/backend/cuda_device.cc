@@ -338,13 +338,6 @@ absl::StatusOr<CudaDevice::SharedEvent> CudaDevice::OpenIpcEvent(std::string_vie
   return shared;
 }
 
-absl::Status CudaDevice::WaitForClient(const CudaEvents& events, cudaStream_t stream) {
-  if (events.wait_event.empty()) return absl::OkStatus();
-  QTX_ASSIGN_OR_RETURN(SharedEvent event, OpenIpcEvent(events.wait_event, "cuda_events.wait_event"));
-  QTX_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, event.get(), 0));
-  return absl::OkStatus();
-}
-
 absl::Status CudaDevice::FinishOp(const CudaEvents& events, cudaStream_t stream) {
   if (events.signal_event.empty()) {
     QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -359,31 +352,27 @@ absl::Status CudaDevice::FinishOp(const CudaEvents& events, cudaStream_t stream)
 absl::Status CudaDevice::OrderAfterClient(const CudaEvents& events) {
   if (events.empty()) return absl::OkStatus();
   QTX_RETURN_IF_ERROR(Activate());
+  // Open both events before anything is enqueued, so that a bad signal
+  // handle fails the call before any work runs.
   if (!events.signal_event.empty()) {
     QTX_RETURN_IF_ERROR(OpenIpcEvent(events.signal_event, "cuda_events.signal_event").status());
   }
-  return WaitForClient(events, ThisThreadStream());
+  if (events.wait_event.empty()) return absl::OkStatus();
+  QTX_ASSIGN_OR_RETURN(SharedEvent event, OpenIpcEvent(events.wait_event, "cuda_events.wait_event"));
+  QTX_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ThisThreadStream(), event.get(), 0));
+  return absl::OkStatus();
 }
 
 absl::Status CudaDevice::SignalClient(const CudaEvents& events) {
   if (events.signal_event.empty()) return absl::OkStatus();
   QTX_RETURN_IF_ERROR(Activate());
-  QTX_ASSIGN_OR_RETURN(SharedEvent event,
-                       OpenIpcEvent(events.signal_event, "cuda_events.signal_event"));
-  QTX_CUDA_RETURN_IF_ERROR(cudaEventRecord(event.get(), ThisThreadStream()));
-  return absl::OkStatus();
+  return FinishOp(events, ThisThreadStream());
 }
 
 absl::Status CudaDevice::Quantize(const QuantizeArgs& args) {
   QTX_RETURN_IF_ERROR(Activate());
   cudaStream_t stream = ThisThreadStream();
-  // Open both events before enqueueing anything, so a bad signal handle
-  // fails the call before the kernel runs.
-  if (!args.events.signal_event.empty()) {
-    QTX_RETURN_IF_ERROR(
-        OpenIpcEvent(args.events.signal_event, "cuda_events.signal_event").status());
-  }
-  QTX_RETURN_IF_ERROR(WaitForClient(args.events, stream));
+  QTX_RETURN_IF_ERROR(OrderAfterClient(args.events));
   QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeBlock(args.input, args.dtype, args.m, args.n,
                                                         args.params, args.out, stream));
   return FinishOp(args.events, stream);
@@ -392,11 +381,7 @@ absl::Status CudaDevice::Quantize(const QuantizeArgs& args) {
 absl::Status CudaDevice::Dequantize(const DequantizeArgs& args) {
   QTX_RETURN_IF_ERROR(Activate());
   cudaStream_t stream = ThisThreadStream();
-  if (!args.events.signal_event.empty()) {
-    QTX_RETURN_IF_ERROR(
-        OpenIpcEvent(args.events.signal_event, "cuda_events.signal_event").status());
-  }
-  QTX_RETURN_IF_ERROR(WaitForClient(args.events, stream));
+  QTX_RETURN_IF_ERROR(OrderAfterClient(args.events));
   QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::DequantizeBlock(args.in, args.scaling, args.format,
                                                           args.m, args.n, args.use_rowwise,
                                                           args.out_dtype, args.out, stream));

@@ -162,8 +162,6 @@ class CudaDevice final : public Device {
   void ReleaseStaging(StagingPair* pair);
 
   absl::StatusOr<SharedEvent> OpenIpcEvent(std::string_view handle, std::string_view field);
-  // Waits on events.wait_event on `stream` (if set).
-  absl::Status WaitForClient(const CudaEvents& events, cudaStream_t stream);
   // Records events.signal_event on `stream`, or synchronizes `stream`.
   absl::Status FinishOp(const CudaEvents& events, cudaStream_t stream);
 
