@@ -94,11 +94,6 @@ struct QuantizeArgs {
   int64_t sr_pitch, sc_pitch;  // row pitch (elements) of the scale matrices
   float fp8_max, eps, value_for_inf;
   bool pow2;
-  // Tile visiting order: 0 = row-major; G > 0 = groups of G tile rows walked
-  // column by column inside the group, so that the CTAs in flight together
-  // touch G adjacent tile rows (the columnwise copy's 128-byte runs of
-  // neighbouring tiles then land next to each other).
-  uint32_t group;
   bool stream_stores;  // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;  // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
@@ -127,23 +122,9 @@ struct SmemPlan {
 __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
                                            int64_t* tn) {
   const uint32_t nb = static_cast<uint32_t>(a.nb);
-  if (a.group == 0) {
-    const uint32_t r = tile / nb;
-    *tm = r;
-    *tn = tile - r * nb;
-    return;
-  }
-  // Grouped order: group g covers tile rows [g*G, g*G + rows) (the last group
-  // may be shorter); inside it, tiles go down a tile column first.
-  const uint32_t per_group = a.group * nb;
-  const uint32_t g = tile / per_group;
-  const uint32_t first = g * a.group;
-  const uint32_t mb = static_cast<uint32_t>(a.mb);
-  const uint32_t rows = (mb - first < a.group) ? mb - first : a.group;
-  const uint32_t in = tile - g * per_group;
-  const uint32_t c = in / rows;
-  *tm = first + (in - c * rows);
-  *tn = c;
+  const uint32_t r = tile / nb;
+  *tm = r;
+  *tn = tile - r * nb;
 }
 
 template <typename T>
@@ -712,7 +693,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   args.eps = params.amax_epsilon;
   args.value_for_inf = InputDTypeMax(dtype);
   args.pow2 = params.force_pow2_scales;
-  args.group = tuning.group > 0 ? static_cast<uint32_t>(tuning.group) : 0;
   // Evict-first stores: the FP8 copies are written once and read by a later
   // GEMM or all-gather, not by this kernel (about 3% faster at 8192^2 on H200,
   // bench/results/quantize_cuda_h200_variants.jsonl).

@@ -39,15 +39,12 @@ namespace detail {
 // Launch-shape override for benchmarking the fused quantize kernel:
 // `stages` = shared-memory pipeline depth of the aligned path (2 or 3; only
 // BF16 input with E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
-// of the persistent grid; 0 = the default; `group` = tile visiting order
-// (0 = row-major, G = groups of G tile rows walked column-first);
-// `l2_outputs` = plain stores of the FP8 copies instead of the default
+// of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of the default
 // evict-first (st.global.cs) ones. Results are identical for every setting.
 // Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
-  int group = 0;
   bool l2_outputs = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
