@@ -16,11 +16,14 @@
 #      for it. tests/robustness/tsan.supp (third-party frames only) is empty.
 #      First a canary (tests/robustness/tsan_canary):
 #      its racy modes must be reported and its absl-synchronized modes must be
-#      clean, under the same TSAN_OPTIONS, or the step fails.
+#      clean, under the same TSAN_OPTIONS, or the step fails. TSan binaries run
+#      with ASLR off (setarch -R): clang 14's runtime cannot map its shadow
+#      under high-entropy mmap randomization (vm.mmap_rnd_bits > 28).
 # Builds go to their own directories; nothing touches the default build.
 #   scripts/hardening.sh   env: QTX_ASAN_BUILD_DIR=build-asan  QTX_TSAN_BUILD_DIR=build-tsan
 #                               QTX_JOBS=$(nproc)
 #                               QTX_FUZZ_SECONDS=20  QTX_HARDENING_STEPS="asan fuzz tsan"
+#                               QTX_TSAN_CANARY_RUNS=3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -119,27 +122,62 @@ if has_step tsan; then
   cmake --build "$TSAN" -j"$JOBS" --target "${targets[@]}"
   # Every report fails the run (exit code 66 at exit); all of them are printed.
   export TSAN_OPTIONS="halt_on_error=0:exitcode=66:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$PWD/tests/robustness/tsan.supp"
+  # Clang 14's TSan runtime cannot place its shadow memory when the kernel
+  # randomizes mmap with more than 28 bits (vm.mmap_rnd_bits, 32 on newer
+  # kernels): it dies at start with "FATAL: ThreadSanitizer: unexpected
+  # memory mapping" at random (50% at 29 bits, every run at 32). That is what
+  # made this step flaky. TSan binaries run with ASLR off (setarch -R), which
+  # gives the runtime its fixed layout on every kernel.
+  TSAN_RUN=()
+  if setarch "$(uname -m)" -R true 2>/dev/null; then
+    TSAN_RUN=(setarch "$(uname -m)" -R)
+  else
+    echo "hardening: setarch -R is not permitted here; TSan runs with ASLR on" \
+         "(vm.mmap_rnd_bits=$(cat /proc/sys/vm/mmap_rnd_bits 2>/dev/null || echo '?'))"
+  fi
   logs="$TSAN/tsan-logs"
   rm -rf "$logs" && mkdir -p "$logs"
-  for m in "${CANARY_RACY[@]}"; do
-    if "$TSAN/tests/robustness/tsan_canary" "$m" > "$logs/canary-$m" 2>&1 ||
-        ! grep -q "WARNING: ThreadSanitizer: data race" "$logs/canary-$m"; then
-      cat "$logs/canary-$m"
-      echo "hardening: TSan did not report the deliberate race of tsan_canary $m: the setup is blind"
+  # canary MODE LOG: runs one canary mode; fails naming why when the TSan
+  # runtime did not start or the mode did not run to its end.
+  canary() {
+    local rc=0
+    "${TSAN_RUN[@]}" "$TSAN/tests/robustness/tsan_canary" "$1" > "$2" 2>&1 || rc=$?
+    if grep -q "FATAL: ThreadSanitizer" "$2"; then
+      cat "$2"
+      echo "hardening: the TSan runtime failed to start for tsan_canary $1 (see above):" \
+           "not a canary verdict; is ASLR on with vm.mmap_rnd_bits > 28?"
       exit 1
     fi
-  done
-  for m in "${CANARY_CLEAN[@]}"; do
-    if ! "$TSAN/tests/robustness/tsan_canary" "$m" > "$logs/canary-$m" 2>&1; then
-      cat "$logs/canary-$m"
-      echo "hardening: TSan reported tsan_canary $m (absl-synchronized): absl is invisible to it"
+    if ! grep -q "tsan_canary: $1 ran to the end" "$2"; then
+      cat "$2"
+      echo "hardening: tsan_canary $1 did not run to its end (exit $rc)"
       exit 1
     fi
+    return "$rc"
+  }
+  # QTX_TSAN_CANARY_RUNS repeats each mode (a determinism check; default 3).
+  runs="${QTX_TSAN_CANARY_RUNS:-3}"
+  for ((i = 1; i <= runs; ++i)); do
+    for m in "${CANARY_RACY[@]}"; do
+      if canary "$m" "$logs/canary-$m" ||
+          ! grep -q "WARNING: ThreadSanitizer: data race" "$logs/canary-$m"; then
+        cat "$logs/canary-$m"
+        echo "hardening: TSan did not report the deliberate race of tsan_canary $m (run $i): the setup is blind"
+        exit 1
+      fi
+    done
+    for m in "${CANARY_CLEAN[@]}"; do
+      if ! canary "$m" "$logs/canary-$m"; then
+        cat "$logs/canary-$m"
+        echo "hardening: TSan reported tsan_canary $m (absl-synchronized, run $i): absl is invisible to it"
+        exit 1
+      fi
+    done
   done
-  stamp "TSan canary: ${#CANARY_RACY[@]} racy modes reported, ${#CANARY_CLEAN[@]} synchronized modes clean"
+  stamp "TSan canary: ${#CANARY_RACY[@]} racy modes reported, ${#CANARY_CLEAN[@]} synchronized modes clean, $runs run(s) each"
   for t in "${TSAN_TESTS[@]}"; do
     stamp "TSan: $t"
-    "$TSAN/$t" --gtest_brief=1
+    "${TSAN_RUN[@]}" "$TSAN/$t" --gtest_brief=1
   done
   echo "tsan: {\"tests\":${#TSAN_TESTS[@]},\"canary_racy_reported\":${#CANARY_RACY[@]},\"canary_clean\":${#CANARY_CLEAN[@]},\"reports\":0}"
 fi

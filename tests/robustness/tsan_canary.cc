@@ -12,8 +12,19 @@
 //   lock_when     hand-off through Mutex::LockWhen(Condition)
 //   condvar       hand-off through absl::CondVar::Wait
 //   notification  hand-off through Notify / WaitForNotification
-// Each mode returns 0 when its threads ran to the end (TSan's exit code, 66 by
-// default, tells that it reported); an unknown mode returns 2.
+// Each mode prints "tsan_canary: <mode> ran to the end" and returns 0 when its
+// threads ran to the end (TSan's exit code, 66 by default, tells that it
+// reported); an unknown mode returns 2. A run without that line did not run
+// the mode at all (e.g. the TSan runtime refused the address-space layout:
+// scripts/hardening.sh starts TSan binaries with ASLR off for that reason).
+//
+// Determinism: in every racy mode both threads are alive, and have met, before
+// either makes its racy access, and neither ends before the other made it.
+// TSan (the LLVM 14+ runtime) keeps one vector-clock slot per live thread; a
+// thread that starts after another ended may take over its slot and with it
+// the ended thread's epoch, which hides their race. The meeting goes through
+// relaxed atomics, which TSan does not count as synchronization.
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -30,6 +41,18 @@ volatile int shared_value = 0;
 
 void Write(int v) { shared_value = shared_value + v; }
 
+// Both threads arrive here before either goes on (relaxed: no happens-before).
+class Meet {
+ public:
+  void Arrive() {
+    arrived_.fetch_add(1, std::memory_order_relaxed);
+    while (arrived_.load(std::memory_order_relaxed) < 2) std::this_thread::yield();
+  }
+
+ private:
+  std::atomic<int> arrived_{0};
+};
+
 template <typename A, typename B>
 void RunPair(A a, B b) {
   std::thread t1(a);
@@ -38,14 +61,32 @@ void RunPair(A a, B b) {
   t2.join();
 }
 
+// Runs the racy pair: each thread meets the other, makes its access, and
+// meets it again before it ends.
+template <typename A, typename B>
+void RunRacyPair(A a, B b) {
+  Meet before, after;
+  RunPair(
+      [&] {
+        before.Arrive();
+        a();
+        after.Arrive();
+      },
+      [&] {
+        before.Arrive();
+        b();
+        after.Arrive();
+      });
+}
+
 int Unlocked() {
-  RunPair([] { Write(1); }, [] { Write(2); });
+  RunRacyPair([] { Write(1); }, [] { Write(2); });
   return 0;
 }
 
 int TwoMutexes() {
   absl::Mutex mu1, mu2;
-  RunPair(
+  RunRacyPair(
       [&] {
         absl::MutexLock l(&mu1);
         Write(1);
@@ -59,15 +100,20 @@ int TwoMutexes() {
 
 int AfterNotify() {
   absl::Notification n;
+  Meet before, after;  // both alive around the unordered writes
   RunPair(
       [&] {
         Write(1);
         n.Notify();
+        before.Arrive();
         Write(3);  // not covered by the notification
+        after.Arrive();
       },
       [&] {
         n.WaitForNotification();
+        before.Arrive();
         Write(2);
+        after.Arrive();
       });
   return 0;
 }
@@ -188,7 +234,11 @@ int main(int argc, char** argv) {
   };
   if (argc == 2) {
     for (const Mode& m : modes) {
-      if (std::strcmp(argv[1], m.name) == 0) return m.run();
+      if (std::strcmp(argv[1], m.name) == 0) {
+        const int rc = m.run();
+        std::fprintf(stderr, "tsan_canary: %s ran to the end\n", m.name);
+        return rc;
+      }
     }
   }
   std::fprintf(stderr, "usage: tsan_canary <mode>; modes:");
