@@ -165,6 +165,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target,
   impl->channel = grpc::CreateCustomChannel(impl->target, credentials, args);
   impl->quantizer = v1::Quantizer::NewStub(impl->channel);
   impl->memory = v1::Memory::NewStub(impl->channel);
+  impl->stream_channel = v1::StreamChannel::NewStub(impl->channel);
   impl->generic = std::make_unique<grpc::GenericStub>(impl->channel);
   std::random_device rd;
   impl->id_prefix = absl::StrFormat("%08x", rd());

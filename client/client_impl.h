@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "qtx/client.h"
+#include "qtx/v1/channel.grpc.pb.h"
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
 
@@ -31,6 +32,7 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Quantizer::Stub> quantizer;
   std::unique_ptr<v1::Memory::Stub> memory;
+  std::unique_ptr<v1::StreamChannel::Stub> stream_channel;
   std::unique_ptr<grpc::GenericStub> generic;
   std::string id_prefix;
 

@@ -135,13 +135,27 @@ if has_step tsan; then
     echo "hardening: setarch -R is not permitted here; TSan runs with ASLR on" \
          "(vm.mmap_rnd_bits=$(cat /proc/sys/vm/mmap_rnd_bits 2>/dev/null || echo '?'))"
   fi
+  # tsan_run LOG CMD...: runs a TSan binary into LOG; a run whose runtime died
+  # at start on the address-space layout (possible only when setarch -R is
+  # refused) ran no test code, so it is started again, up to 10 times.
+  tsan_run() {
+    local log="$1" rc try
+    shift
+    for try in 1 2 3 4 5 6 7 8 9 10; do
+      rc=0
+      "${TSAN_RUN[@]}" "$@" > "$log" 2>&1 || rc=$?
+      grep -q "FATAL: ThreadSanitizer: unexpected memory mapping" "$log" || return "$rc"
+      echo "hardening: TSan runtime refused the memory layout (try $try): $*"
+    done
+    return "$rc"
+  }
   logs="$TSAN/tsan-logs"
   rm -rf "$logs" && mkdir -p "$logs"
   # canary MODE LOG: runs one canary mode; fails naming why when the TSan
   # runtime did not start or the mode did not run to its end.
   canary() {
     local rc=0
-    "${TSAN_RUN[@]}" "$TSAN/tests/robustness/tsan_canary" "$1" > "$2" 2>&1 || rc=$?
+    tsan_run "$2" "$TSAN/tests/robustness/tsan_canary" "$1" || rc=$?
     if grep -q "FATAL: ThreadSanitizer" "$2"; then
       cat "$2"
       echo "hardening: the TSan runtime failed to start for tsan_canary $1 (see above):" \
@@ -177,7 +191,10 @@ if has_step tsan; then
   stamp "TSan canary: ${#CANARY_RACY[@]} racy modes reported, ${#CANARY_CLEAN[@]} synchronized modes clean, $runs run(s) each"
   for t in "${TSAN_TESTS[@]}"; do
     stamp "TSan: $t"
-    "${TSAN_RUN[@]}" "$TSAN/$t" --gtest_brief=1
+    rc=0
+    tsan_run "$logs/$(basename "$t").log" "$TSAN/$t" --gtest_brief=1 || rc=$?
+    cat "$logs/$(basename "$t").log"
+    [ "$rc" = 0 ] || { echo "hardening: TSan: $t failed (exit $rc)"; exit 1; }
   done
   echo "tsan: {\"tests\":${#TSAN_TESTS[@]},\"canary_racy_reported\":${#CANARY_RACY[@]},\"canary_clean\":${#CANARY_CLEAN[@]},\"reports\":0}"
 fi

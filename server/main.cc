@@ -30,6 +30,16 @@ int main(int argc, char** argv) {
     ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     ::execv("/proc/self/exe", argv);  // returns only on failure: run as we are
   }
+  // Stream-ordered channels park a stream of ours in cuStreamWaitValue64 until
+  // the client's GPU reaches the operation. With CUDA's default lazy module
+  // loading, the first launch of a kernel not yet loaded waits for the
+  // context, i.e. for that parked stream: a deadlock until the client moves.
+  // Load every kernel when the context is created. Read at CUDA's first call,
+  // which comes later; a different value set by the user is overridden (it
+  // would hang channels), and said so in the log below.
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  const std::string user_loading = loading == nullptr ? "" : loading;
+  ::setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   absl::SetProgramUsageMessage(
       "qtxd: gRPC sidecar for block-scaled FP8 quantization (qtx.v1).\n"
       "Example: qtxd --socket=/tmp/qtxd.sock --allow_client_shm");
@@ -39,6 +49,12 @@ int main(int argc, char** argv) {
   // absl::Mutex too, dozens of times per call. 37 -> 11 ns per uncontended
   // lock on the CI host; tests keep the detector (they do not run main).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+
+  if (!user_loading.empty() && user_loading != "EAGER") {
+    spdlog::warn("event=cuda_module_loading_overridden was={} now=EAGER (channels need kernels "
+                 "loaded before a stream waits)",
+                 user_loading);
+  }
 
   const std::string level = qtx::server::config::LogLevelFromFlags();
   const spdlog::level::level_enum lvl = spdlog::level::from_str(level);

@@ -31,7 +31,9 @@ absl::StatusOr<std::string> ExportMemHandle(const void* device_ptr) {
     (void)cudaGetLastError();
     return absl::InvalidArgumentError(absl::StrFormat(
         "cudaIpcGetMemHandle(%p) failed: export memory from cudaMalloc (not cudaMallocAsync "
-        "pools or managed memory)",
+        "pools, VMM/cuMemCreate allocations or managed memory; in PyTorch set "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and keep the default allocator "
+        "backend)",
         device_ptr));
   }
   if (err != cudaSuccess) return CudaStatus(err, "cudaIpcGetMemHandle");

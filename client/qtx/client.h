@@ -78,7 +78,7 @@ struct CallOptions {
   // Sent as "x-request-id"; generated ("<client id>-<counter>") when empty.
   std::string request_id;
   // Interprocess CUDA event handles (64-byte cudaIpcEventHandle_t, e.g. from
-  // qtx::cuda::ExportEvent in qtx_client_cuda) for Quantize, Dequantize,
+  // qtx::cuda::IpcEvent in qtx_client_cuda) for Quantize, Dequantize,
   // Step and AllGather against a CUDA sidecar; empty = none; ignored by the
   // other calls.
   // cuda_wait_event: the sidecar's stream waits on it before touching the
@@ -281,6 +281,7 @@ class Client {
   absl::StatusOr<std::vector<CollectiveGroupInfo>> ListGroups(const CallOptions& call = {});
 
  private:
+  friend class Channel;  // opens its stream on this client's gRPC channel
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
 

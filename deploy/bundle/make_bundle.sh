@@ -10,6 +10,8 @@
 #
 #   deploy/bundle/make_bundle.sh BUILD_DIR OUT_DIR [EXTRA_EXECUTABLE ...]
 #   OUT_DIR/run qtxd --device=cuda:0 --socket=/run/qtx/qtxd.sock
+# QTX_BUNDLE_SKIP=libfoo|libbar leaves more libraries out (e.g. libcublas.*, which
+# a GPU host with PyTorch already has).
 set -euo pipefail
 
 if [ $# -lt 2 ]; then
@@ -31,7 +33,7 @@ if [ "${#bins[@]}" -eq 0 ]; then
 fi
 
 mkdir -p "$OUT/bin" "$OUT/lib"
-skip='^(libc|libm|libdl|librt|libpthread|ld-linux.*|libcuda|libnccl|linux-vdso)\.so'
+skip="^(libc|libm|libdl|librt|libpthread|ld-linux.*|libcuda|libnccl|linux-vdso${QTX_BUNDLE_SKIP:+|$QTX_BUNDLE_SKIP})\\.so"
 for b in "${bins[@]}"; do
   if [ ! -x "$b" ]; then
     echo "make_bundle: $b is not an executable" >&2

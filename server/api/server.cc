@@ -37,6 +37,7 @@ class ScopedUmask {
 
 // Serving-status names reported by grpc.health.v1.
 constexpr const char* kHealthServices[] = {"", "qtx.v1.Quantizer", "qtx.v1.Memory",
+                                           "qtx.v1.StreamChannel",
                                            "qtx.v1.Collective", "qtx.v1.Rendezvous",
                                            "qtx.v1.Optimizer"};
 
@@ -112,6 +113,7 @@ absl::Status QtxServer::Start() {
   inline_slots_ = std::make_unique<InlineSlots>(config_.inline_max_concurrent);
   quantizer_ = std::make_unique<QuantizerService>(ctx, executor_.get(), inline_slots_.get());
   memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get(), inline_slots_.get());
+  channels_ = std::make_unique<StreamChannelService>(ctx, executor_.get());
   optimizer::OptimizerStore::Options optimizer_options;
   optimizer_options.memory_limit_bytes =
       static_cast<uint64_t>(config_.optimizer_memory_limit_mb) << 20;
@@ -136,6 +138,7 @@ absl::Status QtxServer::Start() {
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
   builder.RegisterService(quantizer_.get());
   builder.RegisterService(memory_.get());
+  builder.RegisterService(channels_.get());
   builder.RegisterService(optimizer_.get());
   builder.RegisterService(collective_.get());
   builder.RegisterService(rendezvous_.get());
@@ -219,6 +222,8 @@ void QtxServer::AddGauges() {
   metrics_->AddGauge("qtx_requests_inline_total",
                      "Requests run on the gRPC thread that received them (short ops), since start.",
                      [this] { return static_cast<double>(inline_slots_->runs()); });
+  metrics_->AddGauge("qtx_channels", "Stream-ordered channels open now.",
+                     [this] { return static_cast<double>(channels_->open_channels()); });
   metrics_->AddGauge("qtx_regions", "Registered memory regions.",
                      [this] { return static_cast<double>(regions_->size()); });
   metrics_->AddGauge("qtx_region_bytes", "Bytes of all registered memory regions.", [this] {

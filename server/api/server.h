@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/api/channel_service.h"
 #include "server/api/executor.h"
 #include "server/api/collective_service.h"
 #include "server/api/optimizer_service.h"
@@ -79,6 +80,7 @@ class QtxServer {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<InlineSlots> inline_slots_;
   std::unique_ptr<QuantizerService> quantizer_;
+  std::unique_ptr<StreamChannelService> channels_;
   std::unique_ptr<MemoryService> memory_;
   std::unique_ptr<optimizer::OptimizerStore> optimizer_store_;
   std::unique_ptr<OptimizerService> optimizer_;

@@ -1,13 +1,70 @@
 #include "server/backend/cpu_device.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
+#include <thread>
 
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/quantize_block.h"
 
 namespace qtx::server::backend {
+namespace {
+
+// The flag words are shared with another process (shm): accessed only as
+// lock-free 64-bit atomics.
+static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
+
+class CpuChannelQueue final : public ChannelQueue {
+ public:
+  explicit CpuChannelQueue(std::byte* flags)
+      : ready_(reinterpret_cast<uint64_t*>(flags)), done_(reinterpret_cast<uint64_t*>(flags) + 1) {}
+
+  absl::Status WaitReady(uint64_t seq) override {
+    // Spin briefly (a client that submits right after its ready store), then
+    // back off to sleeps of up to 200 us (a client whose work runs later).
+    auto sleep = std::chrono::microseconds(1);
+    for (int spins = 0;; ++spins) {
+      const uint64_t ready = std::atomic_ref<uint64_t>(*ready_).load(std::memory_order_acquire);
+      if (static_cast<int64_t>(ready - seq) >= 0) break;
+      if (released_.load(std::memory_order_acquire)) break;
+      if (spins < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(sleep);
+        sleep = std::min(sleep * 2, std::chrono::microseconds(200));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WriteDone(uint64_t value) override {
+    std::atomic_ref<uint64_t>(*done_).store(value, std::memory_order_release);
+    return absl::OkStatus();
+  }
+
+  absl::Status OnDrained(std::function<void()> drained) override {
+    drained();  // the work ran on the calling thread: it is done
+    return absl::OkStatus();
+  }
+
+  void Release() override { released_.store(true, std::memory_order_release); }
+
+ private:
+  uint64_t* const ready_;
+  uint64_t* const done_;
+  std::atomic<bool> released_{false};
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ChannelQueue>> CpuDevice::OpenChannelQueue(std::byte* flags) {
+  return std::make_unique<CpuChannelQueue>(flags);
+}
 
 absl::StatusOr<DeviceBuffer> CpuDevice::Allocate(uint64_t bytes) {
   if (bytes == 0) return DeviceBuffer();

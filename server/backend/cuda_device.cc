@@ -1,9 +1,14 @@
 #include "server/backend/cuda_device.h"
 
+#include <cuda.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <limits>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -37,6 +42,47 @@ absl::StatusOr<CuMemGetAddressRangeFn> AddressRangeFn() {
         return reinterpret_cast<CuMemGetAddressRangeFn>(p);
       }());
   return *fn;
+}
+
+// Stream memory operations from the driver, found the same way.
+using CuStreamWaitValue64Fn = CUresult (*)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                           unsigned int flags);
+using CuStreamWriteValue64Fn = CUresult (*)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                            unsigned int flags);
+using CuDeviceGetAttributeFn = CUresult (*)(int* value, CUdevice_attribute attribute,
+                                            CUdevice device);
+struct StreamMemOps {
+  CuStreamWaitValue64Fn wait = nullptr;
+  CuStreamWriteValue64Fn write = nullptr;
+  CuDeviceGetAttributeFn get_attribute = nullptr;
+};
+
+absl::StatusOr<StreamMemOps> GetStreamMemOps() {
+  static const auto* const ops = new absl::StatusOr<StreamMemOps>(
+      []() -> absl::StatusOr<StreamMemOps> {
+        StreamMemOps o;
+        const std::pair<const char*, void**> wanted[] = {
+            {"cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait)},
+            {"cuStreamWriteValue64", reinterpret_cast<void**>(&o.write)},
+            {"cuDeviceGetAttribute", reinterpret_cast<void**>(&o.get_attribute)}};
+        for (const auto& [symbol, slot] : wanted) {
+          cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+          QTX_CUDA_RETURN_IF_ERROR(
+              cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query));
+          if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
+            return absl::FailedPreconditionError(absl::StrFormat(
+                "the CUDA driver has no %s (stream memory operations need a CUDA 12+ driver)",
+                symbol));
+          }
+        }
+        return o;
+      }());
+  return *ops;
+}
+
+absl::Status DriverStatus(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrFormat("%s failed: CUresult %d", what, static_cast<int>(r)));
 }
 
 std::string HexPrefix(std::string_view bytes) {
@@ -371,6 +417,12 @@ absl::Status CudaDevice::SignalClient(const CudaEvents& events) {
 
 absl::Status CudaDevice::Quantize(const QuantizeArgs& args) {
   QTX_RETURN_IF_ERROR(Activate());
+  if (args.queue != nullptr) {
+    QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeBlock(args.input, args.dtype, args.m, args.n,
+                                                          args.params, args.out,
+                                                          QueueStream(args.queue)));
+    return absl::OkStatus();  // enqueued; the channel's done write marks completion
+  }
   cudaStream_t stream = ThisThreadStream();
   QTX_RETURN_IF_ERROR(OrderAfterClient(args.events));
   QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeBlock(args.input, args.dtype, args.m, args.n,
@@ -380,6 +432,12 @@ absl::Status CudaDevice::Quantize(const QuantizeArgs& args) {
 
 absl::Status CudaDevice::Dequantize(const DequantizeArgs& args) {
   QTX_RETURN_IF_ERROR(Activate());
+  if (args.queue != nullptr) {
+    QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::DequantizeBlock(
+        args.in, args.scaling, args.format, args.m, args.n, args.use_rowwise, args.out_dtype,
+        args.out, QueueStream(args.queue)));
+    return absl::OkStatus();
+  }
   cudaStream_t stream = ThisThreadStream();
   QTX_RETURN_IF_ERROR(OrderAfterClient(args.events));
   QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::DequantizeBlock(args.in, args.scaling, args.format,
@@ -548,6 +606,179 @@ void CudaDevice::AddPipelineStreams(cudaStream_t a, cudaStream_t b) {
 void CudaDevice::RemovePipelineStreams(cudaStream_t a, cudaStream_t b) {
   absl::MutexLock lock(&pipeline_mu_);
   std::erase_if(pipeline_streams_, [&](cudaStream_t s) { return s == a || s == b; });
+}
+
+// ---- Stream-ordered channel queue ----
+
+namespace {
+
+// One channel's queue: a non-blocking stream of its own, on which the
+// channel enqueues cuStreamWaitValue64(ready >= n), the op's kernels and
+// cuStreamWriteValue64(done = n). Why the client sees the outputs when its
+// wait on done is released: cuStreamWriteValue64 without
+// CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER is preceded by a memory fence of
+// the stream's scope (like __threadfence_system), and stream order puts it
+// after the op's kernels have completed, so every output byte they stored is
+// visible device-wide (and to other processes on the GPU, which share device
+// memory through CUDA IPC) before the flag changes; the client's work behind
+// its cuStreamWaitValue64 starts only after it observes the new value. The
+// same argument orders the client's producer work before our wait on ready.
+// Completion is tracked with events (blocking-sync: the completion thread
+// sleeps) recorded after each OnDrained point.
+class CudaChannelQueue final : public ChannelQueue {
+ public:
+  static constexpr uint64_t kReleaseValue = uint64_t{1} << 62;
+
+  CudaChannelQueue(CudaDevice* device, int ordinal, StreamMemOps ops, CUdeviceptr flags)
+      : device_(device), ordinal_(ordinal), ops_(ops), ready_(flags), done_(flags + 8) {}
+
+  absl::Status Init() {
+    QTX_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
+    device_->AddPipelineStreams(stream_, release_stream_);
+    registered_ = true;
+    completion_ = std::thread([this] { CompletionLoop(); });
+    return absl::OkStatus();
+  }
+
+  ~CudaChannelQueue() override {
+    if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
+    if (stream_ != nullptr && cudaStreamSynchronize(stream_) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    if (completion_.joinable()) completion_.join();
+    if (registered_) device_->RemovePipelineStreams(stream_, release_stream_);
+    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    if (release_stream_ != nullptr) (void)cudaStreamDestroy(release_stream_);
+    (void)cudaGetLastError();
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+  absl::Status WaitReady(uint64_t seq) override {
+    return DriverStatus(ops_.wait(stream_, ready_, seq, CU_STREAM_WAIT_VALUE_GEQ),
+                        "cuStreamWaitValue64(ready)");
+  }
+
+  absl::Status WriteDone(uint64_t value) override {
+    return DriverStatus(ops_.write(stream_, done_, value, CU_STREAM_WRITE_VALUE_DEFAULT),
+                        "cuStreamWriteValue64(done)");
+  }
+
+  absl::Status OnDrained(std::function<void()> drained) override {
+    QTX_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
+    cudaEvent_t event = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!free_events_.empty()) {
+        event = free_events_.back();
+        free_events_.pop_back();
+      }
+    }
+    if (event == nullptr) {
+      QTX_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&event, cudaEventBlockingSync | cudaEventDisableTiming));
+    }
+    const cudaError_t err = cudaEventRecord(event, stream_);
+    if (err != cudaSuccess) {
+      (void)cudaEventDestroy(event);
+      return CudaErrorToStatus(err, "cudaEventRecord", __FILE__, __LINE__);
+    }
+    absl::MutexLock lock(&mu_);
+    pending_.push_back({event, std::move(drained)});
+    return absl::OkStatus();
+  }
+
+  void Release() override {
+    bool expected = false;
+    if (!released_.compare_exchange_strong(expected, true)) return;
+    // From a stream of our own: the channel stream may be blocked in its
+    // wait. WaitReady compares (int64)(ready - seq) >= 0, so a value 2^62
+    // ahead of the sequence numbers in use (< 2^62) releases all of them.
+    if (cudaSetDevice(ordinal_) != cudaSuccess ||
+        ops_.write(release_stream_, ready_, kReleaseValue, CU_STREAM_WRITE_VALUE_DEFAULT) !=
+            CUDA_SUCCESS ||
+        cudaStreamSynchronize(release_stream_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      spdlog::warn("event=channel_release_failed device=cuda:{}", ordinal_);
+    }
+  }
+
+ private:
+  struct Pending {
+    cudaEvent_t event;
+    std::function<void()> drained;
+  };
+
+  void CompletionLoop() {
+    if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
+    for (;;) {
+      Pending p;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](CudaChannelQueue* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              return q->stopping_ || !q->pending_.empty();
+            },
+            this));
+        if (pending_.empty()) return;  // stopping, nothing left
+        p = std::move(pending_.front());
+        pending_.pop_front();
+      }
+      if (cudaEventSynchronize(p.event) != cudaSuccess) (void)cudaGetLastError();
+      p.drained();
+      absl::MutexLock lock(&mu_);
+      free_events_.push_back(p.event);
+    }
+  }
+
+  // Constant after Init().
+  CudaDevice* const device_;
+  const int ordinal_;
+  const StreamMemOps ops_;
+  const CUdeviceptr ready_;
+  const CUdeviceptr done_;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t release_stream_ = nullptr;
+  bool registered_ = false;
+  std::thread completion_;
+  std::atomic<bool> released_{false};
+
+  // State below is protected by mu_.
+  absl::Mutex mu_;
+  std::deque<Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<cudaEvent_t> free_events_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ChannelQueue>> CudaDevice::OpenChannelQueue(std::byte* flags) {
+  QTX_RETURN_IF_ERROR(Activate());
+  QTX_ASSIGN_OR_RETURN(const StreamMemOps ops, GetStreamMemOps());
+  int supported = 0;
+  QTX_RETURN_IF_ERROR(DriverStatus(
+      ops.get_attribute(&supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, ordinal_),
+      "cuDeviceGetAttribute(CAN_USE_64_BIT_STREAM_MEM_OPS)"));
+  if (supported == 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "cuda:%d does not support 64-bit stream memory operations (needed by channels)",
+        ordinal_));
+  }
+  auto queue = std::make_unique<CudaChannelQueue>(this, ordinal_, ops,
+                                                  reinterpret_cast<CUdeviceptr>(flags));
+  QTX_RETURN_IF_ERROR(queue->Init());
+  return queue;
+}
+
+cudaStream_t CudaDevice::QueueStream(ChannelQueue* queue) {
+  return static_cast<CudaChannelQueue*>(queue)->stream();
 }
 
 // ---- Transfer pipeline (D2H inbound, H2D outbound, pinned staging) ----

@@ -107,6 +107,13 @@ class CudaDevice final : public Device {
 
   tensor::CudaIpcOpener cuda_ipc_opener() override;
 
+  // A channel queue on a non-blocking stream of its own (counted in
+  // SynchronizeAll), ordered through cuStreamWaitValue64 /
+  // cuStreamWriteValue64 on `flags` (device memory, e.g. a client's CUDA IPC
+  // region). FAILED_PRECONDITION when the driver or GPU lacks 64-bit stream
+  // memory operations; INTERNAL on a CUDA failure.
+  absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(std::byte* flags) override;
+
   // A pipeline with two non-blocking streams of its own (inbound D2H,
   // outbound H2D), one reusable event per inbound copy, and cudaHostAlloc
   // staging. Its streams count as the device's streams for SynchronizeAll (so
@@ -153,6 +160,9 @@ class CudaDevice final : public Device {
 
   CudaDevice(int ordinal, const CudaDeviceOptions& options);
   absl::Status Init();
+
+  // The stream of a queue from OpenChannelQueue.
+  static cudaStream_t QueueStream(ChannelQueue* queue);
 
   // Makes ordinal_ the calling thread's current device.
   absl::Status Activate() const;

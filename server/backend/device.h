@@ -76,6 +76,39 @@ struct CudaEvents {
   bool empty() const { return wait_event.empty() && signal_event.empty(); }
 };
 
+// The device side of one stream-ordered channel (proto/qtx/v1/channel.proto):
+// an in-order queue of device work bound to the client's 16-byte flag area
+// (ready word at +0, done word at +8, in the device's memory kind). The
+// channel (server/ops/channel.h) enqueues, per operation n,
+// WaitReady(n) -> the op (QuantizeArgs::queue / DequantizeArgs::queue set to
+// this queue) -> WriteDone(n). Nothing here blocks the calling thread on
+// device work, except on a device without streams (CPU), where the queue is
+// the calling thread itself and WaitReady blocks until the word is reached.
+//
+// One caller at a time (the channel's worker thread) for the enqueue
+// methods; OnDrained callbacks run on a thread of the queue, in order.
+// Destroying the queue waits for the work already enqueued.
+class ChannelQueue {
+ public:
+  virtual ~ChannelQueue() = default;
+
+  // Enqueues "wait until the ready word has reached seq", compared as
+  // CU_STREAM_WAIT_VALUE_GEQ does: (int64_t)(ready - seq) >= 0.
+  virtual absl::Status WaitReady(uint64_t seq) = 0;
+  // Enqueues "done word = value" after everything enqueued before it. The
+  // write is ordered after the writes of the work before it (a memory fence
+  // of the queue's scope precedes it), so a waiter released by it sees the
+  // outputs.
+  virtual absl::Status WriteDone(uint64_t value) = 0;
+  // Runs `drained` once everything enqueued so far has finished on the
+  // device. In enqueue order; never on the calling thread of a streamed device.
+  virtual absl::Status OnDrained(std::function<void()> drained) = 0;
+  // Releases every present and future WaitReady of this queue (the client is
+  // gone, and its ready word will never move): the work behind them runs.
+  // Idempotent; safe to call from any thread.
+  virtual void Release() = 0;
+};
+
 // One quantization of a row-major [m, n] tensor (NUMERICS.md §2-§4).
 struct QuantizeArgs {
   const void* input = nullptr;  // m * n elements of `dtype`; null iff empty
@@ -85,6 +118,8 @@ struct QuantizeArgs {
   kernels::QuantizeParams params;
   kernels::QuantizedBuffers out;  // sized per kernels::ComputeLayout
   CudaEvents events;
+  // Set: enqueue on the channel queue and return at once (events empty).
+  ChannelQueue* queue = nullptr;
 };
 
 // One dequantization of a quantized [m, n] tensor.
@@ -98,6 +133,7 @@ struct DequantizeArgs {
   kernels::InputDType out_dtype = kernels::InputDType::kFloat32;
   void* out = nullptr;  // m * n elements of out_dtype
   CudaEvents events;
+  ChannelQueue* queue = nullptr;  // as QuantizeArgs::queue
 };
 
 // One rank's shard of the exact all-gather (NUMERICS.md §A): rows
@@ -177,8 +213,8 @@ class Device {
   virtual absl::Status CopyToHost(void* host_dst, const void* device_src, uint64_t bytes) = 0;
 
   // Quantizes per `args`; returns when the outputs are written, except that
-  // with args.events.signal_event set a device may return once the work is
-  // enqueued (the event then marks completion). A device waits on
+  // with args.events.signal_event or args.queue set a device may return once
+  // the work is enqueued (the event, or the queue, then marks completion). A device waits on
   // args.events.wait_event before it reads the input. Input and outputs must
   // not overlap.
   // REQUIRES: args validated by the caller (server/ops): m, n >= 0, buffers of
@@ -197,6 +233,16 @@ class Device {
   virtual absl::StatusOr<std::unique_ptr<TransferPipeline>> CreateTransferPipeline() {
     return absl::FailedPreconditionError(
         "device '" + name() + "' computes on host memory: it has no transfer pipeline");
+  }
+
+  // The queue of a stream-ordered channel whose 16-byte flag area starts at
+  // `flags` (memory of memory_kind(), 8-byte aligned, pinned by the caller
+  // for the queue's life). FAILED_PRECONDITION on a device without channels
+  // (the default); INTERNAL on a device failure.
+  virtual absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(std::byte* flags) {
+    (void)flags;
+    return absl::FailedPreconditionError("device '" + name() +
+                                         "' does not run stream-ordered channels");
   }
 
   // Opens device memory another process exported (CUDA IPC) for the region

@@ -100,6 +100,53 @@ absl::StatusOr<const void*> InputOnDevice(const tensor::TensorView& view, std::s
   return static_cast<const void*>(staging.data());
 }
 
+absl::Status NoEventsOnChannel(const backend::CudaEvents& events, backend::ChannelQueue* queue) {
+  if (queue == nullptr || events.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "cuda_events: must be empty on a channel (the channel orders the op after the caller's "
+      "stream)");
+}
+
+// A channel op enqueues its kernel and returns: its tensors must be where the
+// device computes, with nothing for the host to copy or wait for.
+absl::Status CheckChannelInput(const tensor::TensorView& view, std::string_view field,
+                               const OpContext& ctx) {
+  if (view.byte_size == 0) return absl::OkStatus();
+  if (view.pin == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: inline bytes on a channel: channel ops take slices of registered regions only",
+        field));
+  }
+  if (view.memory != ctx.device->memory_kind()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: region '%s' is %s memory, but channel ops on %s need %s memory (register a %s "
+        "region)",
+        field, view.pin->name(), view.memory == MemoryKind::kHost ? "host" : "device",
+        ctx.device->name(), ctx.device->memory_kind() == MemoryKind::kHost ? "host" : "device",
+        ctx.device->memory_kind() == MemoryKind::kHost ? "shm" : "cuda_ipc"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckChannelOutput(const PlacedOutput& out, std::string_view field,
+                                const OpContext& ctx) {
+  if (out.bytes == 0) return absl::OkStatus();
+  if (!out.slice.has_value()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: not set: channel ops write into slices of registered regions only (inline results "
+        "are not returned on a channel)",
+        field));
+  }
+  if (out.staging.data() != nullptr || out.slice->memory != ctx.device->memory_kind()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: region '%s' is not %s's memory: channel ops never stage through the host (register "
+        "a %s region)",
+        field, out.slice->spec.region, ctx.device->name(),
+        ctx.device->memory_kind() == MemoryKind::kHost ? "shm" : "cuda_ipc"));
+  }
+  return absl::OkStatus();
+}
+
 struct NamedRange {
   std::string_view field;
   const void* data;
@@ -361,6 +408,7 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
   const kernels::QuantizeParams& params = request.params;
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(params, "config"));
   QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
+  QTX_RETURN_IF_ERROR(NoEventsOnChannel(request.events, request.queue));
   const auto input_dtype = tensor::ToInputDType(request.input.dtype);
   if (!input_dtype.has_value()) {
     return absl::InvalidArgumentError(
@@ -438,6 +486,13 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
   }
   QTX_RETURN_IF_ERROR(CheckNoOverlap(ranges));
   QTX_RETURN_IF_ERROR(CheckInlineBudget(inline_bytes, ctx, "Quantize"));
+  if (request.queue != nullptr) {
+    QTX_RETURN_IF_ERROR(CheckChannelInput(input, "input", ctx));
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (!outs[i].has_value()) continue;
+      QTX_RETURN_IF_ERROR(CheckChannelOutput(*outs[i], kOutFields[i], ctx));
+    }
+  }
 
   backend::DeviceBuffer input_staging;
   QTX_ASSIGN_OR_RETURN(const void* input_ptr,
@@ -451,6 +506,7 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
   args.n = mn.n;
   args.params = params;
   args.events = request.events;
+  args.queue = request.queue;
   if (outs[0]) args.out.rowwise_data = static_cast<uint8_t*>(outs[0]->KernelPointer());
   if (outs[1]) args.out.rowwise_scale_inv = static_cast<float*>(outs[1]->KernelPointer());
   if (outs[2]) args.out.columnwise_data = static_cast<uint8_t*>(outs[2]->KernelPointer());
@@ -482,6 +538,7 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
         "input.config.format=%d: must be E4M3 or E5M2", static_cast<int>(q.format)));
   }
   QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
+  QTX_RETURN_IF_ERROR(NoEventsOnChannel(request.events, request.queue));
   const DType out_dtype =
       request.output_dtype == DType::kUnspecified ? DType::kFloat32 : request.output_dtype;
   const auto out_kernel_dtype = tensor::ToInputDType(out_dtype);
@@ -534,6 +591,11 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
   } else {
     QTX_RETURN_IF_ERROR(CheckInlineBudget(out_bytes, ctx, "Dequantize"));
   }
+  if (request.queue != nullptr) {
+    QTX_RETURN_IF_ERROR(CheckChannelInput(data, "input data", ctx));
+    QTX_RETURN_IF_ERROR(CheckChannelInput(scale, "input scale_inv", ctx));
+    QTX_RETURN_IF_ERROR(CheckChannelOutput(*out, "output", ctx));
+  }
 
   backend::DeviceBuffer data_staging;
   backend::DeviceBuffer scale_staging;
@@ -558,6 +620,7 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
   args.out_dtype = *out_kernel_dtype;
   args.out = out->KernelPointer();
   args.events = request.events;
+  args.queue = request.queue;
   QTX_RETURN_IF_ERROR(ctx.device->Dequantize(args));
   QTX_RETURN_IF_ERROR(CopyBack(out, *ctx.device));
   return std::move(out->tensor);

@@ -64,6 +64,11 @@ struct QuantizeRequestSpec {
   // Interprocess CUDA events (see backend::CudaEvents); CUDA device only.
   // With a signal event the op may return before the outputs are written.
   backend::CudaEvents events;
+  // Set by a stream-ordered channel (server/ops/channel.h): the op is
+  // enqueued on it and returns at once. Then every tensor must be a region
+  // slice in the device's memory (no inline bytes, no staging) and `events`
+  // empty, else INVALID_ARGUMENT / FAILED_PRECONDITION before any work.
+  backend::ChannelQueue* queue = nullptr;
 };
 
 // One result buffer: written into the client's region slice, or returned in
@@ -104,6 +109,7 @@ struct DequantizeRequestSpec {
   tensor::DType output_dtype = tensor::DType::kUnspecified;  // unspecified: FLOAT32
   std::optional<tensor::RegionSliceSpec> output;             // unset: inline
   backend::CudaEvents events;                                // as for Quantize
+  backend::ChannelQueue* queue = nullptr;                    // as for Quantize
 };
 
 // OK if `events` is empty, or each set handle is exactly 64 bytes and the

@@ -1,0 +1,174 @@
+#include "qtx/cuda_channel.h"
+
+#include <cuda.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "qtx/cuda_ipc.h"
+
+namespace qtx::cuda {
+namespace {
+
+absl::Status CudaStatus(cudaError_t err, std::string_view what) {
+  (void)cudaGetLastError();
+  return absl::InternalError(absl::StrFormat("%s: CUDA error %s (%s)", what,
+                                             cudaGetErrorName(err), cudaGetErrorString(err)));
+}
+
+absl::Status DriverStatus(CUresult r, std::string_view what) {
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrFormat("%s failed: CUresult %d", what, static_cast<int>(r)));
+}
+
+// The driver's stream memory operations, found through the runtime (no link
+// against libcuda).
+struct MemOps {
+  CUresult (*wait)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*write)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+};
+
+absl::StatusOr<MemOps> GetMemOps() {
+  static const auto* const ops = new absl::StatusOr<MemOps>([]() -> absl::StatusOr<MemOps> {
+    MemOps o;
+    const std::pair<const char*, void**> wanted[] = {
+        {"cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait)},
+        {"cuStreamWriteValue64", reinterpret_cast<void**>(&o.write)},
+        {"cuDeviceGetAttribute", reinterpret_cast<void**>(&o.attribute)}};
+    for (const auto& [symbol, slot] : wanted) {
+      cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+      const cudaError_t err =
+          cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query);
+      if (err != cudaSuccess) return CudaStatus(err, "cudaGetDriverEntryPointByVersion");
+      if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "the CUDA driver has no %s (channels need a CUDA 12+ driver)", symbol));
+      }
+    }
+    return o;
+  }());
+  return *ops;
+}
+
+// 16 bytes of this process's device memory: ready at +0, done at +8.
+class StreamFlags final : public ChannelFlags {
+ public:
+  StreamFlags(Client& client, MemOps ops, cudaStream_t stream, int device, void* words,
+              std::string region)
+      : client_(client),
+        ops_(ops),
+        stream_(stream),
+        device_(device),
+        words_(reinterpret_cast<CUdeviceptr>(words)),
+        region_(std::move(region)) {}
+
+  ~StreamFlags() override {
+    (void)client_.UnregisterRegion(region_);
+    int current = 0;
+    const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ &&
+                          cudaSetDevice(device_) == cudaSuccess;
+    // cudaFree waits for the device: no stream of ours still touches them.
+    (void)cudaFree(reinterpret_cast<void*>(words_));
+    if (release_stream_ != nullptr) (void)cudaStreamDestroy(release_stream_);
+    if (switched) (void)cudaSetDevice(current);
+    (void)cudaGetLastError();
+  }
+
+  absl::Status Init() {
+    const cudaError_t err = cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking);
+    if (err != cudaSuccess) return CudaStatus(err, "cudaStreamCreateWithFlags");
+    return absl::OkStatus();
+  }
+
+  RegionSlice slice() const override { return RegionSlice{region_, 0, 16}; }
+
+  absl::Status SignalReady(uint64_t seq) override {
+    // Default flags: a memory fence precedes the write, so qtxd, released by
+    // it, sees everything this stream wrote before.
+    return DriverStatus(ops_.write(stream_, words_, seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+                        "cuStreamWriteValue64(ready)");
+  }
+
+  absl::Status WaitDone(uint64_t seq) override {
+    return DriverStatus(ops_.wait(stream_, words_ + 8, seq, CU_STREAM_WAIT_VALUE_GEQ),
+                        "cuStreamWaitValue64(done)");
+  }
+
+  void ReleaseWaits() override {
+    // From a private stream: `stream_` may be parked on the wait itself.
+    int current = 0;
+    const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ &&
+                          cudaSetDevice(device_) == cudaSuccess;
+    if (ops_.write(release_stream_, words_ + 8, kChannelReleaseAll,
+                   CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS ||
+        cudaStreamSynchronize(release_stream_) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+    if (switched) (void)cudaSetDevice(current);
+  }
+
+ private:
+  Client& client_;
+  const MemOps ops_;
+  const cudaStream_t stream_;
+  const int device_;
+  const CUdeviceptr words_;
+  const std::string region_;
+  cudaStream_t release_stream_ = nullptr;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client,
+                                                                cudaStream_t stream) {
+  absl::StatusOr<MemOps> ops = GetMemOps();
+  if (!ops.ok()) return ops.status();
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return CudaStatus(err, "cudaGetDevice");
+  int supported = 0;
+  if (absl::Status s = DriverStatus(
+          ops->attribute(&supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device),
+          "cuDeviceGetAttribute");
+      !s.ok()) {
+    return s;
+  }
+  if (supported == 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "cuda:%d does not support 64-bit stream memory operations (needed by channels)", device));
+  }
+  // Its own allocation (cudaIpcGetMemHandle exports whole allocations), zeroed
+  // before any stream can see it.
+  void* words = nullptr;
+  err = cudaMalloc(&words, 256);
+  if (err != cudaSuccess) return CudaStatus(err, "cudaMalloc(channel flags)");
+  err = cudaMemset(words, 0, 256);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    (void)cudaFree(words);
+    return CudaStatus(err, "cudaMemset(channel flags)");
+  }
+  static std::atomic<uint64_t> counter{0};
+  std::string region = absl::StrFormat("qtx-channel-%d-%d", ::getpid(),
+                                       counter.fetch_add(1, std::memory_order_relaxed));
+  if (absl::Status s = RegisterDevicePointer(client, region, words, 256); !s.ok()) {
+    (void)cudaFree(words);
+    return s;
+  }
+  auto flags = std::make_unique<StreamFlags>(client, *ops, stream, device, words, region);
+  if (absl::Status s = flags->Init(); !s.ok()) return s;
+  return flags;
+}
+
+absl::StatusOr<std::unique_ptr<Channel>> OpenChannel(Client& client, cudaStream_t stream,
+                                                     const ChannelOptions& options) {
+  absl::StatusOr<std::unique_ptr<ChannelFlags>> flags = CreateStreamFlags(client, stream);
+  if (!flags.ok()) return flags.status();
+  return Channel::Open(client, std::move(*flags), options);
+}
+
+}  // namespace qtx::cuda

@@ -1,0 +1,52 @@
+// qtx::cuda::OpenChannel: a qtx::Channel (qtx/channel.h) bound to a CUDA
+// stream of the caller, for a CUDA sidecar on the same GPU.
+//
+//   auto ch = qtx::cuda::OpenChannel(*client, stream, {.label = "tp0"});
+//   // per layer, no host wait:
+//   produce<<<..., stream>>>(x);                 // writes the input region
+//   (*ch)->Quantize(x_slice, cfg, out_slices);   // ready = n; submit; wait done >= n
+//   gemm<<<..., stream>>>(out);                  // runs after the outputs exist
+//
+// The flag area is 16 bytes of this process's device memory (cudaMalloc),
+// exported once by CUDA IPC and registered with qtxd; "ready = n" is a
+// cuStreamWriteValue64 on `stream`, "wait done >= n" a cuStreamWaitValue64
+// on it. Both are stream operations: they can be captured in a CUDA graph
+// (the submission itself, a host call, cannot; see client/README.md). The
+// flags belong to this process, so it can always release its own waits
+// (qtxd gone: done = kChannelReleaseAll from a private stream).
+//
+// Needs MPS on one GPU for speed: without it the two processes' contexts
+// time-slice and each hand-off costs about a millisecond.
+//
+// Lazy module loading: while `stream` waits for qtxd, a first launch of a
+// kernel of this process that is not loaded yet stalls until the wait is
+// released (the load waits for the context). Set CUDA_MODULE_LOADING=EAGER
+// in the training process, or launch each kernel once before the first
+// channel call.
+#ifndef QTX_CLIENT_CUDA_QTX_CUDA_CHANNEL_H_
+#define QTX_CLIENT_CUDA_QTX_CUDA_CHANNEL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "qtx/channel.h"
+#include "qtx/client.h"
+
+namespace qtx::cuda {
+
+// Flags in device memory of the current device, ordered on `stream`.
+// FAILED_PRECONDITION when the driver or GPU lacks 64-bit stream memory
+// operations; INTERNAL on CUDA errors; the server's status when the flag
+// region cannot be registered (e.g. a CPU sidecar).
+absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client,
+                                                                 cudaStream_t stream);
+
+// CreateStreamFlags + Channel::Open.
+absl::StatusOr<std::unique_ptr<Channel>> OpenChannel(Client& client, cudaStream_t stream,
+                                                     const ChannelOptions& options = {});
+
+}  // namespace qtx::cuda
+
+#endif  // QTX_CLIENT_CUDA_QTX_CUDA_CHANNEL_H_

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On a GPU host: the stream-ordered channel's GPU test and benchmark, without
+# and with CUDA MPS, from a bundle made by deploy/bundle/make_bundle.sh with
+# the test and bench added (cuBLAS left out: the host's PyTorch has it):
+#   QTX_BUNDLE_SKIP='libcublas|libcublasLt' deploy/bundle/make_bundle.sh build bundle-ch \
+#     build/tests/client/cuda_channel_test build/bench/channel_bench
+#   scripts/gpu_channel.sh bundle-ch OUT_DIR
+# QTX_CUBLAS_LIB: folder with libcublas.so.13 (default: PyTorch's nvidia wheel).
+# Writes logs and JSON lines under OUT_DIR; prints one summary line per step.
+set -uo pipefail
+B="$(cd "${1:?bundle dir}" && pwd)"
+OUT="${2:?output dir}"
+mkdir -p "$OUT"
+if [ -z "${QTX_CUBLAS_LIB:-}" ]; then
+  QTX_CUBLAS_LIB="$(dirname "$(find / -xdev -name 'libcublas.so.13' 2>/dev/null | head -1)" 2>/dev/null)"
+fi
+export LD_LIBRARY_PATH="$B/lib${QTX_CUBLAS_LIB:+:$QTX_CUBLAS_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CUDA_MODULE_LOADING=EAGER  # the test and bench park their streams on qtxd
+QTXD="$B/bin/qtxd"
+nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+echo "cublas: ${QTX_CUBLAS_LIB:-none}" >> "$OUT/gpu.txt"
+rc_all=0
+step() {  # step NAME CMD...: run, log to OUT/NAME.txt, summarize
+  local name="$1"; shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && rc_all=1
+  echo "$name rc=$rc $((SECONDS - t0))s $(grep -E '^\[  (PASSED|FAILED) |^\{' "$OUT/$name.txt" | tr '\n' ' ')"
+}
+run_all() {  # run_all MPS
+  step "cuda_channel_test_mps$1" "$B/bin/cuda_channel_test" --qtxd="$QTXD"
+  step "channel_bench_mps$1" "$B/bin/channel_bench" --qtxd="$QTXD" --mps="$1" \
+    ${QTX_BENCH_ARGS:-}
+  grep '^{' "$OUT/channel_bench_mps$1.txt" > "$OUT/channel_bench_mps$1.jsonl"
+}
+QTX_CHANNEL_TEST_ITERS="${QTX_CHANNEL_TEST_ITERS:-300}" run_all 0
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+if nvidia-cuda-mps-control -d; then
+  QTX_CHANNEL_TEST_ITERS="${QTX_CHANNEL_TEST_ITERS_MPS:-2000}" run_all 1
+  echo quit | nvidia-cuda-mps-control
+else
+  echo "MPS daemon did not start"; rc_all=1
+fi
+exit $rc_all

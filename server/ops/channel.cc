@@ -1,0 +1,215 @@
+#include "server/ops/channel.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "server/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace qtx::server::ops {
+namespace {
+
+// Coalescing: a completion is tracked after the last operation of a burst,
+// and at least every this many operations.
+constexpr uint64_t kReportEvery = 64;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const tensor::RegionSliceSpec& flags,
+                                                       const OpContext& ctx,
+                                                       ProgressFn on_progress) {
+  if (flags.size != kChannelFlagBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "open.flags.size=%d: the flag area is exactly %d bytes (ready and done, uint64 each)",
+        flags.size, kChannelFlagBytes));
+  }
+  if (flags.offset % 8 != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "open.flags.offset=%d: must be a multiple of 8 (the flags are 64-bit words)",
+        flags.offset));
+  }
+  QTX_ASSIGN_OR_RETURN(
+      tensor::OutputSlice slice,
+      tensor::ResolveOutputSlice(flags, kChannelFlagBytes, 8, "open.flags", *ctx.regions));
+  if (slice.memory != ctx.device->memory_kind()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "open.flags: region '%s' is %s memory, but channels on %s need their flags in %s memory "
+        "(a %s region)",
+        flags.region, slice.memory == tensor::MemoryKind::kHost ? "host" : "device",
+        ctx.device->name(),
+        ctx.device->memory_kind() == tensor::MemoryKind::kHost ? "host" : "device",
+        ctx.device->memory_kind() == tensor::MemoryKind::kHost ? "shm" : "cuda_ipc"));
+  }
+  QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::ChannelQueue> queue,
+                       ctx.device->OpenChannelQueue(static_cast<std::byte*>(slice.data)));
+  return std::unique_ptr<Channel>(
+      new Channel(ctx, std::move(slice.pin), std::move(queue), std::move(on_progress)));
+}
+
+Channel::Channel(const OpContext& ctx, std::shared_ptr<const tensor::Region> flags_pin,
+                 std::unique_ptr<backend::ChannelQueue> queue, ProgressFn on_progress)
+    : ctx_(ctx),
+      device_name_(ctx.device->name()),
+      on_progress_(std::move(on_progress)),
+      flags_pin_(std::move(flags_pin)),
+      queue_(std::move(queue)) {
+  worker_ = std::thread([this] { WorkerLoop(); });
+}
+
+Channel::~Channel() {
+  if (!closed_) Close(absl::ZeroDuration());
+}
+
+void Channel::Submit(uint64_t seq, ChannelOp op, std::shared_ptr<const void> keepalive) {
+  absl::MutexLock lock(&mu_);
+  if (closing_) return;
+  submitted_ = std::max(submitted_, seq);
+  items_.push_back({seq, std::move(op), std::move(keepalive)});
+}
+
+void Channel::WorkerLoop() {
+  for (;;) {
+    Item item;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Channel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return c->closing_ || !c->items_.empty();
+          },
+          this));
+      if (items_.empty()) return;  // closing and drained
+      item = std::move(items_.front());
+      items_.pop_front();
+      busy_ = true;
+    }
+    Run(item);
+    item.keepalive.reset();
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+  }
+}
+
+void Channel::Run(Item& item) {
+  if (failed_) return;  // the channel failed earlier: nothing more runs
+  if (item.seq != next_seq_) {
+    Fail(item.seq, absl::FailedPreconditionError(absl::StrFormat(
+                       "submit.seq=%d: expected %d (sequence numbers start at 1 and grow by one "
+                       "per submission)",
+                       item.seq, next_seq_)));
+    return;
+  }
+  ++next_seq_;
+  absl::Status status = queue_->WaitReady(item.seq);
+  if (status.ok()) {
+    status = std::visit(
+        [&](auto& spec) -> absl::Status {
+          using Spec = std::decay_t<decltype(spec)>;
+          if constexpr (!std::is_same_v<Spec, absl::Status>) spec.queue = queue_.get();
+          if constexpr (std::is_same_v<Spec, QuantizeRequestSpec>) {
+            return Quantize(spec, ctx_).status();
+          } else if constexpr (std::is_same_v<Spec, DequantizeRequestSpec>) {
+            return Dequantize(spec, ctx_).status();
+          } else {
+            return spec;  // the submission could not be parsed
+          }
+        },
+        item.op);
+  }
+  if (!status.ok()) {
+    Fail(item.seq, std::move(status));
+    return;
+  }
+  status = queue_->WriteDone(item.seq);
+  if (!status.ok()) {
+    Fail(item.seq, std::move(status));
+    return;
+  }
+  bool burst_over;
+  {
+    absl::MutexLock lock(&mu_);
+    burst_over = items_.empty();
+  }
+  last_ok_seq_ = item.seq;
+  if (burst_over || ++ops_since_report_ >= kReportEvery) {
+    status = TrackCompletion();
+    if (!status.ok()) Fail(item.seq, std::move(status));
+  }
+}
+
+absl::Status Channel::TrackCompletion() {
+  ops_since_report_ = 0;
+  if (last_ok_seq_ == last_tracked_seq_) return absl::OkStatus();
+  const uint64_t seq = last_tracked_seq_ = last_ok_seq_;
+  return queue_->OnDrained([this, seq] {
+    ChannelProgress p;
+    p.completed_through = seq;
+    Report(p);
+  });
+}
+
+void Channel::Fail(uint64_t seq, absl::Status status) {
+  // The operations before it that succeeded are reported done when they are.
+  if (absl::Status s = TrackCompletion(); !s.ok()) {
+    spdlog::error("event=channel_track_failed seq={} msg=\"{}\"", seq, std::string(s.message()));
+  }
+  failed_ = true;
+  const absl::Status write = queue_->WriteDone(kChannelFailedOffset + seq);
+  if (!write.ok()) {
+    spdlog::error("event=channel_fail_write_failed seq={} msg=\"{}\"", seq,
+                  std::string(write.message()));
+  }
+  ChannelProgress p;
+  p.failed_seq = seq;
+  p.failure = std::move(status);
+  Report(p);
+}
+
+void Channel::Report(const ChannelProgress& update) {
+  ChannelProgress snapshot;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!reporting_) return;
+    progress_.completed_through = std::max(progress_.completed_through, update.completed_through);
+    if (progress_.failed_seq == 0 && update.failed_seq != 0) {
+      progress_.failed_seq = update.failed_seq;
+      progress_.failure = update.failure;
+    }
+    snapshot = progress_;
+  }
+  // Outside mu_; the receiver keeps the largest snapshot (channel.h).
+  on_progress_(snapshot);
+}
+
+void Channel::Close(absl::Duration grace) {
+  if (closed_) return;
+  closed_ = true;
+  const absl::Time deadline = absl::Now() + grace;
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+    // Everything submitted has finished (or the channel failed), or the
+    // grace is over.
+    mu_.AwaitWithDeadline(
+        absl::Condition(
+            +[](Channel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              return c->progress_.failed_seq != 0 ||
+                     (c->items_.empty() && !c->busy_ &&
+                      c->progress_.completed_through >= c->submitted_);
+            },
+            this),
+        deadline);
+  }
+  // Work still waiting on the client's ready word will not get it (the
+  // client is gone or stopped): let it through, so the queue drains.
+  queue_->Release();
+  if (worker_.joinable()) worker_.join();
+  queue_.reset();  // waits for the device work
+  {
+    absl::MutexLock lock(&mu_);
+    reporting_ = false;
+  }
+  flags_pin_.reset();
+}
+
+}  // namespace qtx::server::ops

@@ -1,0 +1,142 @@
+// Channel: the server side of one stream-ordered channel
+// (proto/qtx/v1/channel.proto, ARCHITECTURE "Stream-ordered channels").
+//
+// Each submitted operation n becomes, on the device's channel queue
+// (backend::ChannelQueue): wait ready >= n -> the op (ops::Quantize /
+// ops::Dequantize with the queue set: enqueued, never waited for) ->
+// done = n. A worker thread of the channel does the enqueueing, in
+// submission order, so the thread that receives submissions (gRPC) never
+// blocks. A failed operation n writes done = kChannelFailedOffset + n (which
+// releases every wait of the client) and fails the channel for good: later
+// operations are not run.
+//
+// Progress (ops completed on the device, the first failure) is reported
+// through the callback given to Open, from the channel's threads, as
+// snapshots that only move forward (completed_through never decreases; the
+// failure, once set, stays). Snapshots may arrive out of order: a receiver
+// keeps the largest.
+//
+// Thread safety: Submit may be called from any thread, one at a time (the
+// stream's order is the submission order); the destructor must not race
+// Submit.
+#ifndef QTX_SERVER_OPS_CHANNEL_H_
+#define QTX_SERVER_OPS_CHANNEL_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <variant>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/backend/device.h"
+#include "server/ops/quantize.h"
+#include "server/tensor/region_table.h"
+#include "server/tensor/tensor_ref.h"
+
+namespace qtx::server::ops {
+
+// done = kChannelFailedOffset + n marks operation n as failed; sequence
+// numbers stay below it (channel.proto).
+inline constexpr uint64_t kChannelFailedOffset = uint64_t{1} << 62;
+// The flag area: ready (uint64) at +0, done (uint64) at +8.
+inline constexpr uint64_t kChannelFlagBytes = 16;
+
+// One submitted operation; an absl::Status is a submission the receiver
+// could not even parse, which fails the channel at its turn (in order).
+using ChannelOp = std::variant<QuantizeRequestSpec, DequantizeRequestSpec, absl::Status>;
+
+struct ChannelProgress {
+  // Operations 1..completed_through finished successfully on the device.
+  uint64_t completed_through = 0;
+  // 0, or the first failed operation; `failure` is then its status.
+  uint64_t failed_seq = 0;
+  absl::Status failure;
+};
+
+class Channel {
+ public:
+  using ProgressFn = std::function<void(const ChannelProgress&)>;
+
+  // Opens a channel on ctx.device whose flag area is the slice `flags` of a
+  // registered region (pinned for the channel's life). INVALID_ARGUMENT
+  // when the slice is not 16 bytes or its offset is not a multiple of 8;
+  // NOT_FOUND for an unknown region; FAILED_PRECONDITION when the region is
+  // not in the device's memory (cuda_ipc on a CUDA device, shm on the CPU) or
+  // the device has no channels. `ctx` members must outlive the channel.
+  static absl::StatusOr<std::unique_ptr<Channel>> Open(const tensor::RegionSliceSpec& flags,
+                                                       const OpContext& ctx,
+                                                       ProgressFn on_progress);
+
+  // Stops taking submissions and ends the channel: every operation already
+  // submitted is enqueued; then, if they have not all finished within
+  // `grace` (0 when the client is gone), the queue is released (its waits on
+  // the client's ready word pass) so the device work drains; returns when
+  // it has. No progress callback runs after it returns.
+  void Close(absl::Duration grace);
+  // Close(absl::ZeroDuration()) unless Close was called.
+  ~Channel();
+
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  // Hands operation `seq` to the worker. `keepalive` owns whatever `op`
+  // borrows (the request message) until the op has been enqueued. A seq
+  // that is not the previous one + 1 (starting at 1) fails the channel with
+  // FAILED_PRECONDITION; after a failure, operations are dropped.
+  void Submit(uint64_t seq, ChannelOp op, std::shared_ptr<const void> keepalive);
+
+  const std::string& device_name() const { return device_name_; }
+
+ private:
+  struct Item {
+    uint64_t seq = 0;
+    ChannelOp op;
+    std::shared_ptr<const void> keepalive;
+  };
+
+  Channel(const OpContext& ctx, std::shared_ptr<const tensor::Region> flags_pin,
+          std::unique_ptr<backend::ChannelQueue> queue, ProgressFn on_progress);
+  void WorkerLoop();
+  void Run(Item& item);
+  void Fail(uint64_t seq, absl::Status status);
+  // Reports last_ok_seq_ done once the device has finished it.
+  absl::Status TrackCompletion();
+  void Report(const ChannelProgress& progress);
+
+  // Constant after construction.
+  const OpContext ctx_;
+  const std::string device_name_;
+  const ProgressFn on_progress_;
+  std::shared_ptr<const tensor::Region> flags_pin_;  // dropped after queue_
+  std::unique_ptr<backend::ChannelQueue> queue_;
+
+  // Used by the worker thread only.
+  uint64_t next_seq_ = 1;
+  bool failed_ = false;
+  uint64_t ops_since_report_ = 0;
+  uint64_t last_ok_seq_ = 0;       // the last operation enqueued successfully
+  uint64_t last_tracked_seq_ = 0;  // the last one given to OnDrained
+
+  // State below is protected by mu_.
+  absl::Mutex mu_;
+  std::deque<Item> items_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // the worker is running an item
+  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // highest seq handed to Submit
+  ChannelProgress progress_ ABSL_GUARDED_BY(mu_);
+  bool reporting_ ABSL_GUARDED_BY(mu_) = true;  // false once Close finished
+
+  std::thread worker_;
+  bool closed_ = false;  // Close has run (owner thread only)
+};
+
+}  // namespace qtx::server::ops
+
+#endif  // QTX_SERVER_OPS_CHANNEL_H_

@@ -1,0 +1,438 @@
+// End-to-end: qtx::Channel against qtxd --device=cpu (--qtxd=<path>), flags
+// in client shm (HostChannelFlags). Covers what a CPU can exercise of the
+// stream-ordered protocol: ordering after the ready word, sequence numbers,
+// byte-exact outputs against kernels::cpu::QuantizeBlock, failures (sticky,
+// naming the operation, releasing the done word), qtxd dying with work in
+// flight, a client going away with work parked on its ready word.
+#include <signal.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/block_geometry.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/fp8.h"
+#include "qtx/channel.h"
+#include "qtx/client.h"
+#include "qtx/shm_region.h"
+#include "qtx/v1/channel.grpc.pb.h"
+#include "tests/testing/qtxd_process.h"
+#include "tests/testing/status_matchers.h"
+
+namespace qtx {
+namespace {
+
+using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::string g_qtxd_path;
+
+std::string RandomBf16(int64_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::string out(count * 2, '\0');
+  for (int64_t i = 0; i < count; ++i) {
+    const uint16_t h = kernels::FloatToBf16(normal(rng) * (i % 7 == 0 ? 100.0f : 1.0f));
+    std::memcpy(out.data() + 2 * i, &h, 2);
+  }
+  return out;
+}
+
+struct Expected {
+  std::string rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv;
+};
+
+Expected QuantizeOnCpu(const std::string& bf16, int64_t m, int64_t n) {
+  kernels::QuantizeParams p;
+  p.rowwise = true;
+  p.columnwise = true;
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m, n);
+  Expected e;
+  e.rowwise_data.assign(layout.RowwiseDataBytes(), '\0');
+  e.rowwise_scale_inv.assign(layout.RowwiseScaleCount() * 4, '\0');
+  e.columnwise_data.assign(layout.ColumnwiseDataBytes(), '\0');
+  e.columnwise_scale_inv.assign(layout.ColumnwiseScaleCount() * 4, '\0');
+  kernels::QuantizedBuffers out;
+  out.rowwise_data = reinterpret_cast<uint8_t*>(e.rowwise_data.data());
+  out.rowwise_scale_inv = reinterpret_cast<float*>(e.rowwise_scale_inv.data());
+  out.columnwise_data = reinterpret_cast<uint8_t*>(e.columnwise_data.data());
+  out.columnwise_scale_inv = reinterpret_cast<float*>(e.columnwise_scale_inv.data());
+  kernels::cpu::QuantizeBlock(bf16.data(), kernels::InputDType::kBFloat16, m, n, p, out);
+  return e;
+}
+
+std::string Bytes(const ShmRegion& region, const RegionSlice& slice) {
+  absl::StatusOr<std::span<std::byte>> v = region.View(slice);
+  EXPECT_TRUE(v.ok()) << v.status();
+  if (!v.ok()) return {};
+  return std::string(reinterpret_cast<const char*>(v->data()), v->size());
+}
+
+// "done", "pending" or the error of Channel::Query.
+std::string State(const absl::StatusOr<bool>& q) {
+  if (!q.ok()) return q.status().ToString();
+  return *q ? "done" : "pending";
+}
+
+// Host flags whose "ready" the test writes by hand (Deliver), to model a
+// caller whose stream reaches the operation later than the submission.
+class DeferredFlags final : public ChannelFlags {
+ public:
+  explicit DeferredFlags(std::unique_ptr<HostChannelFlags> inner) : inner_(std::move(inner)) {}
+  RegionSlice slice() const override { return inner_->slice(); }
+  absl::Status SignalReady(uint64_t seq) override {
+    last_.store(seq);
+    return absl::OkStatus();
+  }
+  absl::Status WaitDone(uint64_t seq) override { return inner_->WaitDone(seq); }
+  void ReleaseWaits() override { inner_->ReleaseWaits(); }
+  void Deliver() { (void)inner_->SignalReady(last_.load()); }  // host flags: always OK
+  uint64_t done() const { return inner_->done(); }
+
+ private:
+  std::unique_ptr<HostChannelFlags> inner_;
+  std::atomic<uint64_t> last_{0};
+};
+
+class ChannelE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    QTX_ASSERT_OK_AND_ASSIGN(server_,
+                             QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--allow_client_shm"}));
+    QTX_ASSERT_OK_AND_ASSIGN(client_, Client::Connect(server_->target()));
+    QTX_ASSERT_OK_AND_ASSIGN(region_, ShmRegion::Create("ch-data", 8 << 20));
+    QTX_ASSERT_OK(client_->RegisterShmRegion(*region_));
+  }
+
+  // A quantization of a fresh [m, n] BF16 input placed in the region, with
+  // every output in the region (pre-filled with a sentinel).
+  struct Op {
+    Tensor input;
+    QuantizeOutputs outputs;
+    Expected expected;
+    std::string input_bytes;
+  };
+  Op MakeOp(int64_t m, int64_t n, uint64_t seed) {
+    Op op;
+    op.input_bytes = RandomBf16(m * n, seed);
+    op.expected = QuantizeOnCpu(op.input_bytes, m, n);
+    op.input = *region_->Place(Tensor::Inline(DType::kBFloat16, {m, n}, op.input_bytes));
+    const std::vector<int64_t> shape = {m, n};
+    op.outputs = *region_->AllocateQuantizeOutputs(shape, Config());
+    for (const auto* s : {&op.outputs.rowwise_data, &op.outputs.rowwise_scale_inv,
+                          &op.outputs.columnwise_data, &op.outputs.columnwise_scale_inv}) {
+      std::span<std::byte> v = *region_->View(**s);
+      std::memset(v.data(), 0xCD, v.size());
+    }
+    return op;
+  }
+  static QuantizeConfig Config() {
+    QuantizeConfig c;
+    c.columnwise = true;
+    return c;
+  }
+  void ExpectOutputs(const Op& op) {
+    EXPECT_TRUE(Bytes(*region_, *op.outputs.rowwise_data) == op.expected.rowwise_data);
+    EXPECT_TRUE(Bytes(*region_, *op.outputs.rowwise_scale_inv) == op.expected.rowwise_scale_inv);
+    EXPECT_TRUE(Bytes(*region_, *op.outputs.columnwise_data) == op.expected.columnwise_data);
+    EXPECT_TRUE(Bytes(*region_, *op.outputs.columnwise_scale_inv) ==
+                op.expected.columnwise_scale_inv);
+  }
+
+  std::unique_ptr<QtxdProcess> server_;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<ShmRegion> region_;
+};
+
+TEST_F(ChannelE2eTest, OperationsRunInOrderAndMatchTheReference) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                           HostChannelFlags::Create(*client_, "ch-flags"));
+  HostChannelFlags* raw = flags.get();
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
+  std::vector<Op> ops;
+  const int64_t shapes[][2] = {{128, 256}, {200, 384}, {1, 128}, {129, 130}, {256, 128}};
+  for (int i = 0; i < 20; ++i) {
+    ops.push_back(MakeOp(shapes[i % 5][0], shapes[i % 5][1], 100 + i));
+    QTX_ASSERT_OK_AND_ASSIGN(uint64_t id, ch->Quantize(ops.back().input, Config(),
+                                                       ops.back().outputs));
+    EXPECT_EQ(id, static_cast<uint64_t>(i + 1));
+  }
+  QTX_ASSERT_OK(ch->Synchronize());
+  EXPECT_EQ(raw->ready(), 20u);
+  EXPECT_EQ(raw->done(), 20u);
+  for (uint64_t id = 1; id <= 20; ++id) EXPECT_EQ(State(ch->Query(id)), "done");
+  for (const Op& op : ops) ExpectOutputs(op);
+  // Dequantize on the channel too, into the region.
+  QTX_ASSERT_OK_AND_ASSIGN(Tensor dq, region_->AllocateTensor(DType::kFloat32, {128, 256}));
+  QuantizedTensor q;
+  q.shape = {128, 256};
+  q.source_dtype = DType::kBFloat16;
+  q.config = Config();
+  q.rowwise_data = Tensor::InRegion(DType::kFloat8E4M3, {128, 256}, *ops[0].outputs.rowwise_data);
+  q.rowwise_scale_inv =
+      Tensor::InRegion(DType::kFloat32, {128, 2}, *ops[0].outputs.rowwise_scale_inv);
+  QTX_ASSERT_OK_AND_ASSIGN(uint64_t id, ch->Dequantize(q, DType::kFloat32, *dq.region));
+  EXPECT_EQ(id, 21u);
+  QTX_ASSERT_OK(ch->Close());
+  QTX_ASSERT_OK_AND_ASSIGN(Tensor ref, client_->Dequantize(q, DType::kFloat32));
+  EXPECT_TRUE(Bytes(*region_, *dq.region) == ref.data);
+}
+
+TEST_F(ChannelE2eTest, TheOpWaitsForTheReadyWord) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> inner,
+                           HostChannelFlags::Create(*client_, "ch-flags"));
+  auto flags = std::make_unique<DeferredFlags>(std::move(inner));
+  DeferredFlags* deferred = flags.get();
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
+  Op op = MakeOp(256, 256, 7);
+  // The input is not written yet when the op is submitted: zeros now.
+  std::span<std::byte> in = *region_->View(*op.input.region);
+  std::memset(in.data(), 0, in.size());
+  QTX_ASSERT_OK(ch->Quantize(op.input, Config(), op.outputs).status());
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(State(ch->Query(1)), "pending") << "ran before ready";
+  EXPECT_EQ(deferred->done(), 0u);
+  // The caller's "stream" produces the input, then reaches ready.
+  std::memcpy(in.data(), op.input_bytes.data(), in.size());
+  deferred->Deliver();
+  QTX_ASSERT_OK(ch->Synchronize());
+  EXPECT_EQ(deferred->done(), 1u);
+  ExpectOutputs(op);
+}
+
+TEST_F(ChannelE2eTest, AFailedOperationFailsTheChannelAndReleasesTheWaits) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                           HostChannelFlags::Create(*client_, "ch-flags"));
+  HostChannelFlags* raw = flags.get();
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
+  Op good = MakeOp(128, 128, 1);
+  QTX_ASSERT_OK(ch->Quantize(good.input, Config(), good.outputs).status());
+  Tensor missing = good.input;
+  missing.region->region = "no-such-region";
+  QTX_ASSERT_OK(ch->Quantize(missing, Config(), good.outputs).status());  // fails at qtxd
+  EXPECT_THAT(ch->Synchronize(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("channel operation 2 failed: input.region: region 'no-such-region'")));
+  EXPECT_EQ(raw->done(), kChannelFailedOffset + 2);  // releases every wait
+  EXPECT_EQ(State(ch->Query(1)), "done");
+  EXPECT_THAT(ch->Query(2), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(ch->Quantize(good.input, Config(), good.outputs),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("operation 2")));
+  EXPECT_THAT(ch->Query(9), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  ExpectOutputs(good);
+}
+
+TEST_F(ChannelE2eTest, OperationsBehindAFailureAreNotRun) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> inner,
+                           HostChannelFlags::Create(*client_, "ch-flags"));
+  auto flags = std::make_unique<DeferredFlags>(std::move(inner));
+  DeferredFlags* deferred = flags.get();
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
+  Op op = MakeOp(128, 256, 3);
+  QuantizeOutputs no_columnwise = op.outputs;
+  no_columnwise.columnwise_data.reset();  // requested but not given: refused
+  QTX_ASSERT_OK(ch->Quantize(op.input, Config(), no_columnwise).status());
+  QTX_ASSERT_OK(ch->Quantize(op.input, Config(), op.outputs).status());
+  deferred->Deliver();
+  EXPECT_THAT(ch->Synchronize(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("outputs.columnwise_data: not set")));
+  EXPECT_THAT(ch->Query(2), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("operation 2 was not run")));
+  // The second op never wrote its outputs.
+  const std::string untouched(op.expected.rowwise_data.size(), '\xCD');
+  EXPECT_TRUE(Bytes(*region_, *op.outputs.rowwise_data) == untouched);
+}
+
+TEST_F(ChannelE2eTest, InlineTensorsAreRefusedAtOnce) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                           HostChannelFlags::Create(*client_, "ch-flags"));
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
+  EXPECT_THAT(ch->Quantize(Tensor::Inline(DType::kBFloat16, {1, 128}, std::string(256, '\0')),
+                           Config(), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("inline")));
+  EXPECT_EQ(ch->submitted(), 0u);
+  QTX_ASSERT_OK(ch->Close());
+}
+
+TEST_F(ChannelE2eTest, OpenRefusesABadFlagArea) {
+  // Wrong size: a 16-byte slice is required (Channel::Open sends the flags'
+  // slice; a raw stream sends a bad one).
+  auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::StreamChannel::NewStub(channel);
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->Connect(&ctx);
+    v1::ChannelRequest open;
+    open.mutable_open()->mutable_flags()->set_region("ch-data");
+    open.mutable_open()->mutable_flags()->set_size(8);
+    ASSERT_TRUE(stream->Write(open));
+    v1::ChannelReply reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("open.flags.size=8"));
+  }
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->Connect(&ctx);
+    v1::ChannelRequest submit;
+    submit.mutable_submit()->set_seq(1);
+    ASSERT_TRUE(stream->Write(submit));
+    v1::ChannelReply reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("first message of a channel must be `open`"));
+  }
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->Connect(&ctx);
+    v1::ChannelRequest open;
+    open.mutable_open()->mutable_flags()->set_region("no-such-flags");
+    open.mutable_open()->mutable_flags()->set_size(16);
+    ASSERT_TRUE(stream->Write(open));
+    v1::ChannelReply reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+}
+
+TEST_F(ChannelE2eTest, ASequenceGapFailsTheChannel) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                           HostChannelFlags::Create(*client_, "ch-raw"));
+  QTX_ASSERT_OK(flags->SignalReady(5));
+  auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::StreamChannel::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->Connect(&ctx);
+  v1::ChannelRequest open;
+  open.mutable_open()->mutable_flags()->set_region("ch-raw");
+  open.mutable_open()->mutable_flags()->set_size(16);
+  ASSERT_TRUE(stream->Write(open));
+  v1::ChannelReply reply;
+  ASSERT_TRUE(stream->Read(&reply));
+  ASSERT_TRUE(reply.has_opened());
+  EXPECT_EQ(reply.opened().device(), "cpu");
+  Op op = MakeOp(128, 128, 9);
+  for (uint64_t seq : {1, 3}) {  // 2 is skipped
+    v1::ChannelRequest submit;
+    submit.mutable_submit()->set_seq(seq);
+    v1::QuantizeRequest* q = submit.mutable_submit()->mutable_quantize();
+    q->mutable_input()->set_dtype(v1::BFLOAT16);
+    q->mutable_input()->add_shape(128);
+    q->mutable_input()->add_shape(128);
+    q->mutable_input()->mutable_region()->set_region("ch-data");
+    q->mutable_input()->mutable_region()->set_offset(op.input.region->offset);
+    q->mutable_input()->mutable_region()->set_size(op.input.region->size);
+    q->mutable_outputs()->mutable_rowwise_data()->set_region("ch-data");
+    q->mutable_outputs()->mutable_rowwise_data()->set_offset(op.outputs.rowwise_data->offset);
+    q->mutable_outputs()->mutable_rowwise_data()->set_size(op.outputs.rowwise_data->size);
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_region("ch-data");
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_offset(
+        op.outputs.rowwise_scale_inv->offset);
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_size(
+        op.outputs.rowwise_scale_inv->size);
+    ASSERT_TRUE(stream->Write(submit));
+  }
+  uint64_t failed = 0;
+  while (failed == 0 && stream->Read(&reply)) {
+    if (reply.has_progress()) {
+      failed = reply.progress().failed_seq();
+      if (failed != 0) {
+        EXPECT_EQ(reply.progress().failed_code(), grpc::StatusCode::FAILED_PRECONDITION);
+        EXPECT_THAT(reply.progress().failed_message(), HasSubstr("submit.seq=3: expected 2"));
+      }
+    }
+  }
+  EXPECT_EQ(failed, 3u);
+  EXPECT_EQ(flags->done(), kChannelFailedOffset + 3);
+  stream->WritesDone();
+  while (stream->Read(&reply)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ChannelE2eTest, QtxdDyingReleasesTheWaitsAndLaterCallsFail) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> inner,
+                           HostChannelFlags::Create(*client_, "ch-flags"));
+  auto flags = std::make_unique<DeferredFlags>(std::move(inner));
+  DeferredFlags* deferred = flags.get();
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
+  Op op = MakeOp(128, 128, 5);
+  QTX_ASSERT_OK(ch->Quantize(op.input, Config(), op.outputs).status());  // parked: no ready
+  ASSERT_EQ(::kill(server_->pid(), SIGKILL), 0);
+  const absl::Time start = absl::Now();
+  while (deferred->done() != kChannelReleaseAll && absl::Now() - start < absl::Seconds(5)) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(deferred->done(), kChannelReleaseAll);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "waits released too late";
+  EXPECT_THAT(ch->Quantize(op.input, Config(), op.outputs),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_THAT(ch->Synchronize(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_THAT(ch->Query(1), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  ch.reset();  // must not hang
+}
+
+TEST_F(ChannelE2eTest, AClientGoneWithParkedWorkLeavesQtxdServing) {
+  {
+    QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> inner,
+                             HostChannelFlags::Create(*client_, "ch-flags"));
+    auto flags = std::make_unique<DeferredFlags>(std::move(inner));
+    ChannelOptions options;
+    options.sync_timeout = absl::Milliseconds(200);
+    QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch,
+                             Channel::Open(*client_, std::move(flags), options));
+    Op op = MakeOp(128, 128, 5);
+    QTX_ASSERT_OK(ch->Quantize(op.input, Config(), op.outputs).status());  // never ready
+    EXPECT_THAT(ch->Close(), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  }
+  // qtxd let the parked op through and still serves, channels included.
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                           HostChannelFlags::Create(*client_, "ch-flags2"));
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
+  Op op = MakeOp(128, 128, 6);
+  QTX_ASSERT_OK(ch->Quantize(op.input, Config(), op.outputs).status());
+  QTX_ASSERT_OK(ch->Close());
+  ExpectOutputs(op);
+  // Nothing stays pinned once both channels are gone (the cancelled one
+  // closes on qtxd's side asynchronously: allow it a few seconds).
+  uint32_t pinned = 1;
+  for (int i = 0; i < 500 && pinned != 0; ++i) {
+    QTX_ASSERT_OK_AND_ASSIGN(std::vector<RegionInfo> regions, client_->ListRegions());
+    pinned = 0;
+    for (const RegionInfo& r : regions) pinned += r.in_use;
+    if (pinned != 0) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(pinned, 0u);
+}
+
+}  // namespace
+}  // namespace qtx
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (absl::StartsWith(arg, "--qtxd=")) qtx::g_qtxd_path = arg.substr(7);
+  }
+  if (qtx::g_qtxd_path.empty()) {
+    std::fprintf(stderr, "usage: channel_e2e_test --qtxd=<path to qtxd>\n");
+    return 2;
+  }
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,252 @@
+// GPU end-to-end (label gpu): qtx::cuda::OpenChannel against qtxd
+// --device=cuda:0 on the same GPU (--qtxd=<path>). The caller's stream
+// produces the input behind a spin, the channel quantizes it, and a consumer
+// kernel right behind the channel's wait compares every output byte with the
+// CPU reference (kernels::cpu::QuantizeBlock), many times: outputs must be
+// visible when the wait is released, and the input must be read only after
+// the producer. Also: a failed op releases the caller's wait within 100 ms;
+// qtxd dying releases the waits and later calls fail with UNAVAILABLE.
+// Run with and without MPS (scripts/gpu_channel.sh).
+#include <signal.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/block_geometry.h"
+#include "kernels/cpu/quantize_block.h"
+#include "kernels/fp8.h"
+#include "qtx/channel.h"
+#include "qtx/client.h"
+#include "qtx/cuda_channel.h"
+#include "qtx/cuda_ipc.h"
+#include "tests/client/cuda/channel_test_kernels.h"
+#include "tests/testing/qtxd_process.h"
+#include "tests/testing/status_matchers.h"
+
+namespace qtx {
+namespace {
+
+using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::string g_qtxd_path;
+
+#define CUDA_OK(expr)                                                            \
+  do {                                                                           \
+    const cudaError_t e_ = (expr);                                               \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);       \
+  } while (0)
+
+int Iterations() {
+  const char* s = std::getenv("QTX_CHANNEL_TEST_ITERS");
+  return s != nullptr ? std::atoi(s) : 500;
+}
+
+// One device allocation registered as a CUDA IPC region, carved by a bump
+// allocator into 256-byte aligned slices.
+struct DeviceArena {
+  void* base = nullptr;
+  uint64_t size = 0;
+  uint64_t used = 0;
+  std::string name;
+  RegionSlice Take(uint64_t bytes) {
+    RegionSlice s{name, used, bytes};
+    used += (bytes + 255) / 256 * 256;
+    EXPECT_LE(used, size);
+    return s;
+  }
+  void* At(const RegionSlice& s) const { return static_cast<char*>(base) + s.offset; }
+};
+
+class CudaChannelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    QTX_ASSERT_OK_AND_ASSIGN(server_, QtxdProcess::Start(g_qtxd_path, {"--device=cuda:0"}));
+    QTX_ASSERT_OK_AND_ASSIGN(client_, Client::Connect(server_->target()));
+    CUDA_OK(cudaSetDevice(0));
+    CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    arena_.size = uint64_t{256} << 20;
+    arena_.name = "chtest-arena";
+    CUDA_OK(cudaMalloc(&arena_.base, arena_.size));
+    QTX_ASSERT_OK(qtx::cuda::RegisterDevicePointer(*client_, arena_.name, arena_.base,
+                                                   arena_.size));
+    CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&mismatches_), sizeof(unsigned long long)));
+    CUDA_OK(cudaMemset(mismatches_, 0, sizeof(unsigned long long)));
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+    if (client_ != nullptr && server_ != nullptr) (void)client_->UnregisterRegion(arena_.name);
+    if (arena_.base != nullptr) (void)cudaFree(arena_.base);
+    if (mismatches_ != nullptr) (void)cudaFree(mismatches_);
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  }
+
+  uint64_t Mismatches() {
+    unsigned long long n = 0;
+    EXPECT_EQ(cudaMemcpy(&n, mismatches_, sizeof(n), cudaMemcpyDeviceToHost), cudaSuccess);
+    return n;
+  }
+
+  std::unique_ptr<QtxdProcess> server_;
+  std::unique_ptr<Client> client_;
+  cudaStream_t stream_ = nullptr;
+  DeviceArena arena_;
+  unsigned long long* mismatches_ = nullptr;
+};
+
+TEST_F(CudaChannelTest, ConsumerSeesEveryOutputByteRightAfterTheWait) {
+  const int64_t m = 1000, n = 1024;  // M not a multiple of 128
+  constexpr int kVariants = 4;
+  QuantizeConfig config;
+  config.columnwise = true;
+  kernels::QuantizeParams p;
+  p.rowwise = p.columnwise = true;
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m, n);
+  const uint64_t in_bytes = m * n * 2;
+  const uint64_t out_bytes[4] = {layout.RowwiseDataBytes(), layout.RowwiseScaleCount() * 4,
+                                 layout.ColumnwiseDataBytes(),
+                                 layout.ColumnwiseScaleCount() * 4};
+
+  // Sources and expected outputs of each variant, in the arena.
+  std::vector<RegionSlice> sources, expected[4];
+  std::mt19937_64 rng(42);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int v = 0; v < kVariants; ++v) {
+    std::string input(in_bytes, '\0');
+    for (int64_t i = 0; i < m * n; ++i) {
+      const uint16_t h = kernels::FloatToBf16(normal(rng) * (i % 11 == v ? 50.0f : 1.0f));
+      std::memcpy(input.data() + 2 * i, &h, 2);
+    }
+    std::string outs[4];
+    for (int k = 0; k < 4; ++k) outs[k].assign(out_bytes[k], '\0');
+    kernels::QuantizedBuffers b;
+    b.rowwise_data = reinterpret_cast<uint8_t*>(outs[0].data());
+    b.rowwise_scale_inv = reinterpret_cast<float*>(outs[1].data());
+    b.columnwise_data = reinterpret_cast<uint8_t*>(outs[2].data());
+    b.columnwise_scale_inv = reinterpret_cast<float*>(outs[3].data());
+    kernels::cpu::QuantizeBlock(input.data(), kernels::InputDType::kBFloat16, m, n, p, b);
+    sources.push_back(arena_.Take(in_bytes));
+    CUDA_OK(cudaMemcpy(arena_.At(sources.back()), input.data(), in_bytes, cudaMemcpyHostToDevice));
+    for (int k = 0; k < 4; ++k) {
+      expected[k].push_back(arena_.Take(out_bytes[k]));
+      CUDA_OK(cudaMemcpy(arena_.At(expected[k].back()), outs[k].data(), out_bytes[k],
+                         cudaMemcpyHostToDevice));
+    }
+  }
+  // One input and one set of outputs, reused by every iteration.
+  const RegionSlice input = arena_.Take(in_bytes);
+  QuantizeOutputs outputs;
+  outputs.rowwise_data = arena_.Take(out_bytes[0]);
+  outputs.rowwise_scale_inv = arena_.Take(out_bytes[1]);
+  outputs.columnwise_data = arena_.Take(out_bytes[2]);
+  outputs.columnwise_scale_inv = arena_.Take(out_bytes[3]);
+  const RegionSlice* out_slices[4] = {&*outputs.rowwise_data, &*outputs.rowwise_scale_inv,
+                                      &*outputs.columnwise_data, &*outputs.columnwise_scale_inv};
+
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
+  const int iters = Iterations();
+  for (int it = 0; it < iters; ++it) {
+    const int v = it % kVariants;
+    // Poison the outputs, then produce the input late (after a spin).
+    for (const RegionSlice* s : out_slices) {
+      CUDA_OK(cudaMemsetAsync(arena_.At(*s), 0xCD, s->size, stream_));
+    }
+    CUDA_OK(qtx::testing::LaunchDelayedCopy(arena_.At(input), arena_.At(sources[v]), in_bytes,
+                                            (it % 3) * 20000, stream_));
+    QTX_ASSERT_OK(
+        ch->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, input), config, outputs).status());
+    for (int k = 0; k < 4; ++k) {
+      CUDA_OK(qtx::testing::LaunchCountMismatches(arena_.At(*out_slices[k]),
+                                                  arena_.At(expected[k][v]), out_bytes[k],
+                                                  mismatches_, stream_));
+    }
+  }
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  QTX_ASSERT_OK(ch->Synchronize());
+  EXPECT_EQ(ch->submitted(), static_cast<uint64_t>(iters));
+  EXPECT_EQ(Mismatches(), 0u) << "bytes differing from the CPU reference right after the wait, "
+                              << iters << " iterations";
+  QTX_ASSERT_OK(ch->Close());
+  std::printf("{\"test\":\"cuda_channel_consumer\",\"iterations\":%d,\"mismatched_bytes\":%llu}\n",
+              iters, static_cast<unsigned long long>(Mismatches()));
+}
+
+TEST_F(CudaChannelTest, AFailedOpReleasesTheWaitWithin100Ms) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
+  const RegionSlice bad{"no-such-region", 0, 1000 * 128 * 2};
+  QuantizeOutputs outputs;
+  outputs.rowwise_data = arena_.Take(1000 * 128);
+  outputs.rowwise_scale_inv = arena_.Take(1000 * 4);
+  const absl::Time start = absl::Now();
+  QTX_ASSERT_OK(
+      ch->Quantize(Tensor::InRegion(DType::kBFloat16, {1000, 128}, bad), {}, outputs).status());
+  CUDA_OK(cudaStreamSynchronize(stream_));  // the wait on done must be released
+  const absl::Duration released = absl::Now() - start;
+  EXPECT_LT(released, absl::Milliseconds(100));
+  EXPECT_THAT(ch->Synchronize(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("channel operation 1 failed: input.region: region 'no-such-region'")));
+  std::printf("{\"test\":\"cuda_channel_failure_release\",\"release_ms\":%.3f}\n",
+              absl::ToDoubleMilliseconds(released));
+}
+
+TEST_F(CudaChannelTest, QtxdDyingReleasesTheWaits) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
+  QuantizeOutputs outputs;
+  outputs.rowwise_data = arena_.Take(256 * 128);
+  outputs.rowwise_scale_inv = arena_.Take(256 * 4);
+  const RegionSlice input = arena_.Take(256 * 128 * 2);
+  // The caller's stream is busy for 400 ms before it reaches "ready".
+  CUDA_OK(qtx::testing::LaunchSpin(400'000'000, stream_));
+  QTX_ASSERT_OK(
+      ch->Quantize(Tensor::InRegion(DType::kBFloat16, {256, 128}, input), {}, outputs).status());
+  absl::SleepFor(absl::Milliseconds(50));
+  const absl::Time kill_time = absl::Now();
+  ASSERT_EQ(::kill(server_->pid(), SIGKILL), 0);
+  // The stream must drain (spin end + released wait), never hang.
+  cudaError_t q = cudaErrorNotReady;
+  while ((q = cudaStreamQuery(stream_)) == cudaErrorNotReady &&
+         absl::Now() - kill_time < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(q, cudaSuccess) << "the caller's stream still waits 10 s after qtxd died";
+  const absl::Duration drained = absl::Now() - kill_time;
+  EXPECT_LT(drained, absl::Seconds(1));
+  EXPECT_THAT(ch->Quantize(Tensor::InRegion(DType::kBFloat16, {256, 128}, input), {}, outputs),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_THAT(ch->Synchronize(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  std::printf("{\"test\":\"cuda_channel_qtxd_death\",\"drained_after_kill_ms\":%.3f}\n",
+              absl::ToDoubleMilliseconds(drained));
+  ch.reset();
+  client_.reset();
+  server_.reset();
+}
+
+}  // namespace
+}  // namespace qtx
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (absl::StartsWith(arg, "--qtxd=")) qtx::g_qtxd_path = arg.substr(7);
+  }
+  if (qtx::g_qtxd_path.empty()) {
+    std::fprintf(stderr, "usage: cuda_channel_test --qtxd=<path to qtxd>\n");
+    return 2;
+  }
+  return RUN_ALL_TESTS();
+}
