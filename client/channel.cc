@@ -205,9 +205,16 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
                     device_};
   }
 
-  void NoteSubmitted(uint64_t seq) {
-    absl::MutexLock lock(&mu_);
-    submitted_ = seq;
+  // Operation `seq`: "ready = seq" on the caller's stream, the descriptor
+  // to qtxd, "wait done >= seq" on the caller's stream.
+  absl::Status Submit(ChannelFlags& flags, uint64_t seq, v1::ChannelRequest request) {
+    if (absl::Status s = flags.SignalReady(seq); !s.ok()) return s;
+    {
+      absl::MutexLock lock(&mu_);
+      submitted_ = seq;
+    }
+    Enqueue(std::move(request));
+    return flags.WaitDone(seq);
   }
   void NoteClosing() {
     absl::MutexLock lock(&mu_);
@@ -312,11 +319,32 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
   ToProto(input, q->mutable_input());
   ToProto(config, q->mutable_config());
   ToProto(outputs, q->mutable_outputs());
-  if (absl::Status s = flags_->SignalReady(seq); !s.ok()) return s;
-  stream_->NoteSubmitted(seq);
-  stream_->Enqueue(std::move(request));
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request)); !s.ok()) return s;
   ++next_seq_;
-  if (absl::Status s = flags_->WaitDone(seq); !s.ok()) return s;
+  return seq;
+}
+
+absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t sequence,
+                                            const Tensor& input, const QuantizeConfig& config,
+                                            AllGatherMode mode, const QuantizeOutputs& outputs) {
+  if (absl::Status s = CheckUsable(); !s.ok()) return s;
+  if (!input.in_region()) {
+    return absl::InvalidArgumentError(
+        "input: inline tensor; channel ops take slices of registered regions only");
+  }
+  const uint64_t seq = next_seq_;
+  v1::ChannelRequest request;
+  v1::ChannelSubmit* submit = request.mutable_submit();
+  submit->set_seq(seq);
+  v1::AllGatherRequest* a = submit->mutable_all_gather();
+  a->set_group(std::string(group));
+  a->set_sequence(sequence);
+  ToProto(input, a->mutable_input());
+  ToProto(config, a->mutable_config());
+  a->set_mode(static_cast<v1::AllGatherMode>(mode));
+  ToProto(outputs, a->mutable_outputs());
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request)); !s.ok()) return s;
+  ++next_seq_;
   return seq;
 }
 
@@ -331,11 +359,8 @@ absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType
   ToProto(input, d->mutable_input());
   d->set_output_dtype(static_cast<v1::DType>(output_dtype));
   ToProto(output, d->mutable_output());
-  if (absl::Status s = flags_->SignalReady(seq); !s.ok()) return s;
-  stream_->NoteSubmitted(seq);
-  stream_->Enqueue(std::move(request));
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request)); !s.ok()) return s;
   ++next_seq_;
-  if (absl::Status s = flags_->WaitDone(seq); !s.ok()) return s;
   return seq;
 }
 

@@ -310,6 +310,22 @@ absl::Status Client::RegisterCudaIpcRegion(std::string_view name, std::string_vi
   return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
 }
 
+absl::Status Client::RegisterCudaIpcRegionOnGpu(std::string_view name,
+                                                std::string_view ipc_handle,
+                                                std::string_view device_uuid, uint64_t byte_size,
+                                                const CallOptions& call) {
+  v1::RegisterRegionRequest request;
+  request.set_name(std::string(name));
+  v1::CudaIpcRegion* ipc = request.mutable_cuda_ipc();
+  ipc->set_ipc_handle(std::string(ipc_handle));
+  ipc->set_device_uuid(std::string(device_uuid));
+  ipc->set_byte_size(byte_size);
+  v1::RegisterRegionResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
+}
+
 absl::Status Client::RegisterShmRegion(const ShmRegion& region, const CallOptions& call) {
   return RegisterShmRegion(region.name(), region.shm_name(), 0, region.size(), call);
 }

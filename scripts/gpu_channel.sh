@@ -12,7 +12,7 @@ B="$(cd "${1:?bundle dir}" && pwd)"
 OUT="${2:?output dir}"
 mkdir -p "$OUT"
 if [ -z "${QTX_CUBLAS_LIB:-}" ]; then
-  QTX_CUBLAS_LIB="$(dirname "$(find / -xdev -name 'libcublas.so.13' 2>/dev/null | head -1)" 2>/dev/null)"
+  QTX_CUBLAS_LIB="$(dirname "$(find /opt /usr/local /usr/lib -name 'libcublas.so.13' 2>/dev/null | head -1)" 2>/dev/null)"
 fi
 export LD_LIBRARY_PATH="$B/lib${QTX_CUBLAS_LIB:+:$QTX_CUBLAS_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CUDA_MODULE_LOADING=EAGER  # the test and bench park their streams on qtxd

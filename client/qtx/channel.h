@@ -39,10 +39,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "qtx/collective_types.h"
 #include "qtx/types.h"
 
 namespace qtx {
@@ -142,6 +144,16 @@ class Channel {
   // `output`. As Quantize.
   absl::StatusOr<uint64_t> Dequantize(const QuantizedTensor& input, DType output_dtype,
                                       const RegionSlice& output);
+
+  // Submits this rank's part of the group's AllGather `sequence` (see
+  // Client::AllGather; every rank of the group makes the matching call,
+  // through its channel or a plain AllGather). `input` and every requested
+  // output (sized for the gathered [sum M_r, N]) are region slices. The
+  // sidecar reads the shard after the caller's earlier work on the stream,
+  // and the caller's later work sees the gathered outputs. As Quantize.
+  absl::StatusOr<uint64_t> AllGather(std::string_view group, uint64_t sequence,
+                                     const Tensor& input, const QuantizeConfig& config,
+                                     AllGatherMode mode, const QuantizeOutputs& outputs);
 
   // Whether operation `op` has finished: true when done, false while pending;
   // the failure when `op` failed or was not run because an earlier one

@@ -173,6 +173,12 @@ class Client {
   absl::Status RegisterCudaIpcRegion(std::string_view name, std::string_view ipc_handle,
                                      int32_t device_id, uint64_t byte_size,
                                      const CallOptions& call = {});
+  // As above, naming the GPU by its 16-byte UUID (cudaDeviceProp::uuid)
+  // instead of an ordinal, which differs between processes whose
+  // CUDA_VISIBLE_DEVICES differ. NOT_FOUND when qtxd does not see that GPU.
+  absl::Status RegisterCudaIpcRegionOnGpu(std::string_view name, std::string_view ipc_handle,
+                                          std::string_view device_uuid, uint64_t byte_size,
+                                          const CallOptions& call = {});
 
   // Removes the region `name` (requests already using it finish first).
   // Fails with NOT_FOUND for an unknown name.

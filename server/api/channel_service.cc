@@ -9,6 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
 #include "server/ops/channel.h"
@@ -119,6 +120,8 @@ class ChannelReactor final
       } else {
         op = spec.status();
       }
+    } else if (submit.has_all_gather()) {
+      op = AllGatherTask(submit.all_gather());
     } else if (submit.has_dequantize()) {
       absl::StatusOr<ops::DequantizeRequestSpec> spec =
           DequantizeRequestFromProto(submit.dequantize());
@@ -129,6 +132,63 @@ class ChannelReactor final
       }
     }
     channel_->Submit(submit.seq(), std::move(op), std::move(msg));
+  }
+
+  // A channel AllGather runs on its group's thread like a plain one, ordered
+  // on the GPU after the channel's queue and before its done write
+  // (CudaEvents::queue). A request the channel cannot take still joins the
+  // collective (as a failed one), so that every rank fails with it.
+  ops::ChannelOp AllGatherTask(const v1::AllGatherRequest& request) {
+    CollectiveService* collective = service_->collective_;
+    if (collective == nullptr) {
+      return absl::FailedPreconditionError("all_gather: this qtxd has no collective service");
+    }
+    auto spec = std::make_shared<ops::AllGatherRequestSpec>(AllGatherFromProto(request));
+    if (spec->request_error.ok()) spec->request_error = CheckChannelAllGather(*spec);
+    return ops::ChannelTask([collective, spec](backend::ChannelQueue* queue) -> absl::Status {
+      spec->events.queue = queue;
+      absl::Notification done;
+      absl::Status status;
+      collective->SubmitAllGather(spec, absl::Now() + collective->GroupTimeout(spec->group),
+                                  [&](absl::Status s, ops::AllGatherResult*) {
+                                    status = std::move(s);
+                                    done.Notify();
+                                  });
+      done.WaitForNotification();
+      return status;
+    });
+  }
+
+  static absl::Status CheckChannelAllGather(const ops::AllGatherRequestSpec& spec) {
+    if (!std::holds_alternative<tensor::RegionSliceSpec>(spec.input.data)) {
+      return absl::InvalidArgumentError(
+          "all_gather.input: not a region slice: channel ops take registered regions only");
+    }
+    if (!spec.events.empty()) {
+      return absl::InvalidArgumentError(
+          "all_gather.cuda_events: must be empty on a channel (the channel orders the op)");
+    }
+    const struct {
+      bool requested;
+      bool given;
+      const char* field;
+    } outs[] = {
+        {spec.params.rowwise, spec.outputs.rowwise_data.has_value(), "outputs.rowwise_data"},
+        {spec.params.rowwise, spec.outputs.rowwise_scale_inv.has_value(),
+         "outputs.rowwise_scale_inv"},
+        {spec.params.columnwise, spec.outputs.columnwise_data.has_value(),
+         "outputs.columnwise_data"},
+        {spec.params.columnwise, spec.outputs.columnwise_scale_inv.has_value(),
+         "outputs.columnwise_scale_inv"},
+    };
+    for (const auto& o : outs) {
+      if (o.requested && !o.given) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "all_gather.%s: not set: channel ops write into slices of registered regions only",
+            o.field));
+      }
+    }
+    return absl::OkStatus();
   }
 
   void OnProgress(const ops::ChannelProgress& p) {

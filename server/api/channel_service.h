@@ -16,6 +16,7 @@
 
 #include "absl/time/time.h"
 #include "qtx/v1/channel.grpc.pb.h"
+#include "server/api/collective_service.h"
 #include "server/api/executor.h"
 #include "server/ops/quantize.h"
 
@@ -27,9 +28,10 @@ class StreamChannelService final : public v1::StreamChannel::CallbackService {
   // `close_grace`: how long a channel whose client closed its side waits for
   // the client's GPU to reach the submitted operations before it lets them
   // run regardless (a client that was cancelled or disconnected gets none).
-  StreamChannelService(ops::OpContext ctx, Executor* executor,
+  // `collective` runs channel AllGathers on their groups (null: refused).
+  StreamChannelService(ops::OpContext ctx, Executor* executor, CollectiveService* collective,
                        absl::Duration close_grace = absl::Seconds(10))
-      : ctx_(ctx), executor_(executor), close_grace_(close_grace) {}
+      : ctx_(ctx), executor_(executor), collective_(collective), close_grace_(close_grace) {}
 
   grpc::ServerBidiReactor<v1::ChannelRequest, v1::ChannelReply>* Connect(
       grpc::CallbackServerContext* context) override;
@@ -43,6 +45,7 @@ class StreamChannelService final : public v1::StreamChannel::CallbackService {
   // Constant after construction.
   const ops::OpContext ctx_;
   Executor* const executor_;
+  CollectiveService* const collective_;
   const absl::Duration close_grace_;
 
   std::atomic<uint64_t> next_id_{1};

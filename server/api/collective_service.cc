@@ -76,32 +76,6 @@ absl::StatusOr<collective::GroupSpec> GroupSpecFromProto(const v1::CreateGroupRe
   return s;
 }
 
-ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
-  ops::AllGatherRequestSpec spec;
-  spec.group = r.group();
-  spec.sequence = r.sequence();
-  spec.request_error = [&]() -> absl::Status {
-    if (!r.has_input()) return absl::InvalidArgumentError("input: missing");
-    QTX_ASSIGN_OR_RETURN(spec.input, TensorRefFromProto(r.input(), "input"));
-    QTX_ASSIGN_OR_RETURN(spec.params, ParamsFromProto(r.config(), "config"));
-    switch (r.mode()) {
-      case v1::ALL_GATHER_MODE_UNSPECIFIED:
-      case v1::EXACT_FP8:
-        spec.mode = ops::AllGatherMode::kExactFp8;
-        break;
-      case v1::GATHER_HIGH_PRECISION:
-        spec.mode = ops::AllGatherMode::kGatherHighPrecision;
-        break;
-      default:
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "mode=%d: must be EXACT_FP8 or GATHER_HIGH_PRECISION", static_cast<int>(r.mode())));
-    }
-    QuantizeOutputsFromProto(r.outputs(), &spec.outputs);
-    spec.events = CudaEventsFromProto(r.cuda_events());
-    return absl::OkStatus();
-  }();
-  return spec;
-}
 
 // Rendezvous.Get: parked in the KvStore, finished by its callback.
 class GetReactor final : public grpc::ServerUnaryReactor {
@@ -150,6 +124,33 @@ class GetReactor final : public grpc::ServerUnaryReactor {
 
 }  // namespace
 
+ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
+  ops::AllGatherRequestSpec spec;
+  spec.group = r.group();
+  spec.sequence = r.sequence();
+  spec.request_error = [&]() -> absl::Status {
+    if (!r.has_input()) return absl::InvalidArgumentError("input: missing");
+    QTX_ASSIGN_OR_RETURN(spec.input, TensorRefFromProto(r.input(), "input"));
+    QTX_ASSIGN_OR_RETURN(spec.params, ParamsFromProto(r.config(), "config"));
+    switch (r.mode()) {
+      case v1::ALL_GATHER_MODE_UNSPECIFIED:
+      case v1::EXACT_FP8:
+        spec.mode = ops::AllGatherMode::kExactFp8;
+        break;
+      case v1::GATHER_HIGH_PRECISION:
+        spec.mode = ops::AllGatherMode::kGatherHighPrecision;
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "mode=%d: must be EXACT_FP8 or GATHER_HIGH_PRECISION", static_cast<int>(r.mode())));
+    }
+    QuantizeOutputsFromProto(r.outputs(), &spec.outputs);
+    spec.events = CudaEventsFromProto(r.cuda_events());
+    return absl::OkStatus();
+  }();
+  return spec;
+}
+
 grpc::ServerUnaryReactor* CollectiveService::CreateGroup(grpc::CallbackServerContext* context,
                                                          const v1::CreateGroupRequest* request,
                                                          v1::CreateGroupResponse* response) {
@@ -171,34 +172,50 @@ grpc::ServerUnaryReactor* CollectiveService::CreateGroup(grpc::CallbackServerCon
   return reactor;
 }
 
-grpc::ServerUnaryReactor* CollectiveService::AllGather(grpc::CallbackServerContext* context,
-                                                       const v1::AllGatherRequest* request,
-                                                       v1::AllGatherResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  RequestLog log = StartRequest(context, "AllGather");
-  auto spec = std::make_shared<ops::AllGatherRequestSpec>(AllGatherFromProto(*request));
-  absl::Duration timeout = kDefaultGroupTimeout;
-  if (auto info = registry_->GetGroup(request->group()); info.ok()) timeout = info->timeout;
+absl::Duration CollectiveService::GroupTimeout(const std::string& group) const {
+  if (auto info = registry_->GetGroup(group); info.ok()) return info->timeout;
+  return kDefaultGroupTimeout;
+}
+
+void CollectiveService::SubmitAllGather(
+    std::shared_ptr<ops::AllGatherRequestSpec> spec, absl::Time deadline,
+    std::function<void(absl::Status, ops::AllGatherResult*)> done) {
+  const std::string group = spec->group;
   collective::Collective c;
-  c.sequence = request->sequence();
-  c.deadline = WorkDeadline(*context, timeout);
-  c.run = [this, spec, response, deadline = c.deadline](backend::Communicator& comm) {
+  c.sequence = spec->sequence;
+  c.deadline = deadline;
+  auto result = std::make_shared<absl::StatusOr<ops::AllGatherResult>>(
+      absl::UnknownError("AllGather did not run"));
+  c.run = [this, spec, result, deadline](backend::Communicator& comm) {
     bool broken = false;
-    absl::StatusOr<ops::AllGatherResult> r =
-        ops::AllGather(*spec, ctx_, comm, backend::CommCall{deadline}, &broken);
-    if (r.ok()) {
-      QuantizedTensorToProto(std::move(r->result), response->mutable_result());
-      for (int64_t m : r->shard_rows) response->add_shard_rows(m);
-    }
-    absl::Status s = r.status();
+    *result = ops::AllGather(*spec, ctx_, comm, backend::CommCall{deadline}, &broken);
+    absl::Status s = result->status();
     if (broken && s.code() != absl::StatusCode::kDeadlineExceeded) {
       // A peer died or the transport failed: the whole call is aborted.
       s = absl::AbortedError(absl::StrFormat("%s (the group is now BROKEN)", s.message()));
     }
     return collective::CollectiveOutcome{s, broken};
   };
-  c.finish = [reactor, log](absl::Status s) { reactor->Finish(EndRequest(log, s)); };
-  registry_->Submit(request->group(), std::move(c));
+  c.finish = [result, done = std::move(done)](absl::Status s) {
+    done(s, s.ok() && result->ok() ? &**result : nullptr);
+  };
+  registry_->Submit(group, std::move(c));
+}
+
+grpc::ServerUnaryReactor* CollectiveService::AllGather(grpc::CallbackServerContext* context,
+                                                       const v1::AllGatherRequest* request,
+                                                       v1::AllGatherResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestLog log = StartRequest(context, "AllGather");
+  auto spec = std::make_shared<ops::AllGatherRequestSpec>(AllGatherFromProto(*request));
+  SubmitAllGather(spec, WorkDeadline(*context, GroupTimeout(request->group())),
+                  [reactor, log, response](absl::Status s, ops::AllGatherResult* r) {
+                    if (r != nullptr) {
+                      QuantizedTensorToProto(std::move(r->result), response->mutable_result());
+                      for (int64_t m : r->shard_rows) response->add_shard_rows(m);
+                    }
+                    reactor->Finish(EndRequest(log, s));
+                  });
   return reactor;
 }
 

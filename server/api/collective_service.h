@@ -26,9 +26,14 @@
 #include "server/collective/group_registry.h"
 #include "server/collective/kv_store.h"
 #include "server/api/security.h"
+#include "server/ops/allgather.h"
 #include "server/ops/quantize.h"
 
 namespace qtx::server::api {
+
+// The op spec of an AllGather request; a request that cannot be parsed gives
+// a spec whose request_error says why (every rank then fails with it).
+ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r);
 
 class CollectiveService final : public v1::Collective::CallbackService {
  public:
@@ -47,6 +52,15 @@ class CollectiveService final : public v1::Collective::CallbackService {
   grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* context,
                                        const v1::ListGroupsRequest* request,
                                        v1::ListGroupsResponse* response) override;
+
+  // Runs `spec` on its group's thread (in sequence order), working to
+  // `deadline`, and calls `done` with the status and, when OK, the result
+  // (on that thread). Used by AllGather and by stream-ordered channels.
+  void SubmitAllGather(std::shared_ptr<ops::AllGatherRequestSpec> spec, absl::Time deadline,
+                       std::function<void(absl::Status, ops::AllGatherResult*)> done);
+  // The group's timeout (the default for an unknown group: the call then
+  // fails with NOT_FOUND anyway).
+  absl::Duration GroupTimeout(const std::string& group) const;
 
  private:
   // Constant after construction.

@@ -95,6 +95,7 @@ absl::Status QtxServer::Start() {
   tensor::RegionTableOptions region_options;
   region_options.allow_client_shm = config_.allow_client_shm;
   region_options.cuda_ipc_opener = device_->cuda_ipc_opener();
+  region_options.cuda_uuid_resolver = device_->cuda_uuid_resolver();
   region_options.cuda_ipc_unavailable_reason = absl::StrFormat(
       "cuda_ipc regions need --device=cuda:N (this qtxd runs --device=%s)", device_->name());
   regions_ = std::make_unique<tensor::RegionTable>(std::move(region_options));
@@ -113,7 +114,6 @@ absl::Status QtxServer::Start() {
   inline_slots_ = std::make_unique<InlineSlots>(config_.inline_max_concurrent);
   quantizer_ = std::make_unique<QuantizerService>(ctx, executor_.get(), inline_slots_.get());
   memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get(), inline_slots_.get());
-  channels_ = std::make_unique<StreamChannelService>(ctx, executor_.get());
   optimizer::OptimizerStore::Options optimizer_options;
   optimizer_options.memory_limit_bytes =
       static_cast<uint64_t>(config_.optimizer_memory_limit_mb) << 20;
@@ -129,6 +129,7 @@ absl::Status QtxServer::Start() {
       WithNcclCommunicator(MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
                            device_.get()));
   collective_ = std::make_unique<CollectiveService>(ctx, groups_.get());
+  channels_ = std::make_unique<StreamChannelService>(ctx, executor_.get(), collective_.get());
   rendezvous_ = std::make_unique<RendezvousService>(rendezvous_store_.get());
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -56,7 +56,8 @@ grpc::ServerUnaryReactor* MemoryService::RegisterRegion(
       case v1::RegisterRegionRequest::kCudaIpc: {
         const v1::CudaIpcRegion& ipc = request->cuda_ipc();
         QTX_RETURN_IF_ERROR(regions_->RegisterCudaIpc(request->name(), ipc.ipc_handle(),
-                                                      ipc.device_id(), ipc.byte_size()));
+                                                      ipc.device_id(), ipc.byte_size(),
+                                                      ipc.device_uuid()));
         spdlog::info("event=region_registered region={} kind=cuda_ipc device={} bytes={}",
                      request->name(), ipc.device_id(), ipc.byte_size());
         return absl::OkStatus();

@@ -395,7 +395,22 @@ absl::Status CudaDevice::FinishOp(const CudaEvents& events, cudaStream_t stream)
   return absl::OkStatus();
 }
 
+absl::Status CudaDevice::StreamWaitsForStream(cudaStream_t waiter, cudaStream_t producer) {
+  cudaEvent_t event = nullptr;
+  QTX_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  cudaError_t err = cudaEventRecord(event, producer);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(waiter, event, 0);
+  // Destroying a recorded event is fine: its resources go once it completes.
+  (void)cudaEventDestroy(event);
+  if (err != cudaSuccess) return CudaErrorToStatus(err, "cudaStreamWaitEvent", __FILE__, __LINE__);
+  return absl::OkStatus();
+}
+
 absl::Status CudaDevice::OrderAfterClient(const CudaEvents& events) {
+  if (events.queue != nullptr) {
+    QTX_RETURN_IF_ERROR(Activate());
+    QTX_RETURN_IF_ERROR(StreamWaitsForStream(ThisThreadStream(), QueueStream(events.queue)));
+  }
   if (events.empty()) return absl::OkStatus();
   QTX_RETURN_IF_ERROR(Activate());
   // Open both events before anything is enqueued, so that a bad signal
@@ -410,6 +425,10 @@ absl::Status CudaDevice::OrderAfterClient(const CudaEvents& events) {
 }
 
 absl::Status CudaDevice::SignalClient(const CudaEvents& events) {
+  if (events.queue != nullptr) {
+    QTX_RETURN_IF_ERROR(Activate());
+    QTX_RETURN_IF_ERROR(StreamWaitsForStream(QueueStream(events.queue), ThisThreadStream()));
+  }
   if (events.signal_event.empty()) return absl::OkStatus();
   QTX_RETURN_IF_ERROR(Activate());
   return FinishOp(events, ThisThreadStream());
@@ -480,6 +499,24 @@ absl::Status CudaDevice::AssembleShards(int world_size, const kernels::ShardGeom
 }
 
 // ---- CUDA IPC memory ----
+
+tensor::CudaUuidResolver CudaDevice::cuda_uuid_resolver() {
+  return [](std::string_view uuid) -> absl::StatusOr<int32_t> {
+    const int count = VisibleCudaDevices();
+    for (int i = 0; i < count; ++i) {
+      cudaDeviceProp prop;
+      QTX_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, i));
+      if (uuid.size() == sizeof(prop.uuid.bytes) &&
+          std::memcmp(uuid.data(), prop.uuid.bytes, uuid.size()) == 0) {
+        return i;
+      }
+    }
+    return absl::NotFoundError(absl::StrFormat(
+        "cuda_ipc.device_uuid %s...: no GPU with this UUID is visible to qtxd (%d visible; check "
+        "CUDA_VISIBLE_DEVICES / the container's devices)",
+        HexPrefix(uuid), count));
+  };
+}
 
 tensor::CudaIpcOpener CudaDevice::cuda_ipc_opener() {
   return [this](std::string_view handle, int32_t device_id, uint64_t byte_size) {

@@ -106,6 +106,8 @@ class CudaDevice final : public Device {
                               const kernels::QuantizedBuffers& out) override;
 
   tensor::CudaIpcOpener cuda_ipc_opener() override;
+  // Finds the visible GPU whose cudaDeviceProp::uuid is the 16 bytes given.
+  tensor::CudaUuidResolver cuda_uuid_resolver() override;
 
   // A channel queue on a non-blocking stream of its own (counted in
   // SynchronizeAll), ordered through cuStreamWaitValue64 /
@@ -163,6 +165,8 @@ class CudaDevice final : public Device {
 
   // The stream of a queue from OpenChannelQueue.
   static cudaStream_t QueueStream(ChannelQueue* queue);
+  // Enqueues on `waiter` a wait for the work enqueued on `producer` so far.
+  static absl::Status StreamWaitsForStream(cudaStream_t waiter, cudaStream_t producer);
 
   // Makes ordinal_ the calling thread's current device.
   absl::Status Activate() const;

@@ -70,9 +70,17 @@ class DeviceBuffer {
 // client exported (cudaEventInterprocess | cudaEventDisableTiming); empty
 // means none. Only a device whose memory_kind() is kDevice accepts them
 // (server/ops rejects them otherwise, before any work).
+class ChannelQueue;
+
 struct CudaEvents {
   std::string wait_event;    // waited on before the inputs are read
   std::string signal_event;  // recorded once the outputs are written
+  // A stream-ordered channel's queue (server/ops/channel.h) for an op made of
+  // several device steps (AllGather): OrderAfterClient orders this thread's
+  // stream after the work enqueued on the queue so far, SignalClient orders
+  // the queue after this thread's stream. Stream-ordered, no host wait.
+  ChannelQueue* queue = nullptr;
+  // No interprocess event handles (a queue may still be set).
   bool empty() const { return wait_event.empty() && signal_event.empty(); }
 };
 
@@ -248,6 +256,9 @@ class Device {
   // Opens device memory another process exported (CUDA IPC) for the region
   // table; null when this device cannot use such memory (the default).
   virtual tensor::CudaIpcOpener cuda_ipc_opener() { return nullptr; }
+  // Maps a GPU UUID to this process's ordinal for the region table; null
+  // when this device cannot use CUDA IPC memory (the default).
+  virtual tensor::CudaUuidResolver cuda_uuid_resolver() { return nullptr; }
 
   // ---- Exact all-gather building blocks (kernels/cpu/quantize_block.h) ----
   // All pointers are device memory. ShardBoundaryAmax and QuantizeShard are

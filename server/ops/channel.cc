@@ -105,11 +105,16 @@ void Channel::Run(Item& item) {
     status = std::visit(
         [&](auto& spec) -> absl::Status {
           using Spec = std::decay_t<decltype(spec)>;
-          if constexpr (!std::is_same_v<Spec, absl::Status>) spec.queue = queue_.get();
+          if constexpr (std::is_same_v<Spec, QuantizeRequestSpec> ||
+                        std::is_same_v<Spec, DequantizeRequestSpec>) {
+            spec.queue = queue_.get();
+          }
           if constexpr (std::is_same_v<Spec, QuantizeRequestSpec>) {
             return Quantize(spec, ctx_).status();
           } else if constexpr (std::is_same_v<Spec, DequantizeRequestSpec>) {
             return Dequantize(spec, ctx_).status();
+          } else if constexpr (std::is_same_v<Spec, ChannelTask>) {
+            return spec(queue_.get());
           } else {
             return spec;  // the submission could not be parsed
           }

@@ -48,9 +48,17 @@ inline constexpr uint64_t kChannelFailedOffset = uint64_t{1} << 62;
 // The flag area: ready (uint64) at +0, done (uint64) at +8.
 inline constexpr uint64_t kChannelFlagBytes = 16;
 
+// An operation the caller of Submit runs itself, ordered by the queue it is
+// given: it must order its device work after the work enqueued on the queue
+// so far and the queue after its own (backend::CudaEvents::queue), and return
+// once its work is enqueued or done. Used for AllGather, which runs on its
+// group's thread.
+using ChannelTask = std::function<absl::Status(backend::ChannelQueue* queue)>;
+
 // One submitted operation; an absl::Status is a submission the receiver
 // could not even parse, which fails the channel at its turn (in order).
-using ChannelOp = std::variant<QuantizeRequestSpec, DequantizeRequestSpec, absl::Status>;
+using ChannelOp =
+    std::variant<QuantizeRequestSpec, DequantizeRequestSpec, ChannelTask, absl::Status>;
 
 struct ChannelProgress {
   // Operations 1..completed_through finished successfully on the device.

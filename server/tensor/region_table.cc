@@ -232,7 +232,8 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
 }
 
 absl::Status RegionTable::RegisterCudaIpc(std::string_view name, std::string_view ipc_handle,
-                                          int32_t device_id, uint64_t byte_size) {
+                                          int32_t device_id, uint64_t byte_size,
+                                          std::string_view device_uuid) {
   QTX_RETURN_IF_ERROR(ValidateRegionName(name, "name"));
   if (ipc_handle.size() != kCudaIpcHandleBytes) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -249,6 +250,17 @@ absl::Status RegionTable::RegisterCudaIpc(std::string_view name, std::string_vie
   if (!options_.cuda_ipc_opener) {
     return absl::FailedPreconditionError(
         absl::StrFormat("region %s: %s", Quoted(name), options_.cuda_ipc_unavailable_reason));
+  }
+  if (!device_uuid.empty()) {
+    if (device_uuid.size() != 16) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "cuda_ipc.device_uuid: %d bytes, must be 16 (cudaDeviceProp::uuid)", device_uuid.size()));
+    }
+    if (!options_.cuda_uuid_resolver) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("region %s: %s", Quoted(name), options_.cuda_ipc_unavailable_reason));
+    }
+    QTX_ASSIGN_OR_RETURN(device_id, options_.cuda_uuid_resolver(device_uuid));
   }
   QTX_RETURN_IF_ERROR(CheckNameFree(name));
   QTX_ASSIGN_OR_RETURN(MappedMemory memory,

@@ -50,6 +50,10 @@ struct MappedMemory {
 using CudaIpcOpener = std::function<absl::StatusOr<MappedMemory>(
     std::string_view ipc_handle, int32_t device_id, uint64_t byte_size)>;
 
+// The ordinal (in this process) of the GPU with a 16-byte UUID; NOT_FOUND
+// when no visible GPU has it. Supplied by a CUDA device.
+using CudaUuidResolver = std::function<absl::StatusOr<int32_t>(std::string_view uuid)>;
+
 // One registered region. Immutable after registration except for the pin
 // count; safe for concurrent use.
 class Region {
@@ -103,6 +107,7 @@ struct RegionTableOptions {
   // Null in a CPU-only server: CUDA IPC registration fails with
   // FAILED_PRECONDITION after its arguments are validated.
   CudaIpcOpener cuda_ipc_opener;
+  CudaUuidResolver cuda_uuid_resolver;
   // Human-readable reason shown when cuda_ipc_opener is null.
   std::string cuda_ipc_unavailable_reason = "cuda_ipc regions need qtxd --device=cuda:N";
   // Registering more regions than this fails with RESOURCE_EXHAUSTED.
@@ -133,8 +138,12 @@ class RegionTable {
   // INVALID_ARGUMENT for a bad name, a handle that is not exactly 64 bytes,
   // device_id < 0 or byte_size == 0; FAILED_PRECONDITION when this server has
   // no CUDA IPC opener; otherwise as RegisterShm and as the opener returns.
+  // `device_uuid` (16 bytes), when not empty, names the GPU instead of
+  // device_id (resolved to this process's ordinal): INVALID_ARGUMENT for a
+  // wrong length, NOT_FOUND for a GPU this server does not see.
   absl::Status RegisterCudaIpc(std::string_view name, std::string_view ipc_handle,
-                               int32_t device_id, uint64_t byte_size);
+                               int32_t device_id, uint64_t byte_size,
+                               std::string_view device_uuid = {});
 
   // Removes `name` at once; requests that hold a pin keep the mapping until
   // they drop it. NOT_FOUND if `name` is not registered.

@@ -421,6 +421,90 @@ TEST_F(ChannelE2eTest, AClientGoneWithParkedWorkLeavesQtxdServing) {
   EXPECT_EQ(pinned, 0u);
 }
 
+// Two CPU sidecars in a Gloo group, each driven through its own channel: the
+// AllGather of unaligned shards (straddling 128-row blocks) equals
+// QuantizeBlock of the concatenation, byte for byte, on both ranks. Both
+// submissions return at once from one thread (asynchronous), and a channel
+// that did not take part would make the other fail: they are one collective.
+TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatenation) {
+  constexpr int kWorld = 2;
+  const int64_t rows[kWorld] = {100, 157};
+  const int64_t n = 256, m = rows[0] + rows[1];
+  const std::string all = RandomBf16(m * n, 77);
+  const Expected expected = QuantizeOnCpu(all, m, n);
+  std::unique_ptr<QtxdProcess> servers[kWorld];
+  std::unique_ptr<Client> clients[kWorld];
+  std::unique_ptr<ShmRegion> regions[kWorld];
+  for (int r = 0; r < kWorld; ++r) {
+    QTX_ASSERT_OK_AND_ASSIGN(servers[r], QtxdProcess::Start(g_qtxd_path, {"--device=cpu",
+                                                                          "--allow_client_shm"}));
+    QTX_ASSERT_OK_AND_ASSIGN(clients[r], Client::Connect(servers[r]->target()));
+    QTX_ASSERT_OK_AND_ASSIGN(regions[r], ShmRegion::Create("ag-" + std::to_string(r), 4 << 20));
+    QTX_ASSERT_OK(clients[r]->RegisterShmRegion(*regions[r]));
+  }
+  absl::StatusOr<CollectiveGroupInfo> infos[kWorld];
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      CollectiveGroupConfig c;
+      c.name = "tp";
+      c.rank = r;
+      c.world_size = kWorld;
+      c.coordinator = r == 0 ? "" : servers[0]->target();
+      c.backend = CommBackend::kGloo;
+      c.timeout = absl::Seconds(30);
+      infos[r] = clients[r]->CreateGroup(c);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) QTX_ASSERT_OK(infos[r].status());
+
+  QuantizeConfig config;
+  config.columnwise = true;
+  std::unique_ptr<Channel> channels[kWorld];
+  QuantizeOutputs outs[kWorld];
+  int64_t offset = 0;
+  for (int r = 0; r < kWorld; ++r) {
+    QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                             HostChannelFlags::Create(*clients[r], "ag-flags"));
+    QTX_ASSERT_OK_AND_ASSIGN(channels[r], Channel::Open(*clients[r], std::move(flags)));
+    const std::string shard = all.substr(offset * n * 2, rows[r] * n * 2);
+    offset += rows[r];
+    QTX_ASSERT_OK_AND_ASSIGN(Tensor in, regions[r]->Place(Tensor::Inline(DType::kBFloat16,
+                                                                          {rows[r], n}, shard)));
+    const std::vector<int64_t> gathered = {m, n};
+    QTX_ASSERT_OK_AND_ASSIGN(outs[r], regions[r]->AllocateQuantizeOutputs(gathered, config));
+    QTX_ASSERT_OK_AND_ASSIGN(uint64_t id, channels[r]->AllGather("tp", 0, in, config,
+                                                                 AllGatherMode::kExactFp8,
+                                                                 outs[r]));
+    EXPECT_EQ(id, 1u);
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    QTX_ASSERT_OK(channels[r]->Synchronize());
+    EXPECT_TRUE(Bytes(*regions[r], *outs[r].rowwise_data) == expected.rowwise_data) << r;
+    EXPECT_TRUE(Bytes(*regions[r], *outs[r].rowwise_scale_inv) == expected.rowwise_scale_inv) << r;
+    EXPECT_TRUE(Bytes(*regions[r], *outs[r].columnwise_data) == expected.columnwise_data) << r;
+    EXPECT_TRUE(Bytes(*regions[r], *outs[r].columnwise_scale_inv) ==
+                expected.columnwise_scale_inv)
+        << r;
+  }
+  // A channel AllGather without outputs fails on every rank (it still joins
+  // the collective, so neither waits for the deadline).
+  for (int r = 0; r < kWorld; ++r) {
+    QTX_ASSERT_OK_AND_ASSIGN(Tensor in, regions[r]->AllocateTensor(DType::kBFloat16, {rows[r], n}));
+    QuantizeOutputs partial = outs[r];
+    if (r == 1) partial.columnwise_scale_inv.reset();
+    QTX_ASSERT_OK(channels[r]
+                      ->AllGather("tp", 1, in, config, AllGatherMode::kExactFp8, partial)
+                      .status());
+  }
+  EXPECT_THAT(channels[1]->Synchronize(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("all_gather.outputs.columnwise_scale_inv: not set")));
+  EXPECT_THAT(channels[0]->Synchronize(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   HasSubstr("columnwise_scale_inv")));
+}
+
 }  // namespace
 }  // namespace qtx
 

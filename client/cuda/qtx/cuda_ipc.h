@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -42,6 +43,50 @@ absl::StatusOr<std::string> ExportMemHandle(const void* device_ptr);
 // Errors as ExportMemHandle and Client::RegisterCudaIpcRegion.
 absl::Status RegisterDevicePointer(Client& client, std::string_view name, const void* device_ptr,
                                    uint64_t byte_size, const CallOptions& call = {});
+
+// Device memory as the caching allocators of training frameworks hand it
+// out: any pointer inside a cudaMalloc allocation (a PyTorch segment, say).
+// Slice() finds the allocation (cuMemGetAddressRange), exports and registers
+// it with qtxd once (by GPU UUID), and returns the region slice of the bytes
+// asked for; later calls on the same allocation only look it up. An
+// allocation freed and replaced by another at the same address is noticed
+// (the driver's buffer id changes) and registered afresh, so a stale
+// registration is never used.
+//
+// Memory that CUDA IPC cannot export (cudaMallocAsync pools, VMM /
+// cuMemCreate, PyTorch with expandable_segments:True) fails with
+// INVALID_ARGUMENT naming the allocator setting to change.
+//
+// One owner thread; unregisters everything it registered when destroyed.
+class RegionCache {
+ public:
+  // `prefix` starts the region names ("<prefix>-<n>"); `client` must
+  // outlive the cache.
+  explicit RegionCache(Client& client, std::string prefix = "qtx-alloc");
+  ~RegionCache();
+  RegionCache(const RegionCache&) = delete;
+  RegionCache& operator=(const RegionCache&) = delete;
+
+  // The slice for [ptr, ptr + bytes). INVALID_ARGUMENT when ptr is not device
+  // memory, the range leaves its allocation, or the allocation cannot be
+  // exported; the server's status when registration fails.
+  absl::StatusOr<RegionSlice> Slice(const void* ptr, uint64_t bytes);
+
+  // Registrations made so far (for tests and metrics).
+  uint64_t registrations() const { return registrations_; }
+
+ private:
+  struct Entry {
+    uint64_t size = 0;
+    unsigned long long buffer_id = 0;
+    std::string region;
+  };
+  Client& client_;
+  const std::string prefix_;
+  std::map<uintptr_t, Entry> by_base_;
+  uint64_t registrations_ = 0;
+  uint64_t next_name_ = 0;
+};
 
 // An interprocess event (cudaEventInterprocess | cudaEventDisableTiming) on
 // the current device, and its 64-byte handle for CallOptions. Movable.

@@ -235,6 +235,59 @@ TEST_F(CudaChannelTest, QtxdDyingReleasesTheWaits) {
   server_.reset();
 }
 
+TEST_F(CudaChannelTest, RegionCacheRegistersEachAllocationOnceAndNoticesReplacement) {
+  const int64_t m = 4, n = 128;
+  std::string input(m * n * 2, '\0');
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < m * n; ++i) {
+    const uint16_t h = kernels::FloatToBf16(normal(rng));
+    std::memcpy(input.data() + 2 * i, &h, 2);
+  }
+  kernels::QuantizeParams p;
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m, n);
+  std::string expected(layout.RowwiseDataBytes(), '\0'), scales(layout.RowwiseScaleCount() * 4, '\0');
+  kernels::QuantizedBuffers b;
+  b.rowwise_data = reinterpret_cast<uint8_t*>(expected.data());
+  b.rowwise_scale_inv = reinterpret_cast<float*>(scales.data());
+  kernels::cpu::QuantizeBlock(input.data(), kernels::InputDType::kBFloat16, m, n, p, b);
+
+  qtx::cuda::RegionCache cache(*client_, "rc");
+  char* a = nullptr;
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&a), 1 << 20));
+  CUDA_OK(cudaMemcpy(a + 4096, input.data(), input.size(), cudaMemcpyHostToDevice));
+  QTX_ASSERT_OK_AND_ASSIGN(RegionSlice s1, cache.Slice(a + 4096, input.size()));
+  EXPECT_EQ(s1.offset, 4096u);
+  QTX_ASSERT_OK_AND_ASSIGN(RegionSlice s2, cache.Slice(a, 64));
+  EXPECT_EQ(s2.region, s1.region);
+  EXPECT_EQ(cache.registrations(), 1u);
+  // The slice reaches the right bytes (the GPU by UUID on registration).
+  QTX_ASSERT_OK_AND_ASSIGN(QuantizedTensor q,
+                           client_->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, s1), {}));
+  EXPECT_TRUE(q.rowwise_data->data == expected) << "quantize through a cached slice differs";
+  EXPECT_THAT(cache.Slice(a + (1 << 20) - 8, 64),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leaves its allocation")));
+  // Freed and replaced: a new registration, never the stale one.
+  CUDA_OK(cudaFree(a));
+  char* b2 = nullptr;
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&b2), 1 << 20));
+  QTX_ASSERT_OK_AND_ASSIGN(RegionSlice s3, cache.Slice(b2, 64));
+  EXPECT_EQ(cache.registrations(), 2u);
+  std::printf("{\"test\":\"region_cache\",\"address_reused\":%s,\"registrations\":%llu}\n",
+              b2 == a ? "true" : "false",
+              static_cast<unsigned long long>(cache.registrations()));
+  (void)s3;
+  // Memory CUDA IPC cannot export: an error naming the allocator setting.
+  void* pooled = nullptr;
+  CUDA_OK(cudaMallocAsync(&pooled, 1 << 20, stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_THAT(cache.Slice(pooled, 64),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expandable_segments")));
+  CUDA_OK(cudaFreeAsync(pooled, stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  CUDA_OK(cudaFree(b2));
+}
+
 }  // namespace
 }  // namespace qtx
 

@@ -209,6 +209,35 @@ TEST(RegionTable, MemoryIsReleasedByTheLastPinNotByUnregister) {
   EXPECT_EQ(ipc.released, 2);
 }
 
+TEST(RegionTable, CudaIpcByUuidOpensTheGpuTheResolverNames) {
+  FakeIpc ipc;
+  RegionTableOptions o = WithFakeIpc(&ipc);
+  int32_t opened_on = -1;
+  o.cuda_ipc_opener = [&ipc, &opened_on](std::string_view, int32_t device_id, uint64_t)
+      -> absl::StatusOr<MappedMemory> {
+    opened_on = device_id;
+    return MappedMemory{ipc.buffer, [] {}};
+  };
+  const std::string uuid(16, '\x5a');
+  o.cuda_uuid_resolver = [uuid](std::string_view u) -> absl::StatusOr<int32_t> {
+    if (u == uuid) return 3;
+    return absl::NotFoundError("no GPU with this UUID");
+  };
+  RegionTable table(o);
+  // The ordinal the client sent (0) is ignored: the UUID decides.
+  QTX_ASSERT_OK(table.RegisterCudaIpc("dev", std::string(64, 'h'), 0, 128, uuid));
+  EXPECT_EQ(opened_on, 3);
+  ASSERT_EQ(table.List().size(), 1u);
+  EXPECT_EQ(table.List()[0].device_id, 3);
+  EXPECT_THAT(table.RegisterCudaIpc("dev2", std::string(64, 'h'), 0, 128, std::string(16, 'x')),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no GPU with this UUID")));
+  EXPECT_THAT(table.RegisterCudaIpc("dev3", std::string(64, 'h'), 0, 128, std::string(15, 'x')),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("15 bytes, must be 16")));
+  RegionTable no_cuda{RegionTableOptions{}};
+  EXPECT_THAT(no_cuda.RegisterCudaIpc("dev", std::string(64, 'h'), 0, 128, uuid),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--device=cuda")));
+}
+
 TEST(RegionTable, CudaIpcValidatesBeforeRefusing) {
   RegionTable table{RegionTableOptions{}};
   EXPECT_THAT(table.RegisterCudaIpc("dev", std::string(63, 'h'), 0, 128),
