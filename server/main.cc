@@ -100,7 +100,15 @@ int main(int argc, char** argv) {
   while (sigwait(&signals, &sig) != 0) {
   }
   spdlog::info("event=signal signal={}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  (*server)->Shutdown(absl::Seconds(config.shutdown_grace_s));
+  if (!(*server)->Shutdown(absl::Seconds(config.shutdown_grace_s))) {
+    // Some call never finished (a wedged worker): destroying the server would
+    // wait for it forever. The state it does not hold was checkpointed.
+    spdlog::critical("event=shutdown_incomplete exit=1 (calls still running after "
+                     "--shutdown_grace_s plus 5 s were abandoned)");
+    spdlog::default_logger()->flush();
+    std::fflush(nullptr);
+    ::_exit(1);
+  }
   server->reset();
   return 0;
 }

@@ -229,12 +229,14 @@ class Client {
   // Replaces the group's state with its checkpoint (creating the group);
   // with `previous`, with the checkpoint before the newest (the explicit
   // fallback when the newest is reported corrupted; qtxd never falls back on
-  // its own). NOT_FOUND: no checkpoint; DATA_LOSS: corrupted;
-  // FAILED_PRECONDITION: no checkpoint directory or an unsupported version.
+  // its own). NOT_FOUND: no checkpoint; DATA_LOSS: corrupted, or a value no
+  // request could set (a hand-edited file); FAILED_PRECONDITION: no
+  // checkpoint directory, an unsupported version, or not a regular file.
   absl::StatusOr<OptimizerGroupInfo> LoadCheckpoint(std::string_view group, bool previous = false,
                                                     const CallOptions& call = {});
 
-  // Frees the group's host memory (checkpoints stay). NOT_FOUND if absent.
+  // Frees the group's host memory and deletes its checkpoints (a restarted
+  // qtxd does not bring it back). NOT_FOUND if absent.
   absl::Status ReleaseGroup(std::string_view group, const CallOptions& call = {});
 
   // Every optimizer group (failed ones carry `error`) and the memory cap.

@@ -5,9 +5,15 @@
 namespace qtx::server::api {
 
 Executor::Executor(int threads, size_t max_queued) : max_queued_(max_queued) {
+  {
+    absl::MutexLock lock(&mu_);
+    busy_since_.assign(static_cast<size_t>(threads), absl::InfiniteFuture());
+  }
   absl::MutexLock lock(&join_mu_);
   workers_.reserve(threads);
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 0; i < threads; ++i) {
+    workers_.emplace_back([this, i] { WorkerLoop(static_cast<size_t>(i)); });
+  }
 }
 
 Executor::~Executor() { Shutdown(); }
@@ -24,6 +30,15 @@ size_t Executor::queued() const {
   return queue_.size();
 }
 
+bool Executor::AllWorkersBusySince(absl::Time t) const {
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || busy_since_.empty()) return false;
+  for (absl::Time since : busy_since_) {
+    if (since == absl::InfiniteFuture() || since > t) return false;  // idle, or busy since after t
+  }
+  return true;
+}
+
 void Executor::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
@@ -36,11 +51,12 @@ void Executor::Shutdown() {
   workers_.clear();
 }
 
-void Executor::WorkerLoop() {
+void Executor::WorkerLoop(size_t index) {
   for (;;) {
     std::function<void()> task;
     {
       absl::MutexLock lock(&mu_);
+      busy_since_[index] = absl::InfiniteFuture();
       mu_.Await(absl::Condition(
           +[](Executor* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) {
             return e->stopping_ || !e->queue_.empty();
@@ -49,6 +65,7 @@ void Executor::WorkerLoop() {
       if (queue_.empty()) return;  // stopping and drained
       task = std::move(queue_.front());
       queue_.pop_front();
+      busy_since_[index] = absl::Now();
     }
     task();
   }

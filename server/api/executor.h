@@ -17,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace qtx::server::api {
 
@@ -40,8 +41,14 @@ class Executor {
 
   size_t queued() const;
 
+  // True when every worker has been running one task since `t` or earlier
+  // (none idle, none between tasks): with `t` = now - a stall bound, the pool
+  // is wedged and queued work may never run (QtxServer then reports
+  // NOT_SERVING). False after Shutdown.
+  bool AllWorkersBusySince(absl::Time t) const;
+
  private:
-  void WorkerLoop();
+  void WorkerLoop(size_t index);
 
   // Constant after construction.
   const size_t max_queued_;
@@ -50,6 +57,8 @@ class Executor {
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Per worker: when its current task started; InfiniteFuture while idle.
+  std::vector<absl::Time> busy_since_ ABSL_GUARDED_BY(mu_);
 
   // Used by the constructing thread and Shutdown (serialized by join_mu_).
   absl::Mutex join_mu_;

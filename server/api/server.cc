@@ -208,6 +208,13 @@ absl::Status QtxServer::Start() {
       for (const char* name : kHealthServices) health->SetServingStatus(name, true);
     }
   }
+  if (config_.worker_stall_s > 0) {
+    watchdog_ = std::thread([this] {
+      while (!stop_watchdog_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+        CheckWorkers(absl::Now());
+      }
+    });
+  }
   spdlog::info(
       "event=listening socket={} tcp_port={} tls={} mtls={} token={} health_port={} "
       "metrics_port={} device={} threads={} inline_max_concurrent={} inline_max_bytes={} "
@@ -244,25 +251,73 @@ void QtxServer::AddGauges() {
       [this] { return static_cast<double>(optimizer_store_->memory_limit_bytes()); });
 }
 
-void QtxServer::Shutdown(absl::Duration grace) {
+bool QtxServer::CheckWorkers(absl::Time now) {
+  if (config_.worker_stall_s <= 0 || executor_ == nullptr) return false;
+  const absl::Duration stall = absl::Seconds(config_.worker_stall_s);
+  const bool wedged = executor_->AllWorkersBusySince(now - stall);
+  absl::MutexLock lock(&health_mu_);
+  if (wedged == wedged_) return wedged;
+  wedged_ = wedged;
+  if (wedged) {
+    spdlog::error(
+        "event=workers_wedged threads={} stall_s={} queued={} (health reports NOT_SERVING until "
+        "a worker is free)",
+        config_.threads, config_.worker_stall_s, executor_->queued());
+  } else {
+    spdlog::info("event=workers_recovered");
+  }
+  for (grpc::Server* s : {server_.get(), health_server_.get()}) {
+    if (s == nullptr) continue;
+    if (auto* health = s->GetHealthCheckService()) {
+      for (const char* name : kHealthServices) health->SetServingStatus(name, !wedged);
+    }
+  }
+  return wedged;
+}
+
+bool QtxServer::Shutdown(absl::Duration grace) {
   {
     absl::MutexLock lock(&shutdown_mu_);
-    if (shut_down_) return;
+    if (shut_down_) return shutdown_clean_;
     shut_down_ = true;
   }
+  stop_watchdog_.Notify();
+  if (watchdog_.joinable()) watchdog_.join();
   if (server_ != nullptr) {
     spdlog::info("event=shutdown_begin grace_s={}", absl::ToDoubleSeconds(grace));
     if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
     if (health_server_ != nullptr) {
       if (auto* health = health_server_->GetHealthCheckService()) health->Shutdown();
     }
-    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
-    if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
   }
-  if (executor_ != nullptr) executor_->Shutdown();
-  // In-flight steps are done: checkpoint the optimizer state (SIGTERM path).
+  // gRPC's Shutdown waits for every handler to finish even after it cancels
+  // them, and the executor for its running tasks: a wedged call would hold
+  // either forever. Run both on a thread and stop waiting at grace + slack.
+  auto drained = std::make_shared<absl::Notification>();
+  drain_ = std::thread([this, grace, drained] {
+    if (server_ != nullptr) {
+      server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+      if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
+    }
+    if (executor_ != nullptr) executor_->Shutdown();
+    drained->Notify();
+  });
+  const absl::Duration slack = absl::Milliseconds(config_.shutdown_slack_ms);
+  const bool clean = drained->WaitForNotificationWithTimeout(grace + slack);
+  if (clean) {
+    drain_.join();
+  } else {
+    spdlog::error(
+        "event=shutdown_wedged grace_s={} slack_ms={} queued={} (calls still running after the "
+        "grace period are abandoned; checkpointing the optimizer groups they do not hold)",
+        absl::ToDoubleSeconds(grace), config_.shutdown_slack_ms,
+        executor_ != nullptr ? executor_->queued() : 0);
+  }
+  // In-flight steps are done (or abandoned): checkpoint the optimizer state
+  // (SIGTERM path). After a wedge, a group held by a stuck call is skipped.
   if (optimizer_store_ != nullptr) {
-    if (absl::Status s = optimizer_store_->CheckpointAll(); !s.ok()) {
+    const absl::Duration lock_wait = clean ? absl::InfiniteDuration() : absl::Seconds(1);
+    if (absl::Status s = optimizer_store_->CheckpointAll(lock_wait); !s.ok()) {
       spdlog::error("event=optimizer_checkpoint_on_shutdown_failed msg=\"{}\"",
                     std::string(s.message()));
     }
@@ -273,11 +328,15 @@ void QtxServer::Shutdown(absl::Duration grace) {
                    std::strerror(errno));
     }
   }
-  if (server_ != nullptr) spdlog::info("event=shutdown_done");
+  if (server_ != nullptr) spdlog::info("event=shutdown_done clean={}", clean);
+  absl::MutexLock lock(&shutdown_mu_);
+  shutdown_clean_ = clean;
+  return clean;
 }
 
 QtxServer::~QtxServer() {
   Shutdown(absl::ZeroDuration());
+  if (drain_.joinable()) drain_.join();  // waits for calls a wedge left running
   if (server_ != nullptr) server_->Wait();
   if (health_server_ != nullptr) health_server_->Wait();
 }

@@ -16,12 +16,14 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/api/channel_service.h"
 #include "server/api/executor.h"
@@ -52,9 +54,22 @@ class QtxServer {
   QtxServer& operator=(const QtxServer&) = delete;
 
   // Reports NOT_SERVING, stops accepting calls, lets in-flight calls finish
-  // for up to `grace` (then cancels them), stops the workers and removes the
-  // socket file. Returns when done. Later calls return at once.
-  void Shutdown(absl::Duration grace);
+  // for up to `grace` (then cancels them), stops the workers, checkpoints the
+  // optimizer state and removes the socket file. Returns true when done.
+  // Bounded in every case: a call still running at grace +
+  // config.shutdown_slack_ms (a wedged worker that ignores cancellation) is
+  // abandoned; the groups it does not hold are checkpointed (each lock waited
+  // for at most 1 s) and Shutdown returns false. The stuck calls keep running:
+  // the process should then end (qtxd _exits with 1); destroying the server
+  // waits for them. Later calls return the first call's result at once.
+  bool Shutdown(absl::Duration grace);
+
+  // Whether the worker pool is wedged at `now`: every worker has been running
+  // one call for more than config.worker_stall_s (0: never). Sets the health
+  // status of every service to NOT_SERVING while it is, SERVING again when it
+  // is not. A watchdog thread calls it every second; tests call it with a
+  // chosen `now`.
+  bool CheckWorkers(absl::Time now);
 
   // The unix socket path ("" when none) and the bound TCP port (0 when none).
   const std::string& socket_path() const { return config_.socket_path; }
@@ -66,6 +81,7 @@ class QtxServer {
   const config::ServerConfig& config() const { return config_; }
   tensor::RegionTable& regions() { return *regions_; }
   optimizer::OptimizerStore& optimizer_store() { return *optimizer_store_; }
+  Executor& executor() { return *executor_; }
 
  private:
   explicit QtxServer(config::ServerConfig config) : config_(std::move(config)) {}
@@ -100,6 +116,16 @@ class QtxServer {
 
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  bool shutdown_clean_ ABSL_GUARDED_BY(shutdown_mu_) = true;
+  // Runs the gRPC and worker shutdown so that Shutdown can stop waiting for
+  // it; joined by Shutdown when it ends in time, else by the destructor.
+  std::thread drain_;
+
+  // The wedge watchdog (CheckWorkers every second), stopped by Shutdown.
+  absl::Notification stop_watchdog_;
+  std::thread watchdog_;
+  absl::Mutex health_mu_;
+  bool wedged_ ABSL_GUARDED_BY(health_mu_) = false;
 };
 
 // Prepares `path` for a new listener: OK if it does not exist or is a stale

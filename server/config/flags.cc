@@ -48,15 +48,21 @@ ABSL_FLAG(int64_t, inline_max_device_bytes, int64_t{64} << 20,
           "would wait on a client CUDA event is never short.");
 ABSL_FLAG(int64_t, max_tensor_elements, int64_t{1} << 34, "Largest tensor, in elements.");
 ABSL_FLAG(int32_t, shutdown_grace_s, 30,
-          "On SIGTERM/SIGINT, seconds to let in-flight calls finish before cancelling them.");
+          "On SIGTERM/SIGINT, seconds to let in-flight calls finish before cancelling them; a "
+          "call still stuck 5 s later is abandoned (state checkpointed where possible, exit 1).");
+ABSL_FLAG(int32_t, worker_stall_s, 300,
+          "Health reports NOT_SERVING while every worker thread has run one call for longer "
+          "than this many seconds (wedged); 0: never.");
 ABSL_FLAG(int64_t, optimizer_memory_limit_mb, 65536,
-          "Host memory cap for optimizer state (master weights + moments), MiB; going over "
-          "fails with RESOURCE_EXHAUSTED.");
+          "Host memory cap for optimizer state (master weights + moments), MiB, 0..2^40; going "
+          "over fails with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
-          "Directory for optimizer checkpoints; loaded at start. Empty: no checkpoints.");
+          "Directory for optimizer checkpoints; loaded at start (regular files only; links, "
+          "FIFOs and other files named like a checkpoint are refused). Empty: no checkpoints.");
 ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
-          "Checkpoint each optimizer group every K steps (0: only on request and at shutdown).");
-ABSL_FLAG(int32_t, optimizer_threads, 0, "Host AdamW threads (0: all cores).");
+          "Checkpoint each optimizer group every K >= 0 steps (0: only on request and at "
+          "shutdown).");
+ABSL_FLAG(int32_t, optimizer_threads, 0, "Host AdamW threads, 0..1024 (0: all cores).");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off.");
 
 namespace qtx::server::config {
@@ -83,6 +89,7 @@ ServerConfig ServerConfigFromFlags() {
   c.inline_max_device_bytes = absl::GetFlag(FLAGS_inline_max_device_bytes);
   c.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   c.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
+  c.worker_stall_s = absl::GetFlag(FLAGS_worker_stall_s);
   c.optimizer_memory_limit_mb = absl::GetFlag(FLAGS_optimizer_memory_limit_mb);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);

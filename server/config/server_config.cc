@@ -126,9 +126,33 @@ absl::Status ValidateConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--max_tensor_elements=%d: must be 1..2^40", c.max_tensor_elements));
   }
+  // Converted to bytes with << 20: bounded well below 2^64 bytes, and never
+  // negative (a negative value used to wrap to "unlimited").
+  if (c.optimizer_memory_limit_mb < 0 || c.optimizer_memory_limit_mb > kMaxOptimizerMemoryLimitMb) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--optimizer_memory_limit_mb=%d: must be 0..%d (MiB; 0 refuses every optimizer group)",
+        c.optimizer_memory_limit_mb, kMaxOptimizerMemoryLimitMb));
+  }
+  if (c.optimizer_threads < 0 || c.optimizer_threads > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--optimizer_threads=%d: must be 0..1024 (0: one per core)", c.optimizer_threads));
+  }
+  if (c.checkpoint_every_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--checkpoint_every_steps=%d: must be >= 0 (0: only on request and at shutdown)",
+        c.checkpoint_every_steps));
+  }
   if (c.shutdown_grace_s < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--shutdown_grace_s=%d: must be >= 0", c.shutdown_grace_s));
+  }
+  if (c.shutdown_slack_ms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("shutdown_slack_ms=%d: must be >= 0", c.shutdown_slack_ms));
+  }
+  if (c.worker_stall_s < 0 || c.worker_stall_s > 86400) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--worker_stall_s=%d: must be 0 (off) ..86400", c.worker_stall_s));
   }
   return absl::OkStatus();
 }

@@ -13,6 +13,9 @@
 
 namespace qtx::server::config {
 
+// The largest --optimizer_memory_limit_mb: 2^40 MiB (1 EiB).
+inline constexpr int64_t kMaxOptimizerMemoryLimitMb = int64_t{1} << 40;
+
 struct ServerConfig {
   // Unix domain socket to listen on (mode 0600). Empty: no unix socket.
   std::string socket_path = "/tmp/qtxd.sock";
@@ -66,10 +69,19 @@ struct ServerConfig {
   int64_t max_tensor_elements = int64_t{1} << 34;
   // How long SIGTERM waits for in-flight calls before cancelling them.
   int shutdown_grace_s = 30;
+  // Calls stuck beyond the grace period (a wedged worker) are waited for at
+  // most this much longer; shutdown then checkpoints what it can and
+  // reports them (qtxd exits 1). Not a flag: tests shorten it.
+  int shutdown_slack_ms = 5000;
+  // Health reports NOT_SERVING while every worker thread has been running
+  // one call for longer than this (the pool is wedged: queued calls cannot
+  // start), SERVING again once one is free. 0: never. 0..86400.
+  int worker_stall_s = 300;
   // Optimizer state store (server/optimizer): host-memory cap for master
-  // weights + moments, checkpoint directory (empty: none), periodic
-  // checkpoints every K steps (0: only on request and at shutdown), host
-  // AdamW threads (0: OpenMP default).
+  // weights + moments in MiB (0..kMaxOptimizerMemoryLimitMb), checkpoint
+  // directory (empty: none), periodic checkpoints every K >= 0 steps (0: only
+  // on request and at shutdown), host AdamW threads (0..1024; 0: OpenMP
+  // default).
   int64_t optimizer_memory_limit_mb = 65536;
   std::string checkpoint_dir;
   int64_t checkpoint_every_steps = 0;

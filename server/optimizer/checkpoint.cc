@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -9,11 +10,13 @@
 #include <bit>
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <new>
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "server/status_macros.h"
 
@@ -259,6 +262,48 @@ absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path) {
   return absl::OkStatus();
 }
 
+// The checksum only proves the file is the one that was written; a file
+// edited by hand (with a recomputed checksum) or written by a faulty qtxd can
+// still hold values no request could have set. Checks every loaded value
+// with the rules OffloadOptimizerState applies (ValidateGroupConfig and the
+// parameter names), plus the counters' own invariants.
+absl::Status ValidateLoadedState(const GroupState& s) {
+  const GroupConfig& c = s.config;
+  QTX_RETURN_IF_ERROR(ValidateGroupConfig(c));
+  if (s.update_count < 0 || s.update_count > c.step) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "update_count=%d: must be 0..step (%d)", s.update_count, c.step));
+  }
+  if (s.last.has_value()) {
+    const StepStats& l = *s.last;
+    if (l.step != c.step) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "last step result is for step %d, the group is at step %d", l.step, c.step));
+    }
+    if (!std::isfinite(l.lr) || l.lr < 0.0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("last step's lr=%g: must be finite and >= 0", l.lr));
+    }
+    if (!(l.clip_coef > 0.0 && l.clip_coef <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("last step's clip_coef=%g: must be in (0, 1]", l.clip_coef));
+    }
+  }
+  absl::flat_hash_set<std::string_view> names;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const std::string& name = s.params[i].info.name;
+    if (name.empty() || name.size() > 256) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("parameters[%d].name='%s': must be 1..256 characters", i, name));
+    }
+    if (!names.insert(name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("parameters[%d].name='%s': duplicate parameter name", i, name));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Reads exactly `size` bytes, updating the CRC.
 absl::Status ReadFully(int fd, void* dst, uint64_t size, uint32_t* crc, const std::string& path) {
   auto* p = static_cast<char*>(dst);
@@ -285,6 +330,14 @@ class Fd {
   ~Fd() {
     if (fd_ >= 0) ::close(fd_);
   }
+  Fd(Fd&& other) noexcept : fd_(other.release()) {}
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) {
+      if (fd_ >= 0) ::close(fd_);
+      fd_ = other.release();
+    }
+    return *this;
+  }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
   int get() const { return fd_; }
@@ -293,6 +346,72 @@ class Fd {
  private:
   int fd_;
 };
+
+// Creates a new temp file next to `path` for an atomic replace:
+// "<path>.tmp.<pid>.<16 random hex digits>", opened O_CREAT | O_EXCL |
+// O_NOFOLLOW, so that a file or symbolic link planted under a guessed name is
+// never opened, followed or truncated (an existing name is skipped).
+absl::StatusOr<Fd> CreateTempFile(const std::string& path, std::string* tmp) {
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    uint64_t nonce = 0;
+    if (::getrandom(&nonce, sizeof(nonce), 0) != static_cast<ssize_t>(sizeof(nonce))) {
+      return Errno("random name for a temp file of", path);
+    }
+    *tmp = absl::StrFormat("%s.tmp.%d.%016x", path, ::getpid(), nonce);
+    Fd fd(::open(tmp->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (fd.get() >= 0) return fd;
+    if (errno != EEXIST) return Errno("create", *tmp);
+  }
+  return absl::InternalError(absl::StrFormat(
+      "checkpoint '%s': 16 random temp file names were all taken; is something creating files "
+      "in --checkpoint_dir?",
+      path));
+}
+
+const char* FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+absl::Status NotRegular(const std::string& path, mode_t mode) {
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "checkpoint '%s' is %s, not a regular file: qtxd reads only regular files and follows no "
+      "links in --checkpoint_dir; remove or replace it",
+      path, FileKind(mode)));
+}
+
+// Opens an existing checkpoint for reading: a regular file only, never
+// through a symbolic link, and without blocking (a FIFO would block open and
+// read forever). NOT_FOUND when absent; FAILED_PRECONDITION when it is not a
+// regular file; INTERNAL on other errors.
+absl::StatusOr<Fd> OpenRegularFile(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrFormat("no checkpoint at '%s'", path));
+    return Errno("stat", path);
+  }
+  // Checked before open too, so that no device or FIFO is ever opened.
+  if (!S_ISREG(st.st_mode)) return NotRegular(path, st.st_mode);
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+  if (fd.get() < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrFormat("no checkpoint at '%s'", path));
+    if (errno == ELOOP) return NotRegular(path, S_IFLNK);
+    return Errno("open", path);
+  }
+  // It may have been swapped between lstat and open.
+  if (::fstat(fd.get(), &st) != 0) return Errno("stat", path);
+  if (!S_ISREG(st.st_mode)) return NotRegular(path, st.st_mode);
+  const int flags = ::fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return Errno("fcntl", path);
+  }
+  return fd;
+}
 
 }  // namespace
 
@@ -324,15 +443,14 @@ absl::StatusOr<ParamState> AllocateParamState(const ParameterInfo& info,
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state,
                                          bool keep_previous) {
   const std::string path = CheckpointPath(dir, state.config.name);
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const std::string meta = BuildMeta(state);
   const uint64_t mb = MomentBytes(state.config.moment_dtype);
   uint64_t data_bytes = 0;
   for (const ParamState& p : state.params) {
     data_bytes += static_cast<uint64_t>(p.info.m * p.info.n) * (4 + 2 * mb);
   }
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  if (fd.get() < 0) return Errno("create", tmp);
+  std::string tmp;
+  QTX_ASSIGN_OR_RETURN(Fd fd, CreateTempFile(path, &tmp));
   auto write_all = [&]() -> absl::Status {
     Writer w(fd.get(), tmp);
     QTX_RETURN_IF_ERROR(w.Write(kMagic, sizeof(kMagic)));
@@ -389,13 +507,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupStat
 
 absl::StatusOr<GroupState> ReadCheckpoint(
     const std::string& path, const std::function<absl::Status(uint64_t bytes)>& reserve) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    if (errno == ENOENT) {
-      return absl::NotFoundError(absl::StrFormat("no checkpoint at '%s'", path));
-    }
-    return Errno("open", path);
-  }
+  QTX_ASSIGN_OR_RETURN(Fd fd, OpenRegularFile(path));
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return Errno("stat", path);
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
@@ -433,12 +545,21 @@ absl::StatusOr<GroupState> ReadCheckpoint(
   GroupState state;
   MetaReader r(meta, path);
   QTX_RETURN_IF_ERROR(ParseMeta(r, &state, path));
+  if (absl::Status v = ValidateLoadedState(state); !v.ok()) {
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint '%s' holds an impossible value: %s (its checksum matches, so it was edited "
+        "or written by a faulty qtxd); refusing to load it",
+        path, v.message()));
+  }
   const uint64_t mb = MomentBytes(state.config.moment_dtype);
   uint64_t expect_data = 0;
   int64_t elements = 0;
   for (const ParamState& p : state.params) {
+    // Each parameter's bytes are below 2^44 (ParseMeta), and data_bytes below
+    // the file size: stopping once past it keeps the sums from overflowing.
     elements += p.info.m * p.info.n;
     expect_data += static_cast<uint64_t>(p.info.m * p.info.n) * (4 + 2 * mb);
+    if (expect_data > data_bytes) break;
   }
   if (expect_data != data_bytes) {
     return absl::DataLossError(absl::StrFormat(

@@ -1,6 +1,8 @@
 #include "server/optimizer/optimizer_store.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -36,6 +38,9 @@ struct OptimizerStore::Group {
   // not trusted, so the next write must not rotate it into .prev.
   bool rotate_on_write ABSL_GUARDED_BY(mu) = true;
   std::unique_ptr<StepScratch> scratch ABSL_GUARDED_BY(mu);  // see StepScratchSlot
+  // Set by ReleaseGroup: a call that found the group before it was released
+  // and waited for its lock must neither step it nor write its checkpoint.
+  bool released ABSL_GUARDED_BY(mu) = false;
 
   // Whether the next checkpoint write keeps the newest file as .prev: not
   // after a fallback, and not when the newest already holds this very step
@@ -73,6 +78,11 @@ absl::Status Unusable(std::string_view name, const absl::Status& error) {
                                       name, error.message()));
 }
 
+absl::Status Released(std::string_view name) {
+  return absl::NotFoundError(
+      absl::StrFormat("optimizer group '%s' was released while this call waited for it", name));
+}
+
 void StoreMoment(uint8_t* dst, MomentDType t, int64_t i, float v) {
   if (t == MomentDType::kFloat32) {
     std::memcpy(dst + 4 * i, &v, 4);
@@ -80,6 +90,16 @@ void StoreMoment(uint8_t* dst, MomentDType t, int64_t i, float v) {
     const uint16_t h = kernels::FloatToBf16(v);
     std::memcpy(dst + 2 * i, &h, 2);
   }
+}
+
+// Makes deletions in `dir` durable; best effort (logged).
+void SyncDirectory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    spdlog::warn("event=checkpoint_dir_fsync_failed dir={} error=\"{}\"", dir,
+                 std::strerror(errno));
+  }
+  if (fd >= 0) ::close(fd);
 }
 
 // Writes a parameter's outputs from its current master weights (skipped
@@ -139,6 +159,29 @@ absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h) {
   if (!FiniteNonNegative(h.weight_decay)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("hyper_params.weight_decay=%g: must be finite and >= 0", h.weight_decay));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateGroupConfig(const GroupConfig& c) {
+  QTX_RETURN_IF_ERROR(ValidateGroupName(c.name));
+  QTX_RETURN_IF_ERROR(ValidateHyperParams(c.hyper));
+  if (c.step < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("step=%d: must be >= 0", c.step));
+  }
+  if (c.step > kMaxStepNumber) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step=%d: must be at most %d (2^53, the largest step number)", c.step, kMaxStepNumber));
+  }
+  if (c.output.fp8) {
+    if (!c.output.quant.rowwise && !c.output.quant.columnwise) {
+      return absl::InvalidArgumentError(
+          "output.fp8: at least one of rowwise, columnwise must be set");
+    }
+    if (!std::isfinite(c.output.quant.amax_epsilon) || c.output.quant.amax_epsilon < 0.0f) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "output.fp8.amax_epsilon=%g: must be finite and >= 0", c.output.quant.amax_epsilon));
+    }
   }
   return absl::OkStatus();
 }
@@ -237,14 +280,7 @@ absl::StatusOr<std::shared_ptr<OptimizerStore::Group>> OptimizerStore::Find(
 absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
                                                       std::span<const ParameterInit> params,
                                                       bool replace) {
-  QTX_RETURN_IF_ERROR(ValidateGroupName(config.name));
-  QTX_RETURN_IF_ERROR(ValidateHyperParams(config.hyper));
-  if (config.step < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("step=%d: must be >= 0", config.step));
-  }
-  if (config.output.fp8 && !config.output.quant.rowwise && !config.output.quant.columnwise) {
-    return absl::InvalidArgumentError("output.fp8: at least one of rowwise, columnwise must be set");
-  }
+  QTX_RETURN_IF_ERROR(ValidateGroupConfig(config));
   absl::flat_hash_set<std::string_view> names;
   int64_t elements = 0;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -463,8 +499,14 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_grad_norm=%g: must be finite and > 0", *options.max_grad_norm));
   }
+  if (options.step > kMaxStepNumber) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step=%d: must be at most %d (2^53, the largest step number)", options.step,
+        kMaxStepNumber));
+  }
   QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
   absl::MutexLock glock(&g->mu);
+  if (g->released) return Released(name);
   if (!g->error.ok()) return Unusable(name, g->error);
   GroupState& s = g->state;
   const int64_t at = s.config.step;
@@ -673,6 +715,10 @@ absl::StatusOr<std::vector<CheckpointResult>> OptimizerStore::SaveCheckpoint(
   std::vector<CheckpointResult> results;
   for (auto& [n, g] : targets) {
     absl::MutexLock glock(&g->mu);
+    if (g->released) {
+      if (!name.empty()) return Released(n);
+      continue;
+    }
     if (!g->error.ok()) {
       if (!name.empty()) return Unusable(n, g->error);
       continue;  // never overwrite the evidence of a failed group
@@ -763,19 +809,91 @@ absl::StatusOr<GroupInfo> OptimizerStore::LoadCheckpoint(std::string_view name, 
   return info;
 }
 
-absl::Status OptimizerStore::CheckpointAll() {
+absl::Status OptimizerStore::CheckpointAll(absl::Duration lock_wait) {
   if (options_.checkpoint_dir.empty()) return absl::OkStatus();
-  return SaveCheckpoint("").status();
+  if (lock_wait == absl::InfiniteDuration()) return SaveCheckpoint("").status();
+  std::vector<std::pair<std::string, std::shared_ptr<Group>>> targets;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [n, g] : groups_) targets.emplace_back(n, g);
+  }
+  absl::Status first;
+  const absl::Time deadline = absl::Now() + lock_wait;
+  for (auto& [n, g] : targets) {
+    bool locked = g->mu.TryLock();
+    while (!locked && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+      locked = g->mu.TryLock();
+    }
+    if (!locked) {
+      absl::Status e = absl::DeadlineExceededError(absl::StrFormat(
+          "optimizer group '%s' was not checkpointed: a call holding it did not finish; its "
+          "previous checkpoint on disk (if any) is kept",
+          n));
+      spdlog::error("event=optimizer_checkpoint_skipped group={} reason=locked", n);
+      if (first.ok()) first = e;
+      continue;
+    }
+    g->mu.AssertHeld();
+    absl::Status s;
+    if (!g->released && g->error.ok()) {
+      absl::StatusOr<uint64_t> bytes =
+          WriteCheckpoint(options_.checkpoint_dir, g->state, g->KeepPrevious());
+      if (bytes.ok()) {
+        g->last_checkpoint_step = g->state.config.step;
+        g->rotate_on_write = true;
+        spdlog::info("event=optimizer_checkpoint group={} step={} bytes={}", n,
+                     g->state.config.step, *bytes);
+      } else {
+        s = bytes.status();
+      }
+    }
+    g->mu.Unlock();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
 }
 
 absl::Status OptimizerStore::ReleaseGroup(std::string_view name) {
-  absl::MutexLock lock(&mu_);
-  auto it = groups_.find(std::string(name));
-  if (it == groups_.end()) {
+  std::shared_ptr<Group> g;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(std::string(name));
+    if (it == groups_.end()) {
+      return absl::NotFoundError(absl::StrFormat("optimizer group '%s' does not exist", name));
+    }
+    g = it->second;
+  }
+  // Under the group's lock (lock order: a group's mu, then the store's mu_),
+  // so that no Step or checkpoint write of this group runs meanwhile or after.
+  absl::MutexLock glock(&g->mu);
+  if (g->released) {
     return absl::NotFoundError(absl::StrFormat("optimizer group '%s' does not exist", name));
   }
-  used_bytes_ -= it->second->HeldBytes();
-  groups_.erase(it);
+  if (!options_.checkpoint_dir.empty() && ValidateGroupName(name).ok()) {
+    // The newest first: once it is gone a restart no longer restores the
+    // group, whatever happens to .prev.
+    const std::string path = CheckpointPath(options_.checkpoint_dir, name);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return absl::InternalError(absl::StrFormat(
+          "ReleaseGroup('%s'): cannot delete its checkpoint '%s': %s; the group is kept", name,
+          path, std::strerror(errno)));
+    }
+    const std::string prev = PreviousCheckpointPath(options_.checkpoint_dir, name);
+    if (::unlink(prev.c_str()) != 0 && errno != ENOENT) {
+      spdlog::warn("event=optimizer_checkpoint_delete_failed group={} path={} error=\"{}\"", name,
+                   prev, std::strerror(errno));
+    }
+    SyncDirectory(options_.checkpoint_dir);
+  }
+  g->released = true;
+  absl::MutexLock lock(&mu_);
+  auto it = groups_.find(std::string(name));
+  if (it != groups_.end() && it->second == g) {
+    used_bytes_ -= g->HeldBytes();
+    groups_.erase(it);
+  }
+  spdlog::info("event=optimizer_group_released group={}", name);
   return absl::OkStatus();
 }
 

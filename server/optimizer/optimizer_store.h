@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kernels/adamw.h"
 #include "kernels/quantize_params.h"
 
@@ -210,7 +211,8 @@ class OptimizerStore {
 
   // Creates (or with `replace`, replaces) a group from `params`.
   // INVALID_ARGUMENT: bad name, hyper-parameters, duplicate parameter names,
-  //   step < 0; ALREADY_EXISTS: the group exists and !replace;
+  //   step outside 0..kMaxStepNumber (ValidateGroupConfig); ALREADY_EXISTS:
+  //   the group exists and !replace;
   // RESOURCE_EXHAUSTED: the state would exceed the memory cap (checked before
   //   allocating).
   absl::StatusOr<GroupInfo> CreateGroup(const GroupConfig& config,
@@ -228,7 +230,8 @@ class OptimizerStore {
   // logged and does not fail the step (the previous checkpoint is intact).
   // NOT_FOUND: no such group; FAILED_PRECONDITION: wrong step number (the
   // message names the step the group is at); DATA_LOSS: failed group; errors
-  // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm.
+  // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm or a step
+  // number above kMaxStepNumber.
   absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
                                  const PrepareStepFn& prepare);
   // As above, with the group's scratch slot for `prepare`. When the buffers
@@ -266,10 +269,16 @@ class OptimizerStore {
   absl::StatusOr<GroupInfo> LoadCheckpoint(std::string_view group, bool previous = false);
 
   // Checkpoints every usable group (the shutdown path). Returns the first
-  // error; tries every group. OK without a checkpoint directory.
-  absl::Status CheckpointAll();
+  // error; tries every group. OK without a checkpoint directory. A group
+  // whose lock is not free within `lock_wait` (a call holding it is stuck) is
+  // skipped with DEADLINE_EXCEEDED naming it; its previous checkpoint stays.
+  absl::Status CheckpointAll(absl::Duration lock_wait = absl::InfiniteDuration());
 
-  // NOT_FOUND if absent. Frees the group's memory; checkpoints stay on disk.
+  // Frees the group's memory and deletes its checkpoints (<group>.qtxopt and
+  // <group>.qtxopt.prev), so that a restart does not bring it back. Waits
+  // for a Step or checkpoint write on the group in flight. NOT_FOUND if
+  // absent; INTERNAL (naming the file and errno text) when the checkpoint
+  // cannot be deleted: the group then stays, unchanged.
   absl::Status ReleaseGroup(std::string_view group);
 
   std::vector<GroupInfo> ListGroups() const;
@@ -308,6 +317,18 @@ absl::Status ValidateGroupName(std::string_view name);
 // INVALID_ARGUMENT naming the field unless lr, eps, weight_decay are finite
 // and >= 0 and beta1, beta2 are in [0, 1).
 absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h);
+
+// The largest step number: 2^53, exact in a double (AdamW's bias correction
+// raises the betas to it; JSON and JavaScript clients see it unchanged), and
+// far from int64 overflow, so the "next step" is always representable.
+inline constexpr int64_t kMaxStepNumber = int64_t{1} << 53;
+
+// The rules OffloadOptimizerState applies to a group's configuration, also
+// applied to every loaded checkpoint: ValidateGroupName, ValidateHyperParams,
+// 0 <= step <= kMaxStepNumber, and for FP8 output at least one of rowwise /
+// columnwise with a finite amax_epsilon >= 0. INVALID_ARGUMENT naming the
+// field and value.
+absl::Status ValidateGroupConfig(const GroupConfig& config);
 
 }  // namespace qtx::server::optimizer
 

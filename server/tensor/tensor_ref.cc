@@ -22,11 +22,20 @@ absl::StatusOr<std::byte*> LocateSlice(const Region& region, const RegionSliceSp
   }
   std::byte* p = region.data() + spec.offset;
   if (alignment > 1 && reinterpret_cast<uintptr_t>(p) % alignment != 0) {
+    // A region's mapping starts on a page (shm) or allocation (CUDA) boundary
+    // plus its registration offset, so the address's remainder is the
+    // remainder of the slice's offset in the whole object.
+    const bool shm = region.kind() == RegionKind::kShm;
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: region '%s': offset %d is not aligned to the %d-byte element size "
-        "(region starts at shm offset %% %d = %d)",
-        field, region.name(), spec.offset, alignment, alignment,
-        reinterpret_cast<uintptr_t>(region.data()) % alignment));
+        "%s: region '%s': offset %d is not aligned to the %d-byte element size: the slice "
+        "starts %d bytes past a multiple of %d in %s; tensor slices must start at multiples of "
+        "the element size counted from the start of the %s (the region's registration offset "
+        "plus the slice offset)",
+        field, region.name(), spec.offset, alignment,
+        reinterpret_cast<uintptr_t>(p) % alignment, alignment,
+        shm ? absl::StrFormat("shm object '%s'", region.shm_name())
+            : std::string("the CUDA allocation"),
+        shm ? "shm object" : "CUDA allocation"));
   }
   return p;
 }

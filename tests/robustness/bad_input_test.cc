@@ -5,12 +5,16 @@
 // then that the server still answers a health check and a valid Quantize, and
 // that no region stays pinned by the failed call.
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <future>
 #include <limits>
 #include <memory>
@@ -29,6 +33,7 @@
 #include "qtx/v1/optimizer.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
 #include "server/api/server.h"
+#include "server/optimizer/checkpoint.h"
 #include "tests/server/testing/shm_object.h"
 #include "tests/testing/status_matchers.h"
 
@@ -316,6 +321,8 @@ constexpr auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
 constexpr auto kNotFound = grpc::StatusCode::NOT_FOUND;
 constexpr auto kPrecondition = grpc::StatusCode::FAILED_PRECONDITION;
 constexpr auto kExists = grpc::StatusCode::ALREADY_EXISTS;
+constexpr auto kDataLoss = grpc::StatusCode::DATA_LOSS;
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 // A build without NCCL does not implement the NCCL backend at all; a CUDA
 // build on a host without a GPU cannot use it.
 #ifdef QTX_TEST_HAVE_NCCL
@@ -417,6 +424,45 @@ std::function<grpc::Status(T&)> St(std::function<void(v1::StepRequest*)> edit) {
     return QTX_RPC(T::A(), optimizer, Step, req);
   };
 }
+// Rank 0's checkpoint directory.
+std::string CheckpointDir() { return T::A().dir + "/ckpt"; }
+
+// LoadCheckpoint of group `name` after `plant` put something at its path
+// (removed again afterwards, as is any group the call created).
+std::function<grpc::Status(T&)> LoadPlanted(std::string name,
+                                            std::function<int(const std::string& path)> plant) {
+  return [name, plant](T&) {
+    const std::string path = server::optimizer::CheckpointPath(CheckpointDir(), name);
+    if (plant(path) != 0) return grpc::Status(grpc::StatusCode::UNKNOWN, "test setup failed");
+    v1::LoadCheckpointRequest req;
+    req.set_group(name);
+    grpc::Status s = QTX_RPC(T::A(), optimizer, LoadCheckpoint, req);
+    ::unlink(path.c_str());
+    ::rmdir(path.c_str());
+    if (s.ok()) {
+      v1::ReleaseGroupRequest rel;
+      rel.set_group(name);
+      (void)QTX_RPC(T::A(), optimizer, ReleaseGroup, rel);
+    }
+    return s;
+  };
+}
+
+// LoadCheckpoint of a copy of "opt"'s checkpoint renamed `name`, edited by
+// `edit` and written back with a valid checksum (a hand-edited file).
+std::function<grpc::Status(T&)> LoadEdited(
+    std::string name, std::function<void(server::optimizer::GroupState*)> edit) {
+  return LoadPlanted(name, [name, edit](const std::string&) {
+    auto state = server::optimizer::ReadCheckpoint(
+        server::optimizer::CheckpointPath(CheckpointDir(), "opt"),
+        [](uint64_t) { return absl::OkStatus(); });
+    if (!state.ok()) return 1;
+    state->config.name = name;
+    edit(&*state);
+    return server::optimizer::WriteCheckpoint(CheckpointDir(), *state).ok() ? 0 : 1;
+  });
+}
+
 std::function<grpc::Status(T&)> GS(std::function<void(v1::GetStateRequest*)> edit) {
   return [edit](T&) {
     v1::GetStateRequest req;
@@ -489,6 +535,27 @@ std::vector<Case> Cases() {
        Q([](auto* r) { *r->mutable_input() = InRegion({4, 256}, "r", kRegionBytes - 4095, 4096); })},
       {"QuantizeOffsetPlusSizeOverflow", kInvalid, "r",
        Q([kMaxU64](auto* r) { *r->mutable_input() = InRegion({4, 256}, "r", kMaxU64 - 100, 4096); })},
+      // Issue 18 item 15: alignment counts from the start of the shm object,
+      // not of the region: a region registered at shm offset 2 puts slice
+      // offset 0 at a misaligned address.
+      {"QuantizeSliceMisalignedInShmObject", kInvalid,
+       "must start at multiples of the element size counted from the start of the shm object",
+       [](T&) {
+         v1::RegisterRegionRequest reg;
+         reg.set_name("mis");
+         reg.mutable_shm()->set_shm_name(T::shm().name());
+         reg.mutable_shm()->set_offset(2);
+         reg.mutable_shm()->set_byte_size(8192);
+         grpc::Status r = QTX_RPC(T::A(), memory, RegisterRegion, reg);
+         if (!r.ok()) return r;
+         v1::QuantizeRequest req = T::ValidQuantize();
+         *req.mutable_input() = InRegion({4, 256}, "mis", 0, 4096);
+         grpc::Status s = QTX_RPC(T::A(), quantizer, Quantize, req);
+         v1::UnregisterRegionRequest un;
+         un.set_name("mis");
+         (void)QTX_RPC(T::A(), memory, UnregisterRegion, un);
+         return s;
+       }},
       {"QuantizeSliceSizeMismatch", kInvalid, "size=4000: expected 4096",
        Q([](auto* r) { *r->mutable_input() = InRegion({4, 256}, "r", 0, 4000); })},
       {"QuantizeOutputUnknownRegion", kNotFound, "not registered",
@@ -700,6 +767,12 @@ std::vector<Case> Cases() {
        })},
       {"OffloadNegativeStep", kInvalid, "step=-1: must be >= 0",
        Off([](auto* r) { r->set_step(-1); })},
+      // Issue 18 item 8: the step counter must never wrap.
+      {"OffloadStepInt64Max", kInvalid,
+       "step=9223372036854775807: must be at most 9007199254740992",
+       Off([](auto* r) { r->set_step(kInt64Max); })},
+      {"OffloadStepPastTwoTo53", kInvalid, "step=9007199254740993: must be at most",
+       Off([](auto* r) { r->set_step((int64_t{1} << 53) + 1); })},
       {"OffloadMasterMissing", kInvalid, "parameters[0].master: missing",
        Off([](auto* r) { r->mutable_parameters(0)->clear_master(); })},
       {"OffloadMasterWrongBytes", kInvalid, "parameters[0].master",
@@ -747,6 +820,8 @@ std::vector<Case> Cases() {
        St([](auto* r) { r->set_step(1); })},
       {"StepFuture", kPrecondition, "got step 7", St([](auto* r) { r->set_step(7); })},
       {"StepNegative", kPrecondition, "got step -1", St([](auto* r) { r->set_step(-1); })},
+      {"StepInt64Max", kInvalid, "step=9223372036854775807: must be at most 9007199254740992",
+       St([](auto* r) { r->set_step(kInt64Max); })},
       {"StepLrNaN", kInvalid, "lr=nan: must be finite", St([](auto* r) { r->set_lr(kNaN); })},
       {"StepLrNegative", kInvalid, "lr=-0.5", St([](auto* r) { r->set_lr(-0.5); })},
       {"StepMaxGradNormZero", kInvalid, "max_grad_norm=0: must be finite and > 0",
@@ -833,6 +908,59 @@ std::vector<Case> Cases() {
          req.set_group("opt");
          req.set_previous(true);
          return QTX_RPC(T::A(), optimizer, LoadCheckpoint, req);
+       }},
+      // Issue 18 item 5: only regular files are read; a FIFO used to block
+      // the worker (and startup) forever.
+      {"LoadCheckpointFifo", kPrecondition, "is a FIFO, not a regular file",
+       LoadPlanted("fifo", [](const std::string& p) { return ::mkfifo(p.c_str(), 0600); })},
+      {"LoadCheckpointSymlink", kPrecondition, "is a symbolic link",
+       LoadPlanted("lnk", [](const std::string& p) { return ::symlink("opt.qtxopt", p.c_str()); })},
+      {"LoadCheckpointDirectory", kPrecondition, "is a directory",
+       LoadPlanted("dir", [](const std::string& p) { return ::mkdir(p.c_str(), 0700); })},
+      // Issue 18 item 6: a matching checksum is not enough; every loaded value
+      // is checked as OffloadOptimizerState checks it.
+      {"LoadCheckpointEditedLrNaN", kDataLoss, "impossible value: hyper_params.lr=nan",
+       LoadEdited("ed-lr", [](auto* s) { s->config.hyper.lr = kNaN; })},
+      {"LoadCheckpointEditedNegativeEps", kDataLoss, "hyper_params.eps=-1",
+       LoadEdited("ed-eps", [](auto* s) { s->config.hyper.eps = -1; })},
+      {"LoadCheckpointEditedBeta1One", kDataLoss, "hyper_params.beta1=1: must be in [0, 1)",
+       LoadEdited("ed-b1", [](auto* s) { s->config.hyper.beta1 = 1.0; })},
+      {"LoadCheckpointEditedBeta2Negative", kDataLoss, "hyper_params.beta2=-0.1",
+       LoadEdited("ed-b2", [](auto* s) { s->config.hyper.beta2 = -0.1; })},
+      {"LoadCheckpointEditedWeightDecayInf", kDataLoss, "hyper_params.weight_decay=inf",
+       LoadEdited("ed-wd", [](auto* s) { s->config.hyper.weight_decay = kInf; })},
+      {"LoadCheckpointEditedStepInt64Max", kDataLoss, "step=9223372036854775807",
+       LoadEdited("ed-step", [](auto* s) { s->config.step = kInt64Max; })},
+      {"LoadCheckpointEditedUpdateCountPastStep", kDataLoss, "update_count=7: must be 0..step",
+       LoadEdited("ed-uc", [](auto* s) { s->update_count = 7; })},
+      {"LoadCheckpointEditedAmaxEpsilonNaN", kDataLoss, "output.fp8.amax_epsilon=nan",
+       LoadEdited("ed-amax",
+                  [](auto* s) { s->config.output.quant.amax_epsilon = static_cast<float>(kNaN); })},
+      // Issue 18 item 4: a link planted under the temp name the old code used
+      // (<group>.qtxopt.tmp.<pid>) is neither followed nor replaced.
+      {"SaveCheckpointPlantedTempSymlink", grpc::StatusCode::OK, "",
+       [](T&) {
+         const std::string victim = T::A().dir + "/victim";
+         const std::string planted = server::optimizer::CheckpointPath(CheckpointDir(), "opt") +
+                                     ".tmp." + std::to_string(::getpid());
+         { std::ofstream(victim) << "precious"; }
+         if (::symlink(victim.c_str(), planted.c_str()) != 0) {
+           return grpc::Status(grpc::StatusCode::UNKNOWN, "test setup failed");
+         }
+         v1::SaveCheckpointRequest req;
+         req.set_group("opt");
+         grpc::Status s = QTX_RPC(T::A(), optimizer, SaveCheckpoint, req);
+         std::ifstream in(victim);
+         const std::string content((std::istreambuf_iterator<char>(in)),
+                                   std::istreambuf_iterator<char>());
+         ::unlink(planted.c_str());
+         ::unlink(victim.c_str());
+         if (s.ok() && content != "precious") {
+           return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                               "SaveCheckpoint followed the planted link: victim now holds " +
+                                   std::to_string(content.size()) + " bytes");
+         }
+         return s;
        }},
       {"ReleaseUnknownGroup", kNotFound, "'nosuch' does not exist",
        [](T&) {

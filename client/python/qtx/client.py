@@ -383,7 +383,7 @@ class Client:
         return opt.group_from_proto(resp.group)
 
     def release_group(self, group, timeout=None, request_id=None):
-        """Drops an optimizer group and frees its host memory."""
+        """Drops an optimizer group, frees its host memory and deletes its checkpoints."""
         self._call(self.optimizer.ReleaseGroup, optimizer_pb2.ReleaseGroupRequest(group=group),
                    timeout, request_id)
 

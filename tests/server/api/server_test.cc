@@ -8,9 +8,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <span>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,7 +26,9 @@
 #include "kernels/cpu/quantize_block.h"
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
+#include "absl/synchronization/notification.h"
 #include "server/backend/device_factory.h"
+#include "server/optimizer/optimizer_store.h"
 #include "tests/server/testing/shm_object.h"
 #include "tests/testing/status_matchers.h"
 
@@ -453,6 +457,88 @@ TEST_F(ServerTest, ShutdownRemovesTheSocketAndAStaleSocketIsReplaced) {
   channel_ = grpc::CreateChannel("unix:" + config_.socket_path,
                                  grpc::InsecureChannelCredentials());
   EXPECT_TRUE(HealthCheck("", &status).ok());
+}
+
+// Issue 18 item 5: when every worker is stuck in one call, health says
+// NOT_SERVING (it said SERVING while a FIFO checkpoint hung the workers), and
+// SERVING again once a worker is free. The watchdog's clock is injected.
+TEST_F(ServerTest, HealthReportsNotServingWhileEveryWorkerIsWedged) {
+  absl::Notification release;
+  std::atomic<int> started{0};
+  for (int i = 0; i < config_.threads; ++i) {
+    ASSERT_TRUE(server_->executor().Submit([&] {
+      started.fetch_add(1);
+      release.WaitForNotification();
+    }));
+  }
+  while (started.load() < config_.threads) absl::SleepFor(absl::Milliseconds(1));
+  const absl::Duration stall = absl::Seconds(config_.worker_stall_s);
+  int status = -1;
+  EXPECT_FALSE(server_->CheckWorkers(absl::Now()));  // busy, not yet for long
+  ASSERT_TRUE(HealthCheck("", &status).ok());
+  EXPECT_EQ(status, 1);  // SERVING
+  EXPECT_TRUE(server_->CheckWorkers(absl::Now() + stall + absl::Seconds(1)));
+  for (const char* service : {"", "qtx.v1.Quantizer", "qtx.v1.Optimizer"}) {
+    ASSERT_TRUE(HealthCheck(service, &status).ok());
+    EXPECT_EQ(status, 2) << service;  // NOT_SERVING
+  }
+  release.Notify();
+  // Both workers go back to idle; then the pool is not wedged at any time.
+  for (int i = 0; i < 1000 && server_->CheckWorkers(absl::InfiniteFuture()); ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_FALSE(server_->CheckWorkers(absl::InfiniteFuture()));
+  ASSERT_TRUE(HealthCheck("", &status).ok());
+  EXPECT_EQ(status, 1);
+}
+
+// Issue 18 item 5: a wedged call no longer makes shutdown hang: it ends at
+// grace + slack, checkpoints the optimizer groups the stuck call does not
+// hold, and says it was not clean.
+TEST(ServerShutdownTest, EndsAndCheckpointsWhatItCanWhenACallIsWedged) {
+  const std::string dir = TempDir();
+  ASSERT_FALSE(dir.empty());
+  config::ServerConfig config;
+  config.socket_path = dir + "/qtxd.sock";
+  config.threads = 1;
+  config.shutdown_slack_ms = 50;
+  config.checkpoint_dir = dir + "/ckpt";
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<QtxServer> server, QtxServer::Create(config));
+  optimizer::OptimizerStore& store = server->optimizer_store();
+  std::vector<float> master(16, 0.5f);
+  for (const char* name : {"stuck", "free"}) {
+    optimizer::GroupConfig g;
+    g.name = name;
+    optimizer::ParameterInit p;
+    p.name = "w";
+    p.shape = {4, 4};
+    p.m = 4;
+    p.n = 4;
+    p.master = master.data();
+    QTX_ASSERT_OK(store.CreateGroup(g, std::span<const optimizer::ParameterInit>(&p, 1), false)
+                      .status());
+  }
+  // A Step of "stuck" whose prepare never returns until released: it holds
+  // the group's lock and the only worker.
+  absl::Notification started, release;
+  ASSERT_TRUE(server->executor().Submit([&] {
+    (void)store.Step("stuck", {.step = 1},
+                     [&](const optimizer::GroupInfo&, bool) -> absl::StatusOr<optimizer::StepBuffers> {
+                       started.Notify();
+                       release.WaitForNotification();
+                       return absl::CancelledError("released");
+                     });
+  }));
+  started.WaitForNotification();
+  EXPECT_FALSE(server->Shutdown(absl::ZeroDuration()));  // returns: bounded
+  EXPECT_FALSE(server->Shutdown(absl::ZeroDuration()));  // and says so again
+  struct stat st;
+  EXPECT_EQ(::stat((config.checkpoint_dir + "/free.qtxopt").c_str(), &st), 0);
+  EXPECT_NE(::stat((config.checkpoint_dir + "/stuck.qtxopt").c_str(), &st), 0);
+  EXPECT_NE(::lstat(config.socket_path.c_str(), &st), 0);  // the socket is gone
+  release.Notify();
+  server.reset();  // joins what the wedge left running
+  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 TEST(ServerConfigTest, RejectsBadConfigs) {

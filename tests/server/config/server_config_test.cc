@@ -57,7 +57,39 @@ TEST(ServerConfig, RangesAreChecked) {
   c = ServerConfig();
   c.inline_max_concurrent = 0;  // never inline: valid
   QTX_EXPECT_OK(ValidateConfig(c));
+}
+
+// Issue 18 item 9: --optimizer_memory_limit_mb=-1 wrapped to unlimited and
+// --optimizer_threads=-3 was accepted.
+TEST(ServerConfig, OptimizerFlagsAreChecked) {
+  ServerConfig c;
+  c.optimizer_memory_limit_mb = -1;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--optimizer_memory_limit_mb=-1: must be 0..")));
+  c.optimizer_memory_limit_mb = kMaxOptimizerMemoryLimitMb + 1;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--optimizer_memory_limit_mb=1099511627777")));
+  c.optimizer_memory_limit_mb = kMaxOptimizerMemoryLimitMb;
+  QTX_EXPECT_OK(ValidateConfig(c));
+  c.optimizer_memory_limit_mb = 0;
+  QTX_EXPECT_OK(ValidateConfig(c));
   c = ServerConfig();
+  c.optimizer_threads = -3;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--optimizer_threads=-3: must be 0..1024")));
+  c.optimizer_threads = 1025;
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--optimizer_threads=1025")));
+  c.optimizer_threads = 0;
+  QTX_EXPECT_OK(ValidateConfig(c));
+  c = ServerConfig();
+  c.checkpoint_every_steps = -1;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--checkpoint_every_steps=-1")));
+}
+
+TEST(ServerConfig, SocketPathIsChecked) {
+  ServerConfig c;
   c.socket_path = std::string(108, 's');
   EXPECT_THAT(ValidateConfig(c),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at most 107")));

@@ -3,6 +3,7 @@
 // checkpoints round-trip, are refused when corrupted, and survive a restart.
 #include "server/optimizer/optimizer_store.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -11,6 +12,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -582,6 +585,208 @@ TEST(OptimizerStore, CheckpointOverTheMemoryCapIsRefused) {
   auto b = MakeStore(o);
   EXPECT_THAT(b->Describe("g"), StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
   EXPECT_EQ(b->memory_used_bytes(), 0u);
+}
+
+// Issue 18 item 4: the temp file of a checkpoint write had a predictable name
+// (<group>.qtxopt.tmp.<pid>) and was opened following links, so a symlink
+// planted there made SaveCheckpoint overwrite its target.
+TEST(OptimizerStore, CheckpointWriteNeverFollowsAPlantedSymlink) {
+  TempDir dir, elsewhere;
+  const std::string victim = elsewhere.path() + "/victim";
+  {
+    std::ofstream v(victim);
+    v << "precious";
+  }
+  const std::string planted =
+      CheckpointPath(dir.path(), "g") + ".tmp." + std::to_string(::getpid());
+  ASSERT_EQ(::symlink(victim.c_str(), planted.c_str()), 0);
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{8, 8}}, 21);
+  auto a = MakeStore(o);  // removes stale temp entries: plant again after
+  ASSERT_EQ(::symlink(victim.c_str(), planted.c_str()), 0);
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+  QTX_ASSERT_OK(a->SaveCheckpoint("g").status());
+  QTX_ASSERT_OK(a->SaveCheckpoint("g").status());
+  std::ifstream v(victim);
+  std::string content((std::istreambuf_iterator<char>(v)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(content, "precious");
+  // The planted link is still a link (never replaced, never followed).
+  struct stat st;
+  ASSERT_EQ(::lstat(planted.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
+  // No other temp file is left behind, and the checkpoint reads back.
+  int temps = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    if (e.path().filename().string().find(".tmp.") != std::string::npos) ++temps;
+  }
+  EXPECT_EQ(temps, 1);
+  auto b = MakeStore(o);
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
+  EXPECT_EQ(info.params.size(), 1u);
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(planted)));
+}
+
+// Issue 18 item 5: a FIFO named like a checkpoint blocked startup (and
+// LoadCheckpoint) forever in open(); links and other non-regular files are
+// refused too, with an error the operator can act on.
+TEST(OptimizerStore, NonRegularCheckpointFilesAreRefusedWithoutBlocking) {
+  TempDir dir, elsewhere;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = elsewhere.path();
+  Fixture f({{4, 4}}, 22);
+  {
+    auto a = MakeStore(o);
+    f.config().name = "lnk";
+    QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+    QTX_ASSERT_OK(a->CheckpointAll());
+  }
+  ASSERT_EQ(::mkfifo(CheckpointPath(dir.path(), "fifo").c_str(), 0600), 0);
+  ASSERT_EQ(::symlink(CheckpointPath(elsewhere.path(), "lnk").c_str(),
+                      CheckpointPath(dir.path(), "lnk").c_str()),
+            0);
+  ASSERT_EQ(::mkdir(CheckpointPath(dir.path(), "dir").c_str(), 0700), 0);
+  o.checkpoint_dir = dir.path();
+  auto b = MakeStore(o);  // returns: nothing blocks
+  ASSERT_NE(b, nullptr);
+  EXPECT_THAT(b->Describe("fifo"), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                            HasSubstr("is a FIFO, not a regular file")));
+  EXPECT_THAT(b->Describe("lnk"), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                           HasSubstr("is a symbolic link")));
+  EXPECT_THAT(b->Describe("dir"), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                           HasSubstr("is a directory")));
+  EXPECT_THAT(b->LoadCheckpoint("fifo"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("remove or replace it")));
+  EXPECT_THAT(b->LoadCheckpoint("lnk"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("follows no links")));
+  EXPECT_EQ(b->memory_used_bytes(), 0u);
+}
+
+// Issue 18 item 6: a checkpoint edited by hand, with its checksum
+// recomputed, loaded impossible hyper-parameters. Every loaded value is
+// checked with OffloadOptimizerState's rules.
+TEST(OptimizerStore, HandEditedCheckpointWithImpossibleValuesIsRefused) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{4, 4}, {2, 3}}, 23);
+  auto a = MakeStore(o);
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+  {
+    const auto g = f.Grads();
+    Outputs out;
+    QTX_ASSERT_OK(a->Step("g", {.step = 1}, f.Prepare(g, &out)));
+  }
+  QTX_ASSERT_OK(a->SaveCheckpoint("g").status());
+  const auto no_reserve = [](uint64_t) { return absl::OkStatus(); };
+  struct Edit {
+    const char* what;
+    std::function<void(GroupState&)> edit;
+  };
+  const std::vector<Edit> edits = {
+      {"hyper_params.lr=nan", [](GroupState& s) { s.config.hyper.lr = std::nan(""); }},
+      {"hyper_params.lr=-1", [](GroupState& s) { s.config.hyper.lr = -1; }},
+      {"hyper_params.eps=-1e-08", [](GroupState& s) { s.config.hyper.eps = -1e-8; }},
+      {"hyper_params.beta1=1", [](GroupState& s) { s.config.hyper.beta1 = 1.0; }},
+      {"hyper_params.beta2=-0.5", [](GroupState& s) { s.config.hyper.beta2 = -0.5; }},
+      {"hyper_params.weight_decay=inf",
+       [](GroupState& s) { s.config.hyper.weight_decay = INFINITY; }},
+      {"step=-3", [](GroupState& s) { s.config.step = -3; }},
+      {"step=9223372036854775807",
+       [](GroupState& s) { s.config.step = std::numeric_limits<int64_t>::max(); }},
+      {"update_count=5: must be 0..step (1)", [](GroupState& s) { s.update_count = 5; }},
+      {"output.fp8.amax_epsilon=nan",
+       [](GroupState& s) { s.config.output.quant.amax_epsilon = std::nanf(""); }},
+      {"at least one of rowwise, columnwise",
+       [](GroupState& s) {
+         s.config.output.quant.rowwise = false;
+         s.config.output.quant.columnwise = false;
+       }},
+      {"duplicate parameter name", [](GroupState& s) { s.params[1].info.name = "p0"; }},
+      {"parameters[0].name='': must be 1..256", [](GroupState& s) { s.params[0].info.name = ""; }},
+      {"last step's lr=inf", [](GroupState& s) { s.last->lr = INFINITY; }},
+  };
+  for (size_t i = 0; i < edits.size(); ++i) {
+    SCOPED_TRACE(edits[i].what);
+    QTX_ASSERT_OK_AND_ASSIGN(GroupState s, ReadCheckpoint(CheckpointPath(dir.path(), "g"),
+                                                          no_reserve));
+    ASSERT_TRUE(s.last.has_value());
+    const std::string name = "e" + std::to_string(i);
+    s.config.name = name;
+    edits[i].edit(s);
+    QTX_ASSERT_OK(WriteCheckpoint(dir.path(), s).status());  // a valid checksum
+    EXPECT_THAT(a->LoadCheckpoint(name),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr(edits[i].what)));
+    EXPECT_THAT(a->Describe(name), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  }
+  // At startup the group is registered as failed, never served.
+  auto b = MakeStore(o);
+  EXPECT_THAT(b->Describe("e0"), StatusIs(absl::StatusCode::kDataLoss,
+                                          HasSubstr("impossible value: hyper_params.lr=nan")));
+  QTX_ASSERT_OK(b->Describe("g").status());
+}
+
+// Issue 18 item 8: step 2^63-1 was accepted and the next number wrapped
+// negative. Step numbers stop at kMaxStepNumber (2^53).
+TEST(OptimizerStore, StepNumbersStopAtTheDocumentedMaximum) {
+  Fixture f({{4, 4}}, 24);
+  auto store = MakeStore();
+  f.config().step = std::numeric_limits<int64_t>::max() - 1;
+  EXPECT_THAT(store->CreateGroup(f.config(), f.Inits(), false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("step=9223372036854775806: must be at most 9007199254740992")));
+  f.config().step = kMaxStepNumber + 1;
+  EXPECT_THAT(store->CreateGroup(f.config(), f.Inits(), false),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(2^53")));
+  f.config().step = kMaxStepNumber - 1;
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  const auto grads = f.Grads();
+  Outputs out;
+  QTX_ASSERT_OK(store->Step("g", {.step = kMaxStepNumber}, f.Prepare(grads, &out)));
+  for (int64_t step : {kMaxStepNumber + 1, std::numeric_limits<int64_t>::max()}) {
+    EXPECT_THAT(store->Step("g", {.step = step}, f.Prepare(grads, &out)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be at most")));
+  }
+  // The last step can still be retried; the weights stayed finite.
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r,
+                           store->Step("g", {.step = kMaxStepNumber}, f.Prepare({}, &out)));
+  EXPECT_TRUE(r.replayed);
+  const std::vector<std::vector<float>> masters = ReadMasters(*store, "g");
+  ASSERT_EQ(masters.size(), 1u);
+  for (float w : masters[0]) EXPECT_TRUE(std::isfinite(w));
+}
+
+// Issue 18 item 13: a released group came back at the next start from its
+// checkpoint. ReleaseGroup deletes the checkpoint and its .prev.
+TEST(OptimizerStore, ReleaseGroupDeletesItsCheckpoints) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{8, 8}}, 25);
+  auto a = MakeStore(o);
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+  GroupConfig other = f.config();
+  other.name = "keep";
+  QTX_ASSERT_OK(a->CreateGroup(other, f.Inits(), false));
+  for (int64_t t = 1; t <= 2; ++t) {
+    const auto g = f.Grads();
+    Outputs out;
+    QTX_ASSERT_OK(a->Step("g", {.step = t}, f.Prepare(g, &out)));
+    QTX_ASSERT_OK(a->SaveCheckpoint("").status());
+  }
+  ASSERT_TRUE(std::filesystem::exists(PreviousCheckpointPath(dir.path(), "g")));
+  QTX_ASSERT_OK(a->ReleaseGroup("g"));
+  EXPECT_FALSE(std::filesystem::exists(CheckpointPath(dir.path(), "g")));
+  EXPECT_FALSE(std::filesystem::exists(PreviousCheckpointPath(dir.path(), "g")));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointPath(dir.path(), "keep")));
+  EXPECT_THAT(a->ReleaseGroup("g"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("'g'")));
+  // Shutdown's CheckpointAll does not write it back either.
+  QTX_ASSERT_OK(a->CheckpointAll());
+  EXPECT_FALSE(std::filesystem::exists(CheckpointPath(dir.path(), "g")));
+  auto b = MakeStore(o);  // a restart
+  EXPECT_THAT(b->Describe("g"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("'g'")));
+  ASSERT_EQ(b->ListGroups().size(), 1u);
+  EXPECT_EQ(b->ListGroups()[0].config.name, "keep");
 }
 
 }  // namespace
