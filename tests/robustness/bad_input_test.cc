@@ -561,13 +561,13 @@ std::vector<Case> Cases() {
          r->mutable_input()->clear_rowwise_scale_inv();
        })},
       {"DequantizeColumnwiseDataTransposed", kInvalid,
-       "input.columnwise_data.shape=[4,256]: expected [256, 4]",
+       "input.columnwise_data.shape=[4, 256]: expected [256, 4]",
        DCol([](v1::QuantizedTensor* t) {
          t->mutable_columnwise_data()->set_shape(0, 4);
          t->mutable_columnwise_data()->set_shape(1, 256);
        })},
       {"DequantizeColumnwiseScaleTransposed", kInvalid,
-       "input.columnwise_scale_inv.shape=[256,1]: expected [1, 256]",
+       "input.columnwise_scale_inv.shape=[256, 1]: expected [1, 256]",
        DCol([](v1::QuantizedTensor* t) {
          t->mutable_columnwise_scale_inv()->set_shape(0, 256);
          t->mutable_columnwise_scale_inv()->set_shape(1, 1);
