@@ -1,6 +1,8 @@
 #include "server/api/collective_service.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -84,8 +86,12 @@ class GetReactor final : public grpc::ServerUnaryReactor {
              const v1::RendezvousGetRequest* request, v1::RendezvousGetResponse* response)
       : store_(store), response_(response), log_(StartRequest(context, "Rendezvous.Get")) {
     std::vector<std::string> keys(request->keys().begin(), request->keys().end());
+    absl::Time deadline = WorkDeadline(*context, kMaxRendezvousWait);
+    if (request->max_wait_ms() > 0) {
+      deadline = std::min(deadline, absl::Now() + absl::Milliseconds(request->max_wait_ms()));
+    }
     const collective::KvStore::WaiterId id = store_->GetAsync(
-        std::move(keys), WorkDeadline(*context, kMaxRendezvousWait),
+        std::move(keys), deadline,
         [this](absl::StatusOr<std::vector<std::string>> values) { Done(std::move(values)); });
     absl::MutexLock lock(&mu_);
     if (!finished_) id_ = id;
@@ -122,6 +128,43 @@ class GetReactor final : public grpc::ServerUnaryReactor {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// CreateGroup: joins on the group's executor, which finishes the call. The
+// join ends at the call's deadline too, and when the client cancels (or the
+// server, shutting down, cancels the call).
+class CreateGroupReactor final : public grpc::ServerUnaryReactor {
+ public:
+  CreateGroupReactor(grpc::CallbackServerContext* context, collective::GroupRegistry* registry,
+                     const ops::OpContext& ctx, const v1::CreateGroupRequest* request,
+                     v1::CreateGroupResponse* response)
+      : log_(StartRequest(context, "CreateGroup")) {
+    absl::StatusOr<collective::GroupSpec> spec = GroupSpecFromProto(*request);
+    if (spec.ok() && request->backend() == v1::COMM_BACKEND_UNSPECIFIED) {
+      spec->backend = DefaultCommBackend(*ctx.device);  // NCCL on a CUDA device
+    }
+    if (!spec.ok()) {
+      Finish(EndRequest(log_, spec.status()));
+      return;
+    }
+    collective::JoinControl control;
+    control.deadline = WorkDeadline(*context, spec->timeout);
+    control.cancelled = cancelled_;
+    registry->CreateGroup(
+        std::move(*spec),
+        [this, response](absl::StatusOr<collective::GroupInfo> info) {
+          if (info.ok()) GroupInfoToProto(*info, response->mutable_group());
+          Finish(EndRequest(log_, info.status()));
+        },
+        std::move(control));
+  }
+
+  void OnCancel() override { cancelled_->store(true); }
+  void OnDone() override { delete this; }
+
+ private:
+  const RequestLog log_;
+  const std::shared_ptr<std::atomic<bool>> cancelled_ = std::make_shared<std::atomic<bool>>(false);
+};
+
 }  // namespace
 
 ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
@@ -154,22 +197,7 @@ ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
 grpc::ServerUnaryReactor* CollectiveService::CreateGroup(grpc::CallbackServerContext* context,
                                                          const v1::CreateGroupRequest* request,
                                                          v1::CreateGroupResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  RequestLog log = StartRequest(context, "CreateGroup");
-  absl::StatusOr<collective::GroupSpec> spec = GroupSpecFromProto(*request);
-  if (spec.ok() && request->backend() == v1::COMM_BACKEND_UNSPECIFIED) {
-    spec->backend = DefaultCommBackend(*ctx_.device);  // NCCL on a CUDA device
-  }
-  if (!spec.ok()) {
-    reactor->Finish(EndRequest(log, spec.status()));
-    return reactor;
-  }
-  registry_->CreateGroup(std::move(*spec), [reactor, log, response](
-                                               absl::StatusOr<collective::GroupInfo> info) {
-    if (info.ok()) GroupInfoToProto(*info, response->mutable_group());
-    reactor->Finish(EndRequest(log, info.status()));
-  });
-  return reactor;
+  return new CreateGroupReactor(context, registry_, ctx_, request, response);
 }
 
 absl::Duration CollectiveService::GroupTimeout(const std::string& group) const {
@@ -287,6 +315,10 @@ absl::StatusOr<std::vector<std::string>> GrpcRendezvousClient::Get(
   Authorize(&ctx);
   v1::RendezvousGetRequest req;
   for (const auto& k : keys) req.add_keys(k);
+  // The server answers at `deadline` (at least 1 ms: a peek) with the store's
+  // own message naming the missing keys.
+  req.set_max_wait_ms(static_cast<uint32_t>(std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(deadline - absl::Now()), 1, int64_t{24} * 3600 * 1000)));
   v1::RendezvousGetResponse resp;
   QTX_RETURN_IF_ERROR(FromGrpc(stub_->Get(&ctx, req, &resp),
                                absl::StrFormat("rendezvous store at '%s'", target_)));

@@ -124,7 +124,9 @@ absl::Status QtxServer::Start() {
   optimizer_ = std::make_unique<OptimizerService>(ctx, optimizer_store_.get(), executor_.get());
   QTX_ASSIGN_OR_RETURN(ServerSecurity security, MakeServerSecurity(config_));
   QTX_ASSIGN_OR_RETURN(PeerSecurity peer_security, MakePeerSecurity(config_));
-  rendezvous_store_ = std::make_unique<collective::KvStore>();
+  collective::KvStoreLimits store_limits;
+  store_limits.require_namespace = true;  // keys only under this sidecar's rank-0 groups
+  rendezvous_store_ = std::make_unique<collective::KvStore>(store_limits);
   groups_ = std::make_unique<collective::GroupRegistry>(
       WithNcclCommunicator(MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
                            device_.get()));
@@ -195,7 +197,10 @@ absl::Status QtxServer::Start() {
     }
   }
   if (metrics_ != nullptr) {
-    auto exporter = metrics::HttpExporter::Create(config_.metrics_port, metrics_.get());
+    metrics::HttpExporterOptions exporter_options;
+    exporter_options.host = config_.metrics_host;
+    exporter_options.port = config_.metrics_port;
+    auto exporter = metrics::HttpExporter::Create(exporter_options, metrics_.get());
     if (!exporter.ok()) {
       server_->Shutdown(std::chrono::system_clock::now());
       return exporter.status();
@@ -217,10 +222,11 @@ absl::Status QtxServer::Start() {
   }
   spdlog::info(
       "event=listening socket={} tcp_port={} tls={} mtls={} token={} health_port={} "
-      "metrics_port={} device={} threads={} inline_max_concurrent={} inline_max_bytes={} "
+      "metrics_host={} metrics_port={} device={} threads={} inline_max_concurrent={} inline_max_bytes={} "
       "inline_max_device_bytes={} max_message_mb={} allow_client_shm={}",
       config_.socket_path.empty() ? "-" : config_.socket_path, tcp_port_, security.tls,
-      security.mtls, security.token, health_port_, metrics_port(), device_->name(),
+      security.mtls, security.token, health_port_, config_.metrics_host, metrics_port(),
+      device_->name(),
       config_.threads, config_.inline_max_concurrent, config_.inline_max_bytes,
       config_.inline_max_device_bytes, config_.max_message_mb, config_.allow_client_shm);
   return absl::OkStatus();

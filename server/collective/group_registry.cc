@@ -59,6 +59,21 @@ struct GroupRegistry::Group {
 namespace {
 
 constexpr size_t kMaxNameBytes = 128;
+// Joining waits in slices this long, checking for DestroyGroup, cancellation
+// and shutdown between them.
+constexpr absl::Duration kJoinSlice = absl::Milliseconds(200);
+// How long a failed group's rendezvous keys stay readable on rank 0 (peers
+// read "formed" to learn why) before they are erased.
+constexpr absl::Duration kFailedKeysLinger = absl::Seconds(10);
+// Ranks named in a join error; the rest are counted.
+constexpr size_t kMaxNamedRanks = 5;
+// Join keys peeked per store call when naming the missing ranks (the store
+// names up to 8 missing keys per call).
+constexpr int kPeekChunk = 8;
+
+constexpr absl::string_view kFormedOk = "ok";
+constexpr absl::string_view kFormedFailed = "failed:";
+constexpr absl::string_view kFormedAborted = "aborted:";
 
 std::string RandomSession() {
   std::random_device rd;
@@ -67,15 +82,15 @@ std::string RandomSession() {
   return absl::StrFormat("%016x", gen());
 }
 
-// Ranks whose join key appears in a store timeout message ("... not set
-// before the deadline: k1, k2").
-std::vector<int> MissingRanks(std::string_view message, const std::string& join_prefix,
-                              int world_size) {
+// Ranks in [first, first + count) whose join key appears in a store timeout
+// message ("... not set before the deadline: k1, k2").
+std::vector<int> MissingRanks(absl::string_view message, const std::string& join_prefix,
+                              int first, int count) {
   std::vector<int> missing;
-  for (int r = 0; r < world_size; ++r) {
+  for (int r = first; r < first + count; ++r) {
     const std::string key = absl::StrCat(join_prefix, r);
     size_t pos = 0;
-    while ((pos = message.find(key, pos)) != std::string_view::npos) {
+    while ((pos = message.find(key, pos)) != absl::string_view::npos) {
       const size_t end = pos + key.size();
       if (end == message.size() || message[end] == ',' || message[end] == ' ' ||
           message[end] == ')') {
@@ -88,7 +103,80 @@ std::vector<int> MissingRanks(std::string_view message, const std::string& join_
   return missing;
 }
 
+// "rank(s) [2, 5] of world_size 8": the ranks of [from, world_size) whose
+// join key is missing, read without waiting, chunk by chunk (O(1) memory).
+std::string MissingRanksSummary(backend::RendezvousClient& store, const std::string& join_prefix,
+                                int from, int world_size) {
+  std::vector<int> named;
+  int missing = 0;
+  bool unknown = false;
+  for (int first = from; first < world_size; first += kPeekChunk) {
+    const int count = std::min(kPeekChunk, world_size - first);
+    std::vector<std::string> keys;
+    keys.reserve(count);
+    for (int r = first; r < first + count; ++r) keys.push_back(absl::StrCat(join_prefix, r));
+    auto v = store.Get(keys, absl::Now());
+    if (v.ok()) continue;
+    if (v.status().code() != absl::StatusCode::kDeadlineExceeded) {
+      unknown = true;
+      break;
+    }
+    for (int r : MissingRanks(v.status().message(), join_prefix, first, count)) {
+      if (named.size() < kMaxNamedRanks) named.push_back(r);
+      ++missing;
+    }
+  }
+  std::string list = absl::StrJoin(named, ", ");
+  if (missing > static_cast<int>(named.size())) {
+    absl::StrAppend(&list, " and ", missing - static_cast<int>(named.size()), " more");
+  }
+  if (list.empty()) list = "unknown";
+  if (unknown) absl::StrAppend(&list, ", possibly more");
+  return absl::StrFormat("rank(s) [%s] of world_size %d", list, world_size);
+}
+
+// A RendezvousClient that waits in slices of kJoinSlice and gives up between
+// two slices when `interrupted` returns an error (DestroyGroup, cancellation,
+// shutdown). Used for the join and for the communicator's bootstrap.
+class InterruptibleStore final : public backend::RendezvousClient {
+ public:
+  InterruptibleStore(backend::RendezvousClient& inner, std::function<absl::Status()> interrupted)
+      : inner_(inner), interrupted_(std::move(interrupted)) {}
+
+  absl::Status Set(std::string_view key, std::string_view value, absl::Time deadline) override {
+    QTX_RETURN_IF_ERROR(interrupted_());
+    return inner_.Set(key, value, deadline);
+  }
+
+  absl::StatusOr<std::vector<std::string>> Get(std::span<const std::string> keys,
+                                               absl::Time deadline) override {
+    for (;;) {
+      QTX_RETURN_IF_ERROR(interrupted_());
+      const absl::Time slice = std::min(deadline, absl::Now() + kJoinSlice);
+      auto v = inner_.Get(keys, slice);
+      if (v.ok() || v.status().code() != absl::StatusCode::kDeadlineExceeded ||
+          absl::Now() >= deadline) {
+        return v;
+      }
+    }
+  }
+
+ private:
+  backend::RendezvousClient& inner_;
+  const std::function<absl::Status()> interrupted_;
+};
+
 }  // namespace
+
+NamespaceLimits GroupRendezvousBudget(int world_size) {
+  const size_t w = static_cast<size_t>(std::max(world_size, 1));
+  NamespaceLimits l;
+  // Per rank: its join key, Gloo's address list and hostname keys, slack.
+  l.max_keys = 4 * w + 64;
+  // Gloo's address list is ~140 bytes per peer; the rest is small.
+  l.max_bytes = w * (w * 160 + (size_t{16} << 10)) + (size_t{64} << 10);
+  return l;
+}
 
 GroupRegistry::GroupRegistry(GroupRegistryOptions options) : options_(std::move(options)) {}
 
@@ -131,6 +219,10 @@ absl::Status GroupRegistry::ValidateSpec(const GroupSpec& spec) const {
     return absl::InvalidArgumentError(
         absl::StrFormat("world_size=%d: must be >= 1", spec.world_size));
   }
+  if (spec.world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "world_size=%d: at most %d ranks per group", spec.world_size, kMaxWorldSize));
+  }
   if (spec.rank < 0 || spec.rank >= spec.world_size) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "rank=%d: must be in [0, world_size=%d)", spec.rank, spec.world_size));
@@ -153,7 +245,8 @@ absl::Status GroupRegistry::ValidateSpec(const GroupSpec& spec) const {
 }
 
 void GroupRegistry::CreateGroup(GroupSpec spec,
-                                std::function<void(absl::StatusOr<GroupInfo>)> done) {
+                                std::function<void(absl::StatusOr<GroupInfo>)> done,
+                                JoinControl control) {
   if (absl::Status s = ValidateSpec(spec); !s.ok()) {
     done(s);
     return;
@@ -177,23 +270,39 @@ void GroupRegistry::CreateGroup(GroupSpec spec,
       return;
     }
     groups_.emplace(g->spec.name, g);
-    g->thread = std::thread([this, g, done = std::move(done)]() mutable {
-      RunExecutor(std::move(g), std::move(done));
-    });
+    g->thread = std::thread(
+        [this, g, done = std::move(done), control = std::move(control)]() mutable {
+          RunExecutor(std::move(g), std::move(done), std::move(control));
+        });
   }
 }
 
-absl::StatusOr<std::unique_ptr<backend::Communicator>> GroupRegistry::Join(Group& g) {
+absl::StatusOr<std::unique_ptr<backend::Communicator>> GroupRegistry::Join(
+    Group& g, const JoinControl& control) {
   const GroupSpec& spec = g.spec;
-  const absl::Time deadline = absl::Now() + spec.timeout;
+  const absl::Time deadline = std::min(absl::Now() + spec.timeout, control.deadline);
   const std::string base = g.KeyBase();
   const std::string timeout_str = absl::FormatDuration(spec.timeout);
+  auto interrupted = [&g, &control]() -> absl::Status {
+    {
+      absl::MutexLock lock(&g.mu);
+      if (g.stopping) {
+        return absl::AbortedError(
+            absl::StrFormat("group '%s' was destroyed while joining", g.spec.name));
+      }
+    }
+    if (control.cancelled != nullptr && control.cancelled->load()) {
+      return absl::CancelledError(absl::StrFormat(
+          "group '%s': CreateGroup was cancelled by the client while joining", g.spec.name));
+    }
+    return absl::OkStatus();
+  };
   std::unique_ptr<backend::RendezvousClient> remote;
-  backend::RendezvousClient* store = nullptr;
+  backend::RendezvousClient* raw = nullptr;
   std::string session;
   if (spec.rank == 0) {
-    store = options_.local_store;
-    options_.local_store->ErasePrefix(base);
+    raw = options_.local_store;
+    options_.local_store->OpenNamespace(base, GroupRendezvousBudget(spec.world_size));
     session = RandomSession();
     QTX_RETURN_IF_ERROR(options_.local_store->Put(base + "session", session));
   } else {
@@ -204,13 +313,17 @@ absl::StatusOr<std::unique_ptr<backend::Communicator>> GroupRegistry::Join(Group
                                           spec.coordinator, client.status().message()));
     }
     remote = std::move(*client);
-    store = remote.get();
+    raw = remote.get();
+  }
+  InterruptibleStore store(*raw, interrupted);
+  if (spec.rank > 0) {
     const std::string keys[1] = {base + "session"};
-    auto v = store->Get(keys, deadline);
+    auto v = store.Get(keys, deadline);
     if (!v.ok()) {
       if (v.status().code() == absl::StatusCode::kDeadlineExceeded) {
         return absl::DeadlineExceededError(absl::StrFormat(
-            "group '%s': rank 0 did not create the group on the coordinator '%s' within %s",
+            "group '%s': rank 0 did not create the group on the coordinator '%s' within %s "
+            "(if rank 0 still has an older incarnation of it, destroy the group there too)",
             spec.name, spec.coordinator, timeout_str));
       }
       return absl::Status(v.status().code(),
@@ -221,24 +334,55 @@ absl::StatusOr<std::unique_ptr<backend::Communicator>> GroupRegistry::Join(Group
   }
   const std::string prefix = absl::StrCat(base, session, "/");
   const std::string join_prefix = prefix + "join/";
-  QTX_RETURN_IF_ERROR(store->Set(absl::StrCat(join_prefix, spec.rank), "1", deadline));
-  std::vector<std::string> keys;
-  for (int r = 0; r < spec.world_size; ++r) keys.push_back(absl::StrCat(join_prefix, r));
-  auto joined = store->Get(keys, deadline);
-  if (!joined.ok()) {
-    if (joined.status().code() == absl::StatusCode::kDeadlineExceeded) {
-      const std::vector<int> missing =
-          MissingRanks(std::string(joined.status().message()), join_prefix, spec.world_size);
-      return absl::DeadlineExceededError(absl::StrFormat(
-          "group '%s': rank(s) [%s] of world_size %d did not join within %s", spec.name,
-          missing.empty() ? "unknown" : absl::StrJoin(missing, ", "), spec.world_size,
-          timeout_str));
+  const std::string formed_key = prefix + "formed";
+  QTX_RETURN_IF_ERROR(store.Set(absl::StrCat(join_prefix, spec.rank), "1", deadline));
+  if (spec.rank == 0) {
+    // Wait for the other ranks' join keys one at a time: O(1) memory.
+    for (int r = 1; r < spec.world_size; ++r) {
+      const std::string keys[1] = {absl::StrCat(join_prefix, r)};
+      auto v = store.Get(keys, deadline);
+      if (v.ok()) continue;
+      absl::Status error = v.status();
+      if (error.code() == absl::StatusCode::kDeadlineExceeded) {
+        error = absl::DeadlineExceededError(absl::StrFormat(
+            "group '%s': %s did not join within %s", spec.name,
+            MissingRanksSummary(*raw, join_prefix, r, spec.world_size), timeout_str));
+        (void)raw->Set(formed_key, absl::StrCat(kFormedFailed, error.message()), deadline);
+      } else {
+        (void)raw->Set(formed_key,
+                       absl::StrCat(kFormedAborted, "rank 0 gave up: ", error.message()),
+                       deadline);
+      }
+      return error;
     }
-    return absl::Status(joined.status().code(),
-                        absl::StrFormat("group '%s': rendezvous: %s", spec.name,
-                                        joined.status().message()));
+    QTX_RETURN_IF_ERROR(raw->Set(formed_key, std::string(kFormedOk), deadline));
+    // Joining is over: a rank re-creating the group must wait for the next
+    // incarnation instead of joining this one.
+    options_.local_store->Erase(base + "session");
+  } else {
+    const std::string keys[1] = {formed_key};
+    auto v = store.Get(keys, deadline);
+    if (!v.ok()) {
+      if (v.status().code() == absl::StatusCode::kDeadlineExceeded) {
+        return absl::DeadlineExceededError(absl::StrFormat(
+            "group '%s': %s did not join within %s", spec.name,
+            MissingRanksSummary(*raw, join_prefix, 0, spec.world_size), timeout_str));
+      }
+      return absl::Status(v.status().code(), absl::StrFormat("group '%s': rendezvous: %s",
+                                                             spec.name, v.status().message()));
+    }
+    const std::string& formed = (*v)[0];
+    if (absl::StartsWith(formed, kFormedFailed)) {
+      return absl::DeadlineExceededError(formed.substr(kFormedFailed.size()));
+    }
+    if (formed != kFormedOk) {
+      return absl::AbortedError(absl::StrFormat(
+          "group '%s': %s", spec.name,
+          absl::StartsWith(formed, kFormedAborted) ? formed.substr(kFormedAborted.size())
+                                                   : formed));
+    }
   }
-  return options_.make_communicator(spec, *store, prefix + "comm/", deadline);
+  return options_.make_communicator(spec, store, prefix + "comm/", deadline);
 }
 
 void GroupRegistry::Forget(const std::shared_ptr<Group>& g) {
@@ -247,12 +391,12 @@ void GroupRegistry::Forget(const std::shared_ptr<Group>& g) {
   if (it != groups_.end() && it->second == g) {
     groups_.erase(it);
     retired_.push_back(g);
-    // The join keys stay: peers still waiting on them must see which ranks
-    // were missing, not an emptied store (the next CreateGroup of this name
-    // on rank 0 erases them). The session key goes at once, so that a rank
-    // retrying the group cannot join this dead session.
+    // The session key goes at once, so that a rank retrying the group
+    // cannot join this dead session; the other keys stay readable a little
+    // longer (peers still waiting read "formed"), then the store erases them.
     if (g->spec.rank == 0 && options_.local_store != nullptr) {
-      options_.local_store->ErasePrefix(g->KeyBase() + "session");
+      options_.local_store->Erase(g->KeyBase() + "session");
+      options_.local_store->CloseNamespace(g->KeyBase(), absl::Now() + kFailedKeysLinger);
     }
   }
 }
@@ -269,8 +413,9 @@ void GroupRegistry::ReapFinished() {
 }
 
 void GroupRegistry::RunExecutor(std::shared_ptr<Group> g,
-                                std::function<void(absl::StatusOr<GroupInfo>)> done) {
-  auto comm = Join(*g);
+                                std::function<void(absl::StatusOr<GroupInfo>)> done,
+                                JoinControl control) {
+  auto comm = Join(*g, control);
   if (!comm.ok()) {
     Forget(g);
     done(comm.status());
@@ -438,7 +583,7 @@ absl::Status GroupRegistry::DestroyGroup(std::string_view name) {
   }
   if (comm) comm->Abort();
   if (g->spec.rank == 0 && options_.local_store != nullptr) {
-    options_.local_store->ErasePrefix(g->KeyBase());
+    options_.local_store->CloseNamespace(g->KeyBase());
   }
   return absl::OkStatus();
 }

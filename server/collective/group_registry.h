@@ -1,16 +1,29 @@
 // GroupRegistry: the collective groups this sidecar takes part in.
 //
 // A group is a set of `world_size` sidecars, one per rank, that run
-// collectives together. Every rank calls CreateGroup on its own sidecar with
-// the same name and world size; rank 0's sidecar hosts the rendezvous store
-// (a KvStore behind qtx.v1.Rendezvous) through which the ranks meet and the
-// communicator bootstraps. Keys of one group live under
-//   qtx/group/<name>/session             (a random id chosen by rank 0)
+// collectives together (at most kMaxWorldSize). Every rank calls CreateGroup
+// on its own sidecar with the same name and world size; rank 0's sidecar
+// hosts the rendezvous store (a KvStore behind qtx.v1.Rendezvous) through
+// which the ranks meet and the communicator bootstraps. Keys of one group live
+// in the store namespace "qtx/group/<name>/", opened by rank 0 with a budget
+// sized to the world size (GroupRendezvousBudget):
+//   qtx/group/<name>/session             (a random id chosen by rank 0; present
+//                                         only while rank 0 waits for joiners)
 //   qtx/group/<name>/<session>/join/<r>  (rank r has joined)
+//   qtx/group/<name>/<session>/formed    ("ok" once every rank joined, or why
+//                                         the join failed on rank 0)
 //   qtx/group/<name>/<session>/comm/...  (the communicator's own keys)
-// and are erased when rank 0's group is destroyed, or (for a group that failed
-// to form, whose peers may still be reading them) when rank 0 next creates a
-// group of that name.
+//
+// Joining costs O(1) memory per rank that is present: rank 0 waits for the
+// join keys one at a time and then writes "formed"; ranks > 0 wait for
+// "formed" only. A rank that re-creates a group whose rank 0 still runs an
+// older incarnation finds no session key and waits (until its deadline) for
+// rank 0 to create the new one. Join errors name at most a few ranks and a
+// count. A join ends early, and the group is removed, when the group is
+// destroyed (ABORTED), when the caller cancels it (CANCELLED, JoinControl),
+// or at the caller's deadline (DEADLINE_EXCEEDED). The namespace is erased
+// when rank 0's group is destroyed, or a few seconds after it failed to form
+// (peers may still be reading "formed").
 //
 // Each group owns one executor thread. Joining and every collective run
 // there, never on the caller's (gRPC) thread; calls of one group run one at a
@@ -34,6 +47,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -52,6 +66,12 @@
 
 namespace qtx::server::collective {
 
+// The largest world_size CreateGroup accepts. Gloo connects every pair of
+// ranks (one socket per peer per sidecar, and ~140 bytes of address per pair
+// in the rendezvous store), so this also bounds the memory and descriptors a
+// group may take.
+inline constexpr int kMaxWorldSize = 1024;
+
 enum class CommBackendKind { kGloo, kNccl };
 enum class GroupState { kJoining, kReady, kBroken };
 
@@ -68,6 +88,20 @@ struct GroupSpec {
   // Join deadline, and the default deadline of the group's collectives.
   absl::Duration timeout = absl::Seconds(60);
 };
+
+// How a caller steers one CreateGroup besides its spec.
+struct JoinControl {
+  // The join gives up here if that is before spec.timeout has passed (the
+  // caller's own RPC deadline).
+  absl::Time deadline = absl::InfiniteFuture();
+  // Set from any thread to abandon the join (the client cancelled): the
+  // group is removed and `done` gets CANCELLED. May be null.
+  std::shared_ptr<const std::atomic<bool>> cancelled;
+};
+
+// The rendezvous budget of a group of `world_size` ranks (keys, and bytes of
+// keys + values): what its join keys and the communicator's bootstrap need.
+NamespaceLimits GroupRendezvousBudget(int world_size);
 
 struct GroupInfo {
   std::string name;
@@ -125,7 +159,7 @@ class GroupRegistry {
   GroupRegistry& operator=(const GroupRegistry&) = delete;
 
   // INVALID_ARGUMENT naming the field: empty or oversized name or one with
-  // characters outside [A-Za-z0-9_.-], world_size < 1, rank outside
+  // characters outside [A-Za-z0-9_.-], world_size outside [1, kMaxWorldSize], rank outside
   // [0, world_size), no coordinator on a rank > 0, timeout <= 0 or above
   // max_timeout. UNIMPLEMENTED for a backend this build cannot create.
   absl::Status ValidateSpec(const GroupSpec& spec) const;
@@ -133,11 +167,15 @@ class GroupRegistry {
   // Registers the group as JOINING and joins on its executor. `done` gets the
   // READY group, or: the ValidateSpec errors; ALREADY_EXISTS when this
   // sidecar has a group of that name; RESOURCE_EXHAUSTED past max_groups;
-  // DEADLINE_EXCEEDED naming the ranks that did not join (or rank 0, when the
-  // coordinator never created the group) within spec.timeout; UNAVAILABLE
-  // when the coordinator cannot be reached; the communicator's errors. A group
-  // that failed to join is removed; its name can be reused at once.
-  void CreateGroup(GroupSpec spec, std::function<void(absl::StatusOr<GroupInfo>)> done);
+  // DEADLINE_EXCEEDED naming a few of the ranks that did not join and their
+  // count (or rank 0, when the coordinator never created the group) within
+  // spec.timeout or by control.deadline; ABORTED when the group is destroyed
+  // (or the registry shut down) while joining; CANCELLED when
+  // control.cancelled is set; UNAVAILABLE when the coordinator cannot be
+  // reached; the communicator's errors. A group that failed to join is
+  // removed; its name can be reused at once.
+  void CreateGroup(GroupSpec spec, std::function<void(absl::StatusOr<GroupInfo>)> done,
+                   JoinControl control = {});
 
   // Queues a collective on `group`. `c.finish` gets: NOT_FOUND for an unknown
   // group; FAILED_PRECONDITION while JOINING, or for a sequence that is not
@@ -154,9 +192,10 @@ class GroupRegistry {
 
  private:
   struct Group;
-  void RunExecutor(std::shared_ptr<Group> g,
-                   std::function<void(absl::StatusOr<GroupInfo>)> done);
-  absl::StatusOr<std::unique_ptr<backend::Communicator>> Join(Group& g);
+  void RunExecutor(std::shared_ptr<Group> g, std::function<void(absl::StatusOr<GroupInfo>)> done,
+                   JoinControl control);
+  absl::StatusOr<std::unique_ptr<backend::Communicator>> Join(Group& g,
+                                                              const JoinControl& control);
   void Forget(const std::shared_ptr<Group>& g);
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -24,9 +24,14 @@ ABSL_FLAG(int32_t, health_port, 0,
           "TCP port (all interfaces) serving only grpc.health.v1, plaintext, no token: for "
           "Kubernetes gRPC probes. 0: off.");
 ABSL_FLAG(int32_t, metrics_port, 0,
-          "TCP port (all interfaces) serving Prometheus text metrics at /metrics. 0: off.");
+          "TCP port serving Prometheus text metrics at /metrics (on --metrics_host). 0: off.");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
+          "Address the metrics port listens on: loopback by default; an interface address, or "
+          "0.0.0.0 / :: for all interfaces.");
 ABSL_FLAG(std::string, peer_host, "127.0.0.1",
-          "Host (name or address) whose interface collective peers listen on (Gloo TCP).");
+          "Host (name or address) whose interface collective peers listen on (Gloo TCP) and "
+          "that is advertised to them. Not a wildcard (0.0.0.0); off loopback it needs "
+          "--tls_cert_file/--tls_key_file and --auth_token_file or --tls_client_ca_file.");
 ABSL_FLAG(int32_t, max_message_mb, 1024,
           "gRPC send and receive message limit in MiB (1..2047); bounds inline tensors.");
 ABSL_FLAG(bool, allow_client_shm, false,
@@ -79,6 +84,7 @@ ServerConfig ServerConfigFromFlags() {
   c.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   c.health_port = absl::GetFlag(FLAGS_health_port);
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  c.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   c.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   c.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
   c.device = absl::GetFlag(FLAGS_device);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "server/status_macros.h"
 
 namespace qtx::server::config {
 
@@ -50,6 +51,55 @@ bool IsLoopbackHost(std::string_view host) {
   return false;
 }
 
+bool IsUnspecifiedHost(std::string_view host) {
+  const std::string h(host);
+  in_addr v4;
+  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) return v4.s_addr == htonl(INADDR_ANY);
+  in6_addr v6;
+  if (inet_pton(AF_INET6, h.c_str(), &v6) == 1) return IN6_IS_ADDR_UNSPECIFIED(&v6);
+  return false;
+}
+
+namespace {
+
+// The peer rule: a concrete host, and off loopback TLS plus authentication
+// (what --listen_tcp asks of a non-loopback listener).
+absl::Status ValidatePeerHost(const ServerConfig& c) {
+  std::string_view host = c.peer_host;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty()) {
+    return absl::InvalidArgumentError(
+        "--peer_host is empty: name this host's address that the other sidecars can reach "
+        "(127.0.0.1 when every rank runs on this machine)");
+  }
+  if (IsUnspecifiedHost(host)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--peer_host=%s: a wildcard address cannot be advertised to the other sidecars; name "
+        "this host's address on the network they share (e.g. the pod IP), or 127.0.0.1 when "
+        "every rank runs on this machine",
+        c.peer_host));
+  }
+  if (IsLoopbackHost(host)) return absl::OkStatus();
+  if (c.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--peer_host=%s: not a loopback address; the rendezvous with other sidecars would be "
+        "plaintext: set --tls_cert_file and --tls_key_file (and --auth_token_file), or use "
+        "127.0.0.1 when every rank runs on this machine",
+        c.peer_host));
+  }
+  if (c.auth_token_file.empty() && c.tls_client_ca_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--peer_host=%s: not a loopback address; sidecars must authenticate each other: set "
+        "--auth_token_file (bearer token) and/or --tls_client_ca_file (client certificates)",
+        c.peer_host));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateConfig(const ServerConfig& c) {
   if (c.socket_path.empty() && c.listen_tcp.empty()) {
     return absl::InvalidArgumentError(
@@ -80,6 +130,11 @@ absl::Status ValidateConfig(const ServerConfig& c) {
           "--auth_token_file (bearer token) and/or --tls_client_ca_file (client certificates)",
           c.listen_tcp, hp->host));
     }
+  }
+  QTX_RETURN_IF_ERROR(ValidatePeerHost(c));
+  if (c.metrics_host.empty()) {
+    return absl::InvalidArgumentError(
+        "--metrics_host is empty: use 127.0.0.1 (the default), an interface address, or 0.0.0.0");
   }
   if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -40,10 +40,16 @@ struct ServerConfig {
   // TCP port (all interfaces) serving only grpc.health.v1, plaintext and
   // without the token: for Kubernetes gRPC probes. 0: none.
   int health_port = 0;
-  // TCP port (all interfaces) serving Prometheus text metrics at /metrics.
-  // 0: none.
+  // TCP port serving Prometheus text metrics at /metrics. 0: none.
   int metrics_port = 0;
-  // Host whose interface collective peers (Gloo TCP pairs) listen on.
+  // Address the metrics port listens on: loopback unless asked ("0.0.0.0" or
+  // "::" for all interfaces, or one interface's address).
+  std::string metrics_host = "127.0.0.1";
+  // Host whose interface collective peers (Gloo TCP pairs) listen on and
+  // that is advertised to them: a concrete address or name, never a wildcard
+  // (0.0.0.0, ::). Off loopback the rendezvous with the other sidecars
+  // carries group membership, so it needs TLS and authentication, as
+  // listen_tcp does.
   std::string peer_host = "127.0.0.1";
   // gRPC send and receive limits, MiB (1..2047).
   int max_message_mb = 1024;
@@ -88,8 +94,9 @@ struct ServerConfig {
   int optimizer_threads = 0;
 };
 
-// OK if every field is in range and listen_tcp (if set) names a loopback
-// host. INVALID_ARGUMENT naming the flag and value otherwise.
+// OK if every field is in range, and listen_tcp (if set) and peer_host name a
+// loopback host or come with TLS and client authentication, and peer_host is
+// no wildcard address. INVALID_ARGUMENT naming the flag and value otherwise.
 absl::Status ValidateConfig(const ServerConfig& config);
 
 struct HostPort {
@@ -102,6 +109,9 @@ absl::StatusOr<HostPort> ParseHostPort(std::string_view s);
 
 // True for "localhost", 127.0.0.0/8 and ::1.
 bool IsLoopbackHost(std::string_view host);
+
+// True for the wildcard addresses 0.0.0.0 and :: (any spelling).
+bool IsUnspecifiedHost(std::string_view host);
 
 }  // namespace qtx::server::config
 

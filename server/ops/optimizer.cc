@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <utility>
 
@@ -93,11 +94,35 @@ absl::StatusOr<std::vector<void*>> Place(std::vector<Placement>& ps, const OpCon
       ptrs.push_back(s.data);
       pins.push_back(std::move(s));
     } else {
-      p.tensor->inline_data.reserve(std::max<uint64_t>(p.bytes, 64));
-      p.tensor->inline_data.resize(p.bytes);
-      ptrs.push_back(p.tensor->inline_data.data());
+      ptrs.push_back(nullptr);  // sized below, once every slice is known to be disjoint
       if (device != nullptr) device->push_back(false);
     }
+  }
+  // Two destinations sharing bytes would get one tensor over the other.
+  std::vector<size_t> order;
+  for (size_t k = 0; k < ps.size(); ++k) {
+    if (ps[k].slice.has_value() && ps[k].bytes > 0) order.push_back(k);
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const char*>()(static_cast<const char*>(ptrs[a]),
+                                    static_cast<const char*>(ptrs[b]));
+  });
+  for (size_t i = 1; i < order.size(); ++i) {
+    const size_t a = order[i - 1], b = order[i];
+    if (tensor::RangesOverlap(ptrs[a], ps[a].bytes, ptrs[b], ps[b].bytes)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s (region '%s' offset %d, %d bytes) overlaps %s (region '%s' offset %d, %d bytes): "
+          "destinations may not share bytes",
+          ps[b].field, ps[b].slice->region, ps[b].slice->offset, ps[b].bytes, ps[a].field,
+          ps[a].slice->region, ps[a].slice->offset, ps[a].bytes));
+    }
+  }
+  for (size_t k = 0; k < ps.size(); ++k) {
+    Placement& p = ps[k];
+    if (p.slice.has_value()) continue;
+    p.tensor->inline_data.reserve(std::max<uint64_t>(p.bytes, 64));
+    p.tensor->inline_data.resize(p.bytes);
+    ptrs[k] = p.tensor->inline_data.data();
   }
   return ptrs;
 }
@@ -539,6 +564,13 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
         if (names.empty()) {
           for (const auto& v : views) chosen.push_back(&v);
         } else {
+          absl::flat_hash_map<std::string_view, size_t> seen;
+          for (size_t i = 0; i < names.size(); ++i) {
+            if (auto [it, fresh] = seen.emplace(names[i], i); !fresh) {
+              return absl::InvalidArgumentError(absl::StrFormat(
+                  "names[%d]='%s': given twice (also names[%d])", i, names[i], it->second));
+            }
+          }
           for (const std::string& n : names) {
             auto it = std::find_if(views.begin(), views.end(),
                                    [&](const auto& v) { return v.info->name == n; });

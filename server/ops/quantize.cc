@@ -182,7 +182,7 @@ absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx,
 absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
     const std::optional<tensor::TensorRefSpec>& spec, std::string_view field, bool is_data,
     kernels::Fp8Format format, int64_t expected_elements, const std::string& layout_desc,
-    const OpContext& ctx) {
+    const OpContext& ctx, std::optional<std::pair<int64_t, int64_t>> expected_shape = std::nullopt) {
   if (!spec.has_value()) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: missing", field));
   }
@@ -203,6 +203,15 @@ absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s.shape=%s: %d elements, expected %d (%s)", field, ShapeString(view.shape),
         view.elements, expected_elements, layout_desc));
+  }
+  // The element count alone would let the transpose (or any other
+  // arrangement) through and dequantize it silently wrong.
+  if (expected_shape.has_value() &&
+      (view.shape.size() != 2 || view.shape[0] != expected_shape->first ||
+       view.shape[1] != expected_shape->second)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.shape=%s: expected [%d, %d] (%s)", field, ShapeString(view.shape),
+        expected_shape->first, expected_shape->second, layout_desc));
   }
   return view;
 }
@@ -569,11 +578,15 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
                                       q.format, layout.RowwiseScaleCount(), layout_desc, ctx));
   } else {
     QTX_ASSIGN_OR_RETURN(
-        data, ResolveQuantizedBuffer(q.columnwise_data, "input.columnwise_data", true, q.format,
-                                     layout.ColumnwiseDataBytes(), layout_desc, ctx));
-    QTX_ASSIGN_OR_RETURN(scale, ResolveQuantizedBuffer(
-                                    q.columnwise_scale_inv, "input.columnwise_scale_inv", false,
-                                    q.format, layout.ColumnwiseScaleCount(), layout_desc, ctx));
+        data, ResolveQuantizedBuffer(
+                  q.columnwise_data, "input.columnwise_data", true, q.format,
+                  layout.ColumnwiseDataBytes(), layout_desc, ctx,
+                  std::make_pair(layout.columnwise_data_rows, layout.columnwise_data_cols)));
+    QTX_ASSIGN_OR_RETURN(
+        scale, ResolveQuantizedBuffer(
+                   q.columnwise_scale_inv, "input.columnwise_scale_inv", false, q.format,
+                   layout.ColumnwiseScaleCount(), layout_desc, ctx,
+                   std::make_pair(layout.columnwise_scale_rows, layout.columnwise_scale_cols)));
   }
 
   QTX_ASSIGN_OR_RETURN(uint64_t out_bytes,

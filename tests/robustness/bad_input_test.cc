@@ -99,6 +99,7 @@ struct Sidecar {
   std::unique_ptr<v1::Memory::Stub> memory;
   std::unique_ptr<v1::Collective::Stub> collective;
   std::unique_ptr<v1::Optimizer::Stub> optimizer;
+  std::unique_ptr<v1::Rendezvous::Stub> rendezvous;
 };
 
 std::unique_ptr<grpc::ClientContext> Ctx(int seconds = 30) {
@@ -152,6 +153,7 @@ class BadInputTest : public ::testing::TestWithParam<Case> {
       sc.memory = v1::Memory::NewStub(sc.channel);
       sc.collective = v1::Collective::NewStub(sc.channel);
       sc.optimizer = v1::Optimizer::NewStub(sc.channel);
+      sc.rendezvous = v1::Rendezvous::NewStub(sc.channel);
     }
     // A registered shm region on rank 0.
     v1::RegisterRegionRequest reg;
@@ -323,6 +325,7 @@ constexpr auto kPrecondition = grpc::StatusCode::FAILED_PRECONDITION;
 constexpr auto kExists = grpc::StatusCode::ALREADY_EXISTS;
 constexpr auto kDataLoss = grpc::StatusCode::DATA_LOSS;
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr auto kExhausted = grpc::StatusCode::RESOURCE_EXHAUSTED;
 // A build without NCCL does not implement the NCCL backend at all; a CUDA
 // build on a host without a GPU cannot use it.
 #ifdef QTX_TEST_HAVE_NCCL
@@ -337,6 +340,22 @@ std::function<grpc::Status(T&)> Q(std::function<void(v1::QuantizeRequest*)> edit
     v1::QuantizeRequest req = T::ValidQuantize();
     edit(&req);
     return QTX_RPC(T::A(), quantizer, Quantize, req);
+  };
+}
+// Dequantize of a columnwise-only Quantize result of [4, 256], edited.
+std::function<grpc::Status(T&)> DCol(std::function<void(v1::QuantizedTensor*)> edit) {
+  return [edit](T&) {
+    v1::QuantizeRequest q = T::ValidQuantize();
+    q.mutable_config()->set_rowwise(false);
+    q.mutable_config()->set_columnwise(true);
+    v1::QuantizeResponse qr;
+    auto ctx = Ctx();
+    grpc::Status s = T::A().quantizer->Quantize(ctx.get(), q, &qr);
+    if (!s.ok()) return s;
+    v1::DequantizeRequest req;
+    *req.mutable_input() = qr.result();
+    edit(req.mutable_input());
+    return QTX_RPC(T::A(), quantizer, Dequantize, req);
   };
 }
 std::function<grpc::Status(T&)> D(std::function<void(v1::DequantizeRequest*)> edit) {
@@ -361,6 +380,17 @@ std::function<grpc::Status(T&)> Reg(std::function<void(v1::RegisterRegionRequest
       (void)QTX_RPC(sidecar == 0 ? T::A() : T::B(), memory, UnregisterRegion, un);
     }
     return s;
+  };
+}
+// Rendezvous.Set on rank 0's sidecar (which hosts g2's rendezvous).
+std::function<grpc::Status(T&)> RSet(std::string key, size_t value_bytes) {
+  return [key, value_bytes](T&) {
+    v1::RendezvousSetRequest req;
+    req.set_key(key);
+    req.set_value(std::string(value_bytes, 'v'));
+    auto ctx = Ctx();
+    v1::RendezvousSetResponse resp;
+    return T::A().rendezvous->Set(ctx.get(), req, &resp);
   };
 }
 std::function<grpc::Status(T&)> CG(std::function<void(v1::CreateGroupRequest*)> edit) {
@@ -597,6 +627,18 @@ std::vector<Case> Cases() {
          r->mutable_input()->clear_rowwise_data();
          r->mutable_input()->clear_rowwise_scale_inv();
        })},
+      {"DequantizeColumnwiseDataTransposed", kInvalid,
+       "input.columnwise_data.shape=[4, 256]: expected [256, 4]",
+       DCol([](v1::QuantizedTensor* t) {
+         t->mutable_columnwise_data()->set_shape(0, 4);
+         t->mutable_columnwise_data()->set_shape(1, 256);
+       })},
+      {"DequantizeColumnwiseScaleTransposed", kInvalid,
+       "input.columnwise_scale_inv.shape=[256, 1]: expected [1, 256]",
+       DCol([](v1::QuantizedTensor* t) {
+         t->mutable_columnwise_scale_inv()->set_shape(0, 256);
+         t->mutable_columnwise_scale_inv()->set_shape(1, 1);
+       })},
       {"DequantizeUnknownScalingMode", kInvalid, "scaling_mode=5",
        D([](auto* r) {
          r->mutable_input()->mutable_config()->set_scaling_mode(static_cast<v1::ScalingMode>(5));
@@ -697,6 +739,28 @@ std::vector<Case> Cases() {
        CG([](auto* r) { r->set_name("g1"); })},
       {"CreateGroupTimeoutTooLong", kInvalid, "timeout=",
        CG([](auto* r) { r->set_timeout_ms(0xFFFFFFFFu); })},
+      {"CreateGroupWorldTooLarge", kInvalid, "world_size=1025: at most 1024 ranks per group",
+       CG([](auto* r) { r->set_world_size(1025); })},
+      {"CreateGroupWorldHuge", kInvalid, "world_size=2147483647: at most 1024 ranks per group",
+       CG([](auto* r) { r->set_world_size(2147483647); })},
+      {"RendezvousSetUnknownGroup", kPrecondition, "no group is forming under it",
+       RSet("qtx/group/nosuch/x", 10)},
+      {"RendezvousSetOutsideGroups", kPrecondition, "no group is forming under it",
+       RSet("junk", 10)},
+      {"RendezvousSetKeyTooLong", kInvalid, "exceeds the limit of 256 bytes",
+       RSet("qtx/group/g2/" + std::string(300, 'k'), 10)},
+      {"RendezvousSetValueTooLarge", kExhausted, "exceeds the limit of 262144 bytes",
+       RSet("qtx/group/g2/big", 300 << 10)},
+      {"RendezvousSetOverGroupBudget", kExhausted, "group namespace 'qtx/group/g2/'",
+       RSet("qtx/group/g2/fill", 200 << 10)},
+      {"RendezvousGetTooManyKeys", kInvalid, "65 keys exceed the limit of 64",
+       [](T&) {
+         v1::RendezvousGetRequest req;
+         for (int i = 0; i < 65; ++i) req.add_keys(absl::StrCat("qtx/group/g2/k", i));
+         auto ctx = Ctx();
+         v1::RendezvousGetResponse resp;
+         return T::A().rendezvous->Get(ctx.get(), req, &resp);
+       }},
       {"AllGatherUnknownGroup", kNotFound, "nosuch",
        AG([](auto* r) { r->set_group("nosuch"); })},
       {"AllGatherWrongSequence", kPrecondition, "sequence",
@@ -861,6 +925,20 @@ std::vector<Case> Cases() {
          d->set_name("w");
          *d->mutable_fp8()->mutable_rowwise_data() = Slice("r", 0, 31);
        })},
+      {"StepDestinationsOverlap", kInvalid, "destinations may not share bytes",
+       St([](auto* r) {
+         v1::ParameterDestination* d = r->add_destinations();
+         d->set_name("w");
+         *d->mutable_fp8()->mutable_rowwise_data() = Slice("r", 0, 32);
+         *d->mutable_fp8()->mutable_columnwise_data() = Slice("r", 16, 32);
+       })},
+      {"StepDestinationsOverlapAcrossFields", kInvalid, "destinations may not share bytes",
+       St([](auto* r) {
+         v1::ParameterDestination* d = r->add_destinations();
+         d->set_name("w");
+         *d->mutable_fp8()->mutable_rowwise_data() = Slice("r", 1024, 32);
+         *d->mutable_fp8()->mutable_rowwise_scale_inv() = Slice("r", 1040, 16);
+       })},
       // ---- Optimizer.GetState / checkpoints / release ----------------------------
       {"GetStateUnknownGroup", kNotFound, "'nosuch' does not exist",
        GS([](auto* r) { r->set_group("nosuch"); })},
@@ -877,6 +955,19 @@ std::vector<Case> Cases() {
          v1::StateDestination* d = r->add_destinations();
          d->set_name("w");
          *d->mutable_master() = Slice("r", kRegionBytes - 64, 128);
+       })},
+      {"GetStateDuplicateName", kInvalid, "names[1]='w': given twice",
+       GS([](auto* r) {
+         r->add_names("w");
+         r->add_names("w");
+       })},
+      {"GetStateDestinationsOverlap", kInvalid, "destinations may not share bytes",
+       GS([](auto* r) {
+         r->set_include_moments(true);
+         v1::StateDestination* d = r->add_destinations();
+         d->set_name("w");
+         *d->mutable_master() = Slice("r", 0, 128);
+         *d->mutable_exp_avg() = Slice("r", 64, 128);
        })},
       {"SaveCheckpointUnknownGroup", kNotFound, "'nosuch'",
        [](T&) {

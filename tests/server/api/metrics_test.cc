@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -20,6 +21,7 @@
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
 #include "server/api/server.h"
+#include "server/metrics/http_exporter.h"
 #include "tests/server/testing/shm_object.h"
 #include "tests/testing/status_matchers.h"
 
@@ -42,8 +44,10 @@ int FreePort() {
 }
 
 // A minimal HTTP/1.0 GET; returns the whole response ("" on error).
-std::string HttpGet(int port, const std::string& path) {
+std::string HttpGet(int port, const std::string& path, int timeout_s = 30) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{timeout_s, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(static_cast<uint16_t>(port));
@@ -60,6 +64,81 @@ std::string HttpGet(int port, const std::string& path) {
   while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
   ::close(fd);
   return out;
+}
+
+
+// Opens a TCP connection to loopback `port` and sends `bytes` (a partial
+// request); returns the fd (-1 on error).
+int SendPartial(int port, const std::string& bytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  (void)!::write(fd, bytes.data(), bytes.size());
+  return fd;
+}
+
+// Issue 18 item 7: clients that send a partial request and stay connected
+// must not stop /metrics for everyone else.
+TEST(MetricsTest, PartialRequestsDoNotBlockOtherScrapes) {
+  char tmpl[] = "/tmp/qtxd-metrics-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  config::ServerConfig config;
+  config.socket_path = dir + "/qtxd.sock";
+  config.threads = 2;
+  config.metrics_port = FreePort();
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<QtxServer> server, QtxServer::Create(config));
+  std::vector<int> stuck;
+  for (int i = 0; i < 8; ++i) {
+    stuck.push_back(SendPartial(server->metrics_port(), "GET /metrics HTTP/1.1\r\nHost: x\r\n"));
+    ASSERT_GE(stuck.back(), 0);
+  }
+  // A scrape still gets its answer. (The client gives up after 4 s, less than
+  // any per-connection timeout a blocking server would wait out first.)
+  const std::string r = HttpGet(server->metrics_port(), "/metrics", /*timeout_s=*/4);
+  EXPECT_THAT(r, HasSubstr("200 OK"));
+  EXPECT_THAT(r, HasSubstr("qtx_regions"));
+  for (int fd : stuck) ::close(fd);
+  server->Shutdown(absl::Seconds(2));
+  server.reset();
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// Issue 18 item 7: a connection that never completes its request is closed
+// at its deadline, and the port listens on loopback unless asked otherwise.
+TEST(MetricsTest, ExporterClosesSlowConnectionsAndDefaultsToLoopback) {
+  metrics::Metrics m;
+  metrics::HttpExporterOptions o;
+  o.port = FreePort();
+  o.request_timeout = absl::Milliseconds(200);
+  o.max_connections = 2;
+  QTX_ASSERT_OK_AND_ASSIGN(auto exporter, metrics::HttpExporter::Create(o, &m));
+  EXPECT_EQ(exporter->bound_address(), "127.0.0.1");
+  const int fd = SendPartial(o.port, "GET /metr");
+  ASSERT_GE(fd, 0);
+  timeval tv{30, 0};  // a safety net only; the server closes after 200 ms
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char c;
+  EXPECT_EQ(::read(fd, &c, 1), 0);  // EOF: closed by the server
+  ::close(fd);
+  // Past max_connections the oldest goes; a full request is still served.
+  const int a = SendPartial(o.port, "GET /");
+  const int b = SendPartial(o.port, "GET /");
+  EXPECT_THAT(HttpGet(o.port, "/metrics"), HasSubstr("200 OK"));
+  ::close(a);
+  ::close(b);
+  metrics::HttpExporterOptions all = o;
+  all.host = "0.0.0.0";
+  all.port = FreePort();
+  QTX_ASSERT_OK_AND_ASSIGN(auto everywhere, metrics::HttpExporter::Create(all, &m));
+  EXPECT_EQ(everywhere->bound_address(), "0.0.0.0");
+  config::ServerConfig defaults;
+  EXPECT_EQ(defaults.metrics_host, "127.0.0.1");
 }
 
 TEST(MetricsTest, RendersCountersHistogramAndGauges) {

@@ -9,12 +9,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <future>
 #include <span>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/generic/generic_stub.h>
@@ -24,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_block.h"
+#include "qtx/v1/collective.grpc.pb.h"
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
 #include "absl/synchronization/notification.h"
@@ -539,6 +542,83 @@ TEST(ServerShutdownTest, EndsAndCheckpointsWhatItCanWhenACallIsWedged) {
   release.Notify();
   server.reset();  // joins what the wedge left running
   std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// Issue 18 item 2: a CreateGroup waiting for ranks that never come ends with
+// the call: at the client's deadline, when the client cancels, and when the
+// server shuts down; the group does not live on.
+class CreateGroupLifetimeTest : public ServerTest {
+ protected:
+  std::unique_ptr<v1::Collective::Stub> Collective() { return v1::Collective::NewStub(channel_); }
+
+  static v1::CreateGroupRequest Absent(const std::string& name) {
+    v1::CreateGroupRequest req;
+    req.set_name(name);
+    req.set_rank(0);
+    req.set_world_size(4);  // ranks 1..3 never come
+    req.set_backend(v1::GLOO);
+    req.set_timeout_ms(600000);
+    return req;
+  }
+
+  int NumGroups() {
+    v1::ListGroupsResponse resp;
+    grpc::ClientContext ctx;
+    if (!Collective()->ListGroups(&ctx, v1::ListGroupsRequest(), &resp).ok()) return -1;
+    return resp.groups_size();
+  }
+  // Polls until the server lists `n` groups (bounded).
+  bool WaitForGroups(int n) {
+    for (int i = 0; i < 6000 && NumGroups() != n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return NumGroups() == n;
+  }
+};
+
+TEST_F(CreateGroupLifetimeTest, JoinEndsAtTheCallsDeadline) {
+  auto stub = Collective();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1500));
+  v1::CreateGroupResponse resp;
+  grpc::Status s = stub->CreateGroup(&ctx, Absent("late"), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  // The server gave up with the call: the group is gone and the name free.
+  EXPECT_TRUE(WaitForGroups(0));
+  v1::CreateGroupRequest solo = Absent("late");
+  solo.set_world_size(1);
+  grpc::ClientContext ctx2;
+  s = stub->CreateGroup(&ctx2, solo, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+TEST_F(CreateGroupLifetimeTest, ClientCancellationEndsTheJoin) {
+  auto stub = Collective();
+  grpc::ClientContext ctx;
+  v1::CreateGroupResponse resp;
+  std::promise<grpc::Status> done;
+  const v1::CreateGroupRequest req = Absent("cancelled");
+  stub->async()->CreateGroup(&ctx, &req, &resp,
+                             [&done](grpc::Status s) { done.set_value(s); });
+  ASSERT_TRUE(WaitForGroups(1));
+  ctx.TryCancel();
+  EXPECT_EQ(done.get_future().get().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(WaitForGroups(0));
+}
+
+TEST_F(CreateGroupLifetimeTest, ShutdownEndsAJoiningCreateGroup) {
+  auto stub = Collective();
+  grpc::ClientContext ctx;
+  v1::CreateGroupResponse resp;
+  std::promise<grpc::Status> done;
+  const v1::CreateGroupRequest req = Absent("sigterm");
+  stub->async()->CreateGroup(&ctx, &req, &resp, [&done](grpc::Status s) { done.set_value(s); });
+  ASSERT_TRUE(WaitForGroups(1));
+  std::future<void> shutdown =
+      std::async(std::launch::async, [this] { server_->Shutdown(absl::ZeroDuration()); });
+  // Without the fix, Shutdown waits for the 10-minute join.
+  ASSERT_EQ(shutdown.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_NE(done.get_future().get().error_code(), grpc::StatusCode::OK);
 }
 
 TEST(ServerConfigTest, RejectsBadConfigs) {

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -310,6 +311,101 @@ TEST_F(GroupRegistryTest, ConcurrentGroupsOnOneSidecar) {
     QTX_EXPECT_OK(reg(1).DestroyGroup(n));
   }
   EXPECT_EQ(sidecars_[0]->store.num_keys(), 0u);
+}
+
+
+// Issue 18 item 2: an absurd world_size is refused at once, before any
+// memory is spent on it.
+TEST_F(GroupRegistryTest, AbsurdWorldSizeIsRefusedNamingTheMaximum) {
+  MakeSidecars(1);
+  for (int world : {1025, 1 << 24, 2147483647}) {
+    absl::StatusOr<GroupInfo> r = absl::UnknownError("not done");
+    absl::Notification n;
+    reg(0).CreateGroup(Spec("huge", 0, world, absl::Seconds(1)), [&](auto i) {
+      r = std::move(i);
+      n.Notify();
+    });
+    ASSERT_TRUE(n.WaitForNotificationWithTimeout(absl::Seconds(30))) << world;
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument,
+                            HasSubstr(absl::StrCat("world_size=", world, ": at most 1024"))));
+  }
+  EXPECT_TRUE(reg(0).ListGroups().empty());
+  EXPECT_EQ(sidecars_[0]->store.num_keys(), 0u);
+}
+
+// Issue 18 item 2: with most ranks missing, the join error names a few of
+// them and counts the rest, on rank 0 and on a rank > 0.
+TEST_F(GroupRegistryTest, JoinErrorOfALargeGroupNamesAFewRanksAndACount) {
+  MakeSidecars(2);
+  auto created = Create("big", 1024, 2, absl::Milliseconds(300));
+  for (auto& c : created) {
+    EXPECT_THAT(c, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                            HasSubstr("rank(s) [2, 3, 4, 5, 6 and 1017 more] of world_size 1024")));
+    EXPECT_LT(c.status().message().size(), 300u) << c.status().message();
+  }
+  EXPECT_TRUE(reg(0).ListGroups().empty());
+}
+
+// Issue 18 item 2: DestroyGroup ends a join that waits for a missing rank
+// (the group would otherwise wait for its whole timeout).
+TEST_F(GroupRegistryTest, DestroyGroupEndsAJoinAtOnce) {
+  MakeSidecars(2);
+  for (int rank : {0, 1}) {
+    absl::StatusOr<GroupInfo> r = absl::UnknownError("not done");
+    absl::Notification n;
+    reg(rank).CreateGroup(Spec("w", rank, 3, absl::Minutes(10)), [&](auto i) {
+      r = std::move(i);
+      n.Notify();
+    });
+    // Wait until the group is registered (JOINING), then destroy it.
+    while (reg(rank).ListGroups().empty()) absl::SleepFor(absl::Milliseconds(5));
+    if (rank == 1) absl::SleepFor(absl::Milliseconds(50));  // let it reach its wait
+    QTX_ASSERT_OK(reg(rank).DestroyGroup("w"));
+    ASSERT_TRUE(n.WaitForNotificationWithTimeout(absl::Seconds(60))) << "rank " << rank;
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kAborted, HasSubstr("destroyed while joining")))
+        << "rank " << rank;
+  }
+}
+
+// Issue 18 item 3: rank 0's store keeps a group's keys only while the group
+// exists: destroying it erases them, and a failed join's keys go too.
+TEST_F(GroupRegistryTest, RendezvousKeysAreErasedWithTheGroup) {
+  MakeSidecars(2);
+  for (auto& c : Create("k", 2, 2)) QTX_ASSERT_OK(c);
+  EXPECT_GT(sidecars_[0]->store.num_keys(), 0u);
+  QTX_ASSERT_OK(reg(0).DestroyGroup("k"));
+  QTX_ASSERT_OK(reg(1).DestroyGroup("k"));
+  EXPECT_EQ(sidecars_[0]->store.num_keys(), 0u);
+  EXPECT_EQ(sidecars_[0]->store.num_bytes(), 0u);
+  EXPECT_EQ(sidecars_[0]->store.num_namespaces(), 0u);
+  // A group that fails to form is closed at once (no more keys) and erased
+  // by the store a little later.
+  auto failed = Create("f", 3, 1, absl::Milliseconds(100));
+  EXPECT_THAT(failed[0], StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("did not join")));
+  EXPECT_THAT(sidecars_[0]->store.Put("qtx/group/f/x", "1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("closed")));
+}
+
+// Issue 18 item 14: a rank that destroys and re-creates a group whose rank 0
+// still runs the old incarnation waits for a new incarnation, and fails at
+// its own timeout, not by joining the old one.
+TEST_F(GroupRegistryTest, RecreatedRankWaitsForTheNewIncarnation) {
+  MakeSidecars(2);
+  for (auto& c : Create("re", 2, 2)) QTX_ASSERT_OK(c);
+  QTX_ASSERT_OK(reg(1).DestroyGroup("re"));
+  absl::StatusOr<GroupInfo> r = absl::UnknownError("not done");
+  absl::Notification n;
+  reg(1).CreateGroup(Spec("re", 1, 2, absl::Milliseconds(300)), [&](auto i) {
+    r = std::move(i);
+    n.Notify();
+  });
+  n.WaitForNotification();
+  EXPECT_THAT(r, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                          HasSubstr("rank 0 did not create the group")));
+  // Once rank 0 re-creates it too, both join the new incarnation.
+  QTX_ASSERT_OK(reg(0).DestroyGroup("re"));
+  for (auto& c : Create("re", 2, 2)) QTX_ASSERT_OK(c);
+  for (const auto& st : Gather("re", {0, 1}, 0, absl::Seconds(10))) QTX_EXPECT_OK(st);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -113,7 +114,7 @@ TEST(KvStore, RejectsBadKeysAndValues) {
   KvStore store(limits);
   EXPECT_THAT(store.Put("", "v"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
   EXPECT_THAT(store.Put("k", "12345"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("5 bytes")));
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("5 bytes")));
   QTX_ASSERT_OK(store.Put("a", "1"));
   QTX_ASSERT_OK(store.Put("b", "1"));
   QTX_ASSERT_OK(store.Put("b", "2"));  // replacing is fine
@@ -130,6 +131,59 @@ TEST(KvStore, DestructorCancelsWaiters) {
     store.GetAsync({"never"}, absl::InfiniteFuture(), [&](auto r) { status = r.status(); });
   }
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("shutting down")));
+}
+
+
+// Issue 18 item 3: namespaces bound what a group may store, keys outside
+// them are refused when required, and closing a namespace frees its memory.
+TEST(KvStore, NamespacesBoundAndFreeAGroupsKeys) {
+  KvStoreLimits limits;
+  limits.require_namespace = true;
+  limits.max_total_bytes = 1000;
+  KvStore store(limits);
+  EXPECT_THAT(store.Put("qtx/group/a/k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no group is forming")));
+  store.OpenNamespace("qtx/group/a/", {.max_keys = 2, .max_bytes = 100});
+  QTX_ASSERT_OK(store.Put("qtx/group/a/1", "v"));
+  QTX_ASSERT_OK(store.Put("qtx/group/a/1", "w"));  // replacing does not count twice
+  QTX_ASSERT_OK(store.Put("qtx/group/a/2", "v"));
+  EXPECT_THAT(store.Put("qtx/group/a/3", "v"),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("holds 2 keys")));
+  EXPECT_THAT(store.Put("qtx/group/a/2", std::string(90, 'x')),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit of 100 bytes")));
+  store.OpenNamespace("qtx/group/b/", {.max_keys = 100, .max_bytes = 100000});
+  EXPECT_THAT(store.Put("qtx/group/b/1", std::string(990, 'x')),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit of 1000 bytes")));
+  EXPECT_EQ(store.num_bytes(), 2 * (13 + 1));
+  // Closing refuses Puts at once; the keys go at erase time.
+  store.CloseNamespace("qtx/group/a/", absl::Now() + absl::Hours(1));
+  EXPECT_THAT(store.Put("qtx/group/a/1", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("closed")));
+  EXPECT_EQ(store.num_keys(), 2u);
+  store.CloseNamespace("qtx/group/a/");
+  store.CloseNamespace("qtx/group/b/");
+  EXPECT_EQ(store.num_keys(), 0u);
+  EXPECT_EQ(store.num_bytes(), 0u);
+  EXPECT_EQ(store.num_namespaces(), 0u);
+}
+
+TEST(KvStore, ClosedNamespaceIsErasedByTheTimer) {
+  KvStore store;
+  store.OpenNamespace("qtx/group/a/", {.max_keys = 10, .max_bytes = 1000});
+  QTX_ASSERT_OK(store.Put("qtx/group/a/1", "v"));
+  store.CloseNamespace("qtx/group/a/", absl::Now() + absl::Milliseconds(20));
+  for (int i = 0; i < 1000 && store.num_namespaces() > 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(store.num_namespaces(), 0u);
+  EXPECT_EQ(store.num_keys(), 0u);
+}
+
+TEST(KvStore, DeadlineMessageNamesAFewKeysAndCountsTheRest) {
+  KvStore store;
+  std::vector<std::string> keys;
+  for (int i = 0; i < 50; ++i) keys.push_back(absl::StrCat("k", i));
+  absl::Status s;
+  store.GetAsync(keys, absl::Now(), [&](auto r) { s = r.status(); });
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("k7 and 42 more")));
 }
 
 }  // namespace

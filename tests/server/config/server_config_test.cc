@@ -99,5 +99,43 @@ TEST(ServerConfig, SocketPathIsChecked) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("listen nowhere")));
 }
 
+
+// Issue 18 item 10: --peer_host is checked at startup like --listen_tcp: no
+// wildcard, and off loopback only with TLS and authentication.
+TEST(ServerConfig, PeerHostFollowsTheListenerRule) {
+  ServerConfig c;
+  for (const char* ok : {"127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"}) {
+    c.peer_host = ok;
+    SCOPED_TRACE(ok);
+    QTX_EXPECT_OK(ValidateConfig(c));
+  }
+  for (const char* wildcard : {"0.0.0.0", "::", "[::]", "0:0::0"}) {
+    c.peer_host = wildcard;
+    SCOPED_TRACE(wildcard);
+    EXPECT_THAT(ValidateConfig(c),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("a wildcard address cannot be advertised")));
+  }
+  c.peer_host = "";
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--peer_host is empty")));
+  c.peer_host = "10.1.2.3";
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--peer_host=10.1.2.3: not a loopback "
+                                                    "address; the rendezvous with other "
+                                                    "sidecars would be plaintext")));
+  c.tls_cert_file = "cert.pem";
+  c.tls_key_file = "key.pem";
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("sidecars must authenticate each other")));
+  c.auth_token_file = "token";
+  QTX_EXPECT_OK(ValidateConfig(c));
+  c.peer_host = "node-7.example";  // a name that is not localhost counts as off loopback
+  QTX_EXPECT_OK(ValidateConfig(c));
+  c.tls_cert_file = c.tls_key_file = "";
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("would be plaintext")));
+}
+
 }  // namespace
 }  // namespace qtx::server::config
