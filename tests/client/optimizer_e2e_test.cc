@@ -327,10 +327,11 @@ TEST_F(OptimizerE2eTest, CheckpointsReleaseLoadAndList) {
   EXPECT_TRUE(list.groups.empty());
   EXPECT_EQ(list.memory_used_bytes, 0u);
 
-  QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupInfo info, client_->LoadCheckpoint("mlp"));
-  EXPECT_EQ(info.step, 2);
-  QTX_ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, StepBoth(3));
-  ExpectMatchesReference(r);  // continues exactly where it was saved
+  // Releasing is final (issue 18 item 13): the group's checkpoints went with
+  // it, so it cannot come back after a restart.
+  EXPECT_THAT(client_->LoadCheckpoint("mlp"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("mlp.qtxopt")));
+  EXPECT_FALSE(std::filesystem::exists(saved[0].path));
   EXPECT_THAT(client_->LoadCheckpoint("other"),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("other.qtxopt")));
 }

@@ -83,6 +83,23 @@ function checkWiring(doc) {
   const dshm = (spec.volumes || []).find((v) => v.name === 'dshm');
   if (!dshm || !dshm.emptyDir || dshm.emptyDir.medium !== 'Memory') problems.push('/dev/shm must be a memory-backed emptyDir');
   if (spec.shareProcessNamespace !== true) problems.push('shareProcessNamespace must be true (CUDA IPC between containers)');
+  // MPS (channels): when a container runs the daemon, qtxd and every
+  // container point CUDA_MPS_PIPE_DIRECTORY at one shared folder, and the
+  // daemon starts before qtxd.
+  const envOf = (c, k) => ((c.env || []).find((e) => e.name === k) || {}).value;
+  const mpsIdx = (spec.initContainers || []).findIndex((c) => (c.command || [])[0] === 'nvidia-cuda-mps-control');
+  if (mpsIdx >= 0) {
+    const mps = spec.initContainers[mpsIdx];
+    const pipe = envOf(mps, 'CUDA_MPS_PIPE_DIRECTORY');
+    const qtxdIdx = spec.initContainers.findIndex((c) => c.name === 'qtxd');
+    if (qtxdIdx >= 0 && qtxdIdx < mpsIdx) problems.push('the MPS daemon must start before qtxd');
+    for (const c of [qtxd, ...(spec.containers || [])]) {
+      if (envOf(c, 'CUDA_MPS_PIPE_DIRECTORY') !== pipe) problems.push(`${c.name}: CUDA_MPS_PIPE_DIRECTORY is not the MPS daemon's ${pipe}`);
+      const a = pipe && mountOf(c, path.dirname(pipe));
+      const b = pipe && mountOf(mps, path.dirname(pipe));
+      if (!a || !b || a.name !== b.name) problems.push(`${c.name} does not share the MPS pipe folder ${pipe}`);
+    }
+  }
   const listen = flagValue(qtxd.args, '--listen_tcp');
   if (listen && !/^(127\.|localhost|\[::1\])/.test(listen)) {
     for (const f of ['--tls_cert_file', '--tls_key_file', '--auth_token_file']) {
@@ -126,12 +143,18 @@ function validateDocs(docs, where) {
   return { errors, checked };
 }
 
+function qtxdOf(d) {
+  return d.spec.initContainers.find((c) => c.name === 'qtxd');
+}
+
 function selfTest(dir) {
   const pod = yaml.load(fs.readFileSync(path.join(dir, 'pod.yaml'), 'utf8'));
   const breakers = {
-    'string port': (d) => { d.spec.initContainers[0].ports[0].containerPort = '8081'; },
+    'string port': (d) => { qtxdOf(d).ports[0].containerPort = '8081'; },
     'container without a name': (d) => { delete d.spec.containers[0].name; },
-    'probe off the health port': (d) => { d.spec.initContainers[0].livenessProbe.grpc.port = 50051; },
+    'probe off the health port': (d) => { qtxdOf(d).livenessProbe.grpc.port = 50051; },
+    'trainer off the MPS pipe': (d) => { d.spec.containers[0].env.find((e) => e.name === 'CUDA_MPS_PIPE_DIRECTORY').value = '/tmp/x'; },
+    'MPS after qtxd': (d) => { d.spec.initContainers.reverse(); },
     'unknown volume': (d) => { d.spec.containers[0].volumeMounts[0].name = 'nope'; },
     'disk-backed /dev/shm': (d) => { delete d.spec.volumes.find((v) => v.name === 'dshm').emptyDir.medium; },
     'no shared PIDs': (d) => { d.spec.shareProcessNamespace = false; },

@@ -8,6 +8,8 @@
 // qtxd dying releases the waits and later calls fail with UNAVAILABLE.
 // Run with and without MPS (scripts/gpu_channel.sh).
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -43,6 +45,7 @@ using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;
+std::string g_self_path;  // this executable, for the child mode below
 
 #define CUDA_OK(expr)                                                            \
   do {                                                                           \
@@ -235,6 +238,125 @@ TEST_F(CudaChannelTest, QtxdDyingReleasesTheWaits) {
   server_.reset();
 }
 
+// A one-rank NCCL group on this GPU: AllGather through the channel, ordered
+// between a late producer and a consumer on the caller's stream, equals the
+// quantization of the shard (the whole tensor), byte for byte, every time.
+TEST_F(CudaChannelTest, AllGatherOnAOneRankNcclGroupIsOrderedAndExact) {
+  CollectiveGroupConfig group;
+  group.name = "solo";
+  group.rank = 0;
+  group.world_size = 1;
+  group.backend = CommBackend::kNccl;
+  group.timeout = absl::Seconds(60);
+  QTX_ASSERT_OK(client_->CreateGroup(group).status());
+  const int64_t m = 1000, n = 512;
+  QuantizeConfig config;
+  config.columnwise = true;
+  kernels::QuantizeParams p;
+  p.rowwise = p.columnwise = true;
+  const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m, n);
+  const uint64_t in_bytes = m * n * 2;
+  const uint64_t out_bytes[4] = {layout.RowwiseDataBytes(), layout.RowwiseScaleCount() * 4,
+                                 layout.ColumnwiseDataBytes(),
+                                 layout.ColumnwiseScaleCount() * 4};
+  std::string input(in_bytes, '\0');
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < m * n; ++i) {
+    const uint16_t h = kernels::FloatToBf16(normal(rng) * (i % 13 == 0 ? 30.0f : 1.0f));
+    std::memcpy(input.data() + 2 * i, &h, 2);
+  }
+  std::string outs[4];
+  for (int k = 0; k < 4; ++k) outs[k].assign(out_bytes[k], '\0');
+  kernels::QuantizedBuffers b;
+  b.rowwise_data = reinterpret_cast<uint8_t*>(outs[0].data());
+  b.rowwise_scale_inv = reinterpret_cast<float*>(outs[1].data());
+  b.columnwise_data = reinterpret_cast<uint8_t*>(outs[2].data());
+  b.columnwise_scale_inv = reinterpret_cast<float*>(outs[3].data());
+  kernels::cpu::QuantizeBlock(input.data(), kernels::InputDType::kBFloat16, m, n, p, b);
+  const RegionSlice source = arena_.Take(in_bytes), shard = arena_.Take(in_bytes);
+  CUDA_OK(cudaMemcpy(arena_.At(source), input.data(), in_bytes, cudaMemcpyHostToDevice));
+  RegionSlice expected[4];
+  for (int k = 0; k < 4; ++k) {
+    expected[k] = arena_.Take(out_bytes[k]);
+    CUDA_OK(cudaMemcpy(arena_.At(expected[k]), outs[k].data(), out_bytes[k],
+                       cudaMemcpyHostToDevice));
+  }
+  QuantizeOutputs outputs;
+  outputs.rowwise_data = arena_.Take(out_bytes[0]);
+  outputs.rowwise_scale_inv = arena_.Take(out_bytes[1]);
+  outputs.columnwise_data = arena_.Take(out_bytes[2]);
+  outputs.columnwise_scale_inv = arena_.Take(out_bytes[3]);
+  const RegionSlice* out_slices[4] = {&*outputs.rowwise_data, &*outputs.rowwise_scale_inv,
+                                      &*outputs.columnwise_data, &*outputs.columnwise_scale_inv};
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
+  const int iters = 20;
+  for (int it = 0; it < iters; ++it) {
+    for (const RegionSlice* s : out_slices) {
+      CUDA_OK(cudaMemsetAsync(arena_.At(*s), 0xCD, s->size, stream_));
+    }
+    CUDA_OK(cudaMemsetAsync(arena_.At(shard), 0, in_bytes, stream_));
+    CUDA_OK(qtx::testing::LaunchDelayedCopy(arena_.At(shard), arena_.At(source), in_bytes,
+                                            20'000'000, stream_));  // 20 ms late
+    QTX_ASSERT_OK(ch->AllGather("solo", it, Tensor::InRegion(DType::kBFloat16, {m, n}, shard),
+                                config, AllGatherMode::kExactFp8, outputs)
+                      .status());
+    for (int k = 0; k < 4; ++k) {
+      CUDA_OK(qtx::testing::LaunchCountMismatches(arena_.At(*out_slices[k]),
+                                                  arena_.At(expected[k]), out_bytes[k],
+                                                  mismatches_, stream_));
+    }
+  }
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  QTX_ASSERT_OK(ch->Synchronize());
+  EXPECT_EQ(Mismatches(), 0u);
+  QTX_ASSERT_OK(ch->Close());
+  QTX_ASSERT_OK(client_->DestroyGroup("solo"));
+  std::printf("{\"test\":\"cuda_channel_allgather_1rank\",\"iterations\":%d,"
+              "\"mismatched_bytes\":%llu}\n",
+              iters, static_cast<unsigned long long>(Mismatches()));
+}
+
+// The client dies (SIGKILL) while qtxd's channel stream is parked on the
+// client's ready word: qtxd lets the parked work through, keeps serving, and
+// a new channel works. The child is this executable in --park_child mode.
+TEST_F(CudaChannelTest, AClientKilledWithParkedWorkLeavesQtxdServing) {
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    const std::string target = "--park_child=" + server_->target();
+    ::execl(g_self_path.c_str(), g_self_path.c_str(), target.c_str(), nullptr);
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  char buf[64] = {};
+  const ssize_t n = ::read(out[0], buf, sizeof(buf) - 1);  // "parked\n" once submitted
+  ::close(out[0]);
+  ASSERT_GT(n, 0);
+  EXPECT_TRUE(absl::StartsWith(buf, "parked")) << buf;
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  // qtxd still serves, and channels work.
+  QTX_ASSERT_OK_AND_ASSIGN(ServingStatus health, client_->Health());
+  EXPECT_EQ(health, ServingStatus::kServing);
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
+  QuantizeOutputs outputs;
+  outputs.rowwise_data = arena_.Take(256 * 128);
+  outputs.rowwise_scale_inv = arena_.Take(256 * 4);
+  const RegionSlice input = arena_.Take(256 * 128 * 2);
+  QTX_ASSERT_OK(
+      ch->Quantize(Tensor::InRegion(DType::kBFloat16, {256, 128}, input), {}, outputs).status());
+  QTX_ASSERT_OK(ch->Synchronize());
+  QTX_ASSERT_OK(ch->Close());
+  QTX_ASSERT_OK_AND_ASSIGN(health, client_->Health());
+  EXPECT_EQ(health, ServingStatus::kServing);
+}
+
 TEST_F(CudaChannelTest, RegionCacheRegistersEachAllocationOnceAndNoticesReplacement) {
   const int64_t m = 4, n = 128;
   std::string input(m * n * 2, '\0');
@@ -288,10 +410,41 @@ TEST_F(CudaChannelTest, RegionCacheRegistersEachAllocationOnceAndNoticesReplacem
   CUDA_OK(cudaFree(b2));
 }
 
+// --park_child=<target>: open a channel, park an op behind a 30 s spin on
+// the stream, say "parked", and wait to be killed.
+int ParkChild(const std::string& target) {
+  auto client = Client::Connect(target);
+  if (!client.ok()) return 1;
+  cudaStream_t stream;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return 1;
+  void* buf = nullptr;
+  if (cudaMalloc(&buf, 1 << 20) != cudaSuccess) return 1;
+  if (!qtx::cuda::RegisterDevicePointer(**client, "park-buf", buf, 1 << 20).ok()) return 1;
+  auto ch = qtx::cuda::OpenChannel(**client, stream);
+  if (!ch.ok()) return 1;
+  if (qtx::testing::LaunchSpin(30'000'000'000ull, stream) != cudaSuccess) return 1;
+  QuantizeOutputs outputs;
+  outputs.rowwise_data = RegionSlice{"park-buf", 262144, 256 * 128};
+  outputs.rowwise_scale_inv = RegionSlice{"park-buf", 524288, 256 * 4};
+  auto op = (*ch)->Quantize(
+      Tensor::InRegion(DType::kBFloat16, {256, 128}, RegionSlice{"park-buf", 0, 256 * 128 * 2}),
+      {}, outputs);
+  if (!op.ok()) return 1;
+  std::printf("parked\n");
+  std::fflush(stdout);
+  absl::SleepFor(absl::Seconds(60));
+  return 0;
+}
+
 }  // namespace
 }  // namespace qtx
 
 int main(int argc, char** argv) {
+  qtx::g_self_path = argv[0];
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (absl::StartsWith(arg, "--park_child=")) return qtx::ParkChild(arg.substr(13));
+  }
   ::testing::InitGoogleTest(&argc, argv);
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
