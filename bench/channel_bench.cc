@@ -15,6 +15,7 @@
 // MPS is the caller's business (scripts/gpu_channel.sh runs it both ways and
 // says which in "mps").
 //   channel_bench --qtxd=PATH [--layers=200] [--m=8192] [--k=4096] [--mps=0|1]
+//                 [--flags=host|device]   (where the channel's flag words live)
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -68,6 +69,7 @@ int main(int argc, char** argv) {
   int layers = 200;
   int64_t m = 8192, k = 4096;
   int mps = -1;
+  std::string flag_memory = "host";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (absl::StartsWith(a, "--qtxd=")) qtxd = a.substr(7);
@@ -75,12 +77,14 @@ int main(int argc, char** argv) {
     if (absl::StartsWith(a, "--m=")) m = std::atoll(a.c_str() + 4);
     if (absl::StartsWith(a, "--k=")) k = std::atoll(a.c_str() + 4);
     if (absl::StartsWith(a, "--mps=")) mps = std::atoi(a.c_str() + 6);
+    if (absl::StartsWith(a, "--flags=")) flag_memory = a.substr(8);
   }
   if (qtxd.empty()) {
     std::fprintf(stderr, "usage: channel_bench --qtxd=PATH [--layers=N] [--m=M] [--k=K]\n");
     return 2;
   }
-  auto server = qtx::testing::QtxdProcess::Start(qtxd, {"--device=cuda:0"});
+  auto server =
+      qtx::testing::QtxdProcess::Start(qtxd, {"--device=cuda:0", "--allow_client_shm"});
   CHECK_OK(server.status());
   auto client = qtx::Client::Connect((*server)->target());
   CHECK_OK(client.status());
@@ -146,7 +150,9 @@ int main(int argc, char** argv) {
                                                  params, out_buffers, stream));
   };
 
-  auto channel = qtx::cuda::OpenChannel(**client, stream, {.label = "channel_bench"});
+  auto channel = qtx::cuda::OpenChannel(
+      **client, stream, {.label = "channel_bench"},
+      flag_memory == "device" ? qtx::cuda::FlagMemory::kDevice : qtx::cuda::FlagMemory::kHostShm);
   CHECK_OK(channel.status());
   auto ready = qtx::cuda::IpcEvent::Create();
   auto done = qtx::cuda::IpcEvent::Create();
@@ -206,17 +212,18 @@ int main(int argc, char** argv) {
     }
   }
   std::printf(
-      "{\"bench\":\"channel_call\",\"mps\":%d,\"m\":%lld,\"k\":%lld,\"calls\":%zu,"
+      "{\"bench\":\"channel_call\",\"flags\":\"%s\",\"mps\":%d,\"m\":%lld,\"k\":%lld,\"calls\":%zu,"
       "\"host_us_p50\":%.2f,\"host_us_p99\":%.2f,\"sync_call_host_us_p50\":%.2f,"
       "\"sync_call_host_us_p99\":%.2f}\n",
-      mps, static_cast<long long>(m), static_cast<long long>(k), channel_calls.size(),
+      flag_memory.c_str(), mps, static_cast<long long>(m), static_cast<long long>(k),
+      channel_calls.size(),
       Percentile(channel_calls, 0.5), Percentile(channel_calls, 0.99),
       Percentile(sync_calls, 0.5), Percentile(sync_calls, 0.99));
   for (int mode = 0; mode < 3; ++mode) {
     std::printf(
-        "{\"bench\":\"channel_chain\",\"mode\":\"%s\",\"mps\":%d,\"layers\":%d,\"m\":%lld,"
+        "{\"bench\":\"channel_chain\",\"mode\":\"%s\",\"flags\":\"%s\",\"mps\":%d,\"layers\":%d,\"m\":%lld,"
         "\"k\":%lld,\"gpu_ms\":%.3f,\"per_layer_us\":%.2f,\"ratio_vs_in_process\":%.4f}\n",
-        mode_names[mode], mps, layers, static_cast<long long>(m), static_cast<long long>(k),
+        mode_names[mode], flag_memory.c_str(), mps, layers, static_cast<long long>(m), static_cast<long long>(k),
         best[mode], best[mode] * 1000.0 / layers, best[mode] / best[0]);
   }
   CHECK_OK((*channel)->Close());

@@ -7,8 +7,10 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "qtx/cuda_ipc.h"
+#include "qtx/shm_region.h"
 
 namespace qtx::cuda {
 namespace {
@@ -54,25 +56,31 @@ absl::StatusOr<MemOps> GetMemOps() {
   return *ops;
 }
 
-// 16 bytes of this process's device memory: ready at +0, done at +8.
+// The flag words, ready at +0 and done at +8, seen by the GPU at `words` and
+// (host flags) by this host at `host`. Owns the memory behind them.
 class StreamFlags final : public ChannelFlags {
  public:
-  StreamFlags(Client& client, MemOps ops, cudaStream_t stream, int device, void* words,
-              std::string region)
+  StreamFlags(Client& client, MemOps ops, cudaStream_t stream, int device, CUdeviceptr words,
+              std::string region, std::unique_ptr<ShmRegion> shm, void* device_alloc)
       : client_(client),
         ops_(ops),
         stream_(stream),
         device_(device),
-        words_(reinterpret_cast<CUdeviceptr>(words)),
-        region_(std::move(region)) {}
+        words_(words),
+        region_(std::move(region)),
+        shm_(std::move(shm)),
+        device_alloc_(device_alloc) {}
 
   ~StreamFlags() override {
     (void)client_.UnregisterRegion(region_);
     int current = 0;
     const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ &&
                           cudaSetDevice(device_) == cudaSuccess;
-    // cudaFree waits for the device: no stream of ours still touches them.
-    (void)cudaFree(reinterpret_cast<void*>(words_));
+    // Nothing of `stream_` may still touch the words when they go (its waits
+    // were released if qtxd went away).
+    (void)cudaStreamSynchronize(stream_);
+    if (shm_ != nullptr) (void)cudaHostUnregister(shm_->data());
+    if (device_alloc_ != nullptr) (void)cudaFree(device_alloc_);
     if (release_stream_ != nullptr) (void)cudaStreamDestroy(release_stream_);
     if (switched) (void)cudaSetDevice(current);
     (void)cudaGetLastError();
@@ -99,7 +107,14 @@ class StreamFlags final : public ChannelFlags {
   }
 
   void ReleaseWaits() override {
-    // From a private stream: `stream_` may be parked on the wait itself.
+    if (shm_ != nullptr) {
+      // A host store: the GPU's waits poll this page.
+      std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(shm_->data())[1])
+          .store(kChannelReleaseAll, std::memory_order_release);
+      return;
+    }
+    // Device flags: from a private stream (`stream_` may be parked on the
+    // wait itself).
     int current = 0;
     const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ &&
                           cudaSetDevice(device_) == cudaSuccess;
@@ -118,13 +133,16 @@ class StreamFlags final : public ChannelFlags {
   const int device_;
   const CUdeviceptr words_;
   const std::string region_;
+  const std::unique_ptr<ShmRegion> shm_;
+  void* const device_alloc_;
   cudaStream_t release_stream_ = nullptr;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client,
-                                                                cudaStream_t stream) {
+                                                                cudaStream_t stream,
+                                                                FlagMemory memory) {
   absl::StatusOr<MemOps> ops = GetMemOps();
   if (!ops.ok()) return ops.status();
   int device = 0;
@@ -141,32 +159,58 @@ absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client,
     return absl::FailedPreconditionError(absl::StrFormat(
         "cuda:%d does not support 64-bit stream memory operations (needed by channels)", device));
   }
-  // Its own allocation (cudaIpcGetMemHandle exports whole allocations), zeroed
-  // before any stream can see it.
-  void* words = nullptr;
-  err = cudaMalloc(&words, 256);
-  if (err != cudaSuccess) return CudaStatus(err, "cudaMalloc(channel flags)");
-  err = cudaMemset(words, 0, 256);
-  if (err == cudaSuccess) err = cudaDeviceSynchronize();
-  if (err != cudaSuccess) {
-    (void)cudaFree(words);
-    return CudaStatus(err, "cudaMemset(channel flags)");
-  }
   static std::atomic<uint64_t> counter{0};
   std::string region = absl::StrFormat("qtx-channel-%d-%d", ::getpid(),
                                        counter.fetch_add(1, std::memory_order_relaxed));
-  if (absl::Status s = RegisterDevicePointer(client, region, words, 256); !s.ok()) {
-    (void)cudaFree(words);
-    return s;
+  std::unique_ptr<StreamFlags> flags;
+  if (memory == FlagMemory::kHostShm) {
+    // One zero-filled page of shm, mapped for the GPU here; qtxd maps it too.
+    absl::StatusOr<std::unique_ptr<ShmRegion>> shm = ShmRegion::Create(region, 4096);
+    if (!shm.ok()) return shm.status();
+    err = cudaHostRegister((*shm)->data(), 4096,
+                           cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (err != cudaSuccess) return CudaStatus(err, "cudaHostRegister(channel flags)");
+    void* view = nullptr;
+    err = cudaHostGetDevicePointer(&view, (*shm)->data(), 0);
+    if (err != cudaSuccess) {
+      (void)cudaHostUnregister((*shm)->data());
+      return CudaStatus(err, "cudaHostGetDevicePointer(channel flags)");
+    }
+    if (absl::Status s = client.RegisterShmRegion(**shm); !s.ok()) {
+      (void)cudaHostUnregister((*shm)->data());
+      return absl::Status(s.code(), absl::StrCat("channel flags in client shm: ", s.message()));
+    }
+    flags = std::make_unique<StreamFlags>(client, *ops, stream, device,
+                                          reinterpret_cast<CUdeviceptr>(view), region,
+                                          std::move(*shm), nullptr);
+  } else {
+    // Its own allocation (cudaIpcGetMemHandle exports whole allocations),
+    // zeroed before any stream can see it.
+    void* words = nullptr;
+    err = cudaMalloc(&words, 256);
+    if (err != cudaSuccess) return CudaStatus(err, "cudaMalloc(channel flags)");
+    err = cudaMemset(words, 0, 256);
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+      (void)cudaFree(words);
+      return CudaStatus(err, "cudaMemset(channel flags)");
+    }
+    if (absl::Status s = RegisterDevicePointer(client, region, words, 256); !s.ok()) {
+      (void)cudaFree(words);
+      return s;
+    }
+    flags = std::make_unique<StreamFlags>(client, *ops, stream, device,
+                                          reinterpret_cast<CUdeviceptr>(words), region, nullptr,
+                                          words);
   }
-  auto flags = std::make_unique<StreamFlags>(client, *ops, stream, device, words, region);
   if (absl::Status s = flags->Init(); !s.ok()) return s;
   return flags;
 }
 
 absl::StatusOr<std::unique_ptr<Channel>> OpenChannel(Client& client, cudaStream_t stream,
-                                                     const ChannelOptions& options) {
-  absl::StatusOr<std::unique_ptr<ChannelFlags>> flags = CreateStreamFlags(client, stream);
+                                                     const ChannelOptions& options,
+                                                     FlagMemory memory) {
+  absl::StatusOr<std::unique_ptr<ChannelFlags>> flags = CreateStreamFlags(client, stream, memory);
   if (!flags.ok()) return flags.status();
   return Channel::Open(client, std::move(*flags), options);
 }

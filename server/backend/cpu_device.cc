@@ -62,7 +62,12 @@ class CpuChannelQueue final : public ChannelQueue {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ChannelQueue>> CpuDevice::OpenChannelQueue(std::byte* flags) {
+absl::StatusOr<std::unique_ptr<ChannelQueue>> CpuDevice::OpenChannelQueue(
+    std::byte* flags, tensor::MemoryKind flags_kind) {
+  if (flags_kind != tensor::MemoryKind::kHost) {
+    return absl::FailedPreconditionError(
+        "open.flags: channels on the cpu device need their flags in host memory (a shm region)");
+  }
   return std::make_unique<CpuChannelQueue>(flags);
 }
 

@@ -29,7 +29,8 @@ class CpuDevice final : public Device {
   // A queue that is the calling thread: WaitReady blocks until the ready
   // word (host memory, e.g. a client's shm) reaches the value, or Release();
   // WriteDone stores with release order; OnDrained calls back at once.
-  absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(std::byte* flags) override;
+  absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(
+      std::byte* flags, tensor::MemoryKind flags_kind) override;
   absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
                               const kernels::QuantizedConstBuffers* shards,
                               const kernels::QuantizeParams& params,

@@ -1,6 +1,7 @@
 #include "server/backend/cuda_device.h"
 
 #include <cuda.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +13,8 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
 #include "kernels/cuda/quantize_shard.h"
@@ -664,17 +667,29 @@ namespace {
 // sleeps) recorded after each OnDrained point.
 class CudaChannelQueue final : public ChannelQueue {
  public:
-  static constexpr uint64_t kReleaseValue = uint64_t{1} << 62;
-
-  CudaChannelQueue(CudaDevice* device, int ordinal, StreamMemOps ops, CUdeviceptr flags)
-      : device_(device), ordinal_(ordinal), ops_(ops), ready_(flags), done_(flags + 8) {}
+  // `host_base`/`host_bytes`: the page range this queue registered with
+  // cudaHostRegister for host-memory flags (unregistered on destruction),
+  // empty otherwise.
+  // `host_flags`: the flags' host address when they are host memory (then
+  // Release is a host store), null for device flags.
+  CudaChannelQueue(int ordinal, StreamMemOps ops, CUdeviceptr flags, void* host_base,
+                   std::byte* host_flags)
+      : ordinal_(ordinal),
+        ops_(ops),
+        ready_(flags),
+        done_(flags + 8),
+        host_base_(host_base),
+        host_flags_(host_flags) {}
 
   absl::Status Init() {
     QTX_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
     QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
-    device_->AddPipelineStreams(stream_, release_stream_);
-    registered_ = true;
+    if (host_flags_ == nullptr) {
+      QTX_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
+    }
+    // Not one of the device's streams for SynchronizeAll: it may wait on a
+    // client for any time. The channel keeps the pins of the regions its
+    // queued work uses until that work has completed instead.
     completion_ = std::thread([this] { CompletionLoop(); });
     return absl::OkStatus();
   }
@@ -689,10 +704,10 @@ class CudaChannelQueue final : public ChannelQueue {
       stopping_ = true;
     }
     if (completion_.joinable()) completion_.join();
-    if (registered_) device_->RemovePipelineStreams(stream_, release_stream_);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
     if (release_stream_ != nullptr) (void)cudaStreamDestroy(release_stream_);
+    if (host_base_ != nullptr) (void)cudaHostUnregister(host_base_);
     (void)cudaGetLastError();
   }
 
@@ -719,8 +734,7 @@ class CudaChannelQueue final : public ChannelQueue {
       }
     }
     if (event == nullptr) {
-      QTX_CUDA_RETURN_IF_ERROR(
-          cudaEventCreateWithFlags(&event, cudaEventBlockingSync | cudaEventDisableTiming));
+      QTX_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     }
     const cudaError_t err = cudaEventRecord(event, stream_);
     if (err != cudaSuccess) {
@@ -735,9 +749,16 @@ class CudaChannelQueue final : public ChannelQueue {
   void Release() override {
     bool expected = false;
     if (!released_.compare_exchange_strong(expected, true)) return;
-    // From a stream of our own: the channel stream may be blocked in its
-    // wait. WaitReady compares (int64)(ready - seq) >= 0, so a value 2^62
-    // ahead of the sequence numbers in use (< 2^62) releases all of them.
+    // WaitReady compares (int64)(ready - seq) >= 0: a value 2^62 ahead of
+    // the sequence numbers in use (< 2^62) releases all of them.
+    constexpr uint64_t kReleaseValue = uint64_t{1} << 62;
+    if (host_flags_ != nullptr) {
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(host_flags_))
+          .store(kReleaseValue, std::memory_order_release);
+      return;
+    }
+    // Device flags: from a stream of our own (the channel stream may be
+    // parked in its wait).
     if (cudaSetDevice(ordinal_) != cudaSuccess ||
         ops_.write(release_stream_, ready_, kReleaseValue, CU_STREAM_WRITE_VALUE_DEFAULT) !=
             CUDA_SUCCESS ||
@@ -753,6 +774,9 @@ class CudaChannelQueue final : public ChannelQueue {
     std::function<void()> drained;
   };
 
+  // Reports completions in order. Polls each event with cudaEventQuery (5 us
+  // growing to 1 ms between looks; a blocking-sync wait would hold a lock of
+  // the runtime the submission path needs). Off the submission path.
   void CompletionLoop() {
     if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
     for (;;) {
@@ -768,7 +792,13 @@ class CudaChannelQueue final : public ChannelQueue {
         p = std::move(pending_.front());
         pending_.pop_front();
       }
-      if (cudaEventSynchronize(p.event) != cudaSuccess) (void)cudaGetLastError();
+      absl::Duration nap = absl::Microseconds(5);
+      cudaError_t q;
+      while ((q = cudaEventQuery(p.event)) == cudaErrorNotReady) {
+        absl::SleepFor(nap);
+        nap = std::min(nap * 2, absl::Milliseconds(1));
+      }
+      if (q != cudaSuccess) (void)cudaGetLastError();
       p.drained();
       absl::MutexLock lock(&mu_);
       free_events_.push_back(p.event);
@@ -776,14 +806,14 @@ class CudaChannelQueue final : public ChannelQueue {
   }
 
   // Constant after Init().
-  CudaDevice* const device_;
   const int ordinal_;
   const StreamMemOps ops_;
   const CUdeviceptr ready_;
   const CUdeviceptr done_;
+  void* const host_base_;
+  std::byte* const host_flags_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t release_stream_ = nullptr;
-  bool registered_ = false;
   std::thread completion_;
   std::atomic<bool> released_{false};
 
@@ -796,7 +826,8 @@ class CudaChannelQueue final : public ChannelQueue {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ChannelQueue>> CudaDevice::OpenChannelQueue(std::byte* flags) {
+absl::StatusOr<std::unique_ptr<ChannelQueue>> CudaDevice::OpenChannelQueue(
+    std::byte* flags, tensor::MemoryKind flags_kind) {
   QTX_RETURN_IF_ERROR(Activate());
   QTX_ASSIGN_OR_RETURN(const StreamMemOps ops, GetStreamMemOps());
   int supported = 0;
@@ -808,8 +839,36 @@ absl::StatusOr<std::unique_ptr<ChannelQueue>> CudaDevice::OpenChannelQueue(std::
         "cuda:%d does not support 64-bit stream memory operations (needed by channels)",
         ordinal_));
   }
-  auto queue = std::make_unique<CudaChannelQueue>(this, ordinal_, ops,
-                                                  reinterpret_cast<CUdeviceptr>(flags));
+  CUdeviceptr words = reinterpret_cast<CUdeviceptr>(flags);
+  void* host_base = nullptr;
+  if (flags_kind == tensor::MemoryKind::kHost) {
+    // Host flags (a client's shm): map their page(s) for the GPU. They outlive
+    // either process (the shm object stays while one maps it), so neither
+    // side's stream ever waits on or writes freed memory.
+    const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(flags) / page * page;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(flags) + 16 + page - 1) / page * page;
+    const cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(begin), end - begin,
+                                             cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (err == cudaErrorHostMemoryAlreadyRegistered) {
+      (void)cudaGetLastError();
+    } else if (err != cudaSuccess) {
+      return CudaErrorToStatus(err, "cudaHostRegister(channel flags)", __FILE__, __LINE__);
+    } else {
+      host_base = reinterpret_cast<void*>(begin);
+    }
+    void* device_view = nullptr;
+    const cudaError_t gerr = cudaHostGetDevicePointer(&device_view, flags, 0);
+    if (gerr != cudaSuccess) {
+      if (host_base != nullptr) (void)cudaHostUnregister(host_base);
+      return CudaErrorToStatus(gerr, "cudaHostGetDevicePointer(channel flags)", __FILE__,
+                               __LINE__);
+    }
+    words = reinterpret_cast<CUdeviceptr>(device_view);
+  }
+  auto queue = std::make_unique<CudaChannelQueue>(
+      ordinal_, ops, words, host_base,
+      flags_kind == tensor::MemoryKind::kHost ? flags : nullptr);
   QTX_RETURN_IF_ERROR(queue->Init());
   return queue;
 }

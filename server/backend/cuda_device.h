@@ -109,12 +109,15 @@ class CudaDevice final : public Device {
   // Finds the visible GPU whose cudaDeviceProp::uuid is the 16 bytes given.
   tensor::CudaUuidResolver cuda_uuid_resolver() override;
 
-  // A channel queue on a non-blocking stream of its own (counted in
-  // SynchronizeAll), ordered through cuStreamWaitValue64 /
-  // cuStreamWriteValue64 on `flags` (device memory, e.g. a client's CUDA IPC
-  // region). FAILED_PRECONDITION when the driver or GPU lacks 64-bit stream
-  // memory operations; INTERNAL on a CUDA failure.
-  absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(std::byte* flags) override;
+  // A channel queue on a non-blocking stream of its own (not counted in
+  // SynchronizeAll: the channel pins what its queued work uses), ordered through cuStreamWaitValue64 /
+  // cuStreamWriteValue64 on `flags`: host memory (a client's shm, registered
+  // with cudaHostRegister here; the default of qtx::cuda::OpenChannel) or
+  // device memory (a client's CUDA IPC region). FAILED_PRECONDITION when the
+  // driver or GPU lacks 64-bit stream memory operations; INTERNAL on a CUDA
+  // failure.
+  absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(
+      std::byte* flags, tensor::MemoryKind flags_kind) override;
 
   // A pipeline with two non-blocking streams of its own (inbound D2H,
   // outbound H2D), one reusable event per inbound copy, and cudaHostAlloc

@@ -111,9 +111,13 @@ class ChannelQueue {
   // Runs `drained` once everything enqueued so far has finished on the
   // device. In enqueue order; never on the calling thread of a streamed device.
   virtual absl::Status OnDrained(std::function<void()> drained) = 0;
-  // Releases every present and future WaitReady of this queue (the client is
-  // gone, and its ready word will never move): the work behind them runs.
-  // Idempotent; safe to call from any thread.
+  // The client is gone (or stopped) and its ready word will not move:
+  // releases every present and future WaitReady of this queue, so the work
+  // behind them runs and the queue drains (its regions are still mapped: the
+  // channel pins them until the work completes). A streamed device cannot
+  // take back enqueued work, and leaving a stream parked for good would hang
+  // every later device-wide synchronization of the process. Idempotent;
+  // safe to call from any thread.
   virtual void Release() = 0;
 };
 
@@ -244,11 +248,14 @@ class Device {
   }
 
   // The queue of a stream-ordered channel whose 16-byte flag area starts at
-  // `flags` (memory of memory_kind(), 8-byte aligned, pinned by the caller
-  // for the queue's life). FAILED_PRECONDITION on a device without channels
-  // (the default); INTERNAL on a device failure.
-  virtual absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(std::byte* flags) {
+  // `flags` (8-byte aligned, of memory kind `flags_kind`, pinned by the
+  // caller for the queue's life).
+  // FAILED_PRECONDITION on a device without channels (the default) or for a
+  // memory kind the device cannot order on; INTERNAL on a device failure.
+  virtual absl::StatusOr<std::unique_ptr<ChannelQueue>> OpenChannelQueue(
+      std::byte* flags, tensor::MemoryKind flags_kind) {
     (void)flags;
+    (void)flags_kind;
     return absl::FailedPreconditionError("device '" + name() +
                                          "' does not run stream-ordered channels");
   }

@@ -14,6 +14,36 @@ namespace {
 // and at least every this many operations.
 constexpr uint64_t kReportEvery = 64;
 
+void AddRegion(const tensor::RegionSliceSpec& slice, std::vector<std::string>& names) {
+  if (!slice.region.empty()) names.push_back(slice.region);
+}
+void AddRegion(const tensor::TensorRefSpec& ref, std::vector<std::string>& names) {
+  if (const auto* s = std::get_if<tensor::RegionSliceSpec>(&ref.data)) AddRegion(*s, names);
+}
+template <typename T>
+void AddRegion(const std::optional<T>& o, std::vector<std::string>& names) {
+  if (o.has_value()) AddRegion(*o, names);
+}
+
+// The regions an operation's device work uses.
+std::vector<std::string> RegionsOf(const ChannelOp& op) {
+  std::vector<std::string> names;
+  if (const auto* q = std::get_if<QuantizeRequestSpec>(&op)) {
+    AddRegion(q->input, names);
+    AddRegion(q->outputs.rowwise_data, names);
+    AddRegion(q->outputs.rowwise_scale_inv, names);
+    AddRegion(q->outputs.columnwise_data, names);
+    AddRegion(q->outputs.columnwise_scale_inv, names);
+  } else if (const auto* d = std::get_if<DequantizeRequestSpec>(&op)) {
+    AddRegion(d->input.rowwise_data, names);
+    AddRegion(d->input.rowwise_scale_inv, names);
+    AddRegion(d->input.columnwise_data, names);
+    AddRegion(d->input.columnwise_scale_inv, names);
+    AddRegion(d->output, names);
+  }
+  return names;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const tensor::RegionSliceSpec& flags,
@@ -32,17 +62,9 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const tensor::RegionSlice
   QTX_ASSIGN_OR_RETURN(
       tensor::OutputSlice slice,
       tensor::ResolveOutputSlice(flags, kChannelFlagBytes, 8, "open.flags", *ctx.regions));
-  if (slice.memory != ctx.device->memory_kind()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "open.flags: region '%s' is %s memory, but channels on %s need their flags in %s memory "
-        "(a %s region)",
-        flags.region, slice.memory == tensor::MemoryKind::kHost ? "host" : "device",
-        ctx.device->name(),
-        ctx.device->memory_kind() == tensor::MemoryKind::kHost ? "host" : "device",
-        ctx.device->memory_kind() == tensor::MemoryKind::kHost ? "shm" : "cuda_ipc"));
-  }
   QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::ChannelQueue> queue,
-                       ctx.device->OpenChannelQueue(static_cast<std::byte*>(slice.data)));
+                       ctx.device->OpenChannelQueue(static_cast<std::byte*>(slice.data),
+                                                    slice.memory));
   return std::unique_ptr<Channel>(
       new Channel(ctx, std::move(slice.pin), std::move(queue), std::move(on_progress)));
 }
@@ -92,6 +114,7 @@ void Channel::WorkerLoop() {
 
 void Channel::Run(Item& item) {
   if (failed_) return;  // the channel failed earlier: nothing more runs
+
   if (item.seq != next_seq_) {
     Fail(item.seq, absl::FailedPreconditionError(absl::StrFormat(
                        "submit.seq=%d: expected %d (sequence numbers start at 1 and grow by one "
@@ -100,6 +123,13 @@ void Channel::Run(Item& item) {
     return;
   }
   ++next_seq_;
+  // Pin what the op's device work uses until that work has completed (the
+  // op itself drops its pins once it is enqueued): a region unregistered
+  // meanwhile is unmapped only after it.
+  std::vector<std::shared_ptr<const tensor::Region>> pins;
+  for (const std::string& name : RegionsOf(item.op)) {
+    if (auto pin = ctx_.regions->Acquire(name); pin.ok()) pins.push_back(*std::move(pin));
+  }
   absl::Status status = queue_->WaitReady(item.seq);
   if (status.ok()) {
     status = std::visit(
@@ -134,6 +164,7 @@ void Channel::Run(Item& item) {
   {
     absl::MutexLock lock(&mu_);
     burst_over = items_.empty();
+    if (!pins.empty()) held_.push_back({item.seq, std::move(pins)});
   }
   last_ok_seq_ = item.seq;
   if (burst_over || ++ops_since_report_ >= kReportEvery) {
@@ -172,10 +203,15 @@ void Channel::Fail(uint64_t seq, absl::Status status) {
 
 void Channel::Report(const ChannelProgress& update) {
   ChannelProgress snapshot;
+  std::deque<Held> unpinned;  // dropped outside mu_ (a drop may unmap)
   {
     absl::MutexLock lock(&mu_);
-    if (!reporting_) return;
     progress_.completed_through = std::max(progress_.completed_through, update.completed_through);
+    while (!held_.empty() && held_.front().seq <= progress_.completed_through) {
+      unpinned.push_back(std::move(held_.front()));
+      held_.pop_front();
+    }
+    if (!reporting_) return;
     if (progress_.failed_seq == 0 && update.failed_seq != 0) {
       progress_.failed_seq = update.failed_seq;
       progress_.failure = update.failure;
@@ -190,6 +226,7 @@ void Channel::Close(absl::Duration grace) {
   if (closed_) return;
   closed_ = true;
   const absl::Time deadline = absl::Now() + grace;
+  bool finished;
   {
     absl::MutexLock lock(&mu_);
     closing_ = true;
@@ -204,16 +241,22 @@ void Channel::Close(absl::Duration grace) {
             },
             this),
         deadline);
+    finished = progress_.failed_seq != 0 ||
+               (items_.empty() && !busy_ && progress_.completed_through >= submitted_);
   }
   // Work still waiting on the client's ready word will not get it (the
-  // client is gone or stopped): let it through, so the queue drains.
-  queue_->Release();
+  // client is gone or stopped): let it through, so the queue drains (the
+  // regions it uses are still pinned).
+  if (!finished) queue_->Release();
   if (worker_.joinable()) worker_.join();
   queue_.reset();  // waits for the device work
+  std::deque<Held> held;
   {
     absl::MutexLock lock(&mu_);
     reporting_ = false;
+    held.swap(held_);
   }
+  held.clear();
   flags_pin_.reset();
 }
 

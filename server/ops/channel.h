@@ -75,9 +75,10 @@ class Channel {
   // Opens a channel on ctx.device whose flag area is the slice `flags` of a
   // registered region (pinned for the channel's life). INVALID_ARGUMENT
   // when the slice is not 16 bytes or its offset is not a multiple of 8;
-  // NOT_FOUND for an unknown region; FAILED_PRECONDITION when the region is
-  // not in the device's memory (cuda_ipc on a CUDA device, shm on the CPU) or
-  // the device has no channels. `ctx` members must outlive the channel.
+  // NOT_FOUND for an unknown region; FAILED_PRECONDITION when the device
+  // cannot order on that memory (the CPU needs shm; a CUDA device takes shm,
+  // the robust default, or cuda_ipc) or has no channels. `ctx` members must
+  // outlive the channel.
   static absl::StatusOr<std::unique_ptr<Channel>> Open(const tensor::RegionSliceSpec& flags,
                                                        const OpContext& ctx,
                                                        ProgressFn on_progress);
@@ -85,8 +86,9 @@ class Channel {
   // Stops taking submissions and ends the channel: every operation already
   // submitted is enqueued; then, if they have not all finished within
   // `grace` (0 when the client is gone), the queue is released (its waits on
-  // the client's ready word pass) so the device work drains; returns when
-  // it has. No progress callback runs after it returns.
+  // the client's ready word pass; backend::ChannelQueue::Release) so the
+  // device work drains; returns when it has. No progress callback runs
+  // after it returns.
   void Close(absl::Duration grace);
   // Close(absl::ZeroDuration()) unless Close was called.
   ~Channel();
@@ -118,6 +120,12 @@ class Channel {
   absl::Status TrackCompletion();
   void Report(const ChannelProgress& progress);
 
+  // Pins of the regions used by enqueued operations, until they complete.
+  struct Held {
+    uint64_t seq = 0;
+    std::vector<std::shared_ptr<const tensor::Region>> pins;
+  };
+
   // Constant after construction.
   const OpContext ctx_;
   const std::string device_name_;
@@ -139,6 +147,7 @@ class Channel {
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // the worker is running an item
   uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // highest seq handed to Submit
   ChannelProgress progress_ ABSL_GUARDED_BY(mu_);
+  std::deque<Held> held_ ABSL_GUARDED_BY(mu_);  // oldest first
   bool reporting_ ABSL_GUARDED_BY(mu_) = true;  // false once Close finished
 
   std::thread worker_;

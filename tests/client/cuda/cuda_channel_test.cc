@@ -77,7 +77,7 @@ struct DeviceArena {
 class CudaChannelTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    QTX_ASSERT_OK_AND_ASSIGN(server_, QtxdProcess::Start(g_qtxd_path, {"--device=cuda:0"}));
+    QTX_ASSERT_OK_AND_ASSIGN(server_, QtxdProcess::Start(g_qtxd_path, {"--device=cuda:0", "--allow_client_shm"}));
     QTX_ASSERT_OK_AND_ASSIGN(client_, Client::Connect(server_->target()));
     CUDA_OK(cudaSetDevice(0));
     CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -338,13 +338,17 @@ TEST_F(CudaChannelTest, AClientKilledWithParkedWorkLeavesQtxdServing) {
   ::close(out[0]);
   ASSERT_GT(n, 0);
   EXPECT_TRUE(absl::StartsWith(buf, "parked")) << buf;
+  std::fprintf(stderr, "test: child parked, killing it\n");
   ASSERT_EQ(::kill(child, SIGKILL), 0);
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
+  std::fprintf(stderr, "test: child reaped\n");
   // qtxd still serves, and channels work.
   QTX_ASSERT_OK_AND_ASSIGN(ServingStatus health, client_->Health());
   EXPECT_EQ(health, ServingStatus::kServing);
+  std::fprintf(stderr, "test: qtxd healthy\n");
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
+  std::fprintf(stderr, "test: new channel open\n");
   QuantizeOutputs outputs;
   outputs.rowwise_data = arena_.Take(256 * 128);
   outputs.rowwise_scale_inv = arena_.Take(256 * 4);
@@ -352,7 +356,9 @@ TEST_F(CudaChannelTest, AClientKilledWithParkedWorkLeavesQtxdServing) {
   QTX_ASSERT_OK(
       ch->Quantize(Tensor::InRegion(DType::kBFloat16, {256, 128}, input), {}, outputs).status());
   QTX_ASSERT_OK(ch->Synchronize());
+  std::fprintf(stderr, "test: new channel op done\n");
   QTX_ASSERT_OK(ch->Close());
+  std::fprintf(stderr, "test: new channel closed\n");
   QTX_ASSERT_OK_AND_ASSIGN(health, client_->Health());
   EXPECT_EQ(health, ServingStatus::kServing);
 }
