@@ -9,17 +9,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "driver_symbols.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/shm_region.h"
 
 namespace qtx::cuda {
 namespace {
 
-absl::Status CudaStatus(cudaError_t err, std::string_view what) {
-  (void)cudaGetLastError();
-  return absl::InternalError(absl::StrFormat("%s: CUDA error %s (%s)", what,
-                                             cudaGetErrorName(err), cudaGetErrorString(err)));
-}
+using internal::CudaStatus;
 
 absl::Status DriverStatus(CUresult r, std::string_view what) {
   if (r == CUDA_SUCCESS) return absl::OkStatus();
@@ -41,16 +38,7 @@ absl::StatusOr<MemOps> GetMemOps() {
         {"cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait)},
         {"cuStreamWriteValue64", reinterpret_cast<void**>(&o.write)},
         {"cuDeviceGetAttribute", reinterpret_cast<void**>(&o.attribute)}};
-    for (const auto& [symbol, slot] : wanted) {
-      cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-      const cudaError_t err =
-          cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query);
-      if (err != cudaSuccess) return CudaStatus(err, "cudaGetDriverEntryPointByVersion");
-      if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "the CUDA driver has no %s (channels need a CUDA 12+ driver)", symbol));
-      }
-    }
+    if (absl::Status s = internal::LoadDriverSymbols(wanted); !s.ok()) return s;
     return o;
   }());
   return *ops;

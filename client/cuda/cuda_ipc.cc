@@ -5,9 +5,10 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "driver_symbols.h"
 
 namespace qtx::cuda {
-namespace {
+namespace internal {
 
 absl::Status CudaStatus(cudaError_t err, std::string_view what) {
   (void)cudaGetLastError();  // clear the non-sticky error
@@ -15,7 +16,23 @@ absl::Status CudaStatus(cudaError_t err, std::string_view what) {
       absl::StrFormat("%s: CUDA error %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err)));
 }
 
-}  // namespace
+absl::Status LoadDriverSymbols(std::span<const std::pair<const char*, void**>> wanted) {
+  for (const auto& [symbol, slot] : wanted) {
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query);
+    if (err != cudaSuccess) return CudaStatus(err, "cudaGetDriverEntryPointByVersion");
+    if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("the CUDA driver has no %s (a CUDA 12+ driver is needed)", symbol));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+using internal::CudaStatus;
 
 absl::StatusOr<std::string> ExportMemHandle(const void* device_ptr) {
   cudaPointerAttributes attr = {};
@@ -74,16 +91,7 @@ absl::StatusOr<AllocationOps> GetAllocationOps() {
         const std::pair<const char*, void**> wanted[] = {
             {"cuMemGetAddressRange", reinterpret_cast<void**>(&o.address_range)},
             {"cuPointerGetAttribute", reinterpret_cast<void**>(&o.pointer_attribute)}};
-        for (const auto& [symbol, slot] : wanted) {
-          cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-          const cudaError_t err =
-              cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query);
-          if (err != cudaSuccess) return CudaStatus(err, "cudaGetDriverEntryPointByVersion");
-          if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
-            return absl::FailedPreconditionError(
-                absl::StrFormat("the CUDA driver has no %s", symbol));
-          }
-        }
+        if (absl::Status s = internal::LoadDriverSymbols(wanted); !s.ok()) return s;
         return o;
       }());
   return *ops;
