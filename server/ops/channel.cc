@@ -114,7 +114,6 @@ void Channel::WorkerLoop() {
 
 void Channel::Run(Item& item) {
   if (failed_) return;  // the channel failed earlier: nothing more runs
-
   if (item.seq != next_seq_) {
     Fail(item.seq, absl::FailedPreconditionError(absl::StrFormat(
                        "submit.seq=%d: expected %d (sequence numbers start at 1 and grow by one "
