@@ -207,13 +207,17 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
 
   // Operation `seq`: "ready = seq" on the caller's stream, the descriptor
   // to qtxd, "wait done >= seq" on the caller's stream.
-  absl::Status Submit(ChannelFlags& flags, uint64_t seq, v1::ChannelRequest request) {
+  // `next` moves past seq once the descriptor is queued (even if the wait
+  // then fails: qtxd will see seq).
+  absl::Status Submit(ChannelFlags& flags, uint64_t seq, v1::ChannelRequest request,
+                      std::atomic<uint64_t>& next) {
     if (absl::Status s = flags.SignalReady(seq); !s.ok()) return s;
     {
       absl::MutexLock lock(&mu_);
       submitted_ = seq;
     }
     Enqueue(std::move(request));
+    next.store(seq + 1);
     return flags.WaitDone(seq);
   }
   void NoteClosing() {
@@ -302,7 +306,7 @@ absl::Status Channel::CheckUsable() const {
   return absl::OkStatus();
 }
 
-uint64_t Channel::submitted() const { return next_seq_ - 1; }
+uint64_t Channel::submitted() const { return next_seq_.load() - 1; }
 
 absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeConfig& config,
                                            const QuantizeOutputs& outputs) {
@@ -311,7 +315,7 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
     return absl::InvalidArgumentError(
         "input: inline tensor; channel ops take slices of registered regions only");
   }
-  const uint64_t seq = next_seq_;
+  const uint64_t seq = next_seq_.load();
   v1::ChannelRequest request;
   v1::ChannelSubmit* submit = request.mutable_submit();
   submit->set_seq(seq);
@@ -319,8 +323,9 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
   ToProto(input, q->mutable_input());
   ToProto(config, q->mutable_config());
   ToProto(outputs, q->mutable_outputs());
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request)); !s.ok()) return s;
-  ++next_seq_;
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_); !s.ok()) {
+    return s;
+  }
   return seq;
 }
 
@@ -332,7 +337,7 @@ absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t seq
     return absl::InvalidArgumentError(
         "input: inline tensor; channel ops take slices of registered regions only");
   }
-  const uint64_t seq = next_seq_;
+  const uint64_t seq = next_seq_.load();
   v1::ChannelRequest request;
   v1::ChannelSubmit* submit = request.mutable_submit();
   submit->set_seq(seq);
@@ -343,15 +348,16 @@ absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t seq
   ToProto(config, a->mutable_config());
   a->set_mode(static_cast<v1::AllGatherMode>(mode));
   ToProto(outputs, a->mutable_outputs());
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request)); !s.ok()) return s;
-  ++next_seq_;
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_); !s.ok()) {
+    return s;
+  }
   return seq;
 }
 
 absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType output_dtype,
                                              const RegionSlice& output) {
   if (absl::Status s = CheckUsable(); !s.ok()) return s;
-  const uint64_t seq = next_seq_;
+  const uint64_t seq = next_seq_.load();
   v1::ChannelRequest request;
   v1::ChannelSubmit* submit = request.mutable_submit();
   submit->set_seq(seq);
@@ -359,15 +365,17 @@ absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType
   ToProto(input, d->mutable_input());
   d->set_output_dtype(static_cast<v1::DType>(output_dtype));
   ToProto(output, d->mutable_output());
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request)); !s.ok()) return s;
-  ++next_seq_;
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_); !s.ok()) {
+    return s;
+  }
   return seq;
 }
 
 absl::StatusOr<bool> Channel::Query(uint64_t op) const {
-  if (op == 0 || op >= next_seq_) {
+  const uint64_t next = next_seq_.load();
+  if (op == 0 || op >= next) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "operation %d: not an id this channel returned (1..%d)", op, next_seq_ - 1));
+        "operation %d: not an id this channel returned (1..%d)", op, next - 1));
   }
   const Stream::Snapshot s = stream_->Get();
   if (op <= s.completed_through) return true;
@@ -384,7 +392,7 @@ absl::StatusOr<bool> Channel::Query(uint64_t op) const {
 
 absl::Status Channel::Synchronize() {
   if (closed_) return absl::FailedPreconditionError("the channel is closed");
-  const uint64_t last = next_seq_ - 1;
+  const uint64_t last = next_seq_.load() - 1;
   const Stream::Snapshot s = stream_->WaitFor(
       [last](const Stream::Snapshot& s) {
         return s.completed_through >= last || s.failed_seq != 0 || s.ended;
@@ -399,9 +407,9 @@ absl::Status Channel::Synchronize() {
 }
 
 absl::Status Channel::Close() {
-  if (closed_) return absl::OkStatus();
+  if (closed_.load()) return absl::OkStatus();
   absl::Status status = Synchronize();
-  closed_ = true;
+  closed_.store(true);
   stream_->NoteClosing();
   if (status.ok()) {
     stream_->CloseWrites();

@@ -36,6 +36,7 @@
 #ifndef QTX_CLIENT_QTX_CHANNEL_H_
 #define QTX_CLIENT_QTX_CHANNEL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -183,8 +184,10 @@ class Channel {
   std::unique_ptr<ChannelFlags> flags_;  // destroyed after stream_
   const ChannelOptions options_;
   std::unique_ptr<Stream> stream_;
-  uint64_t next_seq_ = 1;  // the submitting thread's
-  bool closed_ = false;
+  // Written by the submitting thread; Query, Synchronize and submitted() may
+  // read them from others.
+  std::atomic<uint64_t> next_seq_{1};
+  std::atomic<bool> closed_{false};
 };
 
 }  // namespace qtx
