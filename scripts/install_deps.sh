@@ -11,7 +11,7 @@ PACKAGES=(
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch
   python3-pip python3-setuptools python3-wheel
   zlib1g-dev
-  openssl yamllint libcpp-httplib-dev
+  openssl yamllint
   clang libclang-rt-14-dev libomp-14-dev
 )
 
