@@ -18,6 +18,7 @@
 #include "server/api/nccl_wiring.h"
 #include "server/backend/device_factory.h"
 #include "server/status_macros.h"
+#include "server/tensor/shm_fault_guard.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
@@ -240,6 +241,10 @@ void QtxServer::AddGauges() {
                      [this] { return static_cast<double>(channels_->open_channels()); });
   metrics_->AddGauge("qtx_regions", "Registered memory regions.",
                      [this] { return static_cast<double>(regions_->size()); });
+  metrics_->AddGauge("qtx_shm_faults_total",
+                     "SIGBUS faults absorbed because a client truncated a registered shm object "
+                     "while a request used it, since start.",
+                     [] { return static_cast<double>(tensor::ShmFaultGuard::faults_total()); });
   metrics_->AddGauge("qtx_region_bytes", "Bytes of all registered memory regions.", [this] {
     double bytes = 0;
     for (const tensor::RegionInfo& r : regions_->List()) bytes += static_cast<double>(r.byte_size);

@@ -270,7 +270,18 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
     }
     inits.push_back(std::move(init));
   }
-  return store.CreateGroup(request.config, inits, request.replace);
+  QTX_ASSIGN_OR_RETURN(optimizer::GroupInfo info,
+                       store.CreateGroup(request.config, inits, request.replace));
+  for (const tensor::TensorView& v : views) {
+    if (absl::Status intact = tensor::CheckIntact(v.pin); !intact.ok()) {
+      // The group was built from bytes that are not the client's: drop it.
+      (void)store.ReleaseGroup(info.config.name);
+      return absl::DataLossError(absl::StrFormat(
+          "%s The group '%s' was not kept%s.", intact.message(), info.config.name,
+          request.replace ? " (nor the group it replaced, or its checkpoints)" : ""));
+    }
+  }
+  return info;
 }
 
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
@@ -535,6 +546,15 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
   QTX_ASSIGN_OR_RETURN(result.stats,
                        store.Step(request.group, request.options,
                                   optimizer::PrepareStepWithScratchFn(prepare)));
+  for (const auto& [name, view] : grads) {
+    if (absl::Status intact = tensor::CheckIntact(view.pin); !intact.ok()) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s Step %d of group '%s' was applied with zeros in place of the lost gradient bytes "
+          "of '%s'; load the group's checkpoint (LoadCheckpoint) to undo it.",
+          intact.message(), result.stats.step, request.group, name));
+    }
+  }
+  for (const tensor::OutputSlice& out : pins) QTX_RETURN_IF_ERROR(tensor::CheckIntact(out.pin));
   return result;
 }
 
@@ -637,6 +657,7 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
         }
         return absl::OkStatus();
       }));
+  for (const tensor::OutputSlice& out : pins) QTX_RETURN_IF_ERROR(tensor::CheckIntact(out.pin));
   return result;
 }
 

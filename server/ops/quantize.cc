@@ -522,6 +522,12 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
   if (outs[3]) args.out.columnwise_scale_inv = static_cast<float*>(outs[3]->KernelPointer());
   QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
   for (auto& o : outs) QTX_RETURN_IF_ERROR(CopyBack(o, *ctx.device));
+  QTX_RETURN_IF_ERROR(tensor::CheckIntact(input.pin));
+  for (const auto& o : outs) {
+    if (o.has_value() && o->slice.has_value()) {
+      QTX_RETURN_IF_ERROR(tensor::CheckIntact(o->slice->pin));
+    }
+  }
 
   QuantizeResult result;
   result.shape = input.shape;
@@ -636,6 +642,9 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
   args.queue = request.queue;
   QTX_RETURN_IF_ERROR(ctx.device->Dequantize(args));
   QTX_RETURN_IF_ERROR(CopyBack(out, *ctx.device));
+  QTX_RETURN_IF_ERROR(tensor::CheckIntact(data.pin));
+  QTX_RETURN_IF_ERROR(tensor::CheckIntact(scale.pin));
+  if (out->slice.has_value()) QTX_RETURN_IF_ERROR(tensor::CheckIntact(out->slice->pin));
   return std::move(out->tensor);
 }
 

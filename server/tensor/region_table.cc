@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_format.h"
 #include "server/status_macros.h"
+#include "server/tensor/shm_fault_guard.h"
 
 namespace qtx::server::tensor {
 namespace {
@@ -100,6 +101,19 @@ Region::Region(std::string name, RegionKind kind, std::string shm_name, int32_t 
 
 Region::~Region() {
   if (memory_.release) memory_.release();
+}
+
+absl::Status Region::Intact() const {
+  if (!memory_.faulted || !memory_.faulted()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrFormat(
+      "region %s: shm object %s was truncated while this request used it; the bytes read from "
+      "or written to it are not the client's, so the result is discarded. Unregister the region "
+      "and register it again once the object is large enough",
+      Quoted(name_), Quoted(shm_name_)));
+}
+
+absl::Status CheckIntact(const std::shared_ptr<const Region>& pin) {
+  return pin == nullptr ? absl::OkStatus() : pin->Intact();
 }
 
 RegionTable::RegionTable(RegionTableOptions options) : options_(std::move(options)) {}
@@ -204,13 +218,30 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
   // The descriptor stays open for the size check on every pin: a client that
   // truncates the object after registering it would make the next access
   // fault (SIGBUS); the check refuses the pin instead.
+  // A truncation while a request touches the mapping raises SIGBUS: the
+  // guard absorbs it and marks the watch (see shm_fault_guard.h).
+  absl::StatusOr<int> watch = ShmFaultGuard::Watch(base, map_len);
+  if (!watch.ok()) {
+    ::munmap(base, map_len);
+    return watch.status();
+  }
+  const int watch_id = *watch;
   const int kept_fd = closer.Release();
-  memory.release = [base, map_len, kept_fd] {
+  memory.release = [base, map_len, kept_fd, watch_id] {
+    ShmFaultGuard::Unwatch(watch_id);
     ::munmap(base, map_len);
     ::close(kept_fd);
   };
+  memory.faulted = [watch_id] { return ShmFaultGuard::Faulted(watch_id); };
   const uint64_t needed = offset + byte_size;  // checked above: no overflow
-  memory.check = [kept_fd, needed, name = std::string(name), shm]() -> absl::Status {
+  memory.check = [kept_fd, needed, watch_id, name = std::string(name),
+                  shm]() -> absl::Status {
+    if (ShmFaultGuard::Faulted(watch_id)) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "region %s: shm object %s was truncated while a request used it, and the server's "
+          "mapping no longer shows it; unregister the region and register it again",
+          Quoted(name), Quoted(shm)));
+    }
     struct stat now;
     if (::fstat(kept_fd, &now) != 0) {
       return absl::InternalError(absl::StrFormat("region %s: fstat of shm object %s failed: %s",

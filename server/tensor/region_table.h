@@ -43,6 +43,9 @@ struct MappedMemory {
   // refuses the pin (e.g. a shm object shrunk below the mapped range, which
   // would fault on access).
   std::function<absl::Status()> check;
+  // Optional: true once the memory lost pages while mapped (a shm object
+  // truncated under a request; see shm_fault_guard.h). Must be cheap.
+  std::function<bool()> faulted;
 };
 
 // Opens a CUDA IPC handle (64 bytes) on `device_id`, `byte_size` bytes.
@@ -76,6 +79,11 @@ class Region {
   std::byte* data() const { return memory_.data; }
   // Number of live pins (requests currently using the region).
   uint32_t in_use() const { return pins_.load(std::memory_order_relaxed); }
+  // OK while every byte still is the client's memory. DATA_LOSS once the
+  // region lost pages under a request (its shm object was truncated): what
+  // was read from it or written to it since is not the client's data. Ops
+  // check their regions with this when they end (ops::RegionsIntact).
+  absl::Status Intact() const;
 
  private:
   friend class RegionTable;
@@ -90,6 +98,10 @@ class Region {
 
   std::atomic<uint32_t> pins_{0};
 };
+
+// OK for a null pin (inline data) or an intact region; Region::Intact's
+// DATA_LOSS otherwise. Ops call it on every pin once their work is done.
+absl::Status CheckIntact(const std::shared_ptr<const Region>& pin);
 
 // A snapshot of one region for listing.
 struct RegionInfo {

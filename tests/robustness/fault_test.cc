@@ -6,9 +6,12 @@
 //   - the checkpoint directory unwritable (replaced by a file; read-only when
 //     not root) and full (RLIMIT_FSIZE): a clear error, the state intact, the
 //     previous checkpoint still loadable, and saving works once fixed.
+//   - a client truncating a registered shm object while calls read and write
+//     it (Quantize, Step, GetState): each call fails alone, qtxd lives on.
 // (A peer sidecar killed during AllGather: tests/server/collective,
 // CollectiveFaults.MissingRankMismatchedNAndKilledSidecar.)
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/resource.h>
@@ -16,6 +19,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -23,12 +27,14 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <functional>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/optimizer.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
 
@@ -118,6 +124,7 @@ class Sidecar {
                                          args);
     quantizer = v1::Quantizer::NewStub(channel_);
     optimizer = v1::Optimizer::NewStub(channel_);
+    memory = v1::Memory::NewStub(channel_);
   }
 
   // Waits until the socket answers a call.
@@ -140,6 +147,7 @@ class Sidecar {
 
   std::unique_ptr<v1::Quantizer::Stub> quantizer;
   std::unique_ptr<v1::Optimizer::Stub> optimizer;
+  std::unique_ptr<v1::Memory::Stub> memory;
 
  private:
   static inline int instances_ = 0;
@@ -427,6 +435,172 @@ TEST(Faults, CheckpointDiskFull) {
   ASSERT_TRUE(GetState(again, "small", &small).ok());
   EXPECT_EQ(small.group().error(), "");
   again.process().Kill(SIGKILL);
+  fs::remove_all(dir);
+}
+
+// A client's POSIX shm object, filled with floats, that the test can shrink
+// while qtxd uses it.
+class ClientShm {
+ public:
+  explicit ClientShm(size_t bytes) : bytes_(bytes) {
+    static int counter = 0;
+    name_ = "/qtx-fault-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    fd_ = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd_ < 0 || ::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) return;
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) return;
+    auto* f = static_cast<float*>(p);
+    for (size_t i = 0; i < bytes / 4; ++i) f[i] = Init(static_cast<int64_t>(i));
+    ::munmap(p, bytes);
+    ok_ = true;
+  }
+  ~ClientShm() {
+    if (fd_ >= 0) ::close(fd_);
+    ::shm_unlink(name_.c_str());
+  }
+  bool ok() const { return ok_; }
+  void Shrink() { (void)::ftruncate(fd_, 0); }
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+  size_t bytes_;
+  int fd_ = -1;
+  bool ok_ = false;
+};
+
+grpc::Status Register(Sidecar& s, const std::string& region, const ClientShm& shm, size_t bytes) {
+  v1::RegisterRegionRequest req;
+  req.set_name(region);
+  req.mutable_shm()->set_shm_name(shm.name());
+  req.mutable_shm()->set_byte_size(bytes);
+  v1::RegisterRegionResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(30000));
+  return s.memory->RegisterRegion(&ctx, req, &resp);
+}
+
+v1::RegionSlice Slice(const std::string& region, uint64_t offset, uint64_t size) {
+  v1::RegionSlice r;
+  r.set_region(region);
+  r.set_offset(offset);
+  r.set_size(size);
+  return r;
+}
+
+// A client shrinks its registered shm object to nothing while qtxd reads
+// (Quantize input, Step gradients) or writes (Quantize outputs, GetState
+// destinations) it. Before the SIGBUS guard, qtxd died on 5 of 5 tries. Now
+// each such call fails alone with DATA_LOSS (or, if the shrink came before
+// the call pinned the region, FAILED_PRECONDITION; or it finished first: OK),
+// and qtxd keeps serving. The shrink is timed at a fraction of the call's
+// measured duration so that most tries land mid-call.
+TEST(Faults, ShmShrunkDuringCallsFailsThoseCallsOnly) {
+  const std::string dir = TempDir();
+  Sidecar s(dir, {"--allow_client_shm"});
+  ASSERT_TRUE(s.WaitReady());
+  constexpr int64_t kRows = 2048, kCols = 4096;  // 32 MiB of FLOAT32
+  constexpr uint64_t kF32 = kRows * kCols * 4;
+  constexpr uint64_t kFp8 = kRows * kCols;
+  ASSERT_TRUE(Offload(s, "opt", kRows, kCols).ok());
+
+  struct Kind {
+    const char* name;
+    uint64_t bytes;  // of the shm object
+    std::function<grpc::Status(const std::string& region, int64_t attempt)> call;
+  };
+  int64_t step = 0;
+  const std::vector<Kind> kinds = {
+      {"Quantize", kF32 + kFp8,
+       [&](const std::string& region, int64_t) {
+         v1::QuantizeRequest req;
+         req.mutable_input()->set_dtype(v1::FLOAT32);
+         req.mutable_input()->add_shape(kRows);
+         req.mutable_input()->add_shape(kCols);
+         *req.mutable_input()->mutable_region() = Slice(region, 0, kF32);
+         *req.mutable_outputs()->mutable_rowwise_data() = Slice(region, kF32, kFp8);
+         v1::QuantizeResponse resp;
+         grpc::ClientContext ctx;
+         ctx.set_deadline(In(60000));
+         return s.quantizer->Quantize(&ctx, req, &resp);
+       }},
+      {"Step", kF32,
+       [&](const std::string& region, int64_t) {
+         v1::StepRequest req;
+         req.set_group("opt");
+         req.set_step(++step);
+         req.set_omit_parameters(true);
+         v1::Gradient* g = req.add_gradients();
+         g->set_name("w");
+         g->mutable_grad()->set_dtype(v1::FLOAT32);
+         g->mutable_grad()->add_shape(kRows);
+         g->mutable_grad()->add_shape(kCols);
+         *g->mutable_grad()->mutable_region() = Slice(region, 0, kF32);
+         v1::StepResponse resp;
+         grpc::ClientContext ctx;
+         ctx.set_deadline(In(60000));
+         grpc::Status st = s.optimizer->Step(&ctx, req, &resp);
+         if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) --step;  // not applied
+         return st;
+       }},
+      {"GetState", 3 * kF32,
+       [&](const std::string& region, int64_t) {
+         v1::GetStateRequest req;
+         req.set_group("opt");
+         req.set_include_moments(true);
+         v1::StateDestination* d = req.add_destinations();
+         d->set_name("w");
+         *d->mutable_master() = Slice(region, 0, kF32);
+         *d->mutable_exp_avg() = Slice(region, kF32, kF32);
+         *d->mutable_exp_avg_sq() = Slice(region, 2 * kF32, kF32);
+         v1::GetStateResponse resp;
+         grpc::ClientContext ctx;
+         ctx.set_deadline(In(60000));
+         return s.optimizer->GetState(&ctx, req, &resp);
+       }},
+  };
+  int region_id = 0;
+  for (const Kind& kind : kinds) {
+    // The call's duration on an intact region.
+    ClientShm intact(kind.bytes);
+    ASSERT_TRUE(intact.ok());
+    const std::string r0 = "fault-" + std::to_string(region_id++);
+    ASSERT_TRUE(Register(s, r0, intact, kind.bytes).ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc::Status first = kind.call(r0, 0);
+    ASSERT_TRUE(first.ok()) << kind.name << ": " << first.error_message();
+    const auto duration = std::chrono::steady_clock::now() - t0;
+
+    int data_loss = 0;
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      ClientShm shm(kind.bytes);
+      ASSERT_TRUE(shm.ok());
+      const std::string r = "fault-" + std::to_string(region_id++);
+      ASSERT_TRUE(Register(s, r, shm, kind.bytes).ok());
+      grpc::Status st;
+      std::thread caller([&] { st = kind.call(r, attempt); });
+      std::this_thread::sleep_for(duration * (2 + attempt) / 10);
+      shm.Shrink();
+      caller.join();
+      ASSERT_TRUE(s.process().alive()) << kind.name << " try " << attempt << " killed qtxd";
+      EXPECT_THAT(st.error_code(), AnyOf(grpc::StatusCode::OK, grpc::StatusCode::DATA_LOSS,
+                                         grpc::StatusCode::FAILED_PRECONDITION))
+          << kind.name << ": " << st.error_message();
+      if (st.error_code() == grpc::StatusCode::DATA_LOSS) {
+        ++data_loss;
+        EXPECT_THAT(st.error_message(), HasSubstr("was truncated while this request used it"));
+      }
+      // The damaged region refuses later calls until registered again.
+      grpc::Status again = kind.call(r, attempt);
+      EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+          << kind.name << ": " << again.error_message();
+    }
+    EXPECT_GT(data_loss, 0) << kind.name << ": no shrink landed mid-call in 5 tries";
+    // Other regions and clients are unaffected.
+    grpc::Status after = kind.call(r0, 9);
+    EXPECT_TRUE(after.ok()) << kind.name << ": " << after.error_message();
+  }
+  EXPECT_TRUE(s.process().alive());
   fs::remove_all(dir);
 }
 
