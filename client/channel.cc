@@ -273,10 +273,49 @@ Channel::Channel(std::unique_ptr<ChannelFlags> flags, ChannelOptions options)
 absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client,
                                                        std::unique_ptr<ChannelFlags> flags,
                                                        const ChannelOptions& options) {
+  return OpenWith(client, std::move(flags), options, nullptr, 0);
+}
+
+absl::StatusOr<std::unique_ptr<Channel>> Channel::OpenPlan(Client& client,
+                                                           std::unique_ptr<ChannelFlags> flags,
+                                                           const PlanOp& op,
+                                                           const ChannelOptions& options,
+                                                           uint32_t lookahead) {
+  if (lookahead < 1 || lookahead > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Channel::OpenPlan: lookahead=%d: must be 1..16", lookahead));
+  }
+  return OpenWith(client, std::move(flags), options, &op, lookahead);
+}
+
+absl::StatusOr<std::unique_ptr<Channel>> Channel::OpenWith(Client& client,
+                                                           std::unique_ptr<ChannelFlags> flags,
+                                                           const ChannelOptions& options,
+                                                           const PlanOp* plan,
+                                                           uint32_t lookahead) {
   if (flags == nullptr) return absl::InvalidArgumentError("Channel::Open: flags is null");
-  std::unique_ptr<Channel> channel(new Channel(std::move(flags), options));
-  channel->stream_ = std::make_unique<Stream>(channel->flags_.get());
   v1::ChannelRequest open;
+  if (plan != nullptr) {
+    v1::ChannelPlan* p = open.mutable_open()->mutable_plan();
+    p->set_lookahead(lookahead);
+    if (const auto* q = std::get_if<QuantizePlan>(plan)) {
+      if (!q->input.in_region()) {
+        return absl::InvalidArgumentError(
+            "plan input: inline tensor; channel ops take slices of registered regions only");
+      }
+      ToProto(q->input, p->mutable_quantize()->mutable_input());
+      ToProto(q->config, p->mutable_quantize()->mutable_config());
+      ToProto(q->outputs, p->mutable_quantize()->mutable_outputs());
+    } else {
+      const auto& d = std::get<DequantizePlan>(*plan);
+      ToProto(d.input, p->mutable_dequantize()->mutable_input());
+      p->mutable_dequantize()->set_output_dtype(static_cast<v1::DType>(d.output_dtype));
+      ToProto(d.output, p->mutable_dequantize()->mutable_output());
+    }
+  }
+  std::unique_ptr<Channel> channel(new Channel(std::move(flags), options));
+  channel->plan_ = plan != nullptr;
+  channel->stream_ = std::make_unique<Stream>(channel->flags_.get());
   ToProto(channel->flags_->slice(), open.mutable_open()->mutable_flags());
   open.mutable_open()->set_label(options.label);
   channel->stream_->Start(*client.impl_, std::move(open));
@@ -298,6 +337,15 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client,
 
 Channel::~Channel() { (void)Close(); }
 
+absl::Status Channel::CheckSubmit() const {
+  if (plan_) {
+    return absl::FailedPreconditionError(
+        "this channel is a plan: its executions need no submissions (open a plain channel for "
+        "Quantize/Dequantize/AllGather calls)");
+  }
+  return CheckUsable();
+}
+
 absl::Status Channel::CheckUsable() const {
   if (closed_) return absl::FailedPreconditionError("the channel is closed");
   const Stream::Snapshot s = stream_->Get();
@@ -308,9 +356,15 @@ absl::Status Channel::CheckUsable() const {
 
 uint64_t Channel::submitted() const { return next_seq_.load() - 1; }
 
+uint64_t Channel::completed() const {
+  return closed_.load() ? completed_at_close_.load() : stream_->Get().completed_through;
+}
+
+absl::Status Channel::status() const { return CheckUsable(); }
+
 absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeConfig& config,
                                            const QuantizeOutputs& outputs) {
-  if (absl::Status s = CheckUsable(); !s.ok()) return s;
+  if (absl::Status s = CheckSubmit(); !s.ok()) return s;
   if (!input.in_region()) {
     return absl::InvalidArgumentError(
         "input: inline tensor; channel ops take slices of registered regions only");
@@ -332,7 +386,7 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
 absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t sequence,
                                             const Tensor& input, const QuantizeConfig& config,
                                             AllGatherMode mode, const QuantizeOutputs& outputs) {
-  if (absl::Status s = CheckUsable(); !s.ok()) return s;
+  if (absl::Status s = CheckSubmit(); !s.ok()) return s;
   if (!input.in_region()) {
     return absl::InvalidArgumentError(
         "input: inline tensor; channel ops take slices of registered regions only");
@@ -356,7 +410,7 @@ absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t seq
 
 absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType output_dtype,
                                              const RegionSlice& output) {
-  if (absl::Status s = CheckUsable(); !s.ok()) return s;
+  if (absl::Status s = CheckSubmit(); !s.ok()) return s;
   const uint64_t seq = next_seq_.load();
   v1::ChannelRequest request;
   v1::ChannelSubmit* submit = request.mutable_submit();
@@ -409,6 +463,7 @@ absl::Status Channel::Synchronize() {
 absl::Status Channel::Close() {
   if (closed_.load()) return absl::OkStatus();
   absl::Status status = Synchronize();
+  completed_at_close_.store(stream_->Get().completed_through);
   closed_.store(true);
   stream_->NoteClosing();
   if (status.ok()) {

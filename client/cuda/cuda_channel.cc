@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "driver_symbols.h"
+#include "stream_flags.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/shm_region.h"
 
@@ -81,6 +82,8 @@ class StreamFlags final : public ChannelFlags {
   }
 
   RegionSlice slice() const override { return RegionSlice{region_, 0, 16}; }
+  // The words as the GPU sees them: ready, done, then 8 more zeroed bytes.
+  CUdeviceptr words() const { return words_; }
 
   absl::Status SignalReady(uint64_t seq) override {
     // Default flags: a memory fence precedes the write, so qtxd, released by
@@ -131,6 +134,15 @@ class StreamFlags final : public ChannelFlags {
 absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client,
                                                                 cudaStream_t stream,
                                                                 FlagMemory memory) {
+  CUdeviceptr words = 0;
+  return internal::CreateFlags(client, stream, memory, &words);
+}
+
+namespace internal {
+
+absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateFlags(Client& client, cudaStream_t stream,
+                                                          FlagMemory memory,
+                                                          CUdeviceptr* device_words) {
   absl::StatusOr<MemOps> ops = GetMemOps();
   if (!ops.ok()) return ops.status();
   int device = 0;
@@ -192,8 +204,11 @@ absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client,
                                           words);
   }
   if (absl::Status s = flags->Init(); !s.ok()) return s;
+  *device_words = flags->words();
   return flags;
 }
+
+}  // namespace internal
 
 absl::StatusOr<std::unique_ptr<Channel>> OpenChannel(Client& client, cudaStream_t stream,
                                                      const ChannelOptions& options,

@@ -41,6 +41,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <variant>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -114,6 +115,20 @@ struct ChannelOptions {
   absl::Duration sync_timeout = absl::Minutes(5);
 };
 
+// The operation of a plan channel (Channel::OpenPlan): fixed once, run by
+// qtxd once per execution. Tensors as for Channel::Quantize / Dequantize.
+struct QuantizePlan {
+  Tensor input;
+  QuantizeConfig config;
+  QuantizeOutputs outputs;
+};
+struct DequantizePlan {
+  QuantizedTensor input;
+  DType output_dtype = DType::kFloat32;
+  RegionSlice output;
+};
+using PlanOp = std::variant<QuantizePlan, DequantizePlan>;
+
 class Channel {
  public:
   // Opens a channel on `client`'s qtxd with `flags` (which the channel owns
@@ -125,6 +140,22 @@ class Channel {
   static absl::StatusOr<std::unique_ptr<Channel>> Open(Client& client,
                                                        std::unique_ptr<ChannelFlags> flags,
                                                        const ChannelOptions& options = {});
+
+  // Opens a plan channel (proto/qtx/v1/channel.proto, "Plans"): qtxd runs
+  // `op` once per execution n = 1, 2, ..., each ordered by `flags` exactly
+  // as submission n of a plain channel, with no submission: the caller moves
+  // ready to n and waits for done >= n itself (qtx::cuda::Plan does both in
+  // one kernel that a CUDA graph can capture and replay). qtxd keeps up to
+  // `lookahead` (1..16) executions enqueued ahead. A plan channel takes no
+  // Quantize/Dequantize/AllGather (FAILED_PRECONDITION); its op is checked
+  // by qtxd at each execution (a bad op fails the channel, seen by status()).
+  // Close() releases the executions still enqueued: they run the op once
+  // more each, so keep its tensors until Close returns. Errors as Open.
+  static absl::StatusOr<std::unique_ptr<Channel>> OpenPlan(Client& client,
+                                                           std::unique_ptr<ChannelFlags> flags,
+                                                           const PlanOp& op,
+                                                           const ChannelOptions& options = {},
+                                                           uint32_t lookahead = 2);
 
   // Close(), errors ignored.
   ~Channel();
@@ -174,12 +205,27 @@ class Channel {
   // Operations submitted so far (the last id).
   uint64_t submitted() const;
 
+  // Operations (of a plan: executions) qtxd reported done, in order.
+  uint64_t completed() const;
+  // OK while the channel can take work: else its first failure (naming the
+  // operation or execution), UNAVAILABLE once qtxd is gone, or
+  // FAILED_PRECONDITION once closed.
+  absl::Status status() const;
+  bool is_plan() const { return plan_; }
+  // The flag area (for callers that drive a plan's flags themselves).
+  ChannelFlags& flags() const { return *flags_; }
+
  private:
   class Stream;
   explicit Channel(std::unique_ptr<ChannelFlags> flags, ChannelOptions options);
+  static absl::StatusOr<std::unique_ptr<Channel>> OpenWith(
+      Client& client, std::unique_ptr<ChannelFlags> flags, const ChannelOptions& options,
+      const PlanOp* plan, uint32_t lookahead);
   // OK when a new operation may be submitted: not closed, not failed, qtxd
   // still there.
   absl::Status CheckUsable() const;
+  // CheckUsable, and FAILED_PRECONDITION on a plan channel.
+  absl::Status CheckSubmit() const;
 
   std::unique_ptr<ChannelFlags> flags_;  // destroyed after stream_
   const ChannelOptions options_;
@@ -188,6 +234,8 @@ class Channel {
   // read them from others.
   std::atomic<uint64_t> next_seq_{1};
   std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> completed_at_close_{0};
+  bool plan_ = false;
 };
 
 }  // namespace qtx

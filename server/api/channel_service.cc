@@ -52,6 +52,12 @@ class ChannelReactor final
                        "after `open`, every message of a channel must be `submit`"));
         return;
       }
+      if (channel_->is_plan()) {
+        BeginClose(absl::ZeroDuration(),
+                   absl::FailedPreconditionError(
+                       "submit: this channel is a plan (its executions need no submissions)"));
+        return;
+      }
       Submit();
     }
     StartRead(&in_);
@@ -84,9 +90,18 @@ class ChannelReactor final
                  absl::InvalidArgumentError("open.flags: not set (the 16-byte flag area)"));
       return false;
     }
+    std::optional<ops::ChannelPlan> plan;
+    if (open.has_plan()) {
+      absl::StatusOr<ops::ChannelPlan> parsed = PlanFromProto();
+      if (!parsed.ok()) {
+        BeginClose(absl::ZeroDuration(), parsed.status());
+        return false;
+      }
+      plan = std::move(*parsed);
+    }
     absl::StatusOr<std::unique_ptr<ops::Channel>> channel = ops::Channel::Open(
         SliceFromProto(open.flags()), service_->ctx_,
-        [this](const ops::ChannelProgress& p) { OnProgress(p); });
+        [this](const ops::ChannelProgress& p) { OnProgress(p); }, std::move(plan));
     if (!channel.ok()) {
       BeginClose(absl::ZeroDuration(), channel.status());
       return false;
@@ -105,6 +120,33 @@ class ChannelReactor final
     }
     Pump();
     return true;
+  }
+
+  // The plan of the `open` in in_ (kept with the channel: the spec borrows
+  // from the message).
+  absl::StatusOr<ops::ChannelPlan> PlanFromProto() {
+    auto msg = std::make_shared<v1::ChannelRequest>();
+    msg->CopyFrom(in_);
+    const v1::ChannelPlan& p = msg->open().plan();
+    ops::ChannelPlan plan;
+    plan.lookahead = p.lookahead() == 0 ? 2 : p.lookahead();
+    if (p.has_quantize()) {
+      absl::StatusOr<ops::QuantizeRequestSpec> spec = QuantizeRequestFromProto(p.quantize());
+      if (!spec.ok()) return PlanError(spec.status());
+      plan.op = std::move(*spec);
+    } else if (p.has_dequantize()) {
+      absl::StatusOr<ops::DequantizeRequestSpec> spec =
+          DequantizeRequestFromProto(p.dequantize());
+      if (!spec.ok()) return PlanError(spec.status());
+      plan.op = std::move(*spec);
+    } else {
+      return absl::InvalidArgumentError("open.plan: no op set (quantize or dequantize)");
+    }
+    plan.keepalive = std::move(msg);
+    return plan;
+  }
+  static absl::Status PlanError(const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrFormat("open.plan: %s", s.message()));
   }
 
   void Submit() {

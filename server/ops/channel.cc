@@ -48,7 +48,13 @@ std::vector<std::string> RegionsOf(const ChannelOp& op) {
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const tensor::RegionSliceSpec& flags,
                                                        const OpContext& ctx,
-                                                       ProgressFn on_progress) {
+                                                       ProgressFn on_progress,
+                                                       std::optional<ChannelPlan> plan) {
+  if (plan.has_value() && (plan->lookahead < 1 || plan->lookahead > kMaxPlanLookahead)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "open.plan.lookahead=%d: must be 1..%d (0 means 2)", plan->lookahead,
+        kMaxPlanLookahead));
+  }
   if (flags.size != kChannelFlagBytes) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "open.flags.size=%d: the flag area is exactly %d bytes (ready and done, uint64 each)",
@@ -65,18 +71,26 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const tensor::RegionSlice
   QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::ChannelQueue> queue,
                        ctx.device->OpenChannelQueue(static_cast<std::byte*>(slice.data),
                                                     slice.memory));
-  return std::unique_ptr<Channel>(
-      new Channel(ctx, std::move(slice.pin), std::move(queue), std::move(on_progress)));
+  return std::unique_ptr<Channel>(new Channel(ctx, std::move(slice.pin), std::move(queue),
+                                              std::move(on_progress), std::move(plan)));
 }
 
 Channel::Channel(const OpContext& ctx, std::shared_ptr<const tensor::Region> flags_pin,
-                 std::unique_ptr<backend::ChannelQueue> queue, ProgressFn on_progress)
+                 std::unique_ptr<backend::ChannelQueue> queue, ProgressFn on_progress,
+                 std::optional<ChannelPlan> plan)
     : ctx_(ctx),
       device_name_(ctx.device->name()),
       on_progress_(std::move(on_progress)),
+      plan_(std::move(plan)),
       flags_pin_(std::move(flags_pin)),
       queue_(std::move(queue)) {
-  worker_ = std::thread([this] { WorkerLoop(); });
+  worker_ = std::thread([this] {
+    if (plan_.has_value()) {
+      PlanLoop();
+    } else {
+      WorkerLoop();
+    }
+  });
 }
 
 Channel::~Channel() {
@@ -84,6 +98,9 @@ Channel::~Channel() {
 }
 
 void Channel::Submit(uint64_t seq, ChannelOp op, std::shared_ptr<const void> keepalive) {
+  // A plan's worker makes its own items; the service refuses submissions to
+  // plans before they get here.
+  if (plan_.has_value()) return;
   absl::MutexLock lock(&mu_);
   if (closing_) return;
   submitted_ = std::max(submitted_, seq);
@@ -109,6 +126,32 @@ void Channel::WorkerLoop() {
     item.keepalive.reset();
     absl::MutexLock lock(&mu_);
     busy_ = false;
+  }
+}
+
+// Execution n of the plan is enqueued once executions up to
+// n - lookahead have finished (so at most `lookahead` wait on the device),
+// unless the channel is closing or failed.
+void Channel::PlanLoop() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Channel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return c->closing_ || c->progress_.failed_seq != 0 ||
+                   c->plan_enqueued_ - c->progress_.completed_through < c->plan_->lookahead;
+          },
+          this));
+      if (closing_ || progress_.failed_seq != 0) return;
+      busy_ = true;
+    }
+    Item item;
+    item.seq = next_seq_;
+    std::visit([&](const auto& spec) { item.op = spec; }, plan_->op);
+    Run(item);
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+    plan_enqueued_ = next_seq_ - 1;
   }
 }
 
@@ -224,7 +267,9 @@ void Channel::Report(const ChannelProgress& update) {
 void Channel::Close(absl::Duration grace) {
   if (closed_) return;
   closed_ = true;
-  const absl::Time deadline = absl::Now() + grace;
+  // A plan's executions beyond the caller's last one wait for a ready word
+  // that will not move: no grace.
+  const absl::Time deadline = absl::Now() + (plan_.has_value() ? absl::ZeroDuration() : grace);
   bool finished;
   {
     absl::MutexLock lock(&mu_);
@@ -241,7 +286,8 @@ void Channel::Close(absl::Duration grace) {
             this),
         deadline);
     finished = progress_.failed_seq != 0 ||
-               (items_.empty() && !busy_ && progress_.completed_through >= submitted_);
+               (items_.empty() && !busy_ && progress_.completed_through >= submitted_ &&
+                progress_.completed_through >= plan_enqueued_);
   }
   // Work still waiting on the client's ready word will not get it (the
   // client is gone or stopped): let it through, so the queue drains (the

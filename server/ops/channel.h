@@ -16,6 +16,12 @@
 // failure, once set, stays). Snapshots may arrive out of order: a receiver
 // keeps the largest.
 //
+// A plan channel (proto/qtx/v1/channel.proto, "Plans") has no submissions:
+// its worker runs the plan's operation as execution 1, 2, ... (each exactly
+// like a submission with that sequence number), keeping up to `lookahead`
+// executions enqueued beyond the last finished one. It stops at the first
+// failure or at Close, which releases the executions still waiting.
+//
 // Thread safety: Submit may be called from any thread, one at a time (the
 // stream's order is the submission order); the destructor must not race
 // Submit.
@@ -26,6 +32,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <variant>
@@ -60,6 +67,15 @@ using ChannelTask = std::function<absl::Status(backend::ChannelQueue* queue)>;
 using ChannelOp =
     std::variant<QuantizeRequestSpec, DequantizeRequestSpec, ChannelTask, absl::Status>;
 
+// The operation of a plan channel. `keepalive` owns what `op` borrows, for
+// the channel's life.
+struct ChannelPlan {
+  std::variant<QuantizeRequestSpec, DequantizeRequestSpec> op;
+  std::shared_ptr<const void> keepalive;
+  uint32_t lookahead = 2;  // 1..kMaxPlanLookahead
+};
+inline constexpr uint32_t kMaxPlanLookahead = 16;
+
 struct ChannelProgress {
   // Operations 1..completed_through finished successfully on the device.
   uint64_t completed_through = 0;
@@ -79,9 +95,11 @@ class Channel {
   // cannot order on that memory (the CPU needs shm; a CUDA device takes shm,
   // the robust default, or cuda_ipc) or has no channels. `ctx` members must
   // outlive the channel.
-  static absl::StatusOr<std::unique_ptr<Channel>> Open(const tensor::RegionSliceSpec& flags,
-                                                       const OpContext& ctx,
-                                                       ProgressFn on_progress);
+  // With `plan`, a plan channel (INVALID_ARGUMENT for a lookahead outside
+  // 1..kMaxPlanLookahead).
+  static absl::StatusOr<std::unique_ptr<Channel>> Open(
+      const tensor::RegionSliceSpec& flags, const OpContext& ctx, ProgressFn on_progress,
+      std::optional<ChannelPlan> plan = std::nullopt);
 
   // Stops taking submissions and ends the channel: every operation already
   // submitted is enqueued; then, if they have not all finished within
@@ -99,10 +117,12 @@ class Channel {
   // Hands operation `seq` to the worker. `keepalive` owns whatever `op`
   // borrows (the request message) until the op has been enqueued. A seq
   // that is not the previous one + 1 (starting at 1) fails the channel with
-  // FAILED_PRECONDITION; after a failure, operations are dropped.
+  // FAILED_PRECONDITION; after a failure, operations are dropped. Not for
+  // plan channels (ignored: the caller refuses submissions to plans).
   void Submit(uint64_t seq, ChannelOp op, std::shared_ptr<const void> keepalive);
 
   const std::string& device_name() const { return device_name_; }
+  bool is_plan() const { return plan_.has_value(); }
 
  private:
   struct Item {
@@ -112,8 +132,10 @@ class Channel {
   };
 
   Channel(const OpContext& ctx, std::shared_ptr<const tensor::Region> flags_pin,
-          std::unique_ptr<backend::ChannelQueue> queue, ProgressFn on_progress);
+          std::unique_ptr<backend::ChannelQueue> queue, ProgressFn on_progress,
+          std::optional<ChannelPlan> plan);
   void WorkerLoop();
+  void PlanLoop();
   void Run(Item& item);
   void Fail(uint64_t seq, absl::Status status);
   // Reports last_ok_seq_ done once the device has finished it.
@@ -130,6 +152,7 @@ class Channel {
   const OpContext ctx_;
   const std::string device_name_;
   const ProgressFn on_progress_;
+  const std::optional<ChannelPlan> plan_;
   std::shared_ptr<const tensor::Region> flags_pin_;  // dropped after queue_
   std::unique_ptr<backend::ChannelQueue> queue_;
 
@@ -146,6 +169,7 @@ class Channel {
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // the worker is running an item
   uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // highest seq handed to Submit
+  uint64_t plan_enqueued_ ABSL_GUARDED_BY(mu_) = 0;  // plan executions enqueued
   ChannelProgress progress_ ABSL_GUARDED_BY(mu_);
   std::deque<Held> held_ ABSL_GUARDED_BY(mu_);  // oldest first
   bool reporting_ ABSL_GUARDED_BY(mu_) = true;  // false once Close finished

@@ -426,6 +426,141 @@ TEST_F(ChannelE2eTest, AClientGoneWithParkedWorkLeavesQtxdServing) {
 // QuantizeBlock of the concatenation, byte for byte, on both ranks. Both
 // submissions return at once from one thread (asynchronous), and a channel
 // that did not take part would make the other fail: they are one collective.
+// Waits (host) until the done word reaches `n` (as a GEQ stream wait
+// compares) or 30 s pass.
+bool AwaitDone(const HostChannelFlags& flags, uint64_t n) {
+  const absl::Time end = absl::Now() + absl::Seconds(30);
+  while (static_cast<int64_t>(flags.done() - n) < 0) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Microseconds(50));
+  }
+  return true;
+}
+
+// A plan (what a replayed CUDA graph drives): the caller only moves the
+// ready word, once per execution, with a new input each time; qtxd runs
+// the fixed op for each, in order, never before its ready.
+TEST_F(ChannelE2eTest, PlanRunsOncePerExecutionWithoutSubmissions) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                           HostChannelFlags::Create(*client_, "plan-flags"));
+  HostChannelFlags* raw = flags.get();
+  Op op = MakeOp(200, 384, 1);
+  std::span<std::byte> in = *region_->View(*op.input.region);
+  QTX_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<Channel> plan,
+      Channel::OpenPlan(*client_, std::move(flags), QuantizePlan{op.input, Config(), op.outputs},
+                        {.label = "plan"}, /*lookahead=*/3));
+  EXPECT_TRUE(plan->is_plan());
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(raw->done(), 0u) << "an execution ran before its ready";
+  for (uint64_t n = 1; n <= 12; ++n) {
+    const std::string input = RandomBf16(200 * 384, 1000 + n);
+    std::memcpy(in.data(), input.data(), in.size());
+    QTX_ASSERT_OK(raw->SignalReady(n));
+    ASSERT_TRUE(AwaitDone(*raw, n)) << "execution " << n;
+    EXPECT_EQ(raw->done(), n);
+    Op expected = op;
+    expected.expected = QuantizeOnCpu(input, 200, 384);
+    ExpectOutputs(expected);
+  }
+  QTX_EXPECT_OK(plan->status());
+  EXPECT_GE(plan->completed(), 11u);  // progress messages may trail the done word
+  // A plan takes no submissions.
+  EXPECT_THAT(plan->Quantize(op.input, Config(), op.outputs),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is a plan")));
+  QTX_ASSERT_OK(plan->Close());
+  EXPECT_THAT(plan->status(), StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+}
+
+TEST_F(ChannelE2eTest, APlanWhoseOpIsBadFailsAtItsFirstExecution) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                           HostChannelFlags::Create(*client_, "plan-flags"));
+  HostChannelFlags* raw = flags.get();
+  Op op = MakeOp(128, 128, 2);
+  Tensor missing = op.input;
+  missing.region->region = "no-such-region";
+  QTX_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<Channel> plan,
+      Channel::OpenPlan(*client_, std::move(flags), QuantizePlan{missing, Config(), op.outputs}));
+  QTX_ASSERT_OK(raw->SignalReady(1));
+  ASSERT_TRUE(AwaitDone(*raw, 1));
+  EXPECT_EQ(raw->done(), kChannelFailedOffset + 1);  // released, marked failed
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (plan->status().ok() && absl::Now() < end) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_THAT(plan->status(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("channel operation 1 failed: input.region: region "
+                                 "'no-such-region'")));
+  EXPECT_THAT(Channel::OpenPlan(*client_, nullptr, QuantizePlan{op.input, Config(), op.outputs}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("flags is null")));
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> more,
+                           HostChannelFlags::Create(*client_, "plan-flags-2"));
+  EXPECT_THAT(Channel::OpenPlan(*client_, std::move(more),
+                                QuantizePlan{op.input, Config(), op.outputs}, {}, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lookahead=0")));
+}
+
+// The server refuses a submission on a plan channel (a raw stream: the
+// client library refuses it before sending) and a plan with a bad lookahead.
+TEST_F(ChannelE2eTest, ServerRefusesSubmissionsOnAPlanAndBadLookaheads) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmRegion> flags, ShmRegion::Create("raw-plan", 4096));
+  QTX_ASSERT_OK(client_->RegisterShmRegion(*flags));
+  Op op = MakeOp(128, 128, 4);
+  auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::StreamChannel::NewStub(channel);
+  auto plan_open = [&](uint32_t lookahead) {
+    v1::ChannelRequest open;
+    open.mutable_open()->mutable_flags()->set_region("raw-plan");
+    open.mutable_open()->mutable_flags()->set_size(16);
+    v1::ChannelPlan* p = open.mutable_open()->mutable_plan();
+    p->set_lookahead(lookahead);
+    v1::QuantizeRequest* q = p->mutable_quantize();
+    q->mutable_input()->set_dtype(v1::BFLOAT16);
+    q->mutable_input()->add_shape(128);
+    q->mutable_input()->add_shape(128);
+    q->mutable_input()->mutable_region()->set_region(op.input.region->region);
+    q->mutable_input()->mutable_region()->set_offset(op.input.region->offset);
+    q->mutable_input()->mutable_region()->set_size(op.input.region->size);
+    q->mutable_config()->set_rowwise(true);
+    q->mutable_outputs()->mutable_rowwise_data()->set_region(op.outputs.rowwise_data->region);
+    q->mutable_outputs()->mutable_rowwise_data()->set_offset(op.outputs.rowwise_data->offset);
+    q->mutable_outputs()->mutable_rowwise_data()->set_size(op.outputs.rowwise_data->size);
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_region(
+        op.outputs.rowwise_scale_inv->region);
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_offset(
+        op.outputs.rowwise_scale_inv->offset);
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_size(
+        op.outputs.rowwise_scale_inv->size);
+    return open;
+  };
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->Connect(&ctx);
+    ASSERT_TRUE(stream->Write(plan_open(17)));
+    v1::ChannelReply reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("open.plan.lookahead=17"));
+  }
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->Connect(&ctx);
+    ASSERT_TRUE(stream->Write(plan_open(1)));
+    v1::ChannelReply reply;
+    ASSERT_TRUE(stream->Read(&reply));
+    EXPECT_TRUE(reply.has_opened());
+    v1::ChannelRequest submit;
+    submit.mutable_submit()->set_seq(1);
+    ASSERT_TRUE(stream->Write(submit));
+    while (stream->Read(&reply)) {
+    }
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(), HasSubstr("this channel is a plan"));
+  }
+}
+
 TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatenation) {
   constexpr int kWorld = 2;
   const int64_t rows[kWorld] = {100, 157};
