@@ -296,8 +296,15 @@ class ErrorsTest(unittest.TestCase):
             TF.check_supported(q2a, q2b)
         q1 = CLIENT.quantize(x, mode="1d")
         q5 = CLIENT.quantize(w, mode="2d", format="e5m2")
-        with self.assertRaisesRegex(TF.UnsupportedGemm, "e4m3 x e4m3"):
-            TF.check_supported(q1, q5)
+        q15 = CLIENT.quantize(x, mode="1d", format="e5m2")
+        with self.assertRaisesRegex(TF.UnsupportedGemm, "e5m2 x e5m2"):
+            TF.check_supported(q15, q5)
+        with self.assertRaisesRegex(TF.UnsupportedGemm, "(e4m3 x e4m3 only|float8)"):
+            TF.check_supported(q1, q5, api="scaled_mm")
+        with self.assertRaisesRegex(TF.UnsupportedGemm, "multiple of 8"):
+            TF.check_supported(CLIENT.quantize(varied(100, 256, rng, 1), mode="1d"), q2b)
+        with self.assertRaisesRegex(ValueError, "api="):
+            TF.check_supported(q1, q2b, api="cublas")
         odd = CLIENT.quantize(varied(64, 200, rng, 1), mode="1d")
         oddw = CLIENT.quantize(varied(64, 200, rng, 128), mode="2d")
         with self.assertRaisesRegex(TF.UnsupportedGemm, "multiples of 16"):
@@ -360,6 +367,7 @@ class DequantizeTest(unittest.TestCase):
         self.assertTrue(torch.equal(out16, out32.to(torch.bfloat16)))
         got, path = TF.matmul(qx, qw)
         self.assertTrue(path.startswith("dequantized: "), path)
+        self.assertIn("float8" if not TF.has_float8() else "CUDA", path)
         self.assertTrue(torch.equal(got, out16))
         # and the same through CPU -> CPU to_device (a copy with the same layout)
         moved = TF.to_device(qx, "cpu")

@@ -10,9 +10,11 @@ Python has no grpcio), so the bytes are the CPU reference's. For every (M, K, N)
   torch._scaled_mm; dgrad dY W (1x128 x 128x128, W's columnwise copy); wgrad-shaped
   X^T X (1x128 x 1x128, columnwise copies); W X^T (128x128 x 1x128) — each compared with
   the FP32 matmul of the dequantized operands (tolerance argued at TOLERANCE below);
+* E5M2 gradients x E4M3 operands (dgrad, wgrad) through 'auto' (torch._scaled_mm);
+* M % 8 != 0: matmul falls back to the dequantized matmul;
 * a deliberately mis-laid scale (scale_a rolled by one row, scale_b rolled by one tile)
   must break that tolerance — so the check can fail;
-* probes that record what PyTorch accepts: scale_a with qtx's pad4(M) row stride
+* probes that record what PyTorch accepts: which M cuBLASLt takes, scale_a with qtx's pad4(M) row stride
   uncompacted, torch._scaled_mm with a compacted 128x128 scale when ceil(K/128) % 4 != 0,
   E5M2 operands.
 
@@ -179,6 +181,16 @@ def run_case(server, m, k, n, gen):
                 FAILURES.append(name + " " + case)
             del got
 
+    # Where cuBLASLt cannot run (here: M % 8 != 0), matmul falls back to the dequantized
+    # matmul and says so.
+    if m % 8:
+        got, path = TF.matmul(qx, qw)
+        same = torch.equal(got, TF.dequantized_mm(qx, qw))
+        emit(check="matmul falls back", case=case, path=path, ok=same and
+             path.startswith("dequantized: M = %d" % m))
+        if not (same and path.startswith("dequantized: M = %d" % m)):
+            FAILURES.append("matmul fallback " + case)
+        return
     # The check can fail: mis-lay a scale and expect the tolerance to be broken.
     for which in ("scale_a rolled by one row", "scale_b rolled by one N tile"):
         a, b = TF.operand_a(qx), TF.operand_b(qw)
@@ -213,7 +225,7 @@ def _expect_unsupported(label, api, qa, qb, ua, ub):
     da = getattr(qa, ua + "_data")
     db = getattr(qb, ub + "_data")
     n, k = db.shape
-    if k % 16 or n % 16:
+    if k % 16 or n % 16 or da.shape[0] % 8:
         return True
     if api == "_scaled_mm":
         l = -(-k // 128)
@@ -224,9 +236,57 @@ def _expect_unsupported(label, api, qa, qb, ua, ub):
     return False
 
 
+def hybrid(server, gen):
+    """E5M2 gradients (TE's HYBRID format) x E4M3 operands: 'auto' takes torch._scaled_mm."""
+    m, k, n = 1024, 4096, 2048
+    case = "M=%d,K=%d,N=%d e5m2 dY" % (m, k, n)
+    x, w, dy = varied(m, k, gen, 1), varied(n, k, gen, 128) * 0.05, varied(m, n, gen, 1)
+    qx = to_cuda(qtx_cli_io.cli_quantize(ARGS.qtx_cli, server.target, x, "1d", rowwise=True,
+                                         columnwise=True))
+    qw = to_cuda(qtx_cli_io.cli_quantize(ARGS.qtx_cli, server.target, w, "2d", rowwise=True,
+                                         columnwise=True))
+    qdy = to_cuda(qtx_cli_io.cli_quantize(ARGS.qtx_cli, server.target, dy, "1d", fmt="e5m2",
+                                          rowwise=True, columnwise=True))
+    for label, ua, qb, ub in (("dgrad dY(e5m2) W", "rowwise", qw, "columnwise"),
+                              ("wgrad dY^T(e5m2) X", "columnwise", qx, "columnwise")):
+        try:
+            got = TF.scaled_mm(qdy, qb, torch.bfloat16, ua, ub)
+        except Exception as e:  # noqa: BLE001
+            fail(label + " via auto", case=case, message=str(e)[:400])
+            continue
+        ok, row = compare(label + " via auto (_scaled_mm)", got, TF.dequantize(qdy, ua),
+                          TF.dequantize(qb, ub), case)
+        emit(**row)
+        if not ok:
+            FAILURES.append(label + " " + case)
+    try:
+        TF.scaled_mm(qdy, qw, torch.bfloat16, "rowwise", "columnwise", api="scaled_mm")
+        fail("e5m2 through the public API did not raise", case=case)
+    except TF.UnsupportedGemm as e:
+        emit(check="e5m2 through the public API raises UnsupportedGemm", ok=True, message=str(e))
+
+
 def probes(server, gen):
     """What PyTorch 2.11 accepts beyond the documented layouts (findings, not checks)."""
     st = TF._scaling_type()
+    # (0) Which M does cuBLASLt take for a 1x128 a? (1000 ran, 1001 did not.)
+    for m in (1004, 1002, 1000, 8, 4):
+        k, n = 512, 256
+        x, w = varied(m, k, gen, 1), varied(n, k, gen, 128) * 0.05
+        qx = to_cuda(qtx_cli_io.cli_quantize(ARGS.qtx_cli, server.target, x, "1d"))
+        qw = to_cuda(qtx_cli_io.cli_quantize(ARGS.qtx_cli, server.target, w, "2d"))
+        a, b = TF.operand_a(qx), TF.operand_b(qw)
+        name = "probe: 1x128 a with M=%d (scale copied: %s)" % (m, a.copied)
+        try:
+            got = torch.nn.functional.scaled_mm(a.data, b.data, a.scale, st.BlockWise1x128,
+                                                b.scale, st.BlockWise128x128,
+                                                output_dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            ok, row = compare(name, got, TF.dequantize(qx), TF.dequantize(qw),
+                              "M=%d,K=512,N=256" % m)
+            emit(accepted=True, **row)
+        except Exception as e:  # noqa: BLE001
+            emit(check=name, accepted=False, message=str(e).splitlines()[0][:200])
     # (1) scale_a with qtx's pad4(M) row stride, uncompacted (M % 4 != 0).
     m, k, n = 1001, 512, 256
     x, w = varied(m, k, gen, 1), varied(n, k, gen, 128) * 0.05
@@ -332,6 +392,10 @@ def main():
             except Exception:  # noqa: BLE001
                 fail("case crashed", case=c, trace=traceback.format_exc()[-1500:])
             torch.cuda.empty_cache()
+        try:
+            hybrid(server, gen)
+        except Exception:  # noqa: BLE001
+            fail("hybrid crashed", trace=traceback.format_exc()[-1500:])
         try:
             probes(server, gen)
         except Exception:  # noqa: BLE001

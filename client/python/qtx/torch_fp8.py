@@ -32,25 +32,28 @@ of 16; FP32 decode scales (qtx's scale_inv):
 
 with L = ceil(K/128), L4 = L rounded up to a multiple of 4, Mb = ceil(M/128). qtx
 stores a 1x128 copy's scale_inv as [L, pad4(outer)] and a 128x128 copy's as
-[ceil(outer/128), L4], both row-major; so the operands are **views** (no copy) except:
+[ceil(outer/128), L4], both row-major; so the operands are **views** (no copy of data or
+scales) for every GEMM that cuBLASLt runs. Two layouts do not coincide:
 
-* a 1x128 operand whose outer dimension is not a multiple of 4 (only possible for
-  ``a``: b's N is a multiple of 16): PyTorch wants the row stride to be exactly M, qtx's
-  is pad4(M); the L x M scales are **copied** into a compact tensor (4 B per 128
-  elements of A; the FP8 data is never copied). ``Operand.copied`` says so.
+* a 1x128 ``a`` whose M is not a multiple of 4: ATen wants the row stride M exactly,
+  qtx's is pad4(M). operand_a then **copies** the L x M scales into a compact tensor
+  (``Operand.copied``; the FP8 data is never copied) — but cuBLASLt refuses such an M
+  anyway (CUBLAS_STATUS_NOT_SUPPORTED on an H200 for M = 1001), so scaled_mm raises
+  UnsupportedGemm for M % 8 != 0 (cuBLASLt's documented alignment) and matmul falls back.
 * torch._scaled_mm with a 128x128 operand and L % 4 != 0 (K not a multiple of 512): its
-  check wants stride L, qtx's (and cuBLAS's) is L4; compacting would pass the check but
-  cuBLASLt reads 16-byte-aligned rows (wrong answers reported upstream), so this raises
-  UnsupportedGemm instead. The public API takes the padded layout as it is.
+  check wants row stride L, qtx's (and cuBLAS's) is L4. Compacting passes the check but
+  gives wrong numbers (relative error 13 on an H200, K = 640), so this raises
+  UnsupportedGemm. The public API takes the padded layout as it is (verified for K = 640).
 
-Unsupported (UnsupportedGemm, with what to do instead): 128x128 x 128x128, E5M2
-operands, K or N not a multiple of 16, tensors not on a CUDA device, a GPU that is not
-sm_90 (the 1x128/128x128 recipe is Hopper-only in PyTorch), a torch without float8
-dtypes or without either API. ``dequantized_mm`` (decode, scale, FP32 matmul) works
-everywhere, including torch 1.13 on the CPU.
+Unsupported (UnsupportedGemm, with what to do instead): 128x128 x 128x128; e5m2 x e5m2;
+e4m3 x e5m2 through the public API (torch._scaled_mm takes it: 'auto' picks it for mixed
+formats; verified for 1x128 x 128x128 on an H200); K or N not a multiple of 16; M not a
+multiple of 8; tensors not on a CUDA device; a GPU that is not sm_90 (the
+1x128/128x128 recipe is Hopper-only in PyTorch); a torch without float8 dtypes or without
+either API. ``dequantized_mm`` (decode, scale, FP32 matmul) works everywhere, including
+torch 1.13 on the CPU; ``matmul`` picks.
 
-torch is imported lazily-optional: the module imports without it (the functions then
-raise).
+torch is an optional import: the module imports without it (its functions then raise).
 """
 
 import dataclasses
@@ -256,10 +259,14 @@ def operand_b(q, usage="rowwise", api="scaled_mm", as_float8=True):
     return Operand(_float8_view(data, fmt, as_float8).t(), scale, recipe, fmt, copied)
 
 
-def check_supported(qa, qb, a_usage="rowwise", b_usage="rowwise", check_device=True):
+def check_supported(qa, qb, a_usage="rowwise", b_usage="rowwise", api="auto",
+                    check_device=True):
     """Raises UnsupportedGemm (saying why and what to do) unless PyTorch's block-scaled
-    FP8 GEMM can compute A @ B.T for these copies; returns None."""
+    FP8 GEMM can compute A @ B.T for these copies through `api` ('auto', 'scaled_mm',
+    '_scaled_mm'); returns the API that will be used."""
     _need_torch()
+    if api not in APIS:
+        raise ValueError("api=%r: must be one of %s" % (api, APIS))
     da, _, ra, fa = _stored(qa, a_usage)
     db, _, rb, fb = _stored(qb, b_usage)
     m, k = da.shape
@@ -271,24 +278,42 @@ def check_supported(qa, qb, a_usage="rowwise", b_usage="rowwise", check_device=T
         raise UnsupportedGemm("128x128 x 128x128: cuBLASLt (and so PyTorch) has no 2D x 2D "
                               "block-scaled GEMM; quantize one operand (the activations) with "
                               "mode='1d', or use dequantized_mm")
-    if fa != "e4m3" or fb != "e4m3":
-        raise UnsupportedGemm("formats %s x %s: PyTorch's block-scaled GEMM takes e4m3 x e4m3 "
-                              "only; quantize with format='e4m3', or use dequantized_mm"
-                              % (fa, fb))
-    if k % 16 or n % 16:
-        raise UnsupportedGemm("K = %d, N = %d: the FP8 GEMM needs K and N multiples of 16; "
-                              "use dequantized_mm" % (k, n))
+    if fa == "e5m2" and fb == "e5m2":
+        raise UnsupportedGemm("e5m2 x e5m2: cuBLASLt multiplies no two E5M2 matrices; quantize "
+                              "one operand with format='e4m3', or use dequantized_mm")
+    mixed = fa != fb
     if m == 0 or k == 0 or n == 0:
         raise UnsupportedGemm("empty GEMM (M, K, N) = (%d, %d, %d): use dequantized_mm"
                               % (m, k, n))
+    if k % 16 or n % 16:
+        raise UnsupportedGemm("K = %d, N = %d: the FP8 GEMM needs K and N multiples of 16; "
+                              "use dequantized_mm" % (k, n))
+    if m % 8:
+        raise UnsupportedGemm("M = %d (A's outer dimension) is not a multiple of 8: cuBLASLt "
+                              "refuses this block-scaled GEMM (CUBLAS_STATUS_NOT_SUPPORTED on an "
+                              "H200 for M = 1001, with compact scales too); pad A's rows or use "
+                              "dequantized_mm" % m)
     if not has_float8():
         raise UnsupportedGemm("torch %s has no float8 dtypes: use dequantized_mm"
                               % torch.__version__)
-    if _pick_api("auto") is None:
+    chosen = _pick_api(api, mixed)
+    if chosen is None:
         raise UnsupportedGemm("torch %s has neither torch.nn.functional.scaled_mm nor "
                               "torch._scaled_mm: use dequantized_mm" % torch.__version__)
+    if chosen == "scaled_mm" and not (hasattr(torch.nn.functional, "scaled_mm")
+                                      and _scaling_type() is not None):
+        raise UnsupportedGemm("torch %s has no torch.nn.functional.scaled_mm" % torch.__version__)
+    if chosen == "_scaled_mm" and not hasattr(torch, "_scaled_mm"):
+        raise UnsupportedGemm("torch %s has no torch._scaled_mm" % torch.__version__)
+    if mixed and chosen == "scaled_mm":
+        raise UnsupportedGemm("formats %s x %s: torch.nn.functional.scaled_mm takes e4m3 x e4m3 "
+                              "only for 1x128/128x128 blocks; use api='_scaled_mm' (e4m3 x e5m2 "
+                              "works there) or dequantized_mm" % (fa, fb))
+    # The layouts (raises for torch._scaled_mm with a padded 128x128 scale).
+    operand_a(qa, a_usage, chosen, as_float8=False)
+    operand_b(qb, b_usage, chosen, as_float8=False)
     if not check_device:
-        return None
+        return chosen
     if da.device.type != "cuda" or db.device.type != "cuda":
         raise UnsupportedGemm("operands on %s and %s: the FP8 GEMM runs on CUDA; move them "
                               "with qtx.torch_fp8.to_device(q, 'cuda') (a copy) or use "
@@ -299,13 +324,13 @@ def check_supported(qa, qb, a_usage="rowwise", b_usage="rowwise", check_device=T
     if major != 9:
         raise UnsupportedGemm("sm_%d%d: PyTorch runs the 1x128/128x128 block-scaled GEMM on "
                               "sm_90 (Hopper) only; use dequantized_mm" % (major, minor))
-    return None
+    return chosen
 
 
-def unsupported_reason(qa, qb, a_usage="rowwise", b_usage="rowwise"):
+def unsupported_reason(qa, qb, a_usage="rowwise", b_usage="rowwise", api="auto"):
     """None when scaled_mm can run on these operands, else the reason (a string)."""
     try:
-        check_supported(qa, qb, a_usage, b_usage)
+        check_supported(qa, qb, a_usage, b_usage, api)
     except UnsupportedGemm as e:
         return str(e)
     return None
@@ -324,14 +349,15 @@ def _scaling_type():
         return None
 
 
-def _pick_api(api):
-    """'scaled_mm' when torch.nn.functional.scaled_mm (and its ScalingType) exist,
-    else '_scaled_mm' when torch._scaled_mm does, else None."""
+def _pick_api(api, mixed_formats=False):
+    """'auto': the public torch.nn.functional.scaled_mm when present (and the formats are
+    both e4m3), else torch._scaled_mm when present, else None."""
     if api != "auto":
         return api
     if torch is None:
         return None
-    if hasattr(torch.nn.functional, "scaled_mm") and _scaling_type() is not None:
+    if (not mixed_formats and hasattr(torch.nn.functional, "scaled_mm")
+            and _scaling_type() is not None):
         return "scaled_mm"
     if hasattr(torch, "_scaled_mm"):
         return "_scaled_mm"
@@ -340,31 +366,24 @@ def _pick_api(api):
 
 def gemm_operands(qa, qb, a_usage="rowwise", b_usage="rowwise", api="scaled_mm",
                   as_float8=True):
-    """(Operand a, Operand b) for A @ B.T without running anything (layout only; no
-    device or dtype checks beyond the pair and the shapes)."""
-    if as_float8:
-        check_supported(qa, qb, a_usage, b_usage, check_device=False)
+    """(Operand a, Operand b) for A @ B.T through `api` ('scaled_mm' or '_scaled_mm'),
+    without running anything: layouts only, no shape/pair/device checks (check_supported
+    does those)."""
     return (operand_a(qa, a_usage, api, as_float8), operand_b(qb, b_usage, api, as_float8))
 
 
 def scaled_mm(qa, qb, out_dtype=None, a_usage="rowwise", b_usage="rowwise", api="auto"):
     """A @ B.T with PyTorch's block-scaled FP8 GEMM (sm_90): [M, N] in out_dtype
     (torch.bfloat16 by default, or torch.float32). api: 'auto' (the public
-    torch.nn.functional.scaled_mm when present, else torch._scaled_mm), 'scaled_mm' or
-    '_scaled_mm'. Raises UnsupportedGemm where PyTorch cannot (module doc)."""
+    torch.nn.functional.scaled_mm when present and both operands are e4m3, else
+    torch._scaled_mm), 'scaled_mm' or '_scaled_mm'. Raises UnsupportedGemm where
+    PyTorch cannot (module doc)."""
     _need_torch()
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError("out_dtype=%s: the block-scaled GEMM writes bfloat16 or float32"
                          % (out_dtype,))
-    if api not in APIS:
-        raise ValueError("api=%r: must be one of %s" % (api, APIS))
-    check_supported(qa, qb, a_usage, b_usage)
-    chosen = _pick_api(api)
-    if chosen == "scaled_mm" and not hasattr(torch.nn.functional, "scaled_mm"):
-        raise UnsupportedGemm("torch %s has no torch.nn.functional.scaled_mm" % torch.__version__)
-    if chosen == "_scaled_mm" and not hasattr(torch, "_scaled_mm"):
-        raise UnsupportedGemm("torch %s has no torch._scaled_mm" % torch.__version__)
+    chosen = check_supported(qa, qb, a_usage, b_usage, api)
     a = operand_a(qa, a_usage, chosen)
     b = operand_b(qb, b_usage, chosen)
     if chosen == "scaled_mm":
@@ -446,8 +465,8 @@ def dequantized_mm(qa, qb, out_dtype=None, a_usage="rowwise", b_usage="rowwise")
 
 def matmul(qa, qb, out_dtype=None, a_usage="rowwise", b_usage="rowwise", api="auto"):
     """scaled_mm where PyTorch can run it, else dequantized_mm. Returns (result, path)
-    with path 'fp8' or 'dequantized: <reason>'."""
-    reason = unsupported_reason(qa, qb, a_usage, b_usage)
-    if reason is None:
+    with path 'fp8' or 'dequantized: <why the FP8 GEMM could not run>'."""
+    try:
         return scaled_mm(qa, qb, out_dtype, a_usage, b_usage, api), "fp8"
-    return dequantized_mm(qa, qb, out_dtype, a_usage, b_usage), "dequantized: " + reason
+    except UnsupportedGemm as e:
+        return dequantized_mm(qa, qb, out_dtype, a_usage, b_usage), "dequantized: %s" % e
