@@ -301,8 +301,11 @@ class ErrorsTest(unittest.TestCase):
             TF.check_supported(q15, q5)
         with self.assertRaisesRegex(TF.UnsupportedGemm, "(e4m3 x e4m3 only|float8)"):
             TF.check_supported(q1, q5, api="scaled_mm")
-        with self.assertRaisesRegex(TF.UnsupportedGemm, "multiple of 8"):
-            TF.check_supported(CLIENT.quantize(varied(100, 256, rng, 1), mode="1d"), q2b)
+        with self.assertRaisesRegex(TF.UnsupportedGemm, "M = 102 .* not a multiple of 4"):
+            TF.check_supported(CLIENT.quantize(varied(102, 256, rng, 1), mode="1d"), q2b)
+        with self.assertRaisesRegex(TF.UnsupportedGemm, "M = 100 .* not a multiple of 8"):
+            TF.check_supported(CLIENT.quantize(varied(100, 256, rng, 128), mode="2d"),
+                               CLIENT.quantize(varied(64, 256, rng, 1), mode="1d"))
         with self.assertRaisesRegex(ValueError, "api="):
             TF.check_supported(q1, q2b, api="cublas")
         odd = CLIENT.quantize(varied(64, 200, rng, 1), mode="1d")

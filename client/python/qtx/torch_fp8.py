@@ -38,8 +38,9 @@ scales) for every GEMM that cuBLASLt runs. Two layouts do not coincide:
 * a 1x128 ``a`` whose M is not a multiple of 4: ATen wants the row stride M exactly,
   qtx's is pad4(M). operand_a then **copies** the L x M scales into a compact tensor
   (``Operand.copied``; the FP8 data is never copied) — but cuBLASLt refuses such an M
-  anyway (CUBLAS_STATUS_NOT_SUPPORTED on an H200 for M = 1001), so scaled_mm raises
-  UnsupportedGemm for M % 8 != 0 (cuBLASLt's documented alignment) and matmul falls back.
+  anyway (CUBLAS_STATUS_NOT_SUPPORTED on an H200 for M = 1001 and 1002; M = 4, 1000 and
+  1004 ran), so scaled_mm raises UnsupportedGemm for M % 4 != 0 and matmul falls back.
+  (A 128x128 ``a`` needs M % 8 == 0, cuBLASLt's documented alignment; not probed.)
 * torch._scaled_mm with a 128x128 operand and L % 4 != 0 (K not a multiple of 512): its
   check wants row stride L, qtx's (and cuBLAS's) is L4. Compacting passes the check but
   gives wrong numbers (relative error 13 on an H200, K = 640), so this raises
@@ -47,8 +48,8 @@ scales) for every GEMM that cuBLASLt runs. Two layouts do not coincide:
 
 Unsupported (UnsupportedGemm, with what to do instead): 128x128 x 128x128; e5m2 x e5m2;
 e4m3 x e5m2 through the public API (torch._scaled_mm takes it: 'auto' picks it for mixed
-formats; verified for 1x128 x 128x128 on an H200); K or N not a multiple of 16; M not a
-multiple of 8; tensors not on a CUDA device; a GPU that is not sm_90 (the
+formats; verified for 1x128 x 128x128 and 1x128 x 1x128 on an H200); K or N not a
+multiple of 16; M not a multiple of 4 (1x128 A) or 8 (128x128 A); tensors not on a CUDA device; a GPU that is not sm_90 (the
 1x128/128x128 recipe is Hopper-only in PyTorch); a torch without float8 dtypes or without
 either API. ``dequantized_mm`` (decode, scale, FP32 matmul) works everywhere, including
 torch 1.13 on the CPU; ``matmul`` picks.
@@ -288,11 +289,13 @@ def check_supported(qa, qb, a_usage="rowwise", b_usage="rowwise", api="auto",
     if k % 16 or n % 16:
         raise UnsupportedGemm("K = %d, N = %d: the FP8 GEMM needs K and N multiples of 16; "
                               "use dequantized_mm" % (k, n))
-    if m % 8:
-        raise UnsupportedGemm("M = %d (A's outer dimension) is not a multiple of 8: cuBLASLt "
+    align = 4 if ra == "1x128" else 8
+    if m % align:
+        raise UnsupportedGemm("M = %d (A's outer dimension) is not a multiple of %d: cuBLASLt "
                               "refuses this block-scaled GEMM (CUBLAS_STATUS_NOT_SUPPORTED on an "
-                              "H200 for M = 1001, with compact scales too); pad A's rows or use "
-                              "dequantized_mm" % m)
+                              "H200 for a 1x128 A with M = 1001 and 1002, compact scales too; "
+                              "M = 4 and 1004 ran); pad A's rows or use dequantized_mm"
+                              % (m, align))
     if not has_float8():
         raise UnsupportedGemm("torch %s has no float8 dtypes: use dequantized_mm"
                               % torch.__version__)
