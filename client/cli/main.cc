@@ -3,14 +3,17 @@
 //   qtx health   [--target=...]
 //   qtx quantize [--npy=x.npy | --shape=MxN [--seed=S] [--dtype=float32|bfloat16]]
 //                [--mode=1d|2d] [--format=e4m3|e5m2] [--usages=rowwise,columnwise]
-//                [--pow2=true|false] [--eps=0] [--shm]
+//                [--pow2=true|false] [--eps=0] [--shm] [--save=PREFIX]
 //   qtx regions  [--target=...]
 //
 // `quantize` sends the tensor to the server, prints the shapes of the outputs,
 // the range of the scale_inv values and the error of dequantize(quantize(x))
 // against x. .npy input: little-endian float32 ('<f4') or float16 ('<f2'), C
 // order; numpy has no bfloat16, so bf16 input comes only from --dtype=bfloat16
-// with a generated tensor. Exit status: 0 on success, 1 on an RPC or input
+// with a generated tensor. --save=PREFIX also writes the outputs as .npy files
+// (PREFIX.rowwise_data.npy ... as '|u1' bytes and '<f4' scale_inv, plus
+// PREFIX.dequantized.npy, the server's FP32 dequantization), for tools that
+// have no gRPC (e.g. a GPU host's Python). Exit status: 0 on success, 1 on an RPC or input
 // error (the status is printed to stderr), 2 on a usage error.
 #include <algorithm>
 #include <cmath>
@@ -68,6 +71,10 @@ ABSL_FLAG(float, eps, 0.0f, "quantize: amax epsilon");
 ABSL_FLAG(bool, shm, false,
           "quantize: pass tensors through a shared-memory region (server needs "
           "--allow_client_shm) instead of inline bytes");
+ABSL_FLAG(std::string, save, "",
+          "quantize: also write the outputs as PREFIX.{rowwise_data,rowwise_scale_inv,"
+          "columnwise_data,columnwise_scale_inv,dequantized}.npy (FP8 data as '|u1' bytes, "
+          "scale_inv and the server's dequantization as '<f4')");
 
 namespace qtx::cli {
 namespace {
@@ -266,6 +273,35 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags() {
   return Client::Connect(absl::GetFlag(FLAGS_target), options);
 }
 
+// Writes one inline tensor as PREFIX.NAME.npy; FP8 bytes are stored as uint8.
+absl::Status SaveNpy(const std::string& prefix, absl::string_view name, const Tensor& t) {
+  NpyArray array;
+  switch (t.dtype) {
+    case DType::kFloat32:
+    case DType::kFloat16:
+    case DType::kUInt8:
+      array.dtype = t.dtype;
+      break;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      array.dtype = DType::kUInt8;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("--save: ", name, " has dtype ", DTypeName(t.dtype),
+                       ", which .npy cannot hold"));
+  }
+  array.shape = t.shape;
+  array.data = t.data;
+  const std::string path = absl::StrCat(prefix, ".", name, ".npy");
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  const std::string bytes = SerializeNpy(array);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  if (!out) return absl::UnavailableError(absl::StrCat("--save: cannot write ", path));
+  return absl::OkStatus();
+}
+
 absl::Status RunHealth() {
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectFromFlags();
   if (!client.ok()) return client.status();
@@ -359,6 +395,21 @@ absl::Status RunQuantize() {
     absl::StatusOr<Tensor> copy = region->ToInline(*dq);
     if (!copy.ok()) return copy.status();
     dq = *std::move(copy);
+  }
+
+  if (const std::string prefix = absl::GetFlag(FLAGS_save); !prefix.empty()) {
+    const struct {
+      const char* name;
+      const std::optional<Tensor>* t;
+    } outs[] = {{"rowwise_data", &q->rowwise_data},
+                {"rowwise_scale_inv", &q->rowwise_scale_inv},
+                {"columnwise_data", &q->columnwise_data},
+                {"columnwise_scale_inv", &q->columnwise_scale_inv}};
+    for (const auto& o : outs) {
+      if (!o.t->has_value()) continue;
+      if (absl::Status s = SaveNpy(prefix, o.name, **o.t); !s.ok()) return s;
+    }
+    if (absl::Status s = SaveNpy(prefix, "dequantized", *dq); !s.ok()) return s;
   }
 
   std::cout << absl::StrFormat("input        %s %s (%s)\n", DTypeName(input->dtype),
