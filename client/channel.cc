@@ -466,7 +466,11 @@ absl::Status Channel::Close() {
   completed_at_close_.store(stream_->Get().completed_through);
   closed_.store(true);
   stream_->NoteClosing();
-  if (status.ok()) {
+  const Stream::Snapshot s = stream_->Get();
+  if (s.ended) {
+    // qtxd ended the stream (it is gone): nothing may be written any more.
+    if (status.ok() && plan_) status = GoneStatus(s.end_status);
+  } else if (status.ok()) {
     stream_->CloseWrites();
   } else {
     stream_->Cancel();

@@ -292,7 +292,10 @@ void Channel::Close(absl::Duration grace) {
   // Work still waiting on the client's ready word will not get it (the
   // client is gone or stopped): let it through, so the queue drains (the
   // regions it uses are still pinned).
-  if (!finished) queue_->Release();
+  // A plan's executions may wait for a ready the caller never writes (it
+  // stopped replaying, or never began because the plan failed): always let
+  // them through.
+  if (!finished || plan_.has_value()) queue_->Release();
   if (worker_.joinable()) worker_.join();
   queue_.reset();  // waits for the device work
   std::deque<Held> held;
