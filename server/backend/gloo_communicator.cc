@@ -23,6 +23,7 @@
 #include "gloo/rendezvous/prefix_store.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
 
 namespace qtx::server::backend {
 namespace {
@@ -105,6 +106,25 @@ absl::Status Guard(const std::string& what, absl::Time deadline,
 
 }  // namespace
 
+// Registers a collective's Gloo buffers for Abort() while in scope.
+class LiveBuffers {
+ public:
+  LiveBuffers(GlooCommunicator& comm, std::vector<gloo::transport::UnboundBuffer*> buffers)
+      : comm_(comm) {
+    absl::MutexLock lock(&comm_.mu_);
+    comm_.live_ = std::move(buffers);
+  }
+  ~LiveBuffers() {
+    absl::MutexLock lock(&comm_.mu_);
+    comm_.live_.clear();
+  }
+  LiveBuffers(const LiveBuffers&) = delete;
+  LiveBuffers& operator=(const LiveBuffers&) = delete;
+
+ private:
+  GlooCommunicator& comm_;
+};
+
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     const GlooCommunicatorOptions& options) {
   const std::string name =
@@ -177,6 +197,12 @@ absl::StatusOr<absl::Duration> GlooCommunicator::Begin(const CommCall& call, con
 }
 
 absl::Status GlooCommunicator::Fail(absl::Status status) {
+  if (aborted_.load()) {
+    // Abort() woke the call: whatever it returned, the group was destroyed.
+    status = absl::AbortedError(absl::StrFormat(
+        "%s: the communicator was aborted (its group was destroyed) during the call (%s)", name_,
+        status.message()));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (broken_reason_.empty()) broken_reason_ = std::string(status.message());
@@ -217,13 +243,23 @@ absl::Status GlooCommunicator::AllGatherV(const void* send, std::span<const uint
   const uint32_t tag = next_tag_++;
   absl::Status s = Guard(absl::StrCat(name_, ": AllGatherV"), call.deadline, [&] {
     gloo::AllgathervOptions opts(context_);
-    opts.setInput<char>(in, recv_bytes[rank_]);
-    opts.setOutput<char>(static_cast<char*>(recv),
+    // Buffers of our own (not made inside Gloo) so that Abort() can wake a
+    // wait on a peer that never comes.
+    std::unique_ptr<gloo::transport::UnboundBuffer> in_buf =
+        context_->createUnboundBuffer(in, recv_bytes[rank_]);
+    std::unique_ptr<gloo::transport::UnboundBuffer> out_buf =
+        context_->createUnboundBuffer(recv, total);
+    LiveBuffers live(*this, {in_buf.get(), out_buf.get()});
+    opts.setInput<char>(std::move(in_buf));
+    opts.setOutput<char>(std::move(out_buf),
                          std::vector<size_t>(recv_bytes.begin(), recv_bytes.end()));
     opts.setTag(tag);
     opts.setTimeout(ToMillis(*left));
     gloo::allgatherv(opts);
   });
+  // A woken wait may let Gloo return as if the bytes had come: never trust
+  // a call that Abort() interrupted.
+  if (s.ok() && aborted_.load()) s = absl::AbortedError("woken by Abort");
   return s.ok() ? s : Fail(std::move(s));
 }
 
@@ -259,6 +295,24 @@ absl::Status GlooCommunicator::Barrier(const CommCall& call) {
   return s.ok() ? s : Fail(std::move(s));
 }
 
-void GlooCommunicator::Abort() { aborted_.store(true); }
+void GlooCommunicator::Abort() {
+  aborted_.store(true);
+  // Wake the collective in progress, if any: each wake ends one wait of it
+  // (Gloo then goes on to its next step, which may wait again), so keep
+  // waking until it has returned, for at most a few seconds.
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (live_.empty()) return;
+      for (gloo::transport::UnboundBuffer* b : live_) {
+        b->abortWaitRecv();
+        b->abortWaitSend();
+      }
+    }
+    if (absl::Now() > give_up) return;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+}
 
 }  // namespace qtx::server::backend

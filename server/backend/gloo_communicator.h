@@ -20,6 +20,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -31,6 +32,10 @@
 namespace gloo {
 class Context;
 }  // namespace gloo
+
+namespace gloo::transport {
+class UnboundBuffer;
+}  // namespace gloo::transport
 
 namespace qtx::server::backend {
 
@@ -95,6 +100,9 @@ class GlooCommunicator final : public Communicator {
   std::atomic<bool> aborted_{false};
   mutable absl::Mutex mu_;
   std::string broken_reason_ ABSL_GUARDED_BY(mu_);
+  // The Gloo buffers of the collective in progress, which Abort() wakes.
+  std::vector<gloo::transport::UnboundBuffer*> live_ ABSL_GUARDED_BY(mu_);
+  friend class LiveBuffers;
 };
 
 }  // namespace qtx::server::backend

@@ -367,6 +367,33 @@ TEST_F(GroupRegistryTest, DestroyGroupEndsAJoinAtOnce) {
   }
 }
 
+// Issue 18 item 12: DestroyGroup ends a collective that waits for a missing
+// peer at once (it used to run until its own deadline, 30 s here).
+TEST_F(GroupRegistryTest, DestroyGroupAbortsACollectiveWaitingForAPeer) {
+  MakeSidecars(3);
+  for (auto& c : Create("d", 3, 3)) QTX_ASSERT_OK(c);
+  std::vector<absl::Status> results;
+  absl::Time start;
+  std::thread gather([&] {
+    start = absl::Now();
+    results = Gather("d", {0, 1}, 0, absl::Seconds(30), 3);  // rank 2 never calls
+  });
+  absl::SleepFor(absl::Milliseconds(300));  // both calls are waiting for rank 2
+  QTX_ASSERT_OK(reg(0).DestroyGroup("d"));
+  QTX_ASSERT_OK(reg(1).DestroyGroup("d"));
+  gather.join();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_LT(took, absl::Seconds(5)) << took;
+  ASSERT_EQ(results.size(), 2u);
+  for (const absl::Status& s : results) {
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, HasSubstr("aborted"))) << s;
+  }
+  QTX_ASSERT_OK(reg(2).DestroyGroup("d"));
+  // A new incarnation works.
+  for (auto& cr : Create("d", 3, 3)) QTX_ASSERT_OK(cr);
+  for (const auto& st : Gather("d", {0, 1, 2}, 0, absl::Seconds(10))) QTX_EXPECT_OK(st);
+}
+
 // Issue 18 item 3: rank 0's store keeps a group's keys only while the group
 // exists: destroying it erases them, and a failed join's keys go too.
 TEST_F(GroupRegistryTest, RendezvousKeysAreErasedWithTheGroup) {
