@@ -26,6 +26,7 @@ MPS is the caller's business (--mps only labels the lines).
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def main():
     server = subprocess.Popen([a.qtxd, "--socket=" + sock, "--device=cuda:0",
                                "--allow_client_shm", "--log_level=warn"])
     target = "unix://" + sock
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below
     for _ in range(300):
         try:
             if qcuda._native.Session(target, "host", "probe", 2.0).health() == "SERVING":

@@ -381,12 +381,21 @@ class PoolTest(unittest.TestCase):
     def test_wrapped_generic_array_keeps_the_block(self):
         be = FakeBackend()
         pool = qcuda.DevicePool(be, chunk_bytes=1 << 20)
-        arr = qcuda._wrap(pool.alloc(0, 1, 256 * 4), (16, 16), qcuda.FLOAT32, None)
+        parts = [((16, 16), qcuda.FLOAT32), ((3, 5), qcuda.UINT8), ((2, 4), qcuda.FLOAT32)]
+        offsets, total = qcuda._pack(parts)
+        self.assertEqual((offsets, total), ([0, 1024, 1280], 1536))  # 256-byte aligned views
+        block = pool.alloc(0, 1, total)
+        arrs = qcuda._wrap_many(block, parts, offsets, None)
+        del block
         gc.collect()
         self.assertEqual(pool.stats()["live_blocks"], 1)
-        cai = arr.__cuda_array_interface__
-        self.assertEqual((cai["shape"], cai["typestr"], cai["version"]), ((16, 16), "<f4", 3))
-        del arr, cai
+        cai = arrs[1].__cuda_array_interface__
+        self.assertEqual((cai["shape"], cai["typestr"], cai["version"]), ((3, 5), "|u1", 3))
+        self.assertEqual(cai["data"][0], arrs[0].ptr + 1024)
+        del arrs[0], arrs[0]
+        gc.collect()
+        self.assertEqual(pool.stats()["live_blocks"], 1)  # one view still holds it
+        del arrs, cai
         gc.collect()
         self.assertEqual(pool.stats()["live_blocks"], 0)
 

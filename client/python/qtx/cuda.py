@@ -176,13 +176,20 @@ def _c_contiguous(shape, strides, itemsize):
     return True
 
 
+_TORCH_DTYPES = {}
+
+
 def _torch_dtype_map(torch):
+    """{torch dtype: qtx dtype} (built once)."""
+    if _TORCH_DTYPES:
+        return _TORCH_DTYPES
     m = {torch.float32: FLOAT32, torch.bfloat16: BFLOAT16, torch.float16: FLOAT16,
          torch.uint8: UINT8}
     for name, code in (("float8_e4m3fn", FLOAT8_E4M3), ("float8_e5m2", FLOAT8_E5M2)):
         if hasattr(torch, name):
             m[getattr(torch, name)] = code
-    return m
+    _TORCH_DTYPES.update(m)
+    return _TORCH_DTYPES
 
 
 def from_cuda_array_interface(cai, what, obj=None, device_of=None):
@@ -348,7 +355,17 @@ def layout(shape, mode="1d"):
         raise ArgumentError("shape []: quantization needs rank >= 1")
     if any(d < 0 for d in shape):
         raise ArgumentError("shape %s: negative dimension" % shape)
-    return _native_or_raise().layout(m, shape)
+    key = (m, tuple(shape))
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = _native_or_raise().layout(m, shape)
+        if len(_LAYOUTS) > 4096:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = lay
+    return lay
+
+
+_LAYOUTS = {}
 
 
 def _field_dtype_ok(field, dtype, fmt):
@@ -527,11 +544,11 @@ class DevicePool:
 class DeviceArray:
     """A pooled output for inputs that came from neither PyTorch nor CuPy:
     exposes __cuda_array_interface__ v3 (stream None: ordered on the call's
-    stream already)."""
+    stream already). Keeps its pool block alive."""
 
-    def __init__(self, block, shape, dtype):
+    def __init__(self, block, shape, dtype, offset=0):
         self.block = block
-        self.ptr = block.ptr
+        self.ptr = block.ptr + offset
         self.shape = tuple(shape)
         self.dtype = dtype
         self.device = block.device
@@ -542,25 +559,48 @@ class DeviceArray:
                 "typestr": _TYPESTR_OF[self.dtype], "strides": None, "stream": None}
 
 
-def _wrap(block, shape, dtype, framework):
-    """A tensor of `framework` over the pool block (which it keeps alive)."""
+_VIEW_ALIGN = 256
+
+
+def _pack(parts):
+    """Offsets of `parts` [(shape, dtype)] packed into one block, each
+    aligned to 256 bytes; returns ([offset], total bytes)."""
+    offsets, total = [], 0
+    for shape, dtype in parts:
+        offsets.append(total)
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        total += (nbytes + _VIEW_ALIGN - 1) // _VIEW_ALIGN * _VIEW_ALIGN
+    return offsets, max(total, _VIEW_ALIGN)
+
+
+def _wrap_many(block, parts, offsets, framework):
+    """Tensors of `framework` over parts [(shape, dtype)] of one pool block at
+    `offsets`: one framework allocation wrapper (which keeps the block alive
+    until every view is gone), then views."""
     if framework == "torch":
         torch = _torch()
         block.__cuda_array_interface__ = {
-            "version": 3, "data": (block.ptr, False), "shape": tuple(shape),
-            "typestr": _RAW_TYPESTR[dtype], "strides": None, "stream": None}
-        t = torch.as_tensor(block, device=torch.device("cuda", block.device))
-        if dtype == BFLOAT16:
-            t = t.view(torch.bfloat16)
-        return t
+            "version": 3, "data": (block.ptr, False), "shape": (block.nbytes,),
+            "typestr": "|u1", "strides": None, "stream": None}
+        base = torch.as_tensor(block, device=torch.device("cuda", block.device))
+        tdt = {FLOAT32: torch.float32, FLOAT16: torch.float16, BFLOAT16: torch.bfloat16,
+               UINT8: torch.uint8}
+        out = []
+        for (shape, dtype), off in zip(parts, offsets):
+            nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+            out.append(base[off:off + nbytes].view(tdt[dtype]).view(shape))
+        return out
     if framework == "cupy":
         cupy = _cupy()
-        if dtype == BFLOAT16:
-            raise ArgumentError("dtype='bfloat16': CuPy has no bfloat16; ask float32/float16")
         mem = cupy.cuda.UnownedMemory(block.ptr, block.nbytes, block, block.device)
-        return cupy.ndarray(tuple(shape), dtype=_TYPESTR_OF[dtype],
-                            memptr=cupy.cuda.MemoryPointer(mem, 0))
-    return DeviceArray(block, shape, dtype)
+        out = []
+        for (shape, dtype), off in zip(parts, offsets):
+            if dtype == BFLOAT16:
+                raise ArgumentError("dtype='bfloat16': CuPy has no bfloat16; ask float32/float16")
+            out.append(cupy.ndarray(tuple(shape), dtype=_TYPESTR_OF[dtype],
+                                    memptr=cupy.cuda.MemoryPointer(mem, off)))
+        return out
+    return [DeviceArray(block, shape, dtype, off) for (shape, dtype), off in zip(parts, offsets)]
 
 
 # ---- results ----------------------------------------------------------------------------------
@@ -733,35 +773,33 @@ class Session:
                                                                              device))
         return a
 
-    def _quantize_outputs(self, out, lay, cfg, a, s, rows=None):
-        mode, fmt, row, col = cfg[0], cfg[1], cfg[2], cfg[3]
-        wanted = {"rowwise_data": row, "rowwise_scale_inv": row,
-                  "columnwise_data": col, "columnwise_scale_inv": col}
-        bufs, tensors, blocks = [], {}, []
-        for f in FIELDS:
-            if not wanted[f]:
-                bufs.append(None)
-                continue
-            shape = lay[f]
-            scale = f.endswith("scale_inv")
-            t = None
-            if out is not None:
+    def _quantize_outputs(self, out, lay, cfg, a, s):
+        """([4 x (ptr, bytes) or None], {field: tensor}, [pool blocks])."""
+        fmt, row, col = cfg[1], cfg[2], cfg[3]
+        fields = [f for f in FIELDS if (row if f.startswith("row") else col)]
+        tensors, blocks = {}, []
+        bufs = {}
+        if out is not None:
+            for f in fields:
                 t = out.get(f) if isinstance(out, dict) else getattr(out, f, None)
                 if t is None:
                     raise ArgumentError("out: no %s (the config asks for it)" % f)
-                o = self._out_tensor(t, "out." + f, shape,
+                scale = f.endswith("scale_inv")
+                o = self._out_tensor(t, "out." + f, lay[f],
                                      lambda d, f=f: _field_dtype_ok(f, d, fmt), a.device,
                                      "float32" if scale else "uint8 or the format's float8")
-                bufs.append((o.ptr, o.nbytes))
-            else:
-                dtype = FLOAT32 if scale else UINT8
-                nbytes = math.prod(shape) * _ITEMSIZE[dtype]
-                block = self.pool.alloc(a.device, s, nbytes)
-                blocks.append(block)
-                bufs.append((block.ptr, nbytes))
-                t = _wrap(block, shape, dtype, a.framework)
-            tensors[f] = t
-        return bufs, tensors, blocks
+                bufs[f] = (o.ptr, o.nbytes)
+                tensors[f] = t
+        else:
+            parts = [(lay[f], FLOAT32 if f.endswith("scale_inv") else UINT8) for f in fields]
+            offsets, total = _pack(parts)
+            block = self.pool.alloc(a.device, s, total)
+            blocks.append(block)
+            views = _wrap_many(block, parts, offsets, a.framework)
+            for f, (shape, dtype), off, t in zip(fields, parts, offsets, views):
+                bufs[f] = (block.ptr + off, math.prod(shape) * _ITEMSIZE[dtype])
+                tensors[f] = t
+        return [bufs.get(f) for f in FIELDS], tensors, blocks
 
     # -- calls
 
@@ -833,7 +871,7 @@ class Session:
             nbytes = math.prod(shape) * _ITEMSIZE[odt]
             block = self.pool.alloc(a0.device, s, nbytes)
             blocks.append(block)
-            result = _wrap(block, shape, odt, a0.framework)
+            result = _wrap_many(block, [(shape, odt)], [0], a0.framework)[0]
             o = CudaArray(block.ptr, shape, odt, a0.device, True, None)
         self._native.dequantize(a0.device, s, list(shape), mode, fmt, bufs, shapes, odt, o.ptr,
                                 o.nbytes)
