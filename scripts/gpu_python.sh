@@ -4,7 +4,7 @@
 #   QTX_BUNDLE_SKIP='libcublas|libcublasLt' deploy/bundle/make_bundle.sh build B \
 #     build/bench/channel_bench build/client/python/native/extra/qtx/_native.cpython-312-*.so
 #   mkdir -p B/py/qtx B/tests B/bench && cp build/client/python/qtx/*.py B/py/qtx/ &&
-#   cp tests/python/gpu_test_cuda.py B/tests/ && cp bench/python_channel_bench.py B/bench/ &&
+#   cp tests/python/gpu_test_*.py B/tests/ && cp bench/python_channel_bench.py B/bench/ &&
 #   cp scripts/gpu_python.sh B/
 #   B/gpu_python.sh OUT_DIR
 # The module must match the host's Python (build qtx_native_extra for it; see
@@ -60,14 +60,15 @@ for _ in $(seq 40); do [ -S /tmp/qtx-py-health.sock ] && break; sleep 0.25; done
 sleep 0.5
 step health 20 env PYTHONPATH="$PY" python3 -m qtx health --target unix:///tmp/qtx-py-health.sock
 kill $QPID; wait $QPID 2>/dev/null
-step gpu_test_mps1 "${QTX_TEST_TIMEOUT:-70}" python3 "$B/tests/gpu_test_cuda.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
+step gpu_test_mps1 "${QTX_TEST_TIMEOUT:-60}" python3 "$B/tests/gpu_test_cuda.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
+step gpu_test_optimizer_mps1 30 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
 if [ -x "$B/bin/channel_bench" ]; then
-  step channel_bench_mps1 30 "$B/bin/channel_bench" --qtxd="$B/bin/qtxd" --mps=1 --flags=host
+  step channel_bench_mps1 20 "$B/bin/channel_bench" --qtxd="$B/bin/qtxd" --mps=1 --flags=host
   grep '^{' "$LOG" | grep channel_ > "$OUT/channel_bench_mps1.jsonl"
 fi
-step py_bench_mps1 35 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" --python_dir="$PY" --mps=1 --in_process_jsonl="$OUT/channel_bench_mps1.jsonl"
+step py_bench_mps1 25 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" --python_dir="$PY" --mps=1 --in_process_jsonl="$OUT/channel_bench_mps1.jsonl"
 echo quit | nvidia-cuda-mps-control
 sleep 1
-step py_bench_mps0 30 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" --python_dir="$PY" --mps=0 --layers=100
+step py_bench_mps0 20 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" --python_dir="$PY" --mps=0 --layers=100
 grep '^{' "$LOG" > "$OUT/bench.jsonl"
 exit $rc_all

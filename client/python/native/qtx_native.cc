@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -35,6 +36,7 @@
 #include "qtx/collective_types.h"
 #include "qtx/cuda_channel.h"
 #include "qtx/cuda_ipc.h"
+#include "qtx/optimizer_types.h"
 #include "qtx/types.h"
 
 namespace py = pybind11;
@@ -271,6 +273,121 @@ class NativeSession {
     return py::make_tuple(info.rank, info.world_size, info.next_sequence);
   }
 
+  // Client::OffloadOptimizerState with inline masters: params is a list of
+  // (name, float32 bytes, shape). hyper: (lr, beta1, beta2, eps,
+  // weight_decay, bias_correction). Returns the group's parameter count.
+  int OffloadOptimizerState(const std::string& group,
+                            const std::vector<std::tuple<std::string, py::bytes,
+                                                         std::vector<int64_t>>>& params,
+                            const std::tuple<double, double, double, double, double, bool>& hyper,
+                            int mode, int format, bool rowwise, bool columnwise, bool pow2,
+                            float eps, int64_t step, bool replace) {
+    qtx::OptimizerGroupConfig c;
+    c.group = group;
+    std::tie(c.hyper_params.lr, c.hyper_params.beta1, c.hyper_params.beta2, c.hyper_params.eps,
+             c.hyper_params.weight_decay, c.hyper_params.bias_correction) = hyper;
+    c.output.fp8 = MakeConfig(mode, format, rowwise, columnwise, pow2, eps);
+    c.step = step;
+    c.replace = replace;
+    std::vector<qtx::OptimizerParameterInit> inits;
+    for (const auto& [name, bytes, shape] : params) {
+      qtx::OptimizerParameterInit p;
+      p.name = name;
+      p.shape = shape;
+      p.master = qtx::Tensor::Inline(qtx::DType::kFloat32, shape, std::string(bytes));
+      inits.push_back(std::move(p));
+    }
+    py::gil_scoped_release nogil;
+    return Unwrap(client_->OffloadOptimizerState(c, inits)).num_parameters;
+  }
+
+  // Client::Step with gradients in device memory and FP8 destinations in
+  // device memory, ordered on `stream` by interprocess events: qtxd waits
+  // for an event recorded on `stream` now (the gradients are written), and
+  // `stream` waits for qtxd's event after the outputs are written. The host
+  // returns when qtxd answers (it has read the gradients: the statistics
+  // need them). grads: (name, ptr, dtype, shape); dests: (name, 4 buffers).
+  // lr < 0 / max_grad_norm <= 0: not set. Returns the statistics as a dict.
+  py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
+                const std::vector<std::tuple<std::string, uintptr_t, int,
+                                             std::vector<int64_t>>>& grads,
+                const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
+                double max_grad_norm, bool skip_if_non_finite) {
+    qtx::OptimizerStepResult r;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> l(mu_);
+      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+      UseDevice(device);
+      std::vector<qtx::OptimizerGradient> g;
+      for (const auto& [name, ptr, dtype, shape] : grads) {
+        g.push_back({name, InputTensor(ptr, dtype, shape)});
+      }
+      qtx::StepOptions o;
+      if (lr >= 0) o.lr = lr;
+      if (max_grad_norm > 0) o.max_grad_norm = max_grad_norm;
+      o.skip_if_non_finite = skip_if_non_finite;
+      for (const auto& [name, bufs] : dests) {
+        qtx::ParameterDestination d;
+        d.name = name;
+        d.fp8 = Outputs(bufs);
+        o.destinations.push_back(std::move(d));
+      }
+      Events& ev = EventsLocked(device);
+      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
+                "cudaEventRecord");
+      qtx::CallOptions call;
+      call.cuda_wait_event = ev.ready->handle();
+      call.cuda_signal_event = ev.done->handle();
+      r = Unwrap(client_->Step(group, step, g, o, call));
+      CheckCuda(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev.done->get(), 0),
+                "cudaStreamWaitEvent");
+    }
+    py::dict d;
+    d["step"] = r.stats.step;
+    d["grad_norm"] = r.stats.grad_norm;
+    d["skipped"] = r.stats.skipped;
+    d["non_finite"] = r.stats.non_finite;
+    d["clip_coef"] = r.stats.clip_coef;
+    d["lr"] = r.stats.lr;
+    d["replayed"] = r.stats.replayed;
+    return d;
+  }
+
+  // Client::Step with inline gradients (host bytes) and inline outputs: the
+  // reference path for tests against a CPU qtxd. Returns
+  // {name: {field: bytes}}.
+  py::dict StepHost(const std::string& group, int64_t step,
+                    const std::vector<std::tuple<std::string, py::bytes, int,
+                                                 std::vector<int64_t>>>& grads) {
+    std::vector<qtx::OptimizerGradient> g;
+    for (const auto& [name, bytes, dtype, shape] : grads) {
+      g.push_back({name, qtx::Tensor::Inline(static_cast<qtx::DType>(dtype), shape,
+                                             std::string(bytes))});
+    }
+    qtx::OptimizerStepResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = Unwrap(client_->Step(group, step, g));
+    }
+    py::dict out;
+    for (const auto& p : r.parameters) {
+      py::dict f;
+      if (p.fp8) {
+        const std::pair<const char*, const std::optional<qtx::Tensor>*> fields[4] = {
+            {"rowwise_data", &p.fp8->rowwise_data},
+            {"rowwise_scale_inv", &p.fp8->rowwise_scale_inv},
+            {"columnwise_data", &p.fp8->columnwise_data},
+            {"columnwise_scale_inv", &p.fp8->columnwise_scale_inv}};
+        for (const auto& [name, t] : fields) {
+          if (*t) f[name] = py::bytes((*t)->data);
+        }
+      }
+      out[py::str(p.name)] = f;
+    }
+    return out;
+  }
+
   void DestroyGroup(const std::string& name) {
     py::gil_scoped_release nogil;
     Check(client_->DestroyGroup(name));
@@ -312,6 +429,17 @@ class NativeSession {
         *client_, reinterpret_cast<cudaStream_t>(stream), opts, flags_));
     return *channels_.emplace(std::make_pair(device, stream), std::move(ch)).first->second;
   }
+  struct Events {
+    std::optional<qtx::cuda::IpcEvent> ready, done;
+  };
+  Events& EventsLocked(int device) {
+    Events& e = events_[device];
+    if (!e.ready) {
+      e.ready.emplace(Unwrap(qtx::cuda::IpcEvent::Create()));
+      e.done.emplace(Unwrap(qtx::cuda::IpcEvent::Create()));
+    }
+    return e;
+  }
   absl::Status CloseLocked() {
     absl::Status first;
     for (auto& [key, ch] : channels_) {
@@ -319,6 +447,7 @@ class NativeSession {
       if (first.ok() && !s.ok()) first = s;
     }
     channels_.clear();
+    events_.clear();
     cache_.reset();  // unregisters what it registered
     return first;
   }
@@ -329,6 +458,7 @@ class NativeSession {
   std::unique_ptr<qtx::Client> client_;
   std::unique_ptr<qtx::cuda::RegionCache> cache_;  // guarded by mu_
   std::map<std::pair<int, uintptr_t>, std::unique_ptr<qtx::Channel>> channels_;  // mu_
+  std::map<int, Events> events_;  // mu_: Step's interprocess events per device
 };
 
 // ---- DLPack (dlpack.h v0.8 ABI, the layout every framework exchanges) -------------------------
@@ -463,7 +593,10 @@ PYBIND11_MODULE(_native, m) {
       .def("slice", &NativeSession::Slice)
       .def("quantize_host", &NativeSession::QuantizeHost)
       .def("create_group", &NativeSession::CreateGroup)
-      .def("destroy_group", &NativeSession::DestroyGroup);
+      .def("destroy_group", &NativeSession::DestroyGroup)
+      .def("offload_optimizer_state", &NativeSession::OffloadOptimizerState)
+      .def("step", &NativeSession::Step)
+      .def("step_host", &NativeSession::StepHost);
 
   m.def("parse_dlpack", &ParseDlpack, "Fields of an unconsumed 'dltensor' capsule.");
   m.def("malloc", &Malloc);

@@ -655,6 +655,9 @@ class QuantizedTensor:
 
     def query(self):
         """True once the operation has finished (host view; raises its failure)."""
+        if self.op is None:
+            raise ArgumentError("not a channel operation (an optimizer step's outputs are "
+                                "ordered by an event: synchronize the stream instead)")
         return self._session._native.query(self.device, self.stream, self.op)
 
     def record_stream(self, stream):
@@ -730,6 +733,7 @@ class Session:
         self._native = native.Session(target, flag_memory, label, float(timeout))
         self.pool = DevicePool(_NativeCudaBackend(), pool_chunk_bytes)
         self._world = {}
+        self._groups = {}
         self._closed = False
 
     # -- plumbing
@@ -926,6 +930,89 @@ class Session:
         if not async_op:
             return result
         return AllGatherHandle(self, result, a.device, s, _native.event_record(a.device, s))
+
+    # -- optimizer (AdamW offloaded to qtxd; semantics in proto/qtx/v1/optimizer.proto)
+
+    def offload_optimizer_state(self, group, parameters, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=1e-2, bias_correction=True, mode="2d",
+                                format="e4m3", rowwise=True, columnwise=True, pow2_scales=True,
+                                amax_epsilon=0.0, step=0, replace=False):
+        """Hands a parameter group's FP32 master weights to qtxd (once, through
+        the host: {name: float32 tensor/array}, any device) with FP8 outputs
+        per (mode, format, rowwise, columnwise). Returns the parameter count.
+        Then step() runs with gradients and outputs in device memory."""
+        cfg = quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
+        params = []
+        for name, t in (parameters.items() if hasattr(parameters, "items") else parameters):
+            torch = _torch()
+            if torch is not None and isinstance(t, torch.Tensor):
+                if t.dtype != torch.float32:
+                    raise ArgumentError("parameter %s: dtype %s, masters are float32"
+                                        % (name, t.dtype))
+                shape, data = tuple(t.shape), t.detach().contiguous().cpu().numpy().tobytes()
+            else:
+                import numpy as np
+                a = np.ascontiguousarray(t)
+                if a.dtype != np.float32:
+                    raise ArgumentError("parameter %s: dtype %s, masters are float32"
+                                        % (name, a.dtype))
+                shape, data = a.shape, a.tobytes()
+            params.append((str(name), data, list(shape)))
+        n = self._native.offload_optimizer_state(
+            group, params, (float(lr), float(betas[0]), float(betas[1]), float(eps),
+                            float(weight_decay), bool(bias_correction)),
+            cfg[0], cfg[1], cfg[2], cfg[3], cfg[4], cfg[5], int(step), bool(replace))
+        self._groups[group] = (mode, format, cfg, {p[0]: tuple(p[2]) for p in params})
+        return n
+
+    def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
+             skip_if_non_finite=False, stream=None):
+        """AdamW step `step` of a group offloaded through this session, with
+        the gradients in device memory ({name: CUDA tensor}, float32 /
+        bfloat16 / float16, contiguous, the parameter's shape) and the FP8
+        parameters written into device memory: out={name: QuantizedTensor or
+        {field: tensor}}, else pooled. Stream order: qtxd reads the gradients
+        after the work queued on the stream before the call (an interprocess
+        event), and later work on the stream sees the outputs. The host waits
+        for qtxd's answer (the statistics need the gradients), not for the
+        outputs. Returns (stats dict, {name: QuantizedTensor})."""
+        known = self._groups.get(group)
+        if known is None:
+            raise ArgumentError("group %r: not offloaded through this session "
+                                "(offload_optimizer_state)" % group)
+        mode, fmt, cfg, shapes = known
+        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
+        if not items:
+            raise ArgumentError("gradients: empty; one per parameter")
+        grads, dests, results, device, s = [], [], {}, None, None
+        for name, g in items:
+            a, sg = self._input(g, "gradient %s" % name, stream)
+            if s is None:
+                device, s = a.device, sg
+            elif a.device != device:
+                raise ArgumentError("gradient %s: on cuda:%d, the others on cuda:%d"
+                                    % (name, a.device, device))
+            if a.dtype not in INPUT_DTYPES or not a.contiguous:
+                raise ArgumentError("gradient %s: a contiguous float32/bfloat16/float16 tensor"
+                                    % name)
+            if name not in shapes:
+                raise ArgumentError("gradient %s: no such parameter in group %r" % (name, group))
+            if tuple(a.shape) != shapes[name]:
+                raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
+                                    % (name, list(a.shape), list(shapes[name])))
+            grads.append((name, a.ptr, a.dtype, list(a.shape)))
+            lay = layout(a.shape, cfg[0])
+            o = None if out is None else out.get(name)
+            if out is not None and o is None:
+                raise ArgumentError("out: no entry for parameter %s" % name)
+            bufs, tensors, blocks = self._quantize_outputs(o, lay, cfg, a, s)
+            dests.append((name, bufs))
+            results[name] = self._result(a.shape, mode, fmt, tensors, a.device, s, None, blocks)
+        stats = self._native.step(device, s, group, int(step), grads, dests,
+                                  -1.0 if lr is None else float(lr),
+                                  0.0 if max_grad_norm is None else float(max_grad_norm),
+                                  bool(skip_if_non_finite))
+        return stats, results
 
     def synchronize(self):
         """Waits (host) for every submitted call on every stream; raises the
