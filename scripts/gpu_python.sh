@@ -22,34 +22,35 @@ CU13="$(python3 -c "import sysconfig,os;print(os.path.join(sysconfig.get_paths()
 export LD_LIBRARY_PATH="$B/lib:$NCCL_LIB:$CU13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
 PY="$B/py"
-cp -f "$B"/bin/_native*.so "$PY/qtx/" 2>/dev/null
 rc_all=0
 step() {  # step NAME TIMEOUT CMD...
   local name="$1" t="$2"; shift 2
   local t0=$SECONDS
   echo "=== $name" >> "$LOG"
-  timeout "$t" "$@" >> "$LOG" 2>&1
+  timeout -k 5 "$t" "$@" >> "$LOG" 2>&1
   local rc=$?
   [ $rc -ne 0 ] && rc_all=1
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$LOG"
+  return $rc
 }
 { python3 -V; nvidia-smi -L; python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"; } >> "$LOG" 2>&1
-step import 30 python3 -c "import sys; sys.path.insert(0, '$PY'); import qtx, qtx.cuda, qtx._native as n; print('qtx._native', n.__file__, 'grpc:', qtx._GRPC_MISSING)"
-# Fallback (QTX_PY_FALLBACK=DIR with qtx_native.cc, the stripped static
-# client libraries and the pybind11 + Abseil headers): compile the binding
-# here, against this host's Python, when the prebuilt module does not import.
+# The module built on the build host (qtx_native_extra, against this Python's
+# headers) is checked in a copy of the package; the tests use one compiled
+# here against this host's own Python headers (FALLBACK=DIR: qtx_native.cc,
+# the stripped static client libraries, the qtx client, pybind11 and Abseil
+# headers), or the
+# prebuilt one when that compile fails.
+rm -rf "$B/py_pre" && cp -r "$PY" "$B/py_pre" && cp -f "$B"/bin/_native*.so "$B/py_pre/qtx/"
+step import_prebuilt 60 python3 -c "import sys; sys.path.insert(0, '$B/py_pre'); import torch, qtx, qtx.cuda as c, qtx._native as n; print(n.__file__, c.layout((300, 520), '2d')); t = torch.arange(6.0, device='cuda'); print(n.parse_dlpack(t.__dlpack__()), t.data_ptr(), n.pointer_device(t.data_ptr()))"
 F="${QTX_PY_FALLBACK:-$B/fallback}"
-if ! python3 -c "import sys; sys.path.insert(0, '$PY'); import qtx._native" >> "$LOG" 2>&1 && [ -d "$F" ]; then
-  R="$(pwd)"
-  PYINC="$(python3 -c "import sysconfig;print(sysconfig.get_paths()['include'])")"
-  step compile_native 100 g++ -O2 -fPIC -shared -std=c++20 -fvisibility=hidden \
-    -I"$R/client" -I"$R/client/cuda" -isystem "$F/include" -isystem "$PYINC" \
-    -isystem /usr/local/cuda/include "$F/qtx_native.cc" \
-    -o "$PY/qtx/_native$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")" \
-    "$F/libqtx_client_cuda.a" "$F/libqtx_client.a" "$F/libqtx_proto.a" "$B"/lib/*.so* \
-    /usr/local/cuda/lib64/libcudart_static.a -ldl -lrt -lpthread
-  step import_fallback 30 python3 -c "import sys; sys.path.insert(0, '$PY'); import qtx._native as n; print(n.__file__)"
-fi
+PYINC="$(python3 -c "import sysconfig;print(sysconfig.get_paths()['include'])")"
+SUFFIX="$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")"
+step compile_native 100 g++ -O2 -fPIC -shared -std=c++20 -fvisibility=hidden \
+  -I"$F/include" -isystem "$F/include" -isystem "$PYINC" \
+  -isystem /usr/local/cuda/include "$F/qtx_native.cc" -o "$PY/qtx/_native$SUFFIX" \
+  "$F/libqtx_client_cuda.a" "$F/libqtx_client.a" "$F/libqtx_proto.a" "$B"/lib/*.so* \
+  /usr/local/cuda/lib64/libcudart_static.a -ldl -lrt -lpthread || cp -f "$B"/bin/_native*.so "$PY/qtx/"
+step import 30 python3 -c "import sys; sys.path.insert(0, '$PY'); import qtx, qtx.cuda, qtx._native as n; print('qtx._native', n.__file__, 'grpc part:', qtx._GRPC_MISSING)"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && echo "MPS on" >> "$LOG"
@@ -61,12 +62,12 @@ sleep 0.5
 step health 20 env PYTHONPATH="$PY" python3 -m qtx health --target unix:///tmp/qtx-py-health.sock
 kill $QPID; wait $QPID 2>/dev/null
 step gpu_test_mps1 "${QTX_TEST_TIMEOUT:-60}" python3 "$B/tests/gpu_test_cuda.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
-step gpu_test_optimizer_mps1 30 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
 if [ -x "$B/bin/channel_bench" ]; then
   step channel_bench_mps1 20 "$B/bin/channel_bench" --qtxd="$B/bin/qtxd" --mps=1 --flags=host
   grep '^{' "$LOG" | grep channel_ > "$OUT/channel_bench_mps1.jsonl"
 fi
 step py_bench_mps1 25 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" --python_dir="$PY" --mps=1 --in_process_jsonl="$OUT/channel_bench_mps1.jsonl"
+step gpu_test_optimizer_mps1 30 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
 echo quit | nvidia-cuda-mps-control
 sleep 1
 step py_bench_mps0 20 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" --python_dir="$PY" --mps=0 --layers=100
