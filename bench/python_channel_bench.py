@@ -61,12 +61,19 @@ def main():
                                "--allow_client_shm", "--log_level=warn"])
     target = "unix://" + sock
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below
-    for _ in range(300):
+    deadline = time.time() + 60
+    while True:
+        if server.poll() is not None:
+            sys.exit("qtxd exited with status %s during startup" % server.returncode)
         try:
             if qcuda._native.Session(target, "host", "probe", 2.0).health() == "SERVING":
                 break
-        except Exception:  # noqa: BLE001
-            time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        if time.time() > deadline:
+            server.terminate()
+            sys.exit("qtxd did not become SERVING in 60 s")
+        time.sleep(0.2)
     try:
         run(a, torch, qcuda, target)
     finally:

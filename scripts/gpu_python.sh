@@ -41,7 +41,11 @@ step() {  # step NAME TIMEOUT CMD...
 # headers), or the
 # prebuilt one when that compile fails.
 rm -rf "$B/py_pre" && cp -r "$PY" "$B/py_pre" && cp -f "$B"/bin/_native*.so "$B/py_pre/qtx/"
-step import_prebuilt 60 python3 -c "import sys; sys.path.insert(0, '$B/py_pre'); import torch, qtx, qtx.cuda as c, qtx._native as n; print(n.__file__, c.layout((300, 520), '2d')); t = torch.arange(6.0, device='cuda'); print(n.parse_dlpack(t.__dlpack__()), t.data_ptr(), n.pointer_device(t.data_ptr()))"
+step import_prebuilt 30 python3 -c "import sys; sys.path.insert(0, '$B/py_pre'); import qtx, qtx.cuda as c, qtx._native as n; print(n.__file__, c.layout((300, 520), '2d'))
+try:
+    n.Session('unix:///nonexistent/q.sock', 'host', 'p', 2.0).health()
+except qtx.errors.UnavailableError as e:
+    print('mapped:', repr(e))"
 F="${QTX_PY_FALLBACK:-$B/fallback}"
 PYINC="$(python3 -c "import sysconfig;print(sysconfig.get_paths()['include'])")"
 SUFFIX="$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")"
