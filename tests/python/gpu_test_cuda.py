@@ -29,9 +29,10 @@ SERVERS = {}
 
 def start_qtxd(name, extra):
     sock = os.path.join(SERVERS["tmp"], name + ".sock")
-    log = open(os.path.join(SERVERS["tmp"], name + ".log"), "w")
-    proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--log_level=warn"] + extra,
-                            stdout=log, stderr=subprocess.STDOUT)
+    with open(os.path.join(SERVERS["tmp"], name + ".log"), "w") as log:
+        proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--log_level=warn"] + extra,
+                                stdout=log, stderr=subprocess.STDOUT)
+    SERVERS[name + "_proc"] = proc
     target = "unix://" + sock
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -45,7 +46,6 @@ def start_qtxd(name, extra):
         time.sleep(0.2)
     else:
         raise RuntimeError("qtxd %s did not become SERVING" % name)
-    SERVERS[name] = proc
     return target
 
 
@@ -59,16 +59,22 @@ def setUpModule():
     qtx, qcuda, torch, cupy = _qtx, _qcuda, _torch, _cupy
     SERVERS["tmp"] = tempfile.mkdtemp(prefix="qtx-pygpu-")
     SERVERS["gpu"] = start_qtxd("gpu", ["--device=cuda:0", "--allow_client_shm"])
-    SERVERS["cpu_target"] = start_qtxd("cpu", ["--device=cpu"])
-    SERVERS["ref"] = qcuda._native.Session(SERVERS["cpu_target"], "host", "ref", 60.0)
+    SERVERS["ref"] = qcuda._native.Session(start_qtxd("cpu", ["--device=cpu"]), "host", "ref",
+                                           60.0)
 
 
 def tearDownModule():
-    for name in ("gpu", "cpu"):
-        p = SERVERS.get(name)
-        if isinstance(p, subprocess.Popen):
+    # Every qtxd the test started (the GPU run of 2026-12-01 kept the GPU one
+    # alive: its Popen was overwritten, and MPS then waited for it).
+    for name in ("gpu_proc", "cpu_proc"):
+        p = SERVERS.pop(name, None)
+        if p is not None and p.poll() is None:
             p.terminate()
-            p.wait(10)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 # ---- helpers ----------------------------------------------------------------------------------
