@@ -262,6 +262,43 @@ class TorchCpuInputTest(unittest.TestCase):
             s.dequantize(q, dtype="float64")
         s.close()
 
+    def test_optimizer_arguments_checked_before_any_call(self):
+        s = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0)
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.step("never-offloaded", 1, {"w": torch.zeros(4, 4)})
+        self.assertIn("not offloaded through this session", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4, dtype=torch.float64)})
+        self.assertIn("masters are float32", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError):
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, mode="3d")
+        # A known group (as offload would record it): gradient checks.
+        cfg = qcuda.quantize_config("2d", "e4m3", True, True)
+        s._groups["g"] = ("2d", "e4m3", cfg, {"w": (4, 256)})
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.step("g", 1, {})
+        self.assertIn("empty", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.step("g", 1, {"w": torch.zeros(4, 256)})  # a CPU tensor
+        self.assertIn("CUDA tensors", str(cm.exception))
+        self.assertEqual(s.stats()["channels"], 0)
+        s.close()
+
+    def test_query_needs_a_channel_op(self):
+        q = qcuda.QuantizedTensor((4, 128), "1d", "e4m3")
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            q.query()
+        self.assertIn("not a channel operation", str(cm.exception))
+
+    def test_record_stream_reaches_the_blocks(self):
+        pool = qcuda.DevicePool(FakeBackend(), chunk_bytes=1 << 20)
+        b = pool.alloc(0, 7, 512)
+        q = qcuda.QuantizedTensor((4, 128), "1d", "e4m3")
+        q._blocks = (b,)
+        q.record_stream(9)
+        q.record_stream(7)  # the block's own stream
+        self.assertEqual(b.streams, {9})
+
     def test_torch_dtype_map(self):
         m = qcuda._torch_dtype_map(torch)
         self.assertEqual(m[torch.bfloat16], qcuda.BFLOAT16)

@@ -62,6 +62,11 @@ anything is submitted. Failures of qtxd or the channel raise the
 operation fails its channel: the next call on that stream and
 ``synchronize()`` raise it).
 
+Optimizer: ``offload_optimizer_state`` hands FP32 masters to qtxd once;
+``step`` then takes gradients in device memory and writes the FP8 parameters
+into device memory, ordered on the call's stream by interprocess events (the
+host waits for qtxd's answer, whose statistics need the gradients).
+
 Threads: a Session may be used from several threads; calls are serialized.
 """
 
