@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# On a GPU host: qtx.cuda's GPU test and benchmark with the host's PyTorch and
-# CuPy, from a bundle made like this (on the build host):
+# On a GPU host: qtx.cuda's GPU tests and benchmark with the host's PyTorch and
+# CuPy, from a bundle made like this (on the build host, CUDA build):
 #   QTX_BUNDLE_SKIP='libcublas|libcublasLt' deploy/bundle/make_bundle.sh build B \
 #     build/bench/channel_bench build/client/python/native/extra/qtx/_native.cpython-312-*.so
-#   mkdir -p B/py/qtx B/tests B/bench && cp build/client/python/qtx/*.py B/py/qtx/ &&
-#   cp tests/python/gpu_test_*.py B/tests/ && cp bench/python_channel_bench.py B/bench/ &&
-#   cp scripts/gpu_python.sh B/
+#   strip --strip-debug B/bin/* B/lib/*
+#   mkdir -p B/py/qtx B/tests B/bench B/fallback/include/qtx
+#   cp client/python/qtx/*.py B/py/qtx/; cp tests/python/gpu_test_*.py B/tests/
+#   cp bench/python_channel_bench.py B/bench/; cp scripts/gpu_python.sh B/
+#   cp client/python/native/qtx_native.cc build/client/libqtx_client*.a \
+#      build/proto/libqtx_proto.a B/fallback/ && strip --strip-debug B/fallback/*.a
+#   cp -r /usr/include/pybind11 /usr/include/absl B/fallback/include/
+#   cp client/qtx/*.h client/cuda/qtx/*.h B/fallback/include/qtx/
 #   B/gpu_python.sh OUT_DIR
-# The module must match the host's Python (build qtx_native_extra for it; see
-# client/README.md). Writes OUT_DIR/log.txt (everything) and OUT_DIR/bench.jsonl.
+# The binding is compiled here against this host's Python headers (g++,
+# /usr/local/cuda); the prebuilt module (qtx_native_extra, see client/README.md)
+# is only import-checked. MPS is started for the tests and the first bench and
+# stopped for the last. Writes OUT_DIR/log.txt (everything) and
+# OUT_DIR/bench.jsonl.
 set -uo pipefail
 B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${1:?output dir}"
