@@ -8,7 +8,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
-  python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch
+  python3 python3-dev pybind11-dev python3-grpcio python3-grpc-tools python3-numpy python3-torch
   python3-pip python3-setuptools python3-wheel
   zlib1g-dev
   openssl yamllint

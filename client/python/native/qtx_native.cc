@@ -1,0 +1,622 @@
+// qtx._native: the compiled half of qtx.cuda (client/python/qtx/cuda.py).
+//
+// A thin pybind11 layer over the C++ client: qtx::Client, qtx::Channel
+// opened by qtx::cuda::OpenChannel on the caller's CUDA streams, and
+// qtx::cuda::RegionCache for device pointers. It takes raw numbers (device
+// ordinals, cudaStream_t handles, device pointers, shapes) that the Python
+// layer has already checked and resolved from PyTorch / CuPy / any
+// __cuda_array_interface__ or DLPack object; it never touches a framework.
+//
+// Errors: a failed absl::Status raises the qtx.errors class of its code
+// (qtx.errors.from_status(code, message)); CUDA failures are INTERNAL.
+//
+// Threads: every NativeSession call takes the session's mutex with the GIL
+// released, so a session may be shared by Python threads; calls are
+// serialized (the submission order on one stream is the order of the calls).
+#include <cuda_runtime_api.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "qtx/channel.h"
+#include "qtx/client.h"
+#include "qtx/collective_types.h"
+#include "qtx/cuda_channel.h"
+#include "qtx/cuda_ipc.h"
+#include "qtx/optimizer_types.h"
+#include "qtx/types.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// A failed status on its way to Python (see the translator in the module).
+struct StatusException {
+  int code;
+  std::string message;
+};
+
+[[noreturn]] void Throw(const absl::Status& s) {
+  throw StatusException{static_cast<int>(s.code()), std::string(s.message())};
+}
+void Check(const absl::Status& s) {
+  if (!s.ok()) Throw(s);
+}
+template <typename T>
+T Unwrap(absl::StatusOr<T> v) {
+  if (!v.ok()) Throw(v.status());
+  return *std::move(v);
+}
+void CheckCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    Throw(absl::InternalError(absl::StrFormat("%s: %s (%s)", what, cudaGetErrorName(e),
+                                              cudaGetErrorString(e))));
+  }
+}
+void UseDevice(int device) {
+  int current = -1;
+  CheckCuda(cudaGetDevice(&current), "cudaGetDevice");
+  if (current != device) CheckCuda(cudaSetDevice(device), "cudaSetDevice");
+}
+
+// (pointer, bytes) of a device buffer, or None.
+using Buf = std::optional<std::pair<uintptr_t, uint64_t>>;
+
+qtx::QuantizeConfig MakeConfig(int mode, int format, bool rowwise, bool columnwise, bool pow2,
+                               float eps) {
+  qtx::QuantizeConfig c;
+  c.scaling_mode = static_cast<qtx::ScalingMode>(mode);
+  c.format = static_cast<qtx::Fp8Format>(format);
+  c.rowwise = rowwise;
+  c.columnwise = columnwise;
+  c.force_pow2_scales = pow2;
+  c.amax_epsilon = eps;
+  return c;
+}
+
+class NativeSession {
+ public:
+  NativeSession(const std::string& target, const std::string& flag_memory,
+                const std::string& label, double timeout_s)
+      : label_(label) {
+    if (flag_memory == "host") {
+      flags_ = qtx::cuda::FlagMemory::kHostShm;
+    } else if (flag_memory == "device") {
+      flags_ = qtx::cuda::FlagMemory::kDevice;
+    } else {
+      Throw(absl::InvalidArgumentError(
+          absl::StrFormat("flag_memory='%s': must be 'host' or 'device'", flag_memory)));
+    }
+    qtx::ClientOptions options;
+    options.timeout = absl::Seconds(timeout_s);
+    client_ = Unwrap(qtx::Client::Connect(target, options));
+    cache_ = std::make_unique<qtx::cuda::RegionCache>(*client_, "qtx-py");
+  }
+
+  ~NativeSession() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> l(mu_);
+    (void)CloseLocked();
+  }
+
+  std::string Health() {
+    py::gil_scoped_release nogil;
+    auto s = Unwrap(client_->Health());
+    return qtx::ServingStatusName(s);
+  }
+
+  // Submits a quantization of the contiguous tensor at `input` on `stream`.
+  // outs: rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv.
+  uint64_t Quantize(int device, uintptr_t stream, uintptr_t input, int dtype,
+                    const std::vector<int64_t>& shape, int mode, int format, bool rowwise,
+                    bool columnwise, bool pow2, float eps, const std::vector<Buf>& outs) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> l(mu_);
+    qtx::Channel& ch = ChannelLocked(device, stream);
+    const qtx::Tensor in = InputTensor(input, dtype, shape);
+    const qtx::QuantizeOutputs o = Outputs(outs);
+    return Unwrap(ch.Quantize(in, MakeConfig(mode, format, rowwise, columnwise, pow2, eps), o));
+  }
+
+  // Submits this rank's part of AllGather `sequence` of `group`.
+  uint64_t AllGather(int device, uintptr_t stream, const std::string& group, uint64_t sequence,
+                     int gather_mode, uintptr_t input, int dtype,
+                     const std::vector<int64_t>& shape, int mode, int format, bool rowwise,
+                     bool columnwise, bool pow2, float eps, const std::vector<Buf>& outs) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> l(mu_);
+    qtx::Channel& ch = ChannelLocked(device, stream);
+    const qtx::Tensor in = InputTensor(input, dtype, shape);
+    const qtx::QuantizeOutputs o = Outputs(outs);
+    return Unwrap(ch.AllGather(group, sequence, in,
+                               MakeConfig(mode, format, rowwise, columnwise, pow2, eps),
+                               static_cast<qtx::AllGatherMode>(gather_mode), o));
+  }
+
+  // Submits a dequantization. `bufs`: the four buffers of the quantized
+  // tensor (None when absent), `scale_shapes` their 2-D shapes
+  // ([rows, cols] x 4, ignored for absent ones).
+  uint64_t Dequantize(int device, uintptr_t stream, const std::vector<int64_t>& shape, int mode,
+                      int format, const std::vector<Buf>& bufs,
+                      const std::vector<std::vector<int64_t>>& shapes, int out_dtype,
+                      uintptr_t out, uint64_t out_bytes) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> l(mu_);
+    qtx::Channel& ch = ChannelLocked(device, stream);
+    qtx::QuantizedTensor q;
+    q.shape = shape;
+    q.config = MakeConfig(mode, format, bufs[0].has_value(), bufs[2].has_value(), true, 0.0f);
+    const qtx::DType fp8 =
+        format == 2 ? qtx::DType::kFloat8E5M2 : qtx::DType::kFloat8E4M3;
+    std::optional<qtx::Tensor>* fields[4] = {&q.rowwise_data, &q.rowwise_scale_inv,
+                                             &q.columnwise_data, &q.columnwise_scale_inv};
+    for (int i = 0; i < 4; ++i) {
+      if (!bufs[i]) continue;
+      const qtx::RegionSlice s = SliceLocked(bufs[i]->first, bufs[i]->second);
+      *fields[i] = qtx::Tensor::InRegion(i % 2 == 0 ? fp8 : qtx::DType::kFloat32, shapes[i], s);
+    }
+    const qtx::RegionSlice o = SliceLocked(out, out_bytes);
+    return Unwrap(ch.Dequantize(q, static_cast<qtx::DType>(out_dtype), o));
+  }
+
+  // Query(op) of the channel on (device, stream): True done, False pending,
+  // raises the failure.
+  bool Query(int device, uintptr_t stream, uint64_t op) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = channels_.find({device, stream});
+    if (it == channels_.end()) {
+      Throw(absl::InvalidArgumentError(absl::StrFormat(
+          "no channel on device %d, stream 0x%x: no call was made there", device, stream)));
+    }
+    return Unwrap(it->second->Query(op));
+  }
+
+  // Synchronize() of every channel; raises the first failure.
+  void Synchronize() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> l(mu_);
+    absl::Status first;
+    for (auto& [key, ch] : channels_) {
+      absl::Status s = ch->Synchronize();
+      if (first.ok() && !s.ok()) first = s;
+    }
+    Check(first);
+  }
+
+  void Close() {
+    absl::Status s;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> l(mu_);
+      s = CloseLocked();
+    }
+    Check(s);
+  }
+
+  // Channels open now, registrations made by the region cache so far.
+  size_t channels() {
+    std::lock_guard<std::mutex> l(mu_);
+    return channels_.size();
+  }
+  uint64_t registrations() {
+    std::lock_guard<std::mutex> l(mu_);
+    return cache_ ? cache_->registrations() : 0;
+  }
+
+  // The region slice of [ptr, ptr + bytes) as (region, offset, size)
+  // (registers its allocation on first use).
+  py::tuple Slice(int device, uintptr_t ptr, uint64_t bytes) {
+    qtx::RegionSlice s;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> l(mu_);
+      UseDevice(device);
+      s = SliceLocked(ptr, bytes);
+    }
+    return py::make_tuple(s.region, s.offset, s.size);
+  }
+
+  // Synchronous inline Quantize (host bytes in, host bytes out): the C++
+  // client's plain call, used by tests against a CPU qtxd as the reference.
+  py::dict QuantizeHost(py::bytes data, int dtype, const std::vector<int64_t>& shape, int mode,
+                        int format, bool rowwise, bool columnwise, bool pow2, float eps) {
+    qtx::Tensor in = qtx::Tensor::Inline(static_cast<qtx::DType>(dtype), shape,
+                                         std::string(data));
+    qtx::QuantizedTensor q;
+    {
+      py::gil_scoped_release nogil;
+      q = Unwrap(client_->Quantize(in, MakeConfig(mode, format, rowwise, columnwise, pow2, eps)));
+    }
+    py::dict d;
+    const std::pair<const char*, const std::optional<qtx::Tensor>*> fields[4] = {
+        {"rowwise_data", &q.rowwise_data},
+        {"rowwise_scale_inv", &q.rowwise_scale_inv},
+        {"columnwise_data", &q.columnwise_data},
+        {"columnwise_scale_inv", &q.columnwise_scale_inv}};
+    for (const auto& [name, t] : fields) {
+      if (*t) d[name] = py::make_tuple(py::bytes((*t)->data), (*t)->shape);
+    }
+    return d;
+  }
+
+  // Client::CreateGroup; returns (rank, world_size, next_sequence).
+  py::tuple CreateGroup(const std::string& name, int rank, int world_size,
+                        const std::string& coordinator, int backend, double timeout_s) {
+    qtx::CollectiveGroupConfig c;
+    c.name = name;
+    c.rank = rank;
+    c.world_size = world_size;
+    c.coordinator = coordinator;
+    c.backend = static_cast<qtx::CommBackend>(backend);
+    c.timeout = absl::Seconds(timeout_s);
+    qtx::CollectiveGroupInfo info;
+    {
+      py::gil_scoped_release nogil;
+      qtx::CallOptions call;
+      call.timeout = absl::Seconds(timeout_s + 10);
+      info = Unwrap(client_->CreateGroup(c, call));
+    }
+    return py::make_tuple(info.rank, info.world_size, info.next_sequence);
+  }
+
+  // Client::OffloadOptimizerState with inline masters: params is a list of
+  // (name, float32 bytes, shape). hyper: (lr, beta1, beta2, eps,
+  // weight_decay, bias_correction). Returns the group's parameter count.
+  int OffloadOptimizerState(const std::string& group,
+                            const std::vector<std::tuple<std::string, py::bytes,
+                                                         std::vector<int64_t>>>& params,
+                            const std::tuple<double, double, double, double, double, bool>& hyper,
+                            int mode, int format, bool rowwise, bool columnwise, bool pow2,
+                            float eps, int64_t step, bool replace) {
+    qtx::OptimizerGroupConfig c;
+    c.group = group;
+    std::tie(c.hyper_params.lr, c.hyper_params.beta1, c.hyper_params.beta2, c.hyper_params.eps,
+             c.hyper_params.weight_decay, c.hyper_params.bias_correction) = hyper;
+    c.output.fp8 = MakeConfig(mode, format, rowwise, columnwise, pow2, eps);
+    c.step = step;
+    c.replace = replace;
+    std::vector<qtx::OptimizerParameterInit> inits;
+    for (const auto& [name, bytes, shape] : params) {
+      qtx::OptimizerParameterInit p;
+      p.name = name;
+      p.shape = shape;
+      p.master = qtx::Tensor::Inline(qtx::DType::kFloat32, shape, std::string(bytes));
+      inits.push_back(std::move(p));
+    }
+    py::gil_scoped_release nogil;
+    return Unwrap(client_->OffloadOptimizerState(c, inits)).num_parameters;
+  }
+
+  // Client::Step with gradients in device memory and FP8 destinations in
+  // device memory, ordered on `stream` by interprocess events: qtxd waits
+  // for an event recorded on `stream` now (the gradients are written), and
+  // `stream` waits for qtxd's event after the outputs are written. The host
+  // returns when qtxd answers (it has read the gradients: the statistics
+  // need them). grads: (name, ptr, dtype, shape); dests: (name, 4 buffers).
+  // lr < 0 / max_grad_norm <= 0: not set. Returns the statistics as a dict.
+  py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
+                const std::vector<std::tuple<std::string, uintptr_t, int,
+                                             std::vector<int64_t>>>& grads,
+                const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
+                double max_grad_norm, bool skip_if_non_finite) {
+    qtx::OptimizerStepResult r;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> l(mu_);
+      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+      UseDevice(device);
+      std::vector<qtx::OptimizerGradient> g;
+      for (const auto& [name, ptr, dtype, shape] : grads) {
+        g.push_back({name, InputTensor(ptr, dtype, shape)});
+      }
+      qtx::StepOptions o;
+      if (lr >= 0) o.lr = lr;
+      if (max_grad_norm > 0) o.max_grad_norm = max_grad_norm;
+      o.skip_if_non_finite = skip_if_non_finite;
+      for (const auto& [name, bufs] : dests) {
+        qtx::ParameterDestination d;
+        d.name = name;
+        d.fp8 = Outputs(bufs);
+        o.destinations.push_back(std::move(d));
+      }
+      Events& ev = EventsLocked(device);
+      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
+                "cudaEventRecord");
+      qtx::CallOptions call;
+      call.cuda_wait_event = ev.ready->handle();
+      call.cuda_signal_event = ev.done->handle();
+      r = Unwrap(client_->Step(group, step, g, o, call));
+      CheckCuda(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev.done->get(), 0),
+                "cudaStreamWaitEvent");
+    }
+    py::dict d;
+    d["step"] = r.stats.step;
+    d["grad_norm"] = r.stats.grad_norm;
+    d["skipped"] = r.stats.skipped;
+    d["non_finite"] = r.stats.non_finite;
+    d["clip_coef"] = r.stats.clip_coef;
+    d["lr"] = r.stats.lr;
+    d["replayed"] = r.stats.replayed;
+    return d;
+  }
+
+  // Client::Step with inline gradients (host bytes) and inline outputs: the
+  // reference path for tests against a CPU qtxd. Returns
+  // {name: {field: bytes}}.
+  py::dict StepHost(const std::string& group, int64_t step,
+                    const std::vector<std::tuple<std::string, py::bytes, int,
+                                                 std::vector<int64_t>>>& grads) {
+    std::vector<qtx::OptimizerGradient> g;
+    for (const auto& [name, bytes, dtype, shape] : grads) {
+      g.push_back({name, qtx::Tensor::Inline(static_cast<qtx::DType>(dtype), shape,
+                                             std::string(bytes))});
+    }
+    qtx::OptimizerStepResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = Unwrap(client_->Step(group, step, g));
+    }
+    py::dict out;
+    for (const auto& p : r.parameters) {
+      py::dict f;
+      if (p.fp8) {
+        const std::pair<const char*, const std::optional<qtx::Tensor>*> fields[4] = {
+            {"rowwise_data", &p.fp8->rowwise_data},
+            {"rowwise_scale_inv", &p.fp8->rowwise_scale_inv},
+            {"columnwise_data", &p.fp8->columnwise_data},
+            {"columnwise_scale_inv", &p.fp8->columnwise_scale_inv}};
+        for (const auto& [name, t] : fields) {
+          if (*t) f[name] = py::bytes((*t)->data);
+        }
+      }
+      out[py::str(p.name)] = f;
+    }
+    return out;
+  }
+
+  void DestroyGroup(const std::string& name) {
+    py::gil_scoped_release nogil;
+    Check(client_->DestroyGroup(name));
+  }
+
+ private:
+  qtx::Tensor InputTensor(uintptr_t ptr, int dtype, const std::vector<int64_t>& shape) {
+    const auto d = static_cast<qtx::DType>(dtype);
+    const int64_t n = Unwrap(qtx::NumElements(shape));
+    return qtx::Tensor::InRegion(d, shape,
+                                 SliceLocked(ptr, static_cast<uint64_t>(n) *
+                                                      static_cast<uint64_t>(qtx::DTypeSize(d))));
+  }
+  qtx::QuantizeOutputs Outputs(const std::vector<Buf>& outs) {
+    if (outs.size() != 4) {
+      Throw(absl::InvalidArgumentError("outputs: 4 entries (rowwise data/scale, columnwise "
+                                       "data/scale), None for those not requested"));
+    }
+    qtx::QuantizeOutputs o;
+    std::optional<qtx::RegionSlice>* f[4] = {&o.rowwise_data, &o.rowwise_scale_inv,
+                                             &o.columnwise_data, &o.columnwise_scale_inv};
+    for (int i = 0; i < 4; ++i) {
+      if (outs[i]) *f[i] = SliceLocked(outs[i]->first, outs[i]->second);
+    }
+    return o;
+  }
+  qtx::RegionSlice SliceLocked(uintptr_t ptr, uint64_t bytes) {
+    if (!cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+    return Unwrap(cache_->Slice(reinterpret_cast<const void*>(ptr), bytes));
+  }
+  qtx::Channel& ChannelLocked(int device, uintptr_t stream) {
+    if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+    UseDevice(device);
+    auto it = channels_.find({device, stream});
+    if (it != channels_.end()) return *it->second;
+    qtx::ChannelOptions opts;
+    opts.label = absl::StrFormat("%s/cuda:%d/0x%x", label_, device, stream);
+    std::unique_ptr<qtx::Channel> ch = Unwrap(qtx::cuda::OpenChannel(
+        *client_, reinterpret_cast<cudaStream_t>(stream), opts, flags_));
+    return *channels_.emplace(std::make_pair(device, stream), std::move(ch)).first->second;
+  }
+  struct Events {
+    std::optional<qtx::cuda::IpcEvent> ready, done;
+  };
+  Events& EventsLocked(int device) {
+    Events& e = events_[device];
+    if (!e.ready) {
+      e.ready.emplace(Unwrap(qtx::cuda::IpcEvent::Create()));
+      e.done.emplace(Unwrap(qtx::cuda::IpcEvent::Create()));
+    }
+    return e;
+  }
+  absl::Status CloseLocked() {
+    absl::Status first;
+    for (auto& [key, ch] : channels_) {
+      absl::Status s = ch->Close();
+      if (first.ok() && !s.ok()) first = s;
+    }
+    channels_.clear();
+    events_.clear();
+    cache_.reset();  // unregisters what it registered
+    return first;
+  }
+
+  const std::string label_;
+  qtx::cuda::FlagMemory flags_ = qtx::cuda::FlagMemory::kHostShm;
+  std::mutex mu_;
+  std::unique_ptr<qtx::Client> client_;
+  std::unique_ptr<qtx::cuda::RegionCache> cache_;  // guarded by mu_
+  std::map<std::pair<int, uintptr_t>, std::unique_ptr<qtx::Channel>> channels_;  // mu_
+  std::map<int, Events> events_;  // mu_: Step's interprocess events per device
+};
+
+// ---- DLPack (dlpack.h v0.8 ABI, the layout every framework exchanges) -------------------------
+struct DLDevice {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+// The fields of a "dltensor" capsule, without consuming it: (pointer incl.
+// byte_offset, shape, strides in elements or None, (code, bits, lanes),
+// (device_type, device_id)).
+py::tuple ParseDlpack(py::capsule capsule) {
+  if (std::string(capsule.name() ? capsule.name() : "") != "dltensor") {
+    Throw(absl::InvalidArgumentError(absl::StrFormat(
+        "DLPack capsule named '%s': expected an unconsumed 'dltensor'",
+        capsule.name() ? capsule.name() : "")));
+  }
+  auto* m = static_cast<DLManagedTensor*>(capsule.get_pointer());
+  if (m == nullptr) Throw(absl::InvalidArgumentError("DLPack capsule holds no tensor"));
+  const DLTensor& t = m->dl_tensor;
+  std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+  py::object strides = py::none();
+  if (t.strides != nullptr) strides = py::cast(std::vector<int64_t>(t.strides, t.strides + t.ndim));
+  const uintptr_t ptr = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+  return py::make_tuple(ptr, shape, strides,
+                        py::make_tuple(t.dtype.code, t.dtype.bits, t.dtype.lanes),
+                        py::make_tuple(t.device.device_type, t.device.device_id));
+}
+
+// ---- CUDA helpers for the pool and async handles (all on `device`) -----------------------------
+uintptr_t Malloc(int device, uint64_t bytes) {
+  UseDevice(device);
+  void* p = nullptr;
+  CheckCuda(cudaMalloc(&p, bytes), "cudaMalloc");
+  return reinterpret_cast<uintptr_t>(p);
+}
+void Free(int device, uintptr_t ptr) {
+  UseDevice(device);
+  CheckCuda(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree");
+}
+uintptr_t EventRecord(int device, uintptr_t stream) {
+  UseDevice(device);
+  cudaEvent_t e = nullptr;
+  CheckCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  const cudaError_t err = cudaEventRecord(e, reinterpret_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    (void)cudaEventDestroy(e);
+    CheckCuda(err, "cudaEventRecord");
+  }
+  return reinterpret_cast<uintptr_t>(e);
+}
+bool EventQuery(uintptr_t event) {
+  const cudaError_t e = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  if (e == cudaErrorNotReady) return false;
+  CheckCuda(e, "cudaEventQuery");
+  return true;
+}
+void EventSynchronize(uintptr_t event) {
+  cudaError_t e;
+  {
+    py::gil_scoped_release nogil;
+    e = cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event));
+  }
+  CheckCuda(e, "cudaEventSynchronize");
+}
+void EventDestroy(uintptr_t event) {
+  (void)cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event));
+}
+void StreamWaitEvent(int device, uintptr_t stream, uintptr_t event) {
+  UseDevice(device);
+  CheckCuda(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                reinterpret_cast<cudaEvent_t>(event), 0),
+            "cudaStreamWaitEvent");
+}
+// The device a pointer lives on, -1 for host / unknown memory.
+int PointerDevice(uintptr_t ptr) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "qtx._native: the compiled core of qtx.cuda (see qtx/cuda.py)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusException& e) {
+      py::object errors = py::module_::import("qtx.errors");
+      py::object exc = errors.attr("from_status")(e.code, e.message);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  py::class_<NativeSession>(m, "Session")
+      .def(py::init<const std::string&, const std::string&, const std::string&, double>(),
+           py::arg("target"), py::arg("flag_memory") = "host", py::arg("label") = "py",
+           py::arg("timeout") = 60.0)
+      .def("health", &NativeSession::Health)
+      .def("quantize", &NativeSession::Quantize)
+      .def("all_gather", &NativeSession::AllGather)
+      .def("dequantize", &NativeSession::Dequantize)
+      .def("query", &NativeSession::Query)
+      .def("synchronize", &NativeSession::Synchronize)
+      .def("close", &NativeSession::Close)
+      .def("channels", &NativeSession::channels)
+      .def("registrations", &NativeSession::registrations)
+      .def("slice", &NativeSession::Slice)
+      .def("quantize_host", &NativeSession::QuantizeHost)
+      .def("create_group", &NativeSession::CreateGroup)
+      .def("destroy_group", &NativeSession::DestroyGroup)
+      .def("offload_optimizer_state", &NativeSession::OffloadOptimizerState)
+      .def("step", &NativeSession::Step)
+      .def("step_host", &NativeSession::StepHost);
+
+  m.def("parse_dlpack", &ParseDlpack, "Fields of an unconsumed 'dltensor' capsule.");
+  m.def("malloc", &Malloc);
+  m.def("free", &Free);
+  m.def("event_record", &EventRecord);
+  m.def("event_query", &EventQuery);
+  m.def("event_synchronize", &EventSynchronize);
+  m.def("event_destroy", &EventDestroy);
+  m.def("stream_wait_event", &StreamWaitEvent);
+  m.def("pointer_device", &PointerDevice);
+  m.def("layout", [](int mode, const std::vector<int64_t>& shape) {
+    const qtx::QuantizedLayout l =
+        Unwrap(qtx::ComputeQuantizedLayout(static_cast<qtx::ScalingMode>(mode), shape));
+    py::dict d;
+    d["m"] = l.m;
+    d["n"] = l.n;
+    d["rowwise_data"] = py::make_tuple(l.rowwise_data_rows, l.rowwise_data_cols);
+    d["rowwise_scale_inv"] = py::make_tuple(l.rowwise_scale_rows, l.rowwise_scale_cols);
+    d["columnwise_data"] = py::make_tuple(l.columnwise_data_rows, l.columnwise_data_cols);
+    d["columnwise_scale_inv"] = py::make_tuple(l.columnwise_scale_rows, l.columnwise_scale_cols);
+    return d;
+  });
+}

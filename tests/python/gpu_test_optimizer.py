@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""qtx.cuda's optimizer step on one GPU (CTest label gpu): AdamW offloaded to
+qtxd with the gradients in device memory and the FP8 parameters written into
+device memory, stream-ordered by interprocess events. The reference is the
+same group on a CPU qtxd stepped with the same gradients inline (the C++
+client's plain Step): the FP8 bytes must match bit for bit.
+
+  python3 tests/python/gpu_test_optimizer.py --qtxd=build/server/qtxd \
+      --python_dir=build/client/python
+Shares its helpers (qtxd processes, byte comparison) with gpu_test_cuda.py.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_test_cuda as base  # noqa: E402
+
+HYPER = (1e-2, 0.9, 0.999, 1e-8, 1e-2, True)
+
+
+class OptimizerStepTest(unittest.TestCase):
+    def test_steps_match_the_cpu_reference(self):
+        torch, qcuda = base.torch, base.qcuda
+        g = torch.Generator().manual_seed(3)
+        masters = {"w1": torch.randn(256, 384, generator=g),
+                   "w2": torch.randn(3, 128, 200, generator=g)}
+        ref = base.SERVERS["ref"]
+        ref.offload_optimizer_state("py-opt", [(n, t.numpy().tobytes(), list(t.shape))
+                                               for n, t in masters.items()],
+                                    HYPER, 2, 1, True, True, True, 0.0, 0, True)
+        side = torch.cuda.Stream()
+        with base.session() as s:
+            self.assertEqual(s.offload_optimizer_state(
+                "py-opt", masters, lr=HYPER[0], betas=HYPER[1:3], eps=HYPER[3],
+                weight_decay=HYPER[4], replace=True), 2)
+            lay = {n: qcuda.layout(t.shape, "2d") for n, t in masters.items()}
+            outs = {n: {f: torch.empty(l[f], device="cuda",
+                                       dtype=torch.float32 if "scale" in f else torch.uint8)
+                        for f in qcuda.FIELDS} for n, l in lay.items()}
+            for k in range(1, 4):
+                gh = {n: (torch.randn(t.shape, generator=g) * 0.1).to(torch.bfloat16)
+                      for n, t in masters.items()}
+                want = ref.step_host("py-opt", k, [
+                    (n, t.view(torch.int16).numpy().tobytes(), 2, list(t.shape))
+                    for n, t in gh.items()])
+                big = torch.randn(2048, 2048, device="cuda")
+                torch.cuda.synchronize()
+                with torch.cuda.stream(side):
+                    for _ in range(6):  # the "backward" is still running at the call
+                        big = big @ big / 45.0
+                    grads = {n: torch.zeros(t.shape, device="cuda", dtype=torch.bfloat16)
+                             for n, t in gh.items()}
+                    for n, t in gh.items():
+                        grads[n].copy_(t.to("cuda", non_blocking=False))
+                    stats, res = s.step("py-opt", k, grads, out=outs if k == 2 else None)
+                    snap = {n: {f: getattr(q, f).clone() for f in qcuda.FIELDS}
+                            for n, q in res.items()}
+                side.synchronize()
+                self.assertEqual(stats["step"], k)
+                self.assertFalse(stats["skipped"])
+                for n in masters:
+                    if k == 2:
+                        self.assertIs(res[n].rowwise_data, outs[n]["rowwise_data"])
+                    got = qcuda.QuantizedTensor(masters[n].shape, "2d", "e4m3", **snap[n])
+                    base.assert_matches(self, got, want[n], "step %d %s" % (k, n))
+            with self.assertRaises(qcuda.ArgumentError):
+                s.step("py-opt", 4, {"w1": torch.zeros(256, 383, device="cuda")})
+            with self.assertRaises(base.qtx.errors.FailedPreconditionError):
+                s.step("py-opt", 9, {n: torch.zeros(t.shape, device="cuda")
+                                     for n, t in masters.items()})
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--qtxd", required=True)
+    p.add_argument("--python_dir", required=True)
+    base.ARGS, rest = p.parse_known_args()
+    setUpModule = base.setUpModule  # noqa: N816
+    tearDownModule = base.tearDownModule  # noqa: N816
+
+    def on_term(*_):
+        base.tearDownModule()
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, on_term)
+    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)

@@ -1,0 +1,478 @@
+#!/usr/bin/python3
+"""qtx.cuda's host-side parts, on a machine without a GPU (CI).
+
+Argument checking, dtype and layout mapping, __cuda_array_interface__ and
+DLPack parsing with fake objects (and real DLPack capsules of CPU tensors),
+stream handles, the status -> exception mapping (including a real failure of
+the compiled module), the DevicePool's bookkeeping with a fake CUDA backend,
+`python -m qtx health`, and `import qtx` without grpcio.
+
+  /usr/bin/python3 tests/python/test_cuda_cpu.py --python_dir=build/client/python
+"""
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import unittest
+
+ARGS = None
+qtx = None
+qcuda = None
+torch = None
+
+
+def setUpModule():
+    global qtx, qcuda, torch
+    sys.path.insert(0, ARGS.python_dir)
+    import qtx as _qtx
+    import qtx.cuda as _qcuda
+    import torch as _torch
+    qtx, qcuda, torch = _qtx, _qcuda, _torch
+
+
+class FakeCai:
+    def __init__(self, **cai):
+        self.__cuda_array_interface__ = cai
+
+
+def cai(shape=(4, 256), typestr="<f4", ptr=0x10000, strides=None, version=3, **extra):
+    d = {"version": version, "data": (ptr, False), "shape": shape, "typestr": typestr,
+         "strides": strides}
+    d.update(extra)
+    return d
+
+
+class ErrorMappingTest(unittest.TestCase):
+    def test_every_code_maps_to_its_class(self):
+        names = {3: "InvalidArgumentError", 4: "DeadlineExceededError", 5: "NotFoundError",
+                 9: "FailedPreconditionError", 8: "ResourceExhaustedError", 13: "InternalError",
+                 14: "UnavailableError", 16: "UnauthenticatedError", 1: "CancelledError"}
+        for code, name in names.items():
+            e = qtx.errors.from_status(code, "msg %d" % code)
+            self.assertEqual(type(e).__name__, name)
+            self.assertEqual(e.code.value[0], code)
+            self.assertEqual(e.message, "msg %d" % code)
+            self.assertIn("msg %d" % code, str(e))
+
+    def test_unknown_code(self):
+        e = qtx.errors.from_status(77, "odd")
+        self.assertIs(type(e), qtx.errors.QtxError)
+        self.assertIn("77", str(e))
+
+    def test_argument_errors_are_both_kinds(self):
+        self.assertTrue(issubclass(qcuda.ArgumentError, qtx.errors.InvalidArgumentError))
+        self.assertTrue(issubclass(qcuda.ArgumentError, ValueError))
+        self.assertTrue(issubclass(qcuda.ArgumentTypeError, TypeError))
+
+    def test_native_status_becomes_the_class(self):
+        # A real failure inside the compiled module: a bad flag memory name is
+        # refused by NativeSession with INVALID_ARGUMENT.
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            qcuda._native.Session("unix:///nonexistent/qtxd.sock", "sideways", "t", 1.0)
+        self.assertIn("flag_memory='sideways'", str(cm.exception))
+
+    def test_unreachable_qtxd_is_unavailable(self):
+        s = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=2.0)
+        with self.assertRaises(qtx.errors.UnavailableError):
+            s.health()
+        s.close()
+
+
+class ConfigAndLayoutTest(unittest.TestCase):
+    def test_config_checks(self):
+        self.assertEqual(qcuda.quantize_config("2d", "e5m2", True, True, False, 0.5),
+                         (2, 2, True, True, False, 0.5))
+        for kwargs, text in (({"mode": "3d"}, "mode='3d'"), ({"format": "e3m4"}, "format="),
+                             ({"rowwise": False}, "at least one"),
+                             ({"amax_epsilon": -1.0}, "amax_epsilon"),
+                             ({"amax_epsilon": float("nan")}, "amax_epsilon")):
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                qcuda.quantize_config(**kwargs)
+            self.assertIn(text, str(cm.exception))
+
+    def test_layout_1d(self):
+        lay = qcuda.layout([256, 1024], "1d")
+        self.assertEqual(lay["rowwise_data"], (256, 1024))
+        self.assertEqual(lay["rowwise_scale_inv"], (8, 256))  # [N/128, pad4(M)]
+        self.assertEqual(lay["columnwise_data"], (1024, 256))
+        self.assertEqual(lay["columnwise_scale_inv"], (2, 1024))  # [M/128, pad4(N)]
+
+    def test_layout_2d_and_flattening(self):
+        lay = qcuda.layout([2, 150, 520], "2d")  # M = 300
+        self.assertEqual((lay["m"], lay["n"]), (300, 520))
+        self.assertEqual(lay["rowwise_scale_inv"], (3, 8))     # [ceil(M/128), pad4(ceil(N/128))]
+        self.assertEqual(lay["columnwise_scale_inv"], (5, 4))  # [ceil(N/128), pad4(ceil(M/128))]
+        with self.assertRaises(qcuda.ArgumentError):
+            qcuda.layout([], "1d")
+        with self.assertRaises(qcuda.ArgumentError):
+            qcuda.layout([4, -1], "1d")
+
+    def test_field_dtypes(self):
+        self.assertTrue(qcuda._field_dtype_ok("rowwise_data", qcuda.UINT8, 1))
+        self.assertTrue(qcuda._field_dtype_ok("rowwise_data", qcuda.FLOAT8_E4M3, 1))
+        self.assertFalse(qcuda._field_dtype_ok("rowwise_data", qcuda.FLOAT8_E5M2, 1))
+        self.assertTrue(qcuda._field_dtype_ok("columnwise_scale_inv", qcuda.FLOAT32, 2))
+        self.assertFalse(qcuda._field_dtype_ok("columnwise_scale_inv", qcuda.UINT8, 2))
+
+
+class CudaArrayInterfaceTest(unittest.TestCase):
+    dev = staticmethod(lambda ptr: 3)
+
+    def parse(self, d):
+        return qcuda.from_cuda_array_interface(d, "x", device_of=self.dev)
+
+    def test_v3_with_stream(self):
+        a = self.parse(cai(shape=(2, 3, 256), typestr="<f2", ptr=0xABC00, stream=0x55))
+        self.assertEqual((a.ptr, a.shape, a.dtype, a.device, a.stream_hint, a.contiguous),
+                         (0xABC00, (2, 3, 256), qcuda.FLOAT16, 3, 0x55, True))
+        self.assertEqual(a.nbytes, 2 * 3 * 256 * 2)
+
+    def test_v2_ignores_stream(self):
+        self.assertIsNone(self.parse(cai(version=2, stream=7)).stream_hint)
+
+    def test_strides(self):
+        self.assertTrue(self.parse(cai(shape=(4, 8), strides=(32, 4))).contiguous)
+        self.assertFalse(self.parse(cai(shape=(4, 8), strides=(4, 16))).contiguous)  # transposed
+        self.assertFalse(self.parse(cai(shape=(4, 8), strides=(64, 4))).contiguous)  # row gap
+        self.assertTrue(self.parse(cai(shape=(1, 8), strides=(999, 4))).contiguous)  # size-1 dim
+
+    def test_rejections(self):
+        for d, text in ((cai(stream=0), "disallowed"), (cai(mask=object()), "mask"),
+                        (cai(typestr="<f8"), "typestr '<f8'"), (cai(version=1), "version 1"),
+                        ({"version": 3, "shape": (2,)}, "'data'"),
+                        (cai(ptr=0), "null data pointer")):
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                self.parse(d)
+            self.assertIn(text, str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentTypeError):
+            qcuda.from_cuda_array_interface([1, 2], "x", device_of=self.dev)
+
+    def test_as_cuda_array_dispatch(self):
+        orig = qcuda._pointer_device
+        qcuda._pointer_device = lambda ptr: 1
+        try:
+            a = qcuda.as_cuda_array(FakeCai(**cai(typestr="|u1")), "x")
+        finally:
+            qcuda._pointer_device = orig
+        self.assertEqual((a.dtype, a.device, a.framework), (qcuda.UINT8, 1, None))
+        with self.assertRaises(qcuda.ArgumentTypeError) as cm:
+            qcuda.as_cuda_array(object(), "x")
+        self.assertIn("not a CUDA array", str(cm.exception))
+
+
+class DlpackTest(unittest.TestCase):
+    def test_parse_real_capsule(self):
+        t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        ptr, shape, strides, dt, dev = qcuda._native.parse_dlpack(torch.utils.dlpack.to_dlpack(t))
+        self.assertEqual(ptr, t.data_ptr())
+        self.assertEqual(list(shape), [3, 4])
+        self.assertEqual(tuple(dt), (2, 32, 1))
+        self.assertEqual(tuple(dev), (1, 0))  # kDLCPU
+        self.assertIn(strides, (None, [4, 1]))
+
+    def test_cpu_capsule_rejected(self):
+        cap = torch.utils.dlpack.to_dlpack(torch.zeros(2, 2))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            qcuda.from_dlpack_capsule(cap, "x")
+        self.assertIn("device type 1", str(cm.exception))
+
+    def test_fake_cuda_producer(self):
+        # A producer that claims CUDA and hands out a real capsule: the parse
+        # must read pointer, dtype, strides and pass the consumer's stream.
+        class Producer:
+            def __init__(self, t):
+                self.t, self.streams = t, []
+
+            def __dlpack_device__(self):
+                return (2, 5)
+
+            def __dlpack__(self, stream=None):
+                self.streams.append(stream)
+                return torch.utils.dlpack.to_dlpack(self.t)
+
+        def fake_parse(cap):
+            ptr, shape, strides, dt, _ = qcuda._native.parse_dlpack(cap)
+            return ptr, shape, strides, dt, (2, 5)
+
+        orig = qcuda.from_dlpack_capsule
+        qcuda.from_dlpack_capsule = lambda cap, what, obj=None: orig(cap, what, obj, fake_parse)
+        try:
+            b = torch.zeros(8, 256, dtype=torch.bfloat16)
+            p = Producer(b)
+            a = qcuda.as_cuda_array(p, "x", lambda dev: 0x1234 + dev)
+            self.assertEqual((a.ptr, a.shape, a.dtype, a.device, a.contiguous),
+                             (b.data_ptr(), (8, 256), qcuda.BFLOAT16, 5, True))
+            self.assertEqual(p.streams, [0x1234 + 5])
+            tr = Producer(torch.zeros(256, 8).t())  # a transposed view: strides (1, 8)
+            self.assertFalse(qcuda.as_cuda_array(tr, "x").contiguous)
+            bad = Producer(torch.zeros(4, dtype=torch.float64))
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                qcuda.as_cuda_array(bad, "x")
+            self.assertIn("bits 64", str(cm.exception))
+        finally:
+            qcuda.from_dlpack_capsule = orig
+
+    def test_consumed_capsule_rejected(self):
+        cap = torch.utils.dlpack.to_dlpack(torch.zeros(2))
+        torch.utils.dlpack.from_dlpack(cap)  # consumes: renamed "used_dltensor"
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            qcuda._native.parse_dlpack(cap)
+        self.assertIn("used_dltensor", str(cm.exception))
+
+
+class StreamTest(unittest.TestCase):
+    def test_handles(self):
+        class TorchLike:
+            cuda_stream = 0x77
+
+        class Protocol:
+            def __cuda_stream__(self):
+                return (0, 0x99)
+
+        self.assertEqual(qcuda.stream_handle(0x42), 0x42)
+        self.assertEqual(qcuda.stream_handle(TorchLike()), 0x77)
+        self.assertEqual(qcuda.stream_handle(Protocol()), 0x99)
+        self.assertEqual(qcuda.stream_handle(None, None, 0, hint=0x31), 0x31)
+        self.assertEqual(qcuda.stream_handle(None), qcuda.LEGACY_STREAM)
+        with self.assertRaises(qcuda.ArgumentError):
+            qcuda.stream_handle(-1)
+        with self.assertRaises(qcuda.ArgumentTypeError):
+            qcuda.stream_handle(True)
+        with self.assertRaises(qcuda.ArgumentTypeError) as cm:
+            qcuda.stream_handle("s")
+        self.assertIn("not a stream", str(cm.exception))
+
+
+class TorchCpuInputTest(unittest.TestCase):
+    def test_cpu_tensor_refused_before_submission(self):
+        s = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0)
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.quantize(torch.zeros(4, 128))
+        self.assertIn("CUDA tensors", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError):
+            s.quantize(torch.zeros(4, 128), mode="4d")
+        self.assertEqual(s.stats()["channels"], 0)  # nothing was opened
+        q = qcuda.QuantizedTensor((4, 128), "1d", "e4m3")
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.dequantize(q)
+        self.assertIn("needs rowwise_data", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError):
+            s.dequantize(q, dtype="float64")
+        s.close()
+
+    def test_optimizer_arguments_checked_before_any_call(self):
+        s = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0)
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.step("never-offloaded", 1, {"w": torch.zeros(4, 4)})
+        self.assertIn("not offloaded through this session", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4, dtype=torch.float64)})
+        self.assertIn("masters are float32", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError):
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, mode="3d")
+        # A known group (as offload would record it): gradient checks.
+        cfg = qcuda.quantize_config("2d", "e4m3", True, True)
+        s._groups["g"] = ("2d", "e4m3", cfg, {"w": (4, 256)})
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.step("g", 1, {})
+        self.assertIn("empty", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.step("g", 1, {"w": torch.zeros(4, 256)})  # a CPU tensor
+        self.assertIn("CUDA tensors", str(cm.exception))
+        self.assertEqual(s.stats()["channels"], 0)
+        s.close()
+
+    def test_query_needs_a_channel_op(self):
+        q = qcuda.QuantizedTensor((4, 128), "1d", "e4m3")
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            q.query()
+        self.assertIn("not a channel operation", str(cm.exception))
+
+    def test_record_stream_reaches_the_blocks(self):
+        pool = qcuda.DevicePool(FakeBackend(), chunk_bytes=1 << 20)
+        b = pool.alloc(0, 7, 512)
+        q = qcuda.QuantizedTensor((4, 128), "1d", "e4m3")
+        q._blocks = (b,)
+        q.record_stream(9)
+        q.record_stream(7)  # the block's own stream
+        self.assertEqual(b.streams, {9})
+
+    def test_torch_dtype_map(self):
+        m = qcuda._torch_dtype_map(torch)
+        self.assertEqual(m[torch.bfloat16], qcuda.BFLOAT16)
+        self.assertEqual(m[torch.uint8], qcuda.UINT8)
+        self.assertNotIn(torch.float64, m)
+
+    def test_fp8_view_needs_the_dtype(self):
+        q = qcuda.QuantizedTensor((4, 128), "1d", "e4m3",
+                                  rowwise_data=torch.zeros(4, 128, dtype=torch.uint8))
+        if hasattr(torch, "float8_e4m3fn"):
+            self.assertEqual(q.fp8().dtype, torch.float8_e4m3fn)
+        else:
+            with self.assertRaises(qcuda.ArgumentTypeError) as cm:
+                q.fp8()
+            self.assertIn("float8_e4m3fn", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError):
+            q.fp8("columnwise")
+
+
+class FakeBackend:
+    def __init__(self):
+        self.next = 0x7000000
+        self.mallocs, self.frees, self.events = [], [], {}
+        self.n_events = 0
+
+    def malloc(self, device, nbytes):
+        p = self.next
+        self.next += nbytes + 0x100000
+        self.mallocs.append((device, p, nbytes))
+        return p
+
+    def free(self, device, ptr):
+        self.frees.append((device, ptr))
+
+    def event_record(self, device, stream):
+        self.n_events += 1
+        self.events[self.n_events] = False
+        return self.n_events
+
+    def event_query(self, e):
+        return self.events[e]
+
+    def event_destroy(self, e):
+        del self.events[e]
+
+
+class PoolTest(unittest.TestCase):
+    def test_carving_rounding_and_reuse_on_the_same_stream(self):
+        be = FakeBackend()
+        pool = qcuda.DevicePool(be, chunk_bytes=1 << 20, align=512)
+        a = pool.alloc(0, 11, 1000)
+        b = pool.alloc(0, 11, 1)
+        self.assertEqual(a.nbytes, 1024)
+        self.assertEqual(b.ptr, a.ptr + 1024)
+        self.assertEqual(len(be.mallocs), 1)
+        pa = a.ptr
+        del a
+        gc.collect()
+        self.assertEqual(pool.stats()["free_blocks"], 1)
+        other = pool.alloc(0, 22, 1000)  # another stream: not the freed block
+        self.assertNotEqual(other.ptr, pa)
+        same = pool.alloc(0, 11, 900)    # same stream, same size class: reused
+        self.assertEqual(same.ptr, pa)
+        st = pool.stats()
+        self.assertEqual((st["chunks"], st["live_blocks"], st["reuses"], st["allocs"]),
+                         (1, 3, 1, 4))
+
+    def test_big_block_gets_its_own_chunk_and_churn_allocates_nothing(self):
+        be = FakeBackend()
+        pool = qcuda.DevicePool(be, chunk_bytes=4096, align=512)
+        big = pool.alloc(1, 5, 10000)
+        self.assertEqual(be.mallocs[-1][2], 10240)
+        self.assertEqual(big.device, 1)
+        for _ in range(100):  # a training loop: same shapes each step
+            x, y = pool.alloc(1, 5, 2048), pool.alloc(1, 5, 512)
+            del x, y
+        self.assertEqual(len(be.mallocs), 2)
+        self.assertEqual(pool.stats()["reuses"], 198)
+
+    def test_record_stream_defers_reuse_until_the_event_completes(self):
+        be = FakeBackend()
+        pool = qcuda.DevicePool(be, chunk_bytes=1 << 20)
+        a = pool.alloc(0, 1, 512)
+        pa = a.ptr
+        a.record_stream(2)
+        a.record_stream(1)  # its own stream: no event needed
+        del a
+        gc.collect()
+        self.assertEqual(be.n_events, 1)
+        b = pool.alloc(0, 1, 512)
+        self.assertNotEqual(b.ptr, pa)  # event pending
+        be.events[1] = True
+        c = pool.alloc(0, 1, 512)
+        self.assertEqual(c.ptr, pa)
+        self.assertEqual(be.events, {})  # destroyed once used
+
+    def test_close_frees_idle_chunks_now_and_busy_ones_later(self):
+        be = FakeBackend()
+        pool = qcuda.DevicePool(be, chunk_bytes=1024)
+        keep = pool.alloc(0, 1, 1024)
+        tmp = pool.alloc(0, 1, 1024)
+        del tmp
+        gc.collect()
+        pool.close()
+        self.assertEqual(len(be.frees), 1)
+        with self.assertRaises(qtx.errors.FailedPreconditionError):
+            pool.alloc(0, 1, 10)
+        del keep
+        gc.collect()
+        self.assertEqual(len(be.frees), 2)
+        self.assertEqual(pool.stats()["chunks"], 0)
+
+    def test_bad_pool_arguments(self):
+        with self.assertRaises(qcuda.ArgumentError):
+            qcuda.DevicePool(FakeBackend(), chunk_bytes=1024, align=300)
+
+    def test_wrapped_generic_array_keeps_the_block(self):
+        be = FakeBackend()
+        pool = qcuda.DevicePool(be, chunk_bytes=1 << 20)
+        parts = [((16, 16), qcuda.FLOAT32), ((3, 5), qcuda.UINT8), ((2, 4), qcuda.FLOAT32)]
+        offsets, total = qcuda._pack(parts)
+        self.assertEqual((offsets, total), ([0, 1024, 1280], 1536))  # 256-byte aligned views
+        block = pool.alloc(0, 1, total)
+        arrs = qcuda._wrap_many(block, parts, offsets, None)
+        del block
+        gc.collect()
+        self.assertEqual(pool.stats()["live_blocks"], 1)
+        cai = arrs[1].__cuda_array_interface__
+        self.assertEqual((cai["shape"], cai["typestr"], cai["version"]), ((3, 5), "|u1", 3))
+        self.assertEqual(cai["data"][0], arrs[0].ptr + 1024)
+        del arrs[0], arrs[0]
+        gc.collect()
+        self.assertEqual(pool.stats()["live_blocks"], 1)  # one view still holds it
+        del arrs, cai
+        gc.collect()
+        self.assertEqual(pool.stats()["live_blocks"], 0)
+
+
+class CommandLineTest(unittest.TestCase):
+    def env(self):
+        return dict(os.environ, PYTHONPATH=ARGS.python_dir)
+
+    def test_health_of_a_missing_qtxd(self):
+        r = subprocess.run([sys.executable, "-m", "qtx", "health", "--target",
+                            "unix:///nonexistent/dir/qtxd.sock", "--timeout", "2"],
+                           env=self.env(), capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn("UNAVAILABLE", r.stdout)
+        self.assertIn("qtx.cuda: yes", r.stdout)
+
+    def test_import_without_grpc(self):
+        code = (
+            "import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'grpc' or name.startswith('grpc.'):\n"
+            "            raise ImportError('no grpc here')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import qtx, qtx.cuda\n"
+            "e = qtx.errors.from_status(14, 'gone')\n"
+            "print(type(e).__name__, e.code.name, qtx.errors.grpc is None)\n"
+            "try:\n"
+            "    qtx.Client\n"
+            "except ImportError as err:\n"
+            "    print('Client:', err)\n")
+        r = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("UnavailableError UNAVAILABLE True", r.stdout)
+        self.assertIn("Client: qtx.Client needs grpcio", r.stdout)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--python_dir", required=True)
+    ARGS, rest = p.parse_known_args()
+    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
