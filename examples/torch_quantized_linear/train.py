@@ -59,10 +59,11 @@ class Quantizer:
     which are then moved to the model's device). 'cli' quantizes through the qtx CLI
     (a process per call; for hosts whose Python has no grpcio — testing only)."""
 
-    def __init__(self, kind, target, cli=None):
+    def __init__(self, kind, target, cli=None, device="cpu"):
         self.kind = kind
         self.calls = 0
-        if kind in ("auto", "cuda"):
+        # qtx.cuda takes device tensors only: on a CPU run "auto" skips it.
+        if kind == "cuda" or (kind == "auto" and str(device).startswith("cuda")):
             try:
                 import qtx.cuda as qtx_cuda
                 self.impl = qtx_cuda.Session(target=target)
@@ -230,7 +231,7 @@ def main():
             out.write(line + "\n")
 
     try:
-        quantizer = Quantizer(args.quantizer, target, args.qtx_cli)
+        quantizer = Quantizer(args.quantizer, target, args.qtx_cli, args.device)
         fp8, bf16 = build(args, quantizer)
         opt8 = torch.optim.AdamW(fp8.parameters(), lr=args.lr)
         opt16 = torch.optim.AdamW(bf16.parameters(), lr=args.lr)
