@@ -30,7 +30,9 @@
 // per-thread stream, so NCCL work is ordered after the thread's kernels and
 // copies). AllGatherHost (host bytes in and out) runs on the communicator's
 // own stream instead, so that it overlaps with device work the caller has
-// already enqueued on its stream. Each call then waits for its stream by
+// already enqueued on its stream. With CommCall::enqueue_only (the
+// stream-ordered AllGather of a channel) a call returns once enqueued.
+// Otherwise each call then waits for its stream by
 // polling cudaStreamQuery and ncclCommGetAsyncError until the work is done,
 // the deadline passes, Abort() is called or NCCL reports an error; in the
 // last three cases the communicator is broken from then on
@@ -136,9 +138,11 @@ class NcclCommunicator final : public Communicator {
   // makes the device current and returns the stream to enqueue on.
   absl::StatusOr<void*> Begin(const CommCall& call, const char* op);
   // After enqueueing (ncclGroupEnd or a single call returned `enqueued`):
-  // waits until the work on `stream` is done; on any failure aborts the
-  // communicator and returns the error.
-  absl::Status Finish(int enqueued, void* stream, absl::Time deadline, const char* op);
+  // waits until the work on `stream` is done (with `enqueue_only`: checks
+  // the enqueue result and NCCL's async error, and returns without waiting);
+  // on any failure aborts the communicator and returns the error.
+  absl::Status Finish(int enqueued, void* stream, absl::Time deadline, const char* op,
+                      bool enqueue_only = false);
   // Records the failure (the communicator is broken from now on), starts
   // ncclCommAbort on the reaper thread, returns `status` at once.
   absl::Status Fail(absl::Status status);
