@@ -545,6 +545,15 @@ absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, v
     if (in_flight) in_flight();
     return absl::OkStatus();
   }
+  if (world_size_ == 1) {
+    // One rank: every rank's bytes are this rank's. No GPU round trip: on an
+    // H200 the side stream's copies were seen waiting behind device work
+    // parked on other streams (a stream-ordered AllGather's, held by the
+    // caller), which made the host wait for the GPU.
+    if (in_flight) in_flight();
+    std::memcpy(recv, send, bytes);
+    return absl::OkStatus();
+  }
   const uint64_t need = bytes * static_cast<uint64_t>(world_size_);
   if (need > host_bytes_) {
     // Grown rarely (the messages are small and of few sizes), kept for reuse.

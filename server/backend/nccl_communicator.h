@@ -48,7 +48,14 @@
 // Costs: one launch per call (AllGatherVParts batches its parts into one
 // ncclGroupStart/End); AllGatherHost (the ops' small agreement messages) is
 // H2D copy + ncclAllGather + D2H copy on one stream with one wait, through
-// reusable pinned and device buffers.
+// reusable pinned and device buffers (a host copy in a one-rank group).
+// AllGatherHost therefore waits for the GPU when there are peers: NCCL runs
+// one communicator's work in issue order, so it follows the previous
+// enqueue-only gather, and on an H200 its copies were also seen queued
+// behind device work parked on other streams. A stream-ordered AllGather of
+// two or more ranks thus still waits at its header exchange for the GPU to
+// reach the previous one (a host-side agreement transport would lift this;
+// not built).
 //
 // AllGatherV: equal sizes use one ncclAllGather; unequal sizes a group
 // (ncclGroupStart/End) of one ncclBroadcast per rank with a non-empty

@@ -371,8 +371,12 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   backend::DeviceBuffer early_shard;  // [m * n data | rowwise scales], EXACT_FP8
   std::function<void()> enqueue_early;  // the early quantize, run by the header exchange
   absl::Status early_launch;            // its outcome
-  const bool early_quantize =
-      exact && p.rowwise && !p.columnwise && p.scaling == kernels::BlockScaling::kBlock1D;
+  // Not for a stream-ordered call: its GPU work runs later anyway, so there
+  // is no latency to hide, and quantizing straight into the output keeps the
+  // gather of the rowwise data in place (no extra copy of the bulk).
+  const bool early_quantize = exact && p.rowwise && !p.columnwise &&
+                              p.scaling == kernels::BlockScaling::kBlock1D &&
+                              request.events.queue == nullptr;
   // Every request whose tensors need no staging resolves its outputs early:
   // when all ranks do, the status exchange of step 3 is skipped and the
   // boundary amaxes travel on the device (step 4), so a stream-ordered call
