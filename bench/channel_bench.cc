@@ -12,10 +12,17 @@
 //                                    the channel, through today's synchronous
 //                                    Quantize with interprocess events; with
 //                                    ratios against the baseline.
+//   {"bench":"channel_allgather", ...}  with --allgather=1: host time of one
+//                                    channel AllGather call (one-rank NCCL
+//                                    group, [m, k] BF16 1-D row+col, EXACT_FP8)
+//                                    and the wall time of `layers` of them to
+//                                    Synchronize(), next to the same number of
+//                                    synchronous AllGather calls.
 // MPS is the caller's business (scripts/gpu_channel.sh runs it both ways and
 // says which in "mps").
 //   channel_bench --qtxd=PATH [--layers=200] [--m=8192] [--k=4096] [--mps=0|1]
 //                 [--flags=host|device]   (where the channel's flag words live)
+//                 [--allgather=0|1]
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -70,6 +77,7 @@ int main(int argc, char** argv) {
   int64_t m = 8192, k = 4096;
   int mps = -1;
   std::string flag_memory = "host";
+  bool allgather = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (absl::StartsWith(a, "--qtxd=")) qtxd = a.substr(7);
@@ -78,6 +86,7 @@ int main(int argc, char** argv) {
     if (absl::StartsWith(a, "--k=")) k = std::atoll(a.c_str() + 4);
     if (absl::StartsWith(a, "--mps=")) mps = std::atoi(a.c_str() + 6);
     if (absl::StartsWith(a, "--flags=")) flag_memory = a.substr(8);
+    if (absl::StartsWith(a, "--allgather=")) allgather = std::atoi(a.c_str() + 12) != 0;
   }
   if (qtxd.empty()) {
     std::fprintf(stderr, "usage: channel_bench --qtxd=PATH [--layers=N] [--m=M] [--k=K]\n");
@@ -225,6 +234,54 @@ int main(int argc, char** argv) {
         "\"k\":%lld,\"gpu_ms\":%.3f,\"per_layer_us\":%.2f,\"ratio_vs_in_process\":%.4f}\n",
         mode_names[mode], flag_memory.c_str(), mps, layers, static_cast<long long>(m), static_cast<long long>(k),
         best[mode], best[mode] * 1000.0 / layers, best[mode] / best[0]);
+  }
+  if (allgather) {
+    // One-rank NCCL group on this GPU: the channel's AllGather only enqueues
+    // on the server, so the host time per call is the submission's, and the
+    // calls overlap; the synchronous call returns when its outputs exist.
+    qtx::CollectiveGroupConfig group;
+    group.name = "bench-solo";
+    group.world_size = 1;
+    group.backend = qtx::CommBackend::kNccl;
+    CHECK_OK((*client)->CreateGroup(group).status());
+    uint64_t sequence = 0;
+    std::vector<double> ag_calls, ag_sync_calls;
+    double ag_wall_ms[2] = {1e30, 1e30};
+    for (int r = 0; r < rounds + 1; ++r) {  // round 0 warms up
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const absl::Time w0 = absl::Now();
+      for (int l = 0; l < layers; ++l) {
+        const absl::Time c0 = absl::Now();
+        auto op = (*channel)->AllGather("bench-solo", sequence++, input, config,
+                                        qtx::AllGatherMode::kExactFp8, outputs);
+        const absl::Time c1 = absl::Now();
+        CHECK_OK(op.status());
+        if (r > 0) ag_calls.push_back(absl::ToDoubleMicroseconds(c1 - c0));
+      }
+      CHECK_OK((*channel)->Synchronize());
+      if (r > 0) ag_wall_ms[0] = std::min(ag_wall_ms[0], absl::ToDoubleMilliseconds(absl::Now() - w0));
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const absl::Time s0 = absl::Now();
+      for (int l = 0; l < layers; ++l) {
+        const absl::Time c0 = absl::Now();
+        CHECK_OK((*client)
+                     ->AllGather("bench-solo", sequence++, input, config,
+                                 qtx::AllGatherMode::kExactFp8, outputs)
+                     .status());
+        if (r > 0) ag_sync_calls.push_back(absl::ToDoubleMicroseconds(absl::Now() - c0));
+      }
+      if (r > 0) ag_wall_ms[1] = std::min(ag_wall_ms[1], absl::ToDoubleMilliseconds(absl::Now() - s0));
+    }
+    std::printf(
+        "{\"bench\":\"channel_allgather\",\"flags\":\"%s\",\"mps\":%d,\"ranks\":1,\"m\":%lld,"
+        "\"k\":%lld,\"calls\":%d,\"host_us_p50\":%.2f,\"host_us_p99\":%.2f,"
+        "\"wall_ms\":%.3f,\"sync_call_host_us_p50\":%.2f,\"sync_call_host_us_p99\":%.2f,"
+        "\"sync_wall_ms\":%.3f,\"wall_ratio_channel_vs_sync\":%.4f}\n",
+        flag_memory.c_str(), mps, static_cast<long long>(m), static_cast<long long>(k), layers,
+        Percentile(ag_calls, 0.5), Percentile(ag_calls, 0.99), ag_wall_ms[0],
+        Percentile(ag_sync_calls, 0.5), Percentile(ag_sync_calls, 0.99), ag_wall_ms[1],
+        ag_wall_ms[0] / ag_wall_ms[1]);
+    CHECK_OK((*client)->DestroyGroup("bench-solo"));
   }
   CHECK_OK((*channel)->Close());
   channel->reset();

@@ -233,6 +233,32 @@ __global__ void AssembleRowScales1DKernel(const RowScaleSources s, float* out, i
   }
 }
 
+// CombineBoundaryAmax: which gathered vectors (2r: rank r's first, 2r + 1:
+// its last) feed this rank's first (which = 0) and last (which = 1) block
+// row; passed by value (about 1 KiB of kernel parameters).
+struct AmaxSources {
+  int count[2];
+  int32_t vec[2][kMaxAmaxSources];
+};
+// One thread per column (1-D) or tile column (2-D): out = max over sources
+// in the order of kernels/cpu CombineBoundaryAmax, starting from 0 and
+// keeping std::max's (a < b ? b : a), so the bits match.
+__global__ void CombineBoundaryAmaxKernel(const AmaxSources s, const float* __restrict__ gathered,
+                                          int64_t len, float* __restrict__ first_out,
+                                          float* __restrict__ last_out) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < len;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    for (int which = 0; which < 2; ++which) {
+      float acc = 0.0f;
+      for (int i = 0; i < s.count[which]; ++i) {
+        const float v = gathered[static_cast<int64_t>(s.vec[which][i]) * len + j];
+        acc = acc < v ? v : acc;
+      }
+      (which == 0 ? first_out : last_out)[j] = acc;
+    }
+  }
+}
+
 template <InputDType D, Fp8Format F, BlockScaling S>
 cudaError_t LaunchShard(const ShardKernelArgs& a, dim3 grid, cudaStream_t stream) {
   auto kernel = QuantizeShardKernel<D, F, S>;
@@ -388,6 +414,41 @@ cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeomet
       return DispatchShard<InputDType::kFloat16>(a, p.format, p.scaling, grid, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+cudaError_t CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float* gathered,
+                                int64_t len, int rank, BlockScaling scaling, float* first_out,
+                                float* last_out, cudaStream_t stream) {
+  (void)scaling;  // the vectors' meaning (columns or tile columns) does not change the max
+  if (world_size < 1 || rank < 0 || rank >= world_size || len < 0 || geoms == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const ShardGeometry& me = geoms[rank];
+  if (me.m == 0 || len == 0) return cudaSuccess;
+  if (gathered == nullptr || first_out == nullptr || last_out == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  AmaxSources s{};
+  for (int which = 0; which < 2; ++which) {
+    const int64_t k = which == 0 ? me.first_block() : me.last_block();
+    for (int r = 0; r < world_size; ++r) {
+      if (geoms[r].m == 0) continue;
+      int32_t v = -1;
+      if (geoms[r].first_block() == k) {
+        v = 2 * r;
+      } else if (geoms[r].last_block() == k) {
+        v = 2 * r + 1;
+      }
+      if (v < 0) continue;
+      if (s.count[which] == kMaxAmaxSources) return cudaErrorInvalidValue;
+      s.vec[which][s.count[which]++] = v;
+    }
+  }
+  constexpr int kCombineThreads = 256;
+  const int64_t blocks = std::min<int64_t>((len + kCombineThreads - 1) / kCombineThreads, 1024);
+  CombineBoundaryAmaxKernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
+      s, gathered, len, first_out, last_out);
+  return cudaGetLastError();
 }
 
 cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,

@@ -36,6 +36,20 @@ cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeomet
                           const float* last_amax, const QuantizedBuffers& out,
                           cudaStream_t stream);
 
+// This rank's combined boundary amaxes from every rank's partial ones, on
+// the device, bit-exact with kernels::cpu::CombineBoundaryAmax: `gathered`
+// holds per rank r (rank order) r's first then last vector of `len` floats
+// ([world_size][2][len], as gathered by the communicator); first_out /
+// last_out get `len` floats each (0 where no rank contributes). `geoms` is a
+// host array. Nothing is launched for an empty shard of this rank.
+// cudaErrorInvalidValue for a bad rank, negative len, null pointers, or more
+// than kMaxAmaxSources contributors to one block row (impossible for
+// contiguous shards: each contributor owns >= 1 of the block's 128 rows).
+inline constexpr int kMaxAmaxSources = 128;
+cudaError_t CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float* gathered,
+                                int64_t len, int rank, BlockScaling scaling, float* first_out,
+                                float* last_out, cudaStream_t stream);
+
 // Writes the GEMM-ready [sum m, N] tensor from every rank's shard buffers
 // (stream-ordered copies and one small transpose kernel); scale padding is
 // zeroed. A shard whose rowwise data already lies at its place in

@@ -187,7 +187,18 @@ class ChannelReactor final
     }
     auto spec = std::make_shared<ops::AllGatherRequestSpec>(AllGatherFromProto(request));
     if (spec->request_error.ok()) spec->request_error = CheckChannelAllGather(*spec);
-    return ops::ChannelTask([collective, spec](backend::ChannelQueue* queue) -> absl::Status {
+    ops::ChannelTask task;
+    // The regions its device work uses, pinned by the channel until that
+    // work has completed (a CUDA AllGather on a channel only enqueues).
+    auto add = [&task](const tensor::RegionSliceSpec& s) {
+      if (!s.region.empty()) task.regions.push_back(s.region);
+    };
+    if (const auto* in = std::get_if<tensor::RegionSliceSpec>(&spec->input.data)) add(*in);
+    for (const auto* o : {&spec->outputs.rowwise_data, &spec->outputs.rowwise_scale_inv,
+                          &spec->outputs.columnwise_data, &spec->outputs.columnwise_scale_inv}) {
+      if (o->has_value()) add(**o);
+    }
+    task.run = [collective, spec](backend::ChannelQueue* queue) -> absl::Status {
       spec->events.queue = queue;
       absl::Notification done;
       absl::Status status;
@@ -198,7 +209,8 @@ class ChannelReactor final
                                   });
       done.WaitForNotification();
       return status;
-    });
+    };
+    return task;
   }
 
   static absl::Status CheckChannelAllGather(const ops::AllGatherRequestSpec& spec) {

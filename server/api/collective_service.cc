@@ -7,12 +7,14 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/api/convert.h"
 #include "server/api/nccl_wiring.h"
 #include "server/api/request_context.h"
 #include "server/backend/gloo_communicator.h"
 #include "server/ops/allgather.h"
 #include "server/status_macros.h"
+#include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
 namespace {
@@ -218,6 +220,18 @@ void CollectiveService::SubmitAllGather(
     bool broken = false;
     *result = ops::AllGather(*spec, ctx_, comm, backend::CommCall{deadline}, &broken);
     absl::Status s = result->status();
+    if (result->ok() && spdlog::should_log(spdlog::level::debug)) {
+      // Host time of each step on the group's thread (a stream-ordered call
+      // only enqueues its GPU work: every step is short).
+      const ops::AllGatherTiming& t = (*result)->timing;
+      spdlog::debug(
+          "event=allgather_steps group={} seq={} channel={} local_us={:.1f} header_us={:.1f} "
+          "prepare_us={:.1f} gather_us={:.1f} assemble_us={:.1f}",
+          spec->group, spec->sequence, spec->events.queue != nullptr,
+          absl::ToDoubleMicroseconds(t.local), absl::ToDoubleMicroseconds(t.header),
+          absl::ToDoubleMicroseconds(t.prepare), absl::ToDoubleMicroseconds(t.gather),
+          absl::ToDoubleMicroseconds(t.assemble));
+    }
     if (broken && s.code() != absl::StatusCode::kDeadlineExceeded) {
       // A peer died or the transport failed: the whole call is aborted.
       s = absl::AbortedError(absl::StrFormat("%s (the group is now BROKEN)", s.message()));

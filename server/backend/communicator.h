@@ -14,7 +14,8 @@
 //
 // Completion: every method returns only after the operation is complete for
 // this rank (a device communicator synchronizes `stream` before returning), or
-// failed. A method never blocks past `CommCall::deadline` plus a short grace
+// failed; except that a device communicator returns once the work is
+// enqueued when CommCall::enqueue_only is set. A method never blocks past `CommCall::deadline` plus a short grace
 // for tearing down the transport.
 //
 // Errors: every message begins with name(). Codes:
@@ -53,6 +54,15 @@ struct CommCall {
   absl::Time deadline = absl::InfiniteFuture();
   // cudaStream_t for a device communicator; ignored by host communicators.
   void* stream = nullptr;
+  // Device communicators only, AllGatherV / AllGatherVParts / AllReduceMax /
+  // Barrier: return once the collective is enqueued on the stream, without
+  // waiting for it (the caller orders its later work on the same stream and
+  // learns of completion from the GPU, e.g. a stream-ordered channel's done
+  // write). Errors found while enqueueing are still returned; a failure of
+  // the enqueued work itself (a peer that never takes part) is not seen by
+  // this call. AllGatherHost always waits (its result is on the host). Host
+  // communicators ignore it: they finish before returning.
+  bool enqueue_only = false;
 };
 
 class Communicator {

@@ -497,7 +497,22 @@ absl::Status CudaDevice::AssembleShards(int world_size, const kernels::ShardGeom
   cudaStream_t stream = ThisThreadStream();
   QTX_CUDA_RETURN_IF_ERROR(
       kernels::cuda::AssembleShards(world_size, geoms, shards, params, out, stream));
-  QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::OkStatus();  // stream-ordered (device.h); SynchronizeThisThread waits
+}
+
+absl::Status CudaDevice::CombineBoundaryAmax(int world_size, const kernels::ShardGeometry* geoms,
+                                             const float* gathered, int64_t len, int rank,
+                                             kernels::BlockScaling scaling, float* first_out,
+                                             float* last_out) {
+  QTX_RETURN_IF_ERROR(Activate());
+  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::CombineBoundaryAmax(
+      world_size, geoms, gathered, len, rank, scaling, first_out, last_out, ThisThreadStream()));
+  return absl::OkStatus();  // stream-ordered (device.h)
+}
+
+absl::Status CudaDevice::SynchronizeThisThread() {
+  QTX_RETURN_IF_ERROR(Activate());
+  QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ThisThreadStream()));
   return absl::OkStatus();
 }
 

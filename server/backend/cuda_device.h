@@ -100,6 +100,11 @@ class CudaDevice final : public Device {
                              const kernels::QuantizedBuffers& out) override;
   absl::Status OrderAfterClient(const CudaEvents& events) override;
   absl::Status SignalClient(const CudaEvents& events) override;
+  absl::Status CombineBoundaryAmax(int world_size, const kernels::ShardGeometry* geoms,
+                                   const float* gathered, int64_t len, int rank,
+                                   kernels::BlockScaling scaling, float* first_out,
+                                   float* last_out) override;
+  absl::Status SynchronizeThisThread() override;
   absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
                               const kernels::QuantizedConstBuffers* shards,
                               const kernels::QuantizeParams& params,

@@ -272,8 +272,8 @@ class Device {
   // stream-ordered: a device with streams (CUDA) may return once the work is
   // enqueued on the calling thread's stream, so that later work of the same
   // thread (copies, AssembleShards, the device communicator's calls, whose
-  // default stream is that one) sees the outputs; AssembleShards returns when
-  // its outputs are written (and so everything before it).
+  // default stream is that one) sees the outputs. SynchronizeThisThread waits
+  // for all of it.
 
   // Partial amaxes of the shard's first and last block rows, each
   // kernels::BoundaryAmaxLength(params.scaling, geom) floats.
@@ -285,13 +285,35 @@ class Device {
                                      const float* last_amax,
                                      const kernels::QuantizedBuffers& out) = 0;
 
+  // Combines the gathered partial boundary amaxes into this rank's
+  // (kernels::cpu::CombineBoundaryAmax, bit-exact): `gathered` holds, per
+  // rank r in rank order, r's first then last vector of `len` floats
+  // (device memory, [world_size][2][len]); `first_out` / `last_out` get len
+  // floats each. Stream-ordered like QuantizeShard: a device with streams
+  // reads `gathered` after the work enqueued on this thread's stream so far
+  // (the communicator's gather into it) and returns once enqueued, so the
+  // host never sees the amaxes. The default copies through the host (right
+  // for host memory; a device with streams overrides it).
+  // REQUIRES: geoms has world_size entries; len = BoundaryAmaxLength of
+  // this rank's geometry.
+  virtual absl::Status CombineBoundaryAmax(int world_size, const kernels::ShardGeometry* geoms,
+                                           const float* gathered, int64_t len, int rank,
+                                           kernels::BlockScaling scaling, float* first_out,
+                                           float* last_out);
+
   // Writes the GEMM-ready [sum m, N] tensor from every rank's shard buffers.
+  // Stream-ordered like QuantizeShard (a device with streams may return once
+  // enqueued: call SynchronizeThisThread to wait for the outputs).
   // REQUIRES: geoms/shards have `world_size` entries (host arrays of device
   // pointers); out sized per kernels::ComputeLayout.
   virtual absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
                                       const kernels::QuantizedConstBuffers* shards,
                                       const kernels::QuantizeParams& params,
                                       const kernels::QuantizedBuffers& out) = 0;
+
+  // Returns once everything this thread enqueued on its stream is done (a
+  // device without streams: at once, the work is already done).
+  virtual absl::Status SynchronizeThisThread() { return absl::OkStatus(); }
 
   // Interprocess-event ordering of an op made of several device steps
   // (AllGather). OrderAfterClient opens both events (a bad handle fails

@@ -412,7 +412,7 @@ absl::StatusOr<void*> NcclCommunicator::Begin(const CommCall& call, const char* 
 }
 
 absl::Status NcclCommunicator::Finish(int enqueued, void* stream_ptr, absl::Time deadline,
-                                      const char* op) {
+                                      const char* op, bool enqueue_only) {
   ncclComm* comm = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -423,6 +423,22 @@ absl::Status NcclCommunicator::Finish(int enqueued, void* stream_ptr, absl::Time
     return Fail(NcclErrorToStatus(name_, r, op, __FILE__, __LINE__, comm));
   }
   auto stream = static_cast<cudaStream_t>(stream_ptr);
+  if (enqueue_only) {
+    // The collectives run on the blocking child communicator: a call that
+    // returned ncclSuccess has enqueued its work on `stream`. No wait: the
+    // caller orders what follows on the stream (CommCall::enqueue_only).
+    // NCCL's asynchronous error is checked once, so a communicator that has
+    // already failed is reported now.
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess) state = q;
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return Fail(NcclErrorToStatus(name_, state, op, __FILE__, __LINE__, comm));
+    }
+    if (r == ncclSuccess) return absl::OkStatus();
+    // ncclInProgress (not expected of a blocking communicator): fall through
+    // to the wait, which polls until NCCL has enqueued and the work is done.
+  }
   // Until NCCL has enqueued (nonblocking group end), then until the stream
   // has run it; NCCL's async error is checked at every poll.
   bool enqueued_done = r == ncclSuccess;
@@ -516,7 +532,8 @@ absl::Status NcclCommunicator::AllGatherVParts(std::span<const GatherPart> parts
     comm = comm_;
   }
   const int res = EnqueueGather(parts, comm, *stream);
-  return Finish(res, *stream, call.deadline, "ncclAllGather/ncclBroadcast group");
+  return Finish(res, *stream, call.deadline, "ncclAllGather/ncclBroadcast group",
+                call.enqueue_only);
 }
 
 absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, void* recv,
@@ -526,6 +543,15 @@ absl::Status NcclCommunicator::AllGatherHost(const void* send, uint64_t bytes, v
   if (!stream.ok()) return stream.status();
   if (bytes == 0) {
     if (in_flight) in_flight();
+    return absl::OkStatus();
+  }
+  if (world_size_ == 1) {
+    // One rank: every rank's bytes are this rank's. No GPU round trip: on an
+    // H200 the side stream's copies were seen waiting behind device work
+    // parked on other streams (a stream-ordered AllGather's, held by the
+    // caller), which made the host wait for the GPU.
+    if (in_flight) in_flight();
+    std::memcpy(recv, send, bytes);
     return absl::OkStatus();
   }
   const uint64_t need = bytes * static_cast<uint64_t>(world_size_);
@@ -581,7 +607,7 @@ absl::Status NcclCommunicator::AllReduceMax(float* data, uint64_t count, const C
   }
   auto s = static_cast<cudaStream_t>(*stream);
   return Finish(ncclAllReduce(data, data, count, ncclFloat32, ncclMax, comm, s), s, call.deadline,
-                "ncclAllReduce(max)");
+                "ncclAllReduce(max)", call.enqueue_only);
 }
 
 absl::Status NcclCommunicator::Barrier(const CommCall& call) {
@@ -594,7 +620,7 @@ absl::Status NcclCommunicator::Barrier(const CommCall& call) {
   }
   auto s = static_cast<cudaStream_t>(*stream);
   return Finish(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclMax, comm, s), s,
-                call.deadline, "ncclAllReduce(barrier)");
+                call.deadline, "ncclAllReduce(barrier)", call.enqueue_only);
 }
 
 }  // namespace qtx::server::backend

@@ -30,7 +30,9 @@
 // per-thread stream, so NCCL work is ordered after the thread's kernels and
 // copies). AllGatherHost (host bytes in and out) runs on the communicator's
 // own stream instead, so that it overlaps with device work the caller has
-// already enqueued on its stream. Each call then waits for its stream by
+// already enqueued on its stream. With CommCall::enqueue_only (the
+// stream-ordered AllGather of a channel) a call returns once enqueued.
+// Otherwise each call then waits for its stream by
 // polling cudaStreamQuery and ncclCommGetAsyncError until the work is done,
 // the deadline passes, Abort() is called or NCCL reports an error; in the
 // last three cases the communicator is broken from then on
@@ -46,7 +48,14 @@
 // Costs: one launch per call (AllGatherVParts batches its parts into one
 // ncclGroupStart/End); AllGatherHost (the ops' small agreement messages) is
 // H2D copy + ncclAllGather + D2H copy on one stream with one wait, through
-// reusable pinned and device buffers.
+// reusable pinned and device buffers (a host copy in a one-rank group).
+// AllGatherHost therefore waits for the GPU when there are peers: NCCL runs
+// one communicator's work in issue order, so it follows the previous
+// enqueue-only gather, and on an H200 its copies were also seen queued
+// behind device work parked on other streams. A stream-ordered AllGather of
+// two or more ranks thus still waits at its header exchange for the GPU to
+// reach the previous one (a host-side agreement transport would lift this;
+// not built).
 //
 // AllGatherV: equal sizes use one ncclAllGather; unequal sizes a group
 // (ncclGroupStart/End) of one ncclBroadcast per rank with a non-empty
@@ -136,9 +145,11 @@ class NcclCommunicator final : public Communicator {
   // makes the device current and returns the stream to enqueue on.
   absl::StatusOr<void*> Begin(const CommCall& call, const char* op);
   // After enqueueing (ncclGroupEnd or a single call returned `enqueued`):
-  // waits until the work on `stream` is done; on any failure aborts the
-  // communicator and returns the error.
-  absl::Status Finish(int enqueued, void* stream, absl::Time deadline, const char* op);
+  // waits until the work on `stream` is done (with `enqueue_only`: checks
+  // the enqueue result and NCCL's async error, and returns without waiting);
+  // on any failure aborts the communicator and returns the error.
+  absl::Status Finish(int enqueued, void* stream, absl::Time deadline, const char* op,
+                      bool enqueue_only = false);
   // Records the failure (the communicator is broken from now on), starts
   // ncclCommAbort on the reaper thread, returns `status` at once.
   absl::Status Fail(absl::Status status);

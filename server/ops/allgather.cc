@@ -194,6 +194,15 @@ PackedShard PackShard(const kernels::ShardGeometry& g, const kernels::QuantizePa
   return s;
 }
 
+// A channel (stream-ordered) AllGather's tensors must be in the memory the
+// device computes on: staging through the host would make the host wait.
+std::string ChannelMemoryMessage(std::string_view field, const OpContext& ctx) {
+  const bool device = ctx.device->memory_kind() == MemoryKind::kDevice;
+  return absl::StrFormat(
+      "%s: a channel AllGather on %s needs its tensors in %s memory (register a %s region)",
+      field, ctx.device->name(), device ? "device" : "host", device ? "cuda_ipc" : "shm");
+}
+
 struct LocalRequest {
   tensor::TensorView input;
   Matrix2D mn;
@@ -238,6 +247,11 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
   l.dtype = *dtype;
   QTX_ASSIGN_OR_RETURN(l.input, tensor::ResolveInput(r.input, "input", *ctx.regions, ctx.limits));
   QTX_ASSIGN_OR_RETURN(l.mn, FlattenTo2D(l.input.shape, "input", ctx.limits));
+  if (r.events.queue != nullptr && l.input.byte_size > 0 &&
+      l.input.memory != ctx.device->memory_kind()) {
+    // A channel op only enqueues: nothing may need a host copy.
+    return absl::FailedPreconditionError(ChannelMemoryMessage("input", ctx));
+  }
   return l;
 }
 
@@ -275,7 +289,12 @@ absl::StatusOr<bool> PrepareEarly(const AllGatherRequestSpec& r, const LocalRequ
     QTX_ASSIGN_OR_RETURN(outs[i]->slice, tensor::ResolveOutputSlice(spec, spec.size, alignment[i],
                                                                      kOutputFields[i],
                                                                      *ctx.regions));
-    if (spec.size > 0 && outs[i]->slice->memory != ctx.device->memory_kind()) return false;
+    if (spec.size > 0 && outs[i]->slice->memory != ctx.device->memory_kind()) {
+      if (r.events.queue != nullptr) {
+        return absl::FailedPreconditionError(ChannelMemoryMessage(kOutputFields[i], ctx));
+      }
+      return false;
+    }
   }
   for (int i = 0; i < 4; ++i) {
     if (!outs[i]) continue;
@@ -352,9 +371,17 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   backend::DeviceBuffer early_shard;  // [m * n data | rowwise scales], EXACT_FP8
   std::function<void()> enqueue_early;  // the early quantize, run by the header exchange
   absl::Status early_launch;            // its outcome
-  const bool early_quantize =
-      exact && p.rowwise && !p.columnwise && p.scaling == kernels::BlockScaling::kBlock1D;
-  if (local.ok() && (!exact || early_quantize)) {
+  // Not for a stream-ordered call: its GPU work runs later anyway, so there
+  // is no latency to hide, and quantizing straight into the output keeps the
+  // gather of the rowwise data in place (no extra copy of the bulk).
+  const bool early_quantize = exact && p.rowwise && !p.columnwise &&
+                              p.scaling == kernels::BlockScaling::kBlock1D &&
+                              request.events.queue == nullptr;
+  // Every request whose tensors need no staging resolves its outputs early:
+  // when all ranks do, the status exchange of step 3 is skipped and the
+  // boundary amaxes travel on the device (step 4), so a stream-ordered call
+  // never waits for its GPU work.
+  if (local.ok()) {
     absl::StatusOr<bool> e = PrepareEarly(request, *local, ctx, outs);
     early = !e.ok() || *e;
     if (!e.ok()) early_status = e.status();
@@ -621,20 +648,13 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   if (outs[2]) out_bufs.columnwise_data = static_cast<uint8_t*>(outs[2]->KernelPointer());
   if (outs[3]) out_bufs.columnwise_scale_inv = static_cast<float*>(outs[3]->KernelPointer());
 
-  // Step 4.
+  // Step 4. Collectives of the data plane: a stream-ordered call (a channel)
+  // only enqueues them on this thread's stream; its completion is the
+  // channel's done write, which SignalClient orders after all of it.
+  const bool stream_ordered = request.events.queue != nullptr;
+  backend::CommCall data_call = call;
+  data_call.enqueue_only = stream_ordered;
   if (exact) {
-    std::vector<float> first(amax_len), last(amax_len);
-    if (need_amax && g.m > 0) {
-      std::vector<const float*> firsts(world), lasts(world);
-      for (int r = 0; r < world; ++r) {
-        const float* base = reinterpret_cast<const float*>(recv.data() + r * block + sizeof ws);
-        firsts[r] = base;
-        lasts[r] = base + amax_len;
-      }
-      // Host arithmetic on a few floats per rank: the protocol's combine step.
-      kernels::cpu::CombineBoundaryAmax(world, geoms.data(), firsts.data(), lasts.data(), rank,
-                                        p.scaling, first.data(), last.data());
-    }
     std::vector<PackedShard> packs(world);
     std::vector<uint64_t> sizes(world);
     uint64_t total = 0;
@@ -649,11 +669,52 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       QTX_ASSIGN_OR_RETURN(shard, ctx.device->Allocate(packs[rank].total));
     }
     QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
+    // The combined boundary amaxes of this rank's shard: first | last.
     QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer amax_dev, ctx.device->Allocate(8 * amax_len));
     float* amax_ptr = static_cast<float*>(amax_dev.data());
-    if (amax_len > 0) {
-      std::vector<float> both(first);
-      both.insert(both.end(), last.begin(), last.end());
+    // Temporaries (amax_dev, amax_parts, shard, gathered) come from the
+    // device's stream-ordered allocator on this thread's stream, and their
+    // destructors free them on that stream (cudaFreeAsync), i.e. after every
+    // kernel and collective enqueued here has used them, however long the
+    // GPU takes to get there. Per-group scratch reused in stream order would
+    // also do, but would have to grow to the largest call and be sized per
+    // group; the pool already caches freed memory (no cudaMalloc per call).
+    backend::DeviceBuffer amax_parts;
+    if (amax_len > 0 && all_early) {
+      // On the device: every rank's partial amaxes [world][first | last]
+      // gathered in place, then combined by a kernel that reads them where
+      // they landed. The host never sees an amax.
+      const uint64_t per_rank = 8 * static_cast<uint64_t>(amax_len);
+      QTX_ASSIGN_OR_RETURN(amax_parts, ctx.device->Allocate(per_rank * world));
+      float* all = static_cast<float*>(amax_parts.data());
+      float* mine = all + 2 * amax_len * rank;
+      if (g.m > 0) {
+        QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(
+            backend::ShardArgs{input_ptr, local->dtype, g, p}, mine, mine + amax_len));
+      }
+      // (An empty shard's vectors are gathered unwritten: no rank reads them.)
+      const std::vector<uint64_t> amax_sizes(world, per_rank);
+      if (absl::Status s = comm.AllGatherV(mine, amax_sizes, all, data_call); !s.ok()) {
+        return comm_failed(s);
+      }
+      QTX_RETURN_IF_ERROR(ctx.device->CombineBoundaryAmax(world, geoms.data(), all, amax_len,
+                                                          rank, p.scaling, amax_ptr,
+                                                          amax_ptr + amax_len));
+    } else if (amax_len > 0) {
+      // The amaxes came with the status exchange (host bytes).
+      std::vector<float> both(2 * amax_len, 0.0f);
+      if (need_amax && g.m > 0) {
+        std::vector<const float*> firsts(world), lasts(world);
+        for (int r = 0; r < world; ++r) {
+          const float* base =
+              reinterpret_cast<const float*>(recv.data() + r * block + sizeof ws);
+          firsts[r] = base;
+          lasts[r] = base + amax_len;
+        }
+        // Host arithmetic on a few floats per rank: the protocol's combine step.
+        kernels::cpu::CombineBoundaryAmax(world, geoms.data(), firsts.data(), lasts.data(), rank,
+                                          p.scaling, both.data(), both.data() + amax_len);
+      }
       QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(amax_ptr, both.data(), 8 * amax_len));
     }
     // The early shard holds [data | scales]; its scales section is this
@@ -689,7 +750,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       parts.push_back({shard_bufs.rowwise_data, data_sizes, out_bufs.rowwise_data});
     }
     parts.push_back({shard_send, sizes, gathered.data()});
-    if (absl::Status s = comm.AllGatherVParts(parts, call); !s.ok()) {
+    if (absl::Status s = comm.AllGatherVParts(parts, data_call); !s.ok()) {
       return comm_failed(s);
     }
     lap(&timing.gather);
@@ -709,6 +770,9 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       off += sizes[r];
     }
     QTX_RETURN_IF_ERROR(ctx.device->AssembleShards(world, geoms.data(), views.data(), p, out_bufs));
+    // A synchronous call returns with its outputs written; a stream-ordered
+    // one only enqueued them.
+    if (!stream_ordered) QTX_RETURN_IF_ERROR(ctx.device->SynchronizeThisThread());
   } else {
     const int64_t esize = tensor::ElementSize(request.input.dtype);
     std::vector<uint64_t> sizes(world);
@@ -719,7 +783,8 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     }
     QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
     lap(&timing.prepare);
-    if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), call); !s.ok()) {
+    if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), data_call);
+        !s.ok()) {
       return comm_failed(s);
     }
     lap(&timing.gather);
@@ -730,7 +795,17 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     args.n = n;
     args.params = p;
     args.out = out_bufs;
-    QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+    if (stream_ordered) {
+      // The channel's queue after the gather, the quantize enqueued on the
+      // queue, then this thread's stream after the quantize: `gathered` is
+      // freed on this stream, so only once the quantize has read it.
+      QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
+      args.queue = request.events.queue;
+      QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+      QTX_RETURN_IF_ERROR(ctx.device->OrderAfterClient(request.events));
+    } else {
+      QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+    }
   }
   for (auto& o : outs) {
     if (o && o->staging.data() != nullptr) {

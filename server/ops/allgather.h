@@ -14,7 +14,11 @@
 //     naming the field and the first rank that disagrees with rank 0;
 //  3. output placement against the agreed M = sum M_r, plus (EXACT_FP8) the
 //     partial amaxes of the shard's boundary block rows; both exchanged in
-//     one small all-gather, so an output error on one rank fails all ranks;
+//     one small all-gather, so an output error on one rank fails all ranks.
+//     Skipped when every rank resolved its outputs before step 2 (tensors
+//     in the device's memory, no staging): the slice sizes then travel in
+//     the headers, and the amaxes are all-gathered on the device in step 4
+//     and combined there (Device::CombineBoundaryAmax), never on the host;
 //  4. EXACT_FP8: combine amaxes, quantize the shard into the shard layout
 //     (its rowwise data straight into its rows of the output), all-gather
 //     the rowwise data in place in the output, then the rest of the FP8
@@ -52,7 +56,11 @@ struct AllGatherRequestSpec {
   QuantizeOutputSpecs outputs;     // for the gathered [M, N] tensor
   // Optional interprocess events (CUDA device only): the shard is read only
   // after wait_event; signal_event is recorded once the outputs are written.
-  // AllGather returns when its outputs are complete either way.
+  // AllGather returns when its outputs are complete either way, except on a
+  // stream-ordered channel (events.queue set): its device work (amax
+  // exchange, quantize, gathers, assembly) is then only enqueued, ordered
+  // after the queue and before it, with CommCall::enqueue_only collectives;
+  // its tensors must be in the device's memory (FAILED_PRECONDITION).
   backend::CudaEvents events;
   // Set by the caller when the request could not even be parsed; the op then
   // still takes part in the header exchange, so every rank fails with it.

@@ -40,6 +40,8 @@ std::vector<std::string> RegionsOf(const ChannelOp& op) {
     AddRegion(d->input.columnwise_data, names);
     AddRegion(d->input.columnwise_scale_inv, names);
     AddRegion(d->output, names);
+  } else if (const auto* t = std::get_if<ChannelTask>(&op)) {
+    names = t->regions;
   }
   return names;
 }
@@ -186,7 +188,7 @@ void Channel::Run(Item& item) {
           } else if constexpr (std::is_same_v<Spec, DequantizeRequestSpec>) {
             return Dequantize(spec, ctx_).status();
           } else if constexpr (std::is_same_v<Spec, ChannelTask>) {
-            return spec(queue_.get());
+            return spec.run(queue_.get());
           } else {
             return spec;  // the submission could not be parsed
           }

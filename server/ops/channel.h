@@ -36,6 +36,7 @@
 #include <string>
 #include <thread>
 #include <variant>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -56,11 +57,16 @@ inline constexpr uint64_t kChannelFailedOffset = uint64_t{1} << 62;
 inline constexpr uint64_t kChannelFlagBytes = 16;
 
 // An operation the caller of Submit runs itself, ordered by the queue it is
-// given: it must order its device work after the work enqueued on the queue
-// so far and the queue after its own (backend::CudaEvents::queue), and return
-// once its work is enqueued or done. Used for AllGather, which runs on its
-// group's thread.
-using ChannelTask = std::function<absl::Status(backend::ChannelQueue* queue)>;
+// given: `run` must order its device work after the work enqueued on the
+// queue so far and the queue after its own (backend::CudaEvents::queue), and
+// return once its work is enqueued or done. Used for AllGather, which runs
+// on its group's thread and only enqueues on a CUDA device: the channel pins
+// `regions` (the names of the registered regions its device work reads or
+// writes) until the queue has passed it, as for Quantize.
+struct ChannelTask {
+  std::function<absl::Status(backend::ChannelQueue* queue)> run;
+  std::vector<std::string> regions;
+};
 
 // One submitted operation; an absl::Status is a submission the receiver
 // could not even parse, which fails the channel at its turn (in order).

@@ -34,6 +34,22 @@ __global__ void CountMismatchesKernel(const uint8_t* a, const uint8_t* b, uint64
 
 __global__ void SpinKernel(uint64_t spin_ns) { SpinNs(spin_ns); }
 
+__global__ void WaitHostFlagKernel(const volatile uint32_t* flag, uint64_t timeout_ns,
+                                   unsigned int* timed_out) {
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    if (*flag != 0) return;  // volatile: re-read from host memory every time
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start >= timeout_ns) {
+      atomicAdd(timed_out, 1u);
+      return;
+    }
+    __nanosleep(1000);
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchDelayedCopy(void* dst, const void* src, uint64_t bytes, uint64_t spin_ns,
@@ -53,6 +69,12 @@ cudaError_t LaunchCountMismatches(const void* a, const void* b, uint64_t bytes,
 
 cudaError_t LaunchSpin(uint64_t spin_ns, cudaStream_t stream) {
   SpinKernel<<<1, 1, 0, stream>>>(spin_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWaitHostFlag(const volatile uint32_t* flag, uint64_t timeout_ns,
+                               unsigned int* timed_out, cudaStream_t stream) {
+  WaitHostFlagKernel<<<1, 1, 0, stream>>>(flag, timeout_ns, timed_out);
   return cudaGetLastError();
 }
 

@@ -22,6 +22,13 @@ cudaError_t LaunchCountMismatches(const void* a, const void* b, uint64_t bytes,
 // Spins ~`spin_ns` on the GPU.
 cudaError_t LaunchSpin(uint64_t spin_ns, cudaStream_t stream);
 
+// Holds `stream` (one thread) until the host sets *flag != 0 (`flag`: the
+// device address of mapped page-locked host memory, cudaHostAllocMapped),
+// or until `timeout_ns` has passed, whichever comes first; on the timeout it
+// adds 1 to *timed_out (device memory). Never holds the GPU forever.
+cudaError_t LaunchWaitHostFlag(const volatile uint32_t* flag, uint64_t timeout_ns,
+                               unsigned int* timed_out, cudaStream_t stream);
+
 }  // namespace qtx::testing
 
 #endif  // QTX_TESTS_CLIENT_CUDA_CHANNEL_TEST_KERNELS_H_

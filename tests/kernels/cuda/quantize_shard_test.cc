@@ -1,5 +1,5 @@
-// kernels/cuda/quantize_shard vs kernels/cpu (ShardBoundaryAmax, QuantizeShard,
-// AssembleShards), byte for byte: the whole exact all-gather pipeline run on
+// kernels/cuda/quantize_shard vs kernels/cpu (ShardBoundaryAmax,
+// CombineBoundaryAmax, QuantizeShard, AssembleShards), byte for byte: the whole exact all-gather pipeline run on
 // one GPU for several ranks' shards, against QuantizeBlock of the whole.
 #include <cuda_runtime_api.h>
 
@@ -85,6 +85,22 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
     fp[r] = firsts[r].data();
     lp[r] = lasts[r].data();
   }
+  // Every rank's partial amaxes as the communicator gathers them on the
+  // device, [w][first | last][len] (len is the same for every rank: same n).
+  const int64_t glen = w > 0 ? BoundaryAmaxLength(scaling, geoms[0]) : 0;
+  Dev<float> gathered(2 * w * glen);
+  for (int r = 0; r < w; ++r) {
+    if (geoms[r].m == 0) {  // unwritten on the device: poison it, it must not be read
+      std::vector<float> nan(2 * glen, std::nanf(""));
+      ASSERT_CUDA(cudaMemcpy(gathered.p + 2 * r * glen, nan.data(), 8 * glen,
+                             cudaMemcpyHostToDevice));
+      continue;
+    }
+    ASSERT_CUDA(cudaMemcpy(gathered.p + 2 * r * glen, firsts[r].data(), 4 * glen,
+                           cudaMemcpyHostToDevice));
+    ASSERT_CUDA(cudaMemcpy(gathered.p + (2 * r + 1) * glen, lasts[r].data(), 4 * glen,
+                           cudaMemcpyHostToDevice));
+  }
   std::vector<Dev<uint8_t>*> keep;
   std::vector<QuantizedConstBuffers> views(w);
   std::vector<Dev<float>*> keepf;
@@ -96,8 +112,18 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
                              la.data());
     auto* df = new Dev<float>(2 * len);
     keepf.push_back(df);
-    ASSERT_CUDA(cudaMemcpy(df->p, f.data(), 4 * len, cudaMemcpyHostToDevice));
-    ASSERT_CUDA(cudaMemcpy(df->p + len, la.data(), 4 * len, cudaMemcpyHostToDevice));
+    // The combine on the GPU (what a stream-ordered AllGather runs) equals
+    // the CPU's bit for bit; the shard is then quantized with the GPU's.
+    ASSERT_CUDA(cudaMemset(df->p, 0xFF, 8 * std::max<int64_t>(len, 1)));
+    ASSERT_CUDA(cuda::CombineBoundaryAmax(w, geoms.data(), gathered.p, len, r, scaling, df->p,
+                                          df->p + len, nullptr));
+    if (g.m > 0) {
+      std::vector<float> gf(len), gl(len);
+      ASSERT_CUDA(cudaMemcpy(gf.data(), df->p, 4 * len, cudaMemcpyDeviceToHost));
+      ASSERT_CUDA(cudaMemcpy(gl.data(), df->p + len, 4 * len, cudaMemcpyDeviceToHost));
+      ASSERT_EQ(0, std::memcmp(gf.data(), f.data(), 4 * len)) << "combined first, rank " << r;
+      ASSERT_EQ(0, std::memcmp(gl.data(), la.data(), 4 * len)) << "combined last, rank " << r;
+    }
     auto* d = new Dev<uint8_t>(2 * g.m * n);
     keep.push_back(d);
     auto* s = new Dev<float>(ShardRowwiseScaleCount(scaling, g) + ShardColumnwiseScaleCount(scaling, g));
@@ -146,7 +172,10 @@ TEST(QuantizeShardCuda, PipelineMatchesQuantizeOfConcatenation) {
   const std::vector<Case> cases = {{{64, 64}, 128},       {{0, 300}, 100},
                                    {{100, 156, 1}, 300},  {{129, 127, 256}, 1},
                                    {{1, 1, 1, 1}, 129},   {{250, 250, 250, 250}, 300},
-                                   {{4095, 4097}, 256},   {{3, 0, 130}, 257}};
+                                   {{4095, 4097}, 256},   {{3, 0, 130}, 257},
+                                   // 128 ranks share block row 0: the most
+                                   // contributors one block can have.
+                                   {std::vector<int64_t>(130, 1), 130}};
   for (const Case& c : cases) {
     for (auto s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
       for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {

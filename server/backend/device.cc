@@ -1,0 +1,30 @@
+#include "server/backend/device.h"
+
+#include <vector>
+
+#include "kernels/cpu/quantize_block.h"
+#include "server/status_macros.h"
+
+namespace qtx::server::backend {
+
+absl::Status Device::CombineBoundaryAmax(int world_size, const kernels::ShardGeometry* geoms,
+                                         const float* gathered, int64_t len, int rank,
+                                         kernels::BlockScaling scaling, float* first_out,
+                                         float* last_out) {
+  if (geoms[rank].m == 0 || len == 0) return absl::OkStatus();
+  const uint64_t per_rank = 2 * static_cast<uint64_t>(len);
+  std::vector<float> all(per_rank * static_cast<uint64_t>(world_size));
+  QTX_RETURN_IF_ERROR(CopyToHost(all.data(), gathered, 4 * all.size()));
+  std::vector<const float*> firsts(world_size), lasts(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    firsts[r] = all.data() + per_rank * r;
+    lasts[r] = firsts[r] + len;
+  }
+  std::vector<float> combined(per_rank);
+  kernels::cpu::CombineBoundaryAmax(world_size, geoms, firsts.data(), lasts.data(), rank, scaling,
+                                    combined.data(), combined.data() + len);
+  QTX_RETURN_IF_ERROR(CopyFromHost(first_out, combined.data(), 4 * static_cast<uint64_t>(len)));
+  return CopyFromHost(last_out, combined.data() + len, 4 * static_cast<uint64_t>(len));
+}
+
+}  // namespace qtx::server::backend
