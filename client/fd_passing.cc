@@ -11,8 +11,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace qtx {
@@ -48,9 +46,9 @@ bool ReadFull(int fd, char* buf, size_t n) {
 
 absl::StatusOr<std::string> FdSocketPathForTarget(std::string_view target) {
   std::string_view path;
-  if (absl::StartsWith(target, "unix://")) {
+  if (target.starts_with("unix://")) {
     path = target.substr(7);
-  } else if (absl::StartsWith(target, "unix:")) {
+  } else if (target.starts_with("unix:")) {
     path = target.substr(5);
   } else {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -61,7 +59,7 @@ absl::StatusOr<std::string> FdSocketPathForTarget(std::string_view target) {
   if (path.empty()) {
     return absl::InvalidArgumentError(absl::StrFormat("target '%s': no socket path", target));
   }
-  return absl::StrCat(path, ".fd");
+  return std::string(path) + ".fd";
 }
 
 absl::StatusOr<std::unique_ptr<FdPassingConnection>> FdPassingConnection::Connect(
@@ -152,7 +150,7 @@ absl::StatusOr<std::string> FdPassingConnection::SendLocked(std::string_view byt
     const int err = sent < 0 ? errno : EIO;
     broken_ = true;
     return absl::UnavailableError(
-        absl::StrFormat("sending descriptors to qtxd failed: %s", std::strerror(err)));
+        absl::StrFormat("sending descriptors to qtxd's fd socket failed: %s", std::strerror(err)));
   }
   char reply[kFdPassingReplyBytes];
   if (!ReadFull(fd_, reply, sizeof(reply))) {

@@ -361,7 +361,7 @@ TEST(RegionTable, CudaVmmRejectsBadChunksWithoutOpening) {
   EXPECT_THAT(table.RegisterCudaVmm("v", fds, sizes, 0, 64, std::string(16, 'x'), 1),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no GPU with this UUID")));
   EXPECT_THAT(table.RegisterCudaVmm("bad name!", fds, sizes, 0, 64, uuid, 1),
-              StatusIs(absl::StatusCode::kInvalidArgument));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name")));
   EXPECT_EQ(vmm.opened, 0);
   RegionTable no_cuda{RegionTableOptions{}};
   EXPECT_THAT(no_cuda.RegisterCudaVmm("v", fds, sizes, 0, 64, uuid, 1),
