@@ -13,10 +13,19 @@ B="$(cd "${1:?bundle dir}" && pwd)"
 OUT="${2:?output dir}"
 mkdir -p "$OUT"
 LOG="$OUT/vmm.txt"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+# PyTorch first, with the environment it was started with.
+if [ -z "${QTX_SKIP_TORCH:-}" ] && [ -f "$HERE/torch_vmm_probe.py" ] &&
+   python3 -c 'import torch' 2>/dev/null; then
+  for conf in "" "expandable_segments:True" "backend:cudaMallocAsync"; do
+    echo "===== torch_probe[$conf]" >> "$LOG"
+    PYTORCH_CUDA_ALLOC_CONF="$conf" timeout 60 python3 "$HERE/torch_vmm_probe.py" >> "$LOG" 2>&1
+    echo "torch_probe[$conf] rc=$?"
+  done
+fi
 export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CUDA_MODULE_LOADING=EAGER
 QTXD="$B/bin/qtxd"
-HERE="$(cd "$(dirname "$0")" && pwd)"
 nvidia-smi -L >> "$LOG" 2>&1
 rc_all=0
 step() {  # step NAME CMD...: run with a time limit, append to the log, summarize
@@ -28,25 +37,32 @@ step() {  # step NAME CMD...: run with a time limit, append to the log, summariz
   [ $rc -ne 0 ] && rc_all=1
   echo "$name rc=$rc $((SECONDS - t0))s"
 }
-if [ -f "$HERE/torch_vmm_probe.py" ] && python3 -c 'import torch' 2>/dev/null; then
-  for conf in "" "expandable_segments:True" "backend:cudaMallocAsync"; do
-    PYTORCH_CUDA_ALLOC_CONF="$conf" step "torch_probe[$conf]" python3 "$HERE/torch_vmm_probe.py"
-  done
-fi
 step cuda_vmm_test_mps0 "$B/bin/cuda_vmm_test" --qtxd="$QTXD"
+if [ -x "$B/bin/cuda_channel_test" ]; then  # the CUDA IPC path of RegionCache
+  step cuda_channel_region_cache_mps0 "$B/bin/cuda_channel_test" --qtxd="$QTXD" \
+    --gtest_filter='*RegionCache*'
+fi
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 if nvidia-cuda-mps-control -d; then
-  step cuda_vmm_test_mps1 "$B/bin/cuda_vmm_test" --qtxd="$QTXD"
-  step cuda_vmm_client_killed_x3_mps1 "$B/bin/cuda_vmm_test" --qtxd="$QTXD" \
-    --gtest_filter='*ClientKilled*' --gtest_repeat=3
-  # Contrast (known to fault under MPS in some runs: client/README.md): last.
+  step cuda_vmm_test_mps1 "$B/bin/cuda_vmm_test" --qtxd="$QTXD" --gtest_filter='-*Kill*'
+  # One killed client per step (a GPU fault under MPS tears down every
+  # client, and the MPS server needs a moment to come back); the CUDA IPC
+  # cases last.
+  for t in KillSpinningClient KillBusyClientVmm KillBusyClientVmm \
+           AClientKilledWithParkedWorkOnVmmMemoryLeavesQtxdServing KillBusyClientIpc; do
+    sleep 3
+    step "kill_${t}_mps1" "$B/bin/cuda_vmm_test" --qtxd="$QTXD" --gtest_filter="*.$t"
+  done
   if [ -x "$B/bin/cuda_channel_test" ]; then
-    step ipc_client_killed_x2_mps1 "$B/bin/cuda_channel_test" --qtxd="$QTXD" \
-      --gtest_filter='*ClientKilled*' --gtest_repeat=2
+    sleep 3
+    step ipc_parked_client_killed_mps1 "$B/bin/cuda_channel_test" --qtxd="$QTXD" \
+      --gtest_filter='*ClientKilled*'
   fi
   echo quit | nvidia-cuda-mps-control
-  tail -n 20 "$CUDA_MPS_LOG_DIRECTORY/server.log" >> "$LOG" 2>/dev/null
+  sleep 1
+  grep -iE "sticky|fault|teardown|exception|Xid" "$CUDA_MPS_LOG_DIRECTORY/server.log" 2>/dev/null \
+    | tail -n 40 >> "$LOG"
 else
   echo "MPS daemon did not start"; rc_all=1
 fi

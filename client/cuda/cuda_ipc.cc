@@ -207,8 +207,14 @@ absl::StatusOr<std::vector<VmmChunk>> FindVmmChunks(const void* ptr, uint64_t by
           ptr, bytes, at));
     }
     const PointerFacts f = QueryPointer(*ops, base);
-    chunks.push_back(VmmChunk{static_cast<uintptr_t>(base), size,
-                              f.block_id != 0 ? f.block_id : f.buffer_id});
+    unsigned long long id = f.block_id != 0 ? f.block_id : f.buffer_id;
+    if (id == 0 &&
+        ops->pointer_attribute(&id, CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID, base) != CUDA_SUCCESS &&
+        ops->pointer_attribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, base) != CUDA_SUCCESS) {
+      id = 0;
+      (void)cudaGetLastError();
+    }
+    chunks.push_back(VmmChunk{static_cast<uintptr_t>(base), size, id});
     at = base + size;
   } while (at < end);
   return chunks;
