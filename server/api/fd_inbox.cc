@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -147,7 +148,18 @@ void FdInbox::Serve() {
     fds.push_back({wake_read_, POLLIN, 0});
     fds.push_back({listen_fd_, POLLIN, 0});
     for (const auto& [fd, session] : connections_) fds.push_back({fd, POLLIN, 0});
-    const int n = ::poll(fds.data(), fds.size(), 1000);
+    int timeout_ms = 1000;
+    if (!closing_.empty()) {
+      const absl::Duration wait = closing_.front().first - absl::Now();
+      timeout_ms = static_cast<int>(
+          std::clamp<int64_t>(absl::ToInt64Milliseconds(wait) + 1, 0, 1000));
+    }
+    const int n = ::poll(fds.data(), fds.size(), timeout_ms);
+    while (!closing_.empty() && closing_.front().first <= absl::Now()) {
+      const uint64_t session = closing_.front().second;
+      closing_.erase(closing_.begin());
+      if (options_.on_session_closed) options_.on_session_closed(session);
+    }
     {
       absl::MutexLock lock(&mu_);
       ExpireLocked(absl::Now());
@@ -181,8 +193,9 @@ void FdInbox::Serve() {
           }
         }
       }
-      spdlog::info("event=fd_session_closed session={}", session);
-      if (options_.on_session_closed) options_.on_session_closed(session);
+      spdlog::info("event=fd_session_closed session={} regions_dropped_in_s={}", session,
+                   absl::ToDoubleSeconds(options_.session_grace));
+      closing_.emplace_back(absl::Now() + options_.session_grace, session);
     }
   }
 }

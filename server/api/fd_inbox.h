@@ -17,8 +17,11 @@
 //   INVALID_ARGUMENT reply and the connection is closed.
 // - Sessions: every connection has an id; a claim says which connection the
 //   descriptors came from. When a connection closes (the client exited or
-//   died), `on_session_closed(id)` runs on the inbox thread -- qtxd uses it
-//   to drop that client's regions.
+//   died), IsSessionOpen turns false at once and `on_session_closed(id)`
+//   runs on the inbox thread `session_grace` later -- qtxd uses it to drop
+//   that client's regions. The grace lets work the client queued before it
+//   died (channel operations that name its regions, released when its
+//   channel closes) find the regions and finish first.
 //
 // Thread safety: Claim, IsSessionOpen and pending_fds are safe for
 // concurrent use; one internal thread serves the socket until destruction.
@@ -71,6 +74,7 @@ struct FdInboxOptions {
   absl::Duration token_ttl = absl::Seconds(60);
   size_t max_pending_fds = 16384;
   size_t max_connections = 1024;
+  absl::Duration session_grace = absl::Seconds(5);
   // Peers whose uid is this (or 0) may pass descriptors. Default: geteuid().
   // Tests set another uid to see a peer refused.
   uid_t allowed_uid = static_cast<uid_t>(-1);
@@ -134,6 +138,7 @@ class FdInbox {
 
   // Used by the inbox thread only.
   std::map<int, uint64_t> connections_;  // fd -> session
+  std::vector<std::pair<absl::Time, uint64_t>> closing_;  // on_session_closed due, in order
   uint64_t next_session_ = 1;
 
   // State below is protected by mu_.

@@ -197,7 +197,9 @@ TEST_F(FdInboxTest, APeerOfAnotherUserIsRefused) {
   MemFile a("a");
   EXPECT_THAT(conn->Send(std::vector<int>{a.fd}),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("its own user")));
-  EXPECT_FALSE(conn->ok());
+  // Disconnected: nothing more gets through.
+  EXPECT_THAT(conn->Send(std::vector<int>{a.fd}),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("fd socket")));
   EXPECT_EQ(inbox->pending_fds(), 0u);
 }
 
@@ -249,7 +251,9 @@ TEST_F(FdInboxTest, MalformedMessagesAreRefusedAndEndTheConnection) {
 }
 
 TEST_F(FdInboxTest, AClosedConnectionEndsItsSession) {
-  auto inbox = Start({});
+  FdInboxOptions o;
+  o.session_grace = absl::ZeroDuration();
+  auto inbox = Start(o);
   auto conn = Connect();
   MemFile a("a");
   QTX_ASSERT_OK_AND_ASSIGN(std::string claimed_token, conn->Send(std::vector<int>{a.fd}));
@@ -272,6 +276,30 @@ TEST_F(FdInboxTest, AClosedConnectionEndsItsSession) {
   inbox.reset();
   struct stat st;
   EXPECT_NE(::stat(path_.c_str(), &st), 0);
+}
+
+TEST_F(FdInboxTest, TheSessionCallbackComesAfterTheGrace) {
+  FdInboxOptions o;
+  o.session_grace = absl::Milliseconds(400);
+  auto inbox = Start(o);
+  auto conn = Connect();
+  MemFile a("a");
+  QTX_ASSERT_OK_AND_ASSIGN(std::string token, conn->Send(std::vector<int>{a.fd}));
+  QTX_ASSERT_OK_AND_ASSIGN(ClaimedFds claimed, inbox->Claim({token}));
+  const absl::Time closed = absl::Now();
+  conn.reset();
+  // Closed at once for IsSessionOpen, the callback only after the grace.
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
+  while (inbox->IsSessionOpen(claimed.session) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_FALSE(inbox->IsSessionOpen(claimed.session));
+  {
+    absl::MutexLock lock(&sessions_.mu);
+    EXPECT_TRUE(sessions_.closed.empty()) << "the callback came before the grace";
+  }
+  ASSERT_TRUE(WaitClosed(claimed.session));
+  EXPECT_GE(absl::Now() - closed, absl::Milliseconds(390));
 }
 
 TEST(FdPassing, SocketPathFollowsTheUnixTarget) {
