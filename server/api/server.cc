@@ -124,7 +124,15 @@ absl::Status QtxServer::Start() {
       const size_t n = regions->UnregisterSession(session);
       if (n > 0) spdlog::info("event=fd_session_regions_dropped session={} regions={}", session, n);
     };
-    QTX_ASSIGN_OR_RETURN(fd_inbox_, FdInbox::Create(std::move(fd_options)));
+    // Without it qtxd still serves everything but cuda_vmm regions
+    // (FAILED_PRECONDITION naming the fd socket).
+    absl::StatusOr<std::unique_ptr<FdInbox>> inbox = FdInbox::Create(std::move(fd_options));
+    if (inbox.ok()) {
+      fd_inbox_ = *std::move(inbox);
+    } else {
+      spdlog::warn("event=fd_socket_unavailable msg=\"{}\" (cuda_vmm regions are refused)",
+                   std::string(inbox.status().message()));
+    }
   }
   memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get(), inline_slots_.get(),
                                             fd_inbox_.get());

@@ -70,8 +70,9 @@ grpc::ServerUnaryReactor* MemoryService::RegisterRegion(
         const v1::CudaVmmRegion& vmm = request->cuda_vmm();
         if (fd_inbox_ == nullptr) {
           return absl::FailedPreconditionError(
-              "cuda_vmm regions need qtxd's unix socket (descriptors are passed on its fd "
-              "socket, <socket>.fd): start qtxd with --socket");
+              "cuda_vmm regions need qtxd's fd socket (<socket>.fd, next to its unix socket), "
+              "which this qtxd does not have: start it with --socket, and see its log "
+              "(event=fd_socket_unavailable) for why the fd socket could not be made");
         }
         const std::vector<std::string> tokens(vmm.fd_tokens().begin(), vmm.fd_tokens().end());
         QTX_ASSIGN_OR_RETURN(ClaimedFds claimed, fd_inbox_->Claim(tokens));
