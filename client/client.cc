@@ -326,6 +326,25 @@ absl::Status Client::RegisterCudaIpcRegionOnGpu(std::string_view name,
   return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
 }
 
+absl::Status Client::RegisterCudaVmmRegion(std::string_view name,
+                                           const std::vector<std::string>& fd_tokens,
+                                           const std::vector<uint64_t>& chunk_sizes,
+                                           uint64_t offset, uint64_t byte_size,
+                                           std::string_view device_uuid, const CallOptions& call) {
+  v1::RegisterRegionRequest request;
+  request.set_name(std::string(name));
+  v1::CudaVmmRegion* vmm = request.mutable_cuda_vmm();
+  for (const std::string& t : fd_tokens) vmm->add_fd_tokens(t);
+  for (uint64_t size : chunk_sizes) vmm->add_chunks()->set_size(size);
+  vmm->set_offset(offset);
+  vmm->set_byte_size(byte_size);
+  vmm->set_device_uuid(std::string(device_uuid));
+  v1::RegisterRegionResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
+}
+
 absl::Status Client::RegisterShmRegion(const ShmRegion& region, const CallOptions& call) {
   return RegisterShmRegion(region.name(), region.shm_name(), 0, region.size(), call);
 }

@@ -180,6 +180,23 @@ class Client {
                                           std::string_view device_uuid, uint64_t byte_size,
                                           const CallOptions& call = {});
 
+  // Registers device memory made of physical chunks (cuMemCreate handles)
+  // whose POSIX file descriptors were sent over qtxd's fd socket
+  // (qtx/fd_passing.h): `fd_tokens` name those batches in order, one
+  // descriptor per chunk; `chunk_sizes` are the chunks' allocation sizes;
+  // the region is [offset, offset + byte_size) of the chunks mapped one
+  // after another. Fails with NOT_FOUND for an unknown, expired or already
+  // claimed token, INVALID_ARGUMENT for counts or sizes that do not match
+  // the descriptors, a descriptor that is not a CUDA memory handle or memory
+  // on another GPU than `device_uuid`; FAILED_PRECONDITION when qtxd does
+  // not compute on a CUDA device. (qtx_client_cuda's RegionCache and
+  // RegisterDevicePointer do all of this from a pointer.)
+  absl::Status RegisterCudaVmmRegion(std::string_view name,
+                                     const std::vector<std::string>& fd_tokens,
+                                     const std::vector<uint64_t>& chunk_sizes, uint64_t offset,
+                                     uint64_t byte_size, std::string_view device_uuid,
+                                     const CallOptions& call = {});
+
   // Removes the region `name` (requests already using it finish first).
   // Fails with NOT_FOUND for an unknown name.
   absl::Status UnregisterRegion(std::string_view name, const CallOptions& call = {});

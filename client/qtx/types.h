@@ -141,10 +141,10 @@ struct QuantizeOutputs {
 // A region as listed by the server.
 struct RegionInfo {
   std::string name;
-  std::string kind;  // "shm" or "cuda_ipc"
+  std::string kind;  // "shm", "cuda_ipc" or "cuda_vmm"
   uint64_t byte_size = 0;
   std::string shm_name;   // shm regions
-  int32_t device_id = 0;  // cuda_ipc regions
+  int32_t device_id = 0;  // cuda_ipc and cuda_vmm regions
   uint32_t in_use = 0;    // requests currently using the region
 };
 

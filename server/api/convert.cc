@@ -217,7 +217,9 @@ absl::StatusOr<ops::DequantizeRequestSpec> DequantizeRequestFromProto(
 
 void RegionInfoToProto(const tensor::RegionInfo& info, v1::RegionInfo* out) {
   out->set_name(info.name);
-  out->set_kind(info.kind == tensor::RegionKind::kShm ? "shm" : "cuda_ipc");
+  out->set_kind(info.kind == tensor::RegionKind::kShm       ? "shm"
+                : info.kind == tensor::RegionKind::kCudaIpc ? "cuda_ipc"
+                                                            : "cuda_vmm");
   out->set_byte_size(info.byte_size);
   out->set_shm_name(info.shm_name);
   out->set_device_id(info.device_id);

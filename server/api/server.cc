@@ -96,6 +96,7 @@ absl::Status QtxServer::Start() {
   tensor::RegionTableOptions region_options;
   region_options.allow_client_shm = config_.allow_client_shm;
   region_options.cuda_ipc_opener = device_->cuda_ipc_opener();
+  region_options.cuda_vmm_opener = device_->cuda_vmm_opener();
   region_options.cuda_uuid_resolver = device_->cuda_uuid_resolver();
   region_options.cuda_ipc_unavailable_reason = absl::StrFormat(
       "cuda_ipc regions need --device=cuda:N (this qtxd runs --device=%s)", device_->name());
@@ -114,7 +115,28 @@ absl::Status QtxServer::Start() {
   ctx.inline_limits.max_device_bytes = static_cast<uint64_t>(config_.inline_max_device_bytes);
   inline_slots_ = std::make_unique<InlineSlots>(config_.inline_max_concurrent);
   quantizer_ = std::make_unique<QuantizerService>(ctx, executor_.get(), inline_slots_.get());
-  memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get(), inline_slots_.get());
+  if (!config_.socket_path.empty()) {
+    // Descriptors for cuda_vmm regions (client/qtx/fd_passing.h). A client's
+    // connection is its session: when it closes, its regions go.
+    FdInboxOptions fd_options;
+    fd_options.socket_path = config_.socket_path + ".fd";
+    tensor::RegionTable* const regions = regions_.get();
+    fd_options.on_session_closed = [regions](uint64_t session) {
+      const size_t n = regions->UnregisterSession(session);
+      if (n > 0) spdlog::info("event=fd_session_regions_dropped session={} regions={}", session, n);
+    };
+    // Without it qtxd still serves everything but cuda_vmm regions
+    // (FAILED_PRECONDITION naming the fd socket).
+    absl::StatusOr<std::unique_ptr<FdInbox>> inbox = FdInbox::Create(std::move(fd_options));
+    if (inbox.ok()) {
+      fd_inbox_ = *std::move(inbox);
+    } else {
+      spdlog::warn("event=fd_socket_unavailable msg=\"{}\" (cuda_vmm regions are refused)",
+                   std::string(inbox.status().message()));
+    }
+  }
+  memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get(), inline_slots_.get(),
+                                            fd_inbox_.get());
   optimizer::OptimizerStore::Options optimizer_options;
   optimizer_options.memory_limit_bytes =
       static_cast<uint64_t>(config_.optimizer_memory_limit_mb) << 20;

@@ -4,7 +4,8 @@
 // both build one from a ServerConfig.
 //
 // Listeners: a unix domain socket created with mode 0600 (a stale socket file
-// left by a dead server is replaced; a live one is an error), optionally TCP
+// left by a dead server is replaced; a live one is an error) and next to it
+// the fd socket "<socket>.fd" (server/api/fd_inbox.h), optionally TCP
 // (TLS, or plaintext on loopback), and optionally a health-only TCP port;
 // with --auth_token_file every call but the health port's needs the bearer
 // token (server/api/security.h).
@@ -27,6 +28,7 @@
 #include "absl/time/time.h"
 #include "server/api/channel_service.h"
 #include "server/api/executor.h"
+#include "server/api/fd_inbox.h"
 #include "server/api/collective_service.h"
 #include "server/api/optimizer_service.h"
 #include "server/api/services.h"
@@ -93,6 +95,9 @@ class QtxServer {
   const config::ServerConfig config_;
   std::unique_ptr<backend::Device> device_;
   std::unique_ptr<tensor::RegionTable> regions_;
+  // The fd socket ("<socket_path>.fd"; null without a unix socket). Drops
+  // regions from regions_ when a session closes: declared after it.
+  std::unique_ptr<FdInbox> fd_inbox_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<InlineSlots> inline_slots_;
   std::unique_ptr<QuantizerService> quantizer_;

@@ -1,6 +1,10 @@
 #include "server/api/services.h"
 
+#include <string>
 #include <utility>
+#include <vector>
+
+#include "absl/strings/str_format.h"
 
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
@@ -62,10 +66,44 @@ grpc::ServerUnaryReactor* MemoryService::RegisterRegion(
                      request->name(), ipc.device_id(), ipc.byte_size());
         return absl::OkStatus();
       }
+      case v1::RegisterRegionRequest::kCudaVmm: {
+        const v1::CudaVmmRegion& vmm = request->cuda_vmm();
+        if (fd_inbox_ == nullptr) {
+          return absl::FailedPreconditionError(
+              "cuda_vmm regions need qtxd's fd socket (<socket>.fd, next to its unix socket), "
+              "which this qtxd does not have: start it with --socket, and see its log "
+              "(event=fd_socket_unavailable) for why the fd socket could not be made");
+        }
+        const std::vector<std::string> tokens(vmm.fd_tokens().begin(), vmm.fd_tokens().end());
+        QTX_ASSIGN_OR_RETURN(ClaimedFds claimed, fd_inbox_->Claim(tokens));
+        std::vector<int> fds;
+        fds.reserve(claimed.fds.size());
+        for (const OwnedFd& fd : claimed.fds) fds.push_back(fd.get());
+        std::vector<uint64_t> sizes;
+        sizes.reserve(vmm.chunks_size());
+        for (const v1::CudaVmmChunk& c : vmm.chunks()) sizes.push_back(c.size());
+        QTX_RETURN_IF_ERROR(regions_->RegisterCudaVmm(request->name(), fds, sizes, vmm.offset(),
+                                                      vmm.byte_size(), vmm.device_uuid(),
+                                                      claimed.session));
+        // The descriptors close when `claimed` goes; the imported memory stays.
+        if (!fd_inbox_->IsSessionOpen(claimed.session)) {
+          // The client went away while registering: its session's regions
+          // were dropped before this one existed.
+          (void)regions_->Unregister(request->name());
+          return absl::UnavailableError(absl::StrFormat(
+              "region '%s': the fd-socket connection that sent its descriptors closed while it "
+              "was registered; the region was dropped with that session",
+              request->name()));
+        }
+        spdlog::info(
+            "event=region_registered region={} kind=cuda_vmm chunks={} bytes={} session={}",
+            request->name(), sizes.size(), vmm.byte_size(), claimed.session);
+        return absl::OkStatus();
+      }
       case v1::RegisterRegionRequest::KIND_NOT_SET:
         break;
     }
-    return absl::InvalidArgumentError("kind: set shm or cuda_ipc");
+    return absl::InvalidArgumentError("kind: set shm, cuda_ipc or cuda_vmm");
   });
 }
 

@@ -15,6 +15,7 @@
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
 #include "server/api/executor.h"
+#include "server/api/fd_inbox.h"
 #include "server/ops/quantize.h"
 #include "server/tensor/region_table.h"
 
@@ -43,8 +44,11 @@ class QuantizerService final : public v1::Quantizer::CallbackService {
 
 class MemoryService final : public v1::Memory::CallbackService {
  public:
-  MemoryService(tensor::RegionTable* regions, Executor* executor, InlineSlots* inline_slots)
-      : regions_(regions), executor_(executor), inline_slots_(inline_slots) {}
+  // `fd_inbox` (may be null: no unix socket) supplies the descriptors of
+  // cuda_vmm registrations.
+  MemoryService(tensor::RegionTable* regions, Executor* executor, InlineSlots* inline_slots,
+                FdInbox* fd_inbox = nullptr)
+      : regions_(regions), executor_(executor), inline_slots_(inline_slots), fd_inbox_(fd_inbox) {}
 
   grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
                                            const v1::RegisterRegionRequest* request,
@@ -61,6 +65,7 @@ class MemoryService final : public v1::Memory::CallbackService {
   tensor::RegionTable* const regions_;
   Executor* const executor_;
   InlineSlots* const inline_slots_;
+  FdInbox* const fd_inbox_;
 };
 
 }  // namespace qtx::server::api

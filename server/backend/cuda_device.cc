@@ -9,8 +9,11 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <span>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -540,6 +543,216 @@ tensor::CudaIpcOpener CudaDevice::cuda_ipc_opener() {
   return [this](std::string_view handle, int32_t device_id, uint64_t byte_size) {
     return OpenIpcMemory(handle, device_id, byte_size);
   };
+}
+
+namespace {
+
+// The driver's virtual memory functions, found through the runtime like
+// cuMemGetAddressRange above.
+struct VmmOps {
+  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) =
+      nullptr;
+  CUresult (*properties)(CUmemAllocationProp*, CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
+                          CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*free_range)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                  unsigned long long) = nullptr;
+  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*error_name)(CUresult, const char**) = nullptr;
+};
+
+absl::StatusOr<VmmOps> GetVmmOps() {
+  static const auto* const ops = new absl::StatusOr<VmmOps>([]() -> absl::StatusOr<VmmOps> {
+    VmmOps o;
+    const std::pair<const char*, void**> wanted[] = {
+        {"cuMemImportFromShareableHandle", reinterpret_cast<void**>(&o.import_handle)},
+        {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void**>(&o.properties)},
+        {"cuMemGetAllocationGranularity", reinterpret_cast<void**>(&o.granularity)},
+        {"cuMemAddressReserve", reinterpret_cast<void**>(&o.reserve)},
+        {"cuMemAddressFree", reinterpret_cast<void**>(&o.free_range)},
+        {"cuMemMap", reinterpret_cast<void**>(&o.map)},
+        {"cuMemUnmap", reinterpret_cast<void**>(&o.unmap)},
+        {"cuMemSetAccess", reinterpret_cast<void**>(&o.set_access)},
+        {"cuMemRelease", reinterpret_cast<void**>(&o.release)},
+        {"cuGetErrorName", reinterpret_cast<void**>(&o.error_name)}};
+    for (const auto& [symbol, slot] : wanted) {
+      cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+      QTX_CUDA_RETURN_IF_ERROR(
+          cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query));
+      if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "the CUDA driver has no %s (cuda_vmm regions need a CUDA 12+ driver)", symbol));
+      }
+    }
+    return o;
+  }());
+  return *ops;
+}
+
+std::string CuName(const VmmOps& ops, CUresult r) {
+  const char* name = nullptr;
+  if (ops.error_name != nullptr && ops.error_name(r, &name) == CUDA_SUCCESS && name != nullptr) {
+    return name;
+  }
+  return absl::StrFormat("CUresult %d", static_cast<int>(r));
+}
+
+// What OpenVmmMemory holds: the imported handles, the range and what is
+// mapped of it. Released in reverse order.
+struct VmmMapping {
+  VmmOps ops;
+  int ordinal = 0;
+  std::vector<CUmemGenericAllocationHandle> handles;
+  CUdeviceptr base = 0;
+  uint64_t reserved = 0;
+  std::vector<std::pair<CUdeviceptr, uint64_t>> mapped;
+
+  void Release() {
+    if (cudaSetDevice(ordinal) != cudaSuccess) (void)cudaGetLastError();
+    for (const auto& [ptr, size] : mapped) {
+      if (const CUresult r = ops.unmap(ptr, size); r != CUDA_SUCCESS) {
+        spdlog::warn("event=cuda_vmm_unmap_failed error={}", CuName(ops, r));
+      }
+    }
+    mapped.clear();
+    if (base != 0) {
+      if (const CUresult r = ops.free_range(base, reserved); r != CUDA_SUCCESS) {
+        spdlog::warn("event=cuda_vmm_address_free_failed error={}", CuName(ops, r));
+      }
+      base = 0;
+    }
+    for (CUmemGenericAllocationHandle h : handles) {
+      if (const CUresult r = ops.release(h); r != CUDA_SUCCESS) {
+        spdlog::warn("event=cuda_vmm_release_failed error={}", CuName(ops, r));
+      }
+    }
+    handles.clear();
+  }
+};
+
+}  // namespace
+
+tensor::CudaVmmOpener CudaDevice::cuda_vmm_opener() {
+  return [this](std::span<const int> fds, std::span<const uint64_t> chunk_sizes, int32_t device_id,
+                uint64_t offset, uint64_t byte_size) {
+    return OpenVmmMemory(fds, chunk_sizes, device_id, offset, byte_size);
+  };
+}
+
+absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenVmmMemory(
+    std::span<const int> fds, std::span<const uint64_t> chunk_sizes, int32_t device_id,
+    uint64_t offset, uint64_t byte_size) {
+  if (fds.size() != chunk_sizes.size() || fds.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_vmm: %d descriptors for %d chunks", fds.size(), chunk_sizes.size()));
+  }
+  QTX_ASSIGN_OR_RETURN(const VmmOps ops, GetVmmOps());
+  QTX_RETURN_IF_ERROR(Activate());
+  const int count = VisibleCudaDevices();
+  if (device_id < 0 || device_id >= count) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_vmm: device %d is not visible to qtxd (%d devices)", device_id, count));
+  }
+  if (device_id != ordinal_) {
+    int can_access = 0;
+    QTX_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can_access, ordinal_, device_id));
+    if (!can_access) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "cuda_vmm: the memory is on cuda:%d (as qtxd numbers devices), which qtxd's cuda:%d "
+          "cannot reach (no peer access); register it with the sidecar of that GPU",
+          device_id, ordinal_));
+    }
+  }
+  auto mapping = std::make_shared<VmmMapping>();
+  mapping->ops = ops;
+  mapping->ordinal = ordinal_;
+  auto fail = [&](absl::Status s) {
+    mapping->Release();
+    return s;
+  };
+  uint64_t total = 0;
+  size_t granularity = 0;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    CUmemGenericAllocationHandle h = 0;
+    const CUresult r = ops.import_handle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[i])),
+                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != CUDA_SUCCESS) {
+      return fail(absl::InvalidArgumentError(absl::StrFormat(
+          "cuda_vmm.chunks[%d]: its descriptor is not a CUDA memory handle qtxd can import "
+          "(cuMemImportFromShareableHandle: %s); send what cuMemExportToShareableHandle("
+          "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) returned",
+          i, CuName(ops, r))));
+    }
+    mapping->handles.push_back(h);
+    CUmemAllocationProp prop = {};
+    if (const CUresult pr = ops.properties(&prop, h); pr != CUDA_SUCCESS) {
+      return fail(absl::InternalError(absl::StrFormat(
+          "cuda_vmm.chunks[%d]: cuMemGetAllocationPropertiesFromHandle: %s", i, CuName(ops, pr))));
+    }
+    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device_id) {
+      return fail(absl::InvalidArgumentError(absl::StrFormat(
+          "cuda_vmm.chunks[%d]: the memory is not on the GPU named by device_uuid (cuda:%d as "
+          "qtxd numbers devices): its location is type %d id %d",
+          i, device_id, static_cast<int>(prop.location.type), prop.location.id)));
+    }
+    if (i == 0) {
+      if (const CUresult gr = ops.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+          gr != CUDA_SUCCESS || granularity == 0) {
+        return fail(absl::InternalError(absl::StrFormat(
+            "cuda_vmm: cuMemGetAllocationGranularity: %s", CuName(ops, gr))));
+      }
+    }
+    if (chunk_sizes[i] % granularity != 0) {
+      return fail(absl::InvalidArgumentError(absl::StrFormat(
+          "cuda_vmm.chunks[%d].size=%d: not a multiple of the allocation granularity %d (a "
+          "chunk is a whole cuMemCreate allocation)",
+          i, chunk_sizes[i], granularity)));
+    }
+    total += chunk_sizes[i];  // no overflow: RegionTable checked the sum
+  }
+  mapping->reserved = total;
+  if (const CUresult r = ops.reserve(&mapping->base, total, granularity, 0, 0); r != CUDA_SUCCESS) {
+    mapping->base = 0;
+    return fail(absl::ResourceExhaustedError(absl::StrFormat(
+        "cuda_vmm: cannot reserve %d bytes of address space: %s", total, CuName(ops, r))));
+  }
+  uint64_t at = 0;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    const CUdeviceptr ptr = mapping->base + at;
+    if (const CUresult r = ops.map(ptr, chunk_sizes[i], 0, mapping->handles[i], 0);
+        r != CUDA_SUCCESS) {
+      return fail(absl::InvalidArgumentError(absl::StrFormat(
+          "cuda_vmm.chunks[%d].size=%d: cannot map it (cuMemMap: %s): the size must be the "
+          "chunk's whole allocation, not more",
+          i, chunk_sizes[i], CuName(ops, r))));
+    }
+    mapping->mapped.emplace_back(ptr, chunk_sizes[i]);
+    at += chunk_sizes[i];
+  }
+  CUmemAccessDesc access = {};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = ordinal_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (const CUresult r = ops.set_access(mapping->base, total, &access, 1); r != CUDA_SUCCESS) {
+    return fail(absl::InternalError(
+        absl::StrFormat("cuda_vmm: cuMemSetAccess for cuda:%d: %s", ordinal_, CuName(ops, r))));
+  }
+  tensor::MappedMemory memory;
+  memory.data = reinterpret_cast<std::byte*>(mapping->base + offset);
+  // As for CUDA IPC memory: work that returned early may still use it.
+  memory.release = [this, mapping] {
+    const absl::Status s = SynchronizeAll();
+    if (!s.ok()) spdlog::warn("event=cuda_vmm_release_sync_failed msg=\"{}\"", std::string(s.message()));
+    mapping->Release();
+  };
+  spdlog::info("event=cuda_vmm_mapped device=cuda:{} chunks={} bytes={} granularity={}", ordinal_,
+               fds.size(), total, granularity);
+  (void)byte_size;  // bounds checked by the region table; the pins check slices
+  return memory;
 }
 
 absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view ipc_handle,

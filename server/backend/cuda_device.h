@@ -14,7 +14,9 @@
 // CUDA IPC: cuda_ipc_opener() opens a client's cudaIpcMemHandle_t once, at
 // registration, after checking the handle against the real allocation; the
 // mapping is closed (after the device's streams drain) when the region's last
-// pin drops. Interprocess events (CudaEvents in the op arguments) are opened
+// pin drops. cuda_vmm_opener() imports cuMemCreate chunks passed as POSIX
+// file descriptors and maps them contiguously; qtxd then holds the physical
+// memory itself (see OpenVmmMemory). Interprocess events (CudaEvents in the op arguments) are opened
 // on first use and cached by handle.
 //
 // Thread safety: safe for concurrent use by any number of threads.
@@ -27,6 +29,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -111,6 +114,7 @@ class CudaDevice final : public Device {
                               const kernels::QuantizedBuffers& out) override;
 
   tensor::CudaIpcOpener cuda_ipc_opener() override;
+  tensor::CudaVmmOpener cuda_vmm_opener() override;
   // Finds the visible GPU whose cudaDeviceProp::uuid is the 16 bytes given.
   tensor::CudaUuidResolver cuda_uuid_resolver() override;
 
@@ -141,6 +145,23 @@ class CudaDevice final : public Device {
   // the device's streams drain.
   absl::StatusOr<tensor::MappedMemory> OpenIpcMemory(std::string_view ipc_handle,
                                                      int32_t device_id, uint64_t byte_size);
+
+  // Imports cuMemCreate chunks from POSIX fd handles (borrowed), checks that
+  // each lives on `device_id`, reserves one address range, maps chunk i at
+  // the sum of the sizes before it and makes it readable and writable from
+  // this device. Returns [offset, offset + byte_size) of the range. The
+  // imported handles keep the physical memory alive whatever the exporting
+  // process does (frees it, dies); the returned release waits for the
+  // device's streams, then unmaps and releases everything.
+  // INVALID_ARGUMENT for a descriptor that is not a CUDA memory handle
+  // (naming the chunk), a chunk size that is not a multiple of the
+  // granularity or larger than its allocation, memory on another GPU;
+  // FAILED_PRECONDITION when device_id is not reachable from this device;
+  // RESOURCE_EXHAUSTED when no address range can be reserved.
+  absl::StatusOr<tensor::MappedMemory> OpenVmmMemory(std::span<const int> fds,
+                                                     std::span<const uint64_t> chunk_sizes,
+                                                     int32_t device_id, uint64_t offset,
+                                                     uint64_t byte_size);
 
   // The calling thread's stream (see Streams above) with this device made
   // current on the thread: a device communicator (NCCL) orders its work on

@@ -263,6 +263,9 @@ class Device {
   // Opens device memory another process exported (CUDA IPC) for the region
   // table; null when this device cannot use such memory (the default).
   virtual tensor::CudaIpcOpener cuda_ipc_opener() { return nullptr; }
+  // Imports cuMemCreate chunks from POSIX fd handles (cuda_vmm regions);
+  // null when this device cannot use such memory (the default).
+  virtual tensor::CudaVmmOpener cuda_vmm_opener() { return nullptr; }
   // Maps a GPU UUID to this process's ordinal for the region table; null
   // when this device cannot use CUDA IPC memory (the default).
   virtual tensor::CudaUuidResolver cuda_uuid_resolver() { return nullptr; }

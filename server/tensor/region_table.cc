@@ -91,13 +91,14 @@ absl::Status ValidateShmName(std::string_view shm_name, std::string_view field) 
 }
 
 Region::Region(std::string name, RegionKind kind, std::string shm_name, int32_t device_id,
-               uint64_t byte_size, MappedMemory memory)
+               uint64_t byte_size, MappedMemory memory, uint64_t session)
     : name_(std::move(name)),
       kind_(kind),
       shm_name_(std::move(shm_name)),
       device_id_(device_id),
       byte_size_(byte_size),
-      memory_(std::move(memory)) {}
+      memory_(std::move(memory)),
+      session_(session) {}
 
 Region::~Region() {
   if (memory_.release) memory_.release();
@@ -299,6 +300,71 @@ absl::Status RegionTable::RegisterCudaIpc(std::string_view name, std::string_vie
   auto region = std::make_shared<Region>(std::string(name), RegionKind::kCudaIpc, "", device_id,
                                          byte_size, std::move(memory));
   return Insert(std::move(region));
+}
+
+absl::Status RegionTable::RegisterCudaVmm(std::string_view name, std::span<const int> fds,
+                                          std::span<const uint64_t> chunk_sizes, uint64_t offset,
+                                          uint64_t byte_size, std::string_view device_uuid,
+                                          uint64_t session) {
+  QTX_RETURN_IF_ERROR(ValidateRegionName(name, "name"));
+  if (chunk_sizes.empty()) {
+    return absl::InvalidArgumentError("cuda_vmm.chunks: empty (one entry per physical chunk)");
+  }
+  if (chunk_sizes.size() != fds.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_vmm.chunks: %d chunks but the fd tokens carry %d descriptors (one per chunk)",
+        chunk_sizes.size(), fds.size()));
+  }
+  uint64_t total = 0;
+  for (size_t i = 0; i < chunk_sizes.size(); ++i) {
+    if (chunk_sizes[i] == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("cuda_vmm.chunks[%d].size=0: must be > 0", i));
+    }
+    if (chunk_sizes[i] > UINT64_MAX - total) {
+      return absl::InvalidArgumentError("cuda_vmm.chunks: the sizes overflow 64 bits");
+    }
+    total += chunk_sizes[i];
+  }
+  if (byte_size == 0) {
+    return absl::InvalidArgumentError("cuda_vmm.byte_size=0: must be > 0");
+  }
+  if (offset > total || byte_size > total - offset) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_vmm.offset %d + byte_size %d exceeds the %d bytes of the %d chunks", offset,
+        byte_size, total, chunk_sizes.size()));
+  }
+  if (device_uuid.size() != 16) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_vmm.device_uuid: %d bytes, must be 16 (cudaDeviceProp::uuid)", device_uuid.size()));
+  }
+  if (!options_.cuda_vmm_opener || !options_.cuda_uuid_resolver) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("region %s: %s", Quoted(name), options_.cuda_ipc_unavailable_reason));
+  }
+  QTX_ASSIGN_OR_RETURN(const int32_t device_id, options_.cuda_uuid_resolver(device_uuid));
+  QTX_RETURN_IF_ERROR(CheckNameFree(name));
+  QTX_ASSIGN_OR_RETURN(MappedMemory memory, options_.cuda_vmm_opener(fds, chunk_sizes, device_id,
+                                                                     offset, byte_size));
+  auto region = std::make_shared<Region>(std::string(name), RegionKind::kCudaVmm, "", device_id,
+                                         byte_size, std::move(memory), session);
+  return Insert(std::move(region));
+}
+
+size_t RegionTable::UnregisterSession(uint64_t session) {
+  std::vector<std::shared_ptr<Region>> removed;  // released outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      if (session != 0 && it->second->session() == session) {
+        removed.push_back(std::move(it->second));
+        it = regions_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return removed.size();
 }
 
 absl::Status RegionTable::Unregister(std::string_view name) {

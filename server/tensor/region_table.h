@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -30,7 +31,7 @@
 
 namespace qtx::server::tensor {
 
-enum class RegionKind { kShm, kCudaIpc };
+enum class RegionKind { kShm, kCudaIpc, kCudaVmm };
 
 // Where a region's bytes live: host memory the CPU can touch, or device memory.
 enum class MemoryKind { kHost, kDevice };
@@ -53,6 +54,14 @@ struct MappedMemory {
 using CudaIpcOpener = std::function<absl::StatusOr<MappedMemory>(
     std::string_view ipc_handle, int32_t device_id, uint64_t byte_size)>;
 
+// Imports cuMemCreate chunks from POSIX fd handles (`fds[i]`, `chunk_sizes[i]`
+// bytes each, borrowed: the caller closes them), maps them one after another
+// in one reserved range and returns [offset, offset + byte_size) of it on
+// `device_id`. Supplied by a CUDA device.
+using CudaVmmOpener = std::function<absl::StatusOr<MappedMemory>(
+    std::span<const int> fds, std::span<const uint64_t> chunk_sizes, int32_t device_id,
+    uint64_t offset, uint64_t byte_size)>;
+
 // The ordinal (in this process) of the GPU with a 16-byte UUID; NOT_FOUND
 // when no visible GPU has it. Supplied by a CUDA device.
 using CudaUuidResolver = std::function<absl::StatusOr<int32_t>(std::string_view uuid)>;
@@ -62,7 +71,7 @@ using CudaUuidResolver = std::function<absl::StatusOr<int32_t>(std::string_view 
 class Region {
  public:
   Region(std::string name, RegionKind kind, std::string shm_name, int32_t device_id,
-         uint64_t byte_size, MappedMemory memory);
+         uint64_t byte_size, MappedMemory memory, uint64_t session = 0);
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -73,7 +82,9 @@ class Region {
     return kind_ == RegionKind::kShm ? MemoryKind::kHost : MemoryKind::kDevice;
   }
   const std::string& shm_name() const { return shm_name_; }  // shm regions only
-  int32_t device_id() const { return device_id_; }           // CUDA IPC regions only
+  int32_t device_id() const { return device_id_; }           // CUDA regions only
+  // The fd-socket session whose descriptors made the region (cuda_vmm), or 0.
+  uint64_t session() const { return session_; }
   uint64_t byte_size() const { return byte_size_; }
   // First byte of the registered range [0, byte_size()).
   std::byte* data() const { return memory_.data; }
@@ -95,6 +106,7 @@ class Region {
   const int32_t device_id_;
   const uint64_t byte_size_;
   const MappedMemory memory_;
+  const uint64_t session_;
 
   std::atomic<uint32_t> pins_{0};
 };
@@ -119,6 +131,9 @@ struct RegionTableOptions {
   // Null in a CPU-only server: CUDA IPC registration fails with
   // FAILED_PRECONDITION after its arguments are validated.
   CudaIpcOpener cuda_ipc_opener;
+  // Null in a CPU-only server: cuda_vmm registration fails with
+  // FAILED_PRECONDITION (cuda_ipc_unavailable_reason) after validation.
+  CudaVmmOpener cuda_vmm_opener;
   CudaUuidResolver cuda_uuid_resolver;
   // Human-readable reason shown when cuda_ipc_opener is null.
   std::string cuda_ipc_unavailable_reason = "cuda_ipc regions need qtxd --device=cuda:N";
@@ -157,9 +172,29 @@ class RegionTable {
                                int32_t device_id, uint64_t byte_size,
                                std::string_view device_uuid = {});
 
+  // Registers device memory made of cuMemCreate chunks whose POSIX fd
+  // handles are `fds` (one per chunk, borrowed: the caller closes them once
+  // this returns; the imported memory does not need them). `session` (the
+  // fd-socket connection they came on) is recorded for UnregisterSession.
+  // INVALID_ARGUMENT for a bad name, no chunks, a chunk count other than the
+  // descriptor count, a zero chunk size, byte_size == 0, offset + byte_size
+  // beyond the chunks, a device_uuid that is not 16 bytes;
+  // FAILED_PRECONDITION when this server has no VMM opener; NOT_FOUND for a
+  // GPU this server does not see; otherwise as RegisterShm and as the opener
+  // returns.
+  absl::Status RegisterCudaVmm(std::string_view name, std::span<const int> fds,
+                               std::span<const uint64_t> chunk_sizes, uint64_t offset,
+                               uint64_t byte_size, std::string_view device_uuid,
+                               uint64_t session);
+
   // Removes `name` at once; requests that hold a pin keep the mapping until
   // they drop it. NOT_FOUND if `name` is not registered.
   absl::Status Unregister(std::string_view name);
+
+  // Removes every region registered with descriptors of fd-socket session
+  // `session` (its client disconnected or died), as Unregister does. Returns
+  // how many were removed.
+  size_t UnregisterSession(uint64_t session);
 
   // Pins region `name`: the returned pointer keeps it mapped and counts in
   // in_use() until every copy is dropped. NOT_FOUND if not registered;

@@ -1,6 +1,9 @@
 // End-to-end: starts qtxd (--qtxd=<path>) on a temporary unix socket and
 // drives it through qtx::Client, inline and through shm regions, comparing
 // every byte with the CPU reference kernels::cpu::QuantizeBlock.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
 #include <iostream>
@@ -19,6 +22,7 @@
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/fp8.h"
 #include "qtx/client.h"
+#include "qtx/fd_passing.h"
 #include "qtx/shm_region.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
@@ -336,6 +340,36 @@ TEST_F(ClientE2eTest, RegionErrors) {
   EXPECT_THAT(client_->Quantize(unknown, {}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no-such-region")));
   QTX_ASSERT_OK(client_->UnregisterRegion("e2e-err"));
+}
+
+// cuda_vmm registration through qtxd's fd socket: on a CPU qtxd the
+// descriptors arrive and are claimed, and the request then fails saying a
+// CUDA device is needed; a claimed or unknown token is NOT_FOUND.
+TEST_F(ClientE2eTest, VmmRegionDescriptorsTravelOverTheFdSocket) {
+  QTX_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FdPassingConnection> conn,
+                           SharedFdPassingConnection(server_->target()));
+  const int fd = ::memfd_create("e2e-vmm", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  QTX_ASSERT_OK_AND_ASSIGN(std::string token, conn->Send(std::vector<int>{fd, fd}));
+  ::close(fd);  // qtxd holds its own copies
+  const std::string uuid(16, '\x01');
+  EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {token}, {2 << 20}, 0, 2 << 20, uuid),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("1 chunks but the fd tokens carry 2 descriptors")));
+  // The token was claimed by that request.
+  EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {token}, {2 << 20, 2 << 20}, 0, 4 << 20,
+                                             uuid),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no descriptors wait")));
+  QTX_ASSERT_OK_AND_ASSIGN(std::string t2, conn->Send(std::vector<int>{0}));
+  EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {t2}, {2 << 20}, 0, 2 << 20, uuid),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--device=cuda")));
+  EXPECT_THAT(
+      client_->RegisterCudaVmmRegion("e2e-vmm", {std::string(16, 'n')}, {2 << 20}, 0, 2 << 20, uuid),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("fd_tokens[0]")));
+  EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {}, {2 << 20}, 0, 2 << 20, uuid),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fd_tokens: empty")));
+  QTX_ASSERT_OK_AND_ASSIGN(std::vector<RegionInfo> regions, client_->ListRegions());
+  for (const RegionInfo& r : regions) EXPECT_NE(r.name, "e2e-vmm");
 }
 
 TEST_F(ClientE2eTest, BadInputsAreInvalidArgument) {

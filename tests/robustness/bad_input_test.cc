@@ -652,7 +652,7 @@ std::vector<Case> Cases() {
       {"RegisterBadCharacter", kInvalid, "is not one of [A-Za-z0-9_.:/-]",
        Reg([](auto* r) { r->set_name("bad name"); })},
       {"RegisterNameTooLong", kInvalid, "name", Reg([](auto* r) { r->set_name(std::string(200, 'n')); })},
-      {"RegisterKindUnset", kInvalid, "kind: set shm or cuda_ipc",
+      {"RegisterKindUnset", kInvalid, "kind: set shm, cuda_ipc or cuda_vmm",
        Reg([](auto* r) { r->clear_kind(); })},
       {"RegisterShmZeroBytes", kInvalid, "shm.byte_size=0: must be > 0",
        Reg([](auto* r) { r->mutable_shm()->set_byte_size(0); })},

@@ -13,6 +13,20 @@
 //   client->Quantize(qtx::Tensor::InRegion(...), config, outputs, call);
 //   cudaStreamWaitEvent(stream, done->get());     // outputs ready on `stream`
 //
+// Which memory works (RegisterDevicePointer and RegionCache pick the path):
+// - cudaMalloc memory (PyTorch's default allocator): CUDA IPC.
+// - VMM memory -- physical chunks from cuMemCreate mapped with cuMemMap
+//   (PyTorch's expandable_segments:True, custom allocators): each chunk is
+//   exported as a POSIX file descriptor (cuMemExportToShareableHandle) and
+//   passed to qtxd over its fd socket (qtx/fd_passing.h); qtxd imports the
+//   chunks and maps them contiguously. The chunks must have been created
+//   with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes
+//   and be mapped whole. qtxd then holds the physical memory itself: it
+//   outlives a client that frees it or dies while qtxd's work still uses it.
+//   Needs a unix-socket target.
+// - cudaMallocAsync pools (PyTorch backend:cudaMallocAsync), managed
+//   memory, host memory: INVALID_ARGUMENT naming the setting to change.
+//
 // Separate from the core client library, which never needs CUDA. Functions
 // are thread-safe; an IpcEvent is one owner's, like a cudaEvent_t.
 #ifndef QTX_CLIENT_CUDA_QTX_CUDA_IPC_H_
@@ -24,6 +38,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -37,12 +52,40 @@ namespace qtx::cuda {
 absl::StatusOr<std::string> ExportMemHandle(const void* device_ptr);
 
 // Exports `device_ptr` and registers [device_ptr, device_ptr + byte_size)
-// with the sidecar under `name`, with the device it lives on.
-// REQUIRES: device_ptr is the start of a cudaMalloc allocation (register
-// the whole allocation and address parts of it with RegionSlice offsets).
-// Errors as ExportMemHandle and Client::RegisterCudaIpcRegion.
+// with the sidecar under `name`, with the device it lives on (by UUID).
+// cudaMalloc memory goes by CUDA IPC; VMM memory by file descriptors of the
+// chunks covering the range (see the top of this file).
+// REQUIRES: for cudaMalloc memory, device_ptr is the start of the allocation
+// (register the whole allocation and address parts of it with RegionSlice
+// offsets); VMM memory may start anywhere in a mapped chunk.
+// Errors as ExportMemHandle, ExportVmmRange and Client::RegisterCudaIpcRegion
+// / RegisterCudaVmmRegion.
 absl::Status RegisterDevicePointer(Client& client, std::string_view name, const void* device_ptr,
                                    uint64_t byte_size, const CallOptions& call = {});
+
+// One physical chunk of VMM memory as the exporting process maps it.
+struct VmmChunk {
+  uintptr_t base = 0;               // its mapped address range [base, base + size)
+  uint64_t size = 0;
+  unsigned long long block_id = 0;  // the driver's id of the physical allocation
+};
+
+// The chunks of VMM memory that cover [ptr, ptr + bytes), in address order
+// (cuMemGetAddressRange gives the mapped range of one chunk; the walk goes
+// on at its end). Empty when `ptr` is not VMM memory (cudaMalloc memory, a
+// pool, ...). INVALID_ARGUMENT when the range runs into an unmapped gap.
+absl::StatusOr<std::vector<VmmChunk>> FindVmmChunks(const void* ptr, uint64_t bytes);
+
+// Registers [first chunk base + offset, + byte_size) of `chunks` (from
+// FindVmmChunks, contiguous) under `name`: checks each chunk (created with
+// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, mapped whole, all on one GPU),
+// exports the descriptors, passes them over the fd socket of client's qtxd
+// and registers the region. INVALID_ARGUMENT naming what to change for a
+// chunk without the POSIX fd handle type or mapped in part;
+// FAILED_PRECONDITION for a TCP target; the server's status otherwise.
+absl::Status RegisterVmmChunks(Client& client, std::string_view name,
+                               const std::vector<VmmChunk>& chunks, uint64_t offset,
+                               uint64_t byte_size, const CallOptions& call = {});
 
 // Device memory as the caching allocators of training frameworks hand it
 // out: any pointer inside a cudaMalloc allocation (a PyTorch segment, say).
@@ -53,9 +96,14 @@ absl::Status RegisterDevicePointer(Client& client, std::string_view name, const 
 // (the driver's buffer id changes) and registered afresh, so a stale
 // registration is never used.
 //
-// Memory that CUDA IPC cannot export (cudaMallocAsync pools, VMM /
-// cuMemCreate, PyTorch with expandable_segments:True) fails with
-// INVALID_ARGUMENT naming the allocator setting to change.
+// VMM memory (PyTorch's expandable_segments:True, cuMemCreate chunks with a
+// POSIX fd handle type) is registered by descriptors: a region is the chunks
+// covering the bytes asked for (a tensor may span several), cached under
+// its first chunk and reused for any range it covers; a chunk unmapped and
+// replaced is noticed (the driver's block id changes) and registered afresh.
+// Memory that cannot be shared (cudaMallocAsync pools, chunks without the
+// POSIX fd handle type, managed memory) fails with INVALID_ARGUMENT naming
+// the allocator setting to change.
 //
 // One owner thread; unregisters everything it registered when destroyed.
 class RegionCache {
@@ -72,8 +120,10 @@ class RegionCache {
   // exported; the server's status when registration fails.
   absl::StatusOr<RegionSlice> Slice(const void* ptr, uint64_t bytes);
 
-  // Registrations made so far (for tests and metrics).
+  // Registrations made so far (for tests and metrics), and of them those of
+  // VMM memory.
   uint64_t registrations() const { return registrations_; }
+  uint64_t vmm_registrations() const { return vmm_registrations_; }
 
  private:
   struct Entry {
@@ -83,8 +133,16 @@ class RegionCache {
   };
   Client& client_;
   const std::string prefix_;
+  struct VmmEntry {
+    std::vector<VmmChunk> chunks;  // contiguous, from the map key on
+    std::string region;
+  };
+  absl::StatusOr<RegionSlice> VmmSlice(const void* ptr, uint64_t bytes,
+                                       std::vector<VmmChunk> chunks);
   std::map<uintptr_t, Entry> by_base_;
+  std::map<uintptr_t, std::vector<VmmEntry>> vmm_by_base_;
   uint64_t registrations_ = 0;
+  uint64_t vmm_registrations_ = 0;
   uint64_t next_name_ = 0;
 };
 

@@ -410,7 +410,7 @@ TEST_F(ServerTest, RegisterRegionErrors) {
     grpc::ClientContext ctx;
     grpc::Status s = memory_->RegisterRegion(&ctx, req, &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_THAT(s.error_message(), HasSubstr("kind: set shm or cuda_ipc"));
+    EXPECT_THAT(s.error_message(), HasSubstr("kind: set shm, cuda_ipc or cuda_vmm"));
   }
   v1::UnregisterRegionRequest ureq;
   ureq.set_name("never");

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <span>
+#include <vector>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -266,6 +268,104 @@ TEST(RegionTable, ListIsSortedAndTooManyRegionsIsResourceExhausted) {
   EXPECT_EQ(list[0].byte_size, 32u);
   EXPECT_EQ(list[0].shm_name, shm.name());
   EXPECT_EQ(list[1].name, "b");
+}
+
+// A fake VMM opener: records what it was asked to map.
+struct FakeVmm {
+  int opened = 0;
+  int released = 0;
+  std::vector<int> fds;
+  std::vector<uint64_t> sizes;
+  int32_t device = -1;
+  uint64_t offset = 0;
+  std::byte buffer[256] = {};
+};
+
+RegionTableOptions WithFakeVmm(FakeVmm* vmm) {
+  RegionTableOptions o;
+  o.cuda_vmm_opener = [vmm](std::span<const int> fds, std::span<const uint64_t> sizes,
+                            int32_t device, uint64_t offset,
+                            uint64_t) -> absl::StatusOr<MappedMemory> {
+    ++vmm->opened;
+    vmm->fds.assign(fds.begin(), fds.end());
+    vmm->sizes.assign(sizes.begin(), sizes.end());
+    vmm->device = device;
+    vmm->offset = offset;
+    return MappedMemory{vmm->buffer + offset, [vmm] { ++vmm->released; }};
+  };
+  o.cuda_uuid_resolver = [](std::string_view u) -> absl::StatusOr<int32_t> {
+    if (u == std::string(16, 'g')) return 2;
+    return absl::NotFoundError("no GPU with this UUID");
+  };
+  return o;
+}
+
+TEST(RegionTable, CudaVmmMapsTheChunksAndItsSessionDropsIt) {
+  FakeVmm vmm;
+  RegionTable table(WithFakeVmm(&vmm));
+  const int fds[] = {11, 12, 13};
+  const uint64_t sizes[] = {64, 64, 128};
+  const std::string uuid(16, 'g');
+  QTX_ASSERT_OK(table.RegisterCudaVmm("v1", fds, sizes, 16, 200, uuid, /*session=*/7));
+  EXPECT_EQ(vmm.opened, 1);
+  EXPECT_EQ(vmm.fds, std::vector<int>({11, 12, 13}));
+  EXPECT_EQ(vmm.sizes, std::vector<uint64_t>({64, 64, 128}));
+  EXPECT_EQ(vmm.device, 2);
+  EXPECT_EQ(vmm.offset, 16u);
+  QTX_ASSERT_OK(table.RegisterCudaVmm("v2", std::span<const int>(fds, 1),
+                                      std::span<const uint64_t>(sizes, 1), 0, 64, uuid, 8));
+  ASSERT_EQ(table.List().size(), 2u);
+  EXPECT_EQ(table.List()[0].kind, RegionKind::kCudaVmm);
+  EXPECT_EQ(table.List()[0].device_id, 2);
+  QTX_ASSERT_OK_AND_ASSIGN(auto pin, table.Acquire("v1"));
+  EXPECT_EQ(pin->memory_kind(), MemoryKind::kDevice);
+  EXPECT_EQ(pin->data(), vmm.buffer + 16);
+  // Session 7 ends: its region goes at once, its memory with the last pin.
+  EXPECT_EQ(table.UnregisterSession(7), 1u);
+  EXPECT_EQ(table.UnregisterSession(7), 0u);
+  EXPECT_EQ(table.UnregisterSession(0), 0u);  // 0 is "no session": never matches
+  EXPECT_EQ(table.size(), 1u);
+  EXPECT_EQ(vmm.released, 0);
+  pin.reset();
+  EXPECT_EQ(vmm.released, 1);
+  QTX_ASSERT_OK(table.Unregister("v2"));
+  EXPECT_EQ(vmm.released, 2);
+}
+
+TEST(RegionTable, CudaVmmRejectsBadChunksWithoutOpening) {
+  FakeVmm vmm;
+  RegionTable table(WithFakeVmm(&vmm));
+  const int fds[] = {3, 4};
+  const uint64_t sizes[] = {64, 64};
+  const uint64_t zero[] = {64, 0};
+  const uint64_t huge[] = {UINT64_MAX, 2};
+  const std::string uuid(16, 'g');
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, std::span<const uint64_t>(sizes, 1), 0, 64, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("1 chunks but the fd tokens carry 2 descriptors")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", {}, {}, 0, 64, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cuda_vmm.chunks: empty")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, zero, 0, 64, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("chunks[1].size=0")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, huge, 0, 64, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overflow")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, sizes, 64, 65, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("offset 64 + byte_size 65 exceeds the 128 bytes")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, sizes, UINT64_MAX, 2, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceeds")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, sizes, 0, 0, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("byte_size=0")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, sizes, 0, 64, std::string(15, 'g'), 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("15 bytes, must be 16")));
+  EXPECT_THAT(table.RegisterCudaVmm("v", fds, sizes, 0, 64, std::string(16, 'x'), 1),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no GPU with this UUID")));
+  EXPECT_THAT(table.RegisterCudaVmm("bad name!", fds, sizes, 0, 64, uuid, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name")));
+  EXPECT_EQ(vmm.opened, 0);
+  RegionTable no_cuda{RegionTableOptions{}};
+  EXPECT_THAT(no_cuda.RegisterCudaVmm("v", fds, sizes, 0, 64, uuid, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--device=cuda")));
 }
 
 }  // namespace
