@@ -534,6 +534,10 @@ absl::Status RunAllGather() {
     // Rank r's shard comes from seed + r, so any rank can rebuild all shards.
     absl::StatusOr<std::vector<int64_t>> shape = ParseShape(absl::GetFlag(FLAGS_shape));
     if (!shape.ok()) return shape.status();
+    if (shape->size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shape=", absl::GetFlag(FLAGS_shape), ": allgather takes a shard MrxN (two dims)"));
+    }
     shard = Generate(*std::move(shape), seed + static_cast<uint64_t>(rank),
                      absl::GetFlag(FLAGS_dtype));
   } else {
