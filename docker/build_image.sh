@@ -86,7 +86,7 @@ fi
 "${B[@]}" config --cmd "$cmd" "$c"
 "${B[@]}" config --user 10001:10001 --workingdir /var/lib/qtx \
   --port 8081 --port 9090 --port 50051 "${env[@]}" \
-  --healthcheck 'CMD ["/opt/qtx/run", "qtx", "--target=127.0.0.1:8081", "--timeout=2s", "health"]' \
+  --healthcheck 'CMD /opt/qtx/run qtx --target=127.0.0.1:8081 --timeout=2s health' \
   --healthcheck-interval 10s --healthcheck-timeout 3s --healthcheck-start-period 10s \
   --healthcheck-retries 3 \
   --entrypoint "$entry" \
