@@ -12,14 +12,35 @@
 #      `run qtx health` against that port (the images' HEALTHCHECK) says SERVING
 #
 #   docker/build.sh BUILD_DIR OUT_DIR      (env: QTX_JOBS, QTX_CMAKE_ARGS)
+#
+# With --image=cpu or --image=cuda first, it then also builds that container
+# image here, with no registry and no Docker engine (debootstrap base +
+# buildah), starts qtxd in it and checks health and a Quantize from the host
+# through the mounted socket and the health port: docker/build_image.sh.
+#   docker/build.sh --image=cpu build-image-cpu /var/tmp/qtx-bundle-cpu
+# --image=cpu needs a build folder without CUDA (configured here with
+# -DQTX_WITH_CUDA=OFF when it is new); --image=cuda one with CUDA.
 set -euo pipefail
+IMAGE=""
+case "${1:-}" in
+  --image=cpu|--image=cuda) IMAGE="${1#--image=}"; shift ;;
+  --image=*) echo "$0: $1: the image is cpu or cuda" >&2; exit 2 ;;
+esac
 if [ $# -ne 2 ]; then
-  echo "usage: $0 BUILD_DIR OUT_DIR" >&2
+  echo "usage: $0 [--image=cpu|cuda] BUILD_DIR OUT_DIR" >&2
   exit 2
 fi
 cd "$(dirname "$0")/.."
 BUILD="$1"
 OUT="$2"
+if [ -n "$IMAGE" ]; then QTX_DEPS=images scripts/install_deps.sh; fi
+if [ "$IMAGE" = cpu ]; then
+  QTX_CMAKE_ARGS="${QTX_CMAKE_ARGS:--DQTX_WITH_CUDA=OFF}"
+  if [ -f "$BUILD/CMakeCache.txt" ] && ! grep -q '^QTX_WITH_CUDA:STRING=OFF$' "$BUILD/CMakeCache.txt"; then
+    echo "$0: --image=cpu needs a build folder configured with -DQTX_WITH_CUDA=OFF ($BUILD is not)" >&2
+    exit 2
+  fi
+fi
 JOBS="${QTX_JOBS:-$(nproc)}"
 
 scripts/install_deps.sh
@@ -55,3 +76,9 @@ esac
 kill -TERM "$pid"
 wait "$pid"
 echo "docker/build.sh: bundle in $OUT ok"
+
+if [ -n "$IMAGE" ]; then
+  trap - EXIT
+  rm -rf "$tmp"
+  docker/build_image.sh "$IMAGE" "$OUT"
+fi

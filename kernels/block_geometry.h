@@ -1,4 +1,4 @@
-// Block geometry and GEMM-ready layout shapes of NUMERICS.md §4.1.
+// Block geometry and GEMM-ready layout shapes of docs/numerics.md §4.1.
 // Pure functions of (scaling, M, N); usable from host and device code.
 #ifndef QTX_KERNELS_BLOCK_GEOMETRY_H_
 #define QTX_KERNELS_BLOCK_GEOMETRY_H_

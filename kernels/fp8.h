@@ -1,5 +1,5 @@
 // FP8 (E4M3 "fn" and E5M2), BF16 and FP16 conversions and the block-scale
-// computation of NUMERICS.md §1-§2, bit-exact, shared by kernels/cpu (the
+// computation of docs/numerics.md §1-§2, bit-exact, shared by kernels/cpu (the
 // reference) and kernels/cuda. Every function is pure and thread-safe.
 //
 // FP32 -> FP8 follows CUDA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt):
@@ -39,7 +39,7 @@ QTX_HD float BitsToFloat(uint32_t u) {
 QTX_HD bool IsNan(float f) { return (FloatBits(f) & 0x7FFFFFFFu) > 0x7F800000u; }
 QTX_HD bool IsInf(float f) { return (FloatBits(f) & 0x7FFFFFFFu) == 0x7F800000u; }
 
-// Largest finite value of each FP8 format (NUMERICS.md §1).
+// Largest finite value of each FP8 format (docs/numerics.md §1).
 constexpr float kE4M3Max = 448.0f;
 constexpr float kE5M2Max = 57344.0f;
 
@@ -48,7 +48,7 @@ QTX_HD float Fp8Max(Fp8Format f) {
 }
 
 // Largest finite value of the *input* dtype: the scale used when fp8_max/amax
-// overflows FP32 (NUMERICS.md §2 step 2.4).
+// overflows FP32 (docs/numerics.md §2 step 5).
 QTX_HD float InputDTypeMax(InputDType t) {
   switch (t) {
     case InputDType::kBFloat16:
@@ -206,7 +206,7 @@ QTX_HD float LoadAsFloat(const void* data, InputDType t, int64_t i) {
 }
 
 // The scale of a block from its amax: TE's compute_scale_from_amax
-// (NUMERICS.md §2 step 2). IEEE division, never fast-math.
+// (docs/numerics.md §2 steps 2-6). IEEE division, never fast-math.
 QTX_HD float ComputeScale(float amax, float fp8_max, bool force_pow2, float eps,
                           float value_for_inf) {
   if (amax < eps) amax = eps;                                   // NaN stays NaN

@@ -1,5 +1,5 @@
 // Geometry of one rank's row shard of a global [M, N] tensor, for the exact
-// all-gather of NUMERICS.md §A. Pure functions; host and device.
+// all-gather of docs/numerics.md §5. Pure functions; host and device.
 //
 // A rank holds global rows [row_offset, row_offset + m). Column blocks (1-D,
 // 128x1) and tile rows (2-D, 128x128) lie on the *global* 128-row grid, so the

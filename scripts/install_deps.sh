@@ -32,6 +32,13 @@ if [ "${QTX_DEPS:-all}" = "build" ]; then
   COMMANDS=()
 fi
 
+# QTX_DEPS=images (docker/build.sh --image=..., docker/build_image.sh): the
+# tools that make container images here without Docker or a registry.
+if [ "${QTX_DEPS:-all}" = "images" ]; then
+  PACKAGES=(debootstrap buildah)
+  COMMANDS=()
+fi
+
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 

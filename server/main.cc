@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   const std::string user_loading = loading == nullptr ? "" : loading;
   ::setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+  qtx::server::config::InstallFlagsUsageConfig();  // --help lists qtxd's flags
   absl::SetProgramUsageMessage(
       "qtxd: gRPC sidecar for block-scaled FP8 quantization (qtx.v1).\n"
       "Example: qtxd --socket=/tmp/qtxd.sock --allow_client_shm");

@@ -5,6 +5,21 @@
 //                [--mode=1d|2d] [--format=e4m3|e5m2] [--usages=rowwise,columnwise]
 //                [--pow2=true|false] [--eps=0] [--shm] [--save=PREFIX]
 //   qtx regions  [--target=...]
+//   qtx allgather --group=G --rank=R --world_size=W [--coordinator=T]
+//                [--shape=MrxN [--seed=S] | --npy=shard.npy] [quantize flags]
+//                [--gather_mode=exact|high_precision] [--sequence=K] [--keep_group]
+//   qtx step     --group=G [--shape=MxN] [--steps=K] [--seed=S] [--lr=X] [--checkpoint]
+//   qtx groups   [--destroy=G] [--release=G]
+//
+// `allgather` joins (or reuses) the collective group G on its sidecar and
+// all-gathers this rank's shard; every rank runs it against its own qtxd. With
+// a generated shard (rank r uses seed S + r) it checks the result against
+// Quantize of the concatenated shards, which it can rebuild from the shard
+// sizes every rank reports. `step` offloads a one-parameter AdamW group G when
+// it does not exist yet, runs K steps with generated gradients from the
+// group's step on, and checks the FP8 parameters against Quantize of the
+// master weights. `groups` lists the collective and optimizer groups, or
+// destroys a collective group / releases an optimizer group.
 //
 // `quantize` sends the tensor to the server, prints the shapes of the outputs,
 // the range of the scale_inv values and the error of dequantize(quantize(x))
@@ -35,8 +50,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -75,6 +92,25 @@ ABSL_FLAG(std::string, save, "",
           "quantize: also write the outputs as PREFIX.{rowwise_data,rowwise_scale_inv,"
           "columnwise_data,columnwise_scale_inv,dequantized}.npy (FP8 data as '|u1' bytes, "
           "scale_inv and the server's dequantization as '<f4')");
+ABSL_FLAG(std::string, group, "", "allgather, step: the group's name");
+ABSL_FLAG(int32_t, rank, 0, "allgather: this rank, 0..world_size-1");
+ABSL_FLAG(int32_t, world_size, 1, "allgather: number of ranks");
+ABSL_FLAG(std::string, coordinator, "",
+          "allgather: rank 0's qtxd as this rank's qtxd reaches it (unix:/path or host:port); "
+          "empty on rank 0");
+ABSL_FLAG(std::string, backend, "auto", "allgather: auto | gloo | nccl");
+ABSL_FLAG(absl::Duration, group_timeout, absl::Seconds(60),
+          "allgather: how long CreateGroup waits for every rank to join");
+ABSL_FLAG(std::string, gather_mode, "exact", "allgather: exact (FP8) | high_precision");
+ABSL_FLAG(uint64_t, sequence, 0, "allgather: the group's call counter (0 for the first call)");
+ABSL_FLAG(bool, keep_group, false,
+          "allgather: leave the group on the sidecar (default: destroy a group this call made)");
+ABSL_FLAG(int32_t, steps, 1, "step: number of optimizer steps to run");
+ABSL_FLAG(double, lr, 0.0, "step: learning rate for these steps (0: the group's)");
+ABSL_FLAG(bool, checkpoint, false, "step: SaveCheckpoint after the steps (qtxd --checkpoint_dir)");
+ABSL_FLAG(std::string, destroy, "", "groups: destroy this collective group on the sidecar");
+ABSL_FLAG(std::string, release, "",
+          "groups: release this optimizer group (frees its memory, deletes its checkpoints)");
 
 namespace qtx::cli {
 namespace {
@@ -180,11 +216,35 @@ absl::StatusOr<QuantizeConfig> ConfigFromFlags() {
   return c;
 }
 
+// A tensor of N(0, 1) * `stddev` values from the seed, as float32 or
+// bfloat16 (rounded to nearest even). The same arguments give the same bytes
+// in every process (std::mt19937_64 and std::normal_distribution of libstdc++).
+absl::StatusOr<Tensor> Generate(std::vector<int64_t> shape, uint64_t seed,
+                                const std::string& dtype, float stddev = 1.0f) {
+  absl::StatusOr<int64_t> count = NumElements(shape);
+  if (!count.ok()) return count.status();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> values(*count);
+  for (float& v : values) v = normal(rng) * stddev;
+  if (dtype == "float32") return Tensor::FromFloat32(std::move(shape), values);
+  if (dtype == "bfloat16") {
+    std::string bytes(values.size() * 2, '\0');
+    for (size_t i = 0; i < values.size(); ++i) {
+      const uint16_t b = FloatToBFloat16(values[i]);
+      std::memcpy(bytes.data() + 2 * i, &b, 2);
+    }
+    return Tensor::Inline(DType::kBFloat16, std::move(shape), std::move(bytes));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--dtype=", dtype, ": must be float32 or bfloat16"));
+}
+
 absl::StatusOr<Tensor> InputFromFlags() {
   const std::string npy = absl::GetFlag(FLAGS_npy);
   const std::string shape_text = absl::GetFlag(FLAGS_shape);
   if (npy.empty() == shape_text.empty()) {
-    return absl::InvalidArgumentError("quantize: give exactly one of --npy or --shape");
+    return absl::InvalidArgumentError("give exactly one of --npy or --shape");
   }
   if (!npy.empty()) {
     absl::StatusOr<NpyArray> array = ReadNpyFile(npy);
@@ -197,24 +257,7 @@ absl::StatusOr<Tensor> InputFromFlags() {
   }
   absl::StatusOr<std::vector<int64_t>> shape = ParseShape(shape_text);
   if (!shape.ok()) return shape.status();
-  absl::StatusOr<int64_t> count = NumElements(*shape);
-  if (!count.ok()) return count.status();
-  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> values(*count);
-  for (float& v : values) v = normal(rng);
-  const std::string dtype = absl::GetFlag(FLAGS_dtype);
-  if (dtype == "float32") return Tensor::FromFloat32(*std::move(shape), values);
-  if (dtype == "bfloat16") {
-    std::string bytes(values.size() * 2, '\0');
-    for (size_t i = 0; i < values.size(); ++i) {
-      const uint16_t b = FloatToBFloat16(values[i]);
-      std::memcpy(bytes.data() + 2 * i, &b, 2);
-    }
-    return Tensor::Inline(DType::kBFloat16, *std::move(shape), std::move(bytes));
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--dtype=", dtype, ": must be float32 or bfloat16"));
+  return Generate(*std::move(shape), absl::GetFlag(FLAGS_seed), absl::GetFlag(FLAGS_dtype));
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
@@ -461,17 +504,371 @@ absl::Status RunQuantize() {
   return absl::OkStatus();
 }
 
+// Prints the shapes and the scale_inv range of a quantized tensor.
+void PrintQuantized(const QuantizedTensor& q) {
+  const absl::StatusOr<QuantizedLayout> layout =
+      ComputeQuantizedLayout(q.config.scaling_mode, q.shape);
+  auto print = [](absl::string_view label, const std::optional<Tensor>& t) {
+    if (t) {
+      std::cout << absl::StrFormat("%-22s %s %s\n", label, DTypeName(t->dtype),
+                                   ShapeString(t->shape));
+    }
+  };
+  print("rowwise    data", q.rowwise_data);
+  print("rowwise    scale_inv", q.rowwise_scale_inv);
+  print("columnwise data", q.columnwise_data);
+  print("columnwise scale_inv", q.columnwise_scale_inv);
+  if (!layout.ok()) return;
+  const bool is_1d = q.config.scaling_mode == ScalingMode::kBlock1D;
+  const int64_t mb = (layout->m + 127) / 128, nb = (layout->n + 127) / 128;
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  if (q.rowwise_scale_inv) ScaleRange(*q.rowwise_scale_inv, is_1d ? layout->m : nb, &lo, &hi);
+  if (q.columnwise_scale_inv) {
+    ScaleRange(*q.columnwise_scale_inv, is_1d ? layout->n : mb, &lo, &hi);
+  }
+  if (lo <= hi) std::cout << absl::StrFormat("%-22s [%g, %g]\n", "scale_inv range", lo, hi);
+}
+
+// "" when both tensors hold the same copies with identical bytes; else what
+// differs first.
+std::string FirstDifference(const QuantizedTensor& a, const QuantizedTensor& b) {
+  if (a.shape != b.shape) {
+    return absl::StrCat("shape ", ShapeString(a.shape), " vs ", ShapeString(b.shape));
+  }
+  const struct {
+    const char* name;
+    const std::optional<Tensor>& x;
+    const std::optional<Tensor>& y;
+  } parts[] = {{"rowwise_data", a.rowwise_data, b.rowwise_data},
+               {"rowwise_scale_inv", a.rowwise_scale_inv, b.rowwise_scale_inv},
+               {"columnwise_data", a.columnwise_data, b.columnwise_data},
+               {"columnwise_scale_inv", a.columnwise_scale_inv, b.columnwise_scale_inv}};
+  for (const auto& part : parts) {
+    if (part.x.has_value() != part.y.has_value()) {
+      return absl::StrCat(part.name, " present in only one");
+    }
+    if (!part.x) continue;
+    if (part.x->shape != part.y->shape) {
+      return absl::StrCat(part.name, " shape ", ShapeString(part.x->shape), " vs ",
+                          ShapeString(part.y->shape));
+    }
+    const std::string& u = part.x->data;
+    const std::string& v = part.y->data;
+    if (u.size() != v.size()) return absl::StrCat(part.name, " byte count differs");
+    const auto diff = std::mismatch(u.begin(), u.end(), v.begin());
+    if (diff.first != u.end()) {
+      return absl::StrCat(part.name, " byte ", diff.first - u.begin(), " differs");
+    }
+  }
+  return "";
+}
+
+// The group's name from --group; INVALID_ARGUMENT names the command.
+absl::StatusOr<std::string> GroupFromFlags(absl::string_view command) {
+  std::string group = absl::GetFlag(FLAGS_group);
+  if (group.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(command, ": --group is required"));
+  }
+  return group;
+}
+
+absl::Status RunAllGather() {
+  absl::StatusOr<std::string> group = GroupFromFlags("allgather");
+  if (!group.ok()) return group.status();
+  absl::StatusOr<QuantizeConfig> config = ConfigFromFlags();
+  if (!config.ok()) return config.status();
+  const int32_t rank = absl::GetFlag(FLAGS_rank);
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  const bool generated = absl::GetFlag(FLAGS_npy).empty();
+  absl::StatusOr<Tensor> shard;
+  if (generated && !absl::GetFlag(FLAGS_shape).empty()) {
+    // Rank r's shard comes from seed + r, so any rank can rebuild all shards.
+    absl::StatusOr<std::vector<int64_t>> shape = ParseShape(absl::GetFlag(FLAGS_shape));
+    if (!shape.ok()) return shape.status();
+    if (shape->size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shape=", absl::GetFlag(FLAGS_shape), ": allgather takes a shard MrxN (two dims)"));
+    }
+    shard = Generate(*std::move(shape), seed + static_cast<uint64_t>(rank),
+                     absl::GetFlag(FLAGS_dtype));
+  } else {
+    shard = InputFromFlags();
+  }
+  if (!shard.ok()) return shard.status();
+  CommBackend backend;
+  const std::string backend_name = absl::GetFlag(FLAGS_backend);
+  if (backend_name == "auto") {
+    backend = CommBackend::kUnspecified;
+  } else if (backend_name == "gloo") {
+    backend = CommBackend::kGloo;
+  } else if (backend_name == "nccl") {
+    backend = CommBackend::kNccl;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend=", backend_name, ": must be auto, gloo or nccl"));
+  }
+  AllGatherMode mode;
+  const std::string mode_name = absl::GetFlag(FLAGS_gather_mode);
+  if (mode_name == "exact") {
+    mode = AllGatherMode::kExactFp8;
+  } else if (mode_name == "high_precision") {
+    mode = AllGatherMode::kGatherHighPrecision;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gather_mode=", mode_name, ": must be exact or high_precision"));
+  }
+  absl::StatusOr<std::unique_ptr<Client>> client_or = ConnectFromFlags();
+  if (!client_or.ok()) return client_or.status();
+  Client& client = **client_or;
+
+  // Reuse the group when this sidecar already has it (e.g. from --keep_group).
+  absl::StatusOr<std::vector<CollectiveGroupInfo>> groups = client.ListGroups();
+  if (!groups.ok()) return groups.status();
+  bool created = false;
+  const auto existing = std::find_if(groups->begin(), groups->end(),
+                                     [&](const CollectiveGroupInfo& g) { return g.name == *group; });
+  if (existing == groups->end()) {
+    CollectiveGroupConfig gc;
+    gc.name = *group;
+    gc.rank = rank;
+    gc.world_size = absl::GetFlag(FLAGS_world_size);
+    gc.coordinator = absl::GetFlag(FLAGS_coordinator);
+    gc.backend = backend;
+    gc.timeout = absl::GetFlag(FLAGS_group_timeout);
+    CallOptions call;
+    call.timeout = gc.timeout + absl::Seconds(10);
+    absl::StatusOr<CollectiveGroupInfo> info = client.CreateGroup(gc, call);
+    if (!info.ok()) return info.status();
+    created = true;
+    std::cout << absl::StrFormat("group      '%s' created: rank %d of %d, backend %s\n", info->name,
+                                 info->rank, info->world_size, CommBackendName(info->backend));
+  } else {
+    std::cout << absl::StrFormat("group      '%s' reused: rank %d of %d, backend %s, state %s\n",
+                                 existing->name, existing->rank, existing->world_size,
+                                 CommBackendName(existing->backend),
+                                 GroupStateName(existing->state));
+  }
+  // Destroys a group this call created, on every path below, unless kept.
+  struct Destroy {
+    Client& client;
+    std::string name;
+    bool active;
+    ~Destroy() {
+      if (active) PrintStatus(client.DestroyGroup(name)).IgnoreError();
+    }
+  } destroy{client, *group, created && !absl::GetFlag(FLAGS_keep_group)};
+
+  const absl::Time start = absl::Now();
+  absl::StatusOr<AllGatherResult> r =
+      client.AllGather(*group, absl::GetFlag(FLAGS_sequence), *shard, *config, mode);
+  if (!r.ok()) return r.status();
+  const absl::Duration elapsed = absl::Now() - start;
+  std::cout << absl::StrFormat("shard      %s %s (rank %d)\n", DTypeName(shard->dtype),
+                               ShapeString(shard->shape), rank);
+  std::cout << absl::StrFormat("shard_rows %s\n", ShapeString(r->shard_rows));
+  std::cout << absl::StrFormat("gathered   %s, mode=%s format=%s, %s\n",
+                               ShapeString(r->tensor.shape),
+                               ScalingModeName(r->tensor.config.scaling_mode),
+                               Fp8FormatName(r->tensor.config.format),
+                               AllGatherModeName(mode));
+  PrintQuantized(r->tensor);
+  std::cout << absl::StrFormat("time       %s\n", absl::FormatDuration(elapsed));
+
+  if (!generated) {
+    std::cout << "check      skipped (--npy shard: the other ranks' shards are unknown here)\n";
+    return absl::OkStatus();
+  }
+  // Rebuild every rank's shard and quantize their concatenation on this sidecar.
+  std::vector<int64_t> row_shape = shard->shape;
+  std::string all;
+  std::vector<int64_t> total_shape = shard->shape;
+  int64_t total_rows = 0;
+  for (size_t k = 0; k < r->shard_rows.size(); ++k) {
+    row_shape[0] = r->shard_rows[k];
+    absl::StatusOr<Tensor> part =
+        Generate(row_shape, seed + k, absl::GetFlag(FLAGS_dtype));
+    if (!part.ok()) return part.status();
+    all += part->data;
+    total_rows += r->shard_rows[k];
+  }
+  total_shape[0] = total_rows;
+  absl::StatusOr<QuantizedTensor> whole =
+      client.Quantize(Tensor::Inline(shard->dtype, total_shape, std::move(all)), *config);
+  if (!whole.ok()) return whole.status();
+  const std::string diff = FirstDifference(r->tensor, *whole);
+  if (!diff.empty()) {
+    return absl::InternalError(
+        absl::StrCat("the gathered tensor differs from Quantize(concat of the shards): ", diff));
+  }
+  std::cout << "check      identical to Quantize(concat of the shards)\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunStep() {
+  absl::StatusOr<std::string> group = GroupFromFlags("step");
+  if (!group.ok()) return group.status();
+  const int32_t steps = absl::GetFlag(FLAGS_steps);
+  if (steps < 1) return absl::InvalidArgumentError("--steps: must be >= 1");
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  absl::StatusOr<std::unique_ptr<Client>> client_or = ConnectFromFlags();
+  if (!client_or.ok()) return client_or.status();
+  Client& client = **client_or;
+
+  absl::StatusOr<OptimizerGroupList> list = client.ListOptimizerGroups();
+  if (!list.ok()) return list.status();
+  const auto it = std::find_if(list->groups.begin(), list->groups.end(),
+                               [&](const OptimizerGroupInfo& g) { return g.name == *group; });
+  OptimizerGroupInfo info;
+  if (it == list->groups.end()) {
+    const std::string shape_text =
+        absl::GetFlag(FLAGS_shape).empty() ? "256x512" : absl::GetFlag(FLAGS_shape);
+    absl::StatusOr<std::vector<int64_t>> shape = ParseShape(shape_text);
+    if (!shape.ok()) return shape.status();
+    absl::StatusOr<Tensor> master = Generate(*shape, seed, "float32", 0.02f);
+    if (!master.ok()) return master.status();
+    OptimizerGroupConfig gc;
+    gc.group = *group;
+    absl::StatusOr<OptimizerGroupInfo> made =
+        client.OffloadOptimizerState(gc, {{.name = "w", .shape = *shape, .master = *master}});
+    if (!made.ok()) return made.status();
+    info = *std::move(made);
+    std::cout << absl::StrFormat("group   '%s' offloaded: parameter w %s, AdamW lr=%g\n", info.name,
+                                 ShapeString(*shape), info.hyper_params.lr);
+  } else {
+    info = *it;
+    if (!info.error.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("group '", info.name, "' is unusable: ", info.error));
+    }
+    std::cout << absl::StrFormat("group   '%s' found at step %d (%d parameters)\n", info.name,
+                                 info.step, info.num_parameters);
+  }
+  // The parameters' names and shapes, from the state itself.
+  absl::StatusOr<OptimizerState> state = client.GetState(*group);
+  if (!state.ok()) return state.status();
+
+  StepOptions options;
+  if (const double lr = absl::GetFlag(FLAGS_lr); lr != 0.0) options.lr = lr;
+  absl::StatusOr<OptimizerStepResult> last;
+  for (int32_t k = 1; k <= steps; ++k) {
+    const int64_t step = info.step + k;
+    std::vector<OptimizerGradient> grads;
+    for (const OptimizerParameterState& p : state->parameters) {
+      absl::StatusOr<Tensor> g = Generate(p.master.shape, seed + static_cast<uint64_t>(step),
+                                          "float32", 0.01f);
+      if (!g.ok()) return g.status();
+      grads.push_back({p.name, *std::move(g)});
+    }
+    last = client.Step(*group, step, grads, options);
+    if (!last.ok()) return last.status();
+    const OptimizerStepStats& st = last->stats;
+    std::cout << absl::StrFormat(
+        "step    %d: grad_norm=%.6g lr=%g clip_coef=%g skipped=%d replayed=%d\n", st.step,
+        st.grad_norm, st.lr, st.clip_coef, st.skipped, st.replayed);
+  }
+  // The FP8 parameters must be Quantize(master weights) with the group's config.
+  absl::StatusOr<OptimizerState> after = client.GetState(*group);
+  if (!after.ok()) return after.status();
+  int checked = 0;
+  for (const ParameterOutput& out : last->parameters) {
+    if (!out.fp8) continue;
+    const auto p = std::find_if(after->parameters.begin(), after->parameters.end(),
+                                [&](const OptimizerParameterState& s) { return s.name == out.name; });
+    if (p == after->parameters.end()) {
+      return absl::InternalError(absl::StrCat("GetState has no parameter '", out.name, "'"));
+    }
+    std::cout << absl::StrFormat("param   %s %s\n", out.name, ShapeString(out.fp8->shape));
+    PrintQuantized(*out.fp8);
+    absl::StatusOr<QuantizedTensor> q = client.Quantize(p->master, out.fp8->config);
+    if (!q.ok()) return q.status();
+    const std::string diff = FirstDifference(*out.fp8, *q);
+    if (!diff.empty()) {
+      return absl::InternalError(absl::StrCat("parameter '", out.name,
+                                              "': FP8 output differs from Quantize(master): ",
+                                              diff));
+    }
+    ++checked;
+  }
+  if (checked > 0) {
+    std::cout << absl::StrFormat("check   %d FP8 parameter(s) identical to Quantize(master)\n",
+                                 checked);
+  }
+  if (absl::GetFlag(FLAGS_checkpoint)) {
+    absl::StatusOr<std::vector<CheckpointInfo>> saved = client.SaveCheckpoint(*group);
+    if (!saved.ok()) return saved.status();
+    for (const CheckpointInfo& c : *saved) {
+      std::cout << absl::StrFormat("checkpoint %s at step %d: %s (%d bytes)\n", c.group, c.step,
+                                   c.path, c.bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunGroups() {
+  absl::StatusOr<std::unique_ptr<Client>> client_or = ConnectFromFlags();
+  if (!client_or.ok()) return client_or.status();
+  Client& client = **client_or;
+  if (const std::string name = absl::GetFlag(FLAGS_destroy); !name.empty()) {
+    if (absl::Status s = client.DestroyGroup(name); !s.ok()) return s;
+    std::cout << "destroyed collective group '" << name << "'\n";
+  }
+  if (const std::string name = absl::GetFlag(FLAGS_release); !name.empty()) {
+    if (absl::Status s = client.ReleaseGroup(name); !s.ok()) return s;
+    std::cout << "released optimizer group '" << name << "'\n";
+  }
+  absl::StatusOr<std::vector<CollectiveGroupInfo>> collective = client.ListGroups();
+  if (!collective.ok()) return collective.status();
+  absl::StatusOr<OptimizerGroupList> optimizer = client.ListOptimizerGroups();
+  if (!optimizer.ok()) return optimizer.status();
+  std::cout << absl::StrFormat("%-24s %5s %5s %-7s %-7s %8s  %s\n", "COLLECTIVE GROUP", "RANK",
+                               "WORLD", "BACKEND", "STATE", "NEXT_SEQ", "ERROR");
+  for (const CollectiveGroupInfo& g : *collective) {
+    std::cout << absl::StrFormat("%-24s %5d %5d %-7s %-7s %8d  %s\n", g.name, g.rank,
+                                 g.world_size, CommBackendName(g.backend),
+                                 GroupStateName(g.state), g.next_sequence, g.error);
+  }
+  std::cout << collective->size() << " collective group(s)\n";
+  std::cout << absl::StrFormat("%-24s %8s %8s %6s %12s %14s %9s  %s\n", "OPTIMIZER GROUP", "STEP",
+                               "UPDATES", "PARAMS", "ELEMENTS", "STATE_BYTES", "LAST_CKPT",
+                               "ERROR");
+  for (const OptimizerGroupInfo& g : optimizer->groups) {
+    std::cout << absl::StrFormat("%-24s %8d %8d %6d %12d %14d %9s  %s\n", g.name, g.step,
+                                 g.update_count, g.num_parameters, g.num_elements,
+                                 g.state_bytes,
+                                 g.last_checkpoint_step < 0
+                                     ? std::string("-")
+                                     : absl::StrCat(g.last_checkpoint_step),
+                                 g.error);
+  }
+  std::cout << absl::StrFormat("%d optimizer group(s); %d of %d bytes of optimizer memory used\n",
+                               optimizer->groups.size(), optimizer->memory_used_bytes,
+                               optimizer->memory_limit_bytes);
+  return absl::OkStatus();
+}
+
 }  // namespace
 }  // namespace qtx::cli
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (Abseil's default keeps only flags of a
+  // file named like the program, qtx.cc).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "client/cli/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
-      "qtx <health|quantize|regions> [flags]\n"
+      "qtx <health|quantize|regions|allgather|step|groups> [flags]\n"
       "  qtx health                         ask qtxd whether it is serving\n"
       "  qtx quantize --shape=256x1024      quantize a random N(0,1) tensor\n"
       "  qtx quantize --npy=x.npy --mode=2d quantize a '<f4'/'<f2' .npy array\n"
       "  qtx regions                        list registered memory regions\n"
-      "Use --helpfull for every flag.");
+      "  qtx allgather --group=tp --rank=R --world_size=W [--coordinator=unix:/rank0.sock]\n"
+      "                --shape=100x256      all-gather this rank's shard (run on every rank)\n"
+      "  qtx step --group=g --steps=3       AdamW steps on an offloaded group (made if absent)\n"
+      "  qtx groups [--destroy=G] [--release=G]  list (or remove) collective/optimizer groups\n"
+      "Use --help for every flag of qtx.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::cerr << absl::ProgramUsageMessage() << "\n";
@@ -485,6 +882,12 @@ int main(int argc, char** argv) {
     status = qtx::cli::RunQuantize();
   } else if (command == "regions") {
     status = qtx::cli::RunRegions();
+  } else if (command == "allgather") {
+    status = qtx::cli::RunAllGather();
+  } else if (command == "step") {
+    status = qtx::cli::RunStep();
+  } else if (command == "groups") {
+    status = qtx::cli::RunGroups();
   } else {
     std::cerr << "qtx: unknown command '" << command << "'\n"
               << absl::ProgramUsageMessage() << "\n";

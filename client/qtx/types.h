@@ -73,7 +73,7 @@ struct Tensor {
   absl::StatusOr<int64_t> ByteSize() const;
 };
 
-// Block scaling mode (NUMERICS.md §2-§4).
+// Block scaling mode (docs/numerics.md §2-§4).
 enum class ScalingMode : int32_t {
   kBlock1D = 1,  // 1x128 rowwise blocks, 128x1 columnwise blocks
   kBlock2D = 2,  // 128x128 tiles
@@ -100,7 +100,7 @@ struct QuantizeConfig {
 };
 
 // Shapes (rows, cols) of the four buffers of a quantized [m, n] tensor in the
-// GEMM-ready layouts of NUMERICS.md §4.1. Scale buffers are FLOAT32, data
+// GEMM-ready layouts of docs/numerics.md §4.1. Scale buffers are FLOAT32, data
 // buffers FP8 (one byte per element).
 struct QuantizedLayout {
   int64_t m = 0, n = 0;

@@ -65,7 +65,7 @@ E4M3 = e4m3_table()
 
 def decode_2d(data, scale_inv, rows, cols):
     """Dequantizes a BLOCK_2D copy: data [rows, cols] bytes, scale_inv
-    [ceil(rows/128), pad4(ceil(cols/128))] FP32 (NUMERICS.md §4)."""
+    [ceil(rows/128), pad4(ceil(cols/128))] FP32 (docs/numerics.md §4)."""
     q = E4M3[np.frombuffer(data, dtype=np.uint8).reshape(rows, cols)]
     s = np.frombuffer(scale_inv, dtype=np.float32).reshape(-1, scale_inv_cols(cols))
     s = s[:, : (cols + 127) // 128]

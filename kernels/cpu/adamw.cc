@@ -1,5 +1,5 @@
 // Host AdamW fused with the block-scaled FP8 parameter output. See adamw.h and
-// kernels/adamw.h (operation order), NUMERICS.md §2 (scales), §4 (layouts).
+// kernels/adamw.h (operation order), docs/numerics.md §2 (scales), §4 (layouts).
 //
 // This file plans the call (work units of every parameter), runs the band
 // kernel (adamw_band.cc: the update, amax, scales, encode and transpose of a

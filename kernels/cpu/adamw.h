@@ -3,7 +3,7 @@
 // master weights and both moments, reduces the tile's amaxes, computes the
 // scales and writes the FP8 copies (and optionally a BF16 copy) while the tile
 // is still in cache. The FP8 bytes and scales are exactly those of
-// QuantizeBlock(updated master, FP32 input) — NUMERICS.md §2-§4 — for both
+// QuantizeBlock(updated master, FP32 input) — docs/numerics.md §2-§4 — for both
 // BLOCK_2D and BLOCK_1D (a 1x128 row block and a 128x1 column block each lie
 // inside one 128x128 tile).
 //

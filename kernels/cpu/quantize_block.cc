@@ -1,4 +1,4 @@
-// CPU reference of NUMERICS.md §2-§4 and §A. Written to be read against the
+// CPU reference of docs/numerics.md §2-§5. Written to be read against the
 // spec: every block's amax, scale, scale_inv and bytes are computed literally
 // with the shared arithmetic of kernels/fp8.h. OpenMP splits independent blocks.
 //

@@ -1,5 +1,5 @@
 // CPU reference implementation of block-scaled FP8 quantization
-// (NUMERICS.md §2-§4): the definition of correct for every other backend.
+// (docs/numerics.md §2-§4): the definition of correct for every other backend.
 // Functions are reentrant; OpenMP parallelism is internal.
 #ifndef QTX_KERNELS_CPU_QUANTIZE_BLOCK_H_
 #define QTX_KERNELS_CPU_QUANTIZE_BLOCK_H_
@@ -28,7 +28,7 @@ void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
 void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8Format format,
                      int64_t m, int64_t n, bool use_rowwise, InputDType out_dtype, void* out);
 
-// ---- Exact all-gather building blocks (NUMERICS.md §A) -------------------
+// ---- Exact all-gather building blocks (docs/numerics.md §5) -------------------
 // A rank quantizing its shard of rows [g.row_offset, g.row_offset + g.m) of a
 // global tensor produces bytes and scales identical to quantizing the whole
 // tensor, provided the amaxes of its two boundary block rows are the global

@@ -1,4 +1,4 @@
-// CUDA block-scaled FP8 quantize / dequantize (NUMERICS.md §2-§5), bit-exact
+// CUDA block-scaled FP8 quantize / dequantize (docs/numerics.md §2-§4), bit-exact
 // with kernels/cpu/quantize_block.cc. Scale math comes from kernels/fp8.h
 // (ComputeScale / ScaleInv: IEEE division, never fast-math); the FP32 -> FP8
 // cast is the hardware cvt.rn.satfinite, which equals EncodeFp8 bit for bit
@@ -19,7 +19,7 @@
 namespace qtx::kernels::cuda {
 namespace {
 
-constexpr int kTile = 128;           // block edge (NUMERICS.md §2: block_len)
+constexpr int kTile = 128;           // block edge (docs/numerics.md §3)
 constexpr int kThreads = 256;        // 16 x 16 threads, each owns an 8x8 sub-tile
 constexpr int kWarps = kThreads / 32;
 constexpr int kTBytes = kTile * kTile;  // transposed FP8 tile in shared memory
@@ -44,7 +44,7 @@ __device__ __forceinline__ float ElemToFloat(uint32_t bits) {
 }
 
 // Two FP32 values -> two FP8 bytes (lo in bits 0-7), round to nearest even,
-// saturating, NaN -> 0x7F: NUMERICS.md §1.
+// saturating, NaN -> 0x7F: docs/numerics.md §1.
 template <Fp8Format F>
 __device__ __forceinline__ uint32_t Cvt2(float lo, float hi) {
   unsigned short r;
@@ -137,7 +137,7 @@ __device__ __forceinline__ void StoreFp8(T* p, T v, bool streaming) {
 }
 
 // |x| folded into a running amax: fmaxf ignores a NaN operand, so this is
-// exactly AmaxUpdate of kernels/fp8.h (NUMERICS.md §2 step 1) in one FMNMX.
+// exactly AmaxUpdate of kernels/fp8.h (docs/numerics.md §2 step 1) in one FMNMX.
 __device__ __forceinline__ float AbsMax(float amax, float x) { return fmaxf(amax, fabsf(x)); }
 
 // Aligned path: starts the asynchronous copy of one full input tile into a
@@ -166,7 +166,7 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
 }
 
 // Tail path: loads one tile synchronously, element by element, zero-filling
-// everything outside the tensor (NUMERICS.md §2 step 1: padding loads as 0).
+// everything outside the tensor (docs/numerics.md §3: partial blocks).
 template <InputDType D>
 __device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeArgs& a,
                                                 int64_t m0, int64_t n0) {
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       }
     }
 
-    // ---- scales (NUMERICS.md §2) ----
+    // ---- scales (docs/numerics.md §2) ----
     float row_scale[8];
     float col_scale[8];
     if constexpr (!k1D) {

@@ -1,4 +1,4 @@
-// CUDA block-scaled FP8 quantization (NUMERICS.md §2-§5), bit-exact with
+// CUDA block-scaled FP8 quantization (docs/numerics.md §2-§4), bit-exact with
 // kernels/cpu/quantize_block.h. Plain header: CUDA runtime types only, so that
 // host code (server/, tests, bench) can call it without nvcc.
 //

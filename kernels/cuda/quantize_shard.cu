@@ -1,4 +1,4 @@
-// CUDA exact all-gather building blocks (NUMERICS.md §A), bit-exact with
+// CUDA exact all-gather building blocks (docs/numerics.md §5), bit-exact with
 // kernels/cpu/quantize_block.cc: the same block grid (global 128-row block
 // rows), the same amax (kernels/fp8.h AmaxBitsUpdate: NaN ignored), scale
 // (ComputeScale / ScaleInv: IEEE division) and the hardware cvt.rn.satfinite
@@ -34,7 +34,7 @@ __device__ __forceinline__ float LoadElem(const void* p, int64_t i) {
   }
 }
 
-// fp8(RN_fp32(x * scale)): NUMERICS.md §2 step 4.
+// fp8(RN_fp32(x * scale)): docs/numerics.md §2 step 8.
 template <Fp8Format F>
 __device__ __forceinline__ uint8_t Quant(float x, float scale) {
   const float v = __fmul_rn(x, scale);

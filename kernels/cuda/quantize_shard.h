@@ -1,4 +1,4 @@
-// CUDA building blocks of the exact all-gather (NUMERICS.md §A), bit-exact
+// CUDA building blocks of the exact all-gather (docs/numerics.md §5), bit-exact
 // with kernels/cpu/quantize_block.h (ShardBoundaryAmax, QuantizeShard,
 // AssembleShards). Plain header: CUDA runtime types only.
 //

@@ -121,7 +121,7 @@ class ChannelQueue {
   virtual void Release() = 0;
 };
 
-// One quantization of a row-major [m, n] tensor (NUMERICS.md §2-§4).
+// One quantization of a row-major [m, n] tensor (docs/numerics.md §2-§4).
 struct QuantizeArgs {
   const void* input = nullptr;  // m * n elements of `dtype`; null iff empty
   kernels::InputDType dtype = kernels::InputDType::kFloat32;
@@ -148,7 +148,7 @@ struct DequantizeArgs {
   ChannelQueue* queue = nullptr;  // as QuantizeArgs::queue
 };
 
-// One rank's shard of the exact all-gather (NUMERICS.md §A): rows
+// One rank's shard of the exact all-gather (docs/numerics.md §5): rows
 // [geom.row_offset, geom.row_offset + geom.m) of the global [M, N] tensor.
 struct ShardArgs {
   const void* input = nullptr;  // geom.m * geom.n elements of `dtype`

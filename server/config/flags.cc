@@ -3,6 +3,9 @@
 #include <cstdint>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 
 ABSL_FLAG(std::string, socket, "/tmp/qtxd.sock",
           "Unix domain socket to listen on (created with mode 0600). Empty: none.");
@@ -71,6 +74,29 @@ ABSL_FLAG(int32_t, optimizer_threads, 0, "Host AdamW threads, 0..1024 (0: all co
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off.");
 
 namespace qtx::server::config {
+namespace {
+
+// Where the flags above are defined, as the compiler spelled __FILE__ (an
+// absolute path, or one relative to the build folder under ccache).
+constexpr absl::string_view kFlagsFile = "server/config/flags.cc";
+
+bool IsQtxdFlagsFile(absl::string_view file) { return absl::EndsWith(file, kFlagsFile); }
+
+}  // namespace
+
+void InstallFlagsUsageConfig() {
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = IsQtxdFlagsFile;
+  config.contains_helpshort_flags = IsQtxdFlagsFile;
+  // "Flags from server/config/flags.cc:" rather than the build machine's path.
+  config.normalize_filename = [](absl::string_view file) -> std::string {
+    const size_t pos = file.rfind(kFlagsFile);
+    if (pos != absl::string_view::npos) return std::string(file.substr(pos));
+    const size_t start = file.find_first_not_of("/.");
+    return std::string(start == absl::string_view::npos ? file : file.substr(start));
+  };
+  absl::SetFlagsUsageConfig(config);
+}
 
 ServerConfig ServerConfigFromFlags() {
   ServerConfig c;

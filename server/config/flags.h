@@ -9,6 +9,13 @@
 
 namespace qtx::server::config {
 
+// Makes Abseil's --help and --helpshort list qtxd's flags (the ones defined
+// in this file) and name the file relative to the source tree. Abseil's
+// default filter keeps only flags defined in a file named like the program
+// (qtxd.cc), so without this --help prints "No flags matched".
+// Call before absl::ParseCommandLine.
+void InstallFlagsUsageConfig();
+
 // The config named by the flags (not yet validated: see ValidateConfig).
 ServerConfig ServerConfigFromFlags();
 

@@ -1,4 +1,4 @@
-// AllGather op: the exact block-scaled FP8 all-gather of NUMERICS.md §A over
+// AllGather op: the exact block-scaled FP8 all-gather of docs/numerics.md §5 over
 // the Device and Communicator interfaces. No gRPC, no protobuf, no Gloo.
 //
 // Every rank of a group calls AllGather with its row shard [M_r, N] (M_r may

@@ -1,5 +1,5 @@
 // Quantize / Dequantize ops: validate a request expressed in plain structs,
-// compute the GEMM-ready layouts (kernels::ComputeLayout, NUMERICS.md §4),
+// compute the GEMM-ready layouts (kernels::ComputeLayout, docs/numerics.md §4),
 // locate or allocate the outputs, run the Device, and return where the
 // results went. No gRPC, no protobuf: server/api converts.
 //

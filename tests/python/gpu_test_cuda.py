@@ -140,7 +140,7 @@ TABLES = {"e4m3": fp8_table(4, 3), "e5m2": fp8_table(5, 2)}
 
 
 def numpy_dequantize(q, which):
-    """float32 [M, N] from the qtx bytes (NUMERICS.md 4.1 layouts)."""
+    """float32 [M, N] from the qtx bytes (docs/numerics.md §4.1 layouts)."""
     m = int(np.prod(q.shape[:-1]))
     n = q.shape[-1]
     data = np.frombuffer(host_bytes(getattr(q, which + "_data")), np.uint8)

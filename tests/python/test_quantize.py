@@ -301,7 +301,7 @@ class QuantizeTest(unittest.TestCase):
 
 
 class DecoderSelfTest(unittest.TestCase):
-    """The decoder used above, on the values NUMERICS.md §1 fixes."""
+    """The decoder used above, on the values docs/numerics.md §1 fixes."""
 
     def test_known_bytes(self):
         self.assertEqual(E4M3[0x7E], 448.0)

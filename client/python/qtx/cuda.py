@@ -353,7 +353,7 @@ def quantize_config(mode="1d", format="e4m3", rowwise=True, columnwise=False, po
 def layout(shape, mode="1d"):
     """The 2-D shapes of the four buffers of quantizing a tensor of `shape`
     (flattened to [prod(shape[:-1]), shape[-1]]): {field: (rows, cols)} plus
-    'm' and 'n' (the C++ qtx::ComputeQuantizedLayout, NUMERICS.md 4.1)."""
+    'm' and 'n' (the C++ qtx::ComputeQuantizedLayout, docs/numerics.md §4.1)."""
     m = _choice(mode, _MODES, "mode") if isinstance(mode, str) else mode
     shape = [int(d) for d in shape]
     if not shape:

@@ -135,7 +135,7 @@ def to_device(q, device):
 
 def _stored(q, usage):
     """(data [outer, K] uint8 bytes, scale_inv, recipe, format) of one copy, checked
-    against qtx's layout (NUMERICS.md section 4)."""
+    against qtx's layout (docs/numerics.md §4)."""
     _need_torch()
     if usage not in USAGES:
         raise ValueError("usage=%r: must be 'rowwise' or 'columnwise'" % (usage,))

@@ -1,4 +1,4 @@
-// Tests of the shared FP8/BF16/FP16 arithmetic in kernels/fp8.h (NUMERICS.md §1-§2).
+// Tests of the shared FP8/BF16/FP16 arithmetic in kernels/fp8.h (docs/numerics.md §1-§2).
 #include "kernels/fp8.h"
 
 #include <cmath>
@@ -163,7 +163,7 @@ TEST(ComputeScale, SpecialAmaxValues) {
   EXPECT_EQ(ComputeScale(0.0f, 448, true, 1e-4f, flt_max), std::ldexp(1.0f, 22));
   EXPECT_EQ(ComputeScale(1e-40f, 448, true, 0, flt_max), std::ldexp(1.0f, 127));
   EXPECT_EQ(ComputeScale(1e-40f, 448, false, 0, flt_max), flt_max);
-  EXPECT_EQ(ComputeScale(448.0f * 8, 448, true, 0, flt_max), 0.125f);  // §10.7
+  EXPECT_EQ(ComputeScale(448.0f * 8, 448, true, 0, flt_max), 0.125f);  // docs/numerics.md §2
 }
 
 TEST(Amax, IgnoresNanAndSign) {

@@ -1,5 +1,5 @@
-// The CPU reference against NUMERICS.md §11 (test vectors, layout checks),
-// §10 (edge cases) and structural properties.
+// The CPU reference against docs/numerics.md §6 (worked examples), §4.3 (layouts),
+// §7 (edge cases) and structural properties.
 #include "kernels/cpu/quantize_block.h"
 
 #include <cmath>
@@ -44,7 +44,7 @@ std::vector<uint16_t> ToBf16(const std::vector<float>& v) {
   return out;
 }
 
-// ---- §11.1 scale and byte vectors -----------------------------------------
+// ---- docs/numerics.md §6: scale and byte vectors
 
 struct Vector11 {
   int id;
@@ -153,7 +153,7 @@ TEST(Numerics11, TwoDTileSharesOneScale) {
   EXPECT_EQ(q1.row_data[0], 0x78);
 }
 
-// ---- §11.2 layout checks ----------------------------------------------------
+// ---- docs/numerics.md §4.3: layout checks
 
 struct LayoutCase {
   int64_t m, n;
@@ -220,7 +220,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- properties ---------------------------------------------------------------
 
-// The 1-D columnwise copy of X is the 1-D rowwise quantization of X^T (§4.1).
+// The 1-D columnwise copy of X is the 1-D rowwise quantization of X^T (docs/numerics.md §3).
 TEST(Properties, ColumnwiseIsRowwiseOfTranspose) {
   for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{200, 300}, {1, 129}, {257, 3}}) {
     std::vector<uint16_t> x = RandomBf16(m * n, 11);
@@ -297,7 +297,7 @@ TEST(Properties, DequantErrorWithinHalfStep) {
       for (bool pow2 : {true, false}) CheckDequantError(f, s, pow2);
 }
 
-// pow2 scales keep every block's amax * scale in (fp8_max / 2, fp8_max] (§10.7).
+// pow2 scales keep every block's amax * scale in (fp8_max / 2, fp8_max] (docs/numerics.md §2).
 TEST(Properties, Pow2ScalesUseTopBinade) {
   const int64_t m = 256, n = 512;
   std::vector<uint16_t> x = RandomBf16(m * n, 9, 3.0f);
@@ -317,7 +317,7 @@ TEST(Properties, Pow2ScalesUseTopBinade) {
   }
 }
 
-// ---- §10 edge cases -------------------------------------------------------------
+// ---- docs/numerics.md §7: edge cases
 
 TEST(EdgeCases, ZeroElementTensorsWriteOnlyPadding) {
   for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {5, 0}, {0, 0}}) {

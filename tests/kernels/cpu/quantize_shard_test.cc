@@ -1,4 +1,4 @@
-// The exact all-gather building blocks (NUMERICS.md §A) without any network:
+// The exact all-gather building blocks (docs/numerics.md §5) without any network:
 // per-rank boundary amaxes -> combine -> shard quantize -> assemble must equal
 // QuantizeBlock of the concatenated tensor, byte for byte, for any shard sizes.
 #include <cstring>

@@ -113,10 +113,10 @@ std::vector<uint8_t> MakeInput(InputDType t, int64_t m, int64_t n, DataKind kind
   const float kInf = std::numeric_limits<float>::infinity();
   const float dtype_max = InputDTypeMax(t);
   // Smallest positive subnormal of the dtype, and a tiny value whose
-  // fp8_max / amax overflows FP32 (scale := dtype max, NUMERICS §10.5).
+  // fp8_max / amax overflows FP32 (scale := dtype max, docs/numerics.md §7).
   const float sub = t == InputDType::kFloat16 ? std::ldexp(1.0f, -24) : BitsToFloat(0x00010000u);
   const float tiny = BitsToFloat(0x00123400u);
-  // FP8 ties after a power-of-two scale (NUMERICS §11.1 #1, #16) and values
+  // FP8 ties after a power-of-two scale (docs/numerics.md §6.1, §6.2) and values
   // on the E5M2 grid's halfway points.
   const float ties[] = {1.0625f, 1.1875f, 300.0f, -17.0f, 0.75f, 3.0f, 448.0f, 100.0f,
                         -1.125f, 2.5f, 0.0009765625f, 57344.0f, -40960.0f, 1.0f};
