@@ -266,6 +266,11 @@ void Channel::Report(const ChannelProgress& update) {
   on_progress_(snapshot);
 }
 
+bool Channel::progress_failed() {
+  absl::MutexLock lock(&mu_);
+  return progress_.failed_seq != 0;
+}
+
 void Channel::Close(absl::Duration grace) {
   if (closed_) return;
   closed_ = true;
@@ -295,9 +300,9 @@ void Channel::Close(absl::Duration grace) {
   // client is gone or stopped): let it through, so the queue drains (the
   // regions it uses are still pinned).
   // A plan's executions may wait for a ready the caller never writes (it
-  // stopped replaying, or never began because the plan failed): always let
-  // them through.
-  if (!finished || plan_.has_value()) queue_->Release();
+  // stopped replaying, or never began because the plan failed), and so may a
+  // failed channel's op whose client died: always let them through.
+  if (!finished || plan_.has_value() || progress_failed()) queue_->Release();
   if (worker_.joinable()) worker_.join();
   queue_.reset();  // waits for the device work
   std::deque<Held> held;
