@@ -814,6 +814,13 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   }
   QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
   lap(&timing.assemble);
+  // A shm region of this rank truncated under the call (shm_fault_guard.h):
+  // its result is not the client's data. (Peers cannot tell: they received
+  // zeros in place of the lost part of this rank's shard.)
+  if (local.ok()) QTX_RETURN_IF_ERROR(tensor::CheckIntact(local->input.pin));
+  for (const auto& o : outs) {
+    if (o && o->slice.has_value()) QTX_RETURN_IF_ERROR(tensor::CheckIntact(o->slice->pin));
+  }
 
   AllGatherResult result;
   result.timing = timing;
