@@ -266,18 +266,13 @@ void Channel::Report(const ChannelProgress& update) {
   on_progress_(snapshot);
 }
 
-bool Channel::progress_failed() {
-  absl::MutexLock lock(&mu_);
-  return progress_.failed_seq != 0;
-}
-
 void Channel::Close(absl::Duration grace) {
   if (closed_) return;
   closed_ = true;
   // A plan's executions beyond the caller's last one wait for a ready word
   // that will not move: no grace.
   const absl::Time deadline = absl::Now() + (plan_.has_value() ? absl::ZeroDuration() : grace);
-  bool finished;
+  bool all_done;  // a plain channel all of whose ops finished: nothing waits
   {
     absl::MutexLock lock(&mu_);
     closing_ = true;
@@ -292,17 +287,14 @@ void Channel::Close(absl::Duration grace) {
             },
             this),
         deadline);
-    finished = progress_.failed_seq != 0 ||
-               (items_.empty() && !busy_ && progress_.completed_through >= submitted_ &&
-                progress_.completed_through >= plan_enqueued_);
+    all_done = !plan_.has_value() && progress_.failed_seq == 0 && items_.empty() && !busy_ &&
+               progress_.completed_through >= submitted_;
   }
-  // Work still waiting on the client's ready word will not get it (the
-  // client is gone or stopped): let it through, so the queue drains (the
-  // regions it uses are still pinned).
-  // A plan's executions may wait for a ready the caller never writes (it
-  // stopped replaying, or never began because the plan failed), and so may a
-  // failed channel's op whose client died: always let them through.
-  if (!finished || plan_.has_value() || progress_failed()) queue_->Release();
+  // Otherwise work may wait for a ready word that will not move: the client
+  // is gone or stopped, a plan's executions are beyond its last replay, or a
+  // failed op's client died. Let it through, so the queue drains (the regions
+  // it uses are still pinned).
+  if (!all_done) queue_->Release();
   if (worker_.joinable()) worker_.join();
   queue_.reset();  // waits for the device work
   std::deque<Held> held;

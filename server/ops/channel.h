@@ -147,7 +147,6 @@ class Channel {
   // Reports last_ok_seq_ done once the device has finished it.
   absl::Status TrackCompletion();
   void Report(const ChannelProgress& progress);
-  bool progress_failed();
 
   // Pins of the regions used by enqueued operations, until they complete.
   struct Held {
