@@ -48,9 +48,12 @@ absl::Status HostChannelFlags::SignalReady(uint64_t seq) {
 
 absl::Status HostChannelFlags::WaitDone(uint64_t) { return absl::OkStatus(); }
 
-void HostChannelFlags::ReleaseWaits() {
-  std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(shm_->data())[1])
-      .store(kChannelReleaseAll, std::memory_order_release);
+void HostChannelFlags::ReleaseWaits(bool sidecar_gone) {
+  uint64_t* words = reinterpret_cast<uint64_t*>(shm_->data());
+  if (sidecar_gone) {
+    std::atomic_ref<uint64_t>(words[0]).store(kChannelReleaseAll, std::memory_order_release);
+  }
+  std::atomic_ref<uint64_t>(words[1]).store(kChannelReleaseAll, std::memory_order_release);
 }
 
 uint64_t HostChannelFlags::ready() const {
@@ -162,7 +165,9 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
       absl::MutexLock lock(&mu_);
       clean = status.ok() && closing_ && completed_through_ >= submitted_;
     }
-    if (!clean) flags_->ReleaseWaits();
+    // UNAVAILABLE: the connection broke, qtxd is gone (a live qtxd ends a
+    // stream with its own status and releases its own parked work).
+    if (!clean) flags_->ReleaseWaits(status.error_code() == grpc::StatusCode::UNAVAILABLE);
     absl::MutexLock lock(&mu_);
     done_ = true;
   }

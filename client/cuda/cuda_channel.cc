@@ -97,11 +97,15 @@ class StreamFlags final : public ChannelFlags {
                         "cuStreamWaitValue64(done)");
   }
 
-  void ReleaseWaits() override {
+  void ReleaseWaits(bool sidecar_gone) override {
     if (shm_ != nullptr) {
-      // A host store: the GPU's waits poll this page.
-      std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(shm_->data())[1])
-          .store(kChannelReleaseAll, std::memory_order_release);
+      // Host stores: the GPU's waits poll this page. ready first, so that a
+      // reader who sees the released done also sees the released ready.
+      uint64_t* words = reinterpret_cast<uint64_t*>(shm_->data());
+      if (sidecar_gone) {
+        std::atomic_ref<uint64_t>(words[0]).store(kChannelReleaseAll, std::memory_order_release);
+      }
+      std::atomic_ref<uint64_t>(words[1]).store(kChannelReleaseAll, std::memory_order_release);
       return;
     }
     // Device flags: from a private stream (`stream_` may be parked on the
@@ -109,9 +113,11 @@ class StreamFlags final : public ChannelFlags {
     int current = 0;
     const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ &&
                           cudaSetDevice(device_) == cudaSuccess;
-    if (ops_.write(release_stream_, words_ + 8, kChannelReleaseAll,
-                   CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS ||
-        cudaStreamSynchronize(release_stream_) != cudaSuccess) {
+    bool ok = !sidecar_gone || ops_.write(release_stream_, words_, kChannelReleaseAll,
+                                          CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;
+    ok = ok && ops_.write(release_stream_, words_ + 8, kChannelReleaseAll,
+                          CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;
+    if (!ok || cudaStreamSynchronize(release_stream_) != cudaSuccess) {
       (void)cudaGetLastError();
     }
     if (switched) (void)cudaSetDevice(current);

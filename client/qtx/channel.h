@@ -73,9 +73,13 @@ class ChannelFlags {
   // Orders the caller's later work after "done >= seq" (as
   // CU_STREAM_WAIT_VALUE_GEQ compares: (int64_t)(done - seq) >= 0).
   virtual absl::Status WaitDone(uint64_t seq) = 0;
-  // Writes done = kChannelReleaseAll from the caller's side (qtxd is gone):
-  // every present and future WaitDone passes. Bounded time; never fails.
-  virtual void ReleaseWaits() = 0;
+  // Writes done = kChannelReleaseAll from the caller's side: every present
+  // and future WaitDone passes. With `sidecar_gone` (the stream to qtxd broke:
+  // qtxd died) it also writes ready = kChannelReleaseAll, so that the work the
+  // dead qtxd left parked on "ready >= n" can drain: under MPS a dead client's
+  // parked stream waits would otherwise hold the MPS server, and with it
+  // every other client of the GPU. Bounded time; never fails.
+  virtual void ReleaseWaits(bool sidecar_gone) = 0;
 };
 
 // Flags in POSIX shared memory, for a CPU sidecar (qtxd --device=cpu
@@ -94,7 +98,7 @@ class HostChannelFlags final : public ChannelFlags {
   RegionSlice slice() const override;
   absl::Status SignalReady(uint64_t seq) override;
   absl::Status WaitDone(uint64_t seq) override;
-  void ReleaseWaits() override;
+  void ReleaseWaits(bool sidecar_gone) override;
 
   // The current words (for tests and diagnostics).
   uint64_t ready() const;

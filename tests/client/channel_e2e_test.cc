@@ -99,8 +99,9 @@ class DeferredFlags final : public ChannelFlags {
     return absl::OkStatus();
   }
   absl::Status WaitDone(uint64_t seq) override { return inner_->WaitDone(seq); }
-  void ReleaseWaits() override { inner_->ReleaseWaits(); }
+  void ReleaseWaits(bool sidecar_gone) override { inner_->ReleaseWaits(sidecar_gone); }
   void Deliver() { (void)inner_->SignalReady(last_.load()); }  // host flags: always OK
+  uint64_t ready() const { return inner_->ready(); }
   uint64_t done() const { return inner_->done(); }
 
  private:
@@ -214,10 +215,33 @@ TEST_F(ChannelE2eTest, TheOpWaitsForTheReadyWord) {
   ExpectOutputs(op);
 }
 
+// Host flags that record, in a word the test owns (the flags die with the
+// channel), how the channel released them: 0 never, 1 the caller's waits
+// only, 2 the sidecar's waits too.
+class ObservedFlags final : public ChannelFlags {
+ public:
+  ObservedFlags(std::unique_ptr<HostChannelFlags> inner, std::atomic<int>* released)
+      : inner_(std::move(inner)), released_(released) {}
+  RegionSlice slice() const override { return inner_->slice(); }
+  absl::Status SignalReady(uint64_t seq) override { return inner_->SignalReady(seq); }
+  absl::Status WaitDone(uint64_t seq) override { return inner_->WaitDone(seq); }
+  void ReleaseWaits(bool sidecar_gone) override {
+    released_->store(sidecar_gone ? 2 : 1);
+    inner_->ReleaseWaits(sidecar_gone);
+  }
+  uint64_t done() const { return inner_->done(); }
+
+ private:
+  std::unique_ptr<HostChannelFlags> inner_;
+  std::atomic<int>* released_;
+};
+
 TEST_F(ChannelE2eTest, AFailedOperationFailsTheChannelAndReleasesTheWaits) {
-  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> inner,
                            HostChannelFlags::Create(*client_, "ch-flags"));
-  HostChannelFlags* raw = flags.get();
+  std::atomic<int> released{0};
+  auto flags = std::make_unique<ObservedFlags>(std::move(inner), &released);
+  ObservedFlags* raw = flags.get();
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, Channel::Open(*client_, std::move(flags)));
   Op good = MakeOp(128, 128, 1);
   QTX_ASSERT_OK(ch->Quantize(good.input, Config(), good.outputs).status());
@@ -234,6 +258,10 @@ TEST_F(ChannelE2eTest, AFailedOperationFailsTheChannelAndReleasesTheWaits) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("operation 2")));
   EXPECT_THAT(ch->Query(9), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
   ExpectOutputs(good);
+  EXPECT_THAT(ch->Close(), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  // qtxd is alive: the caller's waits are released, its ready word is left
+  // to the caller's stream.
+  EXPECT_EQ(released.load(), 1);
 }
 
 TEST_F(ChannelE2eTest, OperationsBehindAFailureAreNotRun) {
@@ -380,6 +408,8 @@ TEST_F(ChannelE2eTest, QtxdDyingReleasesTheWaitsAndLaterCallsFail) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   EXPECT_EQ(deferred->done(), kChannelReleaseAll);
+  // ready too, so that work the dead qtxd left parked on it can drain.
+  EXPECT_EQ(deferred->ready(), kChannelReleaseAll);
   EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "waits released too late";
   EXPECT_THAT(ch->Quantize(op.input, Config(), op.outputs),
               StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
