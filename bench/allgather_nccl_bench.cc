@@ -28,6 +28,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "bench/bench_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/barrier.h"
@@ -41,6 +43,10 @@
 #include "server/ops/allgather.h"
 #include "server/tensor/region_table.h"
 
+ABSL_FLAG(int, iters, 20, "timed iterations per configuration");
+ABSL_FLAG(int64_t, n, 8192, "columns of the gathered tensor");
+ABSL_FLAG(bool, quick, false, "only M = 8192");
+
 namespace qtx {
 namespace {
 
@@ -48,24 +54,6 @@ using server::backend::CommCall;
 using server::backend::CudaDevice;
 using server::backend::NcclCommunicator;
 
-#define CHECK_OK(expr)                                                                    \
-  do {                                                                                    \
-    const absl::Status s_ = (expr);                                                       \
-    if (!s_.ok()) {                                                                       \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                  \
-                   std::string(s_.message()).c_str());                                    \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-#define CHECK_CUDA(expr)                                                                  \
-  do {                                                                                    \
-    const cudaError_t e_ = (expr);                                                        \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                  \
-                   cudaGetErrorString(e_));                                               \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
 // The rendezvous store of the two in-process ranks.
 class LocalStore final : public server::backend::RendezvousClient {
@@ -113,19 +101,19 @@ struct Rank {
   std::vector<void*> allocations;
   void* Alloc(uint64_t bytes, const std::string& region) {
     void* p = nullptr;
-    CHECK_CUDA(cudaSetDevice(rank));
-    CHECK_CUDA(cudaMalloc(&p, std::max<uint64_t>(bytes, 256)));
+    QTX_BENCH_CHECK_CUDA(cudaSetDevice(rank));
+    QTX_BENCH_CHECK_CUDA(cudaMalloc(&p, std::max<uint64_t>(bytes, 256)));
     allocations.push_back(p);
     if (!region.empty()) {
-      CHECK_OK(regions->RegisterCudaIpc(region, PointerHandle(p), rank,
+      QTX_BENCH_CHECK_OK(regions->RegisterCudaIpc(region, PointerHandle(p), rank,
                                         std::max<uint64_t>(bytes, 256)));
     }
     return p;
   }
   void FreeAll() {
-    CHECK_CUDA(cudaSetDevice(rank));
+    QTX_BENCH_CHECK_CUDA(cudaSetDevice(rank));
     for (const char* r : {"in", "rd", "rs", "cd", "cs"}) (void)regions->Unregister(r);
-    for (void* p : allocations) CHECK_CUDA(cudaFree(p));
+    for (void* p : allocations) QTX_BENCH_CHECK_CUDA(cudaFree(p));
     allocations.clear();
   }
 };
@@ -145,17 +133,18 @@ struct Config {
 
 int main(int argc, char** argv) {
   using namespace qtx;  // NOLINT: a benchmark's main
-  int iters = 20;
-  int64_t n = 8192;
-  bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
-    if (a == "--n" && i + 1 < argc) n = std::atoll(argv[++i]);
-    if (a == "--quick") quick = true;
+  bench::ParseBenchFlags(argc, argv,
+                         "allgather_nccl_bench: exact FP8 AllGather over NCCL on 2 GPUs vs raw "
+                         "NCCL gathers of FP8 / BF16 bytes");
+  const int iters = absl::GetFlag(FLAGS_iters);
+  const int64_t n = absl::GetFlag(FLAGS_n);
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  if (iters < 1 || n < 1) {
+    std::fprintf(stderr, "--iters and --n must be >= 1\n");
+    return 2;
   }
   int devices = 0;
-  CHECK_CUDA(cudaGetDeviceCount(&devices));
+  QTX_BENCH_CHECK_CUDA(cudaGetDeviceCount(&devices));
   if (devices < 2) {
     std::fprintf(stderr, "needs 2 GPUs, found %d\n", devices);
     return 2;
@@ -178,7 +167,7 @@ int main(int argc, char** argv) {
       Rank& k = ranks[r];
       k.rank = r;
       auto dev = CudaDevice::Create(r);
-      CHECK_OK(dev.status());
+      QTX_BENCH_CHECK_OK(dev.status());
       k.device = std::move(*dev);
       server::tensor::RegionTableOptions ro;
       ro.cuda_ipc_opener = [](std::string_view h, int32_t, uint64_t)
@@ -205,7 +194,7 @@ int main(int argc, char** argv) {
         return static_cast<void*>(*s);
       };
       auto c = NcclCommunicator::Create(o);
-      CHECK_OK(c.status());
+      QTX_BENCH_CHECK_OK(c.status());
       k.comm = std::move(*c);
       if (ready->Block()) delete ready;
     });
@@ -227,9 +216,9 @@ int main(int argc, char** argv) {
     for (int r = 0; r < 2; ++r) {
       th.emplace_back([&, r] {
         Rank& k = ranks[r];
-        CHECK_CUDA(cudaSetDevice(r));
+        QTX_BENCH_CHECK_CUDA(cudaSetDevice(r));
         auto stream_or = k.device->CurrentThreadStream();
-        CHECK_OK(stream_or.status());
+        QTX_BENCH_CHECK_OK(stream_or.status());
         cudaStream_t stream = *stream_or;
         const int64_t mr = r == 0 ? cfg.m0 : cfg.m1;
         const int64_t off = r == 0 ? 0 : cfg.m0;
@@ -240,7 +229,7 @@ int main(int argc, char** argv) {
           std::mt19937 rng(static_cast<uint32_t>(r * 7 + 1));
           std::normal_distribution<float> dist(0, 1);
           for (auto& v : h) v = kernels::FloatToBf16(dist(rng));
-          CHECK_CUDA(cudaMemcpy(in, h.data(), in_bytes, cudaMemcpyHostToDevice));
+          QTX_BENCH_CHECK_CUDA(cudaMemcpy(in, h.data(), in_bytes, cudaMemcpyHostToDevice));
         }
         auto* rd = static_cast<uint8_t*>(k.Alloc(lay.RowwiseDataBytes(), "rd"));
         auto* rs = static_cast<float*>(k.Alloc(4 * lay.RowwiseScaleCount(), "rs"));
@@ -293,11 +282,11 @@ int main(int argc, char** argv) {
           bool broken = false;
           auto res = server::ops::AllGather(req, k.ctx, *k.comm,
                                             CommCall{absl::Now() + absl::Seconds(60)}, &broken);
-          CHECK_OK(res.status());
+          QTX_BENCH_CHECK_OK(res.status());
           if (timing != nullptr) timing->push_back(res->timing);
         };
         auto raw_gather = [&] {
-          CHECK_OK(k.comm->AllGatherV(qgather + (r == 0 ? 0 : q_sizes[0]), q_sizes, qgather,
+          QTX_BENCH_CHECK_OK(k.comm->AllGatherV(qgather + (r == 0 ? 0 : q_sizes[0]), q_sizes, qgather,
                                       CommCall{absl::Now() + absl::Seconds(60)}));
         };
         auto raw_quantize_local = [&] {
@@ -310,27 +299,27 @@ int main(int argc, char** argv) {
             b.columnwise_scale_inv =
                 reinterpret_cast<float*>(b.columnwise_data + local.ColumnwiseDataBytes());
           }
-          CHECK_CUDA(kernels::cuda::QuantizeBlock(in, kernels::InputDType::kBFloat16, mr, cfg.n,
+          QTX_BENCH_CHECK_CUDA(kernels::cuda::QuantizeBlock(in, kernels::InputDType::kBFloat16, mr, cfg.n,
                                                   p, b, stream));
         };
         auto bf16_then_quantize = [&] {
-          CHECK_CUDA(cudaMemcpyAsync(bf16 + off * cfg.n * 2, in, in_bytes,
+          QTX_BENCH_CHECK_CUDA(cudaMemcpyAsync(bf16 + off * cfg.n * 2, in, in_bytes,
                                      cudaMemcpyDeviceToDevice, stream));
-          CHECK_OK(k.comm->AllGatherV(bf16 + off * cfg.n * 2, b_sizes, bf16,
+          QTX_BENCH_CHECK_OK(k.comm->AllGatherV(bf16 + off * cfg.n * 2, b_sizes, bf16,
                                       CommCall{absl::Now() + absl::Seconds(60)}));
-          CHECK_CUDA(kernels::cuda::QuantizeBlock(bf16, kernels::InputDType::kBFloat16, m_total,
+          QTX_BENCH_CHECK_CUDA(kernels::cuda::QuantizeBlock(bf16, kernels::InputDType::kBFloat16, m_total,
                                                   cfg.n, p, {rd, rs, cd, cs}, stream));
-          CHECK_CUDA(cudaStreamSynchronize(stream));
+          QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
         };
         static uint64_t seq_base[2] = {0, 0};
         auto time_it = [&](const std::string& name, auto&& fn) {
           std::vector<double> t;
           for (int i = 0; i < iters + 3; ++i) {
-            CHECK_CUDA(cudaStreamSynchronize(stream));
-            CHECK_OK(k.comm->Barrier(CommCall{absl::Now() + absl::Seconds(60)}));
+            QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+            QTX_BENCH_CHECK_OK(k.comm->Barrier(CommCall{absl::Now() + absl::Seconds(60)}));
             const absl::Time t0 = absl::Now();
             fn();
-            CHECK_CUDA(cudaStreamSynchronize(stream));
+            QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
             if (i >= 3) t.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
           }
           times[r][name] = Median(t);
@@ -361,12 +350,12 @@ int main(int argc, char** argv) {
         // (which quantizes the concatenation with the same kernel).
         op(server::ops::AllGatherMode::kExactFp8, seq_base[r]++);
         std::vector<uint8_t> a(lay.RowwiseDataBytes()), b(lay.RowwiseDataBytes());
-        CHECK_CUDA(cudaMemcpy(a.data(), rd, a.size(), cudaMemcpyDeviceToHost));
+        QTX_BENCH_CHECK_CUDA(cudaMemcpy(a.data(), rd, a.size(), cudaMemcpyDeviceToHost));
         std::vector<float> as(lay.RowwiseScaleCount()), bs(lay.RowwiseScaleCount());
-        CHECK_CUDA(cudaMemcpy(as.data(), rs, 4 * as.size(), cudaMemcpyDeviceToHost));
+        QTX_BENCH_CHECK_CUDA(cudaMemcpy(as.data(), rs, 4 * as.size(), cudaMemcpyDeviceToHost));
         bf16_then_quantize();
-        CHECK_CUDA(cudaMemcpy(b.data(), rd, b.size(), cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(bs.data(), rs, 4 * bs.size(), cudaMemcpyDeviceToHost));
+        QTX_BENCH_CHECK_CUDA(cudaMemcpy(b.data(), rd, b.size(), cudaMemcpyDeviceToHost));
+        QTX_BENCH_CHECK_CUDA(cudaMemcpy(bs.data(), rs, 4 * bs.size(), cudaMemcpyDeviceToHost));
         if (a != b || std::memcmp(as.data(), bs.data(), 4 * as.size()) != 0) ++errors;
         k.FreeAll();
       });

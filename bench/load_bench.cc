@@ -36,9 +36,24 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/flags/flag.h"
+#include "bench/bench_util.h"
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/optimizer.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
+
+ABSL_FLAG(std::string, qtxd, "", "qtxd binary to start (or give --target)");
+ABSL_FLAG(std::string, target, "", "a running qtxd (unix:SOCK)");
+ABSL_FLAG(int, pid, 0, "the running qtxd's pid, for its resident memory");
+ABSL_FLAG(int, clients, 16, "concurrent clients");
+ABSL_FLAG(double, seconds, 20, "measured seconds");
+ABSL_FLAG(double, warmup_seconds, 3, "seconds before measuring");
+ABSL_FLAG(int64_t, m, 256, "rows of the Quantize inputs");
+ABSL_FLAG(int64_t, n, 1024, "columns of the Quantize inputs");
+ABSL_FLAG(int, qtxd_threads, 4, "qtxd --threads of a started qtxd");
+ABSL_FLAG(bool, check, false, "exit 1 on errors, RSS growth or an unhealthy qtxd");
+ABSL_FLAG(double, max_rss_growth_mb, 64, "with --check: allowed RSS growth after the warm-up");
+ABSL_FLAG(std::string, label, "", "free text copied into the summary");
 
 namespace {
 
@@ -59,39 +74,24 @@ struct Options {
   std::string label;  // free text copied into the summary
 };
 
-bool Flag(const char* arg, const char* name, std::string* value) {
-  const size_t len = std::strlen(name);
-  if (std::strncmp(arg, name, len) != 0 || arg[len] != '=') return false;
-  *value = arg + len + 1;
-  return true;
-}
-
 Options Parse(int argc, char** argv) {
+  qtx::bench::ParseBenchFlags(
+      argc, argv,
+      "load_bench (--qtxd=PATH | --target=unix:SOCK [--pid=PID]): many clients mixing every RPC "
+      "against one qtxd; latency, errors and qtxd's resident memory");
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string v;
-    if (Flag(argv[i], "--qtxd", &v)) o.qtxd = v;
-    else if (Flag(argv[i], "--target", &v)) o.target = v;
-    else if (Flag(argv[i], "--pid", &v)) o.pid = std::atoi(v.c_str());
-    else if (Flag(argv[i], "--clients", &v)) o.clients = std::atoi(v.c_str());
-    else if (Flag(argv[i], "--seconds", &v)) o.seconds = std::atof(v.c_str());
-    else if (Flag(argv[i], "--warmup_seconds", &v)) o.warmup_seconds = std::atof(v.c_str());
-    else if (Flag(argv[i], "--m", &v)) o.m = std::atoll(v.c_str());
-    else if (Flag(argv[i], "--n", &v)) o.n = std::atoll(v.c_str());
-    else if (Flag(argv[i], "--qtxd_threads", &v)) o.qtxd_threads = std::atoi(v.c_str());
-    else if (Flag(argv[i], "--max_rss_growth_mb", &v)) o.max_rss_growth_mb = std::atof(v.c_str());
-    else if (Flag(argv[i], "--label", &v)) o.label = v;
-    else if (std::strcmp(argv[i], "--check") == 0) o.check = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: load_bench (--qtxd=PATH | --target=unix:SOCK [--pid=PID]) "
-                   "[--clients=16] [--seconds=20] [--warmup_seconds=3] [--m=256] [--n=1024] "
-                   "[--qtxd_threads=4] [--check] [--max_rss_growth_mb=64] [--label=TEXT]\n"
-                   "unknown argument: %s\n",
-                   argv[i]);
-      std::exit(2);
-    }
-  }
+  o.qtxd = absl::GetFlag(FLAGS_qtxd);
+  o.target = absl::GetFlag(FLAGS_target);
+  o.pid = absl::GetFlag(FLAGS_pid);
+  o.clients = absl::GetFlag(FLAGS_clients);
+  o.seconds = absl::GetFlag(FLAGS_seconds);
+  o.warmup_seconds = absl::GetFlag(FLAGS_warmup_seconds);
+  o.m = absl::GetFlag(FLAGS_m);
+  o.n = absl::GetFlag(FLAGS_n);
+  o.qtxd_threads = absl::GetFlag(FLAGS_qtxd_threads);
+  o.check = absl::GetFlag(FLAGS_check);
+  o.max_rss_growth_mb = absl::GetFlag(FLAGS_max_rss_growth_mb);
+  o.label = absl::GetFlag(FLAGS_label);
   return o;
 }
 
@@ -345,13 +345,6 @@ class Client {
   bool retried_ = false;
 };
 
-double Percentile(std::vector<double>& v, double p) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
-  std::nth_element(v.begin(), v.begin() + k, v.end());
-  return v[k];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -444,14 +437,14 @@ int main(int argc, char** argv) {
       total += lat.size();
       errors += err;
       all.insert(all.end(), lat.begin(), lat.end());
-      const double p50 = Percentile(lat, 0.50), p99 = Percentile(lat, 0.99);
+      const double p50 = qtx::bench::Percentile(lat, 0.50), p99 = qtx::bench::Percentile(lat, 0.99);
       std::printf(
           "{\"bench\":\"load\",\"rpc\":\"%s\",\"calls\":%zu,\"calls_per_s\":%.1f,"
           "\"p50_us\":%.1f,\"p99_us\":%.1f,\"errors\":%lld}\n",
           kRpcNames[r], lat.size(), lat.size() / elapsed, p50, p99,
           static_cast<long long>(err));
     }
-    const double p50 = Percentile(all, 0.50), p99 = Percentile(all, 0.99);
+    const double p50 = qtx::bench::Percentile(all, 0.50), p99 = qtx::bench::Percentile(all, 0.99);
     const double growth = rss_after - rss_before;
     std::printf(
         "{\"bench\":\"load\",\"rpc\":\"all\",\"label\":\"%s\",\"clients\":%d,"

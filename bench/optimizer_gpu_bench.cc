@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "bench/bench_util.h"
 #include "kernels/adamw.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/adamw.h"
@@ -34,28 +36,16 @@
 #include "qtx/shm_region.h"
 #include "tests/testing/qtxd_process.h"
 
+ABSL_FLAG(std::string, qtxd, "", "qtxd binary to start on cuda:0");
+ABSL_FLAG(int, params, 8, "parameters in the group");
+ABSL_FLAG(int64_t, m, 8192, "rows of each parameter");
+ABSL_FLAG(int64_t, n, 16384, "columns of each parameter");
+ABSL_FLAG(int, steps, 5, "timed steps");
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
-                   cudaGetErrorString(e_));                                                \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
-#define CHECK_OK(expr)                                                                     \
-  do {                                                                                     \
-    const absl::Status s_ = (expr);                                                        \
-    if (!s_.ok()) {                                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
-                   s_.ToString().c_str());                                                 \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 struct Flags {
   std::string qtxd;
@@ -65,30 +55,17 @@ struct Flags {
 };
 
 Flags ParseFlags(int argc, char** argv) {
+  qtx::bench::ParseBenchFlags(argc, argv,
+                              "optimizer_gpu_bench --qtxd=PATH [--params=N --m=M --n=N --steps=S]: "
+                              "offloaded AdamW steps with device gradients and FP8 outputs");
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto val = [&](const char* key) -> const char* {
-      const size_t k = std::strlen(key);
-      return a.compare(0, k, key) == 0 ? a.c_str() + k : nullptr;
-    };
-    if (const char* v = val("--qtxd=")) {
-      f.qtxd = v;
-    } else if (const char* v = val("--params=")) {
-      f.params = std::atoi(v);
-    } else if (const char* v = val("--m=")) {
-      f.m = std::atoll(v);
-    } else if (const char* v = val("--n=")) {
-      f.n = std::atoll(v);
-    } else if (const char* v = val("--steps=")) {
-      f.steps = std::atoi(v);
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", a.c_str());
-      std::exit(2);
-    }
-  }
+  f.qtxd = absl::GetFlag(FLAGS_qtxd);
+  f.params = absl::GetFlag(FLAGS_params);
+  f.m = absl::GetFlag(FLAGS_m);
+  f.n = absl::GetFlag(FLAGS_n);
+  f.steps = absl::GetFlag(FLAGS_steps);
   if (f.qtxd.empty() || f.params < 1 || f.m < 1 || f.n < 1 || f.steps < 1) {
-    std::fprintf(stderr, "usage: --qtxd=PATH [--params=N --m=M --n=N --steps=S]\n");
+    std::fprintf(stderr, "usage: --qtxd=PATH [--params=N --m=M --n=N --steps=S], all >= 1\n");
     std::exit(2);
   }
   return f;
@@ -96,11 +73,6 @@ Flags ParseFlags(int argc, char** argv) {
 
 double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // A deterministic gradient-like value for element i of parameter p, step t.
@@ -126,44 +98,44 @@ int main(int argc, char** argv) {
     out_off[i] = out_bytes_per;
     out_bytes_per += (out_sizes[i] + 255) / 256 * 256;
   }
-  CHECK_CUDA(cudaSetDevice(0));
-  CHECK_CUDA(cudaFree(nullptr));
+  QTX_BENCH_CHECK_CUDA(cudaSetDevice(0));
+  QTX_BENCH_CHECK_CUDA(cudaFree(nullptr));
 
   // ---- Device buffers of the training process: gradients and FP8 params ----
   void* grads_dev = nullptr;
   void* out_dev = nullptr;
-  CHECK_CUDA(cudaMalloc(&grads_dev, grad_bytes * np));
-  CHECK_CUDA(cudaMalloc(&out_dev, out_bytes_per * np));
+  QTX_BENCH_CHECK_CUDA(cudaMalloc(&grads_dev, grad_bytes * np));
+  QTX_BENCH_CHECK_CUDA(cudaMalloc(&out_dev, out_bytes_per * np));
   // Page-locked host buffers for the gradient upload and the stage timings.
   float* host_grads = nullptr;
   uint8_t* host_out = nullptr;
-  CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_grads), grad_bytes * np,
+  QTX_BENCH_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_grads), grad_bytes * np,
                            cudaHostAllocDefault));
-  CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_out), out_bytes_per * np,
+  QTX_BENCH_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_out), out_bytes_per * np,
                            cudaHostAllocDefault));
   cudaStream_t stream = nullptr;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  QTX_BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto upload_grads = [&](int t) {
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < count * np; ++j) host_grads[j] = GradValue(int(j / count), j % count, t);
-    CHECK_CUDA(cudaMemcpy(grads_dev, host_grads, grad_bytes * np, cudaMemcpyHostToDevice));
+    QTX_BENCH_CHECK_CUDA(cudaMemcpy(grads_dev, host_grads, grad_bytes * np, cudaMemcpyHostToDevice));
   };
 
   // ---- qtxd ----
   auto server_or = qtx::testing::QtxdProcess::Start(
       f.qtxd, {"--device=cuda:0", "--allow_client_shm", "--optimizer_memory_limit_mb=65536"},
       absl::Seconds(60));
-  CHECK_OK(server_or.status());
+  QTX_BENCH_CHECK_OK(server_or.status());
   std::unique_ptr<qtx::testing::QtxdProcess> server = *std::move(server_or);
   auto stop_server = [&] { server.reset(); };
   auto client_or = qtx::Client::Connect(server->target());
-  CHECK_OK(client_or.status());
+  QTX_BENCH_CHECK_OK(client_or.status());
   std::unique_ptr<qtx::Client> client = *std::move(client_or);
 
   // Initial master weights: BF16 in a shm region (widened exactly by qtxd).
   auto t_off0 = Clock::now();
   auto shm_or = qtx::ShmRegion::Create("init", static_cast<uint64_t>(count) * 2 * np);
-  CHECK_OK(shm_or.status());
+  QTX_BENCH_CHECK_OK(shm_or.status());
   std::unique_ptr<qtx::ShmRegion> shm = *std::move(shm_or);
   auto* bf = reinterpret_cast<uint16_t*>(shm->data());
 #pragma omp parallel for schedule(static)
@@ -173,7 +145,7 @@ int main(int argc, char** argv) {
     std::memcpy(&u, &v, 4);
     bf[j] = static_cast<uint16_t>(u >> 16);
   }
-  CHECK_OK(client->RegisterShmRegion(*shm));
+  QTX_BENCH_CHECK_OK(client->RegisterShmRegion(*shm));
   qtx::OptimizerGroupConfig config;
   config.group = "bench";
   std::vector<qtx::OptimizerParameterInit> inits;
@@ -186,12 +158,12 @@ int main(int argc, char** argv) {
                      {},
                      {}});
   }
-  CHECK_OK(client->OffloadOptimizerState(config, inits).status());
-  CHECK_OK(client->UnregisterRegion("init"));
+  QTX_BENCH_CHECK_OK(client->OffloadOptimizerState(config, inits).status());
+  QTX_BENCH_CHECK_OK(client->UnregisterRegion("init"));
   shm.reset();
   const double offload_ms = Ms(t_off0, Clock::now());
-  CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, "grads", grads_dev, grad_bytes * np));
-  CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, "params", out_dev, out_bytes_per * np));
+  QTX_BENCH_CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, "grads", grads_dev, grad_bytes * np));
+  QTX_BENCH_CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, "params", out_dev, out_bytes_per * np));
 
   std::vector<qtx::OptimizerGradient> grads;
   qtx::StepOptions options;
@@ -211,8 +183,8 @@ int main(int argc, char** argv) {
   }
   auto ready = qtx::cuda::IpcEvent::Create();
   auto done = qtx::cuda::IpcEvent::Create();
-  CHECK_OK(ready.status());
-  CHECK_OK(done.status());
+  QTX_BENCH_CHECK_OK(ready.status());
+  QTX_BENCH_CHECK_OK(done.status());
 
   // ---- Steps through qtxd: step 1 warms up (page-locked staging, once per
   // group); then `steps` timed steps without events and `steps` with. ----
@@ -225,7 +197,7 @@ int main(int argc, char** argv) {
     const bool events = i > f.steps;
     qtx::CallOptions call;
     if (events) {
-      CHECK_CUDA(cudaEventRecord(ready->get(), stream));
+      QTX_BENCH_CHECK_CUDA(cudaEventRecord(ready->get(), stream));
       call.cuda_wait_event = ready->handle();
       call.cuda_signal_event = done->handle();
     }
@@ -239,8 +211,8 @@ int main(int argc, char** argv) {
     if (events) {
       // The outputs are ready for the training stream once it has waited on
       // the sidecar's event; the latency is until that point.
-      CHECK_CUDA(cudaStreamWaitEvent(stream, done->get(), 0));
-      CHECK_CUDA(cudaStreamSynchronize(stream));
+      QTX_BENCH_CHECK_CUDA(cudaStreamWaitEvent(stream, done->get(), 0));
+      QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
     }
     const double ms = Ms(t0, Clock::now());
     if (i == 0) {
@@ -256,32 +228,32 @@ int main(int argc, char** argv) {
 
   // ---- The three stages alone ----
   cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
+  QTX_BENCH_CHECK_CUDA(cudaEventCreate(&e0));
+  QTX_BENCH_CHECK_CUDA(cudaEventCreate(&e1));
   std::vector<double> d2h, h2d;
   for (int r = 0; r < 3; ++r) {
-    CHECK_CUDA(cudaEventRecord(e0, stream));
+    QTX_BENCH_CHECK_CUDA(cudaEventRecord(e0, stream));
     for (int p = 0; p < np; ++p) {
-      CHECK_CUDA(cudaMemcpyAsync(host_grads + count * p,
+      QTX_BENCH_CHECK_CUDA(cudaMemcpyAsync(host_grads + count * p,
                                  static_cast<char*>(grads_dev) + grad_bytes * p, grad_bytes,
                                  cudaMemcpyDeviceToHost, stream));
     }
-    CHECK_CUDA(cudaEventRecord(e1, stream));
-    CHECK_CUDA(cudaEventSynchronize(e1));
+    QTX_BENCH_CHECK_CUDA(cudaEventRecord(e1, stream));
+    QTX_BENCH_CHECK_CUDA(cudaEventSynchronize(e1));
     float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    QTX_BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     d2h.push_back(ms);
-    CHECK_CUDA(cudaEventRecord(e0, stream));
+    QTX_BENCH_CHECK_CUDA(cudaEventRecord(e0, stream));
     for (int p = 0; p < np; ++p) {
       for (int b = 0; b < 4; ++b) {
         const uint64_t off = out_bytes_per * p + out_off[b];
-        CHECK_CUDA(cudaMemcpyAsync(static_cast<char*>(out_dev) + off, host_out + off,
+        QTX_BENCH_CHECK_CUDA(cudaMemcpyAsync(static_cast<char*>(out_dev) + off, host_out + off,
                                    out_sizes[b], cudaMemcpyHostToDevice, stream));
       }
     }
-    CHECK_CUDA(cudaEventRecord(e1, stream));
-    CHECK_CUDA(cudaEventSynchronize(e1));
-    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    QTX_BENCH_CHECK_CUDA(cudaEventRecord(e1, stream));
+    QTX_BENCH_CHECK_CUDA(cudaEventSynchronize(e1));
+    QTX_BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     h2d.push_back(ms);
   }
   // Host: the same kernels on the same shapes, here (qtxd has exited).
@@ -326,7 +298,7 @@ int main(int argc, char** argv) {
     (void)norm;
   }
 
-  const double d2h_ms = Median(d2h), h2d_ms = Median(h2d), host_ms = Median(host);
+  const double d2h_ms = qtx::bench::Percentile(d2h, 0.5), h2d_ms = qtx::bench::Percentile(h2d, 0.5), host_ms = qtx::bench::Percentile(host, 0.5);
   const double slowest = std::max({d2h_ms, h2d_ms, host_ms});
   const double sum = d2h_ms + h2d_ms + host_ms;
   std::fprintf(stderr,
@@ -337,7 +309,7 @@ int main(int argc, char** argv) {
                omp_get_max_threads(), h2d_ms, out_bytes_per * np / h2d_ms / 1e6);
   for (int ev = 0; ev < 2; ++ev) {
     const std::vector<double>& v = ev ? evented : plain;
-    const double step = Median(v);
+    const double step = qtx::bench::Percentile(v, 0.5);
     const double best = *std::min_element(v.begin(), v.end());
     std::printf(
         "{\"bench\":\"optimizer_step_gpu\",\"events\":%s,\"params\":%d,\"m\":%ld,\"n\":%ld,"

@@ -34,25 +34,33 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_block.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
 #include "tests/testing/qtxd_process.h"
 
+ABSL_FLAG(std::string, qtxd, "", "qtxd binary to start with --device=cpu (or give --target)");
+ABSL_FLAG(std::string, target, "", "a running CPU qtxd (unix:///path)");
+ABSL_FLAG(std::vector<std::string>, shapes, std::vector<std::string>({"1x128", "128x128", "128x4096"}),
+          "input shapes MxN, comma-separated");
+ABSL_FLAG(int, iters, 2000, "calls per case and round (>= 10)");
+ABSL_FLAG(int, rounds, 5, "rounds of every case (>= 1)");
+ABSL_FLAG(int, threads, 4, "qtxd --threads");
+ABSL_FLAG(std::vector<std::string>, qtxd_arg, {}, "extra qtxd flags, comma-separated");
+ABSL_FLAG(std::vector<std::string>, cases, std::vector<std::string>({"health", "health_cq", "quantize", "kernel"}),
+          "cases to run (to trace one of them)");
+ABSL_FLAG(std::string, label, "", "free text copied into the JSON lines");
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_OK(expr)                                                                     \
-  do {                                                                                     \
-    const absl::Status s_ = (expr);                                                        \
-    if (!s_.ok()) {                                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
-                   s_.ToString().c_str());                                                 \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 struct Shape {
   int64_t m = 0;
@@ -62,7 +70,7 @@ struct Shape {
 struct Flags {
   std::string qtxd;
   std::string target;
-  std::vector<Shape> shapes = {{1, 128}, {128, 128}, {128, 4096}};
+  std::vector<Shape> shapes;
   int iters = 2000;
   int rounds = 5;
   int threads = 4;
@@ -76,48 +84,28 @@ struct Flags {
 };
 
 Flags ParseFlags(int argc, char** argv) {
+  qtx::bench::ParseBenchFlags(argc, argv,
+                              "rpc_overhead_bench (--qtxd=PATH | --target=unix:///...): the "
+                              "service path on a CPU device (shm regions) vs a health call and "
+                              "the bare kernel");
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto val = [&](const char* name) -> const char* {
-      const size_t len = std::strlen(name);
-      return a.compare(0, len, name) == 0 ? a.c_str() + len : nullptr;
-    };
-    if (const char* v = val("--qtxd=")) {
-      f.qtxd = v;
-    } else if (const char* v = val("--target=")) {
-      f.target = v;
-    } else if (const char* v = val("--iters=")) {
-      f.iters = std::atoi(v);
-    } else if (const char* v = val("--rounds=")) {
-      f.rounds = std::atoi(v);
-    } else if (const char* v = val("--threads=")) {
-      f.threads = std::atoi(v);
-    } else if (const char* v = val("--qtxd_arg=")) {
-      f.qtxd_args.emplace_back(v);
-    } else if (const char* v = val("--cases=")) {
-      f.cases = v;
-    } else if (const char* v = val("--label=")) {
-      f.label = v;
-    } else if (const char* v = val("--shapes=")) {
-      f.shapes.clear();
-      for (const char* p = v; *p != '\0';) {
-        Shape s;
-        char* end = nullptr;
-        s.m = std::strtoll(p, &end, 10);
-        if (*end != 'x') {
-          std::fprintf(stderr, "--shapes: expected MxN[,MxN...], got %s\n", v);
-          std::exit(2);
-        }
-        s.n = std::strtoll(end + 1, &end, 10);
-        f.shapes.push_back(s);
-        if (*end != ',') break;
-        p = end + 1;
-      }
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
+  f.qtxd = absl::GetFlag(FLAGS_qtxd);
+  f.target = absl::GetFlag(FLAGS_target);
+  f.iters = absl::GetFlag(FLAGS_iters);
+  f.rounds = absl::GetFlag(FLAGS_rounds);
+  f.threads = absl::GetFlag(FLAGS_threads);
+  f.qtxd_args = absl::GetFlag(FLAGS_qtxd_arg);
+  f.cases = absl::StrJoin(absl::GetFlag(FLAGS_cases), ",");
+  f.label = absl::GetFlag(FLAGS_label);
+  f.shapes.clear();
+  for (const std::string& item : absl::GetFlag(FLAGS_shapes)) {
+    const std::vector<std::string> mn = absl::StrSplit(item, 'x');
+    Shape s;
+    if (mn.size() != 2 || !absl::SimpleAtoi(mn[0], &s.m) || !absl::SimpleAtoi(mn[1], &s.n)) {
+      std::fprintf(stderr, "--shapes: expected MxN[,MxN...], got '%s'\n", item.c_str());
       std::exit(2);
     }
+    f.shapes.push_back(s);
   }
   if (f.qtxd.empty() == f.target.empty()) {
     std::fprintf(stderr, "give exactly one of --qtxd=PATH or --target=unix:///...\n");
@@ -130,12 +118,6 @@ Flags ParseFlags(int argc, char** argv) {
   return f;
 }
 
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
-  return v[i];
-}
-
 double Us(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
 }
@@ -144,7 +126,7 @@ struct Stats {
   double p50 = 0, p90 = 0, p99 = 0;
 };
 Stats Summarize(const std::vector<double>& v) {
-  return {Percentile(v, 0.5), Percentile(v, 0.9), Percentile(v, 0.99)};
+  return {qtx::bench::Percentile(v, 0.5), qtx::bench::Percentile(v, 0.9), qtx::bench::Percentile(v, 0.99)};
 }
 
 // A health check through a completion queue polled by this thread: the
@@ -221,15 +203,15 @@ int main(int argc, char** argv) {
     args.insert(args.end(), flags.qtxd_args.begin(), flags.qtxd_args.end());
     ::setenv("OMP_NUM_THREADS", "1", 1);  // for the child (see the top comment)
     auto server_or = qtx::testing::QtxdProcess::Start(flags.qtxd, args, absl::Seconds(60));
-    CHECK_OK(server_or.status());
+    QTX_BENCH_CHECK_OK(server_or.status());
     server = *std::move(server_or);
     target = server->target();
   }
   const pid_t server_pid = server != nullptr ? server->pid() : -1;
   auto client_or = qtx::Client::Connect(target);
-  CHECK_OK(client_or.status());
+  QTX_BENCH_CHECK_OK(client_or.status());
   std::unique_ptr<qtx::Client> client = *std::move(client_or);
-  CHECK_OK(client->WaitUntilServing(absl::Seconds(60)));
+  QTX_BENCH_CHECK_OK(client->WaitUntilServing(absl::Seconds(60)));
   // The same socket through a plain channel for the completion-queue floor.
   CqHealth cq_health(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
 
@@ -250,10 +232,10 @@ int main(int argc, char** argv) {
     const uint64_t out_bytes = layout.RowwiseDataBytes() + layout.ColumnwiseDataBytes() +
                                4 * (layout.RowwiseScaleCount() + layout.ColumnwiseScaleCount());
     auto region_or = qtx::ShmRegion::Create(region_name, in_bytes + out_bytes + 4096);
-    CHECK_OK(region_or.status());
+    QTX_BENCH_CHECK_OK(region_or.status());
     std::unique_ptr<qtx::ShmRegion> region = *std::move(region_or);
     auto in_slice = region->Allocate(in_bytes);
-    CHECK_OK(in_slice.status());
+    QTX_BENCH_CHECK_OK(in_slice.status());
     {
       std::mt19937 rng(static_cast<uint32_t>(m * 131 + n));
       std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -267,8 +249,8 @@ int main(int argc, char** argv) {
     }
     const std::vector<int64_t> dims = {m, n};
     auto outs = region->AllocateQuantizeOutputs(dims, config);
-    CHECK_OK(outs.status());
-    CHECK_OK(client->RegisterShmRegion(*region));
+    QTX_BENCH_CHECK_OK(outs.status());
+    QTX_BENCH_CHECK_OK(client->RegisterShmRegion(*region));
     const qtx::Tensor input = qtx::Tensor::InRegion(qtx::DType::kBFloat16, dims, *in_slice);
 
     // The bare kernel reads and writes the same shm bytes.
@@ -294,7 +276,7 @@ int main(int argc, char** argv) {
       const int warm = round == 0 ? 50 : 5;
       for (int i = 0; flags.Runs("health") && i < per_round + warm; ++i) {
         const auto t0 = Clock::now();
-        CHECK_OK(client->Health().status());
+        QTX_BENCH_CHECK_OK(client->Health().status());
         if (i >= warm) health.push_back(Us(t0, Clock::now()));
       }
       double cpu0 = ProcessCpuUs(server_pid);
@@ -308,7 +290,7 @@ int main(int argc, char** argv) {
       for (int i = 0; flags.Runs("quantize") && i < per_round + warm; ++i) {
         const auto t0 = Clock::now();
         auto q = client->Quantize(input, config, *outs);
-        CHECK_OK(q.status());
+        QTX_BENCH_CHECK_OK(q.status());
         if (i >= warm) quantize.push_back(Us(t0, Clock::now()));
       }
       quantize_cpu_us += ProcessCpuUs(server_pid) - cpu0;
@@ -359,7 +341,7 @@ int main(int argc, char** argv) {
                  qs.p50 - ks.p50 - hq.p50, health_cq_cpu_us / calls_per_case,
                  quantize_cpu_us / calls_per_case);
     std::fflush(stdout);
-    CHECK_OK(client->UnregisterRegion(region->name()));
+    QTX_BENCH_CHECK_OK(client->UnregisterRegion(region->name()));
   }
   client.reset();
   server.reset();

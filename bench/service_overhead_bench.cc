@@ -24,40 +24,35 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "bench/bench_util.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
 #include "tests/testing/qtxd_process.h"
 
+ABSL_FLAG(std::string, qtxd, "", "qtxd binary to start on cuda:0 (or give --target)");
+ABSL_FLAG(std::string, target, "", "a running qtxd (unix:///path)");
+ABSL_FLAG(std::vector<std::string>, sizes_mib, std::vector<std::string>({"1", "4", "16", "64", "256"}),
+          "input sizes in MiB, comma-separated");
+ABSL_FLAG(int, iters, 300, "calls per size (a third of it from 64 MiB up, at least 50)");
+ABSL_FLAG(int, mps, 0, "whether MPS runs (copied into the JSON lines)");
+ABSL_FLAG(int, threads, 4, "qtxd --threads");
+ABSL_FLAG(int64_t, n, 4096, "columns of the input");
+ABSL_FLAG(std::vector<std::string>, qtxd_arg, {}, "extra qtxd flags, comma-separated");
+ABSL_FLAG(std::string, label, "", "free text copied into the JSON lines");
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    const cudaError_t e_ = (expr);                                                         \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
-                   cudaGetErrorString(e_));                                                \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
-#define CHECK_OK(expr)                                                                     \
-  do {                                                                                     \
-    const absl::Status s_ = (expr);                                                        \
-    if (!s_.ok()) {                                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
-                   s_.ToString().c_str());                                                 \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 struct Flags {
   std::string qtxd;
   std::string target;
-  std::vector<int> sizes_mib = {1, 4, 16, 64, 256};
+  std::vector<int64_t> sizes_mib;
   int iters = 300;
   int mps = 0;
   int threads = 4;
@@ -67,53 +62,24 @@ struct Flags {
 };
 
 Flags ParseFlags(int argc, char** argv) {
+  qtx::bench::ParseBenchFlags(argc, argv,
+                              "service_overhead_bench (--qtxd=PATH | --target=unix:///...): "
+                              "Quantize through qtxd (CUDA IPC regions) vs the bare kernel");
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto val = [&](const char* name) -> const char* {
-      const size_t len = std::strlen(name);
-      return a.compare(0, len, name) == 0 ? a.c_str() + len : nullptr;
-    };
-    if (const char* v = val("--qtxd=")) {
-      f.qtxd = v;
-    } else if (const char* v = val("--target=")) {
-      f.target = v;
-    } else if (const char* v = val("--iters=")) {
-      f.iters = std::atoi(v);
-    } else if (const char* v = val("--mps=")) {
-      f.mps = std::atoi(v);
-    } else if (const char* v = val("--threads=")) {
-      f.threads = std::atoi(v);
-    } else if (const char* v = val("--qtxd_arg=")) {
-      f.qtxd_args.emplace_back(v);
-    } else if (const char* v = val("--label=")) {
-      f.label = v;
-    } else if (const char* v = val("--n=")) {
-      f.n = std::atoll(v);
-    } else if (const char* v = val("--sizes_mib=")) {
-      f.sizes_mib.clear();
-      for (const char* p = v; *p != '\0';) {
-        f.sizes_mib.push_back(std::atoi(p));
-        const char* comma = std::strchr(p, ',');
-        if (comma == nullptr) break;
-        p = comma + 1;
-      }
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
-      std::exit(2);
-    }
-  }
+  f.qtxd = absl::GetFlag(FLAGS_qtxd);
+  f.target = absl::GetFlag(FLAGS_target);
+  f.sizes_mib = qtx::bench::IntList("sizes_mib", absl::GetFlag(FLAGS_sizes_mib));
+  f.iters = absl::GetFlag(FLAGS_iters);
+  f.mps = absl::GetFlag(FLAGS_mps);
+  f.threads = absl::GetFlag(FLAGS_threads);
+  f.n = absl::GetFlag(FLAGS_n);
+  f.qtxd_args = absl::GetFlag(FLAGS_qtxd_arg);
+  f.label = absl::GetFlag(FLAGS_label);
   if (f.qtxd.empty() == f.target.empty()) {
     std::fprintf(stderr, "give exactly one of --qtxd=PATH or --target=unix:///...\n");
     std::exit(2);
   }
   return f;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
-  return v[i];
 }
 
 double Us(Clock::time_point a, Clock::time_point b) {
@@ -123,14 +89,14 @@ double Us(Clock::time_point a, Clock::time_point b) {
 struct Stats {
   double p50 = 0, p99 = 0;
 };
-Stats Summarize(const std::vector<double>& v) { return {Percentile(v, 0.5), Percentile(v, 0.99)}; }
+Stats Summarize(const std::vector<double>& v) { return {qtx::bench::Percentile(v, 0.5), qtx::bench::Percentile(v, 0.99)}; }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
-  CHECK_CUDA(cudaSetDevice(0));
-  CHECK_CUDA(cudaFree(nullptr));
+  QTX_BENCH_CHECK_CUDA(cudaSetDevice(0));
+  QTX_BENCH_CHECK_CUDA(cudaFree(nullptr));
 
   std::unique_ptr<qtx::testing::QtxdProcess> server;
   std::string target = flags.target;
@@ -139,21 +105,21 @@ int main(int argc, char** argv) {
                                      "--threads=" + std::to_string(flags.threads)};
     args.insert(args.end(), flags.qtxd_args.begin(), flags.qtxd_args.end());
     auto server_or = qtx::testing::QtxdProcess::Start(flags.qtxd, args, absl::Seconds(60));
-    CHECK_OK(server_or.status());
+    QTX_BENCH_CHECK_OK(server_or.status());
     server = *std::move(server_or);
     target = server->target();
   }
   auto client_or = qtx::Client::Connect(target);
-  CHECK_OK(client_or.status());
+  QTX_BENCH_CHECK_OK(client_or.status());
   std::unique_ptr<qtx::Client> client = *std::move(client_or);
-  CHECK_OK(client->WaitUntilServing(absl::Seconds(60)));
+  QTX_BENCH_CHECK_OK(client->WaitUntilServing(absl::Seconds(60)));
 
   // The floor: a unary RPC answered by gRPC's health service (no executor,
   // no device), over the same channel.
   std::vector<double> health;
   for (int i = 0; i < flags.iters + 20; ++i) {
     const auto t0 = Clock::now();
-    CHECK_OK(client->Health().status());
+    QTX_BENCH_CHECK_OK(client->Health().status());
     if (i >= 20) health.push_back(Us(t0, Clock::now()));
   }
   const Stats hs = Summarize(health);
@@ -164,19 +130,19 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   cudaStream_t stream = nullptr;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  QTX_BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t ev0, ev1;
-  CHECK_CUDA(cudaEventCreate(&ev0));
-  CHECK_CUDA(cudaEventCreate(&ev1));
+  QTX_BENCH_CHECK_CUDA(cudaEventCreate(&ev0));
+  QTX_BENCH_CHECK_CUDA(cudaEventCreate(&ev1));
   auto ready = qtx::cuda::IpcEvent::Create();
   auto done = qtx::cuda::IpcEvent::Create();
-  CHECK_OK(ready.status());
-  CHECK_OK(done.status());
+  QTX_BENCH_CHECK_OK(ready.status());
+  QTX_BENCH_CHECK_OK(done.status());
 
   std::fprintf(stderr, "%-6s %-7s %10s %10s %10s %10s %12s %12s %12s\n", "MiB", "events",
                "rpc_p50", "rpc_p99", "kern_p50", "kern_p99", "kern_gpu_p50", "ovh_p50",
                "ovh_p99");
-  for (int mib : flags.sizes_mib) {
+  for (int64_t mib : flags.sizes_mib) {
     const int64_t n = flags.n;
     const int64_t bytes = int64_t{mib} << 20;
     const int64_t m = bytes / 2 / n;  // BF16
@@ -193,8 +159,8 @@ int main(int argc, char** argv) {
     }
     void* d_in = nullptr;
     void* d_out = nullptr;
-    CHECK_CUDA(cudaMalloc(&d_in, bytes));
-    CHECK_CUDA(cudaMalloc(&d_out, total));
+    QTX_BENCH_CHECK_CUDA(cudaMalloc(&d_in, bytes));
+    QTX_BENCH_CHECK_CUDA(cudaMalloc(&d_out, total));
     {
       std::vector<uint16_t> host(m * n);
       std::mt19937 rng(mib);
@@ -205,12 +171,12 @@ int main(int argc, char** argv) {
         std::memcpy(&u, &f, 4);
         h = static_cast<uint16_t>(u >> 16);
       }
-      CHECK_CUDA(cudaMemcpy(d_in, host.data(), bytes, cudaMemcpyHostToDevice));
+      QTX_BENCH_CHECK_CUDA(cudaMemcpy(d_in, host.data(), bytes, cudaMemcpyHostToDevice));
     }
     const std::string in_name = "bench_in_" + std::to_string(mib);
     const std::string out_name = "bench_out_" + std::to_string(mib);
-    CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, in_name, d_in, bytes));
-    CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, out_name, d_out, total));
+    QTX_BENCH_CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, in_name, d_in, bytes));
+    QTX_BENCH_CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, out_name, d_out, total));
 
     qtx::QuantizeConfig config;
     config.rowwise = true;
@@ -237,14 +203,14 @@ int main(int argc, char** argv) {
     std::vector<double> kern_host, kern_gpu;
     for (int i = 0; i < iters + 10; ++i) {
       const auto t0 = Clock::now();
-      CHECK_CUDA(cudaEventRecord(ev0, stream));
-      CHECK_CUDA(qtx::kernels::cuda::QuantizeBlock(d_in, qtx::kernels::InputDType::kBFloat16, m,
+      QTX_BENCH_CHECK_CUDA(cudaEventRecord(ev0, stream));
+      QTX_BENCH_CHECK_CUDA(qtx::kernels::cuda::QuantizeBlock(d_in, qtx::kernels::InputDType::kBFloat16, m,
                                                    n, params, kb, stream));
-      CHECK_CUDA(cudaEventRecord(ev1, stream));
-      CHECK_CUDA(cudaStreamSynchronize(stream));
+      QTX_BENCH_CHECK_CUDA(cudaEventRecord(ev1, stream));
+      QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
       const auto t1 = Clock::now();
       float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, ev0, ev1));
+      QTX_BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, ev0, ev1));
       if (i >= 10) {
         kern_host.push_back(Us(t0, t1));
         kern_gpu.push_back(ms * 1000.0);
@@ -262,13 +228,13 @@ int main(int argc, char** argv) {
       std::vector<double> rpc;
       for (int i = 0; i < iters + 10; ++i) {
         const auto t0 = Clock::now();
-        if (with_events) CHECK_CUDA(cudaEventRecord(ready->get(), stream));
+        if (with_events) QTX_BENCH_CHECK_CUDA(cudaEventRecord(ready->get(), stream));
         auto q = client->Quantize(input, config, outs, call);
-        CHECK_OK(q.status());
+        QTX_BENCH_CHECK_OK(q.status());
         if (with_events) {
           // Complete when the client's stream has seen the sidecar's event.
-          CHECK_CUDA(cudaStreamWaitEvent(stream, done->get(), 0));
-          CHECK_CUDA(cudaStreamSynchronize(stream));
+          QTX_BENCH_CHECK_CUDA(cudaStreamWaitEvent(stream, done->get(), 0));
+          QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
         }
         if (i >= 10) rpc.push_back(Us(t0, Clock::now()));
       }
@@ -283,14 +249,14 @@ int main(int argc, char** argv) {
           static_cast<long long>(m), static_cast<long long>(n), iters, rs.p50, rs.p99, ks.p50,
           ks.p99, kg.p50, rs.p50 - ks.p50, rs.p99 - ks.p99, flags.label.c_str());
       std::fflush(stdout);
-      std::fprintf(stderr, "%-6d %-7s %10.1f %10.1f %10.1f %10.1f %12.1f %12.1f %12.1f\n", mib,
+      std::fprintf(stderr, "%-6lld %-7s %10.1f %10.1f %10.1f %10.1f %12.1f %12.1f %12.1f\n", static_cast<long long>(mib),
                    with_events ? "yes" : "no", rs.p50, rs.p99, ks.p50, ks.p99, kg.p50,
                    rs.p50 - ks.p50, rs.p99 - ks.p99);
     }
-    CHECK_OK(client->UnregisterRegion(in_name));
-    CHECK_OK(client->UnregisterRegion(out_name));
-    CHECK_CUDA(cudaFree(d_in));
-    CHECK_CUDA(cudaFree(d_out));
+    QTX_BENCH_CHECK_OK(client->UnregisterRegion(in_name));
+    QTX_BENCH_CHECK_OK(client->UnregisterRegion(out_name));
+    QTX_BENCH_CHECK_CUDA(cudaFree(d_in));
+    QTX_BENCH_CHECK_CUDA(cudaFree(d_out));
   }
   client.reset();
   server.reset();

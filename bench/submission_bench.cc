@@ -28,6 +28,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "bench/bench_util.h"
+#include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "qtx/channel.h"
@@ -36,24 +38,15 @@
 #include "qtx/v1/quantizer.grpc.pb.h"
 #include "tests/testing/qtxd_process.h"
 
+ABSL_FLAG(std::string, qtxd, "", "qtxd binary to start with --device=cpu");
+ABSL_FLAG(int, ops, 20000, "submissions per transport and round");
+ABSL_FLAG(int, rounds, 5, "rounds of every transport");
+ABSL_FLAG(int64_t, rows, 128, "rows of the [rows, 128] BF16 input");
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_OK(expr)                                                                        \
-  do {                                                                                        \
-    const absl::Status s_ = (expr);                                                           \
-    if (!s_.ok()) {                                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, s_.ToString().c_str()); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
-
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
-}
 
 void SliceToProto(const qtx::RegionSlice& s, qtx::v1::RegionSlice* p) {
   p->set_region(s.region);
@@ -112,34 +105,30 @@ class AsyncCalls {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string qtxd;
-  int ops = 20000, rounds = 5;
-  int64_t rows = 128;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (absl::StartsWith(a, "--qtxd=")) qtxd = a.substr(7);
-    if (absl::StartsWith(a, "--ops=")) ops = std::atoi(a.c_str() + 6);
-    if (absl::StartsWith(a, "--rounds=")) rounds = std::atoi(a.c_str() + 9);
-    if (absl::StartsWith(a, "--rows=")) rows = std::atoll(a.c_str() + 7);
-  }
+  qtx::bench::ParseBenchFlags(argc, argv,
+                              "submission_bench --qtxd=PATH: one gRPC stream per channel vs one "
+                              "async unary call per op vs sync unary, same descriptor");
+  const std::string qtxd = absl::GetFlag(FLAGS_qtxd);
+  const int ops = absl::GetFlag(FLAGS_ops), rounds = absl::GetFlag(FLAGS_rounds);
+  const int64_t rows = absl::GetFlag(FLAGS_rows);
   if (qtxd.empty() || ops <= 0 || rounds <= 0 || rows <= 0) {
-    std::fprintf(stderr, "usage: submission_bench --qtxd=PATH [--ops=N] [--rounds=R] [--rows=M]\n");
+    std::fprintf(stderr, "usage: submission_bench --qtxd=PATH [--ops=N] [--rounds=R] [--rows=M], all > 0\n");
     return 2;
   }
   auto server =
       qtx::testing::QtxdProcess::Start(qtxd, {"--device=cpu", "--allow_client_shm", "--threads=2"});
-  CHECK_OK(server.status());
+  QTX_BENCH_CHECK_OK(server.status());
   auto client = qtx::Client::Connect((*server)->target());
-  CHECK_OK(client.status());
+  QTX_BENCH_CHECK_OK(client.status());
   auto region = qtx::ShmRegion::Create("submission-bench", 8 << 20);
-  CHECK_OK(region.status());
-  CHECK_OK((*client)->RegisterShmRegion(**region));
+  QTX_BENCH_CHECK_OK(region.status());
+  QTX_BENCH_CHECK_OK((*client)->RegisterShmRegion(**region));
   const std::string zeros(rows * 128 * 2, '\0');
   auto input = (*region)->Place(qtx::Tensor::Inline(qtx::DType::kBFloat16, {rows, 128}, zeros));
-  CHECK_OK(input.status());
+  QTX_BENCH_CHECK_OK(input.status());
   const std::vector<int64_t> shape = {rows, 128};
   auto outs = (*region)->AllocateQuantizeOutputs(shape, qtx::QuantizeConfig{});
-  CHECK_OK(outs.status());
+  QTX_BENCH_CHECK_OK(outs.status());
   const qtx::v1::QuantizeRequest descriptor = Descriptor(*input, *outs, rows);
 
   grpc::ChannelArguments args;
@@ -153,19 +142,19 @@ int main(int argc, char** argv) {
     // channel_stream
     {
       auto flags = qtx::HostChannelFlags::Create(**client, "submission-flags");
-      CHECK_OK(flags.status());
+      QTX_BENCH_CHECK_OK(flags.status());
       auto ch = qtx::Channel::Open(**client, std::move(*flags));
-      CHECK_OK(ch.status());
+      QTX_BENCH_CHECK_OK(ch.status());
       for (int i = 0; i < ops; ++i) {
         const auto t0 = Clock::now();
         auto id = (*ch)->Quantize(*input, qtx::QuantizeConfig{}, *outs);
         const auto t1 = Clock::now();
-        CHECK_OK(id.status());
+        QTX_BENCH_CHECK_OK(id.status());
         stream_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
         // Bounded backlog: as a trainer whose host runs ahead of its device.
-        if (i % 256 == 255) CHECK_OK((*ch)->Synchronize());
+        if (i % 256 == 255) QTX_BENCH_CHECK_OK((*ch)->Synchronize());
       }
-      CHECK_OK((*ch)->Close());
+      QTX_BENCH_CHECK_OK((*ch)->Close());
     }
     // async_unary
     {
@@ -197,12 +186,12 @@ int main(int argc, char** argv) {
       unary_sync_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
     }
   }
-  const double stream_p50 = Percentile(stream_us, 0.5);
+  const double stream_p50 = qtx::bench::Percentile(stream_us, 0.5);
   auto line = [&](const char* transport, const std::vector<double>& v) {
     std::printf("{\"bench\":\"submission\",\"transport\":\"%s\",\"rows\":%lld,\"calls\":%zu,"
                 "\"host_us_p50\":%.2f,\"host_us_p99\":%.2f,\"p50_vs_channel_stream\":%.2f}\n",
-                transport, static_cast<long long>(rows), v.size(), Percentile(v, 0.5),
-                Percentile(v, 0.99), Percentile(v, 0.5) / stream_p50);
+                transport, static_cast<long long>(rows), v.size(), qtx::bench::Percentile(v, 0.5),
+                qtx::bench::Percentile(v, 0.99), qtx::bench::Percentile(v, 0.5) / stream_p50);
   };
   line("channel_stream", stream_us);
   line("async_unary", unary_async_us);

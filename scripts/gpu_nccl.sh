@@ -31,6 +31,6 @@ step() {  # step NAME TIMEOUT CMD...
 step kernels_shard_test 20 "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeShardCuda.*'
 step nccl_e2e_test 80 "$B/bin/nccl_e2e_test"
 t0=$SECONDS
-timeout 45 "$B/bin/allgather_nccl_bench" --iters 10 > "$OUT/allgather_nccl.jsonl" 2> "$OUT/allgather_nccl.txt"
+timeout 45 "$B/bin/allgather_nccl_bench" --iters=10 > "$OUT/allgather_nccl.jsonl" 2> "$OUT/allgather_nccl.txt"
 echo "bench rc=$? $((SECONDS - t0))s"; cat "$OUT/allgather_nccl.txt" | tail -70
 exit $rc_all
