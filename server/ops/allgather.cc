@@ -11,7 +11,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "kernels/block_geometry.h"
-#include "kernels/cpu/quantize_block.h"
 #include "kernels/shard_geometry.h"
 #include "server/status_macros.h"
 
@@ -702,20 +701,18 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
                                                           amax_ptr + amax_len));
     } else if (amax_len > 0) {
       // The amaxes came with the status exchange (host bytes).
-      std::vector<float> both(2 * amax_len, 0.0f);
-      if (need_amax && g.m > 0) {
-        std::vector<const float*> firsts(world), lasts(world);
+      std::vector<const float*> firsts(world), lasts(world);
+      if (g.m > 0) {
         for (int r = 0; r < world; ++r) {
           const float* base =
               reinterpret_cast<const float*>(recv.data() + r * block + sizeof ws);
           firsts[r] = base;
           lasts[r] = base + amax_len;
         }
-        // Host arithmetic on a few floats per rank: the protocol's combine step.
-        kernels::cpu::CombineBoundaryAmax(world, geoms.data(), firsts.data(), lasts.data(), rank,
-                                          p.scaling, both.data(), both.data() + amax_len);
       }
-      QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(amax_ptr, both.data(), 8 * amax_len));
+      QTX_RETURN_IF_ERROR(ctx.device->CombineHostBoundaryAmax(
+          world, geoms.data(), firsts.data(), lasts.data(), amax_len, rank, p.scaling, amax_ptr,
+          amax_ptr + amax_len));
     }
     // The early shard holds [data | scales]; its scales section is this
     // rank's packed shard (rowwise-only: rw_scale = 0, total = scales).
