@@ -12,7 +12,7 @@
 #include "server/api/request_context.h"
 #include "server/collective/communicators.h"
 #include "server/ops/allgather.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {

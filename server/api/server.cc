@@ -17,7 +17,7 @@
 #include "server/api/security.h"
 #include "server/backend/device_factory.h"
 #include "server/collective/communicators.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "server/tensor/shm_fault_guard.h"
 #include "spdlog/spdlog.h"
 

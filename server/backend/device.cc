@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "kernels/cpu/quantize_shard.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::backend {
 

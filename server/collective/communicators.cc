@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_format.h"
 #include "server/backend/gloo_communicator.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 #if defined(QTX_HAVE_NCCL) && defined(QTX_HAVE_CUDA_DEVICE)
 #include "server/backend/cuda_device.h"

@@ -12,7 +12,7 @@
 #include "absl/time/clock.h"
 #include "kernels/block_geometry.h"
 #include "kernels/shard_geometry.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::ops {
 namespace {

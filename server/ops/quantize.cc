@@ -10,7 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "kernels/block_geometry.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::ops {
 namespace {

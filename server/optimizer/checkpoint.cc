@@ -17,7 +17,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::optimizer {
 namespace {
