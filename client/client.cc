@@ -34,6 +34,7 @@ namespace qtx {
 
 using client_internal::FromGrpcStatus;
 using client_internal::FromProto;
+using client_internal::SetCudaEvents;
 using client_internal::ToProto;
 
 namespace {
@@ -166,6 +167,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target,
   impl->quantizer = v1::Quantizer::NewStub(impl->channel);
   impl->memory = v1::Memory::NewStub(impl->channel);
   impl->stream_channel = v1::StreamChannel::NewStub(impl->channel);
+  impl->collective = v1::Collective::NewStub(impl->channel);
+  impl->optimizer = v1::Optimizer::NewStub(impl->channel);
   impl->generic = std::make_unique<grpc::GenericStub>(impl->channel);
   std::random_device rd;
   impl->id_prefix = absl::StrFormat("%08x", rd());
@@ -245,12 +248,7 @@ absl::StatusOr<QuantizedTensor> Client::Quantize(const Tensor& input,
   ToProto(input, request.mutable_input());
   ToProto(config, request.mutable_config());
   ToProto(outputs, request.mutable_outputs());
-  if (!call.cuda_wait_event.empty()) {
-    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
-  }
-  if (!call.cuda_signal_event.empty()) {
-    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
-  }
+  SetCudaEvents(call, &request);
   v1::QuantizeResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
@@ -266,12 +264,7 @@ absl::StatusOr<Tensor> Client::Dequantize(const QuantizedTensor& input, DType ou
   ToProto(input, request.mutable_input());
   request.set_output_dtype(static_cast<v1::DType>(output_dtype));
   if (output) ToProto(*output, request.mutable_output());
-  if (!call.cuda_wait_event.empty()) {
-    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
-  }
-  if (!call.cuda_signal_event.empty()) {
-    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
-  }
+  SetCudaEvents(call, &request);
   v1::DequantizeResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);

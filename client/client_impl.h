@@ -1,6 +1,6 @@
 // Client::Impl: the channel, stubs and call preparation shared by the .cc
-// files that implement qtx::Client (client.cc, optimizer_client.cc). Internal
-// to qtx_client (not installed).
+// files that implement qtx::Client (client.cc, collective_client.cc,
+// optimizer_client.cc). Internal to qtx_client (not installed).
 //
 // Thread safety: constant after construction except next_request (atomic);
 // gRPC channels and stubs are safe for concurrent use.
@@ -20,7 +20,9 @@
 #include "absl/time/time.h"
 #include "qtx/client.h"
 #include "qtx/v1/channel.grpc.pb.h"
+#include "qtx/v1/collective.grpc.pb.h"
 #include "qtx/v1/memory.grpc.pb.h"
+#include "qtx/v1/optimizer.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
 
 namespace qtx {
@@ -33,6 +35,8 @@ struct Client::Impl {
   std::unique_ptr<v1::Quantizer::Stub> quantizer;
   std::unique_ptr<v1::Memory::Stub> memory;
   std::unique_ptr<v1::StreamChannel::Stub> stream_channel;
+  std::unique_ptr<v1::Collective::Stub> collective;
+  std::unique_ptr<v1::Optimizer::Stub> optimizer;
   std::unique_ptr<grpc::GenericStub> generic;
   std::string id_prefix;
 

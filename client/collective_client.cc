@@ -15,6 +15,7 @@ namespace qtx {
 
 using client_internal::FromGrpcStatus;
 using client_internal::FromProto;
+using client_internal::SetCudaEvents;
 using client_internal::ToProto;
 
 const char* CommBackendName(CommBackend backend) {
@@ -58,8 +59,7 @@ absl::StatusOr<CollectiveGroupInfo> Client::CreateGroup(const CollectiveGroupCon
   v1::CreateGroupResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Collective::Stub stub(impl_->channel);
-  grpc::Status status = stub.CreateGroup(&ctx, request, &response);
+  grpc::Status status = impl_->collective->CreateGroup(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return FromProto(response.group());
 }
@@ -77,17 +77,11 @@ absl::StatusOr<AllGatherResult> Client::AllGather(std::string_view group, uint64
   ToProto(config, request.mutable_config());
   request.set_mode(static_cast<v1::AllGatherMode>(mode));
   ToProto(outputs, request.mutable_outputs());
-  if (!call.cuda_wait_event.empty()) {
-    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
-  }
-  if (!call.cuda_signal_event.empty()) {
-    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
-  }
+  SetCudaEvents(call, &request);
   v1::AllGatherResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Collective::Stub stub(impl_->channel);
-  grpc::Status status = stub.AllGather(&ctx, request, &response);
+  grpc::Status status = impl_->collective->AllGather(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   AllGatherResult result;
   result.tensor = FromProto(std::move(*response.mutable_result()));
@@ -101,8 +95,7 @@ absl::Status Client::DestroyGroup(std::string_view name, const CallOptions& call
   v1::DestroyGroupResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Collective::Stub stub(impl_->channel);
-  return FromGrpcStatus(stub.DestroyGroup(&ctx, request, &response));
+  return FromGrpcStatus(impl_->collective->DestroyGroup(&ctx, request, &response));
 }
 
 absl::StatusOr<std::vector<CollectiveGroupInfo>> Client::ListGroups(const CallOptions& call) {
@@ -110,8 +103,7 @@ absl::StatusOr<std::vector<CollectiveGroupInfo>> Client::ListGroups(const CallOp
   v1::ListGroupsResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Collective::Stub stub(impl_->channel);
-  grpc::Status status = stub.ListGroups(&ctx, request, &response);
+  grpc::Status status = impl_->collective->ListGroups(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   std::vector<CollectiveGroupInfo> out;
   out.reserve(response.groups_size());

@@ -15,6 +15,7 @@ namespace qtx {
 
 using client_internal::FromGrpcStatus;
 using client_internal::FromProto;
+using client_internal::SetCudaEvents;
 using client_internal::ToProto;
 
 namespace {
@@ -99,8 +100,7 @@ absl::StatusOr<OptimizerGroupInfo> Client::OffloadOptimizerState(
   v1::OffloadOptimizerStateResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  grpc::Status status = stub.OffloadOptimizerState(&ctx, request, &response);
+  grpc::Status status = impl_->optimizer->OffloadOptimizerState(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return GroupFromProto(response.group());
 }
@@ -127,17 +127,11 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
     if (d.bf16) ToProto(*d.bf16, out->mutable_bf16());
   }
   request.set_omit_parameters(options.omit_parameters);
-  if (!call.cuda_wait_event.empty()) {
-    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
-  }
-  if (!call.cuda_signal_event.empty()) {
-    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
-  }
+  SetCudaEvents(call, &request);
   v1::StepResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  grpc::Status status = stub.Step(&ctx, request, &response);
+  grpc::Status status = impl_->optimizer->Step(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   OptimizerStepResult result;
   const v1::StepStats& s = response.stats();
@@ -171,8 +165,7 @@ absl::StatusOr<OptimizerState> Client::GetState(std::string_view group,
   v1::GetStateResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  grpc::Status status = stub.GetState(&ctx, request, &response);
+  grpc::Status status = impl_->optimizer->GetState(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   OptimizerState state;
   state.group = GroupFromProto(response.group());
@@ -195,8 +188,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> Client::SaveCheckpoint(std::string_v
   v1::SaveCheckpointResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  grpc::Status status = stub.SaveCheckpoint(&ctx, request, &response);
+  grpc::Status status = impl_->optimizer->SaveCheckpoint(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   std::vector<CheckpointInfo> out;
   out.reserve(response.checkpoints_size());
@@ -214,8 +206,7 @@ absl::StatusOr<OptimizerGroupInfo> Client::LoadCheckpoint(std::string_view group
   v1::LoadCheckpointResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  grpc::Status status = stub.LoadCheckpoint(&ctx, request, &response);
+  grpc::Status status = impl_->optimizer->LoadCheckpoint(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return GroupFromProto(response.group());
 }
@@ -226,8 +217,7 @@ absl::Status Client::ReleaseGroup(std::string_view group, const CallOptions& cal
   v1::ReleaseGroupResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  return FromGrpcStatus(stub.ReleaseGroup(&ctx, request, &response));
+  return FromGrpcStatus(impl_->optimizer->ReleaseGroup(&ctx, request, &response));
 }
 
 absl::StatusOr<OptimizerGroupList> Client::ListOptimizerGroups(const CallOptions& call) {
@@ -235,8 +225,7 @@ absl::StatusOr<OptimizerGroupList> Client::ListOptimizerGroups(const CallOptions
   v1::ListOptimizerGroupsResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  grpc::Status status = stub.ListGroups(&ctx, request, &response);
+  grpc::Status status = impl_->optimizer->ListGroups(&ctx, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   OptimizerGroupList out;
   for (const v1::OptimizerGroupInfo& g : response.groups()) out.groups.push_back(GroupFromProto(g));

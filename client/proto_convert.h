@@ -7,6 +7,7 @@
 #include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
+#include "qtx/client.h"
 #include "qtx/collective_types.h"
 #include "qtx/types.h"
 #include "qtx/v1/collective.pb.h"
@@ -45,6 +46,19 @@ RegionInfo FromProto(const v1::RegionInfo& in);
 // server checks everything else.
 absl::Status ToProto(const CollectiveGroupConfig& in, v1::CreateGroupRequest* out);
 CollectiveGroupInfo FromProto(const v1::GroupInfo& in);
+
+// Sets request->cuda_events from call.cuda_wait_event / cuda_signal_event
+// (each only when given; the field stays unset when neither is). For every
+// request with a cuda_events field (Quantize, Dequantize, AllGather, Step).
+template <typename Request>
+void SetCudaEvents(const CallOptions& call, Request* request) {
+  if (!call.cuda_wait_event.empty()) {
+    request->mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
+  }
+  if (!call.cuda_signal_event.empty()) {
+    request->mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
+  }
+}
 
 }  // namespace qtx::client_internal
 

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace qtx {
 
@@ -95,15 +96,14 @@ Tensor Tensor::InRegion(DType dtype, std::vector<int64_t> shape, RegionSlice sli
 }
 
 absl::StatusOr<int64_t> Tensor::ByteSize() const {
-  absl::StatusOr<int64_t> count = NumElements(shape);
-  if (!count.ok()) return count.status();
+  QTX_ASSIGN_OR_RETURN(const int64_t count, NumElements(shape));
   const int64_t size = DTypeSize(dtype);
   if (size == 0) return absl::InvalidArgumentError("tensor dtype is unspecified");
-  if (*count > std::numeric_limits<int64_t>::max() / size) {
+  if (count > std::numeric_limits<int64_t>::max() / size) {
     return absl::InvalidArgumentError(
         absl::StrCat("shape [", absl::StrJoin(shape, ","), "]: byte size overflows int64"));
   }
-  return *count * size;
+  return count * size;
 }
 
 absl::StatusOr<QuantizedLayout> ComputeQuantizedLayout(ScalingMode mode,
@@ -111,11 +111,8 @@ absl::StatusOr<QuantizedLayout> ComputeQuantizedLayout(ScalingMode mode,
   if (shape.empty()) {
     return absl::InvalidArgumentError("shape []: quantization needs rank >= 1");
   }
-  absl::StatusOr<int64_t> rows = NumElements(shape.first(shape.size() - 1));
-  if (!rows.ok()) return rows.status();
-  absl::StatusOr<int64_t> total = NumElements(shape);
-  if (!total.ok()) return total.status();
-  const int64_t m = *rows;
+  QTX_ASSIGN_OR_RETURN(const int64_t m, NumElements(shape.first(shape.size() - 1)));
+  QTX_RETURN_IF_ERROR(NumElements(shape).status());  // the whole tensor must fit too
   const int64_t n = shape.back();
   auto ceil_div = [](int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); };
   auto pad4 = [&](int64_t x) { return ceil_div(x, 4) * 4; };

@@ -50,6 +50,7 @@ ASAN_TESTS=(
   tests/server/server_api_test
   tests/server/optimizer/server_optimizer_test
   tests/server/collective/server_collective_test
+  tests/server/backend/server_gloo_communicator_test
   tests/server/collective/collective_e2e_test
   tests/robustness/robustness_bad_input_test
   tests/robustness/robustness_concurrency_test
@@ -60,6 +61,7 @@ TSAN_TESTS=(
   tests/server/server_api_test
   tests/server/server_tensor_test
   tests/server/collective/server_collective_test
+  tests/server/backend/server_gloo_communicator_test
 )
 # tsan_canary modes: the racy ones must be reported, the others must be clean.
 CANARY_RACY=(unlocked two_mutexes after_notify)

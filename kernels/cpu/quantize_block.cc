@@ -1,4 +1,5 @@
-// CPU reference of docs/numerics.md §2-§5. Written to be read against the
+// CPU reference of docs/numerics.md §2-§4 (§5's shard steps are in
+// quantize_shard.cc, over the same workers). Written to be read against the
 // spec: every block's amax, scale, scale_inv and bytes are computed literally
 // with the shared arithmetic of kernels/fp8.h. OpenMP splits independent blocks.
 //
@@ -12,21 +13,17 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/quantize_workers.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cpu {
 namespace {
 
-template <InputDType kT>
-inline float Load(const void* data, int64_t i) {
-  if constexpr (kT == InputDType::kFloat32) {
-    return static_cast<const float*>(data)[i];
-  } else if constexpr (kT == InputDType::kBFloat16) {
-    return Bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
-  }
-}
+using internal::BoundaryAmax;
+using internal::Load;
+using internal::LocalRows;
+using internal::Outputs;
+using internal::RowRange;
 
 struct ScaleConfig {
   float fp8_max;
@@ -42,41 +39,6 @@ ScaleConfig MakeScaleConfig(const QuantizeParams& p, InputDType t) {
 inline float BlockScale(float amax, const ScaleConfig& c) {
   return ComputeScale(amax, c.fp8_max, c.pow2, c.eps, c.value_for_inf);
 }
-
-// Local rows [lo, hi) of global block row k of shard g.
-struct RowRange {
-  int64_t lo, hi;
-};
-inline RowRange LocalRows(const ShardGeometry& g, int64_t k) {
-  const int64_t lo = std::max(k * kBlockLen, g.row_offset) - g.row_offset;
-  const int64_t hi = std::min(k * kBlockLen + kBlockLen, g.row_offset + g.m) - g.row_offset;
-  return {lo, hi};
-}
-
-// Externally supplied amax vector for block row k, or null when k is interior.
-struct BoundaryAmax {
-  const float* first = nullptr;
-  const float* last = nullptr;
-  const float* For(const ShardGeometry& g, int64_t k) const {
-    if (k == g.first_block() && first != nullptr) return first;
-    if (k == g.last_block() && last != nullptr) return last;
-    return nullptr;
-  }
-};
-
-// Where the workers write. Scale (k, j) of a 2-D copy goes to
-// scale[(k - first_block) * k_stride + j * j_stride].
-struct Outputs {
-  uint8_t* row_data = nullptr;  // [m, n]
-  float* row_scale = nullptr;
-  int64_t row_scale_ld = 0;  // 1-D: scale (b, i) at b * ld + i
-  int64_t row_k_stride = 0, row_j_stride = 0;  // 2-D
-  uint8_t* col_data = nullptr;  // col_data[col * col_data_ld + i]
-  int64_t col_data_ld = 0;
-  float* col_scale = nullptr;
-  int64_t col_scale_ld = 0;  // 1-D: scale (k, col) at (k - first) * ld + col
-  int64_t col_k_stride = 0, col_j_stride = 0;  // 2-D
-};
 
 // 1-D rowwise: block (i, b) covers local row i, columns [128b, min(128b+128, n)).
 template <Fp8Format kF>
@@ -217,37 +179,6 @@ void RunWorkers(const void* in, const ShardGeometry& g, const QuantizeParams& p,
   }
 }
 
-void Dispatch(const void* in, InputDType dtype, const ShardGeometry& g, const QuantizeParams& p,
-              const BoundaryAmax& ext, const Outputs& o) {
-  if (g.m == 0 || g.n == 0) return;
-  switch (dtype) {
-    case InputDType::kFloat32:
-      return RunWorkers<InputDType::kFloat32>(in, g, p, ext, o);
-    case InputDType::kBFloat16:
-      return RunWorkers<InputDType::kBFloat16>(in, g, p, ext, o);
-    case InputDType::kFloat16:
-      return RunWorkers<InputDType::kFloat16>(in, g, p, ext, o);
-  }
-}
-
-template <InputDType kT>
-void BoundaryAmaxTyped(const void* in, const ShardGeometry& g, BlockScaling s, float* first,
-                       float* last) {
-  const int64_t len = BoundaryAmaxLength(s, g);
-  for (int which = 0; which < 2; ++which) {
-    const int64_t k = which == 0 ? g.first_block() : g.last_block();
-    float* out = which == 0 ? first : last;
-    const RowRange rr = LocalRows(g, k);
-    std::fill(out, out + len, 0.0f);
-    for (int64_t i = rr.lo; i < rr.hi; ++i) {
-      for (int64_t col = 0; col < g.n; ++col) {
-        const int64_t idx = s == BlockScaling::kBlock1D ? col : col / kBlockLen;
-        out[idx] = AmaxUpdate(out[idx], Load<kT>(in, i * g.n + col));
-      }
-    }
-  }
-}
-
 inline void StoreAs(void* out, InputDType t, int64_t i, float v) {
   switch (t) {
     case InputDType::kFloat32:
@@ -262,6 +193,23 @@ inline void StoreAs(void* out, InputDType t, int64_t i, float v) {
   }
 }
 
+}  // namespace
+
+namespace internal {
+
+void QuantizeWorkers(const void* in, InputDType dtype, const ShardGeometry& g, const QuantizeParams& p,
+                     const BoundaryAmax& ext, const Outputs& o) {
+  if (g.m == 0 || g.n == 0) return;
+  switch (dtype) {
+    case InputDType::kFloat32:
+      return RunWorkers<InputDType::kFloat32>(in, g, p, ext, o);
+    case InputDType::kBFloat16:
+      return RunWorkers<InputDType::kBFloat16>(in, g, p, ext, o);
+    case InputDType::kFloat16:
+      return RunWorkers<InputDType::kFloat16>(in, g, p, ext, o);
+  }
+}
+
 void ZeroScales(const QuantizeParams& p, const QuantizedLayout& l, const QuantizedBuffers& out) {
   if (p.rowwise && l.RowwiseScaleCount() > 0) {
     std::memset(out.rowwise_scale_inv, 0, sizeof(float) * l.RowwiseScaleCount());
@@ -271,12 +219,12 @@ void ZeroScales(const QuantizeParams& p, const QuantizedLayout& l, const Quantiz
   }
 }
 
-}  // namespace
+}  // namespace internal
 
 void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
                    const QuantizeParams& params, const QuantizedBuffers& out) {
   const QuantizedLayout l = ComputeLayout(params.scaling, m, n);
-  ZeroScales(params, l, out);  // padding is 0 (TE leaves it uninitialized)
+  internal::ZeroScales(params, l, out);  // padding is 0 (TE leaves it uninitialized)
   Outputs o;
   if (params.rowwise) {
     o.row_data = out.rowwise_data;
@@ -293,114 +241,7 @@ void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
     o.col_k_stride = 1;
     o.col_j_stride = l.columnwise_scale_cols;
   }
-  Dispatch(input, dtype, ShardGeometry{0, m, n}, params, BoundaryAmax{}, o);
-}
-
-void ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGeometry& g,
-                       BlockScaling scaling, float* first, float* last) {
-  if (g.m == 0) return;
-  switch (dtype) {
-    case InputDType::kFloat32:
-      return BoundaryAmaxTyped<InputDType::kFloat32>(input, g, scaling, first, last);
-    case InputDType::kBFloat16:
-      return BoundaryAmaxTyped<InputDType::kBFloat16>(input, g, scaling, first, last);
-    case InputDType::kFloat16:
-      return BoundaryAmaxTyped<InputDType::kFloat16>(input, g, scaling, first, last);
-  }
-}
-
-void CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float* const* firsts,
-                         const float* const* lasts, int rank, BlockScaling scaling,
-                         float* first_out, float* last_out) {
-  const ShardGeometry& me = geoms[rank];
-  if (me.m == 0) return;
-  const int64_t len = BoundaryAmaxLength(scaling, me);
-  for (int which = 0; which < 2; ++which) {
-    const int64_t k = which == 0 ? me.first_block() : me.last_block();
-    float* out = which == 0 ? first_out : last_out;
-    std::fill(out, out + len, 0.0f);
-    for (int r = 0; r < world_size; ++r) {
-      if (geoms[r].m == 0) continue;
-      const float* v = nullptr;
-      if (geoms[r].first_block() == k) v = firsts[r];
-      else if (geoms[r].last_block() == k) v = lasts[r];
-      if (v == nullptr) continue;
-      for (int64_t j = 0; j < len; ++j) out[j] = std::max(out[j], v[j]);
-    }
-  }
-}
-
-void QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
-                   const QuantizeParams& params, const float* first_amax, const float* last_amax,
-                   const ShardBuffers& out) {
-  Outputs o;
-  const int64_t nb = g.nb();
-  if (params.rowwise) {
-    o.row_data = out.rowwise_data;
-    o.row_scale = out.rowwise_scale_inv;
-    o.row_scale_ld = g.m;  // 1-D [nb, m]
-    o.row_k_stride = nb;   // 2-D [num_block_rows, nb]
-    o.row_j_stride = 1;
-  }
-  if (params.columnwise) {
-    o.col_data = out.columnwise_data;
-    o.col_data_ld = g.m;
-    o.col_scale = out.columnwise_scale_inv;
-    o.col_scale_ld = g.n;  // 1-D [num_block_rows, n]
-    o.col_k_stride = nb;   // 2-D [num_block_rows, nb]
-    o.col_j_stride = 1;
-  }
-  Dispatch(input, dtype, g, params, BoundaryAmax{first_amax, last_amax}, o);
-}
-
-void AssembleShards(int world_size, const ShardGeometry* geoms, const ShardConstBuffers* shards,
-                    const QuantizeParams& p, const QuantizedBuffers& out) {
-  int64_t m = 0;
-  for (int r = 0; r < world_size; ++r) m += geoms[r].m;
-  const int64_t n = world_size > 0 ? geoms[0].n : 0;
-  const int64_t nb = CeilDiv(n, kBlockLen);
-  const QuantizedLayout l = ComputeLayout(p.scaling, m, n);
-  ZeroScales(p, l, out);
-  for (int r = 0; r < world_size; ++r) {
-    const ShardGeometry& g = geoms[r];
-    const ShardConstBuffers& s = shards[r];
-    if (g.m == 0 || n == 0) continue;
-    const int64_t o = g.row_offset, k0 = g.first_block(), nk = g.num_block_rows();
-    if (p.rowwise) {
-      if (out.rowwise_data + o * n != s.rowwise_data) {
-        std::memmove(out.rowwise_data + o * n, s.rowwise_data, g.m * n);
-      }
-      if (p.scaling == BlockScaling::kBlock1D) {
-        for (int64_t b = 0; b < nb; ++b) {
-          std::memcpy(out.rowwise_scale_inv + b * l.rowwise_scale_cols + o,
-                      s.rowwise_scale_inv + b * g.m, sizeof(float) * g.m);
-        }
-      } else {
-        for (int64_t kk = 0; kk < nk; ++kk) {
-          std::memcpy(out.rowwise_scale_inv + (k0 + kk) * l.rowwise_scale_cols,
-                      s.rowwise_scale_inv + kk * nb, sizeof(float) * nb);
-        }
-      }
-    }
-    if (p.columnwise) {
-      for (int64_t col = 0; col < n; ++col) {
-        std::memcpy(out.columnwise_data + col * m + o, s.columnwise_data + col * g.m, g.m);
-      }
-      if (p.scaling == BlockScaling::kBlock1D) {
-        for (int64_t kk = 0; kk < nk; ++kk) {
-          std::memcpy(out.columnwise_scale_inv + (k0 + kk) * l.columnwise_scale_cols,
-                      s.columnwise_scale_inv + kk * n, sizeof(float) * n);
-        }
-      } else {
-        for (int64_t kk = 0; kk < nk; ++kk) {
-          for (int64_t tj = 0; tj < nb; ++tj) {
-            out.columnwise_scale_inv[tj * l.columnwise_scale_cols + k0 + kk] =
-                s.columnwise_scale_inv[kk * nb + tj];
-          }
-        }
-      }
-    }
-  }
+  internal::QuantizeWorkers(input, dtype, ShardGeometry{0, m, n}, params, BoundaryAmax{}, o);
 }
 
 void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8Format format,

@@ -1,5 +1,5 @@
 // CUDA exact all-gather building blocks (docs/numerics.md §5), bit-exact with
-// kernels/cpu/quantize_block.cc: the same block grid (global 128-row block
+// kernels/cpu/quantize_shard.cc: the same block grid (global 128-row block
 // rows), the same amax (kernels/fp8.h AmaxBitsUpdate: NaN ignored), scale
 // (ComputeScale / ScaleInv: IEEE division) and the hardware cvt.rn.satfinite
 // FP32 -> FP8 cast (proved equal to EncodeFp8 by tests/kernels/cuda).

@@ -1,5 +1,5 @@
 // CUDA building blocks of the exact all-gather (docs/numerics.md §5), bit-exact
-// with kernels/cpu/quantize_block.h (ShardBoundaryAmax, QuantizeShard,
+// with kernels/cpu/quantize_shard.h (ShardBoundaryAmax, QuantizeShard,
 // AssembleShards). Plain header: CUDA runtime types only.
 //
 // All pointers are device pointers, except `geoms` / `shards` of

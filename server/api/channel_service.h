@@ -18,7 +18,7 @@
 #include "qtx/v1/channel.grpc.pb.h"
 #include "server/api/collective_service.h"
 #include "server/api/executor.h"
-#include "server/ops/quantize.h"
+#include "server/ops/op_context.h"
 
 namespace qtx::server::api {
 

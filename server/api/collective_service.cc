@@ -9,11 +9,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/api/convert.h"
-#include "server/api/nccl_wiring.h"
 #include "server/api/request_context.h"
-#include "server/backend/gloo_communicator.h"
+#include "server/collective/communicators.h"
 #include "server/ops/allgather.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
@@ -141,7 +140,7 @@ class CreateGroupReactor final : public grpc::ServerUnaryReactor {
       : log_(StartRequest(context, "CreateGroup")) {
     absl::StatusOr<collective::GroupSpec> spec = GroupSpecFromProto(*request);
     if (spec.ok() && request->backend() == v1::COMM_BACKEND_UNSPECIFIED) {
-      spec->backend = DefaultCommBackend(*ctx.device);  // NCCL on a CUDA device
+      spec->backend = collective::DefaultCommBackend(*ctx.device);  // NCCL on a CUDA device
     }
     if (!spec.ok()) {
       Finish(EndRequest(log_, spec.status()));
@@ -352,22 +351,7 @@ collective::GroupRegistryOptions MakeGroupRegistryOptions(collective::KvStore* s
       -> absl::StatusOr<std::unique_ptr<backend::RendezvousClient>> {
     return std::make_unique<GrpcRendezvousClient>(coordinator, security);
   };
-  o.make_communicator = [peer_host](const collective::GroupSpec& spec,
-                                    backend::RendezvousClient& rendezvous,
-                                    const std::string& prefix, absl::Time deadline)
-      -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
-    backend::GlooCommunicatorOptions g;
-    g.group = spec.name;
-    g.rank = spec.rank;
-    g.world_size = spec.world_size;
-    g.host = peer_host;
-    g.key_prefix = prefix;
-    g.store = &rendezvous;
-    g.deadline = deadline;
-    QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::GlooCommunicator> c,
-                         backend::GlooCommunicator::Create(g));
-    return std::unique_ptr<backend::Communicator>(std::move(c));
-  };
+  o.make_communicator = collective::GlooCommunicatorFactory(peer_host);
   return o;
 }
 

@@ -27,7 +27,7 @@
 #include "server/collective/kv_store.h"
 #include "server/api/security.h"
 #include "server/ops/allgather.h"
-#include "server/ops/quantize.h"
+#include "server/ops/op_context.h"
 
 namespace qtx::server::api {
 

@@ -12,7 +12,7 @@
 
 #include "qtx/v1/optimizer.grpc.pb.h"
 #include "server/api/executor.h"
-#include "server/ops/quantize.h"
+#include "server/ops/op_context.h"
 #include "server/optimizer/optimizer_store.h"
 
 namespace qtx::server::api {

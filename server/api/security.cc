@@ -8,7 +8,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::api {
 namespace {

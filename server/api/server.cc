@@ -15,9 +15,9 @@
 #include "absl/strings/str_format.h"
 #include "server/api/metrics_interceptor.h"
 #include "server/api/security.h"
-#include "server/api/nccl_wiring.h"
 #include "server/backend/device_factory.h"
-#include "server/status_macros.h"
+#include "server/collective/communicators.h"
+#include "common/status_macros.h"
 #include "server/tensor/shm_fault_guard.h"
 #include "spdlog/spdlog.h"
 
@@ -151,8 +151,9 @@ absl::Status QtxServer::Start() {
   store_limits.require_namespace = true;  // keys only under this sidecar's rank-0 groups
   rendezvous_store_ = std::make_unique<collective::KvStore>(store_limits);
   groups_ = std::make_unique<collective::GroupRegistry>(
-      WithNcclCommunicator(MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
-                           device_.get()));
+      collective::WithNcclCommunicator(
+          MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
+          device_.get()));
   collective_ = std::make_unique<CollectiveService>(ctx, groups_.get());
   channels_ = std::make_unique<StreamChannelService>(ctx, executor_.get(), collective_.get());
   rendezvous_ = std::make_unique<RendezvousService>(rendezvous_store_.get());

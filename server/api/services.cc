@@ -8,7 +8,7 @@
 
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {

@@ -44,7 +44,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/tensor/region_table.h"
+#include "server/tensor/mapped_memory.h"
 
 namespace qtx::server::backend {
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/quantize_block.h"
+#include "kernels/cpu/quantize_shard.h"
 
 namespace qtx::server::backend {
 namespace {

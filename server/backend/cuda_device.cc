@@ -23,7 +23,7 @@
 #include "kernels/cuda/quantize_shard.h"
 #include "kernels/shard_geometry.h"
 #include "server/backend/cuda_status.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::backend {

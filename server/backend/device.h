@@ -24,7 +24,7 @@
 #include "kernels/block_geometry.h"
 #include "kernels/quantize_params.h"
 #include "kernels/shard_geometry.h"
-#include "server/tensor/region_table.h"
+#include "server/tensor/mapped_memory.h"
 
 namespace qtx::server::backend {
 
@@ -270,7 +270,7 @@ class Device {
   // when this device cannot use CUDA IPC memory (the default).
   virtual tensor::CudaUuidResolver cuda_uuid_resolver() { return nullptr; }
 
-  // ---- Exact all-gather building blocks (kernels/cpu/quantize_block.h) ----
+  // ---- Exact all-gather building blocks (kernels/cpu/quantize_shard.h) ----
   // All pointers are device memory. ShardBoundaryAmax and QuantizeShard are
   // stream-ordered: a device with streams (CUDA) may return once the work is
   // enqueued on the calling thread's stream, so that later work of the same
@@ -303,6 +303,17 @@ class Device {
                                            const float* gathered, int64_t len, int rank,
                                            kernels::BlockScaling scaling, float* first_out,
                                            float* last_out);
+
+  // As CombineBoundaryAmax, from partial amaxes the host already holds
+  // (`firsts[r]` / `lasts[r]`: rank r's vectors of `len` floats in host
+  // memory, e.g. exchanged with the AllGather headers): combines them on the
+  // host and copies the results to `first_out` / `last_out` (device memory).
+  // When this rank's shard is empty (geoms[rank].m == 0) the outputs are
+  // zeroed and `firsts` / `lasts` are not read.
+  absl::Status CombineHostBoundaryAmax(int world_size, const kernels::ShardGeometry* geoms,
+                                       const float* const* firsts, const float* const* lasts,
+                                       int64_t len, int rank, kernels::BlockScaling scaling,
+                                       float* first_out, float* last_out);
 
   // Writes the GEMM-ready [sum m, N] tensor from every rank's shard buffers.
   // Stream-ordered like QuantizeShard (a device with streams may return once

@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::collective {
 

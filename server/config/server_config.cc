@@ -6,7 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::config {
 

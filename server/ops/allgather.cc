@@ -11,9 +11,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "kernels/block_geometry.h"
-#include "kernels/cpu/quantize_block.h"
 #include "kernels/shard_geometry.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
+#include "server/ops/output_placement.h"
 
 namespace qtx::server::ops {
 namespace {
@@ -79,11 +79,6 @@ absl::Status ExchangeFixed(const void* send, uint64_t bytes, void* recv,
 
 // The first field in which rank r's header differs from rank 0's.
 absl::Status CheckAgreement(const std::vector<WireHeader>& h, const std::string& prefix) {
-  struct Field {
-    const char* name;
-    int64_t WireHeader::*i64 = nullptr;
-    int32_t WireHeader::*i32 = nullptr;
-  };
   auto describe = [](const char* name, const WireHeader& x) -> std::string {
     const std::string_view f = name;
     if (f == "sequence") return absl::StrCat(x.sequence);
@@ -127,42 +122,6 @@ absl::Status CheckAgreement(const std::vector<WireHeader>& h, const std::string&
             describe(f, h[0]), r, describe(f, h[r])));
       }
     }
-  }
-  return absl::OkStatus();
-}
-
-// One output buffer of the gathered tensor: the client's slice or inline
-// bytes, staged through device memory when the device cannot write there.
-struct Output {
-  OutputTensor tensor;
-  std::optional<tensor::OutputSlice> slice;
-  backend::DeviceBuffer staging;
-  uint64_t bytes = 0;
-  void* Destination() { return slice ? slice->data : tensor.inline_data.data(); }
-  void* KernelPointer() { return staging.data() ? staging.data() : Destination(); }
-};
-
-absl::Status PlaceOutput(const std::optional<tensor::RegionSliceSpec>& spec, uint64_t bytes,
-                         uint64_t alignment, DType dtype, std::vector<int64_t> shape,
-                         std::string_view field, const OpContext& ctx, std::optional<Output>& out) {
-  out.emplace();
-  out->bytes = bytes;
-  out->tensor.dtype = dtype;
-  out->tensor.shape = std::move(shape);
-  MemoryKind kind = MemoryKind::kHost;
-  if (spec.has_value()) {
-    QTX_ASSIGN_OR_RETURN(out->slice,
-                         tensor::ResolveOutputSlice(*spec, bytes, alignment, field, *ctx.regions));
-    out->tensor.region = *spec;
-    kind = out->slice->memory;
-  }
-  if (kind == MemoryKind::kDevice && ctx.device->memory_kind() == MemoryKind::kHost) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: region '%s' is device memory, but this server computes on %s", field, spec->region,
-        ctx.device->name()));
-  }
-  if (kind != ctx.device->memory_kind() && bytes > 0) {
-    QTX_ASSIGN_OR_RETURN(out->staging, ctx.device->Allocate(bytes));
   }
   return absl::OkStatus();
 }
@@ -259,6 +218,19 @@ constexpr const char* kOutputFields[4] = {"outputs.rowwise_data", "outputs.rowwi
                                           "outputs.columnwise_data",
                                           "outputs.columnwise_scale_inv"};
 
+// The input (a region slice) and the region outputs, for CheckNoOverlap.
+std::vector<NamedRange> OutputRanges(const tensor::TensorView& input,
+                                     const std::array<std::optional<PlacedOutput>, 4>& outs) {
+  std::vector<NamedRange> ranges;
+  if (input.pin != nullptr) ranges.push_back({"input", input.data, input.byte_size});
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i] && outs[i]->slice) {
+      ranges.push_back({kOutputFields[i], outs[i]->slice->data, outs[i]->bytes});
+    }
+  }
+  return ranges;
+}
+
 // Step 1b, the early path. When every output is a region slice in memory
 // the device computes on and the input is there too (no staging), the only
 // step-3 checks left that depend on the peers are the slice sizes, which
@@ -269,7 +241,7 @@ constexpr const char* kOutputFields[4] = {"outputs.rowwise_data", "outputs.rowwi
 // error when it qualifies but a slice is bad.
 absl::StatusOr<bool> PrepareEarly(const AllGatherRequestSpec& r, const LocalRequest& l,
                                   const OpContext& ctx,
-                                  std::array<std::optional<Output>, 4>& outs) {
+                                  std::array<std::optional<PlacedOutput>, 4>& outs) {
   const kernels::QuantizeParams& p = r.params;
   const std::optional<tensor::RegionSliceSpec>* specs[4] = {
       &r.outputs.rowwise_data, &r.outputs.rowwise_scale_inv, &r.outputs.columnwise_data,
@@ -296,66 +268,126 @@ absl::StatusOr<bool> PrepareEarly(const AllGatherRequestSpec& r, const LocalRequ
       return false;
     }
   }
-  for (int i = 0; i < 4; ++i) {
-    if (!outs[i]) continue;
-    if (l.input.pin != nullptr && tensor::RangesOverlap(l.input.data, l.input.byte_size,
-                                                        outs[i]->slice->data, outs[i]->bytes)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s overlaps input: outputs may not alias the input", kOutputFields[i]));
-    }
-    for (int j = 0; j < i; ++j) {
-      if (outs[j] && tensor::RangesOverlap(outs[j]->slice->data, outs[j]->bytes,
-                                           outs[i]->slice->data, outs[i]->bytes)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s overlaps %s: outputs may not alias", kOutputFields[i], kOutputFields[j]));
-      }
-    }
-  }
+  QTX_RETURN_IF_ERROR(CheckNoOverlap(OutputRanges(l.input, outs)));
   return true;
 }
 
-}  // namespace
+// One AllGather call on this rank: the protocol steps of allgather.h, one
+// member function each, and the state they hand on to the next step. Used
+// once, by one thread (the group's executor).
+struct AllGatherCall {
+  AllGatherCall(const AllGatherRequestSpec& request, const OpContext& ctx,
+                backend::Communicator& comm, const backend::CommCall& call, bool* group_broken)
+      : request(request),
+        ctx(ctx),
+        comm(comm),
+        call(call),
+        group_broken(group_broken),
+        world(comm.world_size()),
+        rank(comm.rank()),
+        prefix(absl::StrFormat("AllGather(group '%s', sequence %d): ", request.group,
+                               request.sequence)),
+        p(request.params),
+        exact(request.mode == AllGatherMode::kExactFp8) {}
 
-std::string_view AllGatherModeName(AllGatherMode m) {
-  switch (m) {
-    case AllGatherMode::kExactFp8:
-      return "EXACT_FP8";
-    case AllGatherMode::kGatherHighPrecision:
-      return "GATHER_HIGH_PRECISION";
-  }
-  return "UNKNOWN";
-}
+  // The steps, in order; each returns what fails this rank's call.
+  absl::StatusOr<AllGatherResult> Run();
+  // Step 1: local validation and the early path (a failure is still
+  // announced to the peers in step 2, so it is kept in `local`).
+  void ValidateLocally();
+  // Step 2: the header exchange and the agreement check.
+  absl::Status ExchangeHeaders();
+  // Step 3: geometry, then the outputs (EarlyVerdict when every rank
+  // resolved them in step 1, else PlaceOutputs) and the status exchange.
+  absl::Status PrepareOutputs();
+  absl::Status EarlyVerdict();
+  absl::Status PlaceOutputs();
+  // Step 4: the data plane, EXACT_FP8 or GATHER_HIGH_PRECISION.
+  absl::Status GatherExact(const backend::CommCall& data_call, bool stream_ordered);
+  absl::Status GatherHighPrecision(const backend::CommCall& data_call, bool stream_ordered);
+  // Copies staged outputs back, signals the client, builds the result.
+  absl::StatusOr<AllGatherResult> Finish();
 
-absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
-                                          const OpContext& ctx, backend::Communicator& comm,
-                                          const backend::CommCall& call, bool* group_broken) {
-  *group_broken = false;
-  const int world = comm.world_size();
-  const int rank = comm.rank();
-  const std::string prefix =
-      absl::StrFormat("AllGather(group '%s', sequence %d): ", request.group, request.sequence);
   // Any communicator failure leaves the ranks out of step.
-  auto comm_failed = [&](absl::Status s) {
+  absl::Status CommFailed(const absl::Status& s) {
     *group_broken = true;
     return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
-  };
-  AllGatherTiming timing;
-  absl::Time mark = absl::Now();
-  auto lap = [&mark](absl::Duration* d) {
+  }
+  void Lap(absl::Duration* d) {
     const absl::Time now = absl::Now();
     *d = now - mark;
     mark = now;
-  };
+  }
 
+  // The call.
+  const AllGatherRequestSpec& request;
+  const OpContext& ctx;
+  backend::Communicator& comm;
+  const backend::CommCall& call;
+  bool* const group_broken;
+  const int world;
+  const int rank;
+  const std::string prefix;
+  const kernels::QuantizeParams& p;
+  const bool exact;
+  AllGatherTiming timing;
+  absl::Time mark = absl::Now();
+
+  // Step 1.
+  absl::StatusOr<LocalRequest> local;
+  std::array<std::optional<PlacedOutput>, 4> outs;
+  bool early = false;
+  absl::Status early_status;
+  backend::DeviceBuffer early_shard;    // [m * n data | rowwise scales], EXACT_FP8
+  std::function<void()> enqueue_early;  // the early quantize, run by the header exchange
+  absl::Status early_launch;            // its outcome
+
+  // Step 2.
+  std::vector<WireHeader> headers;
+
+  // Step 3.
+  int64_t n = 0;
+  std::vector<kernels::ShardGeometry> geoms;
+  std::vector<int64_t> shard_rows;
+  int64_t m_total = 0;
+  kernels::QuantizedLayout layout;
+  bool need_amax = false;
+  int64_t amax_len = 0;
+  backend::DeviceBuffer input_staging;
+  const void* input_ptr = nullptr;
+  std::vector<float> amax_first, amax_last;
+  bool all_early = false;
+  uint64_t block = 0;         // bytes per rank of the status exchange
+  std::vector<uint8_t> recv;  // its result: status + first amax + last amax per rank
+  kernels::QuantizedBuffers out_bufs;
+};
+
+absl::StatusOr<AllGatherResult> AllGatherCall::Run() {
+  ValidateLocally();
+  Lap(&timing.local);
+  QTX_RETURN_IF_ERROR(ExchangeHeaders());
+  Lap(&timing.header);
+  QTX_RETURN_IF_ERROR(PrepareOutputs());
+  // Step 4. Collectives of the data plane: a stream-ordered call (a channel)
+  // only enqueues them on this thread's stream; its completion is the
+  // channel's done write, which SignalClient orders after all of it.
+  const bool stream_ordered = request.events.queue != nullptr;
+  backend::CommCall data_call = call;
+  data_call.enqueue_only = stream_ordered;
+  QTX_RETURN_IF_ERROR(exact ? GatherExact(data_call, stream_ordered)
+                            : GatherHighPrecision(data_call, stream_ordered));
+  return Finish();
+}
+
+void AllGatherCall::ValidateLocally() {
   // Step 1: local validation. A failure is still announced to the peers.
-  absl::StatusOr<LocalRequest> local = ValidateLocal(request, ctx, comm);
+  local = ValidateLocal(request, ctx, comm);
   // The client's wait event orders every read of the shard below (the early
   // quantize, the boundary amaxes, the gather of a high-precision shard: all
   // on this thread's stream). A bad handle is announced like any local error.
   if (local.ok()) {
     if (absl::Status s = ctx.device->OrderAfterClient(request.events); !s.ok()) local = s;
   }
-  const kernels::QuantizeParams& p = request.params;
 
   // Step 1b: the early path (PrepareEarly). For EXACT_FP8 rowwise-only 1-D
   // the shard's quantization needs nothing from the peers (1x128 blocks never
@@ -364,13 +396,6 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   // the headers are exchanged (a device communicator moves them on its own
   // stream and launches the quantize once the exchange's kernel is queued);
   // the gather then sends from the scratch into the output.
-  const bool exact = request.mode == AllGatherMode::kExactFp8;
-  std::array<std::optional<Output>, 4> outs;
-  bool early = false;
-  absl::Status early_status;
-  backend::DeviceBuffer early_shard;  // [m * n data | rowwise scales], EXACT_FP8
-  std::function<void()> enqueue_early;  // the early quantize, run by the header exchange
-  absl::Status early_launch;            // its outcome
   // Not for a stream-ordered call: its GPU work runs later anyway, so there
   // is no latency to hide, and quantizing straight into the output keeps the
   // gather of the rowwise data in place (no extra copy of the bulk).
@@ -402,7 +427,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
         kernels::QuantizedBuffers b;
         b.rowwise_data = base;
         b.rowwise_scale_inv = reinterpret_cast<float*>(base + Round16(data));
-        enqueue_early = [&, b, g0] {
+        enqueue_early = [this, b, g0] {
           early_launch = ctx.device->QuantizeShard(
               backend::ShardArgs{local->input.data, local->dtype, g0, p}, nullptr, nullptr, b);
         };
@@ -411,9 +436,9 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       }
     }
   }
+}
 
-  // Step 2: headers.
-  lap(&timing.local);
+absl::Status AllGatherCall::ExchangeHeaders() {
   WireHeader mine;
   mine.sequence = request.sequence;
   mine.dtype = static_cast<int32_t>(request.input.dtype);
@@ -433,15 +458,15 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   } else {
     mine.status = ToWire(local.status());
   }
-  std::vector<WireHeader> headers(world);
+  headers.resize(world);
   if (absl::Status s = ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), comm, call,
                                      enqueue_early);
       !s.ok()) {
-    return comm_failed(s);
+    return CommFailed(s);
   }
   if (!early_launch.ok()) {
     // The peers have gone on towards the gather: this rank cannot follow.
-    return comm_failed(absl::Status(
+    return CommFailed(absl::Status(
         early_launch.code(),
         absl::StrCat("the shard's quantize failed after the header exchange: ",
                      early_launch.message())));
@@ -458,13 +483,13 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     }
   }
   QTX_RETURN_IF_ERROR(CheckAgreement(headers, prefix));
-  lap(&timing.header);
+  return absl::OkStatus();
+}
 
-  // Step 3: geometry, outputs, boundary amaxes; then a status exchange.
-  const int64_t n = local->mn.n;
-  std::vector<kernels::ShardGeometry> geoms(world);
-  std::vector<int64_t> shard_rows(world);
-  int64_t m_total = 0;
+absl::Status AllGatherCall::PrepareOutputs() {
+  n = local->mn.n;
+  geoms.resize(world);
+  shard_rows.resize(world);
   for (int r = 0; r < world; ++r) {
     shard_rows[r] = headers[r].m;
     geoms[r] = kernels::ShardGeometry{m_total, headers[r].m, n};
@@ -477,149 +502,28 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
     }
   }
   const kernels::ShardGeometry& g = geoms[rank];
-  const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m_total, n);
-  const bool need_amax = exact && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
-  const int64_t amax_len = need_amax ? kernels::BoundaryAmaxLength(p.scaling, g) : 0;
+  layout = kernels::ComputeLayout(p.scaling, m_total, n);
+  need_amax = exact && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
+  amax_len = need_amax ? kernels::BoundaryAmaxLength(p.scaling, g) : 0;
 
-  backend::DeviceBuffer input_staging;
-  const void* input_ptr = local->input.data;
-  std::vector<float> amax_first(amax_len, 0.0f), amax_last(amax_len, 0.0f);
-  const bool all_early = std::all_of(headers.begin(), headers.end(),
-                                     [](const WireHeader& h) { return h.early != 0; });
-  const uint64_t needed[4] = {
-      p.rowwise ? static_cast<uint64_t>(layout.RowwiseDataBytes()) : 0,
-      p.rowwise ? 4 * static_cast<uint64_t>(layout.RowwiseScaleCount()) : 0,
-      p.columnwise ? static_cast<uint64_t>(layout.ColumnwiseDataBytes()) : 0,
-      p.columnwise ? 4 * static_cast<uint64_t>(layout.ColumnwiseScaleCount()) : 0};
-  const std::vector<int64_t> shapes[4] = {
-      {layout.rowwise_data_rows, layout.rowwise_data_cols},
-      {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
-      {layout.columnwise_data_rows, layout.columnwise_data_cols},
-      {layout.columnwise_scale_rows, layout.columnwise_scale_cols}};
-  // The early path's step 3: every rank evaluates every rank's outcome and
-  // slice sizes from the headers, so all reach the same verdict with no
-  // further exchange. (Nothing else in it can fail on one rank only before
-  // the data moves, except a device allocation or launch, which the other
-  // paths do not exchange either.)
-  auto early_verdict = [&]() -> absl::Status {
-    auto size_error = [&](const WireHeader& h) -> absl::Status {
-      for (int i = 0; i < 4; ++i) {
-        if ((i < 2 ? p.rowwise : p.columnwise) && h.out_size[i] != needed[i]) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "%s.size=%d: expected %d", kOutputFields[i], h.out_size[i], needed[i]));
-        }
-      }
-      return absl::OkStatus();
-    };
-    if (!early_status.ok()) return early_status;
-    QTX_RETURN_IF_ERROR(size_error(headers[rank]));
-    for (int r = 0; r < world; ++r) {
-      if (headers[r].prepared.code != 0) {
-        return FromWire(headers[r].prepared,
-                        absl::StrFormat("%srank %d could not take part: ", prefix, r));
-      }
-      if (absl::Status e = size_error(headers[r]); !e.ok()) {
-        return absl::Status(e.code(), absl::StrFormat("%srank %d could not take part: %s",
-                                                      prefix, r, e.message()));
-      }
-    }
-    const DType data_dtype = tensor::Fp8DataDType(p.format);
-    for (int i = 0; i < 4; ++i) {
-      if (!outs[i]) continue;
-      outs[i]->tensor.dtype = i % 2 == 0 ? data_dtype : DType::kFloat32;
-      outs[i]->tensor.shape = shapes[i];
-    }
-    return absl::OkStatus();
-  };
+  input_ptr = local->input.data;
+  amax_first.assign(amax_len, 0.0f);
+  amax_last.assign(amax_len, 0.0f);
+  all_early = std::all_of(headers.begin(), headers.end(),
+                          [](const WireHeader& h) { return h.early != 0; });
   if (all_early) {
-    QTX_RETURN_IF_ERROR(early_verdict());
+    QTX_RETURN_IF_ERROR(EarlyVerdict());
   } else {
     // Re-placed below; an early quantization is not used.
     for (auto& o : outs) o.reset();
     early_shard = backend::DeviceBuffer();
   }
-  absl::Status prepared = all_early ? absl::OkStatus() : [&]() -> absl::Status {
-    const DType data_dtype = tensor::Fp8DataDType(p.format);
-    if (p.rowwise) {
-      QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, layout.RowwiseDataBytes(), 1,
-                                      data_dtype,
-                                      {layout.rowwise_data_rows, layout.rowwise_data_cols},
-                                      "outputs.rowwise_data", ctx, outs[0]));
-      QTX_RETURN_IF_ERROR(PlaceOutput(
-          request.outputs.rowwise_scale_inv, 4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
-          {layout.rowwise_scale_rows, layout.rowwise_scale_cols}, "outputs.rowwise_scale_inv",
-          ctx, outs[1]));
-    }
-    if (p.columnwise) {
-      QTX_RETURN_IF_ERROR(PlaceOutput(
-          request.outputs.columnwise_data, layout.ColumnwiseDataBytes(), 1, data_dtype,
-          {layout.columnwise_data_rows, layout.columnwise_data_cols}, "outputs.columnwise_data",
-          ctx, outs[2]));
-      QTX_RETURN_IF_ERROR(PlaceOutput(
-          request.outputs.columnwise_scale_inv, 4 * layout.ColumnwiseScaleCount(), 4,
-          DType::kFloat32, {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
-          "outputs.columnwise_scale_inv", ctx, outs[3]));
-    }
-    static constexpr const char* kFields[4] = {
-        "outputs.rowwise_data", "outputs.rowwise_scale_inv", "outputs.columnwise_data",
-        "outputs.columnwise_scale_inv"};
-    uint64_t inline_bytes = 0;
-    for (size_t i = 0; i < outs.size(); ++i) {
-      if (!outs[i]) continue;
-      if (!outs[i]->slice) {
-        inline_bytes += outs[i]->bytes;
-        continue;
-      }
-      if (local->input.pin != nullptr &&
-          tensor::RangesOverlap(local->input.data, local->input.byte_size, outs[i]->slice->data,
-                                outs[i]->bytes)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("%s overlaps input: outputs may not alias the input", kFields[i]));
-      }
-      for (size_t j = 0; j < i; ++j) {
-        if (outs[j] && outs[j]->slice &&
-            tensor::RangesOverlap(outs[j]->slice->data, outs[j]->bytes, outs[i]->slice->data,
-                                  outs[i]->bytes)) {
-          return absl::InvalidArgumentError(
-              absl::StrFormat("%s overlaps %s: outputs may not alias", kFields[i], kFields[j]));
-        }
-      }
-    }
-    if (inline_bytes > ctx.max_inline_output_bytes) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "AllGather: %d bytes of inline output exceed the server's limit of %d bytes "
-          "(--max_message_mb); write the outputs into a registered region instead",
-          inline_bytes, ctx.max_inline_output_bytes));
-    }
-    // The input on the device.
-    const tensor::TensorView& in = local->input;
-    input_ptr = in.data;
-    if (in.byte_size > 0 && in.memory != ctx.device->memory_kind()) {
-      if (in.memory == MemoryKind::kDevice) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "input: the region is device memory, but this server computes on %s",
-            ctx.device->name()));
-      }
-      QTX_ASSIGN_OR_RETURN(input_staging, ctx.device->Allocate(in.byte_size));
-      QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(input_staging.data(), in.data, in.byte_size));
-      input_ptr = input_staging.data();
-    }
-    if (need_amax && g.m > 0) {
-      backend::ShardArgs args{input_ptr, local->dtype, g, p};
-      QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer d, ctx.device->Allocate(8 * amax_len));
-      float* df = static_cast<float*>(d.data());
-      QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(args, df, df + amax_len));
-      std::vector<float> both(2 * amax_len);
-      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(both.data(), df, 8 * amax_len));
-      std::copy(both.begin(), both.begin() + amax_len, amax_first.begin());
-      std::copy(both.begin() + amax_len, both.end(), amax_last.begin());
-    }
-    return absl::OkStatus();
-  }();
+  const absl::Status prepared = all_early ? absl::OkStatus() : PlaceOutputs();
 
   // Status + first amax + last amax per rank (amax lengths agree: same N).
-  const uint64_t block = sizeof(WireStatus) + 8 * amax_len;
-  std::vector<uint8_t> send(block), recv(block * world);
+  block = sizeof(WireStatus) + 8 * amax_len;
+  std::vector<uint8_t> send(block);
+  recv.assign(block * world, 0);
   const WireStatus ws = ToWire(prepared);
   std::memcpy(send.data(), &ws, sizeof ws);
   if (amax_len > 0) {
@@ -628,7 +532,7 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   }
   if (!all_early) {
     if (absl::Status s = ExchangeFixed(send.data(), block, recv.data(), comm, call); !s.ok()) {
-      return comm_failed(s);
+      return CommFailed(s);
     }
   }
   if (!prepared.ok()) return prepared;
@@ -639,181 +543,265 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
       return FromWire(rs, absl::StrFormat("%srank %d could not take part: ", prefix, r));
     }
   }
-  for (auto& o : outs) {
-    if (o && !o->slice) o->tensor.inline_data.resize(o->bytes);
-  }
-  kernels::QuantizedBuffers out_bufs;
+  for (auto& o : outs) AllocateInline(o);
   if (outs[0]) out_bufs.rowwise_data = static_cast<uint8_t*>(outs[0]->KernelPointer());
   if (outs[1]) out_bufs.rowwise_scale_inv = static_cast<float*>(outs[1]->KernelPointer());
   if (outs[2]) out_bufs.columnwise_data = static_cast<uint8_t*>(outs[2]->KernelPointer());
   if (outs[3]) out_bufs.columnwise_scale_inv = static_cast<float*>(outs[3]->KernelPointer());
+  return absl::OkStatus();
+}
 
-  // Step 4. Collectives of the data plane: a stream-ordered call (a channel)
-  // only enqueues them on this thread's stream; its completion is the
-  // channel's done write, which SignalClient orders after all of it.
-  const bool stream_ordered = request.events.queue != nullptr;
-  backend::CommCall data_call = call;
-  data_call.enqueue_only = stream_ordered;
-  if (exact) {
-    std::vector<PackedShard> packs(world);
-    std::vector<uint64_t> sizes(world);
-    uint64_t total = 0;
-    for (int r = 0; r < world; ++r) {
-      packs[r] = PackShard(geoms[r], p);
-      sizes[r] = packs[r].total;
-      total += sizes[r];
-    }
-    const bool have_early = early_shard.data() != nullptr;
-    backend::DeviceBuffer shard;
-    if (!have_early) {
-      QTX_ASSIGN_OR_RETURN(shard, ctx.device->Allocate(packs[rank].total));
-    }
-    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
-    // The combined boundary amaxes of this rank's shard: first | last.
-    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer amax_dev, ctx.device->Allocate(8 * amax_len));
-    float* amax_ptr = static_cast<float*>(amax_dev.data());
-    // Temporaries (amax_dev, amax_parts, shard, gathered) come from the
-    // device's stream-ordered allocator on this thread's stream, and their
-    // destructors free them on that stream (cudaFreeAsync), i.e. after every
-    // kernel and collective enqueued here has used them, however long the
-    // GPU takes to get there. Per-group scratch reused in stream order would
-    // also do, but would have to grow to the largest call and be sized per
-    // group; the pool already caches freed memory (no cudaMalloc per call).
-    backend::DeviceBuffer amax_parts;
-    if (amax_len > 0 && all_early) {
-      // On the device: every rank's partial amaxes [world][first | last]
-      // gathered in place, then combined by a kernel that reads them where
-      // they landed. The host never sees an amax.
-      const uint64_t per_rank = 8 * static_cast<uint64_t>(amax_len);
-      QTX_ASSIGN_OR_RETURN(amax_parts, ctx.device->Allocate(per_rank * world));
-      float* all = static_cast<float*>(amax_parts.data());
-      float* mine = all + 2 * amax_len * rank;
-      if (g.m > 0) {
-        QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(
-            backend::ShardArgs{input_ptr, local->dtype, g, p}, mine, mine + amax_len));
+// The early path's step 3: every rank evaluates every rank's outcome and
+// slice sizes from the headers, so all reach the same verdict with no
+// further exchange. (Nothing else in it can fail on one rank only before
+// the data moves, except a device allocation or launch, which the other
+// paths do not exchange either.)
+absl::Status AllGatherCall::EarlyVerdict() {
+  const uint64_t needed[4] = {
+      p.rowwise ? static_cast<uint64_t>(layout.RowwiseDataBytes()) : 0,
+      p.rowwise ? 4 * static_cast<uint64_t>(layout.RowwiseScaleCount()) : 0,
+      p.columnwise ? static_cast<uint64_t>(layout.ColumnwiseDataBytes()) : 0,
+      p.columnwise ? 4 * static_cast<uint64_t>(layout.ColumnwiseScaleCount()) : 0};
+  const std::vector<int64_t> shapes[4] = {
+      {layout.rowwise_data_rows, layout.rowwise_data_cols},
+      {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
+      {layout.columnwise_data_rows, layout.columnwise_data_cols},
+      {layout.columnwise_scale_rows, layout.columnwise_scale_cols}};
+  auto size_error = [&](const WireHeader& h) -> absl::Status {
+    for (int i = 0; i < 4; ++i) {
+      if ((i < 2 ? p.rowwise : p.columnwise) && h.out_size[i] != needed[i]) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s.size=%d: expected %d", kOutputFields[i], h.out_size[i], needed[i]));
       }
-      // (An empty shard's vectors are gathered unwritten: no rank reads them.)
-      const std::vector<uint64_t> amax_sizes(world, per_rank);
-      if (absl::Status s = comm.AllGatherV(mine, amax_sizes, all, data_call); !s.ok()) {
-        return comm_failed(s);
-      }
-      QTX_RETURN_IF_ERROR(ctx.device->CombineBoundaryAmax(world, geoms.data(), all, amax_len,
-                                                          rank, p.scaling, amax_ptr,
-                                                          amax_ptr + amax_len));
-    } else if (amax_len > 0) {
-      // The amaxes came with the status exchange (host bytes).
-      std::vector<float> both(2 * amax_len, 0.0f);
-      if (need_amax && g.m > 0) {
-        std::vector<const float*> firsts(world), lasts(world);
-        for (int r = 0; r < world; ++r) {
-          const float* base =
-              reinterpret_cast<const float*>(recv.data() + r * block + sizeof ws);
-          firsts[r] = base;
-          lasts[r] = base + amax_len;
-        }
-        // Host arithmetic on a few floats per rank: the protocol's combine step.
-        kernels::cpu::CombineBoundaryAmax(world, geoms.data(), firsts.data(), lasts.data(), rank,
-                                          p.scaling, both.data(), both.data() + amax_len);
-      }
-      QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(amax_ptr, both.data(), 8 * amax_len));
     }
-    // The early shard holds [data | scales]; its scales section is this
-    // rank's packed shard (rowwise-only: rw_scale = 0, total = scales).
-    const uint64_t early_data = Round16(static_cast<uint64_t>(g.m * n));
-    auto* sbase = have_early ? static_cast<uint8_t*>(early_shard.data()) + early_data
-                             : static_cast<uint8_t*>(shard.data());
-    const void* shard_send = sbase;
-    const PackedShard& mp = packs[rank];
-    kernels::QuantizedBuffers shard_bufs;
+    return absl::OkStatus();
+  };
+  if (!early_status.ok()) return early_status;
+  QTX_RETURN_IF_ERROR(size_error(headers[rank]));
+  for (int r = 0; r < world; ++r) {
+    if (headers[r].prepared.code != 0) {
+      return FromWire(headers[r].prepared,
+                      absl::StrFormat("%srank %d could not take part: ", prefix, r));
+    }
+    if (absl::Status e = size_error(headers[r]); !e.ok()) {
+      return absl::Status(e.code(), absl::StrFormat("%srank %d could not take part: %s",
+                                                    prefix, r, e.message()));
+    }
+  }
+  const DType data_dtype = tensor::Fp8DataDType(p.format);
+  for (int i = 0; i < 4; ++i) {
+    if (!outs[i]) continue;
+    outs[i]->tensor.dtype = i % 2 == 0 ? data_dtype : DType::kFloat32;
+    outs[i]->tensor.shape = shapes[i];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AllGatherCall::PlaceOutputs() {
+  const kernels::ShardGeometry& g = geoms[rank];
+  const DType data_dtype = tensor::Fp8DataDType(p.format);
+  if (p.rowwise) {
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, layout.RowwiseDataBytes(), 1,
+                                    data_dtype,
+                                    {layout.rowwise_data_rows, layout.rowwise_data_cols},
+                                    "outputs.rowwise_data", ctx, outs[0]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(
+        request.outputs.rowwise_scale_inv, 4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
+        {layout.rowwise_scale_rows, layout.rowwise_scale_cols}, "outputs.rowwise_scale_inv",
+        ctx, outs[1]));
+  }
+  if (p.columnwise) {
+    QTX_RETURN_IF_ERROR(PlaceOutput(
+        request.outputs.columnwise_data, layout.ColumnwiseDataBytes(), 1, data_dtype,
+        {layout.columnwise_data_rows, layout.columnwise_data_cols}, "outputs.columnwise_data",
+        ctx, outs[2]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(
+        request.outputs.columnwise_scale_inv, 4 * layout.ColumnwiseScaleCount(), 4,
+        DType::kFloat32, {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
+        "outputs.columnwise_scale_inv", ctx, outs[3]));
+  }
+  QTX_RETURN_IF_ERROR(CheckNoOverlap(OutputRanges(local->input, outs)));
+  uint64_t inline_bytes = 0;
+  for (const auto& o : outs) {
+    if (o && !o->slice) inline_bytes += o->bytes;
+  }
+  QTX_RETURN_IF_ERROR(CheckInlineBudget(inline_bytes, ctx, "AllGather"));
+  QTX_ASSIGN_OR_RETURN(input_ptr, InputOnDevice(local->input, "input", ctx, input_staging));
+  if (need_amax && g.m > 0) {
+    backend::ShardArgs args{input_ptr, local->dtype, g, p};
+    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer d, ctx.device->Allocate(8 * amax_len));
+    float* df = static_cast<float*>(d.data());
+    QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(args, df, df + amax_len));
+    std::vector<float> both(2 * amax_len);
+    QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(both.data(), df, 8 * amax_len));
+    std::copy(both.begin(), both.begin() + amax_len, amax_first.begin());
+    std::copy(both.begin() + amax_len, both.end(), amax_last.begin());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AllGatherCall::GatherExact(const backend::CommCall& data_call, bool stream_ordered) {
+  const kernels::ShardGeometry& g = geoms[rank];
+  std::vector<PackedShard> packs(world);
+  std::vector<uint64_t> sizes(world);
+  uint64_t total = 0;
+  for (int r = 0; r < world; ++r) {
+    packs[r] = PackShard(geoms[r], p);
+    sizes[r] = packs[r].total;
+    total += sizes[r];
+  }
+  const bool have_early = early_shard.data() != nullptr;
+  backend::DeviceBuffer shard;
+  if (!have_early) {
+    QTX_ASSIGN_OR_RETURN(shard, ctx.device->Allocate(packs[rank].total));
+  }
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
+  // The combined boundary amaxes of this rank's shard: first | last.
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer amax_dev, ctx.device->Allocate(8 * amax_len));
+  float* amax_ptr = static_cast<float*>(amax_dev.data());
+  // Temporaries (amax_dev, amax_parts, shard, gathered) come from the
+  // device's stream-ordered allocator on this thread's stream, and their
+  // destructors free them on that stream (cudaFreeAsync), i.e. after every
+  // kernel and collective enqueued here has used them, however long the
+  // GPU takes to get there. Per-group scratch reused in stream order would
+  // also do, but would have to grow to the largest call and be sized per
+  // group; the pool already caches freed memory (no cudaMalloc per call).
+  backend::DeviceBuffer amax_parts;
+  if (amax_len > 0 && all_early) {
+    // On the device: every rank's partial amaxes [world][first | last]
+    // gathered in place, then combined by a kernel that reads them where
+    // they landed. The host never sees an amax.
+    const uint64_t per_rank = 8 * static_cast<uint64_t>(amax_len);
+    QTX_ASSIGN_OR_RETURN(amax_parts, ctx.device->Allocate(per_rank * world));
+    float* all = static_cast<float*>(amax_parts.data());
+    float* mine = all + 2 * amax_len * rank;
+    if (g.m > 0) {
+      QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(
+          backend::ShardArgs{input_ptr, local->dtype, g, p}, mine, mine + amax_len));
+    }
+    // (An empty shard's vectors are gathered unwritten: no rank reads them.)
+    const std::vector<uint64_t> amax_sizes(world, per_rank);
+    if (absl::Status s = comm.AllGatherV(mine, amax_sizes, all, data_call); !s.ok()) {
+      return CommFailed(s);
+    }
+    QTX_RETURN_IF_ERROR(ctx.device->CombineBoundaryAmax(world, geoms.data(), all, amax_len,
+                                                        rank, p.scaling, amax_ptr,
+                                                        amax_ptr + amax_len));
+  } else if (amax_len > 0) {
+    // The amaxes came with the status exchange (host bytes).
+    std::vector<const float*> firsts(world), lasts(world);
+    if (g.m > 0) {
+      for (int r = 0; r < world; ++r) {
+        const float* base =
+            reinterpret_cast<const float*>(recv.data() + r * block + sizeof(WireStatus));
+        firsts[r] = base;
+        lasts[r] = base + amax_len;
+      }
+    }
+    QTX_RETURN_IF_ERROR(ctx.device->CombineHostBoundaryAmax(
+        world, geoms.data(), firsts.data(), lasts.data(), amax_len, rank, p.scaling, amax_ptr,
+        amax_ptr + amax_len));
+  }
+  // The early shard holds [data | scales]; its scales section is this
+  // rank's packed shard (rowwise-only: rw_scale = 0, total = scales).
+  const uint64_t early_data = Round16(static_cast<uint64_t>(g.m * n));
+  auto* sbase = have_early ? static_cast<uint8_t*>(early_shard.data()) + early_data
+                           : static_cast<uint8_t*>(shard.data());
+  const void* shard_send = sbase;
+  const PackedShard& mp = packs[rank];
+  kernels::QuantizedBuffers shard_bufs;
+  if (p.rowwise) {
+    shard_bufs.rowwise_data = have_early ? static_cast<uint8_t*>(early_shard.data())
+                                         : out_bufs.rowwise_data + g.row_offset * n;
+    shard_bufs.rowwise_scale_inv = reinterpret_cast<float*>(sbase + mp.rw_scale);
+  }
+  if (p.columnwise) {
+    shard_bufs.columnwise_data = sbase + mp.cw_data;
+    shard_bufs.columnwise_scale_inv = reinterpret_cast<float*>(sbase + mp.cw_scale);
+  }
+  if (g.m > 0 && !have_early) {
+    backend::ShardArgs args{input_ptr, local->dtype, g, p};
+    QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(args, amax_len ? amax_ptr : nullptr,
+                                                  amax_len ? amax_ptr + amax_len : nullptr,
+                                                  shard_bufs));
+  }
+  Lap(&timing.prepare);
+  // The rowwise data (in place in the output) and the packed rest in one
+  // communicator step (one NCCL launch).
+  std::vector<uint64_t> data_sizes(world);
+  std::vector<backend::Communicator::GatherPart> parts;
+  if (p.rowwise) {
+    for (int r = 0; r < world; ++r) data_sizes[r] = static_cast<uint64_t>(geoms[r].m * n);
+    parts.push_back({shard_bufs.rowwise_data, data_sizes, out_bufs.rowwise_data});
+  }
+  parts.push_back({shard_send, sizes, gathered.data()});
+  if (absl::Status s = comm.AllGatherVParts(parts, data_call); !s.ok()) {
+    return CommFailed(s);
+  }
+  Lap(&timing.gather);
+  std::vector<kernels::QuantizedConstBuffers> views(world);
+  uint64_t off = 0;
+  auto* gbase = static_cast<const uint8_t*>(gathered.data());
+  for (int r = 0; r < world; ++r) {
+    const uint8_t* b = gbase + off;
     if (p.rowwise) {
-      shard_bufs.rowwise_data = have_early ? static_cast<uint8_t*>(early_shard.data())
-                                           : out_bufs.rowwise_data + g.row_offset * n;
-      shard_bufs.rowwise_scale_inv = reinterpret_cast<float*>(sbase + mp.rw_scale);
+      views[r].rowwise_data = out_bufs.rowwise_data + geoms[r].row_offset * n;
+      views[r].rowwise_scale_inv = reinterpret_cast<const float*>(b + packs[r].rw_scale);
     }
     if (p.columnwise) {
-      shard_bufs.columnwise_data = sbase + mp.cw_data;
-      shard_bufs.columnwise_scale_inv = reinterpret_cast<float*>(sbase + mp.cw_scale);
+      views[r].columnwise_data = b + packs[r].cw_data;
+      views[r].columnwise_scale_inv = reinterpret_cast<const float*>(b + packs[r].cw_scale);
     }
-    if (g.m > 0 && !have_early) {
-      backend::ShardArgs args{input_ptr, local->dtype, g, p};
-      QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(args, amax_len ? amax_ptr : nullptr,
-                                                    amax_len ? amax_ptr + amax_len : nullptr,
-                                                    shard_bufs));
-    }
-    lap(&timing.prepare);
-    // The rowwise data (in place in the output) and the packed rest in one
-    // communicator step (one NCCL launch).
-    std::vector<uint64_t> data_sizes(world);
-    std::vector<backend::Communicator::GatherPart> parts;
-    if (p.rowwise) {
-      for (int r = 0; r < world; ++r) data_sizes[r] = static_cast<uint64_t>(geoms[r].m * n);
-      parts.push_back({shard_bufs.rowwise_data, data_sizes, out_bufs.rowwise_data});
-    }
-    parts.push_back({shard_send, sizes, gathered.data()});
-    if (absl::Status s = comm.AllGatherVParts(parts, data_call); !s.ok()) {
-      return comm_failed(s);
-    }
-    lap(&timing.gather);
-    std::vector<kernels::QuantizedConstBuffers> views(world);
-    uint64_t off = 0;
-    auto* gbase = static_cast<const uint8_t*>(gathered.data());
-    for (int r = 0; r < world; ++r) {
-      const uint8_t* b = gbase + off;
-      if (p.rowwise) {
-        views[r].rowwise_data = out_bufs.rowwise_data + geoms[r].row_offset * n;
-        views[r].rowwise_scale_inv = reinterpret_cast<const float*>(b + packs[r].rw_scale);
-      }
-      if (p.columnwise) {
-        views[r].columnwise_data = b + packs[r].cw_data;
-        views[r].columnwise_scale_inv = reinterpret_cast<const float*>(b + packs[r].cw_scale);
-      }
-      off += sizes[r];
-    }
-    QTX_RETURN_IF_ERROR(ctx.device->AssembleShards(world, geoms.data(), views.data(), p, out_bufs));
-    // A synchronous call returns with its outputs written; a stream-ordered
-    // one only enqueued them.
-    if (!stream_ordered) QTX_RETURN_IF_ERROR(ctx.device->SynchronizeThisThread());
+    off += sizes[r];
+  }
+  QTX_RETURN_IF_ERROR(ctx.device->AssembleShards(world, geoms.data(), views.data(), p, out_bufs));
+  // A synchronous call returns with its outputs written; a stream-ordered
+  // one only enqueued them.
+  if (!stream_ordered) QTX_RETURN_IF_ERROR(ctx.device->SynchronizeThisThread());
+  return absl::OkStatus();
+}
+
+absl::Status AllGatherCall::GatherHighPrecision(const backend::CommCall& data_call,
+                                               bool stream_ordered) {
+  const int64_t esize = tensor::ElementSize(request.input.dtype);
+  std::vector<uint64_t> sizes(world);
+  uint64_t total = 0;
+  for (int r = 0; r < world; ++r) {
+    sizes[r] = static_cast<uint64_t>(geoms[r].m * n * esize);
+    total += sizes[r];
+  }
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
+  Lap(&timing.prepare);
+  if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), data_call);
+      !s.ok()) {
+    return CommFailed(s);
+  }
+  Lap(&timing.gather);
+  backend::QuantizeArgs args;
+  args.input = total > 0 ? gathered.data() : nullptr;
+  args.dtype = local->dtype;
+  args.m = m_total;
+  args.n = n;
+  args.params = p;
+  args.out = out_bufs;
+  if (stream_ordered) {
+    // The channel's queue after the gather, the quantize enqueued on the
+    // queue, then this thread's stream after the quantize: `gathered` is
+    // freed on this stream, so only once the quantize has read it.
+    QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
+    args.queue = request.events.queue;
+    QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+    QTX_RETURN_IF_ERROR(ctx.device->OrderAfterClient(request.events));
   } else {
-    const int64_t esize = tensor::ElementSize(request.input.dtype);
-    std::vector<uint64_t> sizes(world);
-    uint64_t total = 0;
-    for (int r = 0; r < world; ++r) {
-      sizes[r] = static_cast<uint64_t>(geoms[r].m * n * esize);
-      total += sizes[r];
-    }
-    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
-    lap(&timing.prepare);
-    if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), data_call);
-        !s.ok()) {
-      return comm_failed(s);
-    }
-    lap(&timing.gather);
-    backend::QuantizeArgs args;
-    args.input = total > 0 ? gathered.data() : nullptr;
-    args.dtype = local->dtype;
-    args.m = m_total;
-    args.n = n;
-    args.params = p;
-    args.out = out_bufs;
-    if (stream_ordered) {
-      // The channel's queue after the gather, the quantize enqueued on the
-      // queue, then this thread's stream after the quantize: `gathered` is
-      // freed on this stream, so only once the quantize has read it.
-      QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
-      args.queue = request.events.queue;
-      QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
-      QTX_RETURN_IF_ERROR(ctx.device->OrderAfterClient(request.events));
-    } else {
-      QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
-    }
+    QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
   }
-  for (auto& o : outs) {
-    if (o && o->staging.data() != nullptr) {
-      QTX_RETURN_IF_ERROR(ctx.device->CopyToHost(o->Destination(), o->staging.data(), o->bytes));
-    }
-  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AllGatherResult> AllGatherCall::Finish() {
+  for (auto& o : outs) QTX_RETURN_IF_ERROR(CopyBack(o, *ctx.device));
   QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
-  lap(&timing.assemble);
+  Lap(&timing.assemble);
   // A shm region of this rank truncated under the call (shm_fault_guard.h):
   // its result is not the client's data. (Peers cannot tell: they received
   // zeros in place of the lost part of this rank's shard.)
@@ -833,6 +821,25 @@ absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
   if (outs[2]) result.result.columnwise_data = std::move(outs[2]->tensor);
   if (outs[3]) result.result.columnwise_scale_inv = std::move(outs[3]->tensor);
   return result;
+}
+
+}  // namespace
+
+std::string_view AllGatherModeName(AllGatherMode m) {
+  switch (m) {
+    case AllGatherMode::kExactFp8:
+      return "EXACT_FP8";
+    case AllGatherMode::kGatherHighPrecision:
+      return "GATHER_HIGH_PRECISION";
+  }
+  return "UNKNOWN";
+}
+
+absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
+                                          const OpContext& ctx, backend::Communicator& comm,
+                                          const backend::CommCall& call, bool* group_broken) {
+  *group_broken = false;
+  return AllGatherCall(request, ctx, comm, call, group_broken).Run();
 }
 
 }  // namespace qtx::server::ops

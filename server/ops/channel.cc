@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::ops {

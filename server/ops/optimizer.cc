@@ -11,7 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/block_geometry.h"
 #include "server/optimizer/group_state.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "server/tensor/dtype.h"
 
 namespace qtx::server::ops {

@@ -10,7 +10,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "kernels/block_geometry.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
+#include "server/ops/output_placement.h"
 
 namespace qtx::server::ops {
 namespace {
@@ -28,154 +29,6 @@ absl::StatusOr<uint64_t> CheckedBytes(int64_t count, int64_t elem_size, std::str
     return absl::InvalidArgumentError(absl::StrFormat("%s: byte count overflows", what));
   }
   return static_cast<uint64_t>(bytes);
-}
-
-// One output buffer: where the kernel writes it, and where it ends up.
-// Not movable once kernel pointers have been taken (inline strings may use
-// their small-string buffer).
-struct PlacedOutput {
-  OutputTensor tensor;
-  std::optional<tensor::OutputSlice> slice;  // client region destination
-  backend::DeviceBuffer staging;             // set when the device cannot write the destination
-  uint64_t bytes = 0;
-
-  void* Destination() {
-    if (slice.has_value()) return slice->data;
-    return tensor.inline_data.data();
-  }
-  void* KernelPointer() { return staging.data() != nullptr ? staging.data() : Destination(); }
-};
-
-// Places one output of `bytes` bytes: the client's slice when given, else an
-// inline buffer. Stages through device memory when the device cannot write
-// the destination directly.
-absl::Status PlaceOutput(const std::optional<tensor::RegionSliceSpec>& spec, uint64_t bytes,
-                         uint64_t alignment, DType dtype, std::vector<int64_t> shape,
-                         std::string_view field, const OpContext& ctx,
-                         std::optional<PlacedOutput>& out) {
-  out.emplace();
-  PlacedOutput& p = *out;
-  p.bytes = bytes;
-  p.tensor.dtype = dtype;
-  p.tensor.shape = std::move(shape);
-  MemoryKind dst_kind = MemoryKind::kHost;
-  if (spec.has_value()) {
-    QTX_ASSIGN_OR_RETURN(p.slice,
-                         tensor::ResolveOutputSlice(*spec, bytes, alignment, field, *ctx.regions));
-    p.tensor.region = *spec;
-    dst_kind = p.slice->memory;
-  }
-  if (dst_kind == MemoryKind::kDevice && ctx.device->memory_kind() == MemoryKind::kHost) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: region '%s' is device memory, but this server computes on %s", field,
-        spec->region, ctx.device->name()));
-  }
-  if (dst_kind != ctx.device->memory_kind() && bytes > 0) {
-    QTX_ASSIGN_OR_RETURN(p.staging, ctx.device->Allocate(bytes));
-  }
-  return absl::OkStatus();
-}
-
-// Inline buffers are sized only after every check passed.
-void AllocateInline(std::optional<PlacedOutput>& out) {
-  if (out.has_value() && !out->slice.has_value()) out->tensor.inline_data.resize(out->bytes);
-}
-
-absl::Status CopyBack(std::optional<PlacedOutput>& out, backend::Device& device) {
-  if (!out.has_value() || out->staging.data() == nullptr) return absl::OkStatus();
-  return device.CopyToHost(out->Destination(), out->staging.data(), out->bytes);
-}
-
-// A device-readable pointer to `view`'s bytes, staging a copy if needed.
-absl::StatusOr<const void*> InputOnDevice(const tensor::TensorView& view, std::string_view field,
-                                          const OpContext& ctx, backend::DeviceBuffer& staging) {
-  if (view.byte_size == 0 || view.memory == ctx.device->memory_kind()) return view.data;
-  if (view.memory == MemoryKind::kDevice) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: the region is device memory, but this server computes on %s", field,
-        ctx.device->name()));
-  }
-  QTX_ASSIGN_OR_RETURN(staging, ctx.device->Allocate(view.byte_size));
-  QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(staging.data(), view.data, view.byte_size));
-  return static_cast<const void*>(staging.data());
-}
-
-absl::Status NoEventsOnChannel(const backend::CudaEvents& events, backend::ChannelQueue* queue) {
-  if (queue == nullptr || events.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      "cuda_events: must be empty on a channel (the channel orders the op after the caller's "
-      "stream)");
-}
-
-// A channel op enqueues its kernel and returns: its tensors must be where the
-// device computes, with nothing for the host to copy or wait for.
-absl::Status CheckChannelInput(const tensor::TensorView& view, std::string_view field,
-                               const OpContext& ctx) {
-  if (view.byte_size == 0) return absl::OkStatus();
-  if (view.pin == nullptr) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: inline bytes on a channel: channel ops take slices of registered regions only",
-        field));
-  }
-  if (view.memory != ctx.device->memory_kind()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: region '%s' is %s memory, but channel ops on %s need %s memory (register a %s "
-        "region)",
-        field, view.pin->name(), view.memory == MemoryKind::kHost ? "host" : "device",
-        ctx.device->name(), ctx.device->memory_kind() == MemoryKind::kHost ? "host" : "device",
-        ctx.device->memory_kind() == MemoryKind::kHost ? "shm" : "cuda_ipc"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckChannelOutput(const PlacedOutput& out, std::string_view field,
-                                const OpContext& ctx) {
-  if (out.bytes == 0) return absl::OkStatus();
-  if (!out.slice.has_value()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: not set: channel ops write into slices of registered regions only (inline results "
-        "are not returned on a channel)",
-        field));
-  }
-  if (out.staging.data() != nullptr || out.slice->memory != ctx.device->memory_kind()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: region '%s' is not %s's memory: channel ops never stage through the host (register "
-        "a %s region)",
-        field, out.slice->spec.region, ctx.device->name(),
-        ctx.device->memory_kind() == MemoryKind::kHost ? "shm" : "cuda_ipc"));
-  }
-  return absl::OkStatus();
-}
-
-struct NamedRange {
-  std::string_view field;
-  const void* data;
-  uint64_t size;
-};
-
-absl::Status CheckNoOverlap(const std::vector<NamedRange>& ranges) {
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    for (size_t j = i + 1; j < ranges.size(); ++j) {
-      if (tensor::RangesOverlap(ranges[i].data, ranges[i].size, ranges[j].data,
-                                ranges[j].size)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s overlaps %s: outputs may not alias each other or an input", ranges[j].field,
-            ranges[i].field));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx,
-                               std::string_view what) {
-  if (inline_bytes > ctx.max_inline_output_bytes) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s: %d bytes of inline output exceed the server's limit of %d bytes "
-        "(--max_message_mb); write the outputs into a registered region instead",
-        what, inline_bytes, ctx.max_inline_output_bytes));
-  }
-  return absl::OkStatus();
 }
 
 // Resolves one buffer of a quantized tensor and checks dtype and element count.
@@ -348,29 +201,6 @@ std::string_view FormatName(kernels::Fp8Format f) {
   return f == kernels::Fp8Format::kE5M2 ? "E5M2" : "E4M3";
 }
 
-absl::Status ValidateCudaEvents(const backend::CudaEvents& events, const OpContext& ctx) {
-  if (events.empty()) return absl::OkStatus();
-  const struct {
-    const std::string& handle;
-    std::string_view field;
-  } handles[] = {{events.wait_event, "cuda_events.wait_event"},
-                 {events.signal_event, "cuda_events.signal_event"}};
-  for (const auto& h : handles) {
-    if (!h.handle.empty() && h.handle.size() != kCudaIpcEventHandleBytes) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s: %d bytes, must be exactly %d (a cudaIpcEventHandle_t)", h.field,
-                          h.handle.size(), kCudaIpcEventHandleBytes));
-    }
-  }
-  if (ctx.device->memory_kind() != MemoryKind::kDevice) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "cuda_events: interprocess CUDA events need a CUDA device, but this server computes on "
-        "%s (start qtxd with --device=cuda:N)",
-        ctx.device->name()));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
                                     std::string_view field) {
   if (params.scaling != kernels::BlockScaling::kBlock1D &&
@@ -392,25 +222,6 @@ absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
         "%s.amax_epsilon=%g: must be finite and >= 0", field, params.amax_epsilon));
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<Matrix2D> FlattenTo2D(const std::vector<int64_t>& shape, std::string_view field,
-                                     const tensor::ShapeLimits& limits) {
-  Matrix2D mn;
-  if (shape.empty()) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s.shape: rank 0, must be >= 1", field));
-  }
-  mn.n = shape.back();
-  mn.m = 1;
-  for (size_t i = 0; i + 1 < shape.size(); ++i) {
-    // Only reachable past the element limit when N == 0.
-    if (__builtin_mul_overflow(mn.m, shape[i], &mn.m) || mn.m > limits.max_elements) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.shape=%s: the row count prod(shape[:-1]) exceeds the element limit %d", field,
-          ShapeString(shape), limits.max_elements));
-    }
-  }
-  return mn;
 }
 
 absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, const OpContext& ctx) {

@@ -19,35 +19,11 @@
 #include "absl/status/statusor.h"
 #include "kernels/quantize_params.h"
 #include "server/backend/device.h"
+#include "server/ops/op_context.h"
 #include "server/tensor/dtype.h"
-#include "server/tensor/region_table.h"
 #include "server/tensor/tensor_ref.h"
 
 namespace qtx::server::ops {
-
-// Length of a cudaIpcEventHandle_t.
-inline constexpr size_t kCudaIpcEventHandleBytes = 64;
-
-// When an op's work is short enough for server/api to run it on the gRPC
-// thread that received the call (no hand-off to a worker thread).
-struct InlineLimits {
-  // Bytes the host computes on or copies (the kernel's input on a host
-  // device; staged inputs and outputs on a CUDA device).
-  uint64_t max_host_bytes = uint64_t{64} << 10;
-  // Input bytes of a device kernel that the host waits for (on the order of
-  // 50 us of an H200's bandwidth at 64 MiB).
-  uint64_t max_device_bytes = uint64_t{64} << 20;
-};
-
-// What an op needs from the server. Not owned.
-struct OpContext {
-  const tensor::RegionTable* regions = nullptr;
-  backend::Device* device = nullptr;
-  tensor::ShapeLimits limits;
-  // Total bytes an op may return inline (the gRPC send limit, less headroom).
-  uint64_t max_inline_output_bytes = uint64_t{1} << 30;
-  InlineLimits inline_limits;
-};
 
 // Client-chosen destinations; an unset slice means "return inline".
 struct QuantizeOutputSpecs {
@@ -69,15 +45,6 @@ struct QuantizeRequestSpec {
   // slice in the device's memory (no inline bytes, no staging) and `events`
   // empty, else INVALID_ARGUMENT / FAILED_PRECONDITION before any work.
   backend::ChannelQueue* queue = nullptr;
-};
-
-// One result buffer: written into the client's region slice, or returned in
-// `inline_data`.
-struct OutputTensor {
-  tensor::DType dtype = tensor::DType::kUnspecified;
-  std::vector<int64_t> shape;
-  std::optional<tensor::RegionSliceSpec> region;  // set: written there
-  std::string inline_data;                        // else: the bytes
 };
 
 struct QuantizeResult {
@@ -112,26 +79,10 @@ struct DequantizeRequestSpec {
   backend::ChannelQueue* queue = nullptr;                    // as for Quantize
 };
 
-// OK if `events` is empty, or each set handle is exactly 64 bytes and the
-// device computes on device memory. INVALID_ARGUMENT for a wrong length
-// (naming "cuda_events.wait_event" / "cuda_events.signal_event"),
-// FAILED_PRECONDITION on a host device.
-absl::Status ValidateCudaEvents(const backend::CudaEvents& events, const OpContext& ctx);
-
 // INVALID_ARGUMENT unless at least one of rowwise/columnwise is set and
 // amax_epsilon is finite and >= 0. `field` prefixes messages ("config").
 absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
                                     std::string_view field);
-
-// (M, N) of a validated shape: N = last dim, M = product of the others.
-struct Matrix2D {
-  int64_t m = 0;
-  int64_t n = 0;
-};
-// REQUIRES: `shape` passed tensor::ValidateShape. INVALID_ARGUMENT if M
-// exceeds limits.max_elements (possible only when N == 0).
-absl::StatusOr<Matrix2D> FlattenTo2D(const std::vector<int64_t>& shape, std::string_view field,
-                                     const tensor::ShapeLimits& limits);
 
 // Quantizes `request.input`. Errors: INVALID_ARGUMENT for any bad field
 // (dtype not FLOAT32/BFLOAT16/FLOAT16, shape, byte counts, usages, epsilon,

@@ -12,13 +12,12 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <new>
 #include <string>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 
 namespace qtx::server::optimizer {
 namespace {
@@ -421,23 +420,6 @@ std::string CheckpointPath(const std::string& dir, std::string_view group) {
 
 std::string PreviousCheckpointPath(const std::string& dir, std::string_view group) {
   return CheckpointPath(dir, group) + std::string(kPreviousSuffix);
-}
-
-absl::StatusOr<ParamState> AllocateParamState(const ParameterInfo& info,
-                                              kernels::MomentDType moment_dtype) {
-  ParamState p;
-  p.info = info;
-  const uint64_t count = static_cast<uint64_t>(info.m) * static_cast<uint64_t>(info.n);
-  const uint64_t mb = MomentBytes(moment_dtype);
-  p.master.reset(new (std::nothrow) float[count == 0 ? 1 : count]);
-  p.exp_avg.reset(new (std::nothrow) uint8_t[count == 0 ? 1 : count * mb]);
-  p.exp_avg_sq.reset(new (std::nothrow) uint8_t[count == 0 ? 1 : count * mb]);
-  if (!p.master || !p.exp_avg || !p.exp_avg_sq) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "parameter '%s': cannot allocate %d bytes of host memory for its optimizer state",
-        info.name, count * (4 + 2 * mb)));
-  }
-  return p;
 }
 
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state,

@@ -17,7 +17,7 @@
 #include "kernels/fp8.h"
 #include "server/optimizer/checkpoint.h"
 #include "server/optimizer/group_state.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::optimizer {

@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "server/tensor/shm_fault_guard.h"
 
 namespace qtx::server::tensor {

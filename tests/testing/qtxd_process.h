@@ -1,5 +1,5 @@
 // QtxdProcess: a qtxd child process on a private unix socket, for end-to-end
-// tests and benchmarks. Start() spawns it and waits until its health service
+// tests and benchmarks (the one qtxd launcher of tests/ and bench/). Start() spawns it and waits until its health service
 // says SERVING; the destructor sends SIGTERM and reaps it (SIGKILL after a
 // grace period).
 // One owner thread.
@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,15 @@ class QtxdProcess {
   const std::string dir_;
   const std::string socket_path_;
 };
+
+// The qtxd binary of a test target compiled with QTXD_PATH: $QTXD when set
+// (e.g. a qtxd from a bundle on a GPU host), else QTXD_PATH.
+#ifdef QTXD_PATH
+inline std::string QtxdPath() {
+  const char* env = std::getenv("QTXD");
+  return env != nullptr && *env != '\0' ? env : QTXD_PATH;
+}
+#endif
 
 }  // namespace qtx::testing
 

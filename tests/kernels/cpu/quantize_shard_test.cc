@@ -8,6 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/quantize_block.h"
+#include "kernels/cpu/quantize_shard.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cpu {

@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_block.h"
+#include "kernels/cpu/quantize_shard.h"
 #include "kernels/cuda/quantize_shard.h"
 #include "kernels/fp8.h"
 #include "kernels/shard_geometry.h"

@@ -7,8 +7,6 @@
 //
 // The qtxd binary: $QTXD if set, else the one this build made.
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gmock/gmock.h>
@@ -29,7 +27,7 @@
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/shm_region.h"
-#include "tests/server/backend/qtxd_child.h"
+#include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
 extern char** environ;
@@ -42,7 +40,7 @@ using ::testing::HasSubstr;
 
 #define CUDA_ASSERT(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-using ::qtx::testing::QtxdChild;
+using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::QtxdPath;
 
 // Random input of `dtype` with normal values, some large, some exact zeros.
@@ -179,12 +177,19 @@ class CudaE2ETest : public ::testing::Test {
       (void)cudaGetLastError();
       return;
     }
-    socket_ = absl::StrFormat("/tmp/qtx-cuda-e2e-%d.sock", ::getpid());
-    server_ = new QtxdChild({QtxdPath(), "--device=cuda:0", "--socket=" + socket_,
-                               "--allow_client_shm", "--log_level=warn"});
-    auto client = Client::Connect("unix://" + socket_);
-    if (!client.ok()) return;
-    if (!(*client)->WaitUntilServing(absl::Seconds(60)).ok()) return;
+    gpu_ = true;
+    auto server =
+        QtxdProcess::Start(QtxdPath(), {"--device=cuda:0", "--allow_client_shm"}, absl::Seconds(60));
+    if (!server.ok()) {
+      start_error_ = server.status().ToString();
+      return;
+    }
+    server_ = server->release();
+    auto client = Client::Connect(server_->target());
+    if (!client.ok()) {
+      start_error_ = client.status().ToString();
+      return;
+    }
     client_ = client->release();
   }
   static void TearDownTestSuite() {
@@ -194,14 +199,16 @@ class CudaE2ETest : public ::testing::Test {
     server_ = nullptr;
   }
   void SetUp() override {
-    ASSERT_NE(server_, nullptr) << "gpu-labelled test: needs a visible CUDA device";
-    ASSERT_NE(client_, nullptr) << "qtxd (" << QtxdPath() << ") did not start serving";
+    ASSERT_TRUE(gpu_) << "gpu-labelled test: needs a visible CUDA device";
+    ASSERT_NE(client_, nullptr) << "qtxd (" << QtxdPath() << ") did not start serving: "
+                                << start_error_;
     CUDA_ASSERT(cudaSetDevice(0));
   }
 
-  static inline QtxdChild* server_ = nullptr;
+  static inline bool gpu_ = false;
+  static inline std::string start_error_;
+  static inline QtxdProcess* server_ = nullptr;
   static inline Client* client_ = nullptr;
-  static inline std::string socket_;
 };
 
 const Case kCases[] = {

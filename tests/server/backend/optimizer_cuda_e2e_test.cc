@@ -9,8 +9,6 @@
 //
 // The qtxd binary: $QTXD if set, else the one this build made.
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gmock/gmock.h>
@@ -32,7 +30,7 @@
 #include "kernels/cpu/adamw.h"
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
-#include "tests/server/backend/qtxd_child.h"
+#include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
 extern char** environ;
@@ -43,7 +41,7 @@ namespace {
 #define CUDA_ASSERT(expr) \
   ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-using ::qtx::testing::QtxdChild;
+using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::QtxdPath;
 
 uint16_t Bf16Bits(float f) {  // truncation: any BF16 value is a valid gradient
@@ -81,14 +79,12 @@ class OptimizerCudaE2ETest : public ::testing::Test {
     ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess) << "gpu-labelled test: needs a GPU";
     ASSERT_GT(count, 0) << "gpu-labelled test: needs a visible CUDA device";
     CUDA_ASSERT(cudaSetDevice(0));
-    socket_ = absl::StrFormat("/tmp/qtx-opt-cuda-%d.sock", ::getpid());
-    server_ = std::make_unique<QtxdChild>(std::vector<std::string>{
-        QtxdPath(), "--device=cuda:0", "--socket=" + socket_, "--log_level=warn"});
-    auto client = Client::Connect("unix://" + socket_);
+    auto server = QtxdProcess::Start(QtxdPath(), {"--device=cuda:0"}, absl::Seconds(60));
+    ASSERT_TRUE(server.ok()) << "qtxd (" << QtxdPath() << "): " << server.status();
+    server_ = *std::move(server);
+    auto client = Client::Connect(server_->target());
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
-    ASSERT_TRUE(client_->WaitUntilServing(absl::Seconds(60)).ok())
-        << "qtxd (" << QtxdPath() << ") did not start serving";
     CUDA_ASSERT(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   void TearDown() override {
@@ -292,9 +288,8 @@ class OptimizerCudaE2ETest : public ::testing::Test {
 
   void ClearOutputs() { ASSERT_EQ(cudaMemset(out_dev_, 0xAB, out_bytes_), cudaSuccess); }
 
-  std::unique_ptr<QtxdChild> server_;
+  std::unique_ptr<QtxdProcess> server_;
   std::unique_ptr<Client> client_;
-  std::string socket_;
   cudaStream_t stream_ = nullptr;
   std::vector<Param> params_;
   void* grads_dev_ = nullptr;

@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
 #include "server/optimizer/optimizer_store.h"
-#include "server/status_macros.h"
+#include "common/status_macros.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx::server::optimizer {

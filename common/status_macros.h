@@ -1,8 +1,10 @@
-// QTX_RETURN_IF_ERROR / QTX_ASSIGN_OR_RETURN: propagate absl::Status.
+// QTX_RETURN_IF_ERROR / QTX_ASSIGN_OR_RETURN: propagate absl::Status. Shared
+// by the server and the client library (a private header of both: the client
+// does not install it). Needs only Abseil's status headers.
 // Same shape as ABSL_RETURN_IF_ERROR / ABSL_ASSIGN_OR_RETURN (Abseil 20260526),
 // which our Abseil (20220623) lacks; switching later is a rename.
-#ifndef QTX_SERVER_STATUS_MACROS_H_
-#define QTX_SERVER_STATUS_MACROS_H_
+#ifndef QTX_COMMON_STATUS_MACROS_H_
+#define QTX_COMMON_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -24,4 +26,4 @@
   if (!statusor.ok()) return statusor.status();         \
   lhs = std::move(statusor).value()
 
-#endif  // QTX_SERVER_STATUS_MACROS_H_
+#endif  // QTX_COMMON_STATUS_MACROS_H_

@@ -1,11 +1,12 @@
-#include "server/api/nccl_wiring.h"
+#include "server/collective/communicators.h"
 
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "server/status_macros.h"
+#include "server/backend/gloo_communicator.h"
+#include "common/status_macros.h"
 
 #if defined(QTX_HAVE_NCCL) && defined(QTX_HAVE_CUDA_DEVICE)
 #include "server/backend/cuda_device.h"
@@ -13,7 +14,27 @@
 #define QTX_NCCL_WIRING 1
 #endif
 
-namespace qtx::server::api {
+namespace qtx::server::collective {
+
+CommunicatorFactory GlooCommunicatorFactory(std::string peer_host) {
+  return [peer_host = std::move(peer_host)](const GroupSpec& spec,
+                                            backend::RendezvousClient& rendezvous,
+                                            const std::string& prefix, absl::Time deadline)
+             -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
+    backend::GlooCommunicatorOptions g;
+    g.group = spec.name;
+    g.rank = spec.rank;
+    g.world_size = spec.world_size;
+    g.host = peer_host;
+    g.key_prefix = prefix;
+    g.store = &rendezvous;
+    g.deadline = deadline;
+    QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::GlooCommunicator> c,
+                         backend::GlooCommunicator::Create(g));
+    return std::unique_ptr<backend::Communicator>(std::move(c));
+  };
+}
+
 
 bool NcclAvailable(const backend::Device& device) {
 #ifdef QTX_NCCL_WIRING
@@ -24,19 +45,19 @@ bool NcclAvailable(const backend::Device& device) {
 #endif
 }
 
-collective::CommBackendKind DefaultCommBackend(const backend::Device& device) {
-  return NcclAvailable(device) ? collective::CommBackendKind::kNccl
-                               : collective::CommBackendKind::kGloo;
+CommBackendKind DefaultCommBackend(const backend::Device& device) {
+  return NcclAvailable(device) ? CommBackendKind::kNccl
+                               : CommBackendKind::kGloo;
 }
 
-collective::GroupRegistryOptions WithNcclCommunicator(collective::GroupRegistryOptions options,
+GroupRegistryOptions WithNcclCommunicator(GroupRegistryOptions options,
                                                       backend::Device* device) {
-  collective::CommunicatorFactory previous = std::move(options.make_communicator);
+  CommunicatorFactory previous = std::move(options.make_communicator);
   options.make_communicator =
-      [previous, device](const collective::GroupSpec& spec, backend::RendezvousClient& store,
+      [previous, device](const GroupSpec& spec, backend::RendezvousClient& store,
                          const std::string& prefix, absl::Time deadline)
       -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
-    if (spec.backend != collective::CommBackendKind::kNccl) {
+    if (spec.backend != CommBackendKind::kNccl) {
       if (!previous) return absl::UnimplementedError("no communicator factory for GLOO");
       return previous(spec, store, prefix, deadline);
     }
@@ -71,4 +92,4 @@ collective::GroupRegistryOptions WithNcclCommunicator(collective::GroupRegistryO
   return options;
 }
 
-}  // namespace qtx::server::api
+}  // namespace qtx::server::collective
