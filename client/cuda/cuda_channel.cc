@@ -99,17 +99,21 @@ class StreamFlags final : public ChannelFlags {
 
   void ReleaseWaits(bool sidecar_gone) override {
     if (shm_ != nullptr) {
-      // Host stores: the GPU's waits poll this page. ready first, so that a
-      // reader who sees the released done also sees the released ready.
+      // Host stores: stream waits (cuStreamWaitValue64) poll this page.
+      // ready first, so that a reader who sees the released done also sees
+      // the released ready.
       uint64_t* words = reinterpret_cast<uint64_t*>(shm_->data());
       if (sidecar_gone) {
         std::atomic_ref<uint64_t>(words[0]).store(kChannelReleaseAll, std::memory_order_release);
       }
       std::atomic_ref<uint64_t>(words[1]).store(kChannelReleaseAll, std::memory_order_release);
-      return;
     }
-    // Device flags: from a private stream (`stream_` may be parked on the
-    // wait itself).
+    // The same words written by the GPU, from a private stream (`stream_` may
+    // be parked on the wait itself). Needed for host flags too: a plan's
+    // kernel spins on done with system-scope loads, and on the H200 a store
+    // from this host never reached a kernel already spinning on the page
+    // (CudaPlanTest.QtxdDyingReleasesReplaysForGood, 2026-12-01), while
+    // writes made by the GPU (qtxd's, and these) do.
     int current = 0;
     const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ &&
                           cudaSetDevice(device_) == cudaSuccess;

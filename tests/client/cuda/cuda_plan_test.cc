@@ -20,6 +20,8 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
@@ -51,6 +53,17 @@ std::string g_qtxd_path;
 int Replays() {
   const char* s = std::getenv("QTX_PLAN_TEST_REPLAYS");
   return s != nullptr ? std::atoi(s) : 300;
+}
+
+// Waits for `stream` at most `limit`: a test must fail, not hang, when a
+// wait on the GPU is never released.
+bool StreamDrains(cudaStream_t stream, absl::Duration limit) {
+  const absl::Time end = absl::Now() + limit;
+  cudaError_t e;
+  while ((e = cudaStreamQuery(stream)) == cudaErrorNotReady && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return e == cudaSuccess;
 }
 
 class CudaPlanTest : public ::testing::Test {
@@ -111,7 +124,11 @@ class CudaPlanTest : public ::testing::Test {
   }
 
   void TearDown() override {
-    if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+    if (stream_ != nullptr && !StreamDrains(stream_, absl::Seconds(10))) {
+      // A wait that is never released: end the process rather than hang.
+      std::fprintf(stderr, "the test's stream did not drain within 10 s\n");
+      std::_Exit(3);
+    }
     if (client_ != nullptr) (void)client_->UnregisterRegion("plan-arena");
     for (void* p : owned_) (void)cudaFree(p);
     (void)cudaFree(arena_);
@@ -252,16 +269,29 @@ TEST_F(CudaPlanTest, QtxdDyingReleasesReplaysForGood) {
   cudaGraphExec_t exec = nullptr;
   Capture(plan.get(), &exec);
   Replay(exec, 0);
-  CUDA_OK(cudaStreamSynchronize(stream_));
+  ASSERT_TRUE(StreamDrains(stream_, absl::Seconds(10))) << "the first replay did not finish";
+  std::fprintf(stderr, "plan death: first replay done; killing qtxd\n");
+  const absl::Time kill_time = absl::Now();
   ASSERT_EQ(::kill(server_->pid(), SIGKILL), 0);
-  for (int i = 0; i < 200 && plan->status().ok(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  while (plan->status().ok() && absl::Now() - kill_time < absl::Seconds(5)) {
+    absl::SleepFor(absl::Milliseconds(1));
   }
+  const double noticed_ms = absl::ToDoubleMilliseconds(absl::Now() - kill_time);
+  std::fprintf(stderr, "plan death: status after %.1f ms: %s\n", noticed_ms,
+               plan->status().ToString().c_str());
   EXPECT_THAT(plan->status(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
   // Replays captured before still run to the end (their waits pass).
   for (int r = 0; r < 3; ++r) Replay(exec, r);
-  CUDA_OK(cudaStreamSynchronize(stream_));
+  const bool drained = StreamDrains(stream_, absl::Seconds(10));
+  std::printf("{\"test\":\"cuda_plan_qtxd_death\",\"status_after_kill_ms\":%.3f,"
+              "\"replays_after_kill_drained\":%s}\n",
+              noticed_ms, drained ? "true" : "false");
+  std::fflush(stdout);
+  ASSERT_TRUE(drained) << "replays after qtxd died did not finish within 10 s";
   CUDA_OK(cudaGraphExecDestroy(exec));
+  plan.reset();
+  client_.reset();
+  server_.reset();
 }
 
 }  // namespace
