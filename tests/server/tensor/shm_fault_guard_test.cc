@@ -99,15 +99,26 @@ TEST(ShmFaultGuard, ConcurrentReadersSurviveATruncation) {
     QTX_ASSERT_OK(table.RegisterShm("r", shm.name(), 0, kBytes));
     QTX_ASSERT_OK_AND_ASSIGN(auto pin, table.Acquire("r"));
     std::atomic<bool> stop{false};
+    std::atomic<int64_t> passes[4] = {};
     std::vector<std::thread> readers;
     for (int t = 0; t < 4; ++t) {
-      readers.emplace_back([&] {
-        while (!stop.load()) (void)Sum(pin->data(), kBytes);
+      readers.emplace_back([&, t] {
+        while (!stop.load()) {
+          (void)Sum(pin->data(), kBytes);
+          passes[t].fetch_add(1);
+        }
       });
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200 * round));
     ASSERT_TRUE(Truncate(shm.name(), (round % 4) * 4096));
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    // Stop only once every reader has finished a whole pass begun after the
+    // truncation (two more passes than it had then): each of them has then
+    // run into the truncated pages, however the threads were scheduled.
+    int64_t at_truncation[4];
+    for (int t = 0; t < 4; ++t) at_truncation[t] = passes[t].load();
+    for (int t = 0; t < 4; ++t) {
+      while (passes[t].load() < at_truncation[t] + 2) std::this_thread::yield();
+    }
     stop.store(true);
     for (auto& r : readers) r.join();
     EXPECT_THAT(pin->Intact(), StatusIs(absl::StatusCode::kDataLoss, ::testing::_)) << "round " << round;
