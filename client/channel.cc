@@ -286,9 +286,11 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::OpenPlan(Client& client,
                                                            const PlanOp& op,
                                                            const ChannelOptions& options,
                                                            uint32_t lookahead) {
-  if (lookahead < 1 || lookahead > 16) {
+  // 0 would mean "qtxd's default" on the wire; the upper bound is qtxd's to
+  // enforce (its refusal names it).
+  if (lookahead < 1) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("Channel::OpenPlan: lookahead=%d: must be 1..16", lookahead));
+        absl::StrFormat("Channel::OpenPlan: lookahead=%d: must be at least 1", lookahead));
   }
   return OpenWith(client, std::move(flags), options, &op, lookahead);
 }

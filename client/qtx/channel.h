@@ -150,7 +150,7 @@ class Channel {
   // as submission n of a plain channel, with no submission: the caller moves
   // ready to n and waits for done >= n itself (qtx::cuda::Plan does both in
   // one kernel that a CUDA graph can capture and replay). qtxd keeps up to
-  // `lookahead` (1..16) executions enqueued ahead. A plan channel takes no
+  // `lookahead` (1..16, qtxd refuses more) executions enqueued ahead. A plan channel takes no
   // Quantize/Dequantize/AllGather (FAILED_PRECONDITION); its op is checked
   // by qtxd at each execution (a bad op fails the channel, seen by status()).
   // Close() releases the executions still enqueued: they run the op once

@@ -528,6 +528,11 @@ TEST_F(ChannelE2eTest, APlanWhoseOpIsBadFailsAtItsFirstExecution) {
   EXPECT_THAT(Channel::OpenPlan(*client_, std::move(more),
                                 QuantizePlan{op.input, Config(), op.outputs}, {}, 0),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lookahead=0")));
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> too_many,
+                           HostChannelFlags::Create(*client_, "plan-flags-3"));
+  EXPECT_THAT(Channel::OpenPlan(*client_, std::move(too_many),
+                                QuantizePlan{op.input, Config(), op.outputs}, {}, 17),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lookahead=17: must be 1..16")));
 }
 
 // The server refuses a submission on a plan channel (a raw stream: the
