@@ -12,6 +12,9 @@ JOBS="${QTX_JOBS:-$(nproc)}"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build "$BUILD" -j"$JOBS"
 ctest --test-dir "$BUILD" -LE gpu --output-on-failure -j"$JOBS" --timeout 900
+# The lock annotations, checked by clang's -Wthread-safety (build-tsa; about
+# 2 minutes of 2 cores).
+QTX_JOBS="$JOBS" scripts/thread_safety_check.sh
 # ASan+UBSan, fuzzing and TSan builds in their own directories (issue 6);
 # QTX_HARDENING=0 skips them.
 if [ "${QTX_HARDENING:-1}" != "0" ]; then

@@ -728,8 +728,11 @@ absl::Status RunStep() {
     if (!master.ok()) return master.status();
     OptimizerGroupConfig gc;
     gc.group = *group;
-    absl::StatusOr<OptimizerGroupInfo> made =
-        client.OffloadOptimizerState(gc, {{.name = "w", .shape = *shape, .master = *master}});
+    OptimizerParameterInit param;
+    param.name = "w";
+    param.shape = *shape;
+    param.master = *master;
+    absl::StatusOr<OptimizerGroupInfo> made = client.OffloadOptimizerState(gc, {param});
     if (!made.ok()) return made.status();
     info = *std::move(made);
     std::cout << absl::StrFormat("group   '%s' offloaded: parameter w %s, AdamW lr=%g\n", info.name,

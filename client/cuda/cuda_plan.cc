@@ -11,7 +11,7 @@ namespace qtx::cuda {
 
 absl::StatusOr<std::unique_ptr<Plan>> Plan::Open(Client& client, const PlanOp& op,
                                                  const PlanOptions& options) {
-  int device = 0;
+  int device = 0;  // only checked: a plan needs a current device
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return internal::CudaStatus(err, "cudaGetDevice");
   CUdeviceptr words = 0;
@@ -25,7 +25,7 @@ absl::StatusOr<std::unique_ptr<Plan>> Plan::Open(Client& client, const PlanOp& o
       Channel::OpenPlan(client, std::move(*flags), op, options.channel, options.lookahead);
   if (!channel.ok()) return channel.status();
   return std::unique_ptr<Plan>(
-      new Plan(std::move(*channel), reinterpret_cast<unsigned long long*>(words), device));
+      new Plan(std::move(*channel), reinterpret_cast<unsigned long long*>(words)));
 }
 
 Plan::~Plan() { (void)Close(); }

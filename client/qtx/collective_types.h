@@ -52,13 +52,13 @@ const char* GroupStateName(GroupState state);
 // What Client::CreateGroup asks for. Every rank creates the group on its own
 // sidecar with the same name and world_size.
 struct CollectiveGroupConfig {
-  std::string name;  // unique per sidecar; the same on every rank
+  std::string name{};  // unique per sidecar; the same on every rank
   int32_t rank = 0;  // 0 .. world_size-1
   int32_t world_size = 1;
   // gRPC target of rank 0's sidecar, as that sidecar is reachable from this
   // rank's sidecar ("host:port" or "unix:/path"). Rank 0's sidecar hosts the
   // rendezvous; rank 0 may leave it empty.
-  std::string coordinator;
+  std::string coordinator{};
   CommBackend backend = CommBackend::kUnspecified;
   // How long the sidecar waits for every rank to join, and the default
   // deadline of the group's collectives. Zero: the server default (60 s).

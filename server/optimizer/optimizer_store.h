@@ -83,8 +83,8 @@ struct GroupInfo {
 
 struct StepOptions {
   int64_t step = 0;
-  std::optional<double> lr;
-  std::optional<double> max_grad_norm;
+  std::optional<double> lr = std::nullopt;
+  std::optional<double> max_grad_norm = std::nullopt;
   bool skip_if_non_finite = false;
 };
 

@@ -170,7 +170,9 @@ class ClientE2eTest : public ::testing::Test {
     if (server_ != nullptr) {
       absl::StatusOr<int> code = server_->Stop();
       EXPECT_TRUE(code.ok()) << code.status();
-      if (code.ok()) EXPECT_EQ(*code, 0) << "qtxd exit status after SIGTERM";
+      if (code.ok()) {
+        EXPECT_EQ(*code, 0) << "qtxd exit status after SIGTERM";
+      }
     }
     delete server_;
     server_ = nullptr;

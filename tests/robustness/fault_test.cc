@@ -328,7 +328,9 @@ TEST(Faults, QtxdKilledDuringSaveCheckpointKeepsAValidOne) {
     {
       Sidecar s(dir, {});
       ASSERT_TRUE(s.WaitReady());
-      if (attempt == 0) ASSERT_TRUE(Offload(s, "opt").ok());
+      if (attempt == 0) {
+        ASSERT_TRUE(Offload(s, "opt").ok());
+      }
       v1::GetStateResponse state;
       ASSERT_TRUE(GetState(s, "opt", &state).ok());
       saved = state.group().step();

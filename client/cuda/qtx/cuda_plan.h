@@ -88,11 +88,10 @@ class Plan {
   absl::Status Close();
 
  private:
-  Plan(std::unique_ptr<Channel> channel, unsigned long long* words, int device)
-      : channel_(std::move(channel)), words_(words), device_(device) {}
+  Plan(std::unique_ptr<Channel> channel, unsigned long long* words)
+      : channel_(std::move(channel)), words_(words) {}
   std::unique_ptr<Channel> channel_;
   unsigned long long* const words_;  // ready, done, counter (GPU addresses)
-  const int device_;
   bool closed_ = false;
 };
 

@@ -119,9 +119,10 @@ TEST_F(CudaChannelTest, ConsumerSeesEveryOutputByteRightAfterTheWait) {
   p.rowwise = p.columnwise = true;
   const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m, n);
   const uint64_t in_bytes = m * n * 2;
-  const uint64_t out_bytes[4] = {layout.RowwiseDataBytes(), layout.RowwiseScaleCount() * 4,
-                                 layout.ColumnwiseDataBytes(),
-                                 layout.ColumnwiseScaleCount() * 4};
+  const uint64_t out_bytes[4] = {static_cast<uint64_t>(layout.RowwiseDataBytes()),
+                                 static_cast<uint64_t>(layout.RowwiseScaleCount() * 4),
+                                 static_cast<uint64_t>(layout.ColumnwiseDataBytes()),
+                                 static_cast<uint64_t>(layout.ColumnwiseScaleCount() * 4)};
 
   // Sources and expected outputs of each variant, in the arena.
   std::vector<RegionSlice> sources, expected[4];
@@ -256,9 +257,10 @@ TEST_F(CudaChannelTest, AllGatherOnAOneRankNcclGroupIsOrderedAndExact) {
   p.rowwise = p.columnwise = true;
   const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m, n);
   const uint64_t in_bytes = m * n * 2;
-  const uint64_t out_bytes[4] = {layout.RowwiseDataBytes(), layout.RowwiseScaleCount() * 4,
-                                 layout.ColumnwiseDataBytes(),
-                                 layout.ColumnwiseScaleCount() * 4};
+  const uint64_t out_bytes[4] = {static_cast<uint64_t>(layout.RowwiseDataBytes()),
+                                 static_cast<uint64_t>(layout.RowwiseScaleCount() * 4),
+                                 static_cast<uint64_t>(layout.ColumnwiseDataBytes()),
+                                 static_cast<uint64_t>(layout.ColumnwiseScaleCount() * 4)};
   std::string input(in_bytes, '\0');
   std::mt19937_64 rng(9);
   std::normal_distribution<float> normal(0.0f, 1.0f);

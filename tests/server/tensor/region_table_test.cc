@@ -188,7 +188,7 @@ RegionTableOptions WithFakeIpc(FakeIpc* ipc) {
       return absl::InternalError("fake opener misused");
     }
     ++ipc->opened;
-    return MappedMemory{ipc->buffer, [ipc] { ++ipc->released; }};
+    return MappedMemory{ipc->buffer, [ipc] { ++ipc->released; }, {}, {}};
   };
   return o;
 }
@@ -218,7 +218,7 @@ TEST(RegionTable, CudaIpcByUuidOpensTheGpuTheResolverNames) {
   o.cuda_ipc_opener = [&ipc, &opened_on](std::string_view, int32_t device_id, uint64_t)
       -> absl::StatusOr<MappedMemory> {
     opened_on = device_id;
-    return MappedMemory{ipc.buffer, [] {}};
+    return MappedMemory{ipc.buffer, [] {}, {}, {}};
   };
   const std::string uuid(16, '\x5a');
   o.cuda_uuid_resolver = [uuid](std::string_view u) -> absl::StatusOr<int32_t> {
@@ -291,7 +291,7 @@ RegionTableOptions WithFakeVmm(FakeVmm* vmm) {
     vmm->sizes.assign(sizes.begin(), sizes.end());
     vmm->device = device;
     vmm->offset = offset;
-    return MappedMemory{vmm->buffer + offset, [vmm] { ++vmm->released; }};
+    return MappedMemory{vmm->buffer + offset, [vmm] { ++vmm->released; }, {}, {}};
   };
   o.cuda_uuid_resolver = [](std::string_view u) -> absl::StatusOr<int32_t> {
     if (u == std::string(16, 'g')) return 2;

@@ -169,7 +169,7 @@ TEST_F(TensorRefTest, OutputSliceMustHaveTheExactSize) {
 }
 
 TEST(RangesOverlap, DetectsSharedBytesOnly) {
-  char buf[32];
+  char buf[32] = {};
   EXPECT_TRUE(RangesOverlap(buf, 16, buf + 15, 4));
   EXPECT_FALSE(RangesOverlap(buf, 16, buf + 16, 4));
   EXPECT_FALSE(RangesOverlap(buf, 0, buf, 4));
