@@ -1,5 +1,6 @@
 #include "server/api/optimizer_service.h"
 
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -144,6 +145,8 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
     if (request->has_lr()) spec.options.lr = request->lr();
     if (request->has_max_grad_norm()) spec.options.max_grad_norm = request->max_grad_norm();
     spec.options.skip_if_non_finite = request->skip_if_non_finite();
+    if (request->has_clip_factor()) spec.options.clip_factor = request->clip_factor();
+    spec.options.skip = request->skip();
     spec.omit_parameters = request->omit_parameters();
     spec.events = CudaEventsFromProto(request->cuda_events());
     for (int i = 0; i < request->gradients_size(); ++i) {
@@ -176,6 +179,33 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
       if (p.fp8) QuantizedTensorToProto(std::move(*p.fp8), out->mutable_fp8());
       if (p.bf16) OutputTensorToProto(std::move(*p.bf16), out->mutable_bf16());
     }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerService::GradNorm(grpc::CallbackServerContext* context,
+                                                     const v1::GradNormRequest* request,
+                                                     v1::GradNormResponse* response) {
+  return RunOnExecutor(context, "GradNorm", executor_, [this, request, response] {
+    ops::GradNormRequestSpec spec;
+    spec.group = request->group();
+    spec.step = request->step();
+    spec.events = CudaEventsFromProto(request->cuda_events());
+    for (int i = 0; i < request->gradients_size(); ++i) {
+      const v1::Gradient& g = request->gradients(i);
+      ops::GradientSpec gs;
+      gs.name = g.name();
+      QTX_ASSIGN_OR_RETURN(gs.grad,
+                           TensorRefFromProto(g.grad(), absl::StrFormat("gradients[%d].grad", i)));
+      spec.gradients.push_back(std::move(gs));
+    }
+    QTX_ASSIGN_OR_RETURN(optimizer::GradNormStats stats,
+                         ops::OptimizerGradNorm(spec, ctx_, *store_));
+    response->set_step(stats.step);
+    response->set_sum_squares(stats.sum_squares);
+    response->set_non_finite(stats.non_finite);
+    response->set_grad_norm(std::sqrt(stats.sum_squares));
+    response->set_step_processed(stats.step_processed);
     return absl::OkStatus();
   });
 }

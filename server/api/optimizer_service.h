@@ -30,6 +30,9 @@ class OptimizerService final : public v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const v1::StepRequest* request,
                                  v1::StepResponse* response) override;
+  grpc::ServerUnaryReactor* GradNorm(grpc::CallbackServerContext* context,
+                                     const v1::GradNormRequest* request,
+                                     v1::GradNormResponse* response) override;
   grpc::ServerUnaryReactor* GetState(grpc::CallbackServerContext* context,
                                      const v1::GetStateRequest* request,
                                      v1::GetStateResponse* response) override;

@@ -643,6 +643,32 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
   QTX_RETURN_IF_ERROR(CheckStepRegionsIntact(plan, request.group, result.stats.step));
   return result;
 }
+absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequestSpec& request,
+                                                           const OpContext& ctx,
+                                                           optimizer::OptimizerStore& store) {
+  QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
+  StepPlan plan;
+  QTX_ASSIGN_OR_RETURN(plan.grads, ResolveGradients(request.gradients, ctx));
+  std::vector<ParameterResult> unused;
+  auto prepare = [&](const optimizer::GroupInfo& info, bool replay,
+                     optimizer::StepScratchSlot& slot) {
+    return PrepareStepBuffers(info, replay, /*omit_outputs=*/true, request.events, ctx, slot,
+                              plan, unused);
+  };
+  QTX_ASSIGN_OR_RETURN(optimizer::GradNormStats stats,
+                       store.GradNorm(request.group, request.step,
+                                      optimizer::PrepareStepWithScratchFn(prepare)));
+  for (const auto& [name, view] : plan.grads) {
+    if (absl::Status intact = tensor::CheckIntact(view.pin); !intact.ok()) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s GradNorm of step %d of group '%s' read zeros in place of the lost gradient bytes "
+          "of '%s' (nothing was changed); measure again with intact gradients.",
+          intact.message(), request.step, request.group, name));
+    }
+  }
+  return stats;
+}
+
 absl::StatusOr<GetStateResult> GetOptimizerState(
     const std::string& group, const std::vector<std::string>& names, bool include_moments,
     const OpContext& ctx, const optimizer::OptimizerStore& store,

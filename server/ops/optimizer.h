@@ -84,13 +84,34 @@ struct StepResult {
   std::vector<ParameterResult> params;  // group order; empty with omit_parameters
 };
 
-// Runs one Step. INVALID_ARGUMENT: a gradient missing, duplicated, unknown,
+// Runs one Step (with options.skip, the gradients may be omitted: they are
+// not read). INVALID_ARGUMENT: a gradient missing, duplicated, unknown,
 // of the wrong dtype or shape; a destination naming an unknown parameter, a
 // copy the group does not produce, or of the wrong size. RESOURCE_EXHAUSTED:
 // inline outputs above ctx.max_inline_output_bytes. Plus the store's errors
 // (FAILED_PRECONDITION for a wrong step number, ...).
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
                                          optimizer::OptimizerStore& store);
+
+struct GradNormRequestSpec {
+  std::string group;
+  int64_t step = 0;
+  std::vector<GradientSpec> gradients;
+  // As for a Step: device gradients are read after wait_event; signal_event
+  // is recorded once they were read.
+  backend::CudaEvents events;
+};
+
+// The first phase of a two-phase step (OptimizerStore::GradNorm): the
+// group's squared-norm contribution and non-finite flag for the gradients
+// given, nothing changed. INVALID_ARGUMENT: a gradient missing, duplicated,
+// unknown, of the wrong dtype or shape. DATA_LOSS: a gradient region shrank
+// while it was read (measure again). Plus the store's errors
+// (FAILED_PRECONDITION for a step number that is neither the next one nor
+// the last processed one, ...).
+absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequestSpec& request,
+                                                           const OpContext& ctx,
+                                                           optimizer::OptimizerStore& store);
 
 struct ParameterStateResult {
   std::string name;

@@ -284,9 +284,11 @@ absl::Status ValidateLoadedState(const GroupState& s) {
       return absl::InvalidArgumentError(
           absl::StrFormat("last step's lr=%g: must be finite and >= 0", l.lr));
     }
-    if (!(l.clip_coef > 0.0 && l.clip_coef <= 1.0)) {
+    // clip_coef: at most 1 from max_grad_norm; any finite factor > 0 from a
+    // two-phase step's clip_factor.
+    if (!(std::isfinite(l.clip_coef) && l.clip_coef > 0.0)) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("last step's clip_coef=%g: must be in (0, 1]", l.clip_coef));
+          absl::StrFormat("last step's clip_coef=%g: must be finite and > 0", l.clip_coef));
     }
   }
   absl::flat_hash_set<std::string_view> names;

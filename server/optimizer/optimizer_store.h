@@ -84,8 +84,16 @@ struct GroupInfo {
 struct StepOptions {
   int64_t step = 0;
   std::optional<double> lr;
+  // The group's own decisions (one-phase step).
   std::optional<double> max_grad_norm;
   bool skip_if_non_finite = false;
+  // The caller's decisions over several groups (second phase of a two-phase
+  // step, after GradNorm); not combined with the two above. clip_factor
+  // multiplies every gradient (finite, > 0); skip skips the update without
+  // reading the gradients.
+  std::optional<double> clip_factor;
+  bool skip = false;
+  bool external() const { return clip_factor.has_value() || skip; }
 };
 
 struct StepStats {
@@ -96,6 +104,14 @@ struct StepStats {
   double clip_coef = 1.0;
   double lr = 0.0;
   bool replayed = false;
+};
+
+// One group's share of the gradient norm of a step (OptimizerStore::GradNorm).
+struct GradNormStats {
+  int64_t step = 0;
+  double sum_squares = 0.0;  // every gradient element squared, summed as Step sums them
+  bool non_finite = false;   // an element is NaN or Inf, or the sum overflowed
+  bool step_processed = false;  // the step was already processed (a retry)
 };
 
 // Host buffers of one step, in the group's parameter order.
@@ -142,7 +158,9 @@ struct StepBuffers {
 };
 
 // Called under the group's lock with the group as it is, to resolve the
-// request's gradients and output destinations against it.
+// request's gradients and output destinations against it. With `replay` no
+// gradient is read (a replayed step, or one the caller skips), so
+// StepBuffers::grads may stay empty.
 using PrepareStepFn =
     std::function<absl::StatusOr<StepBuffers>(const GroupInfo& group, bool replay)>;
 
@@ -230,8 +248,12 @@ class OptimizerStore {
   // logged and does not fail the step (the previous checkpoint is intact).
   // NOT_FOUND: no such group; FAILED_PRECONDITION: wrong step number (the
   // message names the step the group is at); DATA_LOSS: failed group; errors
-  // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm or a step
-  // number above kMaxStepNumber.
+  // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm /
+  // clip_factor, clip_factor or skip combined with max_grad_norm or
+  // skip_if_non_finite, or a step number above kMaxStepNumber.
+  // With clip_factor the gradients are scaled by it and the norm is not
+  // measured (stats.grad_norm 0); with skip the update is skipped without
+  // reading the gradients (prepare gets replay = true).
   absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
                                  const PrepareStepFn& prepare);
   // As above, with the group's scratch slot for `prepare`. When the buffers
@@ -245,6 +267,19 @@ class OptimizerStore {
   // the step number then delivers them).
   absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
                                  const PrepareStepWithScratchFn& prepare);
+
+  // The first phase of a two-phase step: measures the group's share of the
+  // gradient norm of step `step` (sum of squares in the order Step adds them,
+  // so that sqrt(sum_squares) is bit for bit the grad_norm a one-phase Step
+  // reports) without changing anything. `step` is the group's step + 1, or
+  // the group's step when its result is held (a retry: step_processed).
+  // `prepare` is called with replay = false and must return every gradient
+  // and omit the outputs; with hooks, the gradients arrive through them.
+  // NOT_FOUND: no such group; FAILED_PRECONDITION: any other step number
+  // (naming the group's step); DATA_LOSS: failed group; INVALID_ARGUMENT:
+  // a step number above kMaxStepNumber; errors of `prepare` and the hooks.
+  absl::StatusOr<GradNormStats> GradNorm(std::string_view group, int64_t step,
+                                         const PrepareStepWithScratchFn& prepare);
 
   absl::StatusOr<GroupInfo> Describe(std::string_view group) const;
 
@@ -291,6 +326,14 @@ class OptimizerStore {
  private:
   explicit OptimizerStore(Options options) : options_(std::move(options)) {}
   absl::StatusOr<std::shared_ptr<Group>> Find(std::string_view name) const;
+  // Writes the group's checkpoint when its step is a multiple of
+  // checkpoint_every_steps (a failure is logged: the step stands). REQUIRES:
+  // g.mu held.
+  void MaybeCheckpointPeriodically(Group& g, std::string_view name);
+  // The scratch slot of group `g` (named `name`) for one call that holds
+  // g->mu.
+  std::unique_ptr<StepScratchSlot> ScratchSlotOf(const std::shared_ptr<Group>& g,
+                                                 std::string_view name);
   absl::Status LoadAllCheckpoints();
   // Loads `path` into a new group and installs it (replacing any).
   // `previous`: `path` is the .prev checkpoint (see LoadCheckpoint).

@@ -307,12 +307,15 @@ class NativeSession {
   // `stream` waits for qtxd's event after the outputs are written. The host
   // returns when qtxd answers (it has read the gradients: the statistics
   // need them). grads: (name, ptr, dtype, shape); dests: (name, 4 buffers).
-  // lr < 0 / max_grad_norm <= 0: not set. Returns the statistics as a dict.
+  // lr < 0 / max_grad_norm <= 0: not set; clip_factor / skip: the caller's
+  // decisions of a two-phase step (sent as given: qtxd checks them). Returns
+  // the statistics as a dict.
   py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
                 const std::vector<std::tuple<std::string, uintptr_t, int,
                                              std::vector<int64_t>>>& grads,
                 const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
-                double max_grad_norm, bool skip_if_non_finite) {
+                double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor,
+                bool skip) {
     qtx::OptimizerStepResult r;
     {
       py::gil_scoped_release nogil;
@@ -327,6 +330,8 @@ class NativeSession {
       if (lr >= 0) o.lr = lr;
       if (max_grad_norm > 0) o.max_grad_norm = max_grad_norm;
       o.skip_if_non_finite = skip_if_non_finite;
+      o.clip_factor = clip_factor;
+      o.skip = skip;
       for (const auto& [name, bufs] : dests) {
         qtx::ParameterDestination d;
         d.name = name;
@@ -351,6 +356,39 @@ class NativeSession {
     d["clip_coef"] = r.stats.clip_coef;
     d["lr"] = r.stats.lr;
     d["replayed"] = r.stats.replayed;
+    return d;
+  }
+
+  // Client::GradNorm with gradients in device memory, ordered on `stream`:
+  // qtxd reads them after the work queued on `stream` so far; the host
+  // returns with qtxd's answer (every gradient was read by then). Returns
+  // {step, sum_squares, non_finite, grad_norm, step_processed}.
+  py::dict GradNorm(int device, uintptr_t stream, const std::string& group, int64_t step,
+                    const std::vector<std::tuple<std::string, uintptr_t, int,
+                                                 std::vector<int64_t>>>& grads) {
+    qtx::GradNormResult r;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> l(mu_);
+      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+      UseDevice(device);
+      std::vector<qtx::OptimizerGradient> g;
+      for (const auto& [name, ptr, dtype, shape] : grads) {
+        g.push_back({name, InputTensor(ptr, dtype, shape)});
+      }
+      Events& ev = EventsLocked(device);
+      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
+                "cudaEventRecord");
+      qtx::CallOptions call;
+      call.cuda_wait_event = ev.ready->handle();
+      r = Unwrap(client_->GradNorm(group, step, g, call));
+    }
+    py::dict d;
+    d["step"] = r.step;
+    d["sum_squares"] = r.sum_squares;
+    d["non_finite"] = r.non_finite;
+    d["grad_norm"] = r.grad_norm;
+    d["step_processed"] = r.step_processed;
     return d;
   }
 
@@ -596,6 +634,7 @@ PYBIND11_MODULE(_native, m) {
       .def("destroy_group", &NativeSession::DestroyGroup)
       .def("offload_optimizer_state", &NativeSession::OffloadOptimizerState)
       .def("step", &NativeSession::Step)
+      .def("grad_norm", &NativeSession::GradNorm)
       .def("step_host", &NativeSession::StepHost);
 
   m.def("parse_dlpack", &ParseDlpack, "Fields of an unconsumed 'dltensor' capsule.");

@@ -306,7 +306,7 @@ class Client:
         return opt.group_from_proto(resp.group)
 
     def step(self, group, step, gradients, lr=None, max_grad_norm=None, skip_if_non_finite=False,
-             omit_parameters=False, timeout=None, request_id=None):
+             omit_parameters=False, timeout=None, request_id=None, clip_factor=None, skip=False):
         """Applies AdamW step number `step` (the group's step + 1; the group's
         step again replays the last result without applying it twice, any
         other number raises FailedPreconditionError) and returns a StepResult:
@@ -317,7 +317,12 @@ class Client:
         (outputs are then torch tensors). lr: this step's learning rate (else
         the group's). max_grad_norm: global clipping as clip_grad_norm_.
         skip_if_non_finite: a NaN/Inf gradient skips the update (the step
-        number still advances)."""
+        number still advances). clip_factor / skip: the second phase of a
+        two-phase step (see grad_norm), decided by the caller over every
+        group of every rank, not combined with max_grad_norm /
+        skip_if_non_finite: clip_factor multiplies every gradient (finite,
+        > 0; qtx.clip_factor computes clip_grad_norm_'s), skip=True skips the
+        update without reading the gradients (they may be empty)."""
         items = list(gradients.items() if hasattr(gradients, "items") else gradients)
         as_torch = bool(items) and all(_is_torch(g) for _, g in items)
         req = optimizer_pb2.StepRequest(group=group, step=step,
@@ -330,6 +335,9 @@ class Client:
             req.lr = lr
         if max_grad_norm is not None:
             req.max_grad_norm = max_grad_norm
+        if clip_factor is not None:
+            req.clip_factor = clip_factor
+        req.skip = skip
         resp = self._call(self.optimizer.Step, req, timeout, request_id)
         s = resp.stats
         stats = opt.StepStats(step=s.step, grad_norm=s.grad_norm, skipped=s.skipped,
@@ -345,6 +353,23 @@ class Client:
                 out.bf16 = tensor_from_proto(p.bf16, as_torch)
             params[p.name] = out
         return opt.StepResult(stats, params)
+
+    def grad_norm(self, group, step, gradients, timeout=None, request_id=None):
+        """The first phase of a two-phase step: this group's share of the
+        gradient norm of step `step` (the group's step + 1, or its step to
+        retry a processed one), nothing changed. gradients as for step().
+        Returns a GradNormResult; add .sum_squares and or .non_finite over
+        every group of every rank, then call step(..., clip_factor=
+        qtx.clip_factor(total, max_grad_norm), skip=any_non_finite) on each."""
+        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
+        req = optimizer_pb2.GradNormRequest(group=group, step=step)
+        for name, g in items:
+            req.gradients.add(name=name, grad=opt.state_tensor_to_proto(
+                g, "gradient %s" % name, tensor_to_proto, _is_torch))
+        resp = self._call(self.optimizer.GradNorm, req, timeout, request_id)
+        return opt.GradNormResult(step=resp.step, sum_squares=resp.sum_squares,
+                                  non_finite=resp.non_finite, grad_norm=resp.grad_norm,
+                                  step_processed=resp.step_processed)
 
     def get_state(self, group, names=None, include_moments=False, timeout=None,
                   request_id=None):

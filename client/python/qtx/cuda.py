@@ -971,7 +971,7 @@ class Session:
         return n
 
     def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
-             skip_if_non_finite=False, stream=None):
+             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False):
         """AdamW step `step` of a group offloaded through this session, with
         the gradients in device memory ({name: CUDA tensor}, float32 /
         bfloat16 / float16, contiguous, the parameter's shape) and the FP8
@@ -980,7 +980,9 @@ class Session:
         after the work queued on the stream before the call (an interprocess
         event), and later work on the stream sees the outputs. The host waits
         for qtxd's answer (the statistics need the gradients), not for the
-        outputs. Returns (stats dict, {name: QuantizedTensor})."""
+        outputs. clip_factor / skip: the second phase of a two-phase step
+        (see grad_norm), as qtx.Client.step takes them. Returns (stats dict,
+        {name: QuantizedTensor})."""
         known = self._groups.get(group)
         if known is None:
             raise ArgumentError("group %r: not offloaded through this session "
@@ -1016,8 +1018,45 @@ class Session:
         stats = self._native.step(device, s, group, int(step), grads, dests,
                                   -1.0 if lr is None else float(lr),
                                   0.0 if max_grad_norm is None else float(max_grad_norm),
-                                  bool(skip_if_non_finite))
+                                  bool(skip_if_non_finite),
+                                  None if clip_factor is None else float(clip_factor),
+                                  bool(skip))
         return stats, results
+
+    def grad_norm(self, group, step, gradients, stream=None):
+        """The first phase of a two-phase step (qtx.Client.grad_norm): this
+        group's share of the gradient norm of step `step`, with the gradients
+        in device memory as for step() (read after the work queued on the
+        stream so far). Returns a dict: step, sum_squares, non_finite,
+        grad_norm, step_processed. Add sum_squares and or non_finite over
+        every group of every rank (e.g. a torch.distributed all_reduce), then
+        step(..., clip_factor=..., skip=...) on each."""
+        known = self._groups.get(group)
+        if known is None:
+            raise ArgumentError("group %r: not offloaded through this session "
+                                "(offload_optimizer_state)" % group)
+        shapes = known[3]
+        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
+        if not items:
+            raise ArgumentError("gradients: empty; one per parameter")
+        grads, device, s = [], None, None
+        for name, g in items:
+            a, sg = self._input(g, "gradient %s" % name, stream)
+            if s is None:
+                device, s = a.device, sg
+            elif a.device != device:
+                raise ArgumentError("gradient %s: on cuda:%d, the others on cuda:%d"
+                                    % (name, a.device, device))
+            if a.dtype not in INPUT_DTYPES or not a.contiguous:
+                raise ArgumentError("gradient %s: a contiguous float32/bfloat16/float16 tensor"
+                                    % name)
+            if name not in shapes:
+                raise ArgumentError("gradient %s: no such parameter in group %r" % (name, group))
+            if tuple(a.shape) != shapes[name]:
+                raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
+                                    % (name, list(a.shape), list(shapes[name])))
+            grads.append((name, a.ptr, a.dtype, list(a.shape)))
+        return self._native.grad_norm(device, s, group, int(step), grads)
 
     def synchronize(self):
         """Waits (host) for every submitted call on every stream; raises the

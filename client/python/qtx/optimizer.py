@@ -8,6 +8,7 @@ proto/qtx/v1/optimizer.proto. Every type keeps the message it came from in
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -86,12 +87,32 @@ class OptimizerGroupList:
 @dataclasses.dataclass
 class StepStats:
     step: int           # the step this result belongs to
-    grad_norm: float    # global L2 norm of the gradients before clipping
+    grad_norm: float    # L2 norm of the group's gradients before clipping (0 with clip_factor/skip)
     skipped: bool       # the update was not applied
     non_finite: bool    # some gradient element was NaN or Inf
-    clip_coef: float    # the factor applied to the gradients (1 = none)
+    clip_coef: float    # the factor applied to the gradients (1 = none; clip_factor if given)
     lr: float           # the learning rate used
     replayed: bool      # answered from a previous application of this step
+
+
+@dataclasses.dataclass
+class GradNormResult:
+    """One group's share of the gradient norm of a step (Client.grad_norm):
+    add sum_squares and or non_finite over every group of every rank, then
+    step() with clip_factor=clip_factor(total, max_grad_norm) and skip."""
+    step: int
+    sum_squares: float    # every gradient element squared, summed as a one-phase step sums them
+    non_finite: bool      # NaN/Inf in a gradient (or the sum overflowed)
+    grad_norm: float      # sqrt(sum_squares), this group alone
+    step_processed: bool  # a retry of a processed step: its step() replays
+
+
+def clip_factor(total_sum_squares, max_grad_norm):
+    """The factor torch.nn.utils.clip_grad_norm_ applies for a total norm of
+    sqrt(total_sum_squares): min(1, max_grad_norm / (norm + 1e-6)), in double
+    exactly as a one-phase step with max_grad_norm computes it."""
+    coef = max_grad_norm / (math.sqrt(total_sum_squares) + 1e-6)
+    return coef if coef < 1.0 else 1.0
 
 
 @dataclasses.dataclass
