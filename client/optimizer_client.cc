@@ -73,6 +73,9 @@ OptimizerGroupInfo GroupFromProto(const v1::OptimizerGroupInfo& p) {
   g.output = OutputFromProto(p.output());
   g.last_checkpoint_step = p.last_checkpoint_step();
   g.error = p.error();
+  for (const v1::ParameterHyperParams& h : p.parameter_hyper_params()) {
+    g.parameter_hyper_params.push_back({h.name(), h.weight_decay(), h.lr_scale()});
+  }
   return g;
 }
 
@@ -95,6 +98,8 @@ absl::StatusOr<OptimizerGroupInfo> Client::OffloadOptimizerState(
     ToProto(p.master, out->mutable_master());
     if (p.exp_avg) ToProto(*p.exp_avg, out->mutable_exp_avg());
     if (p.exp_avg_sq) ToProto(*p.exp_avg_sq, out->mutable_exp_avg_sq());
+    if (p.weight_decay) out->set_weight_decay(*p.weight_decay);
+    if (p.lr_scale) out->set_lr_scale(*p.lr_scale);
   }
   v1::OffloadOptimizerStateResponse response;
   grpc::ClientContext ctx;

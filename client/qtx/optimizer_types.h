@@ -74,6 +74,19 @@ struct OptimizerParameterInit {
   // Optional moments of a running job (FLOAT32 or BFLOAT16; both or neither).
   std::optional<Tensor> exp_avg;
   std::optional<Tensor> exp_avg_sq;
+  // This parameter's own weight decay and learning-rate scale (its lr is the
+  // step's times lr_scale); unset: the group's weight decay, scale 1. Both
+  // finite and >= 0 (e.g. weight_decay = 0 for norms and biases).
+  std::optional<double> weight_decay;
+  std::optional<double> lr_scale;
+};
+
+// A parameter offloaded with its own settings, as the server reports it.
+struct ParameterHyperParams {
+  std::string name;
+  double weight_decay = 0.0;
+  double lr_scale = 1.0;
+  friend bool operator==(const ParameterHyperParams&, const ParameterHyperParams&) = default;
 };
 
 // A group as the server describes it (every field filled in).
@@ -89,6 +102,8 @@ struct OptimizerGroupInfo {
   ParameterOutputConfig output;
   int64_t last_checkpoint_step = -1;  // -1 when never checkpointed
   std::string error;  // non-empty: the group is unusable (e.g. corrupted checkpoint)
+  // The parameters with their own weight_decay / lr_scale (group order).
+  std::vector<ParameterHyperParams> parameter_hyper_params;
 };
 
 struct OptimizerGroupList {

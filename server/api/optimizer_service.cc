@@ -81,6 +81,13 @@ void GroupInfoToProto(const optimizer::GroupInfo& g, v1::OptimizerGroupInfo* p) 
   OutputToProto(g.config.output, p->mutable_output());
   p->set_last_checkpoint_step(g.last_checkpoint_step);
   p->set_error(g.error);
+  for (const optimizer::ParameterInfo& param : g.params) {
+    if (param.hyper.empty()) continue;
+    v1::ParameterHyperParams* h = p->add_parameter_hyper_params();
+    h->set_name(param.name);
+    h->set_weight_decay(param.hyper.weight_decay.value_or(g.config.hyper.weight_decay));
+    h->set_lr_scale(param.hyper.lr_scale.value_or(1.0));
+  }
 }
 
 
@@ -115,6 +122,8 @@ grpc::ServerUnaryReactor* OptimizerService::OffloadOptimizerState(
       ops::OffloadParameterSpec ps;
       ps.name = p.name();
       ps.shape.assign(p.shape().begin(), p.shape().end());
+      if (p.has_weight_decay()) ps.hyper.weight_decay = p.weight_decay();
+      if (p.has_lr_scale()) ps.hyper.lr_scale = p.lr_scale();
       if (!p.has_master()) return absl::InvalidArgumentError(field + ".master: missing");
       QTX_ASSIGN_OR_RETURN(ps.master, TensorRefFromProto(p.master(), field + ".master"));
       if (p.has_exp_avg()) {

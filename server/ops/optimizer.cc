@@ -581,6 +581,7 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
     init.shape = p.shape;
     init.m = mn.m;
     init.n = mn.n;
+    init.hyper = p.hyper;
     QTX_ASSIGN_OR_RETURN(tensor::TensorView master,
                          ResolveHighPrecision(p.master, p.shape, field + ".master", ctx, false));
     init.master = master.data;

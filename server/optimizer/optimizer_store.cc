@@ -118,6 +118,22 @@ void WriteOutputsFromMaster(const ParamState& p, const OutputConfig& out,
   }
 }
 
+// Points kb[i].scalars at the constants of every parameter with its own
+// weight decay or lr scale (`own` holds them; the others use the call's).
+// `h`: the group's hyper-parameters with this step's lr.
+void AttachOwnScalars(const GroupState& s, const kernels::AdamWHyperParams& h, int64_t t,
+                      double grad_scale, std::span<kernels::cpu::AdamWParamBuffers> kb,
+                      std::vector<kernels::AdamWScalars>& own) {
+  own.clear();
+  own.reserve(kb.size());  // no reallocation: kb keeps pointers into it
+  for (size_t i = 0; i < kb.size(); ++i) {
+    const ParameterHyper& p = s.params[i].info.hyper;
+    if (p.empty()) continue;
+    own.push_back(kernels::MakeAdamWScalars(EffectiveHyper(h, p), t, grad_scale));
+    kb[i].scalars = &own.back();
+  }
+}
+
 // Writes every parameter's outputs from its current master weights (a
 // replayed or skipped step), through the hooks when there are some.
 absl::Status WriteCurrentOutputs(const GroupState& s, const StepBuffers& bufs) {
@@ -182,6 +198,29 @@ absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h) {
         absl::StrFormat("hyper_params.weight_decay=%g: must be finite and >= 0", h.weight_decay));
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateParameterHyper(const ParameterHyper& h, std::string_view field) {
+  if (h.weight_decay.has_value() && !FiniteNonNegative(*h.weight_decay)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.weight_decay=%g: must be finite and >= 0 (unset: the group's)", field,
+        *h.weight_decay));
+  }
+  if (h.lr_scale.has_value() && !FiniteNonNegative(*h.lr_scale)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.lr_scale=%g: must be finite and >= 0 (the parameter's lr is the group's times this; "
+        "unset: 1)",
+        field, *h.lr_scale));
+  }
+  return absl::OkStatus();
+}
+
+kernels::AdamWHyperParams EffectiveHyper(const kernels::AdamWHyperParams& group,
+                                         const ParameterHyper& p) {
+  kernels::AdamWHyperParams h = group;
+  if (p.weight_decay.has_value()) h.weight_decay = *p.weight_decay;
+  if (p.lr_scale.has_value()) h.lr = group.lr * *p.lr_scale;
+  return h;
 }
 
 absl::Status ValidateGroupConfig(const GroupConfig& c) {
@@ -318,6 +357,8 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
       return absl::InvalidArgumentError(absl::StrFormat(
           "parameters[%d] ('%s'): give both exp_avg and exp_avg_sq or neither", i, p.name));
     }
+    QTX_RETURN_IF_ERROR(
+        ValidateParameterHyper(p.hyper, absl::StrFormat("parameters[%d] ('%s')", i, p.name)));
     elements += p.m * p.n;
   }
   const uint64_t bytes = StateBytes(elements, config.moment_dtype);
@@ -349,7 +390,7 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
     s.config = config;
     s.update_count = config.step;
     for (const ParameterInit& init : params) {
-      ParameterInfo info{init.name, init.shape, init.m, init.n};
+      ParameterInfo info{init.name, init.shape, init.m, init.n, init.hyper};
       absl::StatusOr<ParamState> ps = AllocateParamState(info, config.moment_dtype);
       if (!ps.ok()) {
         unreserve();
@@ -425,7 +466,7 @@ struct PipelineOutcome {
 // be known before any update, so every gradient arrives first (the copies
 // back still overlap the host steps).
 PipelineOutcome RunPipelinedStep(GroupState& s,
-                                 std::span<const kernels::cpu::AdamWParamBuffers> kb,
+                                 std::span<kernels::cpu::AdamWParamBuffers> kb,
                                  const StepBuffers& bufs, const StepOptions& options,
                                  int threads, StepStats& stats) {
   StepHooks& h = *bufs.hooks;
@@ -480,6 +521,8 @@ PipelineOutcome RunPipelinedStep(GroupState& s,
       }
       const kernels::AdamWScalars scalars =
           kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
+      std::vector<kernels::AdamWScalars> own;
+      AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
       for (size_t i = 0; i < np; ++i) {
         kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
         deliver(i);
@@ -490,6 +533,8 @@ PipelineOutcome RunPipelinedStep(GroupState& s,
     stats.clip_coef = options.clip_factor.value_or(1.0);
     const kernels::AdamWScalars scalars =
         kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
+    std::vector<kernels::AdamWScalars> own;
+    AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
     for (size_t i = 0; i < np; ++i) {
       if (absl::Status st = arrive(i); !st.ok()) return fail(st, i);
       kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
@@ -695,6 +740,8 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
     h.lr = stats.lr;
     const kernels::AdamWScalars scalars =
         kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
+    std::vector<kernels::AdamWScalars> own;
+    AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
     kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
     ++s.update_count;
   } else {
@@ -718,6 +765,8 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
     h.lr = stats.lr;
     const kernels::AdamWScalars scalars =
         kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
+    std::vector<kernels::AdamWScalars> own;
+    AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
     kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
     ++s.update_count;
   }

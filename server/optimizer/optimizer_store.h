@@ -53,11 +53,23 @@ struct GroupConfig {
   int64_t step = 0;  // steps already applied to the initial state
 };
 
+// A parameter's own AdamW settings within its group; unset: the group's
+// weight decay and learning rate. The parameter is stepped exactly as if it
+// were alone in a group with lr = (the step's lr) * lr_scale, in double, and
+// this weight decay.
+struct ParameterHyper {
+  std::optional<double> weight_decay;  // finite, >= 0
+  std::optional<double> lr_scale;      // finite, >= 0
+  bool empty() const { return !weight_decay.has_value() && !lr_scale.has_value(); }
+  friend bool operator==(const ParameterHyper&, const ParameterHyper&) = default;
+};
+
 // One parameter's initial state, read from host memory during CreateGroup.
 struct ParameterInit {
   std::string name;
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;  // the [M, N] matrix of `shape`
+  ParameterHyper hyper;
   const void* master = nullptr;  // m*n of master_dtype (kFloat32 or kBFloat16)
   kernels::InputDType master_dtype = kernels::InputDType::kFloat32;
   const void* exp_avg = nullptr;     // optional, m*n of moments_dtype
@@ -69,6 +81,7 @@ struct ParameterInfo {
   std::string name;
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;
+  ParameterHyper hyper;
 };
 
 struct GroupInfo {
@@ -360,6 +373,15 @@ absl::Status ValidateGroupName(std::string_view name);
 // INVALID_ARGUMENT naming the field unless lr, eps, weight_decay are finite
 // and >= 0 and beta1, beta2 are in [0, 1).
 absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h);
+
+// INVALID_ARGUMENT naming `field` (e.g. "parameters[2] ('ln.bias')") unless
+// the set values are finite and >= 0.
+absl::Status ValidateParameterHyper(const ParameterHyper& h, std::string_view field);
+
+// The AdamW hyper-parameters parameter `p` is stepped with when the group's
+// (with this step's lr) are `group`: lr * lr_scale and its own weight decay.
+kernels::AdamWHyperParams EffectiveHyper(const kernels::AdamWHyperParams& group,
+                                         const ParameterHyper& p);
 
 // The largest step number: 2^53, exact in a double (AdamW's bias correction
 // raises the betas to it; JSON and JavaScript clients see it unchanged), and

@@ -391,6 +391,64 @@ TEST_F(OptimizerE2eTest, TwoPhaseStepsAcrossGroupsMatchTheReferenceWithTheGlobal
   EXPECT_EQ(list.groups[0].step, 4);  // the failed calls changed nothing
 }
 
+// Per-parameter weight decay and learning-rate scale through the client:
+// each parameter equals the reference stepped with its own settings; the
+// group reports them; bad values are INVALID_ARGUMENT naming the parameter.
+TEST_F(OptimizerE2eTest, PerParameterSettingsMatchTheReference) {
+  OptimizerGroupConfig c;
+  c.group = "mlp";
+  c.hyper_params.lr = hyper_.lr;
+  c.hyper_params.weight_decay = hyper_.weight_decay;
+  std::vector<OptimizerParameterInit> inits;
+  for (const RefParam& p : params_) {
+    inits.push_back({p.name, p.shape, Tensor::FromFloat32(p.shape, p.master), {}, {}});
+  }
+  inits[1].weight_decay = 0.0;  // the bias
+  inits[2].lr_scale = 0.5;
+  inits[2].weight_decay = 0.2;
+  std::vector<OptimizerParameterInit> bad = inits;
+  bad[1].weight_decay = -1.0;
+  EXPECT_THAT(client_->OffloadOptimizerState(c, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parameters[1] ('b1').weight_decay=-1: must be finite and >= 0")));
+  bad = inits;
+  bad[2].lr_scale = std::nan("");
+  EXPECT_THAT(client_->OffloadOptimizerState(c, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parameters[2] ('w2').lr_scale=nan")));
+  QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupInfo info, client_->OffloadOptimizerState(c, inits));
+  ASSERT_EQ(info.parameter_hyper_params.size(), 2u);
+  EXPECT_EQ(info.parameter_hyper_params[0], (ParameterHyperParams{"b1", 0.0, 1.0}));
+  EXPECT_EQ(info.parameter_hyper_params[1], (ParameterHyperParams{"w2", 0.2, 0.5}));
+  for (int64_t t = 1; t <= 2; ++t) {
+    std::vector<std::vector<float>> grads;
+    std::vector<OptimizerGradient> gs;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      grads.push_back(RandomGrad(params_[i].m * params_[i].n, 500 * t + i));
+      gs.push_back({params_[i].name, Tensor::FromFloat32(params_[i].shape, grads.back())});
+    }
+    StepOptions so;
+    so.lr = 4e-3;  // this step's lr: w2 gets half of it
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, client_->Step("mlp", t, gs, so));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      kernels::AdamWHyperParams h = hyper_;
+      h.lr = 4e-3;
+      if (i == 1) h.weight_decay = 0.0;
+      if (i == 2) {
+        h.lr = 4e-3 * 0.5;
+        h.weight_decay = 0.2;
+      }
+      std::vector<RefParam> one = {params_[i]};
+      ReferenceStep(one, {grads[i]}, h, t);
+      params_[i] = one[0];
+    }
+    ExpectMatchesReference(r);
+  }
+  QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupList list, client_->ListOptimizerGroups());
+  ASSERT_EQ(list.groups.size(), 1u);
+  EXPECT_EQ(list.groups[0].parameter_hyper_params, info.parameter_hyper_params);
+}
+
 TEST_F(OptimizerE2eTest, GetStateIntoAShmRegion) {
   QTX_ASSERT_OK(Offload().status());
   QTX_ASSERT_OK(StepBoth(1).status());

@@ -14,7 +14,9 @@ checkpoint directory).
 * BF16 output, initial moments and step, save/load checkpoint, release_group
   and list_optimizer_groups; argument errors;
 * two-phase steps over two groups (grad_norm, then step with the global
-  clip_factor / skip) equal the numpy AdamW with that factor.
+  clip_factor / skip) equal the numpy AdamW with that factor;
+* per-parameter weight decay and lr scale equal the numpy AdamW with each
+  parameter's own settings.
 
   /usr/bin/python3 tests/python/test_client_optimizer.py --qtxd=build/server/qtxd \\
       --python_dir=build/client/python
@@ -313,6 +315,37 @@ class OptimizerClientTest(unittest.TestCase):
             self.c.grad_norm("py-r0", 7, grads)
         self.assertIn("'py-r0' is at step 3: GradNorm measures the gradients of its next step 4",
                       cm.exception.message)
+
+    def test_per_parameter_weight_decay_and_lr_scale(self):
+        init = {n: (self.rng.standard_normal(s) * 0.1).astype(F32) for n, s in SHAPES.items()}
+        with self.assertRaises(ValueError) as cm:
+            self.c.offload_optimizer_state("py-pp", init, lr_scales=[1.0])
+        self.assertIn("lr_scales: 1 values for 2 parameters", str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            self.c.offload_optimizer_state("py-pp", init, weight_decays={"w3": 0.0})
+        self.assertIn("['w3']: not a parameter of the group", str(cm.exception))
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            self.c.offload_optimizer_state("py-pp", init, weight_decays={"w2": -0.5})
+        self.assertIn("parameters[1] ('w2').weight_decay=-0.5: must be finite and >= 0",
+                      cm.exception.message)
+        info = self.c.offload_optimizer_state("py-pp", init, lr=LR, betas=BETAS, eps=EPS,
+                                              weight_decay=WD, weight_decays={"w2": 0.0},
+                                              lr_scales=[None, 0.5])
+        self.assertEqual(info.parameter_hyper_params, {"w2": (0.0, 0.5)})
+        own = {"w1": (LR, WD), "w2": (LR * 0.5, 0.0)}
+        p = {n: a.copy() for n, a in init.items()}
+        m = {n: np.zeros(s, F32) for n, s in SHAPES.items()}
+        v = {n: np.zeros(s, F32) for n, s in SHAPES.items()}
+        for t in (1, 2):
+            grads = {n: self.rng.standard_normal(s).astype(F32) for n, s in SHAPES.items()}
+            self.c.step("py-pp", t, grads, omit_parameters=True)
+            st = self.c.get_state("py-pp", include_moments=True)
+            for n in SHAPES:
+                lr, wd = own[n]
+                s = adamw_scalars(lr, BETAS, EPS, wd, t, 1.0)
+                p[n], m[n], v[n] = adamw_update(p[n], m[n], v[n], grads[n], s)
+                self.assert_bits_equal(st.parameters[n].master, p[n], "%s step %d" % (n, t))
+                self.assert_bits_equal(st.parameters[n].exp_avg, m[n], "%s m step %d" % (n, t))
 
     def test_bf16_output_moments_and_checkpoints(self):
         shape = (64, 128)

@@ -275,13 +275,17 @@ class NativeSession {
 
   // Client::OffloadOptimizerState with inline masters: params is a list of
   // (name, float32 bytes, shape). hyper: (lr, beta1, beta2, eps,
-  // weight_decay, bias_correction). Returns the group's parameter count.
+  // weight_decay, bias_correction). param_hyper: per parameter (in order),
+  // its own (weight_decay, lr_scale), None for the group's. Returns the
+  // group's parameter count.
   int OffloadOptimizerState(const std::string& group,
                             const std::vector<std::tuple<std::string, py::bytes,
                                                          std::vector<int64_t>>>& params,
                             const std::tuple<double, double, double, double, double, bool>& hyper,
                             int mode, int format, bool rowwise, bool columnwise, bool pow2,
-                            float eps, int64_t step, bool replace) {
+                            float eps, int64_t step, bool replace,
+                            const std::vector<std::pair<std::optional<double>,
+                                                        std::optional<double>>>& param_hyper) {
     qtx::OptimizerGroupConfig c;
     c.group = group;
     std::tie(c.hyper_params.lr, c.hyper_params.beta1, c.hyper_params.beta2, c.hyper_params.eps,
@@ -295,6 +299,9 @@ class NativeSession {
       p.name = name;
       p.shape = shape;
       p.master = qtx::Tensor::Inline(qtx::DType::kFloat32, shape, std::string(bytes));
+      if (inits.size() < param_hyper.size()) {
+        std::tie(p.weight_decay, p.lr_scale) = param_hyper[inits.size()];
+      }
       inits.push_back(std::move(p));
     }
     py::gil_scoped_release nogil;

@@ -269,7 +269,8 @@ class Client:
                                 moment_dtype="float32", output="fp8", mode="2d",
                                 format="e4m3", rowwise=True, columnwise=True,
                                 pow2_scales=True, amax_epsilon=0.0, bf16_copy=False, step=0,
-                                replace=False, timeout=None, request_id=None):
+                                replace=False, timeout=None, request_id=None,
+                                weight_decays=None, lr_scales=None):
         """Hands a parameter group's master weights (and optionally its AdamW
         moments) to qtxd and returns its OptimizerGroupInfo.
 
@@ -281,7 +282,11 @@ class Client:
         both copies by default; bf16_copy=True adds a BF16 copy) or 'bf16'.
         step: steps already applied to the given state (the first step() then
         carries step + 1). replace: replace a group of that name (else
-        AlreadyExistsError)."""
+        AlreadyExistsError). weight_decays / lr_scales: per-parameter
+        settings (e.g. weight decay 0 for norms and biases; a parameter's lr
+        is the step's times its lr_scale), a {name: value} dict or one value
+        (or None: the group's) per parameter in order; also
+        ParameterInit.weight_decay / lr_scale."""
         req = optimizer_pb2.OffloadOptimizerStateRequest(
             group=group, moment_dtype=opt.choice(moment_dtype, opt.MOMENT_DTYPES,
                                                   "moment_dtype"),
@@ -291,10 +296,20 @@ class Client:
         opt.output_to_proto(opt.ParameterOutputConfig(output, mode, format, rowwise, columnwise,
                                                       pow2_scales, amax_epsilon, bf16_copy),
                             req.output, _quantize_config)
-        for p in opt.parameters_from_arg(parameters):
+        params = opt.parameters_from_arg(parameters)
+        names = [p.name for p in params]
+        wds = opt.per_parameter(weight_decays, names, "weight_decays")
+        scales = opt.per_parameter(lr_scales, names, "lr_scales")
+        for p in params:
             master = opt.state_tensor_to_proto(p.master, "%s.master" % p.name, tensor_to_proto,
                                                _is_torch)
             init = req.parameters.add(name=p.name, master=master)
+            wd = wds.get(p.name, p.weight_decay)
+            if wd is not None:
+                init.weight_decay = wd
+            scale = scales.get(p.name, p.lr_scale)
+            if scale is not None:
+                init.lr_scale = scale
             init.shape.extend(p.shape if p.shape is not None else master.shape)
             if p.exp_avg is not None:
                 init.exp_avg.CopyFrom(opt.state_tensor_to_proto(

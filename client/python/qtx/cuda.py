@@ -337,6 +337,25 @@ def _choice(value, table, name):
     return table[value]
 
 
+def _per_parameter(values, names, what):
+    """{name: value} from None, a {name: value} dict or one value (or None)
+    per parameter in order (as qtx.optimizer.per_parameter, which needs the
+    generated stubs). ValueError naming `what` otherwise."""
+    if values is None:
+        return {}
+    if hasattr(values, "items"):
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError("%s: %s: not a parameter of the group (parameters: %s)"
+                             % (what, unknown, list(names)))
+        return {n: v for n, v in values.items() if v is not None}
+    values = list(values)
+    if len(values) != len(names):
+        raise ValueError("%s: %d values for %d parameters; give one per parameter (None for the "
+                         "group's) or a {name: value} dict" % (what, len(values), len(names)))
+    return {n: v for n, v in zip(names, values) if v is not None}
+
+
 def quantize_config(mode="1d", format="e4m3", rowwise=True, columnwise=False, pow2_scales=True,
                     amax_epsilon=0.0):
     """(mode, format, rowwise, columnwise, pow2, eps) numbers, checked."""
@@ -941,11 +960,14 @@ class Session:
     def offload_optimizer_state(self, group, parameters, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=1e-2, bias_correction=True, mode="2d",
                                 format="e4m3", rowwise=True, columnwise=True, pow2_scales=True,
-                                amax_epsilon=0.0, step=0, replace=False):
+                                amax_epsilon=0.0, step=0, replace=False, weight_decays=None,
+                                lr_scales=None):
         """Hands a parameter group's FP32 master weights to qtxd (once, through
         the host: {name: float32 tensor/array}, any device) with FP8 outputs
-        per (mode, format, rowwise, columnwise). Returns the parameter count.
-        Then step() runs with gradients and outputs in device memory."""
+        per (mode, format, rowwise, columnwise). weight_decays / lr_scales:
+        per-parameter settings as qtx.Client.offload_optimizer_state takes
+        them. Returns the parameter count. Then step() runs with gradients
+        and outputs in device memory."""
         cfg = quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         params = []
         for name, t in (parameters.items() if hasattr(parameters, "items") else parameters):
@@ -963,10 +985,20 @@ class Session:
                                         % (name, a.dtype))
                 shape, data = a.shape, a.tobytes()
             params.append((str(name), data, list(shape)))
+        names = [p[0] for p in params]
+        own = []
+        for what, values in (("weight_decays", weight_decays), ("lr_scales", lr_scales)):
+            try:
+                own.append(_per_parameter(values, names, what))
+            except ValueError as e:
+                raise ArgumentError(str(e))
+        hyper = [(own[0].get(n), own[1].get(n)) for n in names]
         n = self._native.offload_optimizer_state(
             group, params, (float(lr), float(betas[0]), float(betas[1]), float(eps),
                             float(weight_decay), bool(bias_correction)),
-            cfg[0], cfg[1], cfg[2], cfg[3], cfg[4], cfg[5], int(step), bool(replace))
+            cfg[0], cfg[1], cfg[2], cfg[3], cfg[4], cfg[5], int(step), bool(replace),
+            [(None if w is None else float(w), None if l is None else float(l))
+             for w, l in hyper])
         self._groups[group] = (mode, format, cfg, {p[0]: tuple(p[2]) for p in params})
         return n
 

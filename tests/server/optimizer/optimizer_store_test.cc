@@ -1053,5 +1053,164 @@ TEST(OptimizerStoreTwoPhase, BadDecisionsFailWithActionableErrorsAndChangeNothin
   EXPECT_EQ(info.config.step, 0);
 }
 
+// ---- Per-parameter weight decay and learning-rate scale ----
+
+// AdamW on one element written out from torch.optim.AdamW's definition
+// (decoupled weight decay, bias correction) in FP32 with the constants
+// rounded once from double, as kernels/adamw.h specifies.
+void HandAdamW(float& p, float& m, float& v, float g, double lr, double wd, int64_t t) {
+  const double b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  const float decay = static_cast<float>(1.0 - lr * wd);
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(b2, t)));
+  p = p * decay;
+  m = static_cast<float>(b1) * m + static_cast<float>(1.0 - b1) * g;
+  v = static_cast<float>(b2) * v + (static_cast<float>(1.0 - b2) * g) * g;
+  const float denom = std::sqrt(v) / bc2_sqrt + static_cast<float>(eps);
+  p = p - (step_size * m) / denom;
+}
+
+TEST(OptimizerStorePerParameter, WeightDecayAndLrScaleEqualAHandComputedAdamW) {
+  Fixture f({{3, 5}, {1, 4}, {2, 129}}, 41);
+  auto store = MakeStore();
+  std::vector<ParameterInit> inits = f.Inits();
+  inits[0].hyper.weight_decay = 0.0;  // a norm or bias: no weight decay
+  inits[2].hyper.weight_decay = 0.5;
+  inits[2].hyper.lr_scale = 0.25;     // inits[1]: the group's
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, store->CreateGroup(f.config(), inits, false));
+  EXPECT_EQ(info.params[0].hyper, (ParameterHyper{0.0, std::nullopt}));
+  EXPECT_TRUE(info.params[1].hyper.empty());
+  const double lr[] = {f.config().hyper.lr, f.config().hyper.lr,
+                       f.config().hyper.lr * 0.25};
+  const double wd[] = {0.0, f.config().hyper.weight_decay, 0.5};
+  std::vector<std::vector<float>> p = f.masters(), m, v;
+  for (const auto& x : p) {
+    m.emplace_back(x.size(), 0.0f);
+    v.emplace_back(x.size(), 0.0f);
+  }
+  for (int64_t t = 1; t <= 3; ++t) {
+    const auto grads = f.Grads();
+    Outputs o;
+    // Step 2 clips with the caller's factor: every parameter's gradient scaled.
+    const float scale = t == 2 ? 0.5f : 1.0f;
+    if (t == 2) {
+      QTX_ASSERT_OK(store->Step("g", {.step = t, .clip_factor = 0.5}, f.Prepare(grads, &o)));
+    } else {
+      QTX_ASSERT_OK(store->Step("g", {.step = t}, f.Prepare(grads, &o)));
+    }
+    for (size_t i = 0; i < p.size(); ++i) {
+      for (size_t k = 0; k < p[i].size(); ++k) {
+        HandAdamW(p[i][k], m[i][k], v[i][k], grads[i][k] * scale, lr[i], wd[i], t);
+      }
+    }
+    const auto state = ReadFullState(*store, "g");
+    for (size_t i = 0; i < p.size(); ++i) {
+      EXPECT_EQ(state[3 * i], p[i]) << "master " << i << " step " << t;
+      EXPECT_EQ(state[3 * i + 1], m[i]) << "exp_avg " << i << " step " << t;
+      EXPECT_EQ(state[3 * i + 2], v[i]) << "exp_avg_sq " << i << " step " << t;
+    }
+  }
+  // The settings did matter: parameter 0 without weight decay differs from
+  // the same weights stepped with the group's.
+  Fixture same({{3, 5}, {1, 4}, {2, 129}}, 41);
+  auto plain = MakeStore();
+  QTX_ASSERT_OK(plain->CreateGroup(same.config(), same.Inits(), false));
+  Outputs o;
+  const auto g1 = same.Grads();
+  QTX_ASSERT_OK(plain->Step("g", {.step = 1}, same.Prepare(g1, &o)));
+  auto fresh = MakeStore();
+  QTX_ASSERT_OK(fresh->CreateGroup(same.config(), inits, false));
+  QTX_ASSERT_OK(fresh->Step("g", {.step = 1}, same.Prepare(g1, &o)));
+  const auto a = ReadFullState(*plain, "g"), b = ReadFullState(*fresh, "g");
+  EXPECT_NE(a[0], b[0]);
+  EXPECT_EQ(a[3], b[3]);  // parameter 1 has the group's settings in both
+}
+
+TEST(OptimizerStorePerParameter, DefaultsLeaveTheStepUnchanged) {
+  Fixture f({{130, 200}, {1, 7}}, 42);
+  auto with = MakeStore();
+  auto without = MakeStore();
+  std::vector<ParameterInit> inits = f.Inits();
+  inits[0].hyper.weight_decay = f.config().hyper.weight_decay;  // same as the group's
+  inits[1].hyper.lr_scale = 1.0;
+  QTX_ASSERT_OK(with->CreateGroup(f.config(), inits, false));
+  QTX_ASSERT_OK(without->CreateGroup(f.config(), f.Inits(), false));
+  for (int64_t t = 1; t <= 2; ++t) {
+    const auto grads = f.Grads();
+    Outputs a, b;
+    QTX_ASSERT_OK(with->Step("g", {.step = t, .max_grad_norm = 1.0}, f.Prepare(grads, &a)));
+    QTX_ASSERT_OK(without->Step("g", {.step = t, .max_grad_norm = 1.0}, f.Prepare(grads, &b)));
+    ExpectSameOutputs(a, b);
+  }
+  EXPECT_EQ(ReadFullState(*with, "g"), ReadFullState(*without, "g"));
+}
+
+TEST(OptimizerStorePerParameter, BadSettingsAreRefusedNamingTheParameter) {
+  Fixture f({{4, 4}, {2, 2}}, 43);
+  auto store = MakeStore();
+  struct Case {
+    std::optional<double> wd, scale;
+    const char* want;
+  } cases[] = {
+      {-1.0, std::nullopt, "parameters[1] ('p1').weight_decay=-1: must be finite and >= 0"},
+      {std::nan(""), std::nullopt, "parameters[1] ('p1').weight_decay=nan"},
+      {std::nullopt, std::numeric_limits<double>::infinity(),
+       "parameters[1] ('p1').lr_scale=inf: must be finite and >= 0"},
+      {std::nullopt, -0.5, "parameters[1] ('p1').lr_scale=-0.5"},
+  };
+  for (const Case& c : cases) {
+    std::vector<ParameterInit> inits = f.Inits();
+    inits[1].hyper.weight_decay = c.wd;
+    inits[1].hyper.lr_scale = c.scale;
+    EXPECT_THAT(store->CreateGroup(f.config(), inits, false),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.want)));
+  }
+  EXPECT_TRUE(store->ListGroups().empty());
+  EXPECT_EQ(store->memory_used_bytes(), 0u);
+}
+
+// Reads a checkpoint's format version (bytes 8..11).
+uint32_t CheckpointVersion(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char header[12] = {};
+  in.read(header, sizeof(header));
+  uint32_t v = 0;
+  std::memcpy(&v, header + 8, 4);
+  return v;
+}
+
+TEST(OptimizerStorePerParameter, CheckpointsKeepTheSettingsAndStayVersion1Without) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{130, 130}, {1, 9}}, 44);
+  std::vector<ParameterInit> inits = f.Inits();
+  inits[1].hyper.weight_decay = 0.0;
+  inits[1].hyper.lr_scale = 3.0;
+  GroupConfig plain_config = f.config();
+  plain_config.name = "plain";
+  auto a = MakeStore(o);
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), inits, false));
+  QTX_ASSERT_OK(a->CreateGroup(plain_config, f.Inits(), false));
+  Outputs out;
+  const auto g1 = f.Grads();
+  QTX_ASSERT_OK(a->Step("g", {.step = 1}, f.Prepare(g1, &out)));
+  QTX_ASSERT_OK(a->SaveCheckpoint("").status());
+  EXPECT_EQ(CheckpointVersion(CheckpointPath(dir.path(), "g")), 2u);
+  EXPECT_EQ(CheckpointVersion(CheckpointPath(dir.path(), "plain")), 1u);  // older qtxd read it
+  auto b = MakeStore(o);  // a restart
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
+  EXPECT_TRUE(info.params[0].hyper.empty());
+  EXPECT_EQ(info.params[1].hyper, (ParameterHyper{0.0, 3.0}));
+  EXPECT_EQ(ReadFullState(*b, "g"), ReadFullState(*a, "g"));
+  // Both continue identically.
+  const auto g2 = f.Grads();
+  Outputs oa, ob;
+  QTX_ASSERT_OK(a->Step("g", {.step = 2}, f.Prepare(g2, &oa)));
+  QTX_ASSERT_OK(b->Step("g", {.step = 2}, f.Prepare(g2, &ob)));
+  ExpectSameOutputs(oa, ob);
+  EXPECT_EQ(ReadFullState(*b, "g"), ReadFullState(*a, "g"));
+}
+
 }  // namespace
 }  // namespace qtx::server::optimizer
