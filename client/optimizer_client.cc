@@ -163,10 +163,13 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
 
 absl::StatusOr<GradNormResult> Client::GradNorm(std::string_view group, int64_t step,
                                                 const std::vector<OptimizerGradient>& gradients,
+                                                const GradNormOptions& options,
                                                 const CallOptions& call) {
   v1::GradNormRequest request;
   request.set_group(std::string(group));
   request.set_step(step);
+  request.set_collective_group(options.collective_group);
+  request.set_sequence(options.sequence);
   for (const OptimizerGradient& g : gradients) {
     v1::Gradient* out = request.add_gradients();
     out->set_name(g.name);
@@ -190,6 +193,9 @@ absl::StatusOr<GradNormResult> Client::GradNorm(std::string_view group, int64_t 
   r.non_finite = response.non_finite();
   r.grad_norm = response.grad_norm();
   r.step_processed = response.step_processed();
+  r.total_sum_squares = response.total_sum_squares();
+  r.total_non_finite = response.total_non_finite();
+  r.ranks = response.ranks();
   return r;
 }
 

@@ -773,7 +773,7 @@ absl::Status RunStep() {
     if (two_phase) {
       // One group here; a trainer adds sum_squares (and ors non_finite) over
       // every group of every rank before deciding.
-      absl::StatusOr<GradNormResult> norm = client.GradNorm(*group, step, grads);
+      absl::StatusOr<GradNormResult> norm = client.GradNorm(*group, step, grads, {});
       if (!norm.ok()) return norm.status();
       std::cout << absl::StrFormat("norm    %d: sum_squares=%.9g grad_norm=%.6g non_finite=%d\n",
                                    norm->step, norm->sum_squares, norm->grad_norm,

@@ -159,6 +159,20 @@ struct GradNormResult {
   bool non_finite = false;      // NaN/Inf in a gradient (or the sum overflowed)
   double grad_norm = 0.0;       // sqrt(sum_squares), this group alone
   bool step_processed = false;  // a retry of a processed step: its Step replays
+  // With GradNormOptions::collective_group: the totals over every rank of
+  // that group (the same bits on every rank), and its size.
+  double total_sum_squares = 0.0;
+  bool total_non_finite = false;
+  int32_t ranks = 0;
+};
+
+struct GradNormOptions {
+  // Reduce over this Collective group (Client::CreateGroup): every rank calls
+  // GradNorm with its own optimizer group, the same step and the same
+  // `sequence`, the group's call counter shared with AllGather. Empty: this
+  // group's contribution only.
+  std::string collective_group;
+  uint64_t sequence = 0;
 };
 
 // The clip factor torch.nn.utils.clip_grad_norm_ applies for a total norm of

@@ -1,11 +1,14 @@
 #include "server/api/optimizer_service.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
 #include "server/ops/optimizer.h"
@@ -195,26 +198,73 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* OptimizerService::GradNorm(grpc::CallbackServerContext* context,
                                                      const v1::GradNormRequest* request,
                                                      v1::GradNormResponse* response) {
-  return RunOnExecutor(context, "GradNorm", executor_, [this, request, response] {
-    ops::GradNormRequestSpec spec;
-    spec.group = request->group();
-    spec.step = request->step();
-    spec.events = CudaEventsFromProto(request->cuda_events());
-    for (int i = 0; i < request->gradients_size(); ++i) {
-      const v1::Gradient& g = request->gradients(i);
-      ops::GradientSpec gs;
-      gs.name = g.name();
-      QTX_ASSIGN_OR_RETURN(gs.grad,
-                           TensorRefFromProto(g.grad(), absl::StrFormat("gradients[%d].grad", i)));
-      spec.gradients.push_back(std::move(gs));
+  // A reduced GradNorm waits for its peers at most the Collective group's
+  // timeout (and never past the call's own deadline).
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (!request->collective_group().empty() && groups_ != nullptr) {
+    absl::StatusOr<collective::GroupInfo> g = groups_->GetGroup(request->collective_group());
+    const absl::Time cap = absl::Now() + (g.ok() ? g->timeout : absl::Seconds(60));
+    deadline = std::min(deadline, cap);
+  }
+  return RunOnExecutor(context, "GradNorm", executor_, [this, request, response, deadline] {
+    auto measure = [&]() -> absl::StatusOr<optimizer::GradNormStats> {
+      ops::GradNormRequestSpec spec;
+      spec.group = request->group();
+      spec.step = request->step();
+      spec.events = CudaEventsFromProto(request->cuda_events());
+      for (int i = 0; i < request->gradients_size(); ++i) {
+        const v1::Gradient& g = request->gradients(i);
+        ops::GradientSpec gs;
+        gs.name = g.name();
+        QTX_ASSIGN_OR_RETURN(
+            gs.grad, TensorRefFromProto(g.grad(), absl::StrFormat("gradients[%d].grad", i)));
+        spec.gradients.push_back(std::move(gs));
+      }
+      return ops::OptimizerGradNorm(spec, ctx_, *store_);
+    };
+    const absl::StatusOr<optimizer::GradNormStats> local = measure();
+    if (local.ok()) {
+      response->set_step(local->step);
+      response->set_sum_squares(local->sum_squares);
+      response->set_non_finite(local->non_finite);
+      response->set_grad_norm(std::sqrt(local->sum_squares));
+      response->set_step_processed(local->step_processed);
     }
-    QTX_ASSIGN_OR_RETURN(optimizer::GradNormStats stats,
-                         ops::OptimizerGradNorm(spec, ctx_, *store_));
-    response->set_step(stats.step);
-    response->set_sum_squares(stats.sum_squares);
-    response->set_non_finite(stats.non_finite);
-    response->set_grad_norm(std::sqrt(stats.sum_squares));
-    response->set_step_processed(stats.step_processed);
+    if (request->collective_group().empty()) return local.status();
+    if (groups_ == nullptr) {
+      return absl::FailedPreconditionError("this server has no Collective groups to reduce over");
+    }
+    // The optimizer group is free again; the exchange runs on the Collective
+    // group's own thread. A rank whose measurement failed still takes part
+    // (so that the others fail at once) and reports its own error.
+    absl::Notification done;
+    absl::Status status;
+    absl::StatusOr<ops::GradNormTotals> totals = absl::UnknownError("GradNorm did not reduce");
+    collective::Collective c;
+    c.sequence = request->sequence();
+    c.deadline = deadline;
+    c.run = [&](backend::Communicator& comm) {
+      bool broken = false;
+      totals = ops::ReduceGradNorm(local.ok() ? &*local : nullptr, comm,
+                                   backend::CommCall{deadline}, &broken);
+      absl::Status s = totals.status();
+      if (broken && s.code() != absl::StatusCode::kDeadlineExceeded) {
+        s = absl::AbortedError(absl::StrFormat("%s (the group is now BROKEN)", s.message()));
+      }
+      return collective::CollectiveOutcome{s, broken};
+    };
+    c.finish = [&](absl::Status s) {
+      status = std::move(s);
+      done.Notify();
+    };
+    groups_->Submit(request->collective_group(), std::move(c));
+    done.WaitForNotification();
+    QTX_RETURN_IF_ERROR(local.status());
+    QTX_RETURN_IF_ERROR(status);
+    QTX_RETURN_IF_ERROR(totals.status());
+    response->set_total_sum_squares(totals->sum_squares);
+    response->set_total_non_finite(totals->non_finite);
+    response->set_ranks(totals->ranks);
     return absl::OkStatus();
   });
 }

@@ -1,6 +1,7 @@
 #include "server/ops/optimizer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -668,6 +669,62 @@ absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequest
     }
   }
   return stats;
+}
+
+namespace {
+
+// One rank's GradNorm contribution as it travels (host bytes, little-endian
+// on every supported host).
+struct GradNormRecord {
+  int64_t step = 0;
+  double sum_squares = 0.0;
+  uint64_t flags = 0;  // kNonFinite | kFailed
+};
+constexpr uint64_t kNonFinite = 1, kFailed = 2;
+static_assert(sizeof(GradNormRecord) == 24, "GradNormRecord travels as 24 bytes");
+
+}  // namespace
+
+absl::StatusOr<GradNormTotals> ReduceGradNorm(const optimizer::GradNormStats* local,
+                                              backend::Communicator& comm,
+                                              const backend::CommCall& call, bool* broken) {
+  *broken = false;
+  const int world = comm.world_size();
+  GradNormRecord mine;
+  if (local == nullptr) {
+    mine.flags = kFailed;
+  } else {
+    mine.step = local->step;
+    mine.sum_squares = local->sum_squares;
+    mine.flags = local->non_finite ? kNonFinite : 0;
+  }
+  std::vector<GradNormRecord> all(static_cast<size_t>(world));
+  if (absl::Status s = comm.AllGatherHost(&mine, sizeof(mine), all.data(), call); !s.ok()) {
+    *broken = s.code() != absl::StatusCode::kInvalidArgument;
+    return s;
+  }
+  GradNormTotals t;
+  t.ranks = world;
+  for (int r = 0; r < world; ++r) {
+    if (all[r].flags & kFailed) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "GradNorm over %s: rank %d could not measure its gradients (its own call says why); "
+          "nothing was changed",
+          comm.name(), r));
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    if (all[r].step != all[0].step) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "GradNorm over %s: rank 0 measured step %d but rank %d measured step %d; every rank "
+          "must measure the same step (nothing was changed)",
+          comm.name(), all[0].step, r, all[r].step));
+    }
+    t.sum_squares += all[r].sum_squares;
+    t.non_finite = t.non_finite || (all[r].flags & kNonFinite) != 0;
+  }
+  t.non_finite = t.non_finite || !std::isfinite(t.sum_squares);
+  return t;
 }
 
 absl::StatusOr<GetStateResult> GetOptimizerState(

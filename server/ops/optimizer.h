@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/backend/communicator.h"
 #include "server/ops/quantize.h"
 #include "server/optimizer/optimizer_store.h"
 #include "server/tensor/tensor_ref.h"
@@ -113,6 +114,25 @@ struct GradNormRequestSpec {
 absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequestSpec& request,
                                                            const OpContext& ctx,
                                                            optimizer::OptimizerStore& store);
+
+// The group-wide totals of a reduced GradNorm.
+struct GradNormTotals {
+  double sum_squares = 0.0;  // every rank's contribution, added in rank order
+  bool non_finite = false;   // any rank's flag
+  int ranks = 0;
+};
+
+// Exchanges this rank's contribution (`local`: its step, sum of squares and
+// non-finite flag; null when this rank failed to measure it, so that the
+// others fail at once instead of waiting for it) with every rank of `comm`
+// (one AllGatherHost of a small record) and adds them up in rank order, so
+// that every rank gets the same bits. FAILED_PRECONDITION when a rank failed
+// to measure, or the ranks measured different step numbers (naming them);
+// the communicator's errors otherwise, with *broken set when the ranks may
+// be out of step (transport failure, missing peer).
+absl::StatusOr<GradNormTotals> ReduceGradNorm(const optimizer::GradNormStats* local,
+                                              backend::Communicator& comm,
+                                              const backend::CommCall& call, bool* broken);
 
 struct ParameterStateResult {
   std::string name;

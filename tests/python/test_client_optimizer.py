@@ -315,6 +315,20 @@ class OptimizerClientTest(unittest.TestCase):
             self.c.grad_norm("py-r0", 7, grads)
         self.assertIn("'py-r0' is at step 3: GradNorm measures the gradients of its next step 4",
                       cm.exception.message)
+        # Reduced by the sidecars of a Collective group (here of one rank: the
+        # multi-rank case is tests/client/collective_e2e_test.cc).
+        self.c.create_group("py-solo", 0, 1, backend="gloo")
+        try:
+            g = {"w1": self.rng.standard_normal(SHAPES["w1"]).astype(F32)}
+            local = self.c.grad_norm("py-r0", 4, g)
+            res = self.c.grad_norm("py-r0", 4, g, collective_group="py-solo", sequence=0)
+            self.assertEqual((res.ranks, res.total_sum_squares, res.total_non_finite),
+                             (1, local.sum_squares, False))
+            with self.assertRaises(qtx.errors.FailedPreconditionError) as cm:
+                self.c.grad_norm("py-r0", 4, g, collective_group="py-solo", sequence=0)
+            self.assertIn("sequence 0 was already used", cm.exception.message)
+        finally:
+            self.c.destroy_group("py-solo")
 
     def test_per_parameter_weight_decay_and_lr_scale(self):
         init = {n: (self.rng.standard_normal(s) * 0.1).astype(F32) for n, s in SHAPES.items()}

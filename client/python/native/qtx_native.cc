@@ -388,7 +388,7 @@ class NativeSession {
                 "cudaEventRecord");
       qtx::CallOptions call;
       call.cuda_wait_event = ev.ready->handle();
-      r = Unwrap(client_->GradNorm(group, step, g, call));
+      r = Unwrap(client_->GradNorm(group, step, g, {}, call));
     }
     py::dict d;
     d["step"] = r.step;

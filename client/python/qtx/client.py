@@ -369,22 +369,31 @@ class Client:
             params[p.name] = out
         return opt.StepResult(stats, params)
 
-    def grad_norm(self, group, step, gradients, timeout=None, request_id=None):
+    def grad_norm(self, group, step, gradients, collective_group="", sequence=0, timeout=None,
+                  request_id=None):
         """The first phase of a two-phase step: this group's share of the
         gradient norm of step `step` (the group's step + 1, or its step to
         retry a processed one), nothing changed. gradients as for step().
         Returns a GradNormResult; add .sum_squares and or .non_finite over
         every group of every rank, then call step(..., clip_factor=
-        qtx.clip_factor(total, max_grad_norm), skip=any_non_finite) on each."""
+        qtx.clip_factor(total, max_grad_norm), skip=any_non_finite) on each.
+        collective_group / sequence: let the sidecars of that Collective
+        group add the contributions among themselves (every rank calls with
+        the same step and sequence, the group's call counter shared with
+        all_gather); the result then carries total_sum_squares,
+        total_non_finite and ranks, the same on every rank."""
         items = list(gradients.items() if hasattr(gradients, "items") else gradients)
-        req = optimizer_pb2.GradNormRequest(group=group, step=step)
+        req = optimizer_pb2.GradNormRequest(group=group, step=step,
+                                            collective_group=collective_group, sequence=sequence)
         for name, g in items:
             req.gradients.add(name=name, grad=opt.state_tensor_to_proto(
                 g, "gradient %s" % name, tensor_to_proto, _is_torch))
         resp = self._call(self.optimizer.GradNorm, req, timeout, request_id)
         return opt.GradNormResult(step=resp.step, sum_squares=resp.sum_squares,
                                   non_finite=resp.non_finite, grad_norm=resp.grad_norm,
-                                  step_processed=resp.step_processed)
+                                  step_processed=resp.step_processed,
+                                  total_sum_squares=resp.total_sum_squares,
+                                  total_non_finite=resp.total_non_finite, ranks=resp.ranks)
 
     def get_state(self, group, names=None, include_moments=False, timeout=None,
                   request_id=None):

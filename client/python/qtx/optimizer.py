@@ -111,6 +111,10 @@ class GradNormResult:
     non_finite: bool      # NaN/Inf in a gradient (or the sum overflowed)
     grad_norm: float      # sqrt(sum_squares), this group alone
     step_processed: bool  # a retry of a processed step: its step() replays
+    # With collective_group: the totals over every rank (same bits on each) and their count
+    total_sum_squares: float = 0.0
+    total_non_finite: bool = False
+    ranks: int = 0
 
 
 def clip_factor(total_sum_squares, max_grad_norm):
