@@ -77,8 +77,8 @@ struct OptimizerParameterInit {
   // This parameter's own weight decay and learning-rate scale (its lr is the
   // step's times lr_scale); unset: the group's weight decay, scale 1. Both
   // finite and >= 0 (e.g. weight_decay = 0 for norms and biases).
-  std::optional<double> weight_decay;
-  std::optional<double> lr_scale;
+  std::optional<double> weight_decay = std::nullopt;
+  std::optional<double> lr_scale = std::nullopt;
 };
 
 // A parameter offloaded with its own settings, as the server reports it.
@@ -134,7 +134,7 @@ struct StepOptions {
   // every rank): the caller's decisions, not combined with the two above.
   // clip_factor multiplies every gradient (finite, > 0; see ClipFactor);
   // skip skips the update without reading the gradients (they may be empty).
-  std::optional<double> clip_factor;
+  std::optional<double> clip_factor = std::nullopt;
   bool skip = false;
   std::vector<ParameterDestination> destinations;
   bool omit_parameters = false;  // statistics only
@@ -171,7 +171,7 @@ struct GradNormOptions {
   // GradNorm with its own optimizer group, the same step and the same
   // `sequence`, the group's call counter shared with AllGather. Empty: this
   // group's contribution only.
-  std::string collective_group;
+  std::string collective_group = {};
   uint64_t sequence = 0;
 };
 

@@ -35,7 +35,7 @@ struct OffloadParameterSpec {
   tensor::TensorRefSpec master;                 // FLOAT32 or BFLOAT16
   std::optional<tensor::TensorRefSpec> exp_avg;  // FLOAT32 or BFLOAT16
   std::optional<tensor::TensorRefSpec> exp_avg_sq;
-  optimizer::ParameterHyper hyper;  // its own weight decay / lr scale, if any
+  optimizer::ParameterHyper hyper = {};  // its own weight decay / lr scale, if any
 };
 
 struct OffloadRequestSpec {

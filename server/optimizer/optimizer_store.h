@@ -58,8 +58,8 @@ struct GroupConfig {
 // were alone in a group with lr = (the step's lr) * lr_scale, in double, and
 // this weight decay.
 struct ParameterHyper {
-  std::optional<double> weight_decay;  // finite, >= 0
-  std::optional<double> lr_scale;      // finite, >= 0
+  std::optional<double> weight_decay = std::nullopt;  // finite, >= 0
+  std::optional<double> lr_scale = std::nullopt;      // finite, >= 0
   bool empty() const { return !weight_decay.has_value() && !lr_scale.has_value(); }
   friend bool operator==(const ParameterHyper&, const ParameterHyper&) = default;
 };
@@ -69,7 +69,7 @@ struct ParameterInit {
   std::string name;
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;  // the [M, N] matrix of `shape`
-  ParameterHyper hyper;
+  ParameterHyper hyper = {};
   const void* master = nullptr;  // m*n of master_dtype (kFloat32 or kBFloat16)
   kernels::InputDType master_dtype = kernels::InputDType::kFloat32;
   const void* exp_avg = nullptr;     // optional, m*n of moments_dtype
@@ -81,7 +81,7 @@ struct ParameterInfo {
   std::string name;
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;
-  ParameterHyper hyper;
+  ParameterHyper hyper = {};
 };
 
 struct GroupInfo {
@@ -96,15 +96,15 @@ struct GroupInfo {
 
 struct StepOptions {
   int64_t step = 0;
-  std::optional<double> lr;
+  std::optional<double> lr = std::nullopt;
   // The group's own decisions (one-phase step).
-  std::optional<double> max_grad_norm;
+  std::optional<double> max_grad_norm = std::nullopt;
   bool skip_if_non_finite = false;
   // The caller's decisions over several groups (second phase of a two-phase
   // step, after GradNorm); not combined with the two above. clip_factor
   // multiplies every gradient (finite, > 0); skip skips the update without
   // reading the gradients.
-  std::optional<double> clip_factor;
+  std::optional<double> clip_factor = std::nullopt;
   bool skip = false;
   bool external() const { return clip_factor.has_value() || skip; }
 };

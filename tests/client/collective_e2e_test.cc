@@ -448,7 +448,8 @@ TEST_P(GradNormReduceE2eTest, EveryRankGetsTheSameTotalsAndDecides) {
     c.group = "opt";
     auto info = ranks.clients[r]->OffloadOptimizerState(
         c, {{.name = "w" + std::to_string(r), .shape = shape(r),
-             .master = Tensor::FromFloat32(shape(r), values(r, 1, 0.1f))}});
+             .master = Tensor::FromFloat32(shape(r), values(r, 1, 0.1f)),
+             .exp_avg = std::nullopt, .exp_avg_sq = std::nullopt}});
     EXPECT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
   });
   uint64_t sequence = 0;
