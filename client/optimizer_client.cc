@@ -74,6 +74,9 @@ OptimizerGroupInfo GroupFromProto(const v1::OptimizerGroupInfo& p) {
   g.output = OutputFromProto(p.output());
   g.last_checkpoint_step = p.last_checkpoint_step();
   g.error = p.error();
+  for (const v1::ParameterHyperParams& h : p.parameter_hyper_params()) {
+    g.parameter_hyper_params.push_back({h.name(), h.weight_decay(), h.lr_scale()});
+  }
   return g;
 }
 
@@ -96,6 +99,8 @@ absl::StatusOr<OptimizerGroupInfo> Client::OffloadOptimizerState(
     ToProto(p.master, out->mutable_master());
     if (p.exp_avg) ToProto(*p.exp_avg, out->mutable_exp_avg());
     if (p.exp_avg_sq) ToProto(*p.exp_avg_sq, out->mutable_exp_avg_sq());
+    if (p.weight_decay) out->set_weight_decay(*p.weight_decay);
+    if (p.lr_scale) out->set_lr_scale(*p.lr_scale);
   }
   v1::OffloadOptimizerStateResponse response;
   grpc::ClientContext ctx;
@@ -120,6 +125,8 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
   if (options.lr) request.set_lr(*options.lr);
   if (options.max_grad_norm) request.set_max_grad_norm(*options.max_grad_norm);
   request.set_skip_if_non_finite(options.skip_if_non_finite);
+  if (options.clip_factor) request.set_clip_factor(*options.clip_factor);
+  request.set_skip(options.skip);
   for (const ParameterDestination& d : options.destinations) {
     v1::ParameterDestination* out = request.add_destinations();
     out->set_name(d.name);
@@ -146,6 +153,44 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
     result.parameters.push_back(std::move(out));
   }
   return result;
+}
+
+absl::StatusOr<GradNormResult> Client::GradNorm(std::string_view group, int64_t step,
+                                                const std::vector<OptimizerGradient>& gradients,
+                                                const GradNormOptions& options,
+                                                const CallOptions& call) {
+  v1::GradNormRequest request;
+  request.set_group(std::string(group));
+  request.set_step(step);
+  request.set_collective_group(options.collective_group);
+  request.set_sequence(options.sequence);
+  for (const OptimizerGradient& g : gradients) {
+    v1::Gradient* out = request.add_gradients();
+    out->set_name(g.name);
+    ToProto(g.grad, out->mutable_grad());
+  }
+  if (!call.cuda_wait_event.empty()) {
+    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
+  }
+  if (!call.cuda_signal_event.empty()) {
+    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
+  }
+  v1::GradNormResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  v1::Optimizer::Stub stub(impl_->channel);
+  grpc::Status status = stub.GradNorm(&ctx, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  GradNormResult r;
+  r.step = response.step();
+  r.sum_squares = response.sum_squares();
+  r.non_finite = response.non_finite();
+  r.grad_norm = response.grad_norm();
+  r.step_processed = response.step_processed();
+  r.total_sum_squares = response.total_sum_squares();
+  r.total_non_finite = response.total_non_finite();
+  r.ranks = response.ranks();
+  return r;
 }
 
 absl::StatusOr<OptimizerState> Client::GetState(std::string_view group,

@@ -9,6 +9,7 @@
 //                [--shape=MrxN [--seed=S] | --npy=shard.npy] [quantize flags]
 //                [--gather_mode=exact|high_precision] [--sequence=K] [--keep_group]
 //   qtx step     --group=G [--shape=MxN] [--steps=K] [--seed=S] [--lr=X] [--checkpoint]
+//                [--max_grad_norm=X] [--two_phase]
 //   qtx groups   [--destroy=G] [--release=G]
 //
 // `allgather` joins (or reuses) the collective group G on its sidecar and
@@ -18,7 +19,9 @@
 // sizes every rank reports. `step` offloads a one-parameter AdamW group G when
 // it does not exist yet, runs K steps with generated gradients from the
 // group's step on, and checks the FP8 parameters against Quantize of the
-// master weights. `groups` lists the collective and optimizer groups, or
+// master weights; --two_phase measures each step's gradient norm with
+// GradNorm first and passes the clip factor (from --max_grad_norm) and skip
+// to Step, as a trainer does after reducing the norms over its ranks. `groups` lists the collective and optimizer groups, or
 // destroys a collective group / releases an optimizer group.
 //
 // `quantize` sends the tensor to the server, prints the shapes of the outputs,
@@ -108,6 +111,11 @@ ABSL_FLAG(bool, keep_group, false,
 ABSL_FLAG(int32_t, steps, 1, "step: number of optimizer steps to run");
 ABSL_FLAG(double, lr, 0.0, "step: learning rate for these steps (0: the group's)");
 ABSL_FLAG(bool, checkpoint, false, "step: SaveCheckpoint after the steps (qtxd --checkpoint_dir)");
+ABSL_FLAG(double, max_grad_norm, 0.0,
+          "step: clip the gradients to this global L2 norm (0: no clipping)");
+ABSL_FLAG(bool, two_phase, false,
+          "step: GradNorm first, then Step with the clip factor and skip it implies (the "
+          "two-phase step of a trainer whose parameters span several groups or ranks)");
 ABSL_FLAG(std::string, destroy, "", "groups: destroy this collective group on the sidecar");
 ABSL_FLAG(std::string, release, "",
           "groups: release this optimizer group (frees its memory, deletes its checkpoints)");
@@ -752,6 +760,9 @@ absl::Status RunStep() {
 
   StepOptions options;
   if (const double lr = absl::GetFlag(FLAGS_lr); lr != 0.0) options.lr = lr;
+  const double max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
+  const bool two_phase = absl::GetFlag(FLAGS_two_phase);
+  if (max_grad_norm != 0.0 && !two_phase) options.max_grad_norm = max_grad_norm;
   absl::StatusOr<OptimizerStepResult> last;
   for (int32_t k = 1; k <= steps; ++k) {
     const int64_t step = info.step + k;
@@ -761,6 +772,18 @@ absl::Status RunStep() {
                                           "float32", 0.01f);
       if (!g.ok()) return g.status();
       grads.push_back({p.name, *std::move(g)});
+    }
+    if (two_phase) {
+      // One group here; a trainer adds sum_squares (and ors non_finite) over
+      // every group of every rank before deciding.
+      absl::StatusOr<GradNormResult> norm = client.GradNorm(*group, step, grads, {});
+      if (!norm.ok()) return norm.status();
+      std::cout << absl::StrFormat("norm    %d: sum_squares=%.9g grad_norm=%.6g non_finite=%d\n",
+                                   norm->step, norm->sum_squares, norm->grad_norm,
+                                   norm->non_finite);
+      options.skip = norm->non_finite;
+      options.clip_factor =
+          max_grad_norm != 0.0 ? ClipFactor(norm->sum_squares, max_grad_norm) : 1.0;
     }
     last = client.Step(*group, step, grads, options);
     if (!last.ok()) return last.status();

@@ -229,6 +229,25 @@ class Client {
                                            const StepOptions& options = {},
                                            const CallOptions& call = {});
 
+  // The first phase of a two-phase step: this group's share (sum of squares,
+  // non-finite flag) of the gradient norm of step `step` for `gradients`
+  // (one per parameter, as for Step); nothing changes. Add sum_squares and
+  // or non_finite over every group of every rank, then call Step with
+  // options.clip_factor = ClipFactor(total, max_grad_norm) and options.skip
+  // on every rank. `step` is the group's step + 1, or its step for a retry
+  // of a processed step (step_processed; the Step then replays). Fails with
+  // FAILED_PRECONDITION for any other step number (naming the group's step),
+  // NOT_FOUND, INVALID_ARGUMENT as Step. With options.collective_group the
+  // sidecars of that Collective group add the contributions among
+  // themselves: every rank gets total_sum_squares / total_non_finite (a
+  // collective call: FAILED_PRECONDITION for a used sequence or when the
+  // ranks measured different steps; DEADLINE_EXCEEDED when a rank does not
+  // take part in time).
+  absl::StatusOr<GradNormResult> GradNorm(std::string_view group, int64_t step,
+                                          const std::vector<OptimizerGradient>& gradients,
+                                          const GradNormOptions& options = {},
+                                          const CallOptions& call = {});
+
   // Fetches master weights (and with include_moments the moments), inline or
   // into options.destinations. NOT_FOUND for an unknown group or parameter;
   // RESOURCE_EXHAUSTED when the inline part exceeds the server's message

@@ -8,6 +8,7 @@
 #ifndef QTX_CLIENT_QTX_OPTIMIZER_TYPES_H_
 #define QTX_CLIENT_QTX_OPTIMIZER_TYPES_H_
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -73,6 +74,19 @@ struct OptimizerParameterInit {
   // Optional moments of a running job (FLOAT32 or BFLOAT16; both or neither).
   std::optional<Tensor> exp_avg;
   std::optional<Tensor> exp_avg_sq;
+  // This parameter's own weight decay and learning-rate scale (its lr is the
+  // step's times lr_scale); unset: the group's weight decay, scale 1. Both
+  // finite and >= 0 (e.g. weight_decay = 0 for norms and biases).
+  std::optional<double> weight_decay = std::nullopt;
+  std::optional<double> lr_scale = std::nullopt;
+};
+
+// A parameter offloaded with its own settings, as the server reports it.
+struct ParameterHyperParams {
+  std::string name;
+  double weight_decay = 0.0;
+  double lr_scale = 1.0;
+  friend bool operator==(const ParameterHyperParams&, const ParameterHyperParams&) = default;
 };
 
 // A group as the server describes it (every field filled in).
@@ -88,6 +102,8 @@ struct OptimizerGroupInfo {
   ParameterOutputConfig output;
   int64_t last_checkpoint_step = -1;  // -1 when never checkpointed
   std::string error;  // non-empty: the group is unusable (e.g. corrupted checkpoint)
+  // The parameters with their own weight_decay / lr_scale (group order).
+  std::vector<ParameterHyperParams> parameter_hyper_params;
 };
 
 struct OptimizerGroupList {
@@ -114,19 +130,58 @@ struct StepOptions {
   std::optional<double> lr;             // this step only; else the group's
   std::optional<double> max_grad_norm;  // global L2 clipping (> 0), as clip_grad_norm_
   bool skip_if_non_finite = false;      // NaN/Inf gradient: skip, report, advance
+  // The second phase of a two-phase step (after GradNorm on every group of
+  // every rank): the caller's decisions, not combined with the two above.
+  // clip_factor multiplies every gradient (finite, > 0; see ClipFactor);
+  // skip skips the update without reading the gradients (they may be empty).
+  std::optional<double> clip_factor = std::nullopt;
+  bool skip = false;
   std::vector<ParameterDestination> destinations;
   bool omit_parameters = false;  // statistics only
 };
 
 struct OptimizerStepStats {
   int64_t step = 0;        // the step this result belongs to
-  double grad_norm = 0.0;  // global L2 norm before clipping
+  double grad_norm = 0.0;  // the group's L2 norm before clipping (0 with clip_factor / skip)
   bool skipped = false;
   bool non_finite = false;
   double clip_coef = 1.0;
   double lr = 0.0;
   bool replayed = false;  // answered from a previous application of this step
 };
+
+// One group's share of the gradient norm of a step (Client::GradNorm).
+struct GradNormResult {
+  int64_t step = 0;
+  // Every gradient element squared, summed in double in the order a
+  // one-phase Step sums them: add these over every group of every rank.
+  double sum_squares = 0.0;
+  bool non_finite = false;      // NaN/Inf in a gradient (or the sum overflowed)
+  double grad_norm = 0.0;       // sqrt(sum_squares), this group alone
+  bool step_processed = false;  // a retry of a processed step: its Step replays
+  // With GradNormOptions::collective_group: the totals over every rank of
+  // that group (the same bits on every rank), and its size.
+  double total_sum_squares = 0.0;
+  bool total_non_finite = false;
+  int32_t ranks = 0;
+};
+
+struct GradNormOptions {
+  // Reduce over this Collective group (Client::CreateGroup): every rank calls
+  // GradNorm with its own optimizer group, the same step and the same
+  // `sequence`, the group's call counter shared with AllGather. Empty: this
+  // group's contribution only.
+  std::string collective_group = {};
+  uint64_t sequence = 0;
+};
+
+// The clip factor torch.nn.utils.clip_grad_norm_ applies for a total norm of
+// sqrt(total_sum_squares): min(1, max_grad_norm / (norm + 1e-6)), computed in
+// double exactly as a one-phase Step with max_grad_norm computes it.
+inline double ClipFactor(double total_sum_squares, double max_grad_norm) {
+  const double coef = max_grad_norm / (std::sqrt(total_sum_squares) + 1e-6);
+  return coef < 1.0 ? coef : 1.0;
+}
 
 struct ParameterOutput {
   std::string name;

@@ -149,8 +149,9 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
   }
 }
 
-void AdamWReference(std::span<const AdamWParamBuffers> params, const AdamWScalars& s) {
+void AdamWReference(std::span<const AdamWParamBuffers> params, const AdamWScalars& call) {
   for (const AdamWParamBuffers& b : params) {
+    const AdamWScalars& s = b.scalars != nullptr ? *b.scalars : call;
     const int64_t count = b.m * b.n;
     for (int64_t i = 0; i < count; ++i) {
       float g = LoadAsFloat(b.grad, b.grad_dtype, i);

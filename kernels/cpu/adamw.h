@@ -42,10 +42,14 @@ struct AdamWParamBuffers {
   QuantizeParams quant;
   QuantizedBuffers fp8;
   uint16_t* bf16 = nullptr;  // optional [m, n] BF16 (RNE) copy of the updated master
+  // This parameter's own step constants (its own weight decay or learning
+  // rate within a group); null: the call's. Must outlive the call.
+  const AdamWScalars* scalars = nullptr;
 };
 
-// Applies one AdamW step to every parameter and writes its outputs.
-// `num_threads` <= 0 uses the OpenMP default.
+// Applies one AdamW step to every parameter and writes its outputs, with
+// the constants `s`, or params[i].scalars where set. `num_threads` <= 0 uses
+// the OpenMP default.
 // REQUIRES: every buffer non-null and sized as described (exp_avg/exp_avg_sq
 // may alias nothing else); quant valid (at least one copy, finite eps >= 0).
 void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,

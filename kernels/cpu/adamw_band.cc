@@ -656,7 +656,8 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
 }
 
 void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
-                  const AdamWScalars& s, UnitScratch& sc, Deferred* d) {
+                  const AdamWScalars& call, UnitScratch& sc, Deferred* d) {
+  const AdamWScalars& s = plan.b->scalars != nullptr ? *plan.b->scalars : call;
   const bool bf16_moments = plan.b->moment_dtype == MomentDType::kBFloat16;
   switch (plan.b->grad_dtype) {
     case InputDType::kFloat32:

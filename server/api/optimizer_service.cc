@@ -1,10 +1,14 @@
 #include "server/api/optimizer_service.h"
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
 #include "server/ops/optimizer.h"
@@ -80,6 +84,13 @@ void GroupInfoToProto(const optimizer::GroupInfo& g, v1::OptimizerGroupInfo* p) 
   OutputToProto(g.config.output, p->mutable_output());
   p->set_last_checkpoint_step(g.last_checkpoint_step);
   p->set_error(g.error);
+  for (const optimizer::ParameterInfo& param : g.params) {
+    if (param.hyper.empty()) continue;
+    v1::ParameterHyperParams* h = p->add_parameter_hyper_params();
+    h->set_name(param.name);
+    h->set_weight_decay(param.hyper.weight_decay.value_or(g.config.hyper.weight_decay));
+    h->set_lr_scale(param.hyper.lr_scale.value_or(1.0));
+  }
 }
 
 
@@ -114,6 +125,8 @@ grpc::ServerUnaryReactor* OptimizerService::OffloadOptimizerState(
       ops::OffloadParameterSpec ps;
       ps.name = p.name();
       ps.shape.assign(p.shape().begin(), p.shape().end());
+      if (p.has_weight_decay()) ps.hyper.weight_decay = p.weight_decay();
+      if (p.has_lr_scale()) ps.hyper.lr_scale = p.lr_scale();
       if (!p.has_master()) return absl::InvalidArgumentError(field + ".master: missing");
       QTX_ASSIGN_OR_RETURN(ps.master, TensorRefFromProto(p.master(), field + ".master"));
       if (p.has_exp_avg()) {
@@ -144,6 +157,8 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
     if (request->has_lr()) spec.options.lr = request->lr();
     if (request->has_max_grad_norm()) spec.options.max_grad_norm = request->max_grad_norm();
     spec.options.skip_if_non_finite = request->skip_if_non_finite();
+    if (request->has_clip_factor()) spec.options.clip_factor = request->clip_factor();
+    spec.options.skip = request->skip();
     spec.omit_parameters = request->omit_parameters();
     spec.events = CudaEventsFromProto(request->cuda_events());
     for (int i = 0; i < request->gradients_size(); ++i) {
@@ -176,6 +191,80 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
       if (p.fp8) QuantizedTensorToProto(std::move(*p.fp8), out->mutable_fp8());
       if (p.bf16) OutputTensorToProto(std::move(*p.bf16), out->mutable_bf16());
     }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerService::GradNorm(grpc::CallbackServerContext* context,
+                                                     const v1::GradNormRequest* request,
+                                                     v1::GradNormResponse* response) {
+  // A reduced GradNorm waits for its peers at most the Collective group's
+  // timeout (and never past the call's own deadline).
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (!request->collective_group().empty() && groups_ != nullptr) {
+    absl::StatusOr<collective::GroupInfo> g = groups_->GetGroup(request->collective_group());
+    const absl::Time cap = absl::Now() + (g.ok() ? g->timeout : absl::Seconds(60));
+    deadline = std::min(deadline, cap);
+  }
+  return RunOnExecutor(context, "GradNorm", executor_, [this, request, response, deadline] {
+    auto measure = [&]() -> absl::StatusOr<optimizer::GradNormStats> {
+      ops::GradNormRequestSpec spec;
+      spec.group = request->group();
+      spec.step = request->step();
+      spec.events = CudaEventsFromProto(request->cuda_events());
+      for (int i = 0; i < request->gradients_size(); ++i) {
+        const v1::Gradient& g = request->gradients(i);
+        ops::GradientSpec gs;
+        gs.name = g.name();
+        QTX_ASSIGN_OR_RETURN(
+            gs.grad, TensorRefFromProto(g.grad(), absl::StrFormat("gradients[%d].grad", i)));
+        spec.gradients.push_back(std::move(gs));
+      }
+      return ops::OptimizerGradNorm(spec, ctx_, *store_);
+    };
+    const absl::StatusOr<optimizer::GradNormStats> local = measure();
+    if (local.ok()) {
+      response->set_step(local->step);
+      response->set_sum_squares(local->sum_squares);
+      response->set_non_finite(local->non_finite);
+      response->set_grad_norm(std::sqrt(local->sum_squares));
+      response->set_step_processed(local->step_processed);
+    }
+    if (request->collective_group().empty()) return local.status();
+    if (groups_ == nullptr) {
+      return absl::FailedPreconditionError("this server has no Collective groups to reduce over");
+    }
+    // The optimizer group is free again; the exchange runs on the Collective
+    // group's own thread. A rank whose measurement failed still takes part
+    // (so that the others fail at once) and reports its own error.
+    absl::Notification done;
+    absl::Status status;
+    absl::StatusOr<ops::GradNormTotals> totals = absl::UnknownError("GradNorm did not reduce");
+    collective::Collective c;
+    c.sequence = request->sequence();
+    c.deadline = deadline;
+    c.run = [&](backend::Communicator& comm) {
+      bool broken = false;
+      totals = ops::ReduceGradNorm(local.ok() ? &*local : nullptr, comm,
+                                   backend::CommCall{deadline}, &broken);
+      absl::Status s = totals.status();
+      if (broken && s.code() != absl::StatusCode::kDeadlineExceeded) {
+        s = absl::AbortedError(absl::StrFormat("%s (the group is now BROKEN)", s.message()));
+      }
+      return collective::CollectiveOutcome{s, broken};
+    };
+    c.finish = [&](absl::Status s) {
+      status = std::move(s);
+      done.Notify();
+    };
+    groups_->Submit(request->collective_group(), std::move(c));
+    done.WaitForNotification();
+    QTX_RETURN_IF_ERROR(local.status());
+    QTX_RETURN_IF_ERROR(status);
+    QTX_RETURN_IF_ERROR(totals.status());
+    response->set_total_sum_squares(totals->sum_squares);
+    response->set_total_non_finite(totals->non_finite);
+    response->set_ranks(totals->ranks);
     return absl::OkStatus();
   });
 }

@@ -12,6 +12,7 @@
 
 #include "qtx/v1/optimizer.grpc.pb.h"
 #include "server/api/executor.h"
+#include "server/collective/group_registry.h"
 #include "server/ops/op_context.h"
 #include "server/optimizer/optimizer_store.h"
 
@@ -19,10 +20,12 @@ namespace qtx::server::api {
 
 class OptimizerService final : public v1::Optimizer::CallbackService {
  public:
-  // `ctx` members, `store` and `executor` are not owned and must outlive the
-  // service.
-  OptimizerService(ops::OpContext ctx, optimizer::OptimizerStore* store, Executor* executor)
-      : ctx_(ctx), store_(store), executor_(executor) {}
+  // `ctx` members, `store`, `executor` and `groups` (the Collective groups
+  // a GradNorm may reduce over; null: none) are not owned and must outlive
+  // the service.
+  OptimizerService(ops::OpContext ctx, optimizer::OptimizerStore* store, Executor* executor,
+                   collective::GroupRegistry* groups = nullptr)
+      : ctx_(ctx), store_(store), executor_(executor), groups_(groups) {}
 
   grpc::ServerUnaryReactor* OffloadOptimizerState(
       grpc::CallbackServerContext* context, const v1::OffloadOptimizerStateRequest* request,
@@ -30,6 +33,9 @@ class OptimizerService final : public v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const v1::StepRequest* request,
                                  v1::StepResponse* response) override;
+  grpc::ServerUnaryReactor* GradNorm(grpc::CallbackServerContext* context,
+                                     const v1::GradNormRequest* request,
+                                     v1::GradNormResponse* response) override;
   grpc::ServerUnaryReactor* GetState(grpc::CallbackServerContext* context,
                                      const v1::GetStateRequest* request,
                                      v1::GetStateResponse* response) override;
@@ -51,6 +57,7 @@ class OptimizerService final : public v1::Optimizer::CallbackService {
   const ops::OpContext ctx_;
   optimizer::OptimizerStore* const store_;
   Executor* const executor_;
+  collective::GroupRegistry* const groups_;
 };
 
 }  // namespace qtx::server::api

@@ -144,7 +144,6 @@ absl::Status QtxServer::Start() {
   optimizer_options.checkpoint_every_steps = config_.checkpoint_every_steps;
   optimizer_options.num_threads = config_.optimizer_threads;
   QTX_ASSIGN_OR_RETURN(optimizer_store_, optimizer::OptimizerStore::Create(optimizer_options));
-  optimizer_ = std::make_unique<OptimizerService>(ctx, optimizer_store_.get(), executor_.get());
   QTX_ASSIGN_OR_RETURN(ServerSecurity security, MakeServerSecurity(config_));
   QTX_ASSIGN_OR_RETURN(PeerSecurity peer_security, MakePeerSecurity(config_));
   collective::KvStoreLimits store_limits;
@@ -155,6 +154,8 @@ absl::Status QtxServer::Start() {
           MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
           device_.get()));
   collective_ = std::make_unique<CollectiveService>(ctx, groups_.get());
+  optimizer_ = std::make_unique<OptimizerService>(ctx, optimizer_store_.get(), executor_.get(),
+                                                  groups_.get());
   channels_ = std::make_unique<StreamChannelService>(ctx, executor_.get(), collective_.get());
   rendezvous_ = std::make_unique<RendezvousService>(rendezvous_store_.get());
 

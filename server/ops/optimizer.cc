@@ -1,6 +1,7 @@
 #include "server/ops/optimizer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -212,6 +213,346 @@ OutputTensor MakeTensor(DType dtype, std::vector<int64_t> shape) {
   return t;
 }
 
+
+// ---- Step: the parts of preparing one step's buffers under the group's lock ----
+
+using GradientViews = absl::flat_hash_map<std::string, tensor::TensorView>;
+using DestinationIndex = absl::flat_hash_map<std::string, const ParameterDestinationSpec*>;
+
+// Output slots of one parameter, as StagedCopy::slot and PlaceParameterOutputs
+// number them.
+enum OutputSlot : int {
+  kRowwiseData = 0,
+  kRowwiseScaleInv = 1,
+  kColumnwiseData = 2,
+  kColumnwiseScaleInv = 3,
+  kBf16 = 4,
+};
+
+// Points output buffer `slot` of one parameter at `p`.
+void SetOutputPointer(optimizer::ParameterOutputBuffers& o, int slot, void* p) {
+  switch (slot) {
+    case kRowwiseData:
+      o.fp8.rowwise_data = static_cast<uint8_t*>(p);
+      break;
+    case kRowwiseScaleInv:
+      o.fp8.rowwise_scale_inv = static_cast<float*>(p);
+      break;
+    case kColumnwiseData:
+      o.fp8.columnwise_data = static_cast<uint8_t*>(p);
+      break;
+    case kColumnwiseScaleInv:
+      o.fp8.columnwise_scale_inv = static_cast<float*>(p);
+      break;
+    default:
+      o.bf16 = static_cast<uint16_t*>(p);
+      break;
+  }
+}
+
+// What one Step call resolved: its tensors, the pins that keep client
+// regions mapped until it returns, and the device (CUDA IPC) gradients and
+// outputs, per parameter, that travel through the group's transfer pipeline.
+struct StepPlan {
+  GradientViews grads;
+  DestinationIndex dests;
+  std::vector<tensor::OutputSlice> pins;
+  std::vector<std::optional<StagedCopy>> grad_copies;
+  std::vector<std::vector<StagedCopy>> out_copies;
+  bool any_device = false;
+};
+
+// Resolves the request's gradients (before the group's lock is taken).
+// INVALID_ARGUMENT for a bad tensor or a parameter named twice.
+absl::StatusOr<GradientViews> ResolveGradients(const std::vector<GradientSpec>& gradients,
+                                               const OpContext& ctx) {
+  GradientViews grads;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const GradientSpec& g = gradients[i];
+    const std::string field = absl::StrFormat("gradients[%d]", i);
+    QTX_ASSIGN_OR_RETURN(tensor::TensorView v,
+                         tensor::ResolveInput(g.grad, field + ".grad", *ctx.regions, ctx.limits));
+    if (!grads.emplace(g.name, std::move(v)).second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.name='%s': a gradient for this parameter was already given", field, g.name));
+    }
+  }
+  return grads;
+}
+
+// Indexes the destinations by parameter name. INVALID_ARGUMENT for a name
+// given twice.
+absl::StatusOr<DestinationIndex> IndexDestinations(
+    const std::vector<ParameterDestinationSpec>& destinations) {
+  DestinationIndex dests;
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    const ParameterDestinationSpec& d = destinations[i];
+    if (!dests.emplace(d.name, &d).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("destinations[%d].name='%s': given twice", i, d.name));
+    }
+  }
+  return dests;
+}
+
+// INVALID_ARGUMENT when a gradient or destination names no parameter of the
+// group.
+absl::Status CheckNamesKnown(const optimizer::GroupInfo& info, const StepPlan& plan) {
+  absl::flat_hash_map<std::string_view, size_t> index;
+  for (size_t i = 0; i < info.params.size(); ++i) index[info.params[i].name] = i;
+  for (const auto& [name, view] : plan.grads) {
+    if (!index.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "gradients: '%s' is not a parameter of group '%s'", name, info.config.name));
+    }
+  }
+  for (const auto& [name, d] : plan.dests) {
+    if (!index.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "destinations: '%s' is not a parameter of group '%s'", name, info.config.name));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Appends every parameter's gradient to bufs.grads, in the group's order,
+// and notes the device ones for the transfer pipeline. INVALID_ARGUMENT for a
+// missing gradient, or one of the wrong dtype or shape.
+absl::Status GatherGradients(const optimizer::GroupInfo& info, StepPlan& plan,
+                             optimizer::StepBuffers& bufs) {
+  for (const optimizer::ParameterInfo& p : info.params) {
+    auto it = plan.grads.find(p.name);
+    if (it == plan.grads.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("gradients: missing the gradient of parameter '%s'", p.name));
+    }
+    const tensor::TensorView& v = it->second;
+    const std::string field = absl::StrFormat("gradients['%s'].grad", p.name);
+    if (v.dtype != DType::kFloat32 && v.dtype != DType::kBFloat16 && v.dtype != DType::kFloat16) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.dtype=%s: must be FLOAT32 or BFLOAT16 (or FLOAT16)", field,
+                          tensor::DTypeName(v.dtype)));
+    }
+    if (v.shape != p.shape) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.shape=[%s]: must equal the parameter's shape [%s]", field,
+          absl::StrJoin(v.shape, ","), absl::StrJoin(p.shape, ",")));
+    }
+    if (v.memory == MemoryKind::kDevice) {
+      plan.grad_copies[bufs.grads.size()] = StagedCopy{const_cast<void*>(v.data), v.byte_size, 0};
+      plan.any_device = true;
+    }
+    bufs.grads.push_back({v.data, *tensor::ToInputDType(v.dtype)});
+  }
+  return absl::OkStatus();
+}
+
+// The output placements of a step, and for placement k the (parameter,
+// OutputSlot) it fills.
+struct OutputPlacements {
+  std::vector<Placement> ps;
+  std::vector<std::pair<size_t, int>> slots;
+};
+
+// Adds one FP8 buffer of parameter `param` to `out` when the group produces
+// it (`wanted`); INVALID_ARGUMENT when it does not but a destination asks for
+// it.
+absl::Status AddFp8Output(OutputPlacements& out, bool wanted, std::optional<OutputTensor>& t,
+                          DType dtype, std::vector<int64_t> shape, uint64_t bytes, uint64_t align,
+                          const std::optional<tensor::RegionSliceSpec>& slice,
+                          const std::string& field, const char* name, const std::string& group,
+                          size_t param, int slot) {
+  if (!wanted) {
+    if (slice.has_value()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.fp8.%s: group '%s' does not produce this copy", field, name, group));
+    }
+    return absl::OkStatus();
+  }
+  t = MakeTensor(dtype, std::move(shape));
+  out.ps.push_back({&*t, slice, bytes, align, absl::StrFormat("%s.fp8.%s", field, name)});
+  out.slots.emplace_back(param, slot);
+  return absl::OkStatus();
+}
+
+// Sizes the results of every parameter, places their buffers (destinations
+// or inline) and points bufs.outputs at them; device destinations are noted
+// for the transfer pipeline. INVALID_ARGUMENT for a destination of a copy
+// the group does not produce, of the wrong size, or overlapping another;
+// RESOURCE_EXHAUSTED for inline outputs above the message budget.
+absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpContext& ctx,
+                                   StepPlan& plan, std::vector<ParameterResult>& results,
+                                   optimizer::StepBuffers& bufs) {
+  const optimizer::OutputConfig& out = info.config.output;
+  const kernels::QuantizeParams& q = out.quant;
+  results.resize(info.params.size());
+  OutputPlacements placed;
+  for (size_t i = 0; i < info.params.size(); ++i) {
+    const optimizer::ParameterInfo& p = info.params[i];
+    ParameterResult& r = results[i];
+    r.name = p.name;
+    const ParameterDestinationSpec* d = nullptr;
+    if (auto it = plan.dests.find(p.name); it != plan.dests.end()) d = it->second;
+    const std::string field = absl::StrFormat("destinations['%s']", p.name);
+    if (d != nullptr && !out.fp8 &&
+        (d->fp8.rowwise_data || d->fp8.rowwise_scale_inv || d->fp8.columnwise_data ||
+         d->fp8.columnwise_scale_inv)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.fp8: group '%s' returns BF16 parameters, not FP8", field, info.config.name));
+    }
+    if (d != nullptr && d->bf16.has_value() && !out.bf16()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.bf16: group '%s' returns no BF16 copy (set output.bf16_copy)", field,
+          info.config.name));
+    }
+    if (out.fp8) {
+      const kernels::QuantizedLayout l = kernels::ComputeLayout(q.scaling, p.m, p.n);
+      r.fp8.emplace();
+      r.fp8->shape = p.shape;
+      r.fp8->source_dtype = DType::kFloat32;
+      r.fp8->params = q;
+      const DType data = tensor::Fp8DataDType(q.format);
+      const QuantizeOutputSpecs none;
+      const QuantizeOutputSpecs& s = d != nullptr ? d->fp8 : none;
+      const std::string& g = info.config.name;
+      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_data, data,
+                                       {l.rowwise_data_rows, l.rowwise_data_cols},
+                                       l.RowwiseDataBytes(), 1, s.rowwise_data, field,
+                                       "rowwise_data", g, i, kRowwiseData));
+      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_scale_inv,
+                                       DType::kFloat32,
+                                       {l.rowwise_scale_rows, l.rowwise_scale_cols},
+                                       4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv, field,
+                                       "rowwise_scale_inv", g, i, kRowwiseScaleInv));
+      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.columnwise, r.fp8->columnwise_data, data,
+                                       {l.columnwise_data_rows, l.columnwise_data_cols},
+                                       l.ColumnwiseDataBytes(), 1, s.columnwise_data, field,
+                                       "columnwise_data", g, i, kColumnwiseData));
+      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.columnwise, r.fp8->columnwise_scale_inv,
+                                       DType::kFloat32,
+                                       {l.columnwise_scale_rows, l.columnwise_scale_cols},
+                                       4 * l.ColumnwiseScaleCount(), 4, s.columnwise_scale_inv,
+                                       field, "columnwise_scale_inv", g, i,
+                                       kColumnwiseScaleInv));
+    }
+    if (out.bf16()) {
+      r.bf16 = MakeTensor(DType::kBFloat16, p.shape);
+      placed.ps.push_back({&*r.bf16, d != nullptr ? d->bf16 : std::nullopt,
+                           static_cast<uint64_t>(p.m * p.n) * 2, 2, field + ".bf16"});
+      placed.slots.emplace_back(i, kBf16);
+    }
+  }
+  std::vector<bool> on_device;
+  QTX_ASSIGN_OR_RETURN(std::vector<void*> ptrs, Place(placed.ps, ctx, plan.pins, &on_device));
+  for (size_t k = 0; k < ptrs.size(); ++k) {
+    if (!on_device[k]) continue;
+    plan.out_copies[placed.slots[k].first].push_back(
+        StagedCopy{ptrs[k], placed.ps[k].bytes, 0, placed.slots[k].second});
+    plan.any_device = true;
+  }
+  bufs.outputs.resize(info.params.size());
+  for (size_t k = 0; k < ptrs.size(); ++k) {
+    SetOutputPointer(bufs.outputs[placed.slots[k].first], placed.slots[k].second, ptrs[k]);
+  }
+  return absl::OkStatus();
+}
+
+// Points the buffers of device tensors at slots of the group's staging and
+// attaches the hooks that move them (optimizer::StepHooks). The staging is
+// sized once and reused while it is large enough. FAILED_PRECONDITION on a
+// server that does not compute on a CUDA device; RESOURCE_EXHAUSTED when the
+// staging does not fit the memory cap.
+absl::Status UseTransferPipeline(StepPlan& plan, const OpContext& ctx,
+                                 const backend::CudaEvents& events, optimizer::StepBuffers& bufs,
+                                 optimizer::StepScratchSlot& slot) {
+  if (ctx.device->memory_kind() != MemoryKind::kDevice) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "device-memory (CUDA IPC) tensors need a CUDA device, but this server computes on %s",
+        ctx.device->name()));
+  }
+  uint64_t total = 0;
+  for (auto& g : plan.grad_copies) {
+    if (!g.has_value()) continue;
+    g->offset = total;
+    total += AlignUp(g->bytes);
+  }
+  for (auto& outs : plan.out_copies) {
+    for (StagedCopy& c : outs) {
+      c.offset = total;
+      total += AlignUp(c.bytes);
+    }
+  }
+  auto* scratch = dynamic_cast<DeviceStepScratch*>(slot.get());
+  if (scratch == nullptr || scratch->pipeline().staging_bytes() < total) {
+    QTX_ASSIGN_OR_RETURN(
+        optimizer::StepScratch * made,
+        slot.Replace(total, [&]() -> absl::StatusOr<std::unique_ptr<optimizer::StepScratch>> {
+          QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::TransferPipeline> pipeline,
+                               ctx.device->CreateTransferPipeline());
+          QTX_RETURN_IF_ERROR(pipeline->Staging(total).status());
+          return std::make_unique<DeviceStepScratch>(std::move(pipeline));
+        }));
+    scratch = static_cast<DeviceStepScratch*>(made);
+  }
+  backend::TransferPipeline& pipeline = scratch->pipeline();
+  QTX_ASSIGN_OR_RETURN(std::byte* const staging, pipeline.Staging(total));
+  for (size_t i = 0; i < plan.grad_copies.size() && i < bufs.grads.size(); ++i) {
+    if (plan.grad_copies[i].has_value()) {
+      bufs.grads[i].data = staging + plan.grad_copies[i]->offset;
+    }
+  }
+  // The host writes device outputs into their staging slots.
+  for (size_t i = 0; i < plan.out_copies.size() && i < bufs.outputs.size(); ++i) {
+    for (const StagedCopy& c : plan.out_copies[i]) {
+      SetOutputPointer(bufs.outputs[i], c.slot, staging + c.offset);
+    }
+  }
+  bufs.hooks = std::make_shared<DeviceStepHooks>(&pipeline, staging, events,
+                                                 std::move(plan.grad_copies),
+                                                 std::move(plan.out_copies));
+  return absl::OkStatus();
+}
+
+// The prepare function of a Step (optimizer::PrepareStepWithScratchFn): the
+// step's buffers against the group as it is. Without `replay` every
+// parameter's gradient is required; with `omit_outputs` no parameter is
+// returned.
+absl::StatusOr<optimizer::StepBuffers> PrepareStepBuffers(
+    const optimizer::GroupInfo& info, bool replay, bool omit_outputs,
+    const backend::CudaEvents& events, const OpContext& ctx, optimizer::StepScratchSlot& slot,
+    StepPlan& plan, std::vector<ParameterResult>& results) {
+  optimizer::StepBuffers bufs;
+  plan.grad_copies.assign(info.params.size(), std::nullopt);
+  plan.out_copies.assign(info.params.size(), {});
+  QTX_RETURN_IF_ERROR(CheckNamesKnown(info, plan));
+  if (!replay) QTX_RETURN_IF_ERROR(GatherGradients(info, plan, bufs));
+  if (omit_outputs) {
+    bufs.omit_outputs = true;
+  } else {
+    QTX_RETURN_IF_ERROR(PlaceParameterOutputs(info, ctx, plan, results, bufs));
+  }
+  if (plan.any_device || !events.empty()) {
+    QTX_RETURN_IF_ERROR(UseTransferPipeline(plan, ctx, events, bufs, slot));
+  }
+  return bufs;
+}
+
+// DATA_LOSS when a gradient region shrank under step `step` (it was applied
+// with zeros in place of the lost bytes), or an output region did.
+absl::Status CheckStepRegionsIntact(const StepPlan& plan, const std::string& group,
+                                    int64_t step) {
+  for (const auto& [name, view] : plan.grads) {
+    if (absl::Status intact = tensor::CheckIntact(view.pin); !intact.ok()) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s Step %d of group '%s' was applied with zeros in place of the lost gradient bytes "
+          "of '%s'; load the group's checkpoint (LoadCheckpoint) to undo it.",
+          intact.message(), step, group, name));
+    }
+  }
+  for (const tensor::OutputSlice& out : plan.pins) QTX_RETURN_IF_ERROR(tensor::CheckIntact(out.pin));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestSpec& request,
@@ -241,6 +582,7 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
     init.shape = p.shape;
     init.m = mn.m;
     init.n = mn.n;
+    init.hyper = p.hyper;
     QTX_ASSIGN_OR_RETURN(tensor::TensorView master,
                          ResolveHighPrecision(p.master, p.shape, field + ".master", ctx, false));
     init.master = master.data;
@@ -287,275 +629,102 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
                                          optimizer::OptimizerStore& store) {
   QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
+  StepPlan plan;
   // Resolve the gradients before taking the group's lock.
-  absl::flat_hash_map<std::string, tensor::TensorView> grads;
-  for (size_t i = 0; i < request.gradients.size(); ++i) {
-    const GradientSpec& g = request.gradients[i];
-    const std::string field = absl::StrFormat("gradients[%d]", i);
-    QTX_ASSIGN_OR_RETURN(tensor::TensorView v,
-                         tensor::ResolveInput(g.grad, field + ".grad", *ctx.regions, ctx.limits));
-    if (!grads.emplace(g.name, std::move(v)).second) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.name='%s': a gradient for this parameter was already given", field, g.name));
-    }
-  }
-  absl::flat_hash_map<std::string, const ParameterDestinationSpec*> dests;
-  for (size_t i = 0; i < request.destinations.size(); ++i) {
-    const ParameterDestinationSpec& d = request.destinations[i];
-    if (!dests.emplace(d.name, &d).second) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "destinations[%d].name='%s': given twice", i, d.name));
-    }
-  }
-
+  QTX_ASSIGN_OR_RETURN(plan.grads, ResolveGradients(request.gradients, ctx));
+  QTX_ASSIGN_OR_RETURN(plan.dests, IndexDestinations(request.destinations));
   StepResult result;
-  std::vector<tensor::OutputSlice> pins;
-  // Device (CUDA IPC) gradients and outputs, per parameter: they travel
-  // through the group's transfer pipeline (see UseTransferPipeline below).
-  std::vector<std::optional<StagedCopy>> grad_copies;
-  std::vector<std::vector<StagedCopy>> out_copies;
-  // Points the buffers of device tensors at slots of the group's staging and
-  // attaches the hooks that move them (optimizer::StepHooks). The staging is
-  // sized once and reused while it is large enough.
-  auto use_transfer_pipeline = [&](optimizer::StepBuffers& bufs,
-                                   optimizer::StepScratchSlot& slot) -> absl::Status {
-    if (ctx.device->memory_kind() != MemoryKind::kDevice) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "device-memory (CUDA IPC) tensors need a CUDA device, but this server computes on %s",
-          ctx.device->name()));
-    }
-    uint64_t total = 0;
-    for (auto& g : grad_copies) {
-      if (!g.has_value()) continue;
-      g->offset = total;
-      total += AlignUp(g->bytes);
-    }
-    for (auto& outs : out_copies) {
-      for (StagedCopy& c : outs) {
-        c.offset = total;
-        total += AlignUp(c.bytes);
-      }
-    }
-    auto* scratch = dynamic_cast<DeviceStepScratch*>(slot.get());
-    if (scratch == nullptr || scratch->pipeline().staging_bytes() < total) {
-      QTX_ASSIGN_OR_RETURN(
-          optimizer::StepScratch * made,
-          slot.Replace(total, [&]() -> absl::StatusOr<std::unique_ptr<optimizer::StepScratch>> {
-            QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::TransferPipeline> pipeline,
-                                 ctx.device->CreateTransferPipeline());
-            QTX_RETURN_IF_ERROR(pipeline->Staging(total).status());
-            return std::make_unique<DeviceStepScratch>(std::move(pipeline));
-          }));
-      scratch = static_cast<DeviceStepScratch*>(made);
-    }
-    backend::TransferPipeline& pipeline = scratch->pipeline();
-    QTX_ASSIGN_OR_RETURN(std::byte* const staging, pipeline.Staging(total));
-    for (size_t i = 0; i < grad_copies.size() && i < bufs.grads.size(); ++i) {
-      if (grad_copies[i].has_value()) bufs.grads[i].data = staging + grad_copies[i]->offset;
-    }
-    // The host writes device outputs into their staging slots.
-    for (size_t i = 0; i < out_copies.size() && i < bufs.outputs.size(); ++i) {
-      for (const StagedCopy& c : out_copies[i]) {
-        optimizer::ParameterOutputBuffers& o = bufs.outputs[i];
-        void* const host = staging + c.offset;
-        switch (c.slot) {
-          case 0:
-            o.fp8.rowwise_data = static_cast<uint8_t*>(host);
-            break;
-          case 1:
-            o.fp8.rowwise_scale_inv = static_cast<float*>(host);
-            break;
-          case 2:
-            o.fp8.columnwise_data = static_cast<uint8_t*>(host);
-            break;
-          case 3:
-            o.fp8.columnwise_scale_inv = static_cast<float*>(host);
-            break;
-          default:
-            o.bf16 = static_cast<uint16_t*>(host);
-            break;
-        }
-      }
-    }
-    bufs.hooks = std::make_shared<DeviceStepHooks>(&pipeline, staging, request.events,
-                                                   std::move(grad_copies), std::move(out_copies));
-    return absl::OkStatus();
-  };
-  bool any_device = false;
   auto prepare = [&](const optimizer::GroupInfo& info, bool replay,
-                     optimizer::StepScratchSlot& slot) -> absl::StatusOr<optimizer::StepBuffers> {
-    optimizer::StepBuffers bufs;
-    grad_copies.assign(info.params.size(), std::nullopt);
-    out_copies.assign(info.params.size(), {});
-    absl::flat_hash_map<std::string_view, size_t> index;
-    for (size_t i = 0; i < info.params.size(); ++i) index[info.params[i].name] = i;
-    for (const auto& [name, view] : grads) {
-      if (!index.contains(name)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "gradients: '%s' is not a parameter of group '%s'", name, info.config.name));
-      }
-    }
-    for (const auto& [name, d] : dests) {
-      if (!index.contains(name)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "destinations: '%s' is not a parameter of group '%s'", name, info.config.name));
-      }
-    }
-    if (!replay) {
-      for (const optimizer::ParameterInfo& p : info.params) {
-        auto it = grads.find(p.name);
-        if (it == grads.end()) {
-          return absl::InvalidArgumentError(
-              absl::StrFormat("gradients: missing the gradient of parameter '%s'", p.name));
-        }
-        const tensor::TensorView& v = it->second;
-        const std::string field = absl::StrFormat("gradients['%s'].grad", p.name);
-        if (v.dtype != DType::kFloat32 && v.dtype != DType::kBFloat16 &&
-            v.dtype != DType::kFloat16) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "%s.dtype=%s: must be FLOAT32 or BFLOAT16 (or FLOAT16)", field,
-              tensor::DTypeName(v.dtype)));
-        }
-        if (v.shape != p.shape) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "%s.shape=[%s]: must equal the parameter's shape [%s]", field,
-              absl::StrJoin(v.shape, ","), absl::StrJoin(p.shape, ",")));
-        }
-        if (v.memory == MemoryKind::kDevice) {
-          grad_copies[bufs.grads.size()] =
-              StagedCopy{const_cast<void*>(v.data), v.byte_size, 0};
-          any_device = true;
-        }
-        bufs.grads.push_back({v.data, *tensor::ToInputDType(v.dtype)});
-      }
-    }
-    if (request.omit_parameters) {
-      bufs.omit_outputs = true;
-      if (any_device || !request.events.empty()) {
-        QTX_RETURN_IF_ERROR(use_transfer_pipeline(bufs, slot));
-      }
-      return bufs;
-    }
-    const optimizer::OutputConfig& out = info.config.output;
-    const kernels::QuantizeParams& q = out.quant;
-    result.params.resize(info.params.size());
-    std::vector<Placement> ps;
-    // Placement k -> (parameter, slot): slots 0..3 FP8 buffers, 4 BF16.
-    std::vector<std::pair<size_t, int>> slots;
-    for (size_t i = 0; i < info.params.size(); ++i) {
-      const optimizer::ParameterInfo& p = info.params[i];
-      ParameterResult& r = result.params[i];
-      r.name = p.name;
-      const ParameterDestinationSpec* d = nullptr;
-      if (auto it = dests.find(p.name); it != dests.end()) d = it->second;
-      const std::string field = absl::StrFormat("destinations['%s']", p.name);
-      if (d != nullptr && !out.fp8 &&
-          (d->fp8.rowwise_data || d->fp8.rowwise_scale_inv || d->fp8.columnwise_data ||
-           d->fp8.columnwise_scale_inv)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("%s.fp8: group '%s' returns BF16 parameters, not FP8", field,
-                            info.config.name));
-      }
-      if (d != nullptr && d->bf16.has_value() && !out.bf16()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s.bf16: group '%s' returns no BF16 copy (set output.bf16_copy)", field,
-            info.config.name));
-      }
-      if (out.fp8) {
-        const kernels::QuantizedLayout l = kernels::ComputeLayout(q.scaling, p.m, p.n);
-        r.fp8.emplace();
-        r.fp8->shape = p.shape;
-        r.fp8->source_dtype = DType::kFloat32;
-        r.fp8->params = q;
-        const DType data = tensor::Fp8DataDType(q.format);
-        auto add = [&](bool wanted, std::optional<OutputTensor>& t, DType dt,
-                       std::vector<int64_t> shape, uint64_t bytes, uint64_t align,
-                       const std::optional<tensor::RegionSliceSpec>& slice, const char* name,
-                       int slot) -> absl::Status {
-          if (!wanted) {
-            if (slice.has_value()) {
-              return absl::InvalidArgumentError(absl::StrFormat(
-                  "%s.fp8.%s: group '%s' does not produce this copy", field, name,
-                  info.config.name));
-            }
-            return absl::OkStatus();
-          }
-          t = MakeTensor(dt, std::move(shape));
-          ps.push_back({&*t, slice, bytes, align, absl::StrFormat("%s.fp8.%s", field, name)});
-          slots.emplace_back(i, slot);
-          return absl::OkStatus();
-        };
-        const QuantizeOutputSpecs none;
-        const QuantizeOutputSpecs& s = d != nullptr ? d->fp8 : none;
-        QTX_RETURN_IF_ERROR(add(q.rowwise, r.fp8->rowwise_data, data, {l.rowwise_data_rows,
-                                l.rowwise_data_cols}, l.RowwiseDataBytes(), 1, s.rowwise_data,
-                                "rowwise_data", 0));
-        QTX_RETURN_IF_ERROR(add(q.rowwise, r.fp8->rowwise_scale_inv, DType::kFloat32,
-                                {l.rowwise_scale_rows, l.rowwise_scale_cols},
-                                4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv,
-                                "rowwise_scale_inv", 1));
-        QTX_RETURN_IF_ERROR(add(q.columnwise, r.fp8->columnwise_data, data,
-                                {l.columnwise_data_rows, l.columnwise_data_cols},
-                                l.ColumnwiseDataBytes(), 1, s.columnwise_data, "columnwise_data",
-                                2));
-        QTX_RETURN_IF_ERROR(add(q.columnwise, r.fp8->columnwise_scale_inv, DType::kFloat32,
-                                {l.columnwise_scale_rows, l.columnwise_scale_cols},
-                                4 * l.ColumnwiseScaleCount(), 4, s.columnwise_scale_inv,
-                                "columnwise_scale_inv", 3));
-      }
-      if (out.bf16()) {
-        r.bf16 = MakeTensor(DType::kBFloat16, p.shape);
-        ps.push_back({&*r.bf16, d != nullptr ? d->bf16 : std::nullopt,
-                      static_cast<uint64_t>(p.m * p.n) * 2, 2, field + ".bf16"});
-        slots.emplace_back(i, 4);
-      }
-    }
-    std::vector<bool> on_device;
-    QTX_ASSIGN_OR_RETURN(std::vector<void*> ptrs, Place(ps, ctx, pins, &on_device));
-    for (size_t k = 0; k < ptrs.size(); ++k) {
-      if (!on_device[k]) continue;
-      out_copies[slots[k].first].push_back(StagedCopy{ptrs[k], ps[k].bytes, 0, slots[k].second});
-      any_device = true;
-    }
-    bufs.outputs.resize(info.params.size());
-    for (size_t k = 0; k < ptrs.size(); ++k) {
-      optimizer::ParameterOutputBuffers& o = bufs.outputs[slots[k].first];
-      switch (slots[k].second) {
-        case 0:
-          o.fp8.rowwise_data = static_cast<uint8_t*>(ptrs[k]);
-          break;
-        case 1:
-          o.fp8.rowwise_scale_inv = static_cast<float*>(ptrs[k]);
-          break;
-        case 2:
-          o.fp8.columnwise_data = static_cast<uint8_t*>(ptrs[k]);
-          break;
-        case 3:
-          o.fp8.columnwise_scale_inv = static_cast<float*>(ptrs[k]);
-          break;
-        default:
-          o.bf16 = static_cast<uint16_t*>(ptrs[k]);
-          break;
-      }
-    }
-    if (any_device || !request.events.empty()) {
-      QTX_RETURN_IF_ERROR(use_transfer_pipeline(bufs, slot));
-    }
-    return bufs;
+                     optimizer::StepScratchSlot& slot) {
+    return PrepareStepBuffers(info, replay, request.omit_parameters, request.events, ctx, slot,
+                              plan, result.params);
   };
   QTX_ASSIGN_OR_RETURN(result.stats,
                        store.Step(request.group, request.options,
                                   optimizer::PrepareStepWithScratchFn(prepare)));
-  for (const auto& [name, view] : grads) {
+  QTX_RETURN_IF_ERROR(CheckStepRegionsIntact(plan, request.group, result.stats.step));
+  return result;
+}
+absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequestSpec& request,
+                                                           const OpContext& ctx,
+                                                           optimizer::OptimizerStore& store) {
+  QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
+  StepPlan plan;
+  QTX_ASSIGN_OR_RETURN(plan.grads, ResolveGradients(request.gradients, ctx));
+  std::vector<ParameterResult> unused;
+  auto prepare = [&](const optimizer::GroupInfo& info, bool replay,
+                     optimizer::StepScratchSlot& slot) {
+    return PrepareStepBuffers(info, replay, /*omit_outputs=*/true, request.events, ctx, slot,
+                              plan, unused);
+  };
+  QTX_ASSIGN_OR_RETURN(optimizer::GradNormStats stats,
+                       store.GradNorm(request.group, request.step,
+                                      optimizer::PrepareStepWithScratchFn(prepare)));
+  for (const auto& [name, view] : plan.grads) {
     if (absl::Status intact = tensor::CheckIntact(view.pin); !intact.ok()) {
       return absl::DataLossError(absl::StrFormat(
-          "%s Step %d of group '%s' was applied with zeros in place of the lost gradient bytes "
-          "of '%s'; load the group's checkpoint (LoadCheckpoint) to undo it.",
-          intact.message(), result.stats.step, request.group, name));
+          "%s GradNorm of step %d of group '%s' read zeros in place of the lost gradient bytes "
+          "of '%s' (nothing was changed); measure again with intact gradients.",
+          intact.message(), request.step, request.group, name));
     }
   }
-  for (const tensor::OutputSlice& out : pins) QTX_RETURN_IF_ERROR(tensor::CheckIntact(out.pin));
-  return result;
+  return stats;
+}
+
+namespace {
+
+// One rank's GradNorm contribution as it travels (host bytes, little-endian
+// on every supported host).
+struct GradNormRecord {
+  int64_t step = 0;
+  double sum_squares = 0.0;
+  uint64_t flags = 0;  // kNonFinite | kFailed
+};
+constexpr uint64_t kNonFinite = 1, kFailed = 2;
+static_assert(sizeof(GradNormRecord) == 24, "GradNormRecord travels as 24 bytes");
+
+}  // namespace
+
+absl::StatusOr<GradNormTotals> ReduceGradNorm(const optimizer::GradNormStats* local,
+                                              backend::Communicator& comm,
+                                              const backend::CommCall& call, bool* broken) {
+  *broken = false;
+  const int world = comm.world_size();
+  GradNormRecord mine;
+  if (local == nullptr) {
+    mine.flags = kFailed;
+  } else {
+    mine.step = local->step;
+    mine.sum_squares = local->sum_squares;
+    mine.flags = local->non_finite ? kNonFinite : 0;
+  }
+  std::vector<GradNormRecord> all(static_cast<size_t>(world));
+  if (absl::Status s = comm.AllGatherHost(&mine, sizeof(mine), all.data(), call); !s.ok()) {
+    *broken = s.code() != absl::StatusCode::kInvalidArgument;
+    return s;
+  }
+  GradNormTotals t;
+  t.ranks = world;
+  for (int r = 0; r < world; ++r) {
+    if (all[r].flags & kFailed) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "GradNorm over %s: rank %d could not measure its gradients (its own call says why); "
+          "nothing was changed",
+          comm.name(), r));
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    if (all[r].step != all[0].step) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "GradNorm over %s: rank 0 measured step %d but rank %d measured step %d; every rank "
+          "must measure the same step (nothing was changed)",
+          comm.name(), all[0].step, r, all[r].step));
+    }
+    t.sum_squares += all[r].sum_squares;
+    t.non_finite = t.non_finite || (all[r].flags & kNonFinite) != 0;
+  }
+  t.non_finite = t.non_finite || !std::isfinite(t.sum_squares);
+  return t;
 }
 
 absl::StatusOr<GetStateResult> GetOptimizerState(

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/backend/communicator.h"
 #include "server/ops/quantize.h"
 #include "server/optimizer/optimizer_store.h"
 #include "server/tensor/tensor_ref.h"
@@ -34,6 +35,7 @@ struct OffloadParameterSpec {
   tensor::TensorRefSpec master;                 // FLOAT32 or BFLOAT16
   std::optional<tensor::TensorRefSpec> exp_avg;  // FLOAT32 or BFLOAT16
   std::optional<tensor::TensorRefSpec> exp_avg_sq;
+  optimizer::ParameterHyper hyper = {};  // its own weight decay / lr scale, if any
 };
 
 struct OffloadRequestSpec {
@@ -84,13 +86,53 @@ struct StepResult {
   std::vector<ParameterResult> params;  // group order; empty with omit_parameters
 };
 
-// Runs one Step. INVALID_ARGUMENT: a gradient missing, duplicated, unknown,
+// Runs one Step (with options.skip, the gradients may be omitted: they are
+// not read). INVALID_ARGUMENT: a gradient missing, duplicated, unknown,
 // of the wrong dtype or shape; a destination naming an unknown parameter, a
 // copy the group does not produce, or of the wrong size. RESOURCE_EXHAUSTED:
 // inline outputs above ctx.max_inline_output_bytes. Plus the store's errors
 // (FAILED_PRECONDITION for a wrong step number, ...).
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
                                          optimizer::OptimizerStore& store);
+
+struct GradNormRequestSpec {
+  std::string group;
+  int64_t step = 0;
+  std::vector<GradientSpec> gradients;
+  // As for a Step: device gradients are read after wait_event; signal_event
+  // is recorded once they were read.
+  backend::CudaEvents events;
+};
+
+// The first phase of a two-phase step (OptimizerStore::GradNorm): the
+// group's squared-norm contribution and non-finite flag for the gradients
+// given, nothing changed. INVALID_ARGUMENT: a gradient missing, duplicated,
+// unknown, of the wrong dtype or shape. DATA_LOSS: a gradient region shrank
+// while it was read (measure again). Plus the store's errors
+// (FAILED_PRECONDITION for a step number that is neither the next one nor
+// the last processed one, ...).
+absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequestSpec& request,
+                                                           const OpContext& ctx,
+                                                           optimizer::OptimizerStore& store);
+
+// The group-wide totals of a reduced GradNorm.
+struct GradNormTotals {
+  double sum_squares = 0.0;  // every rank's contribution, added in rank order
+  bool non_finite = false;   // any rank's flag
+  int ranks = 0;
+};
+
+// Exchanges this rank's contribution (`local`: its step, sum of squares and
+// non-finite flag; null when this rank failed to measure it, so that the
+// others fail at once instead of waiting for it) with every rank of `comm`
+// (one AllGatherHost of a small record) and adds them up in rank order, so
+// that every rank gets the same bits. FAILED_PRECONDITION when a rank failed
+// to measure, or the ranks measured different step numbers (naming them);
+// the communicator's errors otherwise, with *broken set when the ranks may
+// be out of step (transport failure, missing peer).
+absl::StatusOr<GradNormTotals> ReduceGradNorm(const optimizer::GradNormStats* local,
+                                              backend::Communicator& comm,
+                                              const backend::CommCall& call, bool* broken);
 
 struct ParameterStateResult {
   std::string name;

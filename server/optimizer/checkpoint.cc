@@ -136,7 +136,15 @@ class MetaReader {
   std::string path_;
 };
 
-std::string BuildMeta(const GroupState& s) {
+// The version `s` is written as: 2 when a parameter has its own settings.
+uint32_t VersionFor(const GroupState& s) {
+  for (const ParamState& p : s.params) {
+    if (!p.info.hyper.empty()) return 2;
+  }
+  return 1;
+}
+
+std::string BuildMeta(const GroupState& s, uint32_t version) {
   MetaBuilder b;
   const GroupConfig& c = s.config;
   b.PutString(c.name);
@@ -172,11 +180,17 @@ std::string BuildMeta(const GroupState& s) {
     for (int64_t d : p.info.shape) b.Put<int64_t>(d);
     b.Put<int64_t>(p.info.m);
     b.Put<int64_t>(p.info.n);
+    if (version >= 2) {
+      const ParameterHyper& h = p.info.hyper;
+      b.Put<uint8_t>((h.weight_decay.has_value() ? 1 : 0) | (h.lr_scale.has_value() ? 2 : 0));
+      b.Put<double>(h.weight_decay.value_or(0.0));
+      b.Put<double>(h.lr_scale.value_or(1.0));
+    }
   }
   return b.bytes();
 }
 
-absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path) {
+absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path, uint32_t version) {
   GroupConfig& c = s->config;
   uint8_t u8 = 0;
   QTX_RETURN_IF_ERROR(r.GetString(&c.name));
@@ -238,6 +252,19 @@ absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path) {
     for (auto& d : p.info.shape) QTX_RETURN_IF_ERROR(r.Get(&d));
     QTX_RETURN_IF_ERROR(r.Get(&p.info.m));
     QTX_RETURN_IF_ERROR(r.Get(&p.info.n));
+    if (version >= 2) {
+      uint8_t flags = 0;
+      double wd = 0.0, scale = 1.0;
+      QTX_RETURN_IF_ERROR(r.Get(&flags));
+      QTX_RETURN_IF_ERROR(r.Get(&wd));
+      QTX_RETURN_IF_ERROR(r.Get(&scale));
+      if (flags > 3) {
+        return absl::DataLossError(absl::StrFormat(
+            "checkpoint '%s': parameter '%s' has bad settings flags %d", path, p.info.name, flags));
+      }
+      if (flags & 1) p.info.hyper.weight_decay = wd;
+      if (flags & 2) p.info.hyper.lr_scale = scale;
+    }
     // The matrix must agree with the shape (overflow-safe).
     int64_t elements = 1;
     for (int64_t d : p.info.shape) {
@@ -283,9 +310,11 @@ absl::Status ValidateLoadedState(const GroupState& s) {
       return absl::InvalidArgumentError(
           absl::StrFormat("last step's lr=%g: must be finite and >= 0", l.lr));
     }
-    if (!(l.clip_coef > 0.0 && l.clip_coef <= 1.0)) {
+    // clip_coef: at most 1 from max_grad_norm; any finite factor > 0 from a
+    // two-phase step's clip_factor.
+    if (!(std::isfinite(l.clip_coef) && l.clip_coef > 0.0)) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("last step's clip_coef=%g: must be in (0, 1]", l.clip_coef));
+          absl::StrFormat("last step's clip_coef=%g: must be finite and > 0", l.clip_coef));
     }
   }
   absl::flat_hash_set<std::string_view> names;
@@ -299,6 +328,8 @@ absl::Status ValidateLoadedState(const GroupState& s) {
       return absl::InvalidArgumentError(
           absl::StrFormat("parameters[%d].name='%s': duplicate parameter name", i, name));
     }
+    QTX_RETURN_IF_ERROR(ValidateParameterHyper(s.params[i].info.hyper,
+                                               absl::StrFormat("parameters[%d] ('%s')", i, name)));
   }
   return absl::OkStatus();
 }
@@ -425,7 +456,8 @@ std::string PreviousCheckpointPath(const std::string& dir, std::string_view grou
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupState& state,
                                          bool keep_previous) {
   const std::string path = CheckpointPath(dir, state.config.name);
-  const std::string meta = BuildMeta(state);
+  const uint32_t version = VersionFor(state);
+  const std::string meta = BuildMeta(state, version);
   const uint64_t mb = MomentBytes(state.config.moment_dtype);
   uint64_t data_bytes = 0;
   for (const ParamState& p : state.params) {
@@ -436,7 +468,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupStat
   auto write_all = [&]() -> absl::Status {
     Writer w(fd.get(), tmp);
     QTX_RETURN_IF_ERROR(w.Write(kMagic, sizeof(kMagic)));
-    const uint32_t version = kCheckpointVersion, reserved = 0;
+    const uint32_t reserved = 0;
     const uint64_t meta_bytes = meta.size();
     QTX_RETURN_IF_ERROR(w.Write(&version, 4));
     QTX_RETURN_IF_ERROR(w.Write(&reserved, 4));
@@ -510,10 +542,10 @@ absl::StatusOr<GroupState> ReadCheckpoint(
   std::memcpy(&version, header + 8, 4);
   std::memcpy(&meta_bytes, header + 16, 8);
   std::memcpy(&data_bytes, header + 24, 8);
-  if (version != kCheckpointVersion) {
+  if (version < 1 || version > kCheckpointVersion) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "checkpoint '%s': format version %d is not supported (this qtxd reads version %d)", path,
-        version, kCheckpointVersion));
+        "checkpoint '%s': format version %d is not supported (this qtxd reads versions 1 to %d)",
+        path, version, kCheckpointVersion));
   }
   if (meta_bytes > kMaxMetaBytes || data_bytes > file_size ||
       kHeaderBytes + meta_bytes + data_bytes + 4 != file_size) {
@@ -526,7 +558,7 @@ absl::StatusOr<GroupState> ReadCheckpoint(
   QTX_RETURN_IF_ERROR(ReadFully(fd.get(), meta.data(), meta_bytes, &crc, path));
   GroupState state;
   MetaReader r(meta, path);
-  QTX_RETURN_IF_ERROR(ParseMeta(r, &state, path));
+  QTX_RETURN_IF_ERROR(ParseMeta(r, &state, path, version));
   if (absl::Status v = ValidateLoadedState(state); !v.ok()) {
     return absl::DataLossError(absl::StrFormat(
         "checkpoint '%s' holds an impossible value: %s (its checksum matches, so it was edited "

@@ -118,6 +118,43 @@ void WriteOutputsFromMaster(const ParamState& p, const OutputConfig& out,
   }
 }
 
+// Points kb[i].scalars at the constants of every parameter with its own
+// weight decay or lr scale (`own` holds them; the others use the call's).
+// `h`: the group's hyper-parameters with this step's lr.
+void AttachOwnScalars(const GroupState& s, const kernels::AdamWHyperParams& h, int64_t t,
+                      double grad_scale, std::span<kernels::cpu::AdamWParamBuffers> kb,
+                      std::vector<kernels::AdamWScalars>& own) {
+  own.clear();
+  own.reserve(kb.size());  // no reallocation: kb keeps pointers into it
+  for (size_t i = 0; i < kb.size(); ++i) {
+    const ParameterHyper& p = s.params[i].info.hyper;
+    if (p.empty()) continue;
+    own.push_back(kernels::MakeAdamWScalars(EffectiveHyper(h, p), t, grad_scale));
+    kb[i].scalars = &own.back();
+  }
+}
+
+// Writes every parameter's outputs from its current master weights (a
+// replayed or skipped step), through the hooks when there are some.
+absl::Status WriteCurrentOutputs(const GroupState& s, const StepBuffers& bufs) {
+  if (bufs.omit_outputs) return absl::OkStatus();
+  const OutputConfig& out = s.config.output;
+  const size_t np = s.params.size();
+  StepHooks* const hooks = bufs.hooks.get();
+  if (hooks == nullptr) {
+    for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+    return absl::OkStatus();
+  }
+  absl::Status st = hooks->Begin(/*gradients=*/false);
+  for (size_t i = 0; i < np && st.ok(); ++i) {
+    WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+    st = hooks->OutputsWritten(i);
+  }
+  if (st.ok()) st = hooks->Finish();
+  if (!st.ok()) hooks->Abort();
+  return st;
+}
+
 }  // namespace
 
 absl::Status ValidateGroupName(std::string_view name) {
@@ -161,6 +198,29 @@ absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h) {
         absl::StrFormat("hyper_params.weight_decay=%g: must be finite and >= 0", h.weight_decay));
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateParameterHyper(const ParameterHyper& h, std::string_view field) {
+  if (h.weight_decay.has_value() && !FiniteNonNegative(*h.weight_decay)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.weight_decay=%g: must be finite and >= 0 (unset: the group's)", field,
+        *h.weight_decay));
+  }
+  if (h.lr_scale.has_value() && !FiniteNonNegative(*h.lr_scale)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.lr_scale=%g: must be finite and >= 0 (the parameter's lr is the group's times this; "
+        "unset: 1)",
+        field, *h.lr_scale));
+  }
+  return absl::OkStatus();
+}
+
+kernels::AdamWHyperParams EffectiveHyper(const kernels::AdamWHyperParams& group,
+                                         const ParameterHyper& p) {
+  kernels::AdamWHyperParams h = group;
+  if (p.weight_decay.has_value()) h.weight_decay = *p.weight_decay;
+  if (p.lr_scale.has_value()) h.lr = group.lr * *p.lr_scale;
+  return h;
 }
 
 absl::Status ValidateGroupConfig(const GroupConfig& c) {
@@ -297,6 +357,8 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
       return absl::InvalidArgumentError(absl::StrFormat(
           "parameters[%d] ('%s'): give both exp_avg and exp_avg_sq or neither", i, p.name));
     }
+    QTX_RETURN_IF_ERROR(
+        ValidateParameterHyper(p.hyper, absl::StrFormat("parameters[%d] ('%s')", i, p.name)));
     elements += p.m * p.n;
   }
   const uint64_t bytes = StateBytes(elements, config.moment_dtype);
@@ -328,7 +390,7 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
     s.config = config;
     s.update_count = config.step;
     for (const ParameterInit& init : params) {
-      ParameterInfo info{init.name, init.shape, init.m, init.n};
+      ParameterInfo info{init.name, init.shape, init.m, init.n, init.hyper};
       absl::StatusOr<ParamState> ps = AllocateParamState(info, config.moment_dtype);
       if (!ps.ok()) {
         unreserve();
@@ -398,12 +460,13 @@ struct PipelineOutcome {
 // Runs a step whose buffers come with hooks (StepHooks), one parameter at a
 // time; the same arithmetic as the unpipelined step (tiles are independent,
 // the norm adds the same chunk sums in the same order), so the same bits.
-// Without clipping or skipping, parameter i is stepped as soon as its own
+// Without clipping or skipping by the group (or with the caller's clip
+// factor), parameter i is stepped as soon as its own
 // gradient arrived and the norm is only reported; with either, the norm must
 // be known before any update, so every gradient arrives first (the copies
 // back still overlap the host steps).
 PipelineOutcome RunPipelinedStep(GroupState& s,
-                                 std::span<const kernels::cpu::AdamWParamBuffers> kb,
+                                 std::span<kernels::cpu::AdamWParamBuffers> kb,
                                  const StepBuffers& bufs, const StepOptions& options,
                                  int threads, StepStats& stats) {
   StepHooks& h = *bufs.hooks;
@@ -418,9 +481,11 @@ PipelineOutcome RunPipelinedStep(GroupState& s,
   };
   if (absl::Status st = h.Begin(/*gradients=*/true); !st.ok()) return fail(st, 0);
   std::vector<std::vector<double>> partial(np);
+  // With the caller's clip factor (two-phase step) the norm is not measured.
+  const bool measure = !options.clip_factor.has_value();
   auto arrive = [&](size_t i) -> absl::Status {
     QTX_RETURN_IF_ERROR(h.GradientArrived(i));
-    partial[i] = kernels::cpu::GradChunkSumSquares(kb[i], threads);
+    if (measure) partial[i] = kernels::cpu::GradChunkSumSquares(kb[i], threads);
     return absl::OkStatus();
   };
   auto set_norm = [&] {
@@ -456,6 +521,8 @@ PipelineOutcome RunPipelinedStep(GroupState& s,
       }
       const kernels::AdamWScalars scalars =
           kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
+      std::vector<kernels::AdamWScalars> own;
+      AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
       for (size_t i = 0; i < np; ++i) {
         kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
         deliver(i);
@@ -463,13 +530,17 @@ PipelineOutcome RunPipelinedStep(GroupState& s,
       ++s.update_count;
     }
   } else {
-    const kernels::AdamWScalars scalars = kernels::MakeAdamWScalars(hp, s.update_count + 1, 1.0);
+    stats.clip_coef = options.clip_factor.value_or(1.0);
+    const kernels::AdamWScalars scalars =
+        kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
+    std::vector<kernels::AdamWScalars> own;
+    AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
     for (size_t i = 0; i < np; ++i) {
       if (absl::Status st = arrive(i); !st.ok()) return fail(st, i);
       kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
       deliver(i);
     }
-    set_norm();
+    if (measure) set_norm();
     ++s.update_count;
   }
   if (r.delivery.ok()) r.delivery = h.Finish();
@@ -479,54 +550,17 @@ PipelineOutcome RunPipelinedStep(GroupState& s,
 
 }  // namespace
 
-absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
-                                               const PrepareStepFn& prepare) {
-  return Step(name, options,
-              PrepareStepWithScratchFn(
-                  [&prepare](const GroupInfo& info, bool replay, StepScratchSlot&) {
-                    return prepare(info, replay);
-                  }));
-}
-
-absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
-                                               const PrepareStepWithScratchFn& prepare) {
-  if (options.lr.has_value() && !FiniteNonNegative(*options.lr)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("lr=%g: must be finite and >= 0", *options.lr));
-  }
-  if (options.max_grad_norm.has_value() &&
-      !(std::isfinite(*options.max_grad_norm) && *options.max_grad_norm > 0.0)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "max_grad_norm=%g: must be finite and > 0", *options.max_grad_norm));
-  }
-  if (options.step > kMaxStepNumber) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "step=%d: must be at most %d (2^53, the largest step number)", options.step,
-        kMaxStepNumber));
-  }
-  QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
-  absl::MutexLock glock(&g->mu);
-  if (g->released) return Released(name);
-  if (!g->error.ok()) return Unusable(name, g->error);
-  GroupState& s = g->state;
-  const int64_t at = s.config.step;
-  const bool replay = options.step == at && s.last.has_value() && s.last->step == at;
-  if (options.step != at + 1 && !replay) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "optimizer group '%s' is at step %d: the next step is %d%s; got step %d", name, at,
-        at + 1,
-        s.last.has_value() ? absl::StrFormat(" (or %d to retry the last one)", at) : "",
-        options.step));
-  }
-  const GroupInfo info = InfoOf(s, g->last_checkpoint_step, absl::OkStatus());
+std::unique_ptr<StepScratchSlot> OptimizerStore::ScratchSlotOf(const std::shared_ptr<Group>& g,
+                                                               std::string_view name) {
+  g->mu.AssertHeld();
   uint64_t scratch_bytes = 0;
   {
     absl::MutexLock lock(&mu_);
     scratch_bytes = g->scratch_bytes;
   }
-  GroupScratchSlot slot(
+  return std::make_unique<GroupScratchSlot>(
       &g->scratch, scratch_bytes,
-      [&](uint64_t bytes,
+      [this, g, name](uint64_t bytes,
           const StepScratchSlot::MakeFn& make) -> absl::StatusOr<StepScratch*> {
         g->mu.AssertHeld();
         g->scratch.reset();  // its destructor waits for its transfers
@@ -553,7 +587,84 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
         g->scratch = *std::move(made);
         return g->scratch.get();
       });
-  QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, replay, slot));
+}
+
+void OptimizerStore::MaybeCheckpointPeriodically(Group& g, std::string_view name) {
+  g.mu.AssertHeld();
+  const GroupState& s = g.state;
+  if (options_.checkpoint_every_steps <= 0 || s.config.step % options_.checkpoint_every_steps != 0) {
+    return;
+  }
+  absl::StatusOr<uint64_t> written = WriteCheckpoint(options_.checkpoint_dir, s, g.KeepPrevious());
+  if (written.ok()) {
+    g.last_checkpoint_step = s.config.step;
+    g.rotate_on_write = true;
+    spdlog::info("event=optimizer_checkpoint group={} step={} bytes={} reason=periodic", name,
+                 s.config.step, *written);
+  } else {
+    // The step itself succeeded; the previous checkpoint is intact.
+    spdlog::error("event=optimizer_checkpoint_failed group={} step={} msg=\"{}\"", name,
+                  s.config.step, std::string(written.status().message()));
+  }
+}
+
+absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
+                                               const PrepareStepFn& prepare) {
+  return Step(name, options,
+              PrepareStepWithScratchFn(
+                  [&prepare](const GroupInfo& info, bool replay, StepScratchSlot&) {
+                    return prepare(info, replay);
+                  }));
+}
+
+absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
+                                               const PrepareStepWithScratchFn& prepare) {
+  if (options.lr.has_value() && !FiniteNonNegative(*options.lr)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("lr=%g: must be finite and >= 0", *options.lr));
+  }
+  if (options.max_grad_norm.has_value() &&
+      !(std::isfinite(*options.max_grad_norm) && *options.max_grad_norm > 0.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_grad_norm=%g: must be finite and > 0", *options.max_grad_norm));
+  }
+  if (options.clip_factor.has_value() &&
+      !(std::isfinite(*options.clip_factor) && *options.clip_factor > 0.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "clip_factor=%g: must be finite and > 0 (the factor every gradient is multiplied by; "
+        "to leave the step out, set skip instead)",
+        *options.clip_factor));
+  }
+  if (options.external() && (options.max_grad_norm.has_value() || options.skip_if_non_finite)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s with %s: clip_factor and skip carry the caller's decisions over every group (after "
+        "GradNorm); max_grad_norm and skip_if_non_finite let this group decide alone. Use one "
+        "pair or the other",
+        options.clip_factor.has_value() ? "clip_factor" : "skip",
+        options.max_grad_norm.has_value() ? "max_grad_norm" : "skip_if_non_finite"));
+  }
+  if (options.step > kMaxStepNumber) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step=%d: must be at most %d (2^53, the largest step number)", options.step,
+        kMaxStepNumber));
+  }
+  QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
+  absl::MutexLock glock(&g->mu);
+  if (g->released) return Released(name);
+  if (!g->error.ok()) return Unusable(name, g->error);
+  GroupState& s = g->state;
+  const int64_t at = s.config.step;
+  const bool replay = options.step == at && s.last.has_value() && s.last->step == at;
+  if (options.step != at + 1 && !replay) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "optimizer group '%s' is at step %d: the next step is %d%s; got step %d", name, at,
+        at + 1,
+        s.last.has_value() ? absl::StrFormat(" (or %d to retry the last one)", at) : "",
+        options.step));
+  }
+  const GroupInfo info = InfoOf(s, g->last_checkpoint_step, absl::OkStatus());
+  std::unique_ptr<StepScratchSlot> slot = ScratchSlotOf(g, name);
+  QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, replay || options.skip, *slot));
   StepHooks* const hooks = bufs.hooks.get();
   const size_t np = s.params.size();
   if (!bufs.omit_outputs && bufs.outputs.size() != np) {
@@ -562,25 +673,23 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   }
   const OutputConfig& out = s.config.output;
   if (replay) {
-    if (!bufs.omit_outputs) {
-      if (hooks != nullptr) {
-        absl::Status st = hooks->Begin(/*gradients=*/false);
-        for (size_t i = 0; i < np && st.ok(); ++i) {
-          WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
-          st = hooks->OutputsWritten(i);
-        }
-        if (st.ok()) st = hooks->Finish();
-        if (!st.ok()) {
-          hooks->Abort();
-          return st;
-        }
-      } else {
-        for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
-      }
-    }
+    QTX_RETURN_IF_ERROR(WriteCurrentOutputs(s, bufs));
     StepStats r = *s.last;
     r.replayed = true;
     return r;
+  }
+  if (options.skip) {
+    // The caller's decision: nothing is read or updated. A failure to deliver
+    // the outputs leaves the step unprocessed (nothing changed), to be retried.
+    QTX_RETURN_IF_ERROR(WriteCurrentOutputs(s, bufs));
+    StepStats stats;
+    stats.step = options.step;
+    stats.lr = options.lr.value_or(s.config.hyper.lr);
+    stats.skipped = true;
+    s.config.step = options.step;
+    s.last = stats;
+    MaybeCheckpointPeriodically(*g, name);
+    return stats;
   }
   if (bufs.grads.size() != np) {
     return absl::InternalError(
@@ -623,6 +732,18 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
       return Unusable(name, g->error);
     }
     delivery = std::move(o.delivery);
+  } else if (options.clip_factor.has_value()) {
+    // The caller's clip factor (two-phase step): the norm was measured by
+    // GradNorm; the update is the one-phase one with this coefficient.
+    stats.clip_coef = *options.clip_factor;
+    kernels::AdamWHyperParams h = s.config.hyper;
+    h.lr = stats.lr;
+    const kernels::AdamWScalars scalars =
+        kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
+    std::vector<kernels::AdamWScalars> own;
+    AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
+    kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
+    ++s.update_count;
   } else {
   const kernels::cpu::GradNormResult norm =
       kernels::cpu::GradSumSquares(kb, options_.num_threads);
@@ -644,27 +765,15 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
     h.lr = stats.lr;
     const kernels::AdamWScalars scalars =
         kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
+    std::vector<kernels::AdamWScalars> own;
+    AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
     kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
     ++s.update_count;
   }
   }
   s.config.step = options.step;
   s.last = stats;
-
-  if (options_.checkpoint_every_steps > 0 && s.config.step % options_.checkpoint_every_steps == 0) {
-    absl::StatusOr<uint64_t> written =
-        WriteCheckpoint(options_.checkpoint_dir, s, g->KeepPrevious());
-    if (written.ok()) {
-      g->last_checkpoint_step = s.config.step;
-      g->rotate_on_write = true;
-      spdlog::info("event=optimizer_checkpoint group={} step={} bytes={} reason=periodic", name,
-                   s.config.step, *written);
-    } else {
-      // The step itself succeeded; the previous checkpoint is intact.
-      spdlog::error("event=optimizer_checkpoint_failed group={} step={} msg=\"{}\"", name,
-                    s.config.step, std::string(written.status().message()));
-    }
-  }
+  MaybeCheckpointPeriodically(*g, name);
   if (!delivery.ok()) {
     return absl::Status(delivery.code(),
                         absl::StrFormat("step %d was applied, but its parameters were not "
@@ -672,6 +781,72 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
                                         options.step, delivery.message(), options.step));
   }
   return stats;
+}
+
+absl::StatusOr<GradNormStats> OptimizerStore::GradNorm(std::string_view name, int64_t step,
+                                                       const PrepareStepWithScratchFn& prepare) {
+  if (step > kMaxStepNumber) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step=%d: must be at most %d (2^53, the largest step number)", step, kMaxStepNumber));
+  }
+  QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
+  absl::MutexLock glock(&g->mu);
+  if (g->released) return Released(name);
+  if (!g->error.ok()) return Unusable(name, g->error);
+  const GroupState& s = g->state;
+  const int64_t at = s.config.step;
+  const bool processed = step == at && s.last.has_value() && s.last->step == at;
+  if (step != at + 1 && !processed) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "optimizer group '%s' is at step %d: GradNorm measures the gradients of its next step "
+        "%d%s; got step %d",
+        name, at, at + 1,
+        s.last.has_value() ? absl::StrFormat(" (or of step %d, the last one, for a retry)", at)
+                           : "",
+        step));
+  }
+  const GroupInfo info = InfoOf(s, g->last_checkpoint_step, absl::OkStatus());
+  std::unique_ptr<StepScratchSlot> slot = ScratchSlotOf(g, name);
+  QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, /*replay=*/false, *slot));
+  const size_t np = s.params.size();
+  if (bufs.grads.size() != np) {
+    return absl::InternalError(
+        absl::StrFormat("GradNorm: %d gradients for %d parameters", bufs.grads.size(), np));
+  }
+  std::vector<kernels::cpu::AdamWParamBuffers> kb(np);
+  for (size_t i = 0; i < np; ++i) {
+    kb[i].m = s.params[i].info.m;
+    kb[i].n = s.params[i].info.n;
+    kb[i].grad = bufs.grads[i].data;
+    kb[i].grad_dtype = bufs.grads[i].dtype;
+  }
+  GradNormStats r;
+  r.step = step;
+  r.step_processed = processed;
+  if (StepHooks* const hooks = bufs.hooks.get(); hooks != nullptr) {
+    // One parameter at a time, as it arrives; the chunk sums added in the
+    // order GradSumSquares adds them (see GradChunkSumSquares).
+    absl::Status st = hooks->Begin(/*gradients=*/true);
+    double sum = 0.0;
+    for (size_t i = 0; i < np && st.ok(); ++i) {
+      st = hooks->GradientArrived(i);
+      if (!st.ok()) break;
+      for (double x : kernels::cpu::GradChunkSumSquares(kb[i], options_.num_threads)) sum += x;
+    }
+    if (st.ok()) st = hooks->Finish();
+    if (!st.ok()) {
+      hooks->Abort();
+      return st;
+    }
+    r.sum_squares = sum;
+    r.non_finite = !std::isfinite(sum);
+  } else {
+    const kernels::cpu::GradNormResult norm =
+        kernels::cpu::GradSumSquares(kb, options_.num_threads);
+    r.sum_squares = norm.sum_squares;
+    r.non_finite = !norm.all_finite || !std::isfinite(norm.sum_squares);
+  }
+  return r;
 }
 
 absl::StatusOr<GroupInfo> OptimizerStore::Describe(std::string_view name) const {

@@ -53,11 +53,23 @@ struct GroupConfig {
   int64_t step = 0;  // steps already applied to the initial state
 };
 
+// A parameter's own AdamW settings within its group; unset: the group's
+// weight decay and learning rate. The parameter is stepped exactly as if it
+// were alone in a group with lr = (the step's lr) * lr_scale, in double, and
+// this weight decay.
+struct ParameterHyper {
+  std::optional<double> weight_decay = std::nullopt;  // finite, >= 0
+  std::optional<double> lr_scale = std::nullopt;      // finite, >= 0
+  bool empty() const { return !weight_decay.has_value() && !lr_scale.has_value(); }
+  friend bool operator==(const ParameterHyper&, const ParameterHyper&) = default;
+};
+
 // One parameter's initial state, read from host memory during CreateGroup.
 struct ParameterInit {
   std::string name;
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;  // the [M, N] matrix of `shape`
+  ParameterHyper hyper = {};
   const void* master = nullptr;  // m*n of master_dtype (kFloat32 or kBFloat16)
   kernels::InputDType master_dtype = kernels::InputDType::kFloat32;
   const void* exp_avg = nullptr;     // optional, m*n of moments_dtype
@@ -69,6 +81,7 @@ struct ParameterInfo {
   std::string name;
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;
+  ParameterHyper hyper = {};
 };
 
 struct GroupInfo {
@@ -84,8 +97,16 @@ struct GroupInfo {
 struct StepOptions {
   int64_t step = 0;
   std::optional<double> lr = std::nullopt;
+  // The group's own decisions (one-phase step).
   std::optional<double> max_grad_norm = std::nullopt;
   bool skip_if_non_finite = false;
+  // The caller's decisions over several groups (second phase of a two-phase
+  // step, after GradNorm); not combined with the two above. clip_factor
+  // multiplies every gradient (finite, > 0); skip skips the update without
+  // reading the gradients.
+  std::optional<double> clip_factor = std::nullopt;
+  bool skip = false;
+  bool external() const { return clip_factor.has_value() || skip; }
 };
 
 struct StepStats {
@@ -96,6 +117,14 @@ struct StepStats {
   double clip_coef = 1.0;
   double lr = 0.0;
   bool replayed = false;
+};
+
+// One group's share of the gradient norm of a step (OptimizerStore::GradNorm).
+struct GradNormStats {
+  int64_t step = 0;
+  double sum_squares = 0.0;  // every gradient element squared, summed as Step sums them
+  bool non_finite = false;   // an element is NaN or Inf, or the sum overflowed
+  bool step_processed = false;  // the step was already processed (a retry)
 };
 
 // Host buffers of one step, in the group's parameter order.
@@ -142,7 +171,9 @@ struct StepBuffers {
 };
 
 // Called under the group's lock with the group as it is, to resolve the
-// request's gradients and output destinations against it.
+// request's gradients and output destinations against it. With `replay` no
+// gradient is read (a replayed step, or one the caller skips), so
+// StepBuffers::grads may stay empty.
 using PrepareStepFn =
     std::function<absl::StatusOr<StepBuffers>(const GroupInfo& group, bool replay)>;
 
@@ -230,8 +261,12 @@ class OptimizerStore {
   // logged and does not fail the step (the previous checkpoint is intact).
   // NOT_FOUND: no such group; FAILED_PRECONDITION: wrong step number (the
   // message names the step the group is at); DATA_LOSS: failed group; errors
-  // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm or a step
-  // number above kMaxStepNumber.
+  // of `prepare`; INVALID_ARGUMENT for a bad lr / max_grad_norm /
+  // clip_factor, clip_factor or skip combined with max_grad_norm or
+  // skip_if_non_finite, or a step number above kMaxStepNumber.
+  // With clip_factor the gradients are scaled by it and the norm is not
+  // measured (stats.grad_norm 0); with skip the update is skipped without
+  // reading the gradients (prepare gets replay = true).
   absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
                                  const PrepareStepFn& prepare);
   // As above, with the group's scratch slot for `prepare`. When the buffers
@@ -245,6 +280,19 @@ class OptimizerStore {
   // the step number then delivers them).
   absl::StatusOr<StepStats> Step(std::string_view group, const StepOptions& options,
                                  const PrepareStepWithScratchFn& prepare);
+
+  // The first phase of a two-phase step: measures the group's share of the
+  // gradient norm of step `step` (sum of squares in the order Step adds them,
+  // so that sqrt(sum_squares) is bit for bit the grad_norm a one-phase Step
+  // reports) without changing anything. `step` is the group's step + 1, or
+  // the group's step when its result is held (a retry: step_processed).
+  // `prepare` is called with replay = false and must return every gradient
+  // and omit the outputs; with hooks, the gradients arrive through them.
+  // NOT_FOUND: no such group; FAILED_PRECONDITION: any other step number
+  // (naming the group's step); DATA_LOSS: failed group; INVALID_ARGUMENT:
+  // a step number above kMaxStepNumber; errors of `prepare` and the hooks.
+  absl::StatusOr<GradNormStats> GradNorm(std::string_view group, int64_t step,
+                                         const PrepareStepWithScratchFn& prepare);
 
   absl::StatusOr<GroupInfo> Describe(std::string_view group) const;
 
@@ -291,6 +339,14 @@ class OptimizerStore {
  private:
   explicit OptimizerStore(Options options) : options_(std::move(options)) {}
   absl::StatusOr<std::shared_ptr<Group>> Find(std::string_view name) const;
+  // Writes the group's checkpoint when its step is a multiple of
+  // checkpoint_every_steps (a failure is logged: the step stands). REQUIRES:
+  // g.mu held.
+  void MaybeCheckpointPeriodically(Group& g, std::string_view name);
+  // The scratch slot of group `g` (named `name`) for one call that holds
+  // g->mu.
+  std::unique_ptr<StepScratchSlot> ScratchSlotOf(const std::shared_ptr<Group>& g,
+                                                 std::string_view name);
   absl::Status LoadAllCheckpoints();
   // Loads `path` into a new group and installs it (replacing any).
   // `previous`: `path` is the .prev checkpoint (see LoadCheckpoint).
@@ -317,6 +373,15 @@ absl::Status ValidateGroupName(std::string_view name);
 // INVALID_ARGUMENT naming the field unless lr, eps, weight_decay are finite
 // and >= 0 and beta1, beta2 are in [0, 1).
 absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h);
+
+// INVALID_ARGUMENT naming `field` (e.g. "parameters[2] ('ln.bias')") unless
+// the set values are finite and >= 0.
+absl::Status ValidateParameterHyper(const ParameterHyper& h, std::string_view field);
+
+// The AdamW hyper-parameters parameter `p` is stepped with when the group's
+// (with this step's lr) are `group`: lr * lr_scale and its own weight decay.
+kernels::AdamWHyperParams EffectiveHyper(const kernels::AdamWHyperParams& group,
+                                         const ParameterHyper& p);
 
 // The largest step number: 2^53, exact in a double (AdamW's bias correction
 // raises the betas to it; JSON and JavaScript clients see it unchanged), and

@@ -159,6 +159,21 @@ def check_step(a, tmp):
         assert re.search(r"^g\s+3\s+3\s+1\s", out, re.M), out
         out, _ = run(a, server.target, "step", "--group=g")
         assert "found at step 3" in out and re.search(r"^step    4: ", out, re.M), out
+        # Two phases: GradNorm, then Step with the clip factor of --max_grad_norm.
+        out, _ = run(a, server.target, "step", "--group=g", "--two_phase", "--max_grad_norm=0.001")
+        print(out)
+        norm = re.search(r"^norm    5: sum_squares=(\S+) grad_norm=(\S+) non_finite=0$", out, re.M)
+        assert norm, out
+        sum_squares, grad_norm = float(norm.group(1)), float(norm.group(2))
+        assert abs(grad_norm / sum_squares ** 0.5 - 1) < 1e-5, out
+        step = re.search(r"^step    5: grad_norm=0 lr=0.001 clip_coef=(\S+) skipped=0", out, re.M)
+        assert step, out
+        want = min(1.0, 0.001 / (sum_squares ** 0.5 + 1e-6))
+        assert want < 1 and abs(float(step.group(1)) / want - 1) < 1e-5, (want, out)
+        assert "1 FP8 parameter(s) identical to Quantize(master)" in out, out
+        _, err = run(a, server.target, "step", "--group=g", "--two_phase", "--max_grad_norm=-1",
+                     expect_rc=1)
+        assert "clip_factor=-" in err and "must be finite and > 0" in err, err
         out, _ = run(a, server.target, "groups", "--release=g")
         assert "released optimizer group 'g'" in out and "0 optimizer group(s)" in out, out
         assert not os.path.exists(os.path.join(ckpt, "g.qtxopt")), os.listdir(ckpt)

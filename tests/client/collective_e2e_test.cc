@@ -5,12 +5,15 @@
 // Client. Every rank's AllGather result must equal kernels::cpu::QuantizeBlock
 // of the concatenated shards byte for byte (inline and region outputs, both
 // modes, 1-D and 2-D scaling, shards of 0 and non-multiple-of-128 rows); plus
-// shard_rows, ListGroups, DestroyGroup and the mismatched-N error.
+// shard_rows, ListGroups, DestroyGroup and the mismatched-N error. Also the
+// Optimizer's GradNorm reduced over the group (2 and 3 ranks): every rank
+// gets the same totals, the sum of the ranks' contributions in rank order.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -419,6 +422,151 @@ TEST(ClientCollectiveE2e, MismatchedNFailsOnEveryRank) {
 }
 
 // Errors the server finds before any peer is involved keep code and message.
+// GradNorm with collective_group: each rank holds its own optimizer group
+// (a tensor/pipeline-parallel shard of the model); the sidecars add the
+// contributions among themselves. Then every rank steps with the same clip
+// factor, or skips together after an Inf on one rank; ranks that measured
+// different steps all fail.
+class GradNormReduceE2eTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(GradNormReduceE2eTest, EveryRankGetsTheSameTotalsAndDecides) {
+  const int world = GetParam();
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks));
+  ASSERT_NO_FATAL_FAILURE(CreateGroupOnEveryRank(ranks, "tp"));
+  // Rank r's parameter: [100 + 37 r, 64 + r] (partial tiles), its own seeds.
+  auto shape = [](int r) { return std::vector<int64_t>{100 + 37 * r, 64 + r}; };
+  auto values = [&](int r, uint32_t seed, float scale) {
+    std::mt19937 rng(seed * 17 + r);
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<float> v(shape(r)[0] * shape(r)[1]);
+    for (float& x : v) x = d(rng);
+    return v;
+  };
+  OnEveryRank(world, [&](int r) {
+    OptimizerGroupConfig c;
+    c.group = "opt";
+    auto info = ranks.clients[r]->OffloadOptimizerState(
+        c, {{.name = "w" + std::to_string(r), .shape = shape(r),
+             .master = Tensor::FromFloat32(shape(r), values(r, 1, 0.1f)),
+             .exp_avg = std::nullopt, .exp_avg_sq = std::nullopt}});
+    EXPECT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
+  });
+  uint64_t sequence = 0;
+  auto grads = [&](int r, uint32_t seed) {
+    return std::vector<OptimizerGradient>{
+        {"w" + std::to_string(r), Tensor::FromFloat32(shape(r), values(r, seed, 1.0f))}};
+  };
+  auto reduce_on_every_rank = [&](int64_t step, const std::function<std::vector<OptimizerGradient>(int)>& g) {
+    std::vector<absl::StatusOr<GradNormResult>> out(world);
+    const uint64_t seq = sequence++;
+    OnEveryRank(world, [&](int r) {
+      out[r] = ranks.clients[r]->GradNorm("opt", step, g(r),
+                                          {.collective_group = "tp", .sequence = seq},
+                                          Deadline(kGroupTimeout));
+    });
+    return out;
+  };
+
+  // Step 1: the totals, bit for bit the rank-order sum on every rank.
+  std::vector<absl::StatusOr<GradNormResult>> n =
+      reduce_on_every_rank(1, [&](int r) { return grads(r, 2); });
+  double rank_order_sum = 0.0, independent = 0.0;
+  for (int r = 0; r < world; ++r) {
+    ASSERT_TRUE(n[r].ok()) << "rank " << r << ": " << n[r].status();
+    rank_order_sum += n[r]->sum_squares;
+    for (float x : values(r, 2, 1.0f)) independent += static_cast<double>(x) * x;
+  }
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(n[r]->ranks, world);
+    EXPECT_EQ(n[r]->total_sum_squares, rank_order_sum) << "rank " << r;
+    EXPECT_FALSE(n[r]->total_non_finite);
+    EXPECT_EQ(n[r]->step, 1);
+  }
+  EXPECT_NEAR(rank_order_sum, independent, 1e-12 * independent);
+  const double clip = ClipFactor(rank_order_sum, 10.0);
+  EXPECT_LT(clip, 1.0);
+  OnEveryRank(world, [&](int r) {
+    StepOptions so;
+    so.clip_factor = clip;
+    so.omit_parameters = true;
+    auto s = ranks.clients[r]->Step("opt", 1, grads(r, 2), so);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    EXPECT_EQ(s->stats.clip_coef, clip);
+  });
+
+  // Step 2: an Inf on the last rank only; every rank learns it and skips.
+  n = reduce_on_every_rank(2, [&](int r) {
+    std::vector<OptimizerGradient> g = grads(r, 3);
+    if (r == world - 1) {
+      std::vector<float> v = values(r, 3, 1.0f);
+      v[5] = std::numeric_limits<float>::infinity();
+      g[0].grad = Tensor::FromFloat32(shape(r), v);
+    }
+    return g;
+  });
+  for (int r = 0; r < world; ++r) {
+    ASSERT_TRUE(n[r].ok()) << "rank " << r << ": " << n[r].status();
+    EXPECT_EQ(n[r]->non_finite, r == world - 1) << "rank " << r;
+    EXPECT_TRUE(n[r]->total_non_finite) << "rank " << r;
+  }
+  OnEveryRank(world, [&](int r) {
+    StepOptions so;
+    so.skip = n[r]->total_non_finite;
+    so.omit_parameters = true;
+    auto s = ranks.clients[r]->Step("opt", 2, {}, so);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    EXPECT_TRUE(s->stats.skipped);
+  });
+
+  // Ranks at different steps (rank 0 retries step 2): every rank fails.
+  n = reduce_on_every_rank(3, [&](int r) { return grads(r, 4); });
+  for (int r = 0; r < world; ++r) ASSERT_TRUE(n[r].ok()) << n[r].status();
+  const uint64_t seq = sequence++;
+  std::vector<absl::StatusOr<GradNormResult>> mixed(world);
+  OnEveryRank(world, [&](int r) {
+    mixed[r] = ranks.clients[r]->GradNorm("opt", r == 0 ? 2 : 3, grads(r, 4),
+                                          {.collective_group = "tp", .sequence = seq},
+                                          Deadline(kGroupTimeout));
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_THAT(mixed[r], StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr("rank 0 measured step 2 but rank 1 measured step 3")))
+        << "rank " << r;
+  }
+  // A rank whose own measurement fails (an unknown optimizer group) still
+  // takes part: the others fail at once, naming it.
+  const uint64_t seq2 = sequence++;
+  OnEveryRank(world, [&](int r) {
+    mixed[r] = ranks.clients[r]->GradNorm(r == 1 ? "nope" : "opt", 3, grads(r, 4),
+                                          {.collective_group = "tp", .sequence = seq2},
+                                          Deadline(kGroupTimeout));
+  });
+  for (int r = 0; r < world; ++r) {
+    if (r == 1) {
+      EXPECT_THAT(mixed[r], StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope'")));
+    } else {
+      EXPECT_THAT(mixed[r], StatusIs(absl::StatusCode::kFailedPrecondition,
+                                     HasSubstr("rank 1 could not measure its gradients")))
+          << "rank " << r;
+    }
+  }
+  // A used sequence and an unknown Collective group are refused.
+  EXPECT_THAT(ranks.clients[0]->GradNorm("opt", 3, grads(0, 4),
+                                         {.collective_group = "tp", .sequence = 0}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("sequence")));
+  EXPECT_THAT(ranks.clients[0]->GradNorm("opt", 3, grads(0, 4), {.collective_group = "nope"}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+  for (int r = 0; r < world; ++r) {
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupList l, ranks.clients[r]->ListOptimizerGroups());
+    ASSERT_EQ(l.groups.size(), 1u);
+    EXPECT_EQ(l.groups[0].step, 2) << "rank " << r;  // GradNorm changed nothing
+    QTX_EXPECT_OK(ranks.clients[r]->DestroyGroup("tp"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GradNormReduceE2eTest, ::testing::Values(2, 3));
+
 TEST(ClientCollectiveE2e, CreateGroupErrorsKeepServerCodeAndMessage) {
   Ranks ranks;
   ASSERT_NO_FATAL_FAILURE(StartRanks(1, &ranks));

@@ -7,12 +7,15 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -75,9 +78,10 @@ std::vector<float> RandomGrad(int64_t count, uint64_t seed) {
   return g;
 }
 
-// Applies one reference step (no clipping) and records the FP8 outputs.
+// Applies one reference step (gradients times grad_scale) and records the
+// FP8 outputs.
 void ReferenceStep(std::vector<RefParam>& ps, const std::vector<std::vector<float>>& grads,
-                   const kernels::AdamWHyperParams& h, int64_t t) {
+                   const kernels::AdamWHyperParams& h, int64_t t, double grad_scale = 1.0) {
   for (size_t i = 0; i < ps.size(); ++i) {
     RefParam& p = ps[i];
     const kernels::QuantizedLayout& l = p.layout;
@@ -97,7 +101,7 @@ void ReferenceStep(std::vector<RefParam>& ps, const std::vector<std::vector<floa
     b.quant.columnwise = true;
     b.fp8 = {reinterpret_cast<uint8_t*>(p.row.data()), reinterpret_cast<float*>(p.row_scale.data()),
              reinterpret_cast<uint8_t*>(p.col.data()), reinterpret_cast<float*>(p.col_scale.data())};
-    kernels::cpu::AdamWReference({&b, 1}, kernels::MakeAdamWScalars(h, t, 1.0));
+    kernels::cpu::AdamWReference({&b, 1}, kernels::MakeAdamWScalars(h, t, grad_scale));
   }
 }
 
@@ -164,10 +168,16 @@ class OptimizerE2eTest : public ::testing::Test {
   }
 
   void ExpectMatchesReference(const OptimizerStepResult& r) {
-    ASSERT_EQ(r.parameters.size(), params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const ParameterOutput& out = r.parameters[i];
-      const RefParam& p = params_[i];
+    std::vector<size_t> all;
+    for (size_t i = 0; i < params_.size(); ++i) all.push_back(i);
+    ExpectMatchesReference(r, all);
+  }
+  // The result of a group holding params_[which[0]], params_[which[1]], ...
+  void ExpectMatchesReference(const OptimizerStepResult& r, const std::vector<size_t>& which) {
+    ASSERT_EQ(r.parameters.size(), which.size());
+    for (size_t k = 0; k < which.size(); ++k) {
+      const ParameterOutput& out = r.parameters[k];
+      const RefParam& p = params_[which[k]];
       EXPECT_EQ(out.name, p.name);
       ASSERT_TRUE(out.fp8.has_value());
       EXPECT_FALSE(out.bf16.has_value());
@@ -257,6 +267,186 @@ TEST_F(OptimizerE2eTest, StepsMatchTheReferenceBitForBitAndRetriesReplay) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("missing the gradient")));
   EXPECT_THAT(client_->Step("nope", 1, gs), StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
   EXPECT_THAT(Offload(), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("mlp")));
+}
+
+// Two-phase steps over two groups (as two ranks' shares of one model): the
+// global clip factor from the GradNorm contributions, the update equal to
+// the reference AdamW with that factor; a NaN on one group skips both.
+TEST_F(OptimizerE2eTest, TwoPhaseStepsAcrossGroupsMatchTheReferenceWithTheGlobalClip) {
+  const std::vector<std::vector<size_t>> groups = {{0, 1}, {2}};
+  const char* names[2] = {"rank0", "rank1"};
+  for (int k = 0; k < 2; ++k) {
+    OptimizerGroupConfig c;
+    c.group = names[k];
+    c.hyper_params.lr = hyper_.lr;
+    c.hyper_params.weight_decay = hyper_.weight_decay;
+    std::vector<OptimizerParameterInit> inits;
+    for (size_t i : groups[k]) {
+      const RefParam& p = params_[i];
+      inits.push_back({p.name, p.shape, Tensor::FromFloat32(p.shape, p.master), {}, {}});
+    }
+    QTX_ASSERT_OK(client_->OffloadOptimizerState(c, inits).status());
+  }
+  constexpr double kMaxNorm = 40.0;
+  for (int64_t t = 1; t <= 3; ++t) {
+    std::vector<std::vector<float>> grads;
+    std::vector<OptimizerGradient> gs[2];
+    double sum = 0.0;  // computed here, independently
+    for (int k = 0; k < 2; ++k) {
+      for (size_t i : groups[k]) {
+        grads.push_back(RandomGrad(params_[i].m * params_[i].n, 1000 * t + i));
+        for (float x : grads.back()) sum += static_cast<double>(x) * x;
+        gs[k].push_back({params_[i].name, Tensor::FromFloat32(params_[i].shape, grads.back())});
+      }
+    }
+    double total = 0.0;
+    bool non_finite = false;
+    for (int k = 0; k < 2; ++k) {
+      QTX_ASSERT_OK_AND_ASSIGN(GradNormResult n, client_->GradNorm(names[k], t, gs[k]));
+      EXPECT_EQ(n.step, t);
+      EXPECT_FALSE(n.step_processed);
+      EXPECT_EQ(n.grad_norm, std::sqrt(n.sum_squares));
+      total += n.sum_squares;
+      non_finite = non_finite || n.non_finite;
+    }
+    EXPECT_FALSE(non_finite);
+    EXPECT_NEAR(total, sum, 1e-12 * sum);
+    const double clip = ClipFactor(total, kMaxNorm);
+    EXPECT_EQ(clip, std::min(1.0, kMaxNorm / (std::sqrt(total) + 1e-6)));
+    EXPECT_LT(clip, 1.0) << "the test means to clip (norm " << std::sqrt(total) << ")";
+    ReferenceStep(params_, grads, hyper_, t, clip);
+    StepOptions so;
+    so.clip_factor = clip;
+    for (int k = 0; k < 2; ++k) {
+      QTX_ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, client_->Step(names[k], t, gs[k], so));
+      EXPECT_EQ(r.stats.clip_coef, clip);
+      EXPECT_EQ(r.stats.grad_norm, 0.0);
+      EXPECT_FALSE(r.stats.skipped);
+      ExpectMatchesReference(r, groups[k]);
+    }
+  }
+  // Step 4: an Inf in rank1's gradients; both ranks skip, unchanged.
+  std::vector<OptimizerGradient> gs[2];
+  for (int k = 0; k < 2; ++k) {
+    for (size_t i : groups[k]) {
+      std::vector<float> g = RandomGrad(params_[i].m * params_[i].n, 4000 + i);
+      if (k == 1) g[3] = std::numeric_limits<float>::infinity();
+      gs[k].push_back({params_[i].name, Tensor::FromFloat32(params_[i].shape, g)});
+    }
+  }
+  QTX_ASSERT_OK_AND_ASSIGN(GradNormResult n0, client_->GradNorm(names[0], 4, gs[0]));
+  QTX_ASSERT_OK_AND_ASSIGN(GradNormResult n1, client_->GradNorm(names[1], 4, gs[1]));
+  EXPECT_FALSE(n0.non_finite);
+  EXPECT_TRUE(n1.non_finite);
+  StepOptions skip;
+  skip.skip = true;
+  for (int k = 0; k < 2; ++k) {
+    // The gradients are not needed to skip.
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, client_->Step(names[k], 4, {}, skip));
+    EXPECT_TRUE(r.stats.skipped);
+    ExpectMatchesReference(r, groups[k]);  // the parameters of step 3
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerStepResult again, client_->Step(names[k], 4, {}, skip));
+    EXPECT_TRUE(again.stats.replayed);
+    EXPECT_TRUE(again.stats.skipped);
+  }
+  GetStateOptions gopt;
+  gopt.include_moments = true;
+  for (int k = 0; k < 2; ++k) {
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerState st, client_->GetState(names[k], gopt));
+    EXPECT_EQ(st.group.step, 4);
+    EXPECT_EQ(st.group.update_count, 3);
+    for (size_t j = 0; j < groups[k].size(); ++j) {
+      const RefParam& p = params_[groups[k][j]];
+      EXPECT_TRUE(st.parameters[j].master.data == Bytes(p.master.data(), 4 * p.master.size()));
+      EXPECT_TRUE(st.parameters[j].exp_avg_sq->data ==
+                  Bytes(p.exp_avg_sq.data(), 4 * p.exp_avg_sq.size()));
+    }
+  }
+  // Bad input: a person can act on each message.
+  StepOptions bad;
+  bad.clip_factor = 0.0;
+  EXPECT_THAT(client_->Step(names[0], 5, gs[0], bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("clip_factor=0: must be finite and > 0")));
+  bad.clip_factor = std::nan("");
+  EXPECT_THAT(client_->Step(names[0], 5, gs[0], bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("clip_factor=nan")));
+  bad.clip_factor = 0.5;
+  bad.max_grad_norm = 1.0;
+  EXPECT_THAT(client_->Step(names[0], 5, gs[0], bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("clip_factor with max_grad_norm")));
+  EXPECT_THAT(client_->GradNorm(names[0], 9, gs[0]),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("'rank0' is at step 4: GradNorm measures the gradients of its "
+                                 "next step 5")));
+  EXPECT_THAT(client_->GradNorm("nope", 1, gs[0]),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope' does not exist")));
+  EXPECT_THAT(client_->GradNorm(names[0], 5, {gs[0][0]}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("missing the gradient of parameter 'b1'")));
+  QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupList list, client_->ListOptimizerGroups());
+  ASSERT_EQ(list.groups.size(), 2u);
+  EXPECT_EQ(list.groups[0].name, "rank0");
+  EXPECT_EQ(list.groups[0].step, 4);  // the failed calls changed nothing
+}
+
+// Per-parameter weight decay and learning-rate scale through the client:
+// each parameter equals the reference stepped with its own settings; the
+// group reports them; bad values are INVALID_ARGUMENT naming the parameter.
+TEST_F(OptimizerE2eTest, PerParameterSettingsMatchTheReference) {
+  OptimizerGroupConfig c;
+  c.group = "mlp";
+  c.hyper_params.lr = hyper_.lr;
+  c.hyper_params.weight_decay = hyper_.weight_decay;
+  std::vector<OptimizerParameterInit> inits;
+  for (const RefParam& p : params_) {
+    inits.push_back({p.name, p.shape, Tensor::FromFloat32(p.shape, p.master), {}, {}});
+  }
+  inits[1].weight_decay = 0.0;  // the bias
+  inits[2].lr_scale = 0.5;
+  inits[2].weight_decay = 0.2;
+  std::vector<OptimizerParameterInit> bad = inits;
+  bad[1].weight_decay = -1.0;
+  EXPECT_THAT(client_->OffloadOptimizerState(c, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parameters[1] ('b1').weight_decay=-1: must be finite and >= 0")));
+  bad = inits;
+  bad[2].lr_scale = std::nan("");
+  EXPECT_THAT(client_->OffloadOptimizerState(c, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parameters[2] ('w2').lr_scale=nan")));
+  QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupInfo info, client_->OffloadOptimizerState(c, inits));
+  ASSERT_EQ(info.parameter_hyper_params.size(), 2u);
+  EXPECT_EQ(info.parameter_hyper_params[0], (ParameterHyperParams{"b1", 0.0, 1.0}));
+  EXPECT_EQ(info.parameter_hyper_params[1], (ParameterHyperParams{"w2", 0.2, 0.5}));
+  for (int64_t t = 1; t <= 2; ++t) {
+    std::vector<std::vector<float>> grads;
+    std::vector<OptimizerGradient> gs;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      grads.push_back(RandomGrad(params_[i].m * params_[i].n, 500 * t + i));
+      gs.push_back({params_[i].name, Tensor::FromFloat32(params_[i].shape, grads.back())});
+    }
+    StepOptions so;
+    so.lr = 4e-3;  // this step's lr: w2 gets half of it
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, client_->Step("mlp", t, gs, so));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      kernels::AdamWHyperParams h = hyper_;
+      h.lr = 4e-3;
+      if (i == 1) h.weight_decay = 0.0;
+      if (i == 2) {
+        h.lr = 4e-3 * 0.5;
+        h.weight_decay = 0.2;
+      }
+      std::vector<RefParam> one = {params_[i]};
+      ReferenceStep(one, {grads[i]}, h, t);
+      params_[i] = one[0];
+    }
+    ExpectMatchesReference(r);
+  }
+  QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupList list, client_->ListOptimizerGroups());
+  ASSERT_EQ(list.groups.size(), 1u);
+  EXPECT_EQ(list.groups[0].parameter_hyper_params, info.parameter_hyper_params);
 }
 
 TEST_F(OptimizerE2eTest, GetStateIntoAShmRegion) {

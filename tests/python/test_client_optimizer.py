@@ -12,7 +12,11 @@ checkpoint directory).
 * a retried step number replays the same result; a stale or future step raises
   FailedPreconditionError naming the group's step;
 * BF16 output, initial moments and step, save/load checkpoint, release_group
-  and list_optimizer_groups; argument errors.
+  and list_optimizer_groups; argument errors;
+* two-phase steps over two groups (grad_norm, then step with the global
+  clip_factor / skip) equal the numpy AdamW with that factor;
+* per-parameter weight decay and lr scale equal the numpy AdamW with each
+  parameter's own settings.
 
   /usr/bin/python3 tests/python/test_client_optimizer.py --qtxd=build/server/qtxd \\
       --python_dir=build/client/python
@@ -252,6 +256,110 @@ class OptimizerClientTest(unittest.TestCase):
             self.c.step("py-mlp", 6, grads)
         with self.assertRaises(qtx.errors.NotFoundError):
             self.c.release_group("py-mlp")
+
+    def test_two_phase_steps_over_two_groups(self):
+        init = {n: (self.rng.standard_normal(s) * 0.1).astype(F32) for n, s in SHAPES.items()}
+        ranks = {"py-r0": ["w1"], "py-r1": ["w2"]}
+        for g, names in ranks.items():
+            self.c.offload_optimizer_state(g, {n: init[n] for n in names}, lr=LR, betas=BETAS,
+                                           eps=EPS, weight_decay=WD)
+        p = {n: a.copy() for n, a in init.items()}
+        m = {n: np.zeros(s, F32) for n, s in SHAPES.items()}
+        v = {n: np.zeros(s, F32) for n, s in SHAPES.items()}
+        for t in (1, 2):
+            grads = {n: self.rng.standard_normal(s).astype(F32) for n, s in SHAPES.items()}
+            norms = {g: self.c.grad_norm(g, t, {n: grads[n] for n in names})
+                     for g, names in ranks.items()}
+            for res in norms.values():
+                self.assertIsInstance(res, qtx.GradNormResult)
+                self.assertEqual((res.step, res.non_finite, res.step_processed), (t, False, False))
+                self.assertEqual(res.grad_norm, math.sqrt(res.sum_squares))
+            total = sum(res.sum_squares for res in norms.values())
+            want = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values())
+            self.assertAlmostEqual(total / want, 1.0, delta=1e-12)
+            clip = qtx.clip_factor(total, 5.0)
+            self.assertEqual(clip, min(1.0, 5.0 / (math.sqrt(total) + 1e-6)))
+            self.assertLess(clip, 1.0)
+            for g, names in ranks.items():
+                r = self.c.step(g, t, {n: grads[n] for n in names}, clip_factor=clip)
+                self.assertEqual((r.stats.clip_coef, r.stats.grad_norm), (clip, 0.0))
+            s = adamw_scalars(LR, BETAS, EPS, WD, t, clip)
+            for n in SHAPES:
+                p[n], m[n], v[n] = adamw_update(p[n], m[n], v[n], grads[n], s)
+            for g, names in ranks.items():
+                st = self.c.get_state(g, include_moments=True)
+                for n in names:
+                    self.assert_bits_equal(st.parameters[n].master, p[n], "%s step %d" % (n, t))
+                    self.assert_bits_equal(st.parameters[n].exp_avg_sq, v[n],
+                                           "%s exp_avg_sq step %d" % (n, t))
+        # skip: no gradients needed, nothing changes, a retry replays.
+        for g, names in ranks.items():
+            r = self.c.step(g, 3, {}, skip=True)
+            self.assertTrue(r.stats.skipped)
+            for n in names:
+                self.assert_fp8_is_quantize_of(r.parameters[n].fp8, p[n], n + " skipped")
+            self.assertTrue(self.c.step(g, 3, {}, skip=True).stats.replayed)
+            st = self.c.get_state(g)
+            self.assertEqual((st.group.step, st.group.update_count), (3, 2))
+            for n in names:
+                self.assert_bits_equal(st.parameters[n].master, p[n], n + " after the skip")
+        # Errors a person can act on.
+        grads = {"w1": np.zeros(SHAPES["w1"], F32)}
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            self.c.step("py-r0", 4, grads, clip_factor=0.0)
+        self.assertIn("clip_factor=0: must be finite and > 0", cm.exception.message)
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            self.c.step("py-r0", 4, grads, clip_factor=0.5, skip_if_non_finite=True)
+        self.assertIn("clip_factor with skip_if_non_finite", cm.exception.message)
+        with self.assertRaises(qtx.errors.FailedPreconditionError) as cm:
+            self.c.grad_norm("py-r0", 7, grads)
+        self.assertIn("'py-r0' is at step 3: GradNorm measures the gradients of its next step 4",
+                      cm.exception.message)
+        # Reduced by the sidecars of a Collective group (here of one rank: the
+        # multi-rank case is tests/client/collective_e2e_test.cc).
+        self.c.create_group("py-solo", 0, 1, backend="gloo")
+        try:
+            g = {"w1": self.rng.standard_normal(SHAPES["w1"]).astype(F32)}
+            local = self.c.grad_norm("py-r0", 4, g)
+            res = self.c.grad_norm("py-r0", 4, g, collective_group="py-solo", sequence=0)
+            self.assertEqual((res.ranks, res.total_sum_squares, res.total_non_finite),
+                             (1, local.sum_squares, False))
+            with self.assertRaises(qtx.errors.FailedPreconditionError) as cm:
+                self.c.grad_norm("py-r0", 4, g, collective_group="py-solo", sequence=0)
+            self.assertIn("sequence 0 was already used", cm.exception.message)
+        finally:
+            self.c.destroy_group("py-solo")
+
+    def test_per_parameter_weight_decay_and_lr_scale(self):
+        init = {n: (self.rng.standard_normal(s) * 0.1).astype(F32) for n, s in SHAPES.items()}
+        with self.assertRaises(ValueError) as cm:
+            self.c.offload_optimizer_state("py-pp", init, lr_scales=[1.0])
+        self.assertIn("lr_scales: 1 values for 2 parameters", str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            self.c.offload_optimizer_state("py-pp", init, weight_decays={"w3": 0.0})
+        self.assertIn("['w3']: not a parameter of the group", str(cm.exception))
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            self.c.offload_optimizer_state("py-pp", init, weight_decays={"w2": -0.5})
+        self.assertIn("parameters[1] ('w2').weight_decay=-0.5: must be finite and >= 0",
+                      cm.exception.message)
+        info = self.c.offload_optimizer_state("py-pp", init, lr=LR, betas=BETAS, eps=EPS,
+                                              weight_decay=WD, weight_decays={"w2": 0.0},
+                                              lr_scales=[None, 0.5])
+        self.assertEqual(info.parameter_hyper_params, {"w2": (0.0, 0.5)})
+        own = {"w1": (LR, WD), "w2": (LR * 0.5, 0.0)}
+        p = {n: a.copy() for n, a in init.items()}
+        m = {n: np.zeros(s, F32) for n, s in SHAPES.items()}
+        v = {n: np.zeros(s, F32) for n, s in SHAPES.items()}
+        for t in (1, 2):
+            grads = {n: self.rng.standard_normal(s).astype(F32) for n, s in SHAPES.items()}
+            self.c.step("py-pp", t, grads, omit_parameters=True)
+            st = self.c.get_state("py-pp", include_moments=True)
+            for n in SHAPES:
+                lr, wd = own[n]
+                s = adamw_scalars(lr, BETAS, EPS, wd, t, 1.0)
+                p[n], m[n], v[n] = adamw_update(p[n], m[n], v[n], grads[n], s)
+                self.assert_bits_equal(st.parameters[n].master, p[n], "%s step %d" % (n, t))
+                self.assert_bits_equal(st.parameters[n].exp_avg, m[n], "%s m step %d" % (n, t))
 
     def test_bf16_output_moments_and_checkpoints(self):
         shape = (64, 128)

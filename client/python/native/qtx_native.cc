@@ -275,13 +275,17 @@ class NativeSession {
 
   // Client::OffloadOptimizerState with inline masters: params is a list of
   // (name, float32 bytes, shape). hyper: (lr, beta1, beta2, eps,
-  // weight_decay, bias_correction). Returns the group's parameter count.
+  // weight_decay, bias_correction). param_hyper: per parameter (in order),
+  // its own (weight_decay, lr_scale), None for the group's. Returns the
+  // group's parameter count.
   int OffloadOptimizerState(const std::string& group,
                             const std::vector<std::tuple<std::string, py::bytes,
                                                          std::vector<int64_t>>>& params,
                             const std::tuple<double, double, double, double, double, bool>& hyper,
                             int mode, int format, bool rowwise, bool columnwise, bool pow2,
-                            float eps, int64_t step, bool replace) {
+                            float eps, int64_t step, bool replace,
+                            const std::vector<std::pair<std::optional<double>,
+                                                        std::optional<double>>>& param_hyper) {
     qtx::OptimizerGroupConfig c;
     c.group = group;
     std::tie(c.hyper_params.lr, c.hyper_params.beta1, c.hyper_params.beta2, c.hyper_params.eps,
@@ -295,6 +299,9 @@ class NativeSession {
       p.name = name;
       p.shape = shape;
       p.master = qtx::Tensor::Inline(qtx::DType::kFloat32, shape, std::string(bytes));
+      if (inits.size() < param_hyper.size()) {
+        std::tie(p.weight_decay, p.lr_scale) = param_hyper[inits.size()];
+      }
       inits.push_back(std::move(p));
     }
     py::gil_scoped_release nogil;
@@ -307,12 +314,15 @@ class NativeSession {
   // `stream` waits for qtxd's event after the outputs are written. The host
   // returns when qtxd answers (it has read the gradients: the statistics
   // need them). grads: (name, ptr, dtype, shape); dests: (name, 4 buffers).
-  // lr < 0 / max_grad_norm <= 0: not set. Returns the statistics as a dict.
+  // lr < 0 / max_grad_norm <= 0: not set; clip_factor / skip: the caller's
+  // decisions of a two-phase step (sent as given: qtxd checks them). Returns
+  // the statistics as a dict.
   py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
                 const std::vector<std::tuple<std::string, uintptr_t, int,
                                              std::vector<int64_t>>>& grads,
                 const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
-                double max_grad_norm, bool skip_if_non_finite) {
+                double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor,
+                bool skip) {
     qtx::OptimizerStepResult r;
     {
       py::gil_scoped_release nogil;
@@ -327,6 +337,8 @@ class NativeSession {
       if (lr >= 0) o.lr = lr;
       if (max_grad_norm > 0) o.max_grad_norm = max_grad_norm;
       o.skip_if_non_finite = skip_if_non_finite;
+      o.clip_factor = clip_factor;
+      o.skip = skip;
       for (const auto& [name, bufs] : dests) {
         qtx::ParameterDestination d;
         d.name = name;
@@ -351,6 +363,39 @@ class NativeSession {
     d["clip_coef"] = r.stats.clip_coef;
     d["lr"] = r.stats.lr;
     d["replayed"] = r.stats.replayed;
+    return d;
+  }
+
+  // Client::GradNorm with gradients in device memory, ordered on `stream`:
+  // qtxd reads them after the work queued on `stream` so far; the host
+  // returns with qtxd's answer (every gradient was read by then). Returns
+  // {step, sum_squares, non_finite, grad_norm, step_processed}.
+  py::dict GradNorm(int device, uintptr_t stream, const std::string& group, int64_t step,
+                    const std::vector<std::tuple<std::string, uintptr_t, int,
+                                                 std::vector<int64_t>>>& grads) {
+    qtx::GradNormResult r;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> l(mu_);
+      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+      UseDevice(device);
+      std::vector<qtx::OptimizerGradient> g;
+      for (const auto& [name, ptr, dtype, shape] : grads) {
+        g.push_back({name, InputTensor(ptr, dtype, shape)});
+      }
+      Events& ev = EventsLocked(device);
+      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
+                "cudaEventRecord");
+      qtx::CallOptions call;
+      call.cuda_wait_event = ev.ready->handle();
+      r = Unwrap(client_->GradNorm(group, step, g, {}, call));
+    }
+    py::dict d;
+    d["step"] = r.step;
+    d["sum_squares"] = r.sum_squares;
+    d["non_finite"] = r.non_finite;
+    d["grad_norm"] = r.grad_norm;
+    d["step_processed"] = r.step_processed;
     return d;
   }
 
@@ -596,6 +641,7 @@ PYBIND11_MODULE(_native, m) {
       .def("destroy_group", &NativeSession::DestroyGroup)
       .def("offload_optimizer_state", &NativeSession::OffloadOptimizerState)
       .def("step", &NativeSession::Step)
+      .def("grad_norm", &NativeSession::GradNorm)
       .def("step_host", &NativeSession::StepHost);
 
   m.def("parse_dlpack", &ParseDlpack, "Fields of an unconsumed 'dltensor' capsule.");

@@ -46,9 +46,9 @@ if _GRPC_MISSING is None:
         DEFAULT_TARGET, MAX_MESSAGE_BYTES, AllGatherResult, Client, QuantizedTensor, channel,
         tensor_from_proto, tensor_to_proto)
     from qtx.optimizer import (  # noqa: F401
-        AdamWHyperParams, CheckpointInfo, OptimizerGroupInfo, OptimizerGroupList,
-        OptimizerState, ParameterInit, ParameterOutput, ParameterOutputConfig, ParameterState,
-        StepResult, StepStats)
+        AdamWHyperParams, CheckpointInfo, GradNormResult, OptimizerGroupInfo,
+        OptimizerGroupList, OptimizerState, ParameterInit, ParameterOutput,
+        ParameterOutputConfig, ParameterState, StepResult, StepStats, clip_factor)
     from qtx.shm import ShmRegion  # noqa: F401
 else:
     _GRPC_NAMES = frozenset((
@@ -58,7 +58,7 @@ else:
         "channel", "tensor_from_proto", "tensor_to_proto", "AdamWHyperParams",
         "CheckpointInfo", "OptimizerGroupInfo", "OptimizerGroupList", "OptimizerState",
         "ParameterInit", "ParameterOutput", "ParameterOutputConfig", "ParameterState",
-        "StepResult", "StepStats", "ShmRegion"))
+        "StepResult", "StepStats", "ShmRegion", "GradNormResult", "clip_factor"))
 
     def __getattr__(name):  # PEP 562: a clear error for the grpc-based names
         if name not in _GRPC_NAMES:

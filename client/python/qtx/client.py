@@ -269,7 +269,8 @@ class Client:
                                 moment_dtype="float32", output="fp8", mode="2d",
                                 format="e4m3", rowwise=True, columnwise=True,
                                 pow2_scales=True, amax_epsilon=0.0, bf16_copy=False, step=0,
-                                replace=False, timeout=None, request_id=None):
+                                replace=False, timeout=None, request_id=None,
+                                weight_decays=None, lr_scales=None):
         """Hands a parameter group's master weights (and optionally its AdamW
         moments) to qtxd and returns its OptimizerGroupInfo.
 
@@ -281,7 +282,11 @@ class Client:
         both copies by default; bf16_copy=True adds a BF16 copy) or 'bf16'.
         step: steps already applied to the given state (the first step() then
         carries step + 1). replace: replace a group of that name (else
-        AlreadyExistsError)."""
+        AlreadyExistsError). weight_decays / lr_scales: per-parameter
+        settings (e.g. weight decay 0 for norms and biases; a parameter's lr
+        is the step's times its lr_scale), a {name: value} dict or one value
+        (or None: the group's) per parameter in order; also
+        ParameterInit.weight_decay / lr_scale."""
         req = optimizer_pb2.OffloadOptimizerStateRequest(
             group=group, moment_dtype=opt.choice(moment_dtype, opt.MOMENT_DTYPES,
                                                   "moment_dtype"),
@@ -291,10 +296,20 @@ class Client:
         opt.output_to_proto(opt.ParameterOutputConfig(output, mode, format, rowwise, columnwise,
                                                       pow2_scales, amax_epsilon, bf16_copy),
                             req.output, _quantize_config)
-        for p in opt.parameters_from_arg(parameters):
+        params = opt.parameters_from_arg(parameters)
+        names = [p.name for p in params]
+        wds = opt.per_parameter(weight_decays, names, "weight_decays")
+        scales = opt.per_parameter(lr_scales, names, "lr_scales")
+        for p in params:
             master = opt.state_tensor_to_proto(p.master, "%s.master" % p.name, tensor_to_proto,
                                                _is_torch)
             init = req.parameters.add(name=p.name, master=master)
+            wd = wds.get(p.name, p.weight_decay)
+            if wd is not None:
+                init.weight_decay = wd
+            scale = scales.get(p.name, p.lr_scale)
+            if scale is not None:
+                init.lr_scale = scale
             init.shape.extend(p.shape if p.shape is not None else master.shape)
             if p.exp_avg is not None:
                 init.exp_avg.CopyFrom(opt.state_tensor_to_proto(
@@ -306,7 +321,7 @@ class Client:
         return opt.group_from_proto(resp.group)
 
     def step(self, group, step, gradients, lr=None, max_grad_norm=None, skip_if_non_finite=False,
-             omit_parameters=False, timeout=None, request_id=None):
+             omit_parameters=False, timeout=None, request_id=None, clip_factor=None, skip=False):
         """Applies AdamW step number `step` (the group's step + 1; the group's
         step again replays the last result without applying it twice, any
         other number raises FailedPreconditionError) and returns a StepResult:
@@ -317,7 +332,12 @@ class Client:
         (outputs are then torch tensors). lr: this step's learning rate (else
         the group's). max_grad_norm: global clipping as clip_grad_norm_.
         skip_if_non_finite: a NaN/Inf gradient skips the update (the step
-        number still advances)."""
+        number still advances). clip_factor / skip: the second phase of a
+        two-phase step (see grad_norm), decided by the caller over every
+        group of every rank, not combined with max_grad_norm /
+        skip_if_non_finite: clip_factor multiplies every gradient (finite,
+        > 0; qtx.clip_factor computes clip_grad_norm_'s), skip=True skips the
+        update without reading the gradients (they may be empty)."""
         items = list(gradients.items() if hasattr(gradients, "items") else gradients)
         as_torch = bool(items) and all(_is_torch(g) for _, g in items)
         req = optimizer_pb2.StepRequest(group=group, step=step,
@@ -330,6 +350,9 @@ class Client:
             req.lr = lr
         if max_grad_norm is not None:
             req.max_grad_norm = max_grad_norm
+        if clip_factor is not None:
+            req.clip_factor = clip_factor
+        req.skip = skip
         resp = self._call(self.optimizer.Step, req, timeout, request_id)
         s = resp.stats
         stats = opt.StepStats(step=s.step, grad_norm=s.grad_norm, skipped=s.skipped,
@@ -345,6 +368,32 @@ class Client:
                 out.bf16 = tensor_from_proto(p.bf16, as_torch)
             params[p.name] = out
         return opt.StepResult(stats, params)
+
+    def grad_norm(self, group, step, gradients, collective_group="", sequence=0, timeout=None,
+                  request_id=None):
+        """The first phase of a two-phase step: this group's share of the
+        gradient norm of step `step` (the group's step + 1, or its step to
+        retry a processed one), nothing changed. gradients as for step().
+        Returns a GradNormResult; add .sum_squares and or .non_finite over
+        every group of every rank, then call step(..., clip_factor=
+        qtx.clip_factor(total, max_grad_norm), skip=any_non_finite) on each.
+        collective_group / sequence: let the sidecars of that Collective
+        group add the contributions among themselves (every rank calls with
+        the same step and sequence, the group's call counter shared with
+        all_gather); the result then carries total_sum_squares,
+        total_non_finite and ranks, the same on every rank."""
+        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
+        req = optimizer_pb2.GradNormRequest(group=group, step=step,
+                                            collective_group=collective_group, sequence=sequence)
+        for name, g in items:
+            req.gradients.add(name=name, grad=opt.state_tensor_to_proto(
+                g, "gradient %s" % name, tensor_to_proto, _is_torch))
+        resp = self._call(self.optimizer.GradNorm, req, timeout, request_id)
+        return opt.GradNormResult(step=resp.step, sum_squares=resp.sum_squares,
+                                  non_finite=resp.non_finite, grad_norm=resp.grad_norm,
+                                  step_processed=resp.step_processed,
+                                  total_sum_squares=resp.total_sum_squares,
+                                  total_non_finite=resp.total_non_finite, ranks=resp.ranks)
 
     def get_state(self, group, names=None, include_moments=False, timeout=None,
                   request_id=None):

@@ -337,6 +337,25 @@ def _choice(value, table, name):
     return table[value]
 
 
+def _per_parameter(values, names, what):
+    """{name: value} from None, a {name: value} dict or one value (or None)
+    per parameter in order (as qtx.optimizer.per_parameter, which needs the
+    generated stubs). ValueError naming `what` otherwise."""
+    if values is None:
+        return {}
+    if hasattr(values, "items"):
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError("%s: %s: not a parameter of the group (parameters: %s)"
+                             % (what, unknown, list(names)))
+        return {n: v for n, v in values.items() if v is not None}
+    values = list(values)
+    if len(values) != len(names):
+        raise ValueError("%s: %d values for %d parameters; give one per parameter (None for the "
+                         "group's) or a {name: value} dict" % (what, len(values), len(names)))
+    return {n: v for n, v in zip(names, values) if v is not None}
+
+
 def quantize_config(mode="1d", format="e4m3", rowwise=True, columnwise=False, pow2_scales=True,
                     amax_epsilon=0.0):
     """(mode, format, rowwise, columnwise, pow2, eps) numbers, checked."""
@@ -941,11 +960,14 @@ class Session:
     def offload_optimizer_state(self, group, parameters, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=1e-2, bias_correction=True, mode="2d",
                                 format="e4m3", rowwise=True, columnwise=True, pow2_scales=True,
-                                amax_epsilon=0.0, step=0, replace=False):
+                                amax_epsilon=0.0, step=0, replace=False, weight_decays=None,
+                                lr_scales=None):
         """Hands a parameter group's FP32 master weights to qtxd (once, through
         the host: {name: float32 tensor/array}, any device) with FP8 outputs
-        per (mode, format, rowwise, columnwise). Returns the parameter count.
-        Then step() runs with gradients and outputs in device memory."""
+        per (mode, format, rowwise, columnwise). weight_decays / lr_scales:
+        per-parameter settings as qtx.Client.offload_optimizer_state takes
+        them. Returns the parameter count. Then step() runs with gradients
+        and outputs in device memory."""
         cfg = quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         params = []
         for name, t in (parameters.items() if hasattr(parameters, "items") else parameters):
@@ -963,15 +985,25 @@ class Session:
                                         % (name, a.dtype))
                 shape, data = a.shape, a.tobytes()
             params.append((str(name), data, list(shape)))
+        names = [p[0] for p in params]
+        own = []
+        for what, values in (("weight_decays", weight_decays), ("lr_scales", lr_scales)):
+            try:
+                own.append(_per_parameter(values, names, what))
+            except ValueError as e:
+                raise ArgumentError(str(e))
+        hyper = [(own[0].get(n), own[1].get(n)) for n in names]
         n = self._native.offload_optimizer_state(
             group, params, (float(lr), float(betas[0]), float(betas[1]), float(eps),
                             float(weight_decay), bool(bias_correction)),
-            cfg[0], cfg[1], cfg[2], cfg[3], cfg[4], cfg[5], int(step), bool(replace))
+            cfg[0], cfg[1], cfg[2], cfg[3], cfg[4], cfg[5], int(step), bool(replace),
+            [(None if w is None else float(w), None if l is None else float(l))
+             for w, l in hyper])
         self._groups[group] = (mode, format, cfg, {p[0]: tuple(p[2]) for p in params})
         return n
 
     def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
-             skip_if_non_finite=False, stream=None):
+             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False):
         """AdamW step `step` of a group offloaded through this session, with
         the gradients in device memory ({name: CUDA tensor}, float32 /
         bfloat16 / float16, contiguous, the parameter's shape) and the FP8
@@ -980,7 +1012,9 @@ class Session:
         after the work queued on the stream before the call (an interprocess
         event), and later work on the stream sees the outputs. The host waits
         for qtxd's answer (the statistics need the gradients), not for the
-        outputs. Returns (stats dict, {name: QuantizedTensor})."""
+        outputs. clip_factor / skip: the second phase of a two-phase step
+        (see grad_norm), as qtx.Client.step takes them. Returns (stats dict,
+        {name: QuantizedTensor})."""
         known = self._groups.get(group)
         if known is None:
             raise ArgumentError("group %r: not offloaded through this session "
@@ -1016,8 +1050,45 @@ class Session:
         stats = self._native.step(device, s, group, int(step), grads, dests,
                                   -1.0 if lr is None else float(lr),
                                   0.0 if max_grad_norm is None else float(max_grad_norm),
-                                  bool(skip_if_non_finite))
+                                  bool(skip_if_non_finite),
+                                  None if clip_factor is None else float(clip_factor),
+                                  bool(skip))
         return stats, results
+
+    def grad_norm(self, group, step, gradients, stream=None):
+        """The first phase of a two-phase step (qtx.Client.grad_norm): this
+        group's share of the gradient norm of step `step`, with the gradients
+        in device memory as for step() (read after the work queued on the
+        stream so far). Returns a dict: step, sum_squares, non_finite,
+        grad_norm, step_processed. Add sum_squares and or non_finite over
+        every group of every rank (e.g. a torch.distributed all_reduce), then
+        step(..., clip_factor=..., skip=...) on each."""
+        known = self._groups.get(group)
+        if known is None:
+            raise ArgumentError("group %r: not offloaded through this session "
+                                "(offload_optimizer_state)" % group)
+        shapes = known[3]
+        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
+        if not items:
+            raise ArgumentError("gradients: empty; one per parameter")
+        grads, device, s = [], None, None
+        for name, g in items:
+            a, sg = self._input(g, "gradient %s" % name, stream)
+            if s is None:
+                device, s = a.device, sg
+            elif a.device != device:
+                raise ArgumentError("gradient %s: on cuda:%d, the others on cuda:%d"
+                                    % (name, a.device, device))
+            if a.dtype not in INPUT_DTYPES or not a.contiguous:
+                raise ArgumentError("gradient %s: a contiguous float32/bfloat16/float16 tensor"
+                                    % name)
+            if name not in shapes:
+                raise ArgumentError("gradient %s: no such parameter in group %r" % (name, group))
+            if tuple(a.shape) != shapes[name]:
+                raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
+                                    % (name, list(a.shape), list(shapes[name])))
+            grads.append((name, a.ptr, a.dtype, list(a.shape)))
+        return self._native.grad_norm(device, s, group, int(step), grads)
 
     def synchronize(self):
         """Waits (host) for every submitted call on every stream; raises the

@@ -8,6 +8,7 @@ proto/qtx/v1/optimizer.proto. Every type keeps the message it came from in
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -26,12 +27,16 @@ class ParameterInit:
     master weights as a numpy float32 array, bfloat16 bits as a numpy uint16
     array, a torch float32/bfloat16 tensor or a qtx.v1.TensorRef. The moments
     (same dtypes, both or neither) take over a running job; absent: zeros.
-    ``shape`` defaults to master's."""
+    ``shape`` defaults to master's. ``weight_decay`` / ``lr_scale``: this
+    parameter's own AdamW settings (its lr is the step's times lr_scale);
+    None: the group's weight decay, scale 1."""
     name: str
     master: object
     exp_avg: object = None
     exp_avg_sq: object = None
     shape: tuple = None
+    weight_decay: float = None
+    lr_scale: float = None
 
 
 @dataclasses.dataclass
@@ -74,6 +79,8 @@ class OptimizerGroupInfo:
     last_checkpoint_step: int   # -1 when never checkpointed
     error: str                  # non-empty: the group is unusable (e.g. corrupted checkpoint)
     proto: object = None        # the qtx.v1.OptimizerGroupInfo
+    # {name: (weight_decay, lr_scale)} of the parameters with their own settings
+    parameter_hyper_params: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -86,12 +93,36 @@ class OptimizerGroupList:
 @dataclasses.dataclass
 class StepStats:
     step: int           # the step this result belongs to
-    grad_norm: float    # global L2 norm of the gradients before clipping
+    grad_norm: float    # L2 norm of the group's gradients before clipping (0 with clip_factor/skip)
     skipped: bool       # the update was not applied
     non_finite: bool    # some gradient element was NaN or Inf
-    clip_coef: float    # the factor applied to the gradients (1 = none)
+    clip_coef: float    # the factor applied to the gradients (1 = none; clip_factor if given)
     lr: float           # the learning rate used
     replayed: bool      # answered from a previous application of this step
+
+
+@dataclasses.dataclass
+class GradNormResult:
+    """One group's share of the gradient norm of a step (Client.grad_norm):
+    add sum_squares and or non_finite over every group of every rank, then
+    step() with clip_factor=clip_factor(total, max_grad_norm) and skip."""
+    step: int
+    sum_squares: float    # every gradient element squared, summed as a one-phase step sums them
+    non_finite: bool      # NaN/Inf in a gradient (or the sum overflowed)
+    grad_norm: float      # sqrt(sum_squares), this group alone
+    step_processed: bool  # a retry of a processed step: its step() replays
+    # With collective_group: the totals over every rank (same bits on each) and their count
+    total_sum_squares: float = 0.0
+    total_non_finite: bool = False
+    ranks: int = 0
+
+
+def clip_factor(total_sum_squares, max_grad_norm):
+    """The factor torch.nn.utils.clip_grad_norm_ applies for a total norm of
+    sqrt(total_sum_squares): min(1, max_grad_norm / (norm + 1e-6)), in double
+    exactly as a one-phase step with max_grad_norm computes it."""
+    coef = max_grad_norm / (math.sqrt(total_sum_squares) + 1e-6)
+    return coef if coef < 1.0 else 1.0
 
 
 @dataclasses.dataclass
@@ -180,7 +211,8 @@ def group_from_proto(p):
         moment_dtype="bfloat16" if p.moment_dtype == optimizer_pb2.MOMENT_DTYPE_BFLOAT16
         else "float32",
         hyper_params=hp, output=out, last_checkpoint_step=p.last_checkpoint_step, error=p.error,
-        proto=p)
+        proto=p, parameter_hyper_params={h.name: (h.weight_decay, h.lr_scale)
+                                         for h in p.parameter_hyper_params})
 
 
 def quantized_names(config):
@@ -203,6 +235,25 @@ def state_tensor_to_proto(x, what, tensor_to_proto, is_torch):
         raise TypeError("%s: dtype %s: must be float32, float16 or bfloat16 bits as uint16"
                         % (what, a.dtype))
     return tensor_to_proto(a)
+
+
+def per_parameter(values, names, what):
+    """{name: value} from a per-parameter argument: None, a {name: value}
+    mapping (any subset of the parameters) or a sequence with one value (or
+    None) per parameter, in order. ValueError naming `what` otherwise."""
+    if values is None:
+        return {}
+    if hasattr(values, "items"):
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError("%s: %s: not a parameter of the group (parameters: %s)"
+                             % (what, unknown, list(names)))
+        return {n: v for n, v in values.items() if v is not None}
+    values = list(values)
+    if len(values) != len(names):
+        raise ValueError("%s: %d values for %d parameters; give one per parameter (None for the "
+                         "group's) or a {name: value} dict" % (what, len(values), len(names)))
+    return {n: v for n, v in zip(names, values) if v is not None}
 
 
 def parameters_from_arg(parameters):

@@ -465,6 +465,62 @@ TEST(AdamWStepFused, ManyParametersInOneCallEqualReference) {
   }
 }
 
+// Per-parameter constants (a group whose parameters have their own weight
+// decay or learning rate): one fused call equals every parameter stepped
+// alone with its own constants, and the call's constants apply where a
+// parameter has none.
+TEST(AdamWStepFused, PerParameterScalarsEqualEachParameterSteppedAlone) {
+  const Shape shapes[] = {{130, 200}, {1, 77}, {256, 128}, {3, 5}};
+  AdamWHyperParams group;
+  group.lr = 1e-2;
+  group.weight_decay = 0.1;
+  // Parameter k: (weight_decay, lr_scale), or none (the group's).
+  const double own[][2] = {{0.0, 1.0}, {-1, -1}, {0.3, 0.25}, {0.1, 2.0}};
+  std::vector<ParamState> fused, alone, ref_field;
+  for (size_t k = 0; k < std::size(shapes); ++k) {
+    QuantizeParams q;
+    q.scaling = BlockScaling::kBlock2D;
+    q.columnwise = true;
+    ParamState p = MakeParam(shapes[k].m, shapes[k].n, MomentDType::kFloat32,
+                             InputDType::kBFloat16, q, true, Pattern::kRandom, 700 + k);
+    fused.push_back(p);
+    alone.push_back(p);
+    ref_field.push_back(p);
+  }
+  for (int t = 1; t <= 3; ++t) {
+    const AdamWScalars call = MakeAdamWScalars(group, t, 0.75);
+    std::vector<AdamWScalars> scalars(std::size(shapes));
+    std::vector<AdamWParamBuffers> fb, rb;
+    for (size_t k = 0; k < std::size(shapes); ++k) {
+      AdamWHyperParams h = group;
+      if (own[k][0] >= 0) {
+        h.weight_decay = own[k][0];
+        h.lr = group.lr * own[k][1];
+      }
+      scalars[k] = MakeAdamWScalars(h, t, 0.75);
+      fused[k].FillOutputs(0x11);
+      ref_field[k].FillOutputs(0x22);
+      alone[k].FillOutputs(0x33);
+      fb.push_back(fused[k].Buffers());
+      rb.push_back(ref_field[k].Buffers());
+      if (own[k][0] >= 0) {
+        fb.back().scalars = &scalars[k];
+        rb.back().scalars = &scalars[k];
+      }
+      AdamWParamBuffers ab = alone[k].Buffers();
+      AdamWReference({&ab, 1}, scalars[k]);
+    }
+    AdamWStepFused(fb, call, 2);
+    AdamWReference(rb, call);
+    for (size_t k = 0; k < std::size(shapes); ++k) {
+      EXPECT_EQ(FirstDifference(fused[k], alone[k]), "") << "param " << k << " step " << t;
+      EXPECT_EQ(FirstDifference(ref_field[k], alone[k]), "") << "param " << k << " step " << t;
+    }
+    // Different constants did give different weights.
+    ASSERT_NE(scalars[0].decay, scalars[1].decay);
+  }
+}
+
 // ---- instruction sets of the band kernel ----------------------------------
 // CTest runs this binary twice: as is (the band kernel picks AVX-512 where the
 // CPU has it) and with QTX_ADAMW_ISA=baseline (the AVX2 build), so every test

@@ -1,11 +1,14 @@
 // OptimizerStore: the step equals the kernel reference, step numbers are
-// idempotent, the memory cap holds, non-finite skips and clipping, and
-// checkpoints round-trip, are refused when corrupted, and survive a restart.
+// idempotent, the memory cap holds, non-finite skips and clipping (one-phase
+// and two-phase: GradNorm, then Step with the caller's clip factor or skip),
+// and checkpoints round-trip, are refused when corrupted, and survive a
+// restart.
 #include "server/optimizer/optimizer_store.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -787,6 +790,426 @@ TEST(OptimizerStore, ReleaseGroupDeletesItsCheckpoints) {
   EXPECT_THAT(b->Describe("g"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("'g'")));
   ASSERT_EQ(b->ListGroups().size(), 1u);
   EXPECT_EQ(b->ListGroups()[0].config.name, "keep");
+}
+
+// ---- Two-phase steps: GradNorm, then Step with the caller's decisions ----
+
+// Every FP32 value of the group's state: master weights, then both moments,
+// per parameter.
+std::vector<std::vector<float>> ReadFullState(const OptimizerStore& store, const std::string& g) {
+  std::vector<std::vector<float>> out;
+  EXPECT_TRUE(store
+                  .ReadState(g,
+                             [&](const GroupInfo& info, std::span<const ParameterStateView> views) {
+                               EXPECT_EQ(info.config.moment_dtype, kernels::MomentDType::kFloat32);
+                               for (const auto& v : views) {
+                                 const int64_t n = v.info->m * v.info->n;
+                                 const auto* m1 = static_cast<const float*>(v.exp_avg);
+                                 const auto* m2 = static_cast<const float*>(v.exp_avg_sq);
+                                 out.emplace_back(v.master, v.master + n);
+                                 out.emplace_back(m1, m1 + n);
+                                 out.emplace_back(m2, m2 + n);
+                               }
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  return out;
+}
+
+PrepareStepWithScratchFn WithSlot(PrepareStepFn p) {
+  return [p = std::move(p)](const GroupInfo& info, bool replay, StepScratchSlot&) {
+    return p(info, replay);
+  };
+}
+
+// clip_grad_norm_'s coefficient, written out here from its definition.
+double TorchClip(double sum_squares, double max_norm) {
+  return std::min(1.0, max_norm / (std::sqrt(sum_squares) + 1e-6));
+}
+
+TEST(OptimizerStoreTwoPhase, StepWithClipFactorEqualsTheOnePhaseStepBitForBit) {
+  Fixture f({{130, 200}, {1, 7}, {256, 128}}, 31);
+  auto one = MakeStore();
+  auto two = MakeStore();
+  QTX_ASSERT_OK(one->CreateGroup(f.config(), f.Inits(), false));
+  QTX_ASSERT_OK(two->CreateGroup(f.config(), f.Inits(), false));
+  ReferenceModel ref(f);
+  for (int64_t t = 1; t <= 3; ++t) {
+    const auto grads = f.Grads(t == 2 ? 1e-4f : 1.0f);  // step 2 is not clipped
+    Outputs o1, o2, scratch;
+    QTX_ASSERT_OK_AND_ASSIGN(StepStats s1, one->Step("g", {.step = t, .max_grad_norm = 5.0},
+                                                     f.Prepare(grads, &o1)));
+    const auto before = ReadFullState(*two, "g");
+    QTX_ASSERT_OK_AND_ASSIGN(GradNormStats n,
+                             two->GradNorm("g", t, WithSlot(f.Prepare(grads, &scratch))));
+    EXPECT_EQ(ReadFullState(*two, "g"), before) << "GradNorm changed the state";
+    QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, two->Describe("g"));
+    EXPECT_EQ(info.config.step, t - 1);
+    EXPECT_EQ(n.step, t);
+    EXPECT_FALSE(n.non_finite);
+    EXPECT_FALSE(n.step_processed);
+    // The contribution is the one-phase step's norm, bit for bit...
+    EXPECT_EQ(std::sqrt(n.sum_squares), s1.grad_norm);
+    double sum = 0;  // ...and the plain sum of squares up to rounding order.
+    for (const auto& g : grads) {
+      for (float x : g) sum += static_cast<double>(x) * x;
+    }
+    EXPECT_NEAR(n.sum_squares, sum, 1e-12 * sum);
+    const double clip = TorchClip(n.sum_squares, 5.0);
+    EXPECT_EQ(clip, s1.clip_coef);
+    if (t == 2) {
+      EXPECT_EQ(clip, 1.0);
+    } else {
+      EXPECT_LT(clip, 1.0);
+    }
+    QTX_ASSERT_OK_AND_ASSIGN(StepStats s2, two->Step("g", {.step = t, .clip_factor = clip},
+                                                     f.Prepare(grads, &o2)));
+    EXPECT_EQ(s2.clip_coef, clip);
+    EXPECT_EQ(s2.grad_norm, 0.0);  // not measured again
+    EXPECT_FALSE(s2.skipped);
+    ExpectSameOutputs(o2, o1);
+    ExpectSameOutputs(o2, ref.Step(grads, t, clip, f.config().hyper.lr));
+    EXPECT_EQ(ReadFullState(*two, "g"), ReadFullState(*one, "g"));
+  }
+}
+
+TEST(OptimizerStoreTwoPhase, GroupsClippedByTheirCombinedNormEqualOneGroupOfEveryParameter) {
+  Fixture f({{64, 300}, {129, 5}, {200, 200}}, 32);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));  // "g": every parameter
+  const std::vector<ParameterInit> inits = f.Inits();
+  GroupConfig ca = f.config(), cb = f.config();
+  ca.name = "a";
+  cb.name = "b";
+  QTX_ASSERT_OK(store->CreateGroup(ca, std::vector<ParameterInit>{inits[0], inits[1]}, false));
+  QTX_ASSERT_OK(store->CreateGroup(cb, std::vector<ParameterInit>{inits[2]}, false));
+  for (int64_t t = 1; t <= 2; ++t) {
+    const auto grads = f.Grads();
+    const std::vector<std::vector<float>> ga = {grads[0], grads[1]}, gb = {grads[2]};
+    Outputs o, oa, ob, scratch;
+    QTX_ASSERT_OK_AND_ASSIGN(StepStats s, store->Step("g", {.step = t, .max_grad_norm = 3.0},
+                                                      f.Prepare(grads, &o)));
+    QTX_ASSERT_OK_AND_ASSIGN(GradNormStats na,
+                             store->GradNorm("a", t, WithSlot(f.Prepare(ga, &scratch))));
+    QTX_ASSERT_OK_AND_ASSIGN(GradNormStats nb,
+                             store->GradNorm("b", t, WithSlot(f.Prepare(gb, &scratch))));
+    // The caller's reduction: the sum of the contributions.
+    const double clip = TorchClip(na.sum_squares + nb.sum_squares, 3.0);
+    EXPECT_LT(clip, 1.0);
+    EXPECT_NEAR(clip, s.clip_coef, 1e-12 * s.clip_coef);
+    // With the same factor, the two groups step exactly as the one group.
+    QTX_ASSERT_OK(store->Step("a", {.step = t, .clip_factor = s.clip_coef}, f.Prepare(ga, &oa)));
+    QTX_ASSERT_OK(store->Step("b", {.step = t, .clip_factor = s.clip_coef}, f.Prepare(gb, &ob)));
+    const auto all = ReadFullState(*store, "g");
+    const auto a = ReadFullState(*store, "a");
+    const auto b = ReadFullState(*store, "b");
+    ASSERT_EQ(all.size(), 9u);
+    for (size_t k = 0; k < 6; ++k) EXPECT_EQ(a[k], all[k]) << "state vector " << k;
+    for (size_t k = 0; k < 3; ++k) EXPECT_EQ(b[k], all[6 + k]) << "state vector " << 6 + k;
+    EXPECT_EQ(oa.row[1], o.row[1]);
+    EXPECT_EQ(ob.col[0], o.col[2]);
+  }
+}
+
+TEST(OptimizerStoreTwoPhase, SkipLeavesTheStateUnchangedAndIsIdempotent) {
+  Fixture f({{130, 130}, {3, 200}}, 33);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  ReferenceModel ref(f);
+  const auto g1 = f.Grads();
+  Outputs o1;
+  QTX_ASSERT_OK(store->Step("g", {.step = 1}, f.Prepare(g1, &o1)));
+  ref.Step(g1, 1, 1.0, f.config().hyper.lr);
+  const auto before = ReadFullState(*store, "g");
+  // A NaN on this rank (or any other): every rank skips step 2.
+  auto bad = f.Grads();
+  bad[1][5] = std::numeric_limits<float>::infinity();
+  Outputs scratch;
+  QTX_ASSERT_OK_AND_ASSIGN(GradNormStats n,
+                           store->GradNorm("g", 2, WithSlot(f.Prepare(bad, &scratch))));
+  EXPECT_TRUE(n.non_finite);
+  // skip: the gradients are not read (none given).
+  Outputs o2;
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats s, store->Step("g", {.step = 2, .skip = true},
+                                                    f.Prepare({}, &o2)));
+  EXPECT_EQ(s.step, 2);
+  EXPECT_TRUE(s.skipped);
+  EXPECT_FALSE(s.replayed);
+  EXPECT_EQ(s.clip_coef, 1.0);
+  EXPECT_EQ(ReadFullState(*store, "g"), before);
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, store->Describe("g"));
+  EXPECT_EQ(info.config.step, 2);
+  EXPECT_EQ(info.update_count, 1);
+  // The parameters returned are those of step 1, unchanged.
+  ExpectSameOutputs(o2, o1);
+  // Retries of step 2, whatever they carry, replay the skip.
+  Outputs o3;
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r1, store->Step("g", {.step = 2, .skip = true},
+                                                     f.Prepare({}, &o3)));
+  EXPECT_TRUE(r1.replayed);
+  EXPECT_TRUE(r1.skipped);
+  ExpectSameOutputs(o3, o1);
+  const auto g2 = f.Grads();
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r2, store->Step("g", {.step = 2, .clip_factor = 0.5},
+                                                     f.Prepare(g2, &o3)));
+  EXPECT_TRUE(r2.replayed);
+  EXPECT_TRUE(r2.skipped);
+  EXPECT_EQ(ReadFullState(*store, "g"), before);
+  // Step 3 is AdamW's second update (t = 2).
+  Outputs o4;
+  QTX_ASSERT_OK(store->Step("g", {.step = 3, .clip_factor = 0.25}, f.Prepare(g2, &o4)));
+  ExpectSameOutputs(o4, ref.Step(g2, 2, 0.25, f.config().hyper.lr));
+}
+
+TEST(OptimizerStoreTwoPhase, GradNormOfAProcessedStepMeasuresAgainAndTheStepReplays) {
+  Fixture f({{128, 256}}, 34);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  Outputs scratch, o1, o2;
+  const auto g = f.Grads();
+  // No step processed yet: only step 1 is known.
+  EXPECT_THAT(store->GradNorm("g", 0, WithSlot(f.Prepare(g, &scratch))),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("is at step 0: GradNorm measures the gradients of its next "
+                                 "step 1; got step 0")));
+  QTX_ASSERT_OK_AND_ASSIGN(GradNormStats n1,
+                           store->GradNorm("g", 1, WithSlot(f.Prepare(g, &scratch))));
+  QTX_ASSERT_OK(store->Step("g", {.step = 1, .clip_factor = 0.5}, f.Prepare(g, &o1)));
+  const auto after = ReadFullState(*store, "g");
+  // The iteration is retried on every rank: this group already processed it.
+  QTX_ASSERT_OK_AND_ASSIGN(GradNormStats n2,
+                           store->GradNorm("g", 1, WithSlot(f.Prepare(g, &scratch))));
+  EXPECT_TRUE(n2.step_processed);
+  EXPECT_EQ(n2.sum_squares, n1.sum_squares);
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r, store->Step("g", {.step = 1, .clip_factor = 0.5},
+                                                    f.Prepare(g, &o2)));
+  EXPECT_TRUE(r.replayed);
+  EXPECT_EQ(r.clip_coef, 0.5);
+  ExpectSameOutputs(o2, o1);
+  EXPECT_EQ(ReadFullState(*store, "g"), after);
+  // Steps from the future or the past name the group's step.
+  for (int64_t bad : {0, 3, 100}) {
+    EXPECT_THAT(store->GradNorm("g", bad, WithSlot(f.Prepare(g, &scratch))),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("is at step 1: GradNorm measures the gradients of its next "
+                                   "step 2 (or of step 1, the last one, for a retry)")));
+  }
+}
+
+TEST(OptimizerStoreTwoPhase, AClipFactorAboveOneIsCheckpointedAndReplayedAfterARestart) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{40, 130}}, 36);
+  auto a = MakeStore(o);
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), f.Inits(), false));
+  ReferenceModel ref(f);
+  const auto g = f.Grads();
+  Outputs o1;
+  // E.g. a loss-scale unscaling factor folded into the clip factor.
+  QTX_ASSERT_OK(a->Step("g", {.step = 1, .clip_factor = 2.5}, f.Prepare(g, &o1)));
+  ExpectSameOutputs(o1, ref.Step(g, 1, 2.5, f.config().hyper.lr));
+  QTX_ASSERT_OK(a->SaveCheckpoint("g").status());
+  auto b = MakeStore(o);  // a restart: the checkpoint is accepted
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
+  EXPECT_EQ(info.config.step, 1);
+  Outputs o2;
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r, b->Step("g", {.step = 1, .clip_factor = 2.5},
+                                                f.Prepare(g, &o2)));
+  EXPECT_TRUE(r.replayed);
+  EXPECT_EQ(r.clip_coef, 2.5);
+  ExpectSameOutputs(o2, o1);
+}
+
+TEST(OptimizerStoreTwoPhase, BadDecisionsFailWithActionableErrorsAndChangeNothing) {
+  Fixture f({{16, 16}}, 35);
+  auto store = MakeStore();
+  QTX_ASSERT_OK(store->CreateGroup(f.config(), f.Inits(), false));
+  const auto before = ReadFullState(*store, "g");
+  const auto g = f.Grads();
+  Outputs o;
+  for (double c : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    EXPECT_THAT(store->Step("g", {.step = 1, .clip_factor = c}, f.Prepare(g, &o)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("must be finite and > 0 (the factor every gradient is "
+                                   "multiplied by; to leave the step out, set skip instead)")))
+        << c;
+  }
+  EXPECT_THAT(store->Step("g", {.step = 1, .max_grad_norm = 1.0, .clip_factor = 0.5},
+                          f.Prepare(g, &o)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("clip_factor with max_grad_norm: clip_factor and skip carry "
+                                 "the caller's decisions")));
+  EXPECT_THAT(store->Step("g", {.step = 1, .skip_if_non_finite = true, .skip = true},
+                          f.Prepare(g, &o)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("skip with skip_if_non_finite")));
+  EXPECT_THAT(store->GradNorm("nope", 1, WithSlot(f.Prepare(g, &o))),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope' does not exist")));
+  EXPECT_THAT(store->GradNorm("g", kMaxStepNumber + 1, WithSlot(f.Prepare(g, &o))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be at most")));
+  EXPECT_EQ(ReadFullState(*store, "g"), before);
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, store->Describe("g"));
+  EXPECT_EQ(info.config.step, 0);
+}
+
+// ---- Per-parameter weight decay and learning-rate scale ----
+
+// AdamW on one element written out from torch.optim.AdamW's definition
+// (decoupled weight decay, bias correction) in FP32 with the constants
+// rounded once from double, as kernels/adamw.h specifies.
+void HandAdamW(float& p, float& m, float& v, float g, double lr, double wd, int64_t t) {
+  const double b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  const float decay = static_cast<float>(1.0 - lr * wd);
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(b2, t)));
+  p = p * decay;
+  m = static_cast<float>(b1) * m + static_cast<float>(1.0 - b1) * g;
+  v = static_cast<float>(b2) * v + (static_cast<float>(1.0 - b2) * g) * g;
+  const float denom = std::sqrt(v) / bc2_sqrt + static_cast<float>(eps);
+  p = p - (step_size * m) / denom;
+}
+
+TEST(OptimizerStorePerParameter, WeightDecayAndLrScaleEqualAHandComputedAdamW) {
+  Fixture f({{3, 5}, {1, 4}, {2, 129}}, 41);
+  auto store = MakeStore();
+  std::vector<ParameterInit> inits = f.Inits();
+  inits[0].hyper.weight_decay = 0.0;  // a norm or bias: no weight decay
+  inits[2].hyper.weight_decay = 0.5;
+  inits[2].hyper.lr_scale = 0.25;     // inits[1]: the group's
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, store->CreateGroup(f.config(), inits, false));
+  EXPECT_EQ(info.params[0].hyper, (ParameterHyper{0.0, std::nullopt}));
+  EXPECT_TRUE(info.params[1].hyper.empty());
+  const double lr[] = {f.config().hyper.lr, f.config().hyper.lr,
+                       f.config().hyper.lr * 0.25};
+  const double wd[] = {0.0, f.config().hyper.weight_decay, 0.5};
+  std::vector<std::vector<float>> p = f.masters(), m, v;
+  for (const auto& x : p) {
+    m.emplace_back(x.size(), 0.0f);
+    v.emplace_back(x.size(), 0.0f);
+  }
+  for (int64_t t = 1; t <= 3; ++t) {
+    const auto grads = f.Grads();
+    Outputs o;
+    // Step 2 clips with the caller's factor: every parameter's gradient scaled.
+    const float scale = t == 2 ? 0.5f : 1.0f;
+    if (t == 2) {
+      QTX_ASSERT_OK(store->Step("g", {.step = t, .clip_factor = 0.5}, f.Prepare(grads, &o)));
+    } else {
+      QTX_ASSERT_OK(store->Step("g", {.step = t}, f.Prepare(grads, &o)));
+    }
+    for (size_t i = 0; i < p.size(); ++i) {
+      for (size_t k = 0; k < p[i].size(); ++k) {
+        HandAdamW(p[i][k], m[i][k], v[i][k], grads[i][k] * scale, lr[i], wd[i], t);
+      }
+    }
+    const auto state = ReadFullState(*store, "g");
+    for (size_t i = 0; i < p.size(); ++i) {
+      EXPECT_EQ(state[3 * i], p[i]) << "master " << i << " step " << t;
+      EXPECT_EQ(state[3 * i + 1], m[i]) << "exp_avg " << i << " step " << t;
+      EXPECT_EQ(state[3 * i + 2], v[i]) << "exp_avg_sq " << i << " step " << t;
+    }
+  }
+  // The settings did matter: parameter 0 without weight decay differs from
+  // the same weights stepped with the group's.
+  Fixture same({{3, 5}, {1, 4}, {2, 129}}, 41);
+  auto plain = MakeStore();
+  QTX_ASSERT_OK(plain->CreateGroup(same.config(), same.Inits(), false));
+  Outputs o;
+  const auto g1 = same.Grads();
+  QTX_ASSERT_OK(plain->Step("g", {.step = 1}, same.Prepare(g1, &o)));
+  auto fresh = MakeStore();
+  QTX_ASSERT_OK(fresh->CreateGroup(same.config(), inits, false));
+  QTX_ASSERT_OK(fresh->Step("g", {.step = 1}, same.Prepare(g1, &o)));
+  const auto a = ReadFullState(*plain, "g"), b = ReadFullState(*fresh, "g");
+  EXPECT_NE(a[0], b[0]);
+  EXPECT_EQ(a[3], b[3]);  // parameter 1 has the group's settings in both
+}
+
+TEST(OptimizerStorePerParameter, DefaultsLeaveTheStepUnchanged) {
+  Fixture f({{130, 200}, {1, 7}}, 42);
+  auto with = MakeStore();
+  auto without = MakeStore();
+  std::vector<ParameterInit> inits = f.Inits();
+  inits[0].hyper.weight_decay = f.config().hyper.weight_decay;  // same as the group's
+  inits[1].hyper.lr_scale = 1.0;
+  QTX_ASSERT_OK(with->CreateGroup(f.config(), inits, false));
+  QTX_ASSERT_OK(without->CreateGroup(f.config(), f.Inits(), false));
+  for (int64_t t = 1; t <= 2; ++t) {
+    const auto grads = f.Grads();
+    Outputs a, b;
+    QTX_ASSERT_OK(with->Step("g", {.step = t, .max_grad_norm = 1.0}, f.Prepare(grads, &a)));
+    QTX_ASSERT_OK(without->Step("g", {.step = t, .max_grad_norm = 1.0}, f.Prepare(grads, &b)));
+    ExpectSameOutputs(a, b);
+  }
+  EXPECT_EQ(ReadFullState(*with, "g"), ReadFullState(*without, "g"));
+}
+
+TEST(OptimizerStorePerParameter, BadSettingsAreRefusedNamingTheParameter) {
+  Fixture f({{4, 4}, {2, 2}}, 43);
+  auto store = MakeStore();
+  struct Case {
+    std::optional<double> wd, scale;
+    const char* want;
+  } cases[] = {
+      {-1.0, std::nullopt, "parameters[1] ('p1').weight_decay=-1: must be finite and >= 0"},
+      {std::nan(""), std::nullopt, "parameters[1] ('p1').weight_decay=nan"},
+      {std::nullopt, std::numeric_limits<double>::infinity(),
+       "parameters[1] ('p1').lr_scale=inf: must be finite and >= 0"},
+      {std::nullopt, -0.5, "parameters[1] ('p1').lr_scale=-0.5"},
+  };
+  for (const Case& c : cases) {
+    std::vector<ParameterInit> inits = f.Inits();
+    inits[1].hyper.weight_decay = c.wd;
+    inits[1].hyper.lr_scale = c.scale;
+    EXPECT_THAT(store->CreateGroup(f.config(), inits, false),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.want)));
+  }
+  EXPECT_TRUE(store->ListGroups().empty());
+  EXPECT_EQ(store->memory_used_bytes(), 0u);
+}
+
+// Reads a checkpoint's format version (bytes 8..11).
+uint32_t CheckpointVersion(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char header[12] = {};
+  in.read(header, sizeof(header));
+  uint32_t v = 0;
+  std::memcpy(&v, header + 8, 4);
+  return v;
+}
+
+TEST(OptimizerStorePerParameter, CheckpointsKeepTheSettingsAndStayVersion1Without) {
+  TempDir dir;
+  OptimizerStore::Options o;
+  o.checkpoint_dir = dir.path();
+  Fixture f({{130, 130}, {1, 9}}, 44);
+  std::vector<ParameterInit> inits = f.Inits();
+  inits[1].hyper.weight_decay = 0.0;
+  inits[1].hyper.lr_scale = 3.0;
+  GroupConfig plain_config = f.config();
+  plain_config.name = "plain";
+  auto a = MakeStore(o);
+  QTX_ASSERT_OK(a->CreateGroup(f.config(), inits, false));
+  QTX_ASSERT_OK(a->CreateGroup(plain_config, f.Inits(), false));
+  Outputs out;
+  const auto g1 = f.Grads();
+  QTX_ASSERT_OK(a->Step("g", {.step = 1}, f.Prepare(g1, &out)));
+  QTX_ASSERT_OK(a->SaveCheckpoint("").status());
+  EXPECT_EQ(CheckpointVersion(CheckpointPath(dir.path(), "g")), 2u);
+  EXPECT_EQ(CheckpointVersion(CheckpointPath(dir.path(), "plain")), 1u);  // older qtxd read it
+  auto b = MakeStore(o);  // a restart
+  QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
+  EXPECT_TRUE(info.params[0].hyper.empty());
+  EXPECT_EQ(info.params[1].hyper, (ParameterHyper{0.0, 3.0}));
+  EXPECT_EQ(ReadFullState(*b, "g"), ReadFullState(*a, "g"));
+  // Both continue identically.
+  const auto g2 = f.Grads();
+  Outputs oa, ob;
+  QTX_ASSERT_OK(a->Step("g", {.step = 2}, f.Prepare(g2, &oa)));
+  QTX_ASSERT_OK(b->Step("g", {.step = 2}, f.Prepare(g2, &ob)));
+  ExpectSameOutputs(oa, ob);
+  EXPECT_EQ(ReadFullState(*b, "g"), ReadFullState(*a, "g"));
 }
 
 }  // namespace

@@ -283,6 +283,42 @@ TEST_F(StepPipelineTest, SkipAndReplayGoThroughTheHooks) {
   EXPECT_THAT(log, ElementsAre("Br", "O0", "O1", "O2", "F"));
 }
 
+TEST_F(StepPipelineTest, TwoPhaseStepsGoThroughTheHooksWithTheSameBits) {
+  auto plain = NewStore();
+  auto piped = NewStore();
+  const auto g = Grads(3);
+  Outputs unused;
+  std::vector<std::string> log;
+  // GradNorm: every gradient arrives, nothing is written back.
+  QTX_ASSERT_OK_AND_ASSIGN(
+      GradNormStats a,
+      plain->GradNorm("g", 1, [&](const GroupInfo& i, bool r, StepScratchSlot&) {
+        return Plain(g, &unused)(i, r);
+      }));
+  QTX_ASSERT_OK_AND_ASSIGN(GradNormStats b, piped->GradNorm("g", 1, Piped(g, &unused, &log)));
+  EXPECT_EQ(b.sum_squares, a.sum_squares);  // bit for bit
+  EXPECT_FALSE(b.non_finite);
+  EXPECT_THAT(log, ElementsAre("B", "G0", "G1", "G2", "F"));
+  // The caller's clip factor: each parameter is stepped as its gradient arrives.
+  const StepOptions opt{.step = 1, .clip_factor = 0.375};
+  Outputs want, got;
+  log.clear();
+  QTX_ASSERT_OK(plain->Step("g", opt, Plain(g, &want)));
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats s, piped->Step("g", opt, Piped(g, &got, &log)));
+  EXPECT_EQ(s.clip_coef, 0.375);
+  EXPECT_TRUE(got == want);
+  EXPECT_THAT(log, ElementsAre("B", "G0", "O0", "G1", "O1", "G2", "O2", "F"));
+  // skip: no gradient travels; the current parameters do.
+  const std::vector<std::vector<float>> none;
+  Outputs skipped;
+  log.clear();
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats k,
+                           piped->Step("g", {.step = 2, .skip = true}, Piped(none, &skipped, &log)));
+  EXPECT_TRUE(k.skipped);
+  EXPECT_TRUE(skipped == want);
+  EXPECT_THAT(log, ElementsAre("Br", "O0", "O1", "O2", "F"));
+}
+
 TEST_F(StepPipelineTest, FailureBeforeAnyUpdateLeavesTheStateUnchanged) {
   auto plain = NewStore();
   auto piped = NewStore();
