@@ -423,6 +423,8 @@ class FastPathTest(unittest.TestCase):
         for f in qcuda.FIELDS:
             self.assertIs(getattr(q, f), out[f])
         self.assertFalse(q._framework_alloc)
+        self.assertEqual(set(vars(q)), set(vars(qcuda.QuantizedTensor((4, 128), "1d", "e4m3"))))
+        self.assertIs(q._session, self.s)
         # Rowwise only: the columnwise pointers are 0; float8 data is accepted.
         if hasattr(torch, "float8_e4m3fn"):
             out = self.outs((256, 512))

@@ -683,6 +683,7 @@ class QuantizedTensor:
 
     def __init__(self, shape, mode, format, rowwise_data=None, rowwise_scale_inv=None,
                  columnwise_data=None, columnwise_scale_inv=None):
+        # Session._quantize_torch sets these same fields without __init__: keep both in step.
         self.shape = tuple(shape)
         self.mode = mode
         self.format = format
@@ -995,8 +996,15 @@ class Session:
             return None
         op = self._native.quantize_into(dev, s, x.data_ptr(), dtype, shape, cfg[0], cfg[1],
                                         cfg[2], cfg[3], cfg[4], cfg[5], *ptrs)
-        q = self._result(tuple(shape), mode, format, tensors, dev, s, op, ())
-        q._framework_alloc = framework_alloc
+        q = object.__new__(QuantizedTensor)  # QuantizedTensor.__init__'s fields, set at once
+        q.__dict__.update(
+            shape=tuple(shape), mode=mode, format=format,
+            rowwise_data=tensors.get("rowwise_data"),
+            rowwise_scale_inv=tensors.get("rowwise_scale_inv"),
+            columnwise_data=tensors.get("columnwise_data"),
+            columnwise_scale_inv=tensors.get("columnwise_scale_inv"),
+            stream=s, device=dev, op=op, _session=self, _blocks=(),
+            _framework_alloc=framework_alloc)
         return q
 
     def _result(self, shape, mode, format, tensors, device, s, op, blocks):
