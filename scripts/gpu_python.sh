@@ -14,14 +14,15 @@
 # "NAME rc=N Ts" line per step) and OUT_DIR/bench.jsonl (every JSON line of
 # the benchmarks). MPS is started for the first half and stopped for the
 # second (qtxd processes are stopped first); nothing is left running.
-# QTX_GPU_BUDGET_S (default 380): steps that would start after it are skipped
+# Order: with MPS health, tests, benches; without MPS benches, then tests.
+# QTX_GPU_BUDGET_S (default 370): steps that would start after it are skipped
 # (said in the log).
 set -uo pipefail
 B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${1:?output dir}"
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
-BUDGET="${QTX_GPU_BUDGET_S:-380}"
+BUDGET="${QTX_GPU_BUDGET_S:-370}"
 # The bundle's libstdc++/libgcc_s (Debian 12) must not shadow the host's newer
 # ones that PyTorch needs; qtxd and qtx._native run with the host's.
 rm -f "$B/lib/libstdc++.so.6" "$B/lib/libgcc_s.so.1"
@@ -89,30 +90,35 @@ if [ -d "$B/py_before/qtx" ]; then
   cp -f "$PY"/qtx/_native*.so "$B/py_before/qtx/"
 fi
 
-# run_half MPS: health, the GPU tests, channel_bench, the Python bench (current
-# and legacy, with the breakdown).
-run_half() {
-  local mps="$1"
+collect() { grep -h '^{' "$LOG" > "$OUT/bench.jsonl"; }
+health() {  # python -m qtx health against a running qtxd
   "$B/bin/qtxd" --device=cuda:0 --allow_client_shm --socket=/tmp/qtx-py-health.sock --log_level=warn &
   local qpid=$!
   for _ in $(seq 40); do [ -S /tmp/qtx-py-health.sock ] && break; sleep 0.25; done
   sleep 0.5
-  step "health_mps$mps" 20 env PYTHONPATH="$PY" python3 -m qtx health --target unix:///tmp/qtx-py-health.sock
+  step "health_mps$1" 20 env PYTHONPATH="$PY" python3 -m qtx health --target unix:///tmp/qtx-py-health.sock
   kill $qpid; wait $qpid 2>/dev/null
   rm -f /tmp/qtx-py-health.sock
-  step "gpu_test_mps$mps" "${QTX_TEST_TIMEOUT:-120}" python3 "$B/tests/gpu_test_cuda.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
-  step "gpu_test_optimizer_mps$mps" 60 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
-  local cb="$OUT/channel_bench_mps$mps.jsonl"
+}
+tests() {
+  step "gpu_test_mps$1" "${QTX_TEST_TIMEOUT:-120}" python3 "$B/tests/gpu_test_cuda.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
+  step "gpu_test_optimizer_mps$1" 60 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
+  stop_qtxd
+}
+benches() {  # channel_bench (C++ context), then the Python bench: current, then legacy
+  local mps="$1" cb="$OUT/channel_bench_mps$1.jsonl"
   if [ -x "$B/bin/channel_bench" ]; then
     step "channel_bench_mps$mps" 40 "$B/bin/channel_bench" --qtxd="$B/bin/qtxd" --mps="$mps" --flags=host
     sed -n '/^=== channel_bench_mps'"$mps"'$/,/^channel_bench_mps'"$mps"' rc=/p' "$LOG" | grep '^{' > "$cb"
   fi
   step "py_bench_mps$mps" 60 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" \
     --python_dir="$PY" --inproc_dir="$INPROC" --mps="$mps" --in_process_jsonl="$cb" --breakdown
+  collect
   if [ -d "$B/py_before/qtx" ]; then
     step "py_bench_legacy_mps$mps" 60 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" \
       --python_dir="$B/py_before" --inproc_dir="$INPROC" --mps="$mps" --in_process_jsonl="$cb" \
       --breakdown --legacy
+    collect
   fi
   stop_qtxd
 }
@@ -121,7 +127,9 @@ export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 if nvidia-cuda-mps-control -d; then
   echo "MPS on" >> "$LOG"
-  run_half 1
+  health 1
+  tests 1
+  benches 1
   stop_qtxd
   echo quit | nvidia-cuda-mps-control
   for _ in $(seq 30); do pgrep -x nvidia-cuda-mps-server > /dev/null || pgrep -x nvidia-cuda-mps-control > /dev/null || break; sleep 0.5; done
@@ -130,8 +138,9 @@ else
   echo "MPS did not start: the MPS half is skipped" | tee -a "$LOG"
   rc_all=1
 fi
-run_half 0
+benches 0
+tests 0
 stop_qtxd
-grep -h '^{' "$LOG" > "$OUT/bench.jsonl"
+collect
 echo "total ${SECONDS}s rc=$rc_all" | tee -a "$LOG"
 exit $rc_all

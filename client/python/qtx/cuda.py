@@ -32,9 +32,15 @@ and kept until ``close()``.
 
 Outputs and lifetimes. Outputs are written into ``out=`` tensors when given
 (any CUDA array of the exact shape, dtype and contiguity; see
-``Session.quantize``), otherwise into blocks of the session's ``DevicePool``,
-returned as tensors of the input's framework (PyTorch / CuPy; other producers
-get ``DeviceArray`` objects with ``__cuda_array_interface__``):
+``Session.quantize``). Otherwise, for PyTorch inputs with
+``Session(allocator="framework")`` (the default), into tensors from
+PyTorch's caching allocator (``torch.empty`` with the call's stream current:
+PyTorch's own stream rules apply, ``q.record_stream`` calls
+``Tensor.record_stream``; their segments are registered with qtxd once each,
+like inputs). For other inputs, and with ``allocator="pool"``, into blocks
+of the session's ``DevicePool``, returned as tensors of the input's framework
+(PyTorch / CuPy; other producers get ``DeviceArray`` objects with
+``__cuda_array_interface__``):
 
 - A pooled block belongs to the session; it is allocated on the call's
   stream and returns to the pool when the last tensor (or view) using it is
@@ -66,6 +72,13 @@ Optimizer: ``offload_optimizer_state`` hands FP32 masters to qtxd once;
 ``step`` then takes gradients in device memory and writes the FP8 parameters
 into device memory, ordered on the call's stream by interprocess events (the
 host waits for qtxd's answer, whose statistics need the gradients).
+
+Speed: ``quantize`` of a contiguous PyTorch tensor with torch ``out=``
+tensors (or framework-allocated outputs) takes a fast path: memoized config
+and layout, ``torch._C._cuda_getCurrentRawStream`` for the current stream,
+the output checks inline, one native call with flat arguments; each region
+lookup in C++ is one driver call once the allocation is registered. Anything
+else (CuPy, CAI, DLPack, bad arguments) takes the general, fully checked path.
 
 Threads: a Session may be used from several threads; calls are serialized.
 """
