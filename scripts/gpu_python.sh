@@ -34,7 +34,7 @@ PY="$B/py"
 INPROC="$B/inproc"
 mkdir -p "$INPROC"
 rc_all=0
-step() {  # step NAME TIMEOUT CMD...  (SIGINT at the timeout, SIGKILL 20 s later)
+step() {  # step NAME TIMEOUT CMD...  (SIGTERM at the timeout: the tests and the bench stop their qtxd; SIGKILL 20 s later)
   local name="$1" t="$2"; shift 2
   if [ "$SECONDS" -ge "$BUDGET" ]; then
     echo "$name skipped: ${SECONDS}s of the ${BUDGET}s budget used" | tee -a "$LOG"
@@ -43,7 +43,7 @@ step() {  # step NAME TIMEOUT CMD...  (SIGINT at the timeout, SIGKILL 20 s later
   fi
   local t0=$SECONDS
   echo "=== $name" >> "$LOG"
-  timeout -s INT -k 20 "$t" "$@" >> "$LOG" 2>&1
+  timeout -k 20 "$t" "$@" >> "$LOG" 2>&1
   local rc=$?
   [ $rc -ne 0 ] && rc_all=1
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$LOG"

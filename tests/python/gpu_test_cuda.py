@@ -213,8 +213,13 @@ class TorchQuantizeTest(unittest.TestCase):
             side.wait_stream(torch.cuda.current_stream())
             q = s.quantize(x, out=out, stream=side)
             self.assertEqual(q.stream, side.cuda_stream)
+            self.assertIs(q.rowwise_data, out["rowwise_data"])
             torch.cuda.current_stream().wait_stream(side)
-            assert_matches(self, q, reference(x, "1d", "e4m3", True, False), "fp8 out= " + alloc)
+            chk = qcuda.QuantizedTensor((256, 512), "1d", "e4m3",
+                                        rowwise_data=q.rowwise_data.view(torch.uint8),
+                                        rowwise_scale_inv=q.rowwise_scale_inv)
+            assert_matches(self, chk, reference(x, "1d", "e4m3", True, False),
+                           "fp8 out= " + alloc)
             # Pooled outputs on a stream that is not the current one.
             q = s.quantize(x, stream=side)
             torch.cuda.current_stream().wait_stream(side)
@@ -237,7 +242,8 @@ class TorchQuantizeTest(unittest.TestCase):
                 del x
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()  # cudaFree of the segments (inputs and outputs)
-                x = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+                x = torch.empty(shape, device="cuda", dtype=torch.bfloat16)  # one cudaMalloc
+                x.normal_(generator=g)
                 same_address += x.data_ptr() == p0
                 q = s.quantize(x, columnwise=True)
                 assert_matches(self, q, reference(x), "after empty_cache %d" % i)
