@@ -3,7 +3,8 @@
 # CuPy, with and without MPS, from a bundle made on the build host (CUDA
 # build) by scripts/make_gpu_python_bundle.sh BUILD B:
 #   B/bin      qtxd, channel_bench, the prebuilt cp312 _native and
-#              qtx_bench_inproc modules; B/lib their shared libraries
+#              qtx_bench_inproc modules, cuda_channel_test (optional: its
+#              RegionCache test runs); B/lib their shared libraries
 #   B/py       the qtx package (client/python/qtx/*.py)
 #   B/py_before  (optional) an older qtx package, benchmarked as "legacy"
 #   B/tests    tests/python/gpu_test_*.py; B/bench python_channel_bench.py
@@ -103,6 +104,9 @@ health() {  # python -m qtx health against a running qtxd
 tests() {
   step "gpu_test_mps$1" "${QTX_TEST_TIMEOUT:-120}" python3 "$B/tests/gpu_test_cuda.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
   step "gpu_test_optimizer_mps$1" 60 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
+  if [ -x "$B/bin/cuda_channel_test" ]; then  # the C++ RegionCache test (fast path, replacement)
+    step "region_cache_test_mps$1" 60 "$B/bin/cuda_channel_test" --qtxd="$B/bin/qtxd" --gtest_filter='*RegionCache*'
+  fi
   stop_qtxd
 }
 benches() {  # channel_bench (C++ context), then the Python bench: current, then legacy

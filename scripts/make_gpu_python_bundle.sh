@@ -4,7 +4,8 @@
 #   -DQTX_EXTRA_PYTHON_INCLUDE=<CPython 3.12 include dir>
 #   -DQTX_EXTRA_PYTHON_SUFFIX=.cpython-312-x86_64-linux-gnu.so
 # and these targets built: qtxd channel_bench qtx_native_extra
-# qtx_bench_inproc_extra (their static libraries come along).
+# qtx_bench_inproc_extra (their static libraries come along); cuda_channel_test
+# too if built.
 #
 #   scripts/make_gpu_python_bundle.sh BUILD OUT [BEFORE_REF]
 # BEFORE_REF (a git ref, optional): its client/python/qtx goes to OUT/py_before
@@ -17,8 +18,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 rm -rf "$OUT"
 native=("$BUILD"/client/python/native/extra/qtx/_native.cpython-312-*.so)
 inproc=("$BUILD"/bench/python/extra/qtx_bench_inproc.cpython-312-*.so)
+extra=()
+[ -x "$BUILD/tests/client/cuda_channel_test" ] && extra+=("$BUILD/tests/client/cuda_channel_test")
 QTX_BUNDLE_SKIP='libcublas|libcublasLt' "$ROOT/deploy/bundle/make_bundle.sh" "$BUILD" "$OUT" \
-  "$BUILD/bench/channel_bench" "${native[@]}" "${inproc[@]}"
+  "$BUILD/bench/channel_bench" "${native[@]}" "${inproc[@]}" ${extra[@]+"${extra[@]}"}
 mkdir -p "$OUT/py/qtx" "$OUT/tests" "$OUT/bench" "$OUT/fallback/include/qtx" \
   "$OUT/fallback/include/kernels/cuda"
 cp "$ROOT"/client/python/qtx/*.py "$OUT/py/qtx/"
