@@ -136,7 +136,7 @@ if nvidia-cuda-mps-control -d; then
   benches 1
   stop_qtxd
   echo quit | nvidia-cuda-mps-control
-  for _ in $(seq 30); do pgrep -x nvidia-cuda-mps-server > /dev/null || pgrep -x nvidia-cuda-mps-control > /dev/null || break; sleep 0.5; done
+  for _ in $(seq 30); do pgrep -f "nvidia-cuda-mps-(server|control)" > /dev/null || break; sleep 0.5; done
   echo "MPS off" >> "$LOG"
 else
   echo "MPS did not start: the MPS half is skipped" | tee -a "$LOG"
