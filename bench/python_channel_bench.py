@@ -3,9 +3,11 @@
 GPU (issue "qtx from Python on the GPU"). Starts qtxd --device=cuda:0
 --allow_client_shm and prints JSON lines:
 
-  {"bench":"py_quantize_call", "out":"preallocated"|"pooled", ...}
-      host time of one asynchronous Session.quantize from Python (p50/p99
-      over the chain's calls); goal <= 30 us p50.
+  {"bench":"py_quantize_call", "out":"preallocated"|"pooled"|"in_process", ...}
+      host time of one asynchronous Session.quantize from Python (p50/p99/mean
+      over the chain's calls; with native_lookup/submit_us_mean from
+      qtx._native's counters); goal <= 30 us p50. in_process: the
+      qtx_bench_inproc launch, for comparison.
   {"bench":"py_channel_chain", "mode": ...}
       GPU time of `layers` x (a [m, k] BF16 1-D row+col quantize, then a
       [m x k] x [k x k] BF16 torch.matmul on the same stream that reads
@@ -163,7 +165,14 @@ def run(a, torch, qcuda, target, inproc):
                             raw_stream(0) if raw_stream else
                             torch.cuda.current_stream().cuda_stream)
 
+        nat = {"preallocated": [0, 0, 0], "pooled": [0, 0, 0]}  # calls, lookup ns, submit ns
+
         def chain(mode, record):
+            # qtx._native's opt-in counters over the recorded chains (three clock reads a call).
+            prof = record and mode.startswith("qtx_") and hasattr(native, "set_profiling")
+            if prof:
+                native.set_profiling(True)
+                native.profile()  # clear
             stream.synchronize()
             with torch.cuda.stream(stream):
                 t0.record()
@@ -181,6 +190,13 @@ def run(a, torch, qcuda, target, inproc):
                             calls[mode.split("_", 1)[1]].append((c1 - c0) / 1000.0)
                     torch.matmul(ga, gb, out=gc)
                 t1.record()
+            if prof:
+                pr = native.profile()
+                native.set_profiling(False)
+                acc = nat[mode[4:]]
+                acc[0] += pr["calls"]
+                acc[1] += pr["lookup_ns"]
+                acc[2] += pr["submit_ns"]
             s.synchronize()
             stream.synchronize()
             return t0.elapsed_time(t1)
@@ -207,10 +223,14 @@ def run(a, torch, qcuda, target, inproc):
             print(json.dumps(line), flush=True)
         for kind, v in calls.items():
             if v:
-                print(json.dumps(dict(bench="py_quantize_call", out=kind, calls=len(v),
-                                      host_us_p50=round(pct(v, 0.5), 2),
-                                      host_us_p99=round(pct(v, 0.99), 2), goal_us_p50=30,
-                                      **base)), flush=True)
+                line = dict(bench="py_quantize_call", out=kind, calls=len(v),
+                            host_us_p50=round(pct(v, 0.5), 2), host_us_p99=round(pct(v, 0.99), 2),
+                            host_us_mean=round(sum(v) / len(v), 2), goal_us_p50=30, **base)
+                n = nat.get(kind, [0])[0]
+                if n:
+                    line.update(native_lookup_us_mean=round(nat[kind][1] / n / 1000, 2),
+                                native_submit_us_mean=round(nat[kind][2] / n / 1000, 2))
+                print(json.dumps(line), flush=True)
         if a.breakdown:
             breakdown(a, torch, qcuda, s, x, outs, stream, base)
         st = s.stats()
