@@ -366,6 +366,28 @@ absl::StatusOr<RegionSlice> RegionCache::Slice(const void* ptr, uint64_t bytes) 
   absl::StatusOr<AllocationOps> ops = GetAllocationOps();
   if (!ops.ok()) return ops.status();
   const auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  if (fast_path_) {
+    // Fast path, one driver call: the allocation's range and buffer id. A
+    // cached CUDA IPC registration of that very allocation (same base, size
+    // and process-unique buffer id) is used as is; anything else (a miss, VMM
+    // memory, an allocation freed and replaced at the same address, which
+    // has a new id) takes the full path below.
+    CUdeviceptr fbase = 0;
+    size_t fsize = 0;
+    unsigned long long fid = 0;
+    CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                   CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                   CU_POINTER_ATTRIBUTE_BUFFER_ID};
+    void* data[] = {&fbase, &fsize, &fid};
+    if (ops->pointer_attributes(3, attrs, data, p) == CUDA_SUCCESS && fbase != 0 && fid != 0) {
+      auto hit = by_base_.find(fbase);
+      if (hit != by_base_.end() && hit->second.buffer_id == fid && hit->second.size == fsize &&
+          bytes <= fsize && p - fbase <= fsize - bytes) {
+        ++fast_hits_;
+        return RegionSlice{hit->second.region, p - fbase, bytes};
+      }
+    }
+  }
   CUdeviceptr base = 0;
   size_t size = 0;
   if (ops->address_range(&base, &size, p) != CUDA_SUCCESS) {

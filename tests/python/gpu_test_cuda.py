@@ -173,7 +173,11 @@ class TorchQuantizeTest(unittest.TestCase):
                  ((3, 100, 384), torch.float32, "1d", "e5m2"),
                  ((130, 260), torch.float16, "2d", "e4m3"),
                  ((512, 640), torch.bfloat16, "2d", "e5m2")]
-        with session() as s:
+        for alloc in ("framework", "pool"):
+            self.check_bit_exact(g, cases, alloc)
+
+    def check_bit_exact(self, g, cases, alloc):
+        with session(allocator=alloc) as s:
             for k, (shape, dt, mode, fmt) in enumerate(cases):
                 x = (torch.randn(shape, device="cuda", generator=g) * (10 ** (k - 2))).to(dt)
                 ref = reference(x, mode, fmt)
@@ -181,7 +185,12 @@ class TorchQuantizeTest(unittest.TestCase):
                 self.assertIsInstance(q.rowwise_data, torch.Tensor)
                 self.assertEqual(q.rowwise_data.dtype, torch.uint8)
                 self.assertEqual(q.rowwise_scale_inv.dtype, torch.float32)
-                assert_matches(self, q, ref, "pooled %s %s %s %s" % (shape, dt, mode, fmt))
+                # Where the outputs came from: the session's pool, or PyTorch's allocator.
+                chunks = [(c.ptr, c.ptr + c.nbytes) for c in s.pool._chunks]
+                in_pool = any(lo <= q.rowwise_data.data_ptr() < hi for lo, hi in chunks)
+                self.assertEqual(in_pool, alloc == "pool")
+                self.assertEqual(q._framework_alloc, alloc == "framework")
+                assert_matches(self, q, ref, "%s %s %s %s %s" % (alloc, shape, dt, mode, fmt))
                 # The same into caller tensors full of 0xFF: padding must be rewritten.
                 lay = qcuda.layout(shape, mode)
                 out = {f: torch.full(lay[f], -1 if "scale" in f else 255,
@@ -194,7 +203,58 @@ class TorchQuantizeTest(unittest.TestCase):
             x = torch.randn(256, 512, device="cuda", generator=g)
             q = s.quantize(x, pow2_scales=False, amax_epsilon=1e-3)
             assert_matches(self, q, reference(x, "1d", "e4m3", True, False, False, 1e-3),
-                           "pow2=False eps=1e-3")
+                           "pow2=False eps=1e-3 " + alloc)
+            # float8 out= views and the stream= argument take the same fast path.
+            lay = qcuda.layout((256, 512))
+            out = {"rowwise_data": torch.empty(lay["rowwise_data"], dtype=torch.float8_e4m3fn,
+                                               device="cuda"),
+                   "rowwise_scale_inv": torch.empty(lay["rowwise_scale_inv"], device="cuda")}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            q = s.quantize(x, out=out, stream=side)
+            self.assertEqual(q.stream, side.cuda_stream)
+            self.assertIs(q.rowwise_data, out["rowwise_data"])
+            torch.cuda.current_stream().wait_stream(side)
+            chk = qcuda.QuantizedTensor((256, 512), "1d", "e4m3",
+                                        rowwise_data=q.rowwise_data.view(torch.uint8),
+                                        rowwise_scale_inv=q.rowwise_scale_inv)
+            assert_matches(self, chk, reference(x, "1d", "e4m3", True, False),
+                           "fp8 out= " + alloc)
+            # Pooled outputs on a stream that is not the current one.
+            q = s.quantize(x, stream=side)
+            torch.cuda.current_stream().wait_stream(side)
+            assert_matches(self, q, reference(x, "1d", "e4m3", True, False), "side " + alloc)
+
+    def test_freed_and_reallocated_memory_is_registered_afresh(self):
+        # PyTorch frees its cached segments on empty_cache(); a new tensor then
+        # often gets the same address in a new cudaMalloc allocation. The
+        # region cache must see that (the driver's buffer id changes) and
+        # register the new allocation, never reuse the stale registration.
+        g = torch.Generator(device="cuda").manual_seed(7)
+        shape = (1024, 3072)  # 6 MiB of BF16: a segment of its own
+        with session() as s:
+            x = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+            assert_matches(self, s.quantize(x, columnwise=True), reference(x), "first")
+            s.synchronize()
+            p0, regs0 = x.data_ptr(), s.stats()["registrations"]
+            same_address = 0
+            for i in range(4):
+                del x
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()  # cudaFree of the segments (inputs and outputs)
+                x = torch.empty(shape, device="cuda", dtype=torch.bfloat16)  # one cudaMalloc
+                x.normal_(generator=g)
+                same_address += x.data_ptr() == p0
+                q = s.quantize(x, columnwise=True)
+                assert_matches(self, q, reference(x), "after empty_cache %d" % i)
+                del q
+                s.synchronize()
+                p0 = x.data_ptr()
+            regs = s.stats()["registrations"]
+            # Each round's input (and outputs) are new allocations: registered afresh.
+            self.assertGreaterEqual(regs - regs0, 4)
+            print("stale-address rounds reusing the old address: %d of 4, registrations +%d"
+                  % (same_address, regs - regs0), file=sys.stderr)
 
     def test_device_flags(self):
         x = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
@@ -384,8 +444,12 @@ class NoHostCopyTest(unittest.TestCase):
                  or "memcpy dto" in n.lower())], names
 
     def test_no_device_to_host_copy(self):
+        for alloc in ("pool", "framework"):
+            self.check_no_device_to_host_copy(alloc)
+
+    def check_no_device_to_host_copy(self, alloc):
         x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
-        with session() as s:
+        with session(allocator=alloc) as s:
             s.dequantize(s.quantize(x, columnwise=True))  # warm: channel + registrations
             s.synchronize()
             keep = []
@@ -402,16 +466,42 @@ class NoHostCopyTest(unittest.TestCase):
             control, _ = self.count_copies(lambda: x.cpu())
             self.assertGreaterEqual(len(control), 1, "the profiler saw no copy at all: %s"
                                     % sorted(set(names))[:20])
-            # Pointers: pooled outputs are inside the session's pool chunks.
+            # Pointers: pooled outputs are inside the session's pool chunks
+            # (allocator='pool') or device memory of PyTorch's allocator.
             chunks = [(c.ptr, c.ptr + c.nbytes) for c in s.pool._chunks]
             for t in (keep[0].rowwise_data, keep[0].columnwise_scale_inv, keep[1]):
                 p = t.data_ptr()
-                self.assertTrue(any(lo <= p < hi for lo, hi in chunks), hex(p))
+                self.assertTrue(t.is_cuda)
+                self.assertEqual(any(lo <= p < hi for lo, hi in chunks), alloc == "pool", hex(p))
 
 
 class PoolTest(unittest.TestCase):
     def test_churn_registers_nothing_new(self):
-        with session() as s:
+        self.check_churn("pool")
+
+    def test_churn_with_the_framework_allocator(self):
+        # Outputs from PyTorch's caching allocator: its segments are registered
+        # once, then every call is a fast-path lookup; the pool is untouched.
+        with session(allocator="framework") as s:
+            for i in range(60):
+                x = torch.randn(256 + 128 * (i % 3), 512, device="cuda")
+                q = s.quantize(x, columnwise=True)
+                y = s.dequantize(q)
+                del q, y
+                if i == 5:
+                    s.synchronize()
+                    first = s.stats()
+                    hits = s._native.fast_hits()
+            s.synchronize()
+            last = s.stats()
+            self.assertEqual(last["registrations"], first["registrations"])
+            self.assertEqual(last["pool"]["allocs"], 0)
+            self.assertEqual(last["pool"]["chunks"], 0)
+            # 54 rounds x (quantize: input + 4 outputs, dequantize: 4 inputs + output).
+            self.assertGreaterEqual(s._native.fast_hits() - hits, 54 * 10)
+
+    def check_churn(self, alloc):
+        with session(allocator=alloc) as s:
             for i in range(60):
                 x = torch.randn(256 + 128 * (i % 3), 512, device="cuda")  # allocator churn
                 q = s.quantize(x, columnwise=True)

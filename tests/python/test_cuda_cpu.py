@@ -318,6 +318,175 @@ class TorchCpuInputTest(unittest.TestCase):
             q.fp8("columnwise")
 
 
+class FakeNative:
+    """Stands in for qtx._native.Session: records the submissions."""
+
+    def __init__(self):
+        self.calls = []
+
+    def quantize_into(self, *args):
+        self.calls.append(("quantize_into", args))
+        return 17
+
+    def quantize(self, *args):
+        self.calls.append(("quantize", args))
+        return 18
+
+    def close(self):
+        pass
+
+
+def fake_cuda_class():
+    class FakeCuda(torch.Tensor):
+        """A CPU tensor that says it is on cuda:0 (what the fast path reads)."""
+        @property
+        def is_cuda(self):
+            return True
+
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+        def get_device(self):
+            return 0
+    return FakeCuda
+
+
+class FastPathTest(unittest.TestCase):
+    """Session.quantize's PyTorch fast path and its memos, with a fake native
+    session and CPU tensors posing as CUDA ones."""
+
+    def setUp(self):
+        self.FakeCuda = fake_cuda_class()
+        self.s = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0)
+        self.native = FakeNative()
+        self.s._native = self.native
+
+    def tearDown(self):
+        self.s.close()
+
+    def cuda(self, t):
+        return t.as_subclass(self.FakeCuda)
+
+    def outs(self, shape, mode="1d", **override):
+        lay = qcuda.layout(shape, mode)
+        o = {f: self.cuda(torch.zeros(lay[f], dtype=torch.float32 if "scale" in f
+                                      else torch.uint8)) for f in qcuda.FIELDS}
+        o.update(override)
+        return o
+
+    def test_config_memo_keeps_only_valid_configs(self):
+        c1 = qcuda._config("2d", "e5m2", True, True, False, 0.5)
+        self.assertEqual(c1, qcuda.quantize_config("2d", "e5m2", True, True, False, 0.5))
+        self.assertIs(qcuda._config("2d", "e5m2", True, True, False, 0.5), c1)
+        self.assertNotEqual(qcuda._config("1d", "e5m2", True, True, False, 0.5), c1)
+        for _ in range(2):  # a bad argument raises every time: nothing was memoized
+            with self.assertRaises(qcuda.ArgumentError):
+                qcuda._config("3d", "e4m3", True, False, True, 0.0)
+            with self.assertRaises(qcuda.ArgumentError):
+                qcuda._config("1d", "e4m3", True, False, True, float("nan"))
+        self.assertNotIn(("3d", "e4m3", True, False, True, 0.0), qcuda._CONFIGS)
+        # -0.0 equals 0.0 as a key but not in its bits (AllGather compares them).
+        qcuda._config("1d", "e4m3", True, False, True, 0.0)
+        neg = qcuda._config("1d", "e4m3", True, False, True, -0.0)
+        self.assertEqual(str(neg[5]), "-0.0")
+
+    def test_plan_matches_the_layout(self):
+        cfg = qcuda.quantize_config("1d", "e4m3", True, True)
+        lay, parts = qcuda._plan(torch.Size([3, 100, 384]), cfg)
+        self.assertEqual(lay, qcuda.layout((3, 100, 384)))
+        self.assertEqual([p[0] for p in parts], list(qcuda.FIELDS))
+        for f, shp, nbytes, scale, i in parts:
+            self.assertEqual(shp, tuple(lay[f]))
+            self.assertEqual(nbytes, shp[0] * shp[1] * (4 if scale else 1))
+            self.assertEqual(qcuda.FIELDS[i], f)
+        self.assertIs(qcuda._plan((3, 100, 384), cfg)[1], parts)  # torch.Size == tuple key
+        _, row = qcuda._plan((3, 100, 384), qcuda.quantize_config("1d", "e4m3", True, False))
+        self.assertEqual([p[0] for p in row], ["rowwise_data", "rowwise_scale_inv"])
+
+    def test_out_tensors_go_through_one_flat_native_call(self):
+        x = self.cuda(torch.zeros(256, 512, dtype=torch.bfloat16))
+        out = self.outs((256, 512))
+        q = self.s.quantize(x, columnwise=True, out=out, stream=5)
+        self.assertEqual(len(self.native.calls), 1)
+        name, args = self.native.calls[0]
+        self.assertEqual(name, "quantize_into")
+        dev, stream, ptr, dtype, shape = args[:5]
+        self.assertEqual((dev, stream, ptr, dtype, tuple(shape)),
+                         (0, 5, x.data_ptr(), qcuda.BFLOAT16, (256, 512)))
+        self.assertEqual(args[5:11], (1, 1, True, True, True, 0.0))
+        want = []
+        for f in qcuda.FIELDS:
+            want += [out[f].data_ptr(), out[f].numel() * out[f].element_size()]
+        self.assertEqual(list(args[11:]), want)
+        self.assertEqual((q.op, q.stream, q.device, q.shape), (17, 5, 0, (256, 512)))
+        for f in qcuda.FIELDS:
+            self.assertIs(getattr(q, f), out[f])
+        self.assertFalse(q._framework_alloc)
+        self.assertEqual(set(vars(q)), set(vars(qcuda.QuantizedTensor((4, 128), "1d", "e4m3"))))
+        self.assertIs(q._session, self.s)
+        # Rowwise only: the columnwise pointers are 0; float8 data is accepted.
+        if hasattr(torch, "float8_e4m3fn"):
+            out = self.outs((256, 512))
+            out["rowwise_data"] = out["rowwise_data"].view(torch.float8_e4m3fn)
+            del out["columnwise_data"], out["columnwise_scale_inv"]
+            self.s.quantize(x, out=out, stream=5)
+            args = self.native.calls[-1][1]
+            self.assertEqual(self.native.calls[-1][0], "quantize_into")
+            self.assertEqual(args[15:], (0, 0, 0, 0))
+
+    def test_bad_out_tensors_fall_back_to_the_checked_path(self):
+        x = self.cuda(torch.zeros(256, 512, dtype=torch.float32))
+        bad = {
+            "shape": self.outs((256, 512), rowwise_data=self.cuda(
+                torch.zeros(256, 511, dtype=torch.uint8))),
+            "dtype": self.outs((256, 512), rowwise_scale_inv=self.cuda(
+                torch.zeros(qcuda.layout((256, 512))["rowwise_scale_inv"],
+                            dtype=torch.uint8))),
+            "not contiguous": self.outs((256, 512), columnwise_data=self.cuda(
+                torch.zeros(256, 512, dtype=torch.uint8)).t()),
+        }
+        for what, out in bad.items():
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                self.s.quantize(x, columnwise=True, out=out, stream=5)
+            self.assertIn(what, str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:  # a missing output
+            self.s.quantize(x, columnwise=True, out={"rowwise_data": None}, stream=5)
+        self.assertEqual(self.native.calls, [])  # nothing was submitted
+        # A non-contiguous input, a float64 input: refused by the checked path.
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            self.s.quantize(self.cuda(torch.zeros(512, 256)).t(), stream=5,
+                            out=self.outs((256, 512)))
+        self.assertIn("not contiguous", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError):
+            self.s.quantize(self.cuda(torch.zeros(4, 128, dtype=torch.float64)), stream=5)
+        self.assertEqual(self.native.calls, [])
+
+    def test_framework_outputs(self):
+        got = []
+
+        def fake_empty(torch_, specs, device, s, current=False):
+            got.append((specs, device, s))
+            return [self.cuda(torch.zeros(shape, dtype=dt)) for shape, dt in specs]
+        self.s._torch_empty = fake_empty
+        x = self.cuda(torch.zeros(256, 512, dtype=torch.float16))
+        q = self.s.quantize(x, mode="2d", columnwise=True, stream=9)
+        lay = qcuda.layout((256, 512), "2d")
+        self.assertEqual(got, [([(tuple(lay[f]), torch.float32 if "scale" in f else torch.uint8)
+                                 for f in qcuda.FIELDS], 0, 9)])
+        args = self.native.calls[-1][1]
+        self.assertEqual(list(args[11::2]), [getattr(q, f).data_ptr() for f in qcuda.FIELDS])
+        self.assertTrue(q._framework_alloc)
+        # allocator='pool': the fast path declines pooled outputs.
+        s2 = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0, allocator="pool")
+        s2._native = FakeNative()
+        cfg = qcuda._config("1d", "e4m3", True, False, True, 0.0)
+        self.assertIsNone(s2._quantize_torch(torch, x, cfg, "1d", "e4m3", None, 9))
+        s2.close()
+        with self.assertRaises(qcuda.ArgumentError):
+            qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0, allocator="torch")
+
+
 class FakeBackend:
     def __init__(self):
         self.next = 0x7000000

@@ -17,6 +17,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -123,12 +125,69 @@ class NativeSession {
   uint64_t Quantize(int device, uintptr_t stream, uintptr_t input, int dtype,
                     const std::vector<int64_t>& shape, int mode, int format, bool rowwise,
                     bool columnwise, bool pow2, float eps, const std::vector<Buf>& outs) {
+    const bool prof = profiling_.load(std::memory_order_relaxed);
+    const Clock::time_point t0 = prof ? Clock::now() : Clock::time_point();
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> l(mu_);
     qtx::Channel& ch = ChannelLocked(device, stream);
     const qtx::Tensor in = InputTensor(input, dtype, shape);
     const qtx::QuantizeOutputs o = Outputs(outs);
-    return Unwrap(ch.Quantize(in, MakeConfig(mode, format, rowwise, columnwise, pow2, eps), o));
+    const Clock::time_point t1 = prof ? Clock::now() : Clock::time_point();
+    const uint64_t op =
+        Unwrap(ch.Quantize(in, MakeConfig(mode, format, rowwise, columnwise, pow2, eps), o));
+    if (prof) Account(t0, t1, Clock::now());
+    return op;
+  }
+
+  // Quantize with flat arguments (what qtx.cuda's fast path passes: no
+  // lists of tuples to convert): the four outputs as (pointer, bytes) pairs,
+  // pointer 0 for a copy not requested.
+  uint64_t QuantizeInto(int device, uintptr_t stream, uintptr_t input, int dtype,
+                        const std::vector<int64_t>& shape, int mode, int format, bool rowwise,
+                        bool columnwise, bool pow2, float eps, uintptr_t rd, uint64_t rdb,
+                        uintptr_t rs, uint64_t rsb, uintptr_t cd, uint64_t cdb, uintptr_t cs,
+                        uint64_t csb) {
+    const bool prof = profiling_.load(std::memory_order_relaxed);
+    const Clock::time_point t0 = prof ? Clock::now() : Clock::time_point();
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> l(mu_);
+    qtx::Channel& ch = ChannelLocked(device, stream);
+    const qtx::Tensor in = InputTensor(input, dtype, shape);
+    qtx::QuantizeOutputs o;
+    if (rd != 0) o.rowwise_data = SliceLocked(rd, rdb);
+    if (rs != 0) o.rowwise_scale_inv = SliceLocked(rs, rsb);
+    if (cd != 0) o.columnwise_data = SliceLocked(cd, cdb);
+    if (cs != 0) o.columnwise_scale_inv = SliceLocked(cs, csb);
+    const Clock::time_point t1 = prof ? Clock::now() : Clock::time_point();
+    const uint64_t op =
+        Unwrap(ch.Quantize(in, MakeConfig(mode, format, rowwise, columnwise, pow2, eps), o));
+    if (prof) Account(t0, t1, Clock::now());
+    return op;
+  }
+
+  // Opt-in timing of the native part of quantize calls (for
+  // bench/python_channel_bench.py --breakdown): with it on, each call adds
+  // its time from entry (GIL held) to the slices resolved ("lookup_ns": GIL
+  // release, lock, channel lookup, region lookups) and from there to the
+  // channel's submission done ("submit_ns"). profile() returns and clears.
+  void SetProfiling(bool on) {
+    std::lock_guard<std::mutex> l(mu_);
+    profiling_ = on;
+  }
+  // Benchmarks only: RegionCache::set_fast_path.
+  void SetRegionFastPath(bool on) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (cache_) cache_->set_fast_path(on);
+  }
+  py::dict Profile() {
+    py::dict d;
+    std::lock_guard<std::mutex> l(mu_);
+    d["calls"] = prof_calls_;
+    d["lookup_ns"] = prof_lookup_ns_;
+    d["submit_ns"] = prof_submit_ns_;
+    d["fast_hits"] = cache_ ? cache_->fast_hits() : 0;
+    prof_calls_ = prof_lookup_ns_ = prof_submit_ns_ = 0;
+    return d;
   }
 
   // Submits this rank's part of AllGather `sequence` of `group`.
@@ -215,6 +274,10 @@ class NativeSession {
   uint64_t registrations() {
     std::lock_guard<std::mutex> l(mu_);
     return cache_ ? cache_->registrations() : 0;
+  }
+  uint64_t FastHits() {
+    std::lock_guard<std::mutex> l(mu_);
+    return cache_ ? cache_->fast_hits() : 0;
   }
 
   // The region slice of [ptr, ptr + bytes) as (region, offset, size)
@@ -497,7 +560,17 @@ class NativeSession {
     return first;
   }
 
+  using Clock = std::chrono::steady_clock;
+  // REQUIRES: mu_ held.
+  void Account(Clock::time_point t0, Clock::time_point t1, Clock::time_point t2) {
+    ++prof_calls_;
+    prof_lookup_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+    prof_submit_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t2 - t1).count();
+  }
+
   const std::string label_;
+  std::atomic<bool> profiling_{false};
+  uint64_t prof_calls_ = 0, prof_lookup_ns_ = 0, prof_submit_ns_ = 0;  // mu_
   qtx::cuda::FlagMemory flags_ = qtx::cuda::FlagMemory::kHostShm;
   std::mutex mu_;
   std::unique_ptr<qtx::Client> client_;
@@ -628,6 +701,11 @@ PYBIND11_MODULE(_native, m) {
            py::arg("timeout") = 60.0)
       .def("health", &NativeSession::Health)
       .def("quantize", &NativeSession::Quantize)
+      .def("quantize_into", &NativeSession::QuantizeInto)
+      .def("set_profiling", &NativeSession::SetProfiling)
+      .def("profile", &NativeSession::Profile)
+      .def("set_region_fast_path", &NativeSession::SetRegionFastPath)
+      .def("fast_hits", [](NativeSession& s) { return s.FastHits(); })
       .def("all_gather", &NativeSession::AllGather)
       .def("dequantize", &NativeSession::Dequantize)
       .def("query", &NativeSession::Query)

@@ -32,9 +32,15 @@ and kept until ``close()``.
 
 Outputs and lifetimes. Outputs are written into ``out=`` tensors when given
 (any CUDA array of the exact shape, dtype and contiguity; see
-``Session.quantize``), otherwise into blocks of the session's ``DevicePool``,
-returned as tensors of the input's framework (PyTorch / CuPy; other producers
-get ``DeviceArray`` objects with ``__cuda_array_interface__``):
+``Session.quantize``). Otherwise, for PyTorch inputs with
+``Session(allocator="framework")`` (the default), into tensors from
+PyTorch's caching allocator (``torch.empty`` with the call's stream current:
+PyTorch's own stream rules apply, ``q.record_stream`` calls
+``Tensor.record_stream``; their segments are registered with qtxd once each,
+like inputs). For other inputs, and with ``allocator="pool"``, into blocks
+of the session's ``DevicePool``, returned as tensors of the input's framework
+(PyTorch / CuPy; other producers get ``DeviceArray`` objects with
+``__cuda_array_interface__``):
 
 - A pooled block belongs to the session; it is allocated on the call's
   stream and returns to the pool when the last tensor (or view) using it is
@@ -66,6 +72,13 @@ Optimizer: ``offload_optimizer_state`` hands FP32 masters to qtxd once;
 ``step`` then takes gradients in device memory and writes the FP8 parameters
 into device memory, ordered on the call's stream by interprocess events (the
 host waits for qtxd's answer, whose statistics need the gradients).
+
+Speed: ``quantize`` of a contiguous PyTorch tensor with torch ``out=``
+tensors (or framework-allocated outputs) takes a fast path: memoized config
+and layout, ``torch._C._cuda_getCurrentRawStream`` for the current stream,
+the output checks inline, one native call with flat arguments; each region
+lookup in C++ is one driver call once the allocation is registered. Anything
+else (CuPy, CAI, DLPack, bad arguments) takes the general, fully checked path.
 
 Threads: a Session may be used from several threads; calls are serialized.
 """
@@ -390,6 +403,68 @@ def layout(shape, mode="1d"):
 
 
 _LAYOUTS = {}
+_CONFIGS = {}
+_PLANS = {}
+
+
+def _config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon):
+    """quantize_config, memoized on its arguments. Only valid configs are
+    kept: a bad argument is checked (and raises) on every call."""
+    key = (mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
+    if amax_epsilon == 0 and math.copysign(1.0, amax_epsilon) < 0:
+        return quantize_config(*key)  # -0.0 == 0.0 as a key, but its bits differ
+    try:
+        cfg = _CONFIGS.get(key)
+    except TypeError:  # an unhashable argument: no memo
+        return quantize_config(*key)
+    if cfg is None:
+        cfg = quantize_config(*key)
+        if len(_CONFIGS) > 1024:
+            _CONFIGS.clear()
+        _CONFIGS[key] = cfg
+    return cfg
+
+
+def _plan(shape, cfg):
+    """What quantizing `shape` with `cfg` writes, memoized: (layout,
+    ((field, 2-D shape, bytes, is_scale, index in FIELDS) for each copy cfg
+    asks for, in FIELDS order))."""
+    key = (cfg[0], cfg[2], cfg[3], shape)
+    p = _PLANS.get(key)
+    if p is None:
+        lay = layout(shape, cfg[0])
+        parts = []
+        for i, f in enumerate(FIELDS):
+            if cfg[2] if i < 2 else cfg[3]:
+                shp = tuple(int(d) for d in lay[f])
+                scale = i % 2 == 1
+                parts.append((f, shp, math.prod(shp) * (4 if scale else 1), scale, i))
+        p = (lay, tuple(parts))
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[(cfg[0], cfg[2], cfg[3], tuple(int(d) for d in shape))] = p
+    return p
+
+
+_TORCH_FAST = []
+
+
+def _torch_fast(torch):
+    """What the PyTorch fast path of Session.quantize needs, built once:
+    (torch.Tensor, {input dtype: qtx dtype}, {format: ok data dtypes},
+    float32, uint8, current_stream(device) -> int)."""
+    if _TORCH_FAST:
+        return _TORCH_FAST[0]
+    m = _torch_dtype_map(torch)
+    inputs = {t: q for t, q in m.items() if q in INPUT_DTYPES}
+    data_ok = {1: {t for t, q in m.items() if q in (UINT8, FLOAT8_E4M3)},
+               2: {t for t, q in m.items() if q in (UINT8, FLOAT8_E5M2)}}
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # older PyTorch: the public (slower) way
+        def raw(device):
+            return torch.cuda.current_stream(device).cuda_stream
+    _TORCH_FAST.append((torch.Tensor, inputs, data_ok, torch.float32, torch.uint8, raw))
+    return _TORCH_FAST[0]
 
 
 def _field_dtype_ok(field, dtype, fmt):
@@ -640,6 +715,7 @@ class QuantizedTensor:
 
     def __init__(self, shape, mode, format, rowwise_data=None, rowwise_scale_inv=None,
                  columnwise_data=None, columnwise_scale_inv=None):
+        # Session._quantize_torch sets these same fields without __init__: keep both in step.
         self.shape = tuple(shape)
         self.mode = mode
         self.format = format
@@ -652,6 +728,7 @@ class QuantizedTensor:
         self.op = None
         self._session = None
         self._blocks = ()
+        self._framework_alloc = False  # outputs from PyTorch's caching allocator
 
     def __repr__(self):
         present = [f for f in FIELDS if getattr(self, f) is not None]
@@ -685,10 +762,19 @@ class QuantizedTensor:
         return self._session._native.query(self.device, self.stream, self.op)
 
     def record_stream(self, stream):
-        """Tells the pool that the pooled outputs are used on `stream` too."""
+        """Tells the pool (or PyTorch's allocator, Tensor.record_stream, for
+        outputs it allocated) that the outputs are used on `stream` too."""
         h = stream_handle(stream)
         for b in self._blocks:
             b.record_stream(h)
+        if self._framework_alloc:
+            torch = _torch()
+            if not isinstance(stream, torch.cuda.Stream):
+                stream = torch.cuda.ExternalStream(h, device=torch.device("cuda", self.device))
+            for f in FIELDS:
+                t = getattr(self, f)
+                if t is not None:
+                    t.record_stream(stream)
 
 
 class AllGatherHandle:
@@ -746,16 +832,25 @@ class Session:
     target: qtxd's gRPC target. device: if given (int or 'cuda:N'), inputs
     must live on it. flag_memory: 'host' (the channel flags in shared host
     memory; qtxd needs --allow_client_shm) or 'device' (CUDA IPC; see
-    client/README.md). pool_chunk_bytes: the DevicePool's chunk size."""
+    client/README.md). pool_chunk_bytes: the DevicePool's chunk size.
+    allocator: where outputs not passed as out= come from: 'framework'
+    (default: for PyTorch inputs, torch.empty from PyTorch's caching
+    allocator on the call's stream; other inputs use the DevicePool) or
+    'pool' (always the session's DevicePool)."""
 
     def __init__(self, target=DEFAULT_TARGET, device=None, flag_memory="host", timeout=60.0,
-                 label="py", pool_chunk_bytes=64 << 20):
+                 label="py", pool_chunk_bytes=64 << 20, allocator="framework"):
         native = _native_or_raise()
         if flag_memory not in ("host", "device"):
             raise ArgumentError("flag_memory=%r: must be 'host' or 'device'" % flag_memory)
+        if allocator not in ("framework", "pool"):
+            raise ArgumentError("allocator=%r: must be 'framework' or 'pool'" % (allocator,))
         self.device = _device_index(device)
+        self.allocator = allocator
         self._native = native.Session(target, flag_memory, label, float(timeout))
         self.pool = DevicePool(_NativeCudaBackend(), pool_chunk_bytes)
+        self._tdevs = {}        # device index -> torch.device
+        self._ext_streams = {}  # (device, cudaStream_t) -> torch.cuda.ExternalStream
         self._world = {}
         self._groups = {}
         self._closed = False
@@ -801,6 +896,22 @@ class Session:
                                                                              device))
         return a
 
+    def _torch_empty(self, torch, specs, device, s, current=False):
+        """Tensors for [(shape, torch dtype)] from PyTorch's caching allocator
+        on cuda:`device`, for use on stream `s` (allocated with `s` current,
+        so PyTorch reuses the memory only in stream order after the work
+        queued on `s`). current: `s` is known to be the current stream."""
+        dev = self._tdevs.get(device)
+        if dev is None:
+            dev = self._tdevs[device] = torch.device("cuda", device)
+        if current or s == _torch_fast(torch)[5](device):
+            return [torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs]
+        es = self._ext_streams.get((device, s))
+        if es is None:
+            es = self._ext_streams[(device, s)] = torch.cuda.ExternalStream(s, device=dev)
+        with torch.cuda.stream(es):
+            return [torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs]
+
     def _quantize_outputs(self, out, lay, cfg, a, s):
         """([4 x (ptr, bytes) or None], {field: tensor}, [pool blocks])."""
         fmt, row, col = cfg[1], cfg[2], cfg[3]
@@ -817,6 +928,15 @@ class Session:
                                      lambda d, f=f: _field_dtype_ok(f, d, fmt), a.device,
                                      "float32" if scale else "uint8 or the format's float8")
                 bufs[f] = (o.ptr, o.nbytes)
+                tensors[f] = t
+        elif a.framework == "torch" and self.allocator == "framework":
+            torch = _torch()
+            parts = [(tuple(lay[f]), FLOAT32 if f.endswith("scale_inv") else UINT8)
+                     for f in fields]
+            ts = self._torch_empty(torch, [(shape, torch.float32 if dt == FLOAT32 else torch.uint8)
+                                           for shape, dt in parts], a.device, s)
+            for f, (shape, dt), t in zip(fields, parts, ts):
+                bufs[f] = (t.data_ptr(), math.prod(shape) * _ITEMSIZE[dt])
                 tensors[f] = t
         else:
             parts = [(lay[f], FLOAT32 if f.endswith("scale_inv") else UINT8) for f in fields]
@@ -838,7 +958,12 @@ class Session:
         QuantizedTensor at once. out: a QuantizedTensor or {field: tensor}
         with every requested buffer (uint8 or the format's float8 data,
         float32 scales, shapes as qtx.cuda.layout), else pooled outputs."""
-        cfg = quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
+        cfg = _config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
+        torch = _torch()
+        if torch is not None:
+            q = self._quantize_torch(torch, x, cfg, mode, format, out, stream)
+            if q is not None:
+                return q
         a, s = self._input(x, "x", stream)
         if a.dtype not in INPUT_DTYPES:
             raise ArgumentError("x: dtype %s; qtx quantizes float32, bfloat16, float16"
@@ -851,7 +976,68 @@ class Session:
         bufs, tensors, blocks = self._quantize_outputs(out, lay, cfg, a, s)
         op = self._native.quantize(a.device, s, a.ptr, a.dtype, list(a.shape), cfg[0], cfg[1],
                                    cfg[2], cfg[3], cfg[4], cfg[5], bufs)
-        return self._result(a.shape, mode, format, tensors, a.device, s, op, blocks)
+        q = self._result(a.shape, mode, format, tensors, a.device, s, op, blocks)
+        q._framework_alloc = out is None and not blocks
+        return q
+
+    def _quantize_torch(self, torch, x, cfg, mode, format, out, stream):
+        """Session.quantize for the common PyTorch case, with as few Python
+        and native steps as possible: a contiguous CUDA input of an input
+        dtype, torch out= tensors of the exact dtype/shape/device (or outputs
+        from PyTorch's allocator). Returns None for anything else (the
+        general path then handles it, and raises for bad arguments)."""
+        tensor_t, inputs, data_ok, f32, _, current = _torch_fast(torch)
+        if not isinstance(x, tensor_t):
+            return None
+        dtype = inputs.get(x.dtype)
+        if dtype is None or not x.is_cuda or not x.is_contiguous():
+            return None
+        shape = x.shape
+        if not shape or x.numel() == 0:
+            return None
+        dev = x.get_device()
+        if self.device is not None and dev != self.device:
+            return None
+        if stream is None:
+            s, is_current = current(dev), True
+        else:
+            s, is_current = stream_handle(stream), False
+        lay, parts = _plan(shape, cfg)
+        ptrs = [0, 0, 0, 0, 0, 0, 0, 0]
+        tensors = {}
+        framework_alloc = False
+        if out is not None:
+            ok_data = data_ok[cfg[1]]
+            is_dict = isinstance(out, dict)
+            for f, shp, nbytes, scale, i in parts:
+                t = out.get(f) if is_dict else getattr(out, f, None)
+                if (not isinstance(t, tensor_t) or not t.is_cuda or t.shape != shp
+                        or (t.dtype != f32 if scale else t.dtype not in ok_data)
+                        or not t.is_contiguous() or t.get_device() != dev):
+                    return None  # the general path says what is wrong
+                ptrs[2 * i], ptrs[2 * i + 1] = t.data_ptr(), nbytes
+                tensors[f] = t
+        elif self.allocator == "framework":
+            ts = self._torch_empty(torch, [(shp, f32 if scale else torch.uint8)
+                                           for _, shp, _, scale, _ in parts], dev, s, is_current)
+            for (f, _, nbytes, _, i), t in zip(parts, ts):
+                ptrs[2 * i], ptrs[2 * i + 1] = t.data_ptr(), nbytes
+                tensors[f] = t
+            framework_alloc = True
+        else:
+            return None
+        op = self._native.quantize_into(dev, s, x.data_ptr(), dtype, shape, cfg[0], cfg[1],
+                                        cfg[2], cfg[3], cfg[4], cfg[5], *ptrs)
+        q = object.__new__(QuantizedTensor)  # QuantizedTensor.__init__'s fields, set at once
+        q.__dict__.update(
+            shape=tuple(shape), mode=mode, format=format,
+            rowwise_data=tensors.get("rowwise_data"),
+            rowwise_scale_inv=tensors.get("rowwise_scale_inv"),
+            columnwise_data=tensors.get("columnwise_data"),
+            columnwise_scale_inv=tensors.get("columnwise_scale_inv"),
+            stream=s, device=dev, op=op, _session=self, _blocks=(),
+            _framework_alloc=framework_alloc)
+        return q
 
     def _result(self, shape, mode, format, tensors, device, s, op, blocks):
         q = QuantizedTensor(shape, mode, format, **tensors)
@@ -895,6 +1081,11 @@ class Session:
         if out is not None:
             o = self._out_tensor(out, "out", shape, lambda d: d == odt, a0.device, dtype)
             result = out
+        elif a0.framework == "torch" and self.allocator == "framework":
+            torch = _torch()
+            tdt = {FLOAT32: torch.float32, FLOAT16: torch.float16, BFLOAT16: torch.bfloat16}[odt]
+            result = self._torch_empty(torch, [(shape, tdt)], a0.device, s)[0]
+            o = CudaArray(result.data_ptr(), shape, odt, a0.device, True, "torch")
         else:
             nbytes = math.prod(shape) * _ITEMSIZE[odt]
             block = self.pool.alloc(a0.device, s, nbytes)
@@ -951,6 +1142,7 @@ class Session:
                                      list(a.shape), cfg[0], cfg[1], cfg[2], cfg[3], cfg[4],
                                      cfg[5], bufs)
         result = self._result(gshape, mode, format, tensors, a.device, s, op, blocks)
+        result._framework_alloc = out is None and not blocks
         if not async_op:
             return result
         return AllGatherHandle(self, result, a.device, s, _native.event_record(a.device, s))
@@ -1047,6 +1239,7 @@ class Session:
             bufs, tensors, blocks = self._quantize_outputs(o, lay, cfg, a, s)
             dests.append((name, bufs))
             results[name] = self._result(a.shape, mode, fmt, tensors, a.device, s, None, blocks)
+            results[name]._framework_alloc = o is None and not blocks
         stats = self._native.step(device, s, group, int(step), grads, dests,
                                   -1.0 if lr is None else float(lr),
                                   0.0 if max_grad_norm is None else float(max_grad_norm),

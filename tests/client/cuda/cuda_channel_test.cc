@@ -390,7 +390,9 @@ TEST_F(CudaChannelTest, RegionCacheRegistersEachAllocationOnceAndNoticesReplacem
   EXPECT_EQ(s1.offset, 4096u);
   QTX_ASSERT_OK_AND_ASSIGN(RegionSlice s2, cache.Slice(a, 64));
   EXPECT_EQ(s2.region, s1.region);
+  EXPECT_EQ(s2.offset, 0u);
   EXPECT_EQ(cache.registrations(), 1u);
+  EXPECT_EQ(cache.fast_hits(), 1u);  // the second lookup: one driver call
   // The slice reaches the right bytes (the GPU by UUID on registration).
   QTX_ASSERT_OK_AND_ASSIGN(QuantizedTensor q,
                            client_->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, s1), {}));
@@ -401,12 +403,27 @@ TEST_F(CudaChannelTest, RegionCacheRegistersEachAllocationOnceAndNoticesReplacem
   CUDA_OK(cudaFree(a));
   char* b2 = nullptr;
   CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&b2), 1 << 20));
-  QTX_ASSERT_OK_AND_ASSIGN(RegionSlice s3, cache.Slice(b2, 64));
+  const uint64_t hits = cache.fast_hits();
+  QTX_ASSERT_OK_AND_ASSIGN(RegionSlice s3, cache.Slice(b2 + 4096, input.size()));
   EXPECT_EQ(cache.registrations(), 2u);
+  EXPECT_EQ(cache.fast_hits(), hits);  // a new buffer id: the full path, never a stale hit
+  EXPECT_NE(s3.region, s1.region);
   std::printf("{\"test\":\"region_cache\",\"address_reused\":%s,\"registrations\":%llu}\n",
               b2 == a ? "true" : "false",
               static_cast<unsigned long long>(cache.registrations()));
-  (void)s3;
+  // The new allocation's bytes are what qtxd reads.
+  CUDA_OK(cudaMemcpy(b2 + 4096, input.data(), input.size(), cudaMemcpyHostToDevice));
+  QTX_ASSERT_OK_AND_ASSIGN(q, client_->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, s3), {}));
+  EXPECT_TRUE(q.rowwise_data->data == expected) << "quantize after replacement differs";
+  // With the fast path off every lookup takes the full path (same answer).
+  cache.set_fast_path(false);
+  QTX_ASSERT_OK_AND_ASSIGN(RegionSlice s4, cache.Slice(b2 + 4096, input.size()));
+  EXPECT_EQ(s4.region, s3.region);
+  EXPECT_EQ(s4.offset, s3.offset);
+  EXPECT_EQ(cache.fast_hits(), hits);
+  cache.set_fast_path(true);
+  QTX_ASSERT_OK_AND_ASSIGN(s4, cache.Slice(b2 + 4096, input.size()));
+  EXPECT_EQ(cache.fast_hits(), hits + 1);
   // Memory CUDA IPC cannot export: an error naming the allocator setting.
   void* pooled = nullptr;
   CUDA_OK(cudaMallocAsync(&pooled, 1 << 20, stream_));
