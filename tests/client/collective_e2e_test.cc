@@ -593,13 +593,6 @@ TEST(ClientCollectiveE2e, CreateGroupErrorsKeepServerCodeAndMessage) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (absl::StartsWith(arg, "--qtxd=")) qtx::g_qtxd_path = arg.substr(7);
-  }
-  if (qtx::g_qtxd_path.empty()) {
-    std::cerr << "usage: client_collective_e2e_test --qtxd=<path to qtxd>\n";
-    return 2;
-  }
+  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -6,9 +6,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -83,6 +86,16 @@ QtxdProcess::~QtxdProcess() {
   if (pid_ >= 0) Stop().IgnoreError();
   std::error_code ec;
   std::filesystem::remove_all(dir_, ec);
+}
+
+std::string QtxdFlagOrExit(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg.starts_with("--qtxd=") && arg.size() > 7) return std::string(arg.substr(7));
+  }
+  std::fprintf(stderr, "usage: %s --qtxd=<path to qtxd> [gtest flags]\n",
+               argc > 0 ? argv[0] : "test");
+  std::exit(2);
 }
 
 }  // namespace qtx::testing

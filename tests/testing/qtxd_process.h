@@ -55,6 +55,11 @@ class QtxdProcess {
   const std::string socket_path_;
 };
 
+// The --qtxd=PATH argument of a test binary that starts qtxd (call it after
+// ::testing::InitGoogleTest, which takes gtest's own flags out of argv).
+// Without it, prints a usage line naming the binary and exits with status 2.
+std::string QtxdFlagOrExit(int argc, char** argv);
+
 // The qtxd binary of a test target compiled with QTXD_PATH: $QTXD when set
 // (e.g. a qtxd from a bundle on a GPU host), else QTXD_PATH.
 #ifdef QTXD_PATH

@@ -38,23 +38,19 @@
 #include "qtx/cuda_channel.h"
 #include "qtx/cuda_ipc.h"
 #include "tests/client/cuda/channel_test_kernels.h"
+#include "tests/client/cuda/cuda_test_support.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx {
 namespace {
 
+using ::qtx::testing::DeviceArena;
 using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;
-
-#define CUDA_OK(expr)                                                      \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
-  } while (0)
 
 constexpr char kGroup[] = "solo";
 
@@ -82,15 +78,6 @@ kernels::QuantizeParams ParamsOf(const QuantizeConfig& c) {
   return p;
 }
 
-// One device allocation registered as a CUDA IPC region, carved by a bump
-// allocator into 256-byte aligned slices.
-struct DeviceArena {
-  void* base = nullptr;
-  uint64_t size = 0;
-  uint64_t used = 0;
-  std::string name;
-  RegionSlice Take(uint64_t bytes) {
-    RegionSlice s{name, used, bytes};
     used += (bytes + 255) / 256 * 256;
     EXPECT_LE(used, size);
     return s;
@@ -457,13 +444,6 @@ TEST_F(CudaAllGatherChannelTest, MixedChannelAllGathersOnlyEnqueueWhileTheCaller
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (absl::StartsWith(arg, "--qtxd=")) qtx::g_qtxd_path = arg.substr(7);
-  }
-  if (qtx::g_qtxd_path.empty()) {
-    std::fprintf(stderr, "usage: cuda_allgather_channel_test --qtxd=<path to qtxd>\n");
-    return 2;
-  }
+  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -34,12 +34,14 @@
 #include "qtx/cuda_channel.h"
 #include "qtx/cuda_ipc.h"
 #include "tests/client/cuda/channel_test_kernels.h"
+#include "tests/client/cuda/cuda_test_support.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx {
 namespace {
 
+using ::qtx::testing::DeviceArena;
 using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -47,26 +49,11 @@ using ::testing::HasSubstr;
 std::string g_qtxd_path;
 std::string g_self_path;  // this executable, for the child mode below
 
-#define CUDA_OK(expr)                                                            \
-  do {                                                                           \
-    const cudaError_t e_ = (expr);                                               \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);       \
-  } while (0)
-
 int Iterations() {
   const char* s = std::getenv("QTX_CHANNEL_TEST_ITERS");
   return s != nullptr ? std::atoi(s) : 500;
 }
 
-// One device allocation registered as a CUDA IPC region, carved by a bump
-// allocator into 256-byte aligned slices.
-struct DeviceArena {
-  void* base = nullptr;
-  uint64_t size = 0;
-  uint64_t used = 0;
-  std::string name;
-  RegionSlice Take(uint64_t bytes) {
-    RegionSlice s{name, used, bytes};
     used += (bytes + 255) / 256 * 256;
     EXPECT_LE(used, size);
     return s;
@@ -471,13 +458,6 @@ int main(int argc, char** argv) {
     if (absl::StartsWith(arg, "--park_child=")) return qtx::ParkChild(arg.substr(13));
   }
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (absl::StartsWith(arg, "--qtxd=")) qtx::g_qtxd_path = arg.substr(7);
-  }
-  if (qtx::g_qtxd_path.empty()) {
-    std::fprintf(stderr, "usage: cuda_channel_test --qtxd=<path to qtxd>\n");
-    return 2;
-  }
+  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

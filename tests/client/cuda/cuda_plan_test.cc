@@ -32,6 +32,7 @@
 #include "qtx/cuda_ipc.h"
 #include "qtx/cuda_plan.h"
 #include "tests/client/cuda/channel_test_kernels.h"
+#include "tests/client/cuda/cuda_test_support.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
@@ -43,12 +44,6 @@ using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;
-
-#define CUDA_OK(expr)                                                      \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
-  } while (0)
 
 int Replays() {
   const char* s = std::getenv("QTX_PLAN_TEST_REPLAYS");
@@ -299,13 +294,6 @@ TEST_F(CudaPlanTest, QtxdDyingReleasesReplaysForGood) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (absl::StartsWith(arg, "--qtxd=")) qtx::g_qtxd_path = arg.substr(7);
-  }
-  if (qtx::g_qtxd_path.empty()) {
-    std::fprintf(stderr, "usage: cuda_plan_test --qtxd=<path to qtxd>\n");
-    return 2;
-  }
+  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

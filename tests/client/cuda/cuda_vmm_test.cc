@@ -41,6 +41,7 @@
 #include "qtx/cuda_channel.h"
 #include "qtx/cuda_ipc.h"
 #include "tests/client/cuda/channel_test_kernels.h"
+#include "tests/client/cuda/cuda_test_support.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
 
@@ -54,11 +55,6 @@ using ::testing::HasSubstr;
 std::string g_qtxd_path;
 std::string g_self_path;
 
-#define CUDA_OK(expr)                                                      \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
-  } while (0)
 #define CU_OK(expr)                                         \
   do {                                                      \
     const CUresult r_ = (expr);                             \
@@ -740,13 +736,6 @@ int main(int argc, char** argv) {
     if (absl::StartsWith(arg, "--busy_child_ipc=")) return qtx::BusyChild(false, arg.substr(17));
   }
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (absl::StartsWith(arg, "--qtxd=")) qtx::g_qtxd_path = arg.substr(7);
-  }
-  if (qtx::g_qtxd_path.empty()) {
-    std::fprintf(stderr, "usage: cuda_vmm_test --qtxd=<path to qtxd>\n");
-    return 2;
-  }
+  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }
