@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/quantize_tensor.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cpu {
@@ -275,6 +276,9 @@ void ZeroScales(const QuantizeParams& p, const QuantizedLayout& l, const Quantiz
 
 void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
                    const QuantizeParams& params, const QuantizedBuffers& out) {
+  if (params.scaling == BlockScaling::kTensor) {
+    return QuantizeTensor(input, dtype, m, n, params, out);
+  }
   const QuantizedLayout l = ComputeLayout(params.scaling, m, n);
   ZeroScales(params, l, out);  // padding is 0 (TE leaves it uninitialized)
   Outputs o;
@@ -405,6 +409,9 @@ void AssembleShards(int world_size, const ShardGeometry* geoms, const ShardConst
 
 void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8Format format,
                      int64_t m, int64_t n, bool use_rowwise, InputDType out_dtype, void* out) {
+  if (scaling == BlockScaling::kTensor) {
+    return DequantizeTensor(in, format, m, n, use_rowwise, out_dtype, out);
+  }
   if (m == 0 || n == 0) return;
   const QuantizedLayout l = ComputeLayout(scaling, m, n);
   const bool one_d = scaling == BlockScaling::kBlock1D;
