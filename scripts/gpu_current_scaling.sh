@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# On a GPU host: per-tensor current scaling (issue 16) - the CUDA kernel's
+# bit-exact tests against the CPU reference, then quantize_cuda_bench on the
+# issue's shapes with both L2 methods (rotating buffers, and a 256 MiB memset
+# flush before every launch) and the copy of the same bytes in the same run,
+# then the whole kernels_cuda_test (the block kernels share the cast code).
+#
+# Bundle (made here; the script travels inside it):
+#   QTX_BUNDLE_SKIP='libcublas|libcublasLt' deploy/bundle/make_bundle.sh build BUNDLE \
+#     build/tests/kernels/cuda/kernels_cuda_test build/bench/quantize_cuda_bench
+#   cp scripts/gpu_current_scaling.sh BUNDLE/
+# Run:
+#   BUNDLE/gpu_current_scaling.sh OUT_DIR [BUNDLE]
+# BUNDLE defaults to the script's own folder when it holds bin/kernels_cuda_test,
+# else ./bundle-cur-scale. Environment: QTX_BENCH_ITERS (default 100),
+# QTX_BENCH_SHAPES (default the issue's four shapes), QTX_FULL_TEST=0 skips the
+# whole-suite step.
+# Writes under OUT_DIR: gpu.txt, tensor_test.txt, bench.txt (the table and
+# any error), bench.jsonl (one JSON object per measurement), full_test.txt;
+# prints one summary line per step. Exit status: 0 when every step passed.
+set -uo pipefail
+OUT="${1:?usage: gpu_current_scaling.sh OUT_DIR [BUNDLE]}"
+script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ -n "${2:-}" ]; then
+  B="$(cd "$2" && pwd)" || { echo "bundle '$2' not found" >&2; exit 2; }
+elif [ -x "$script_dir/bin/kernels_cuda_test" ]; then
+  B="$script_dir"
+else
+  B="$(cd bundle-cur-scale && pwd)" || { echo "no bundle: pass it as the second argument" >&2; exit 2; }
+fi
+for exe in kernels_cuda_test quantize_cuda_bench; do
+  if [ ! -x "$B/bin/$exe" ]; then
+    echo "$B/bin/$exe: missing (see the bundle command in this script)" >&2
+    exit 2
+  fi
+done
+mkdir -p "$OUT" || exit 2
+export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+iters="${QTX_BENCH_ITERS:-100}"
+shapes="${QTX_BENCH_SHAPES:-4096x4096,8192x8192,16384x7168,32768x4096}"
+
+nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,power.limit --format=csv \
+  >> "$OUT/gpu.txt" 2>&1
+
+rc_all=0
+step() {  # step NAME CMD...: run, log to OUT/NAME.txt, summarize
+  local name="$1"
+  shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  [ "$rc" -ne 0 ] && rc_all=1
+  echo "$name rc=$rc $((SECONDS - t0))s $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.txt" | tr '\n' ' ')"
+  return "$rc"
+}
+
+step tensor_test "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeTensorCuda.*'
+
+# JSON lines on stdout, the table on stderr.
+t0=$SECONDS
+"$B/bin/quantize_cuda_bench" --l2 both --iters "$iters" --shapes "$shapes" \
+  --modes 1d,2d,tensor > "$OUT/bench.jsonl" 2> "$OUT/bench.txt"
+rc=$?
+[ "$rc" -ne 0 ] && rc_all=1
+echo "bench rc=$rc $((SECONDS - t0))s $(grep -c '^{' "$OUT/bench.jsonl") measurements"
+# Per-tensor rows of the summary: mode l2 usage shape variant time_us ... ratio.
+grep -E '^(mode|tensor) ' "$OUT/bench.txt" || true
+
+if [ "${QTX_FULL_TEST:-1}" != 0 ]; then
+  step full_test "$B/bin/kernels_cuda_test" --gtest_filter='-QuantizeTensorCuda.*'
+fi
+exit "$rc_all"
