@@ -51,7 +51,7 @@ step() {  # step NAME CMD...: run, log to OUT/NAME.txt, summarize
   "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
   [ "$rc" -ne 0 ] && rc_all=1
-  echo "$name rc=$rc $((SECONDS - t0))s $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.txt" | tr '\n' ' ')"
+  echo "$name rc=$rc $((SECONDS - t0))s $(grep -E '^\[  PASSED  \] |^\[  FAILED  \] [0-9]+ tests?,' "$OUT/$name.txt" | tr '\n' ' ')"
   return "$rc"
 }
 
