@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) RowCastKernel(const CastArgs a) {
 // (vec_in / vec_row / vec_col); edge tiles load and store element by element
 // with bounds checks.
 template <InputDType D, Fp8Format F, bool kRow>
-__global__ void __launch_bounds__(kThreads) TileCastKernel(const CastArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) {
   __shared__ float red[kWarps];
   __shared__ __align__(16) uint8_t tsm[kTile * kTile];
   const float scale = TensorScaleFromPartials<F>(a, red);
@@ -330,6 +330,32 @@ cudaError_t SmCount(int* sms) {
   if (err != cudaSuccess) return err;
   if (dev >= 0 && dev < kMaxDevices) cache[dev].store(*sms, std::memory_order_relaxed);
   return cudaSuccess;
+}
+
+// CTAs of `kernel` (kThreads threads, static shared memory only) that fit on
+// the device at once: sms * blocks per SM, cached in `cache` (one array per
+// kernel instantiation, indexed by device). The cast passes launch exactly
+// this many (or fewer), so that every CTA is resident and the pass sweeps the
+// tensor in one front, from its end.
+template <typename Kernel>
+cudaError_t ResidentCtas(Kernel kernel, int sms, std::atomic<int>* cache, int64_t* resident) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  int per_sm = cached ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (per_sm == 0) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) per_sm = 1;
+    if (cached) cache[dev].store(per_sm, std::memory_order_relaxed);
+  }
+  *resident = int64_t{sms} * per_sm;
+  return cudaSuccess;
+}
+
+int GridFor(int64_t work, int64_t resident) {
+  return static_cast<int>(work < resident ? (work > 0 ? work : 1) : resident);
 }
 
 template <typename Fn>
@@ -455,11 +481,16 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
         RowCastKernel<D, F><<<1, kThreads, 0, stream>>>(a);
         return cudaGetLastError();
       }
-      // Pass 1. About 32 elements a thread, at most 8 CTAs per SM.
-      const int64_t want = CeilDiv(count, int64_t{kThreads} * 32);
-      const int amax_grid = static_cast<int>(want < int64_t{sms} * 8 ? want : int64_t{sms} * 8);
+      // Pass 1: at least about 32 elements a thread, every CTA resident.
+      static std::atomic<int> amax_cache[kMaxDevices];
+      static std::atomic<int> row_cache[kMaxDevices];
+      static std::atomic<int> tile_cache[2][kMaxDevices];
+      int64_t resident = 0;
+      cudaError_t e = ResidentCtas(TensorAmaxKernel<D>, sms, amax_cache, &resident);
+      if (e != cudaSuccess) return e;
+      const int amax_grid = GridFor(CeilDiv(count, int64_t{kThreads} * 32), resident);
       float* partials = nullptr;
-      cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&partials),
+      e = cudaMallocAsync(reinterpret_cast<void**>(&partials),
                                       sizeof(float) * amax_grid, stream);
       if (e != cudaSuccess) return e;
       TensorAmaxKernel<D><<<amax_grid, kThreads, 0, stream>>>(input, count,
@@ -471,23 +502,29 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
         a.num_partials = amax_grid;
         if (!params.columnwise) {
           a.vec = Aligned(input, 16) && Aligned(a.qr, 8);
-          const int64_t chunks = CeilDiv(count, 8 * 4);
-          const int grid =
-              static_cast<int>(chunks < int64_t{sms} * 8 ? chunks : int64_t{sms} * 8);
-          RowCastKernel<D, F><<<grid, kThreads, 0, stream>>>(a);
+          e = ResidentCtas(RowCastKernel<D, F>, sms, row_cache, &resident);
+          if (e == cudaSuccess) {
+            const int grid = GridFor(CeilDiv(count, int64_t{kThreads} * 8 * 4), resident);
+            RowCastKernel<D, F><<<grid, kThreads, 0, stream>>>(a);
+          }
         } else {
           a.vec_in = Aligned(input, 16) && (n * elem) % 16 == 0;
           a.vec_row = params.rowwise && Aligned(a.qr, 8) && n % 8 == 0;
           a.vec_col = Aligned(a.qc, 16) && m % 16 == 0;
           const int64_t tiles = a.mb * a.nb;
-          const int grid = static_cast<int>(tiles < int64_t{sms} * 4 ? tiles : int64_t{sms} * 4);
           if (params.rowwise) {
-            TileCastKernel<D, F, true><<<grid, kThreads, 0, stream>>>(a);
+            e = ResidentCtas(TileCastKernel<D, F, true>, sms, tile_cache[1], &resident);
+            if (e == cudaSuccess) {
+              TileCastKernel<D, F, true><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
+            }
           } else {
-            TileCastKernel<D, F, false><<<grid, kThreads, 0, stream>>>(a);
+            e = ResidentCtas(TileCastKernel<D, F, false>, sms, tile_cache[0], &resident);
+            if (e == cudaSuccess) {
+              TileCastKernel<D, F, false><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
+            }
           }
         }
-        e = cudaGetLastError();
+        if (e == cudaSuccess) e = cudaGetLastError();
       }
       const cudaError_t f = cudaFreeAsync(partials, stream);
       return e != cudaSuccess ? e : f;
