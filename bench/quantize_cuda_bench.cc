@@ -1,8 +1,15 @@
-// Kernel benchmark of kernels/cuda QuantizeBlock against a device-to-device
-// copy of the same byte count, measured in the same run. JSON lines on stdout
-// (one object per measurement), a summary table on stderr. See bench/README.md.
+// Kernel benchmark of kernels/cuda QuantizeBlock (1d, 2d and per-tensor
+// current scaling) against a device-to-device copy of the same byte count,
+// measured in the same run. JSON lines on stdout (one object per measurement),
+// a summary table on stderr. See bench/README.md.
 //
-//   quantize_cuda_bench [--iters N] [--quick]
+//   quantize_cuda_bench [--iters N] [--quick] [--l2 rotate|flush|both]
+//                       [--modes 1d,2d,tensor] [--shapes 8192x8192,...]
+//
+// --l2 rotate (default): inputs and outputs rotate over >= 1 GiB of buffer sets.
+// --l2 flush: one buffer set; a 256 MiB cudaMemsetAsync before every timed
+// launch (outside the timed events) evicts L2, as TransformerEngine's figures
+// in issue 16 were taken. The copy baseline is timed the same way.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -39,13 +46,18 @@ namespace qcuda = qtx::kernels::cuda;
   } while (0)
 
 // Median of per-launch times (µs) of `launch(i)` over `iters` launches after
-// `warmup`, each bracketed by its own pair of CUDA events.
-template <typename Fn>
-double MedianUs(int warmup, int iters, Fn&& launch) {
-  for (int i = 0; i < warmup; ++i) launch(i);
+// `warmup`, each bracketed by its own pair of CUDA events; `prepare(i)` is
+// enqueued before each launch, outside its events (the L2 flush).
+template <typename Prep, typename Fn>
+double MedianUs(int warmup, int iters, Prep&& prepare, Fn&& launch) {
+  for (int i = 0; i < warmup; ++i) {
+    prepare(i);
+    launch(i);
+  }
   std::vector<cudaEvent_t> ev(2 * iters);
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   for (int i = 0; i < iters; ++i) {
+    prepare(warmup + i);
     CHECK_CUDA(cudaEventRecord(ev[2 * i], nullptr));
     launch(warmup + i);
     CHECK_CUDA(cudaEventRecord(ev[2 * i + 1], nullptr));
@@ -68,14 +80,62 @@ struct Set {
   QuantizedBuffers out;
 };
 
+// "8192x8192,16384x7168" -> shapes; false on a malformed list.
+template <typename Shape>
+bool ParseShapes(const char* arg, std::vector<Shape>* out) {
+  out->clear();
+  std::string list(arg);
+  size_t pos = 0;
+  while (pos <= list.size()) {
+    const size_t end = std::min(list.find(',', pos), list.size());
+    const std::string item = list.substr(pos, end - pos);
+    long long m = 0, n = 0;
+    char extra = 0;
+    if (std::sscanf(item.c_str(), "%lldx%lld%c", &m, &n, &extra) != 2 || m <= 0 || n <= 0) {
+      return false;
+    }
+    out->push_back({m, n});
+    pos = end + 1;
+  }
+  return !out->empty();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 200;
   bool quick = false;
+  bool l2_rotate = true, l2_flush = false;
+  std::string modes = "1d,2d,tensor";
+  const char* shapes_arg = nullptr;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
-    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
+      iters = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--quick")) {
+      quick = true;
+    } else if (!std::strcmp(argv[i], "--l2") && i + 1 < argc) {
+      const std::string v = argv[++i];
+      l2_rotate = v == "rotate" || v == "both";
+      l2_flush = v == "flush" || v == "both";
+      if (!l2_rotate && !l2_flush) {
+        std::fprintf(stderr, "--l2 %s: must be rotate, flush or both\n", v.c_str());
+        return 2;
+      }
+    } else if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) {
+      modes = argv[++i];
+    } else if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) {
+      shapes_arg = argv[++i];
+    } else {
+      std::fprintf(stderr,
+                   "unknown argument %s\nusage: quantize_cuda_bench [--iters N] [--quick] "
+                   "[--l2 rotate|flush|both] [--modes 1d,2d,tensor] [--shapes MxN,...]\n",
+                   argv[i]);
+      return 2;
+    }
+  }
+  if (iters < 1) {
+    std::fprintf(stderr, "--iters %d: must be >= 1\n", iters);
+    return 2;
   }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -90,6 +150,25 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes = {{4096, 4096}, {8192, 8192}, {8191, 8192}, {8208, 8192},
                                {16384, 7168}, {32768, 4096}};
   if (quick) shapes = {{8192, 8192}, {8191, 8192}, {8208, 8192}};
+  if (shapes_arg != nullptr && !ParseShapes(shapes_arg, &shapes)) {
+    std::fprintf(stderr, "--shapes %s: expected MxN[,MxN...]\n", shapes_arg);
+    return 2;
+  }
+  struct Mode {
+    const char* name;
+    BlockScaling scaling;
+  };
+  std::vector<Mode> mode_list;
+  for (const Mode& m : {Mode{"1d", BlockScaling::kBlock1D}, Mode{"2d", BlockScaling::kBlock2D},
+                        Mode{"tensor", BlockScaling::kTensor}}) {
+    if (("," + modes + ",").find(std::string(",") + m.name + ",") != std::string::npos) {
+      mode_list.push_back(m);
+    }
+  }
+  if (mode_list.empty()) {
+    std::fprintf(stderr, "--modes %s: expected a list of 1d, 2d, tensor\n", modes.c_str());
+    return 2;
+  }
   struct Usage {
     const char* name;
     bool row, col;
@@ -105,22 +184,26 @@ int main(int argc, char** argv) {
                               {"l2_outputs", {0, 0, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
-  constexpr int64_t kRingBytes = int64_t{1} << 30;  // rotate buffers: >> 60 MB L2
+  constexpr int64_t kRingBytes = int64_t{1} << 30;   // rotate buffers: >> 60 MB L2
+  constexpr int64_t kFlushBytes = int64_t{256} << 20;  // the L2 flush of --l2 flush
+  void* flush_buf = nullptr;
+  if (l2_flush) CHECK_CUDA(cudaMalloc(&flush_buf, kFlushBytes));
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
 
-  std::fprintf(stderr, "%-4s %-8s %-12s %-12s %9s %7s %9s %7s %6s\n", "mode", "usage", "shape",
-               "variant", "time_us", "TB/s", "copy_us", "TB/s", "ratio");
+  std::fprintf(stderr, "%-6s %-7s %-8s %-12s %-12s %9s %7s %9s %7s %6s\n", "mode", "l2", "usage",
+               "shape", "variant", "time_us", "TB/s", "copy_us", "TB/s", "ratio");
   for (const Shape& s : shapes) {
     const int64_t in_bytes = s.m * s.n * 2;
     // Host input: normal values, one upload, copied to every ring slot.
     std::vector<uint16_t> host(s.m * s.n);
     for (auto& h : host) h = qtx::kernels::FloatToBf16(normal(rng));
-    for (BlockScaling scaling : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
-      const QuantizedLayout l = ComputeLayout(scaling, s.m, s.n);
+    for (const Mode& mode : mode_list) {
+      const QuantizedLayout l = ComputeLayout(mode.scaling, s.m, s.n);
       const int64_t set_bytes = in_bytes + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
                                 4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
-      const int ring = static_cast<int>(std::max<int64_t>(2, kRingBytes / set_bytes));
+      const int ring = l2_rotate ? static_cast<int>(std::max<int64_t>(2, kRingBytes / set_bytes))
+                                 : 1;
       std::vector<Set> sets(ring);
       for (auto& st : sets) {
         CHECK_CUDA(cudaMalloc(&st.in, in_bytes));
@@ -131,54 +214,73 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaMalloc(&st.out.columnwise_scale_inv, 4 * l.ColumnwiseScaleCount()));
       }
       // Copy buffers: each holds the largest copy (row+col), rotated like the sets.
-      std::vector<void*> copy_ring(std::max<int64_t>(3, kRingBytes / (set_bytes / 2 + 1)));
+      const size_t copy_slots =
+          l2_rotate ? static_cast<size_t>(std::max<int64_t>(3, kRingBytes / (set_bytes / 2 + 1)))
+                    : 2;
+      std::vector<void*> copy_ring(copy_slots);
       for (auto& c : copy_ring) CHECK_CUDA(cudaMalloc(&c, set_bytes / 2 + 16));
-      for (const Usage& u : usages) {
-        const int64_t written = (u.row ? l.RowwiseDataBytes() + 4 * l.RowwiseScaleCount() : 0) +
-                                (u.col ? l.ColumnwiseDataBytes() + 4 * l.ColumnwiseScaleCount() : 0);
-        const int64_t total = in_bytes + written;
-        // Copy of total / 2 bytes: it reads and writes that many, `total` in all.
-        const int64_t copy_bytes = total / 2;
-        const double copy_us = MedianUs(10, iters, [&](int i) {
-          CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % copy_ring.size()],
-                                     copy_ring[i % copy_ring.size()], copy_bytes,
-                                     cudaMemcpyDeviceToDevice, nullptr));
-        });
-        const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
-        for (const Variant& v : variants) {
-          const bool is_default =
-              v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 && !v.tuning.l2_outputs;
-          if (!is_default && !(u.row && u.col)) continue;  // variants: row+col only
-          QuantizeParams p;
-          p.scaling = scaling;
-          p.format = Fp8Format::kE4M3;
-          p.rowwise = u.row;
-          p.columnwise = u.col;
-          p.force_pow2_scales = true;
-          const double us = MedianUs(10, iters, [&](int i) {
-            const Set& st = sets[i % ring];
-            QuantizedBuffers o = st.out;
-            if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;
-            if (!u.col) o.columnwise_data = nullptr, o.columnwise_scale_inv = nullptr;
-            CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o, v.tuning,
-                                                         nullptr));
+      for (int pass = 0; pass < 2; ++pass) {
+        const bool flush = pass == 1;
+        if (flush ? !l2_flush : !l2_rotate) continue;
+        const char* l2_name = flush ? "flush" : "rotate";
+        // Flush: sets.size() == 1 when only flushing; with both, set 0 is reused.
+        const size_t nsets = flush ? 1 : sets.size();
+        const size_t ncopy = flush ? 2 : copy_ring.size();
+        auto prepare = [&](int i) {
+          if (flush) CHECK_CUDA(cudaMemsetAsync(flush_buf, i & 0xFF, kFlushBytes, nullptr));
+        };
+        for (const Usage& u : usages) {
+          const int64_t written =
+              (u.row ? l.RowwiseDataBytes() + 4 * l.RowwiseScaleCount() : 0) +
+              (u.col ? l.ColumnwiseDataBytes() + 4 * l.ColumnwiseScaleCount() : 0);
+          const int64_t total = in_bytes + written;
+          // Copy of total / 2 bytes: it reads and writes that many, `total` in all.
+          const int64_t copy_bytes = total / 2;
+          const double copy_us = MedianUs(10, iters, prepare, [&](int i) {
+            CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % ncopy], copy_ring[i % ncopy],
+                                       copy_bytes, cudaMemcpyDeviceToDevice, nullptr));
           });
-          const double tbps = total / (us * 1e-6) / 1e12;
-          const char* mode = scaling == BlockScaling::kBlock1D ? "1d" : "2d";
-          std::printf(
-              "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"usage\":\"%s\",\"dtype\":\"bf16\","
-              "\"format\":\"e4m3\",\"m\":%lld,\"n\":%lld,\"variant\":\"%s\",\"bytes\":%lld,"
-              "\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,\"copy_time_us\":%.2f,"
-              "\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f,\"iters\":%d,\"device\":\"%s\"}\n",
-              mode, u.name, static_cast<long long>(s.m), static_cast<long long>(s.n), v.name,
-              static_cast<long long>(total), us, tbps, static_cast<long long>(copy_bytes), copy_us,
-              copy_tbps, tbps / copy_tbps, iters, prop.name);
-          std::fflush(stdout);
-          char shape[32];
-          std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(s.m),
-                        static_cast<long long>(s.n));
-          std::fprintf(stderr, "%-4s %-8s %-12s %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n", mode,
-                       u.name, shape, v.name, us, tbps, copy_us, copy_tbps, tbps / copy_tbps);
+          const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
+          for (const Variant& v : variants) {
+            const bool is_default =
+                v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 && !v.tuning.l2_outputs;
+            // Variants: row+col of the block kernels only (TENSOR has no knobs).
+            if (!is_default && (!(u.row && u.col) || mode.scaling == BlockScaling::kTensor)) {
+              continue;
+            }
+            QuantizeParams p;
+            p.scaling = mode.scaling;
+            p.format = Fp8Format::kE4M3;
+            p.rowwise = u.row;
+            p.columnwise = u.col;
+            p.force_pow2_scales = true;
+            const double us = MedianUs(10, iters, prepare, [&](int i) {
+              const Set& st = sets[i % nsets];
+              QuantizedBuffers o = st.out;
+              if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;
+              if (!u.col) o.columnwise_data = nullptr, o.columnwise_scale_inv = nullptr;
+              CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o,
+                                                           v.tuning, nullptr));
+            });
+            const double tbps = total / (us * 1e-6) / 1e12;
+            std::printf(
+                "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"l2\":\"%s\",\"usage\":\"%s\","
+                "\"dtype\":\"bf16\",\"format\":\"e4m3\",\"m\":%lld,\"n\":%lld,\"variant\":\"%s\","
+                "\"bytes\":%lld,\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,"
+                "\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f,\"iters\":%d,"
+                "\"device\":\"%s\"}\n",
+                mode.name, l2_name, u.name, static_cast<long long>(s.m),
+                static_cast<long long>(s.n), v.name, static_cast<long long>(total), us, tbps,
+                static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps, iters,
+                prop.name);
+            std::fflush(stdout);
+            char shape[32];
+            std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(s.m),
+                          static_cast<long long>(s.n));
+            std::fprintf(stderr, "%-6s %-7s %-8s %-12s %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n",
+                         mode.name, l2_name, u.name, shape, v.name, us, tbps, copy_us,
+                         copy_tbps, tbps / copy_tbps);
+          }
         }
       }
       for (void* c : copy_ring) cudaFree(c);
@@ -191,5 +293,6 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (flush_buf != nullptr) cudaFree(flush_buf);
   return 0;
 }

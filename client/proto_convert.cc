@@ -57,8 +57,17 @@ void ToProto(const QuantizeConfig& in, v1::QuantizeConfig* out) {
 
 QuantizeConfig FromProto(const v1::QuantizeConfig& in) {
   QuantizeConfig c;
-  c.scaling_mode =
-      in.scaling_mode() == v1::BLOCK_2D ? ScalingMode::kBlock2D : ScalingMode::kBlock1D;
+  switch (in.scaling_mode()) {
+    case v1::BLOCK_2D:
+      c.scaling_mode = ScalingMode::kBlock2D;
+      break;
+    case v1::TENSOR:
+      c.scaling_mode = ScalingMode::kTensor;
+      break;
+    default:
+      c.scaling_mode = ScalingMode::kBlock1D;
+      break;
+  }
   c.format = in.format() == v1::E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
   c.rowwise = in.has_rowwise() ? in.rowwise() : true;
   c.columnwise = in.has_columnwise() ? in.columnwise() : false;

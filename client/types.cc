@@ -49,7 +49,14 @@ const char* DTypeName(DType dtype) {
 }
 
 const char* ScalingModeName(ScalingMode mode) {
-  return mode == ScalingMode::kBlock2D ? "block2d" : "block1d";
+  switch (mode) {
+    case ScalingMode::kBlock2D:
+      return "block2d";
+    case ScalingMode::kTensor:
+      return "tensor";
+    default:
+      return "block1d";
+  }
 }
 
 const char* Fp8FormatName(Fp8Format format) {
@@ -126,7 +133,10 @@ absl::StatusOr<QuantizedLayout> ComputeQuantizedLayout(ScalingMode mode,
   l.columnwise_data_cols = m;
   const int64_t mb = ceil_div(m, kBlock);
   const int64_t nb = ceil_div(n, kBlock);
-  if (mode == ScalingMode::kBlock2D) {
+  if (mode == ScalingMode::kTensor) {
+    l.rowwise_scale_rows = l.rowwise_scale_cols = 1;  // one scale_inv, shape [1]
+    l.columnwise_scale_rows = l.columnwise_scale_cols = 1;
+  } else if (mode == ScalingMode::kBlock2D) {
     l.rowwise_scale_rows = mb;
     l.rowwise_scale_cols = pad4(nb);
     l.columnwise_scale_rows = nb;

@@ -44,7 +44,11 @@ QTX_HD constexpr QuantizedLayout ComputeLayout(BlockScaling s, int64_t m, int64_
   l.columnwise_data_cols = m;
   const int64_t mb = CeilDiv(m, kBlockLen);
   const int64_t nb = CeilDiv(n, kBlockLen);
-  if (s == BlockScaling::kBlock1D) {
+  if (s == BlockScaling::kTensor) {
+    // One FP32 scale_inv per copy, also for an empty tensor.
+    l.rowwise_scale_rows = l.rowwise_scale_cols = 1;
+    l.columnwise_scale_rows = l.columnwise_scale_cols = 1;
+  } else if (s == BlockScaling::kBlock1D) {
     l.rowwise_scale_rows = nb;
     l.rowwise_scale_cols = Pad4(m);
     l.columnwise_scale_rows = mb;

@@ -221,6 +221,14 @@ QTX_HD float ComputeScale(float amax, float fp8_max, bool force_pow2, float eps,
   return scale;
 }
 
+// The scale of per-tensor current scaling (BlockScaling::kTensor) from the
+// tensor's amax: ComputeScale with FLT_MAX as the overflow value for every
+// input dtype, as TransformerEngine's Float8CurrentScaling does
+// (docs/numerics.md, "Per-tensor current scaling").
+QTX_HD float TensorScale(float amax, Fp8Format f, bool force_pow2, float eps) {
+  return ComputeScale(amax, Fp8Max(f), force_pow2, eps, BitsToFloat(0x7F7FFFFFu));
+}
+
 // The stored dequantization multiplier: RN_fp32(1 / scale).
 QTX_HD float ScaleInv(float scale) {
 #if defined(__CUDA_ARCH__)

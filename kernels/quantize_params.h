@@ -14,7 +14,10 @@ enum class Fp8Format : int32_t { kE4M3 = 0, kE5M2 = 1 };
 
 // kBlock1D: 1x128 rowwise blocks and 128x1 columnwise blocks.
 // kBlock2D: 128x128 tiles (columnwise copy = exact transpose of rowwise).
-enum class BlockScaling : int32_t { kBlock1D = 0, kBlock2D = 1 };
+// kTensor: per-tensor current scaling: the block is the whole tensor (one
+//   amax, one scale; columnwise copy = exact transpose of rowwise), see
+//   kernels/cpu/quantize_tensor.h.
+enum class BlockScaling : int32_t { kBlock1D = 0, kBlock2D = 1, kTensor = 2 };
 
 struct QuantizeParams {
   BlockScaling scaling = BlockScaling::kBlock1D;

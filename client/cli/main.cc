@@ -83,7 +83,9 @@ ABSL_FLAG(std::string, npy, "", "quantize: input .npy file ('<f4' or '<f2', C or
 ABSL_FLAG(std::string, shape, "", "quantize: shape of a generated N(0,1) tensor, e.g. 256x1024");
 ABSL_FLAG(uint64_t, seed, 0, "quantize: seed of the generated tensor");
 ABSL_FLAG(std::string, dtype, "float32", "quantize: dtype of the generated tensor: float32|bfloat16");
-ABSL_FLAG(std::string, mode, "1d", "quantize: scaling mode: 1d (1x128) | 2d (128x128)");
+ABSL_FLAG(std::string, mode, "1d",
+          "quantize: scaling mode: 1d (1x128) | 2d (128x128) | tensor (per-tensor current "
+          "scaling)");
 ABSL_FLAG(std::string, format, "e4m3", "quantize: FP8 format: e4m3 | e5m2");
 ABSL_FLAG(std::string, usages, "rowwise", "quantize: comma list of rowwise, columnwise");
 ABSL_FLAG(bool, pow2, true, "quantize: round scales down to powers of two");
@@ -197,8 +199,11 @@ absl::StatusOr<QuantizeConfig> ConfigFromFlags() {
     c.scaling_mode = ScalingMode::kBlock1D;
   } else if (mode == "2d" || mode == "block2d") {
     c.scaling_mode = ScalingMode::kBlock2D;
+  } else if (mode == "tensor") {
+    c.scaling_mode = ScalingMode::kTensor;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--mode=", mode, ": must be 1d or 2d"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mode=", mode, ": must be 1d, 2d or tensor"));
   }
   const std::string format = absl::GetFlag(FLAGS_format);
   if (format == "e4m3") {
@@ -276,7 +281,7 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 // matrix whose first `valid_cols` columns are real.
 void ScaleRange(const Tensor& scales, int64_t valid_cols, float* lo, float* hi) {
   const std::vector<float> s = ToFloats(scales);
-  const int64_t cols = scales.shape.size() == 2 ? scales.shape[1] : 0;
+  const int64_t cols = scales.shape.empty() ? 0 : scales.shape.back();  // [1] for tensor
   for (size_t i = 0; cols > 0 && i < s.size(); ++i) {
     if (static_cast<int64_t>(i % cols) >= valid_cols) continue;
     *lo = std::min(*lo, s[i]);
@@ -483,9 +488,12 @@ absl::Status RunQuantize() {
   print("rowwise      scale_inv", q->rowwise_scale_inv);
   print("columnwise   data", q->columnwise_data);
   print("columnwise   scale_inv", q->columnwise_scale_inv);
-  if (q->rowwise_scale_inv) ScaleRange(*q->rowwise_scale_inv, is_1d ? layout->m : nb, &lo, &hi);
+  const bool is_tensor = q->config.scaling_mode == ScalingMode::kTensor;
+  if (q->rowwise_scale_inv) {
+    ScaleRange(*q->rowwise_scale_inv, is_tensor ? 1 : is_1d ? layout->m : nb, &lo, &hi);
+  }
   if (q->columnwise_scale_inv) {
-    ScaleRange(*q->columnwise_scale_inv, is_1d ? layout->n : mb, &lo, &hi);
+    ScaleRange(*q->columnwise_scale_inv, is_tensor ? 1 : is_1d ? layout->n : mb, &lo, &hi);
   }
   if (lo <= hi) {
     std::cout << absl::StrFormat("scale_inv    [%g, %g] (log2 [%g, %g])\n", lo, hi,
@@ -530,9 +538,12 @@ void PrintQuantized(const QuantizedTensor& q) {
   const bool is_1d = q.config.scaling_mode == ScalingMode::kBlock1D;
   const int64_t mb = (layout->m + 127) / 128, nb = (layout->n + 127) / 128;
   float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-  if (q.rowwise_scale_inv) ScaleRange(*q.rowwise_scale_inv, is_1d ? layout->m : nb, &lo, &hi);
+  const bool is_tensor = q.config.scaling_mode == ScalingMode::kTensor;
+  if (q.rowwise_scale_inv) {
+    ScaleRange(*q.rowwise_scale_inv, is_tensor ? 1 : is_1d ? layout->m : nb, &lo, &hi);
+  }
   if (q.columnwise_scale_inv) {
-    ScaleRange(*q.columnwise_scale_inv, is_1d ? layout->n : mb, &lo, &hi);
+    ScaleRange(*q.columnwise_scale_inv, is_tensor ? 1 : is_1d ? layout->n : mb, &lo, &hi);
   }
   if (lo <= hi) std::cout << absl::StrFormat("%-22s [%g, %g]\n", "scale_inv range", lo, hi);
 }

@@ -77,6 +77,10 @@ struct Tensor {
 enum class ScalingMode : int32_t {
   kBlock1D = 1,  // 1x128 rowwise blocks, 128x1 columnwise blocks
   kBlock2D = 2,  // 128x128 tiles
+  // Per-tensor current scaling (TransformerEngine's Float8CurrentScaling):
+  // one amax and one FP32 scale_inv of shape [1] per copy. Quantize and
+  // Dequantize only.
+  kTensor = 3,
 };
 
 enum class Fp8Format : int32_t {
@@ -84,7 +88,7 @@ enum class Fp8Format : int32_t {
   kE5M2 = 2,
 };
 
-const char* ScalingModeName(ScalingMode mode);       // "block1d" / "block2d"
+const char* ScalingModeName(ScalingMode mode);  // "block1d" / "block2d" / "tensor"
 const char* Fp8FormatName(Fp8Format format);         // "e4m3" / "e5m2"
 
 // How to quantize. The defaults are the TransformerEngine recipe defaults.

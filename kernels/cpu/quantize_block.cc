@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/quantize_tensor.h"
 #include "kernels/cpu/quantize_workers.h"
 #include "kernels/fp8.h"
 
@@ -223,6 +224,9 @@ void ZeroScales(const QuantizeParams& p, const QuantizedLayout& l, const Quantiz
 
 void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
                    const QuantizeParams& params, const QuantizedBuffers& out) {
+  if (params.scaling == BlockScaling::kTensor) {
+    return QuantizeTensor(input, dtype, m, n, params, out);
+  }
   const QuantizedLayout l = ComputeLayout(params.scaling, m, n);
   internal::ZeroScales(params, l, out);  // padding is 0 (TE leaves it uninitialized)
   Outputs o;
@@ -246,6 +250,9 @@ void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
 
 void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8Format format,
                      int64_t m, int64_t n, bool use_rowwise, InputDType out_dtype, void* out) {
+  if (scaling == BlockScaling::kTensor) {
+    return DequantizeTensor(in, format, m, n, use_rowwise, out_dtype, out);
+  }
   if (m == 0 || n == 0) return;
   const QuantizedLayout l = ComputeLayout(scaling, m, n);
   const bool one_d = scaling == BlockScaling::kBlock1D;

@@ -16,6 +16,7 @@ namespace qtx::kernels::cpu {
 // Writes the requested copies (params.rowwise / params.columnwise) into `out`
 // in the GEMM-ready layouts of ComputeLayout(params.scaling, m, n); scale
 // padding entries are written as 0. m == 0 or n == 0 writes only padding.
+// BlockScaling::kTensor goes to QuantizeTensor (kernels/cpu/quantize_tensor.h).
 // REQUIRES: m, n >= 0; buffers of the requested copies non-null and sized per
 // ComputeLayout; params.amax_epsilon finite and >= 0.
 void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
@@ -25,6 +26,7 @@ void QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
 // `out_dtype` (round to nearest even). Reads the rowwise copy when
 // `use_rowwise`, else the columnwise copy (transposed back to [m, n]).
 // REQUIRES: the chosen copy's buffers non-null and sized per ComputeLayout.
+// BlockScaling::kTensor goes to DequantizeTensor.
 void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8Format format,
                      int64_t m, int64_t n, bool use_rowwise, InputDType out_dtype, void* out);
 

@@ -13,6 +13,8 @@
 #include <type_traits>
 
 #include "kernels/block_geometry.h"
+#include "kernels/cuda/device_fp8.cuh"
+#include "kernels/cuda/quantize_tensor.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize_params.h"
 
@@ -28,44 +30,6 @@ template <InputDType D>
 constexpr int kElemBytes = (D == InputDType::kFloat32) ? 4 : 2;
 
 // ---- small device helpers -----------------------------------------------------
-
-template <InputDType D>
-__device__ __forceinline__ float ElemToFloat(uint32_t bits) {
-  if constexpr (D == InputDType::kBFloat16) {
-    return __uint_as_float(bits << 16);
-  } else if constexpr (D == InputDType::kFloat16) {
-    float f;
-    const unsigned short h = static_cast<unsigned short>(bits);
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));  // exact widening
-    return f;
-  } else {
-    return __uint_as_float(bits);
-  }
-}
-
-// Two FP32 values -> two FP8 bytes (lo in bits 0-7), round to nearest even,
-// saturating, NaN -> 0x7F: docs/numerics.md §1.
-template <Fp8Format F>
-__device__ __forceinline__ uint32_t Cvt2(float lo, float hi) {
-  unsigned short r;
-  if constexpr (F == Fp8Format::kE4M3) {
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  }
-  return r;
-}
-
-// q = fp8(RN_fp32(x * scale)) for 8 values, packed little-endian.
-template <Fp8Format F>
-__device__ __forceinline__ uint2 Quantize8(const float (&x)[8], float scale) {
-  uint2 r;
-  r.x = Cvt2<F>(__fmul_rn(x[0], scale), __fmul_rn(x[1], scale)) |
-        (Cvt2<F>(__fmul_rn(x[2], scale), __fmul_rn(x[3], scale)) << 16);
-  r.y = Cvt2<F>(__fmul_rn(x[4], scale), __fmul_rn(x[5], scale)) |
-        (Cvt2<F>(__fmul_rn(x[6], scale), __fmul_rn(x[7], scale)) << 16);
-  return r;
-}
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -651,6 +615,9 @@ bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t n,
                          const QuantizeParams& params, const QuantizedBuffers& out,
                          const detail::LaunchTuning& tuning, cudaStream_t stream) {
+  if (params.scaling == BlockScaling::kTensor) {
+    return QuantizeTensor(input, dtype, m, n, params, out, stream);  // no tuning knobs
+  }
   if (m < 0 || n < 0) return cudaErrorInvalidValue;
   if (!(params.amax_epsilon >= 0.0f) || std::isinf(params.amax_epsilon)) {
     return cudaErrorInvalidValue;
@@ -754,24 +721,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
 
 // ---- dequantize -------------------------------------------------------------------
 
-template <InputDType OutD>
-__device__ __forceinline__ void StoreOut(void* out, int64_t idx, float x) {
-  if constexpr (OutD == InputDType::kBFloat16) {
-    static_cast<uint16_t*>(out)[idx] = FloatToBf16(x);
-  } else if constexpr (OutD == InputDType::kFloat16) {
-    static_cast<uint16_t*>(out)[idx] = FloatToHalf(x);
-  } else {
-    static_cast<float*>(out)[idx] = x;
-  }
-}
-
-// decode(q) * scale_inv in FP32. A NaN code keeps the decoded NaN (the GPU's
-// multiply would return its own canonical NaN instead of the operand).
-__device__ __forceinline__ float Dequant1(uint8_t q, float scale_inv, Fp8Format f) {
-  const float d = DecodeFp8(q, f);
-  return IsNan(d) ? d : __fmul_rn(d, scale_inv);
-}
-
 struct DequantArgs {
   const uint8_t* q;
   const float* s;
@@ -835,6 +784,9 @@ cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_
 cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling,
                             Fp8Format format, int64_t m, int64_t n, bool use_rowwise,
                             InputDType out_dtype, void* out, cudaStream_t stream) {
+  if (scaling == BlockScaling::kTensor) {
+    return DequantizeTensor(in, format, m, n, use_rowwise, out_dtype, out, stream);
+  }
   if (m < 0 || n < 0) return cudaErrorInvalidValue;
   if (format != Fp8Format::kE4M3 && format != Fp8Format::kE5M2) return cudaErrorInvalidValue;
   if (scaling != BlockScaling::kBlock1D && scaling != BlockScaling::kBlock2D) {

@@ -19,6 +19,8 @@ namespace qtx::kernels::cuda {
 
 // Quantizes the row-major [m, n] tensor `input` of element type `dtype` into
 // the copies requested by params.rowwise / params.columnwise.
+// BlockScaling::kTensor goes to QuantizeTensor (kernels/cuda/quantize_tensor.h),
+// with its own error rules.
 // Returns cudaErrorInvalidValue for m < 0, n < 0, 2^31 or more 128x128 tiles,
 // an unknown enum value, a
 // null buffer of a requested copy, or a negative / non-finite amax_epsilon;
@@ -30,6 +32,7 @@ cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_
 // Dequantizes [m, n]: x = decode(q) * scale_inv in FP32, narrowed to
 // `out_dtype` (round to nearest even). Reads the rowwise copy when
 // `use_rowwise`, else the columnwise copy (transposed back to [m, n]).
+// BlockScaling::kTensor goes to DequantizeTensor.
 cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling,
                             Fp8Format format, int64_t m, int64_t n, bool use_rowwise,
                             InputDType out_dtype, void* out, cudaStream_t stream);

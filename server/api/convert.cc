@@ -83,9 +83,12 @@ absl::StatusOr<kernels::QuantizeParams> ParamsFromProto(const v1::QuantizeConfig
     case v1::BLOCK_2D:
       p.scaling = kernels::BlockScaling::kBlock2D;
       break;
+    case v1::TENSOR:
+      p.scaling = kernels::BlockScaling::kTensor;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.scaling_mode=%d: unknown ScalingMode (BLOCK_1D=1, BLOCK_2D=2)", field,
+          "%s.scaling_mode=%d: unknown ScalingMode (BLOCK_1D=1, BLOCK_2D=2, TENSOR=3)", field,
           static_cast<int>(config.scaling_mode())));
   }
   switch (config.format()) {
@@ -109,8 +112,17 @@ absl::StatusOr<kernels::QuantizeParams> ParamsFromProto(const v1::QuantizeConfig
 }
 
 void ParamsToProto(const kernels::QuantizeParams& p, v1::QuantizeConfig* config) {
-  config->set_scaling_mode(p.scaling == kernels::BlockScaling::kBlock2D ? v1::BLOCK_2D
-                                                                         : v1::BLOCK_1D);
+  switch (p.scaling) {
+    case kernels::BlockScaling::kBlock2D:
+      config->set_scaling_mode(v1::BLOCK_2D);
+      break;
+    case kernels::BlockScaling::kTensor:
+      config->set_scaling_mode(v1::TENSOR);
+      break;
+    default:
+      config->set_scaling_mode(v1::BLOCK_1D);
+      break;
+  }
   config->set_format(p.format == kernels::Fp8Format::kE5M2 ? v1::E5M2 : v1::E4M3);
   config->set_rowwise(p.rowwise);
   config->set_columnwise(p.columnwise);

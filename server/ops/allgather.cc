@@ -172,6 +172,12 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
                                            backend::Communicator& comm) {
   QTX_RETURN_IF_ERROR(r.request_error);
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(r.params, "config"));
+  if (r.params.scaling == kernels::BlockScaling::kTensor) {
+    return absl::InvalidArgumentError(
+        "config.scaling_mode=TENSOR: AllGather supports BLOCK_1D and BLOCK_2D only (per-tensor "
+        "scaling needs the amax reduced over the whole group first); gather with "
+        "GATHER_HIGH_PRECISION semantics yourself and Quantize the result, or use a block mode");
+  }
   QTX_RETURN_IF_ERROR(ValidateCudaEvents(r.events, ctx));
   if (r.mode != AllGatherMode::kExactFp8 && r.mode != AllGatherMode::kGatherHighPrecision) {
     return absl::InvalidArgumentError(absl::StrFormat(

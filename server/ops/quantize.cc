@@ -31,6 +31,18 @@ absl::StatusOr<uint64_t> CheckedBytes(int64_t count, int64_t elem_size, std::str
   return static_cast<uint64_t>(bytes);
 }
 
+bool ValidScaling(kernels::BlockScaling s) {
+  return s == kernels::BlockScaling::kBlock1D || s == kernels::BlockScaling::kBlock2D ||
+         s == kernels::BlockScaling::kTensor;
+}
+
+// The shape reported for a scale_inv buffer of `rows` x `cols` entries: [1]
+// for the one scale of per-tensor scaling (TransformerEngine's shape).
+std::vector<int64_t> ScaleShape(kernels::BlockScaling s, int64_t rows, int64_t cols) {
+  if (s == kernels::BlockScaling::kTensor) return {1};
+  return {rows, cols};
+}
+
 // Resolves one buffer of a quantized tensor and checks dtype and element count.
 absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
     const std::optional<tensor::TensorRefSpec>& spec, std::string_view field, bool is_data,
@@ -194,7 +206,14 @@ bool DequantizeRunsShort(const DequantizeRequestSpec& request, const OpContext& 
 }
 
 std::string_view ScalingName(kernels::BlockScaling s) {
-  return s == kernels::BlockScaling::kBlock2D ? "BLOCK_2D" : "BLOCK_1D";
+  switch (s) {
+    case kernels::BlockScaling::kBlock2D:
+      return "BLOCK_2D";
+    case kernels::BlockScaling::kTensor:
+      return "TENSOR";
+    default:
+      return "BLOCK_1D";
+  }
 }
 
 std::string_view FormatName(kernels::Fp8Format f) {
@@ -203,10 +222,9 @@ std::string_view FormatName(kernels::Fp8Format f) {
 
 absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
                                     std::string_view field) {
-  if (params.scaling != kernels::BlockScaling::kBlock1D &&
-      params.scaling != kernels::BlockScaling::kBlock2D) {
+  if (!ValidScaling(params.scaling)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.scaling_mode=%d: must be BLOCK_1D or BLOCK_2D", field,
+        "%s.scaling_mode=%d: must be BLOCK_1D, BLOCK_2D or TENSOR", field,
         static_cast<int>(params.scaling)));
   }
   if (params.format != kernels::Fp8Format::kE4M3 && params.format != kernels::Fp8Format::kE5M2) {
@@ -272,7 +290,8 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
                                     "outputs.rowwise_data", ctx, outs[0]));
     QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_scale_inv, scale_bytes, 4,
                                     DType::kFloat32,
-                                    {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
+                                    ScaleShape(params.scaling, layout.rowwise_scale_rows,
+                                               layout.rowwise_scale_cols),
                                     "outputs.rowwise_scale_inv", ctx, outs[1]));
   }
   if (params.columnwise) {
@@ -285,7 +304,8 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
                                     "outputs.columnwise_data", ctx, outs[2]));
     QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_scale_inv, scale_bytes, 4,
                                     DType::kFloat32,
-                                    {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
+                                    ScaleShape(params.scaling, layout.columnwise_scale_rows,
+                                               layout.columnwise_scale_cols),
                                     "outputs.columnwise_scale_inv", ctx, outs[3]));
   }
 
@@ -354,10 +374,10 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
 absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
                                         const OpContext& ctx) {
   const QuantizedTensorSpec& q = request.input;
-  if (q.scaling != kernels::BlockScaling::kBlock1D &&
-      q.scaling != kernels::BlockScaling::kBlock2D) {
+  if (!ValidScaling(q.scaling)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "input.config.scaling_mode=%d: must be BLOCK_1D or BLOCK_2D", static_cast<int>(q.scaling)));
+        "input.config.scaling_mode=%d: must be BLOCK_1D, BLOCK_2D or TENSOR",
+        static_cast<int>(q.scaling)));
   }
   if (q.format != kernels::Fp8Format::kE4M3 && q.format != kernels::Fp8Format::kE5M2) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -399,11 +419,15 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
                   q.columnwise_data, "input.columnwise_data", true, q.format,
                   layout.ColumnwiseDataBytes(), layout_desc, ctx,
                   std::make_pair(layout.columnwise_data_rows, layout.columnwise_data_cols)));
+    // A per-tensor scale is one value: any shape of one element will do.
+    std::optional<std::pair<int64_t, int64_t>> scale_shape;
+    if (q.scaling != kernels::BlockScaling::kTensor) {
+      scale_shape = std::make_pair(layout.columnwise_scale_rows, layout.columnwise_scale_cols);
+    }
     QTX_ASSIGN_OR_RETURN(
-        scale, ResolveQuantizedBuffer(
-                   q.columnwise_scale_inv, "input.columnwise_scale_inv", false, q.format,
-                   layout.ColumnwiseScaleCount(), layout_desc, ctx,
-                   std::make_pair(layout.columnwise_scale_rows, layout.columnwise_scale_cols)));
+        scale, ResolveQuantizedBuffer(q.columnwise_scale_inv, "input.columnwise_scale_inv", false,
+                                      q.format, layout.ColumnwiseScaleCount(), layout_desc, ctx,
+                                      scale_shape));
   }
 
   QTX_ASSIGN_OR_RETURN(uint64_t out_bytes,

@@ -52,7 +52,8 @@ struct QuantizeResult {
   tensor::DType source_dtype = tensor::DType::kUnspecified;
   kernels::QuantizeParams params;
   // Present for the requested copies. Data: [M, N] / [N, M] of FLOAT8_E4M3 or
-  // FLOAT8_E5M2; scales: FLOAT32 with the layout's [rows, cols].
+  // FLOAT8_E5M2; scales: FLOAT32 with the layout's [rows, cols] ([1] for
+  // BlockScaling::kTensor).
   std::optional<OutputTensor> rowwise_data;
   std::optional<OutputTensor> rowwise_scale_inv;
   std::optional<OutputTensor> columnwise_data;

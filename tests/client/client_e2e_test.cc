@@ -66,8 +66,9 @@ kernels::InputDType KernelDType(DType d) {
 
 kernels::QuantizeParams KernelParams(const QuantizeConfig& c) {
   kernels::QuantizeParams p;
-  p.scaling = c.scaling_mode == ScalingMode::kBlock2D ? kernels::BlockScaling::kBlock2D
-                                                      : kernels::BlockScaling::kBlock1D;
+  p.scaling = c.scaling_mode == ScalingMode::kBlock2D   ? kernels::BlockScaling::kBlock2D
+              : c.scaling_mode == ScalingMode::kTensor ? kernels::BlockScaling::kTensor
+                                                       : kernels::BlockScaling::kBlock1D;
   p.format = c.format == Fp8Format::kE5M2 ? kernels::Fp8Format::kE5M2 : kernels::Fp8Format::kE4M3;
   p.rowwise = c.rowwise;
   p.columnwise = c.columnwise;
@@ -127,7 +128,10 @@ void ExpectMatchesReference(const QuantizedTensor& q, const Reference& ref,
     EXPECT_EQ(q.rowwise_data->dtype, fp8);
     EXPECT_EQ(q.rowwise_scale_inv->dtype, DType::kFloat32);
     EXPECT_EQ(q.rowwise_scale_inv->shape,
-              (std::vector<int64_t>{ref.layout.rowwise_scale_rows, ref.layout.rowwise_scale_cols}));
+              config.scaling_mode == ScalingMode::kTensor
+                  ? std::vector<int64_t>{1}
+                  : (std::vector<int64_t>{ref.layout.rowwise_scale_rows,
+                                          ref.layout.rowwise_scale_cols}));
     EXPECT_TRUE(BytesOf(*q.rowwise_data, region) == ref.rowwise_data) << "rowwise data differs";
     EXPECT_TRUE(BytesOf(*q.rowwise_scale_inv, region) == ref.rowwise_scale_inv)
         << "rowwise scale_inv differs";
@@ -136,8 +140,10 @@ void ExpectMatchesReference(const QuantizedTensor& q, const Reference& ref,
     EXPECT_EQ(q.columnwise_data->dtype, fp8);
     EXPECT_EQ(q.columnwise_scale_inv->dtype, DType::kFloat32);
     EXPECT_EQ(q.columnwise_scale_inv->shape,
-              (std::vector<int64_t>{ref.layout.columnwise_scale_rows,
-                                    ref.layout.columnwise_scale_cols}));
+              config.scaling_mode == ScalingMode::kTensor
+                  ? std::vector<int64_t>{1}
+                  : (std::vector<int64_t>{ref.layout.columnwise_scale_rows,
+                                          ref.layout.columnwise_scale_cols}));
     EXPECT_TRUE(BytesOf(*q.columnwise_data, region) == ref.columnwise_data)
         << "columnwise data differs";
     EXPECT_TRUE(BytesOf(*q.columnwise_scale_inv, region) == ref.columnwise_scale_inv)
@@ -200,7 +206,7 @@ TEST_F(ClientE2eTest, QuantizeInlineMatchesReferenceBitForBit) {
   const int64_t m = 200, n = 300;  // partial blocks in both dims
   for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
     const std::string input = RandomInput(dtype, m * n, 17 + static_cast<int>(dtype));
-    for (ScalingMode mode : {ScalingMode::kBlock1D, ScalingMode::kBlock2D}) {
+    for (ScalingMode mode : {ScalingMode::kBlock1D, ScalingMode::kBlock2D, ScalingMode::kTensor}) {
       for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
         for (bool pow2 : {true, false}) {
           QuantizeConfig c;

@@ -60,7 +60,7 @@ TEST(TypesTest, TensorByteSize) {
 
 // The client's copy of the layout formulas must agree with the kernels' one.
 TEST(TypesTest, QuantizedLayoutMatchesKernels) {
-  for (ScalingMode mode : {ScalingMode::kBlock1D, ScalingMode::kBlock2D}) {
+  for (ScalingMode mode : {ScalingMode::kBlock1D, ScalingMode::kBlock2D, ScalingMode::kTensor}) {
     for (int64_t m : {0, 1, 3, 127, 128, 129, 200, 256, 130}) {
       for (int64_t n : {1, 4, 128, 130, 300, 1024}) {
         SCOPED_TRACE(::testing::Message() << "mode " << static_cast<int>(mode) << " m " << m
@@ -68,8 +68,9 @@ TEST(TypesTest, QuantizedLayoutMatchesKernels) {
         QTX_ASSERT_OK_AND_ASSIGN(QuantizedLayout got,
                                  ComputeQuantizedLayout(mode, std::vector<int64_t>{m, n}));
         const kernels::QuantizedLayout want = kernels::ComputeLayout(
-            mode == ScalingMode::kBlock1D ? kernels::BlockScaling::kBlock1D
-                                          : kernels::BlockScaling::kBlock2D,
+            mode == ScalingMode::kBlock1D   ? kernels::BlockScaling::kBlock1D
+            : mode == ScalingMode::kBlock2D ? kernels::BlockScaling::kBlock2D
+                                            : kernels::BlockScaling::kTensor,
             m, n);
         EXPECT_EQ(got.m, want.m);
         EXPECT_EQ(got.n, want.n);

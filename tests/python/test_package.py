@@ -159,6 +159,27 @@ class PackageTest(unittest.TestCase):
         self.assertEqual(y.dtype, np.float32)
         np.testing.assert_array_equal(y, recon)
 
+    def test_numpy_tensor_mode_one_scale(self):
+        rng = np.random.default_rng(7)
+        x = (rng.standard_normal((100, 70)) * 5).astype(np.float32)
+        q = self.c.quantize(x, mode="tensor", columnwise=True, pow2_scales=False)
+        self.assertEqual(q.rowwise_scale_inv.shape, (1,))
+        self.assertEqual(q.columnwise_scale_inv.shape, (1,))
+        # One scale from the tensor's amax, FP32 arithmetic (numpy rounds each op).
+        scale = np.float32(448.0) / np.float32(np.abs(x).max())
+        scale_inv = np.float32(1.0) / scale
+        self.assertEqual(q.rowwise_scale_inv[0], scale_inv)
+        self.assertEqual(q.columnwise_scale_inv[0], scale_inv)
+        np.testing.assert_array_equal(q.columnwise_data, q.rowwise_data.T)
+        # Every byte is an FP8 value nearest to the FP32 product x * scale.
+        v = (x * scale).astype(np.float32).astype(np.float64)
+        got = E4M3[q.rowwise_data.astype(np.int64)]
+        grid = E4M3[np.isfinite(E4M3)]
+        nearest = np.abs(v[..., None] - grid[None, None, :]).min(axis=-1)
+        np.testing.assert_array_equal(np.abs(got - v), nearest)
+        y = self.c.dequantize(q)
+        np.testing.assert_array_equal(y, (got * np.float64(scale_inv)).astype(np.float32))
+
     def test_numpy_2d_float16(self):
         rng = np.random.default_rng(2)
         x = rng.standard_normal((130, 260)).astype(np.float16)

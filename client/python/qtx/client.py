@@ -37,7 +37,9 @@ except Exception:  # pragma: no cover - depends on the machine
 DEFAULT_TARGET = "unix:///tmp/qtxd.sock"
 MAX_MESSAGE_BYTES = 2**31 - 1
 
-_MODES = {"1d": quantizer_pb2.BLOCK_1D, "2d": quantizer_pb2.BLOCK_2D}
+# "tensor": per-tensor current scaling (one amax, one scale_inv of shape [1]).
+_MODES = {"1d": quantizer_pb2.BLOCK_1D, "2d": quantizer_pb2.BLOCK_2D,
+          "tensor": quantizer_pb2.TENSOR}
 _FORMATS = {"e4m3": quantizer_pb2.E4M3, "e5m2": quantizer_pb2.E5M2}
 _NP_DTYPES = {np.dtype(np.float32): tensor_pb2.FLOAT32, np.dtype(np.float16): tensor_pb2.FLOAT16}
 _OUT_DTYPES = {"float32": tensor_pb2.FLOAT32, "bfloat16": tensor_pb2.BFLOAT16,
@@ -157,7 +159,9 @@ class Client:
 
     def quantize(self, x, mode="1d", format="e4m3", rowwise=True, columnwise=False,
                  pow2_scales=True, amax_epsilon=0.0, timeout=None, request_id=None):
-        """Quantizes `x` ([..., N]; leading dims are flattened into M)."""
+        """Quantizes `x` ([..., N]; leading dims are flattened into M). mode: '1d'
+        (1x128 blocks), '2d' (128x128) or 'tensor' (per-tensor current scaling:
+        one scale_inv of shape [1] per copy)."""
         as_torch = _is_torch(x)
         ref = tensor_to_proto(x)
         cfg = _quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)

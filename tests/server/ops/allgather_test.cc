@@ -181,6 +181,18 @@ TEST_F(AllGatherOpTest, DisagreementFailsEveryRankNamingFieldAndRank) {
   for (auto& r : res) QTX_EXPECT_OK(r);
 }
 
+TEST_F(AllGatherOpTest, PerTensorScalingIsRejectedOnEveryRank) {
+  Connect(2);
+  std::vector<uint16_t> a(64 * 128);
+  auto specs = std::vector<AllGatherRequestSpec>{Simple(0, 64, 128, a), Simple(0, 64, 128, a)};
+  for (auto& s : specs) s.params.scaling = kernels::BlockScaling::kTensor;
+  auto res = Run(specs);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(res[r], StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("config.scaling_mode=TENSOR")));
+  }
+}
+
 TEST_F(AllGatherOpTest, OutputProblemOnOneRankFailsAllRanks) {
   Connect(2);
   std::vector<uint16_t> a(64 * 128);

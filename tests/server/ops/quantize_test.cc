@@ -463,6 +463,34 @@ TEST_F(QuantizeOpTest, NonHostDeviceStagesThroughDeviceMemory) {
   EXPECT_EQ(res.columnwise_scale_inv->inline_data, ref.columnwise_scale);
 }
 
+TEST_F(QuantizeOpTest, TensorModeStagesOneScaleOfShapeOne) {
+  StagingDevice staging;
+  OpContext ctx = ctx_;
+  ctx.device = &staging;
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{7, 130}, {0, 130}}) {
+    const int64_t count = shape[0] * shape[1];
+    const std::string bytes = RandomFloat32(count, 23);
+    QuantizeRequestSpec req = InlineRequest(DType::kFloat32, shape, bytes);
+    req.params.scaling = kernels::BlockScaling::kTensor;
+    req.params.columnwise = true;
+    req.params.force_pow2_scales = false;
+    QTX_ASSERT_OK_AND_ASSIGN(QuantizeResult res, Quantize(req, ctx));
+    const Reference ref = QuantizeDirect(bytes, kernels::InputDType::kFloat32, shape[0],
+                                         shape[1], req.params);
+    EXPECT_EQ(res.rowwise_data->inline_data, ref.rowwise_data);
+    EXPECT_EQ(res.columnwise_data->inline_data, ref.columnwise_data);
+    EXPECT_THAT(res.rowwise_scale_inv->shape, ::testing::ElementsAre(1));
+    EXPECT_THAT(res.columnwise_scale_inv->shape, ::testing::ElementsAre(1));
+    EXPECT_EQ(res.rowwise_scale_inv->inline_data, ref.rowwise_scale);
+    EXPECT_EQ(res.columnwise_scale_inv->inline_data, ref.columnwise_scale);
+    if (count == 0) {  // amax 0: scale_inv 1
+      const float one = 1.0f;
+      EXPECT_EQ(res.rowwise_scale_inv->inline_data,
+                std::string(reinterpret_cast<const char*>(&one), 4));
+    }
+  }
+}
+
 // ---- QuantizeRunsShort / DequantizeRunsShort ----
 
 TEST_F(QuantizeOpTest, RunsShortOnTheCpuDeviceUpToTheHostByteLimit) {

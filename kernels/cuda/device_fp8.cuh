@@ -1,0 +1,79 @@
+// Device-side element conversions shared by the CUDA quantize kernels
+// (quantize_block.cu, quantize_tensor.cu), so that every kernel casts with
+// the same code: FP32 -> FP8 is the hardware cvt.rn.satfinite, which equals
+// kernels/fp8.h EncodeFp8 bit for bit (tests/kernels/cuda/fp8_cast_test.cc
+// checks every BF16 and every FP32 pattern). Include from .cu files only.
+#ifndef QTX_KERNELS_CUDA_DEVICE_FP8_CUH_
+#define QTX_KERNELS_CUDA_DEVICE_FP8_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/fp8.h"
+#include "kernels/quantize_params.h"
+
+namespace qtx::kernels::cuda {
+
+// One input element's bits (the low 16 bits for BF16 / FP16) as FP32, exact.
+template <InputDType D>
+__device__ __forceinline__ float ElemToFloat(uint32_t bits) {
+  if constexpr (D == InputDType::kBFloat16) {
+    return __uint_as_float(bits << 16);
+  } else if constexpr (D == InputDType::kFloat16) {
+    float f;
+    const unsigned short h = static_cast<unsigned short>(bits);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));  // exact widening
+    return f;
+  } else {
+    return __uint_as_float(bits);
+  }
+}
+
+// Two FP32 values -> two FP8 bytes (lo in bits 0-7), round to nearest even,
+// saturating, NaN -> 0x7F: docs/numerics.md §1.
+template <Fp8Format F>
+__device__ __forceinline__ uint32_t Cvt2(float lo, float hi) {
+  unsigned short r;
+  if constexpr (F == Fp8Format::kE4M3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+// q = fp8(RN_fp32(x * scale)) for 8 values, packed little-endian.
+template <Fp8Format F>
+__device__ __forceinline__ uint2 Quantize8(const float (&x)[8], float scale) {
+  uint2 r;
+  r.x = Cvt2<F>(__fmul_rn(x[0], scale), __fmul_rn(x[1], scale)) |
+        (Cvt2<F>(__fmul_rn(x[2], scale), __fmul_rn(x[3], scale)) << 16);
+  r.y = Cvt2<F>(__fmul_rn(x[4], scale), __fmul_rn(x[5], scale)) |
+        (Cvt2<F>(__fmul_rn(x[6], scale), __fmul_rn(x[7], scale)) << 16);
+  return r;
+}
+
+// decode(q) * scale_inv in FP32. A NaN code keeps the decoded NaN (the GPU's
+// multiply would return its own canonical NaN instead of the operand).
+__device__ __forceinline__ float Dequant1(uint8_t q, float scale_inv, Fp8Format f) {
+  const float d = DecodeFp8(q, f);
+  return IsNan(d) ? d : __fmul_rn(d, scale_inv);
+}
+
+// Element idx of a high-precision output, narrowed from FP32 (round to
+// nearest even).
+template <InputDType OutD>
+__device__ __forceinline__ void StoreOut(void* out, int64_t idx, float x) {
+  if constexpr (OutD == InputDType::kBFloat16) {
+    static_cast<uint16_t*>(out)[idx] = FloatToBf16(x);
+  } else if constexpr (OutD == InputDType::kFloat16) {
+    static_cast<uint16_t*>(out)[idx] = FloatToHalf(x);
+  } else {
+    static_cast<float*>(out)[idx] = x;
+  }
+}
+
+}  // namespace qtx::kernels::cuda
+
+#endif  // QTX_KERNELS_CUDA_DEVICE_FP8_CUH_

@@ -1,0 +1,571 @@
+// CUDA per-tensor current scaling (docs/numerics.md "Per-tensor current
+// scaling"), bit-exact with kernels/cpu/quantize_tensor.cc.
+//
+// Two passes over the input:
+// 1. TensorAmaxKernel: a grid-stride max |x| (fmaxf ignores NaN, exactly
+//    kernels/fp8.h AmaxUpdate); each CTA writes its partial amax to a
+//    stream-ordered temporary. Max is order-independent, so the result does
+//    not depend on the grid or the reduction tree.
+// 2. A cast kernel: every CTA reduces the partials to the same amax, computes
+//    the same scale with kernels/fp8.h TensorScale, and casts with the shared
+//    cvt.rn.satfinite code (kernels/cuda/device_fp8.cuh); CTA 0 writes the
+//    scale_inv of each requested copy. Rowwise only: RowCastKernel, a flat
+//    8-elements-per-step pass (the layout of [M, N] does not matter). With the
+//    columnwise copy: TileCastKernel, 128x128 tiles whose transposed bytes
+//    go through shared memory.
+// The cast pass walks the tensor from its end to its start while the amax pass
+// walks it from the start, so the cast first reads what the amax pass left in
+// L2 most recently.
+#include "kernels/cuda/quantize_tensor.h"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/device_fp8.cuh"
+#include "kernels/fp8.h"
+#include "kernels/quantize_params.h"
+
+namespace qtx::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 128;
+
+template <InputDType D>
+constexpr int kElemBytes = (D == InputDType::kFloat32) ? 4 : 2;
+
+bool Aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+// Max of non-negative `v` over the CTA, returned to every thread. `red` is
+// kWarps floats of shared memory, free again on return.
+__device__ __forceinline__ float BlockMax(float v, float* red) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, mask));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = red[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = fmaxf(r, red[w]);
+  __syncthreads();
+  return r;
+}
+
+// |x| folded into a running amax; NaN ignored (fmaxf returns the other operand).
+__device__ __forceinline__ float AbsMax(float amax, float x) { return fmaxf(amax, fabsf(x)); }
+
+template <InputDType D>
+__device__ __forceinline__ float LoadElem(const void* in, int64_t i) {
+  if constexpr (D == InputDType::kFloat32) {
+    return static_cast<const float*>(in)[i];
+  } else {
+    return ElemToFloat<D>(static_cast<const uint16_t*>(in)[i]);
+  }
+}
+
+// The 16 / kElemBytes elements of one 16-byte word, as FP32.
+template <InputDType D>
+__device__ __forceinline__ void Unpack16(const uint4 w, float* x) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (D == InputDType::kFloat32) {
+      x[j] = __uint_as_float(words[j]);
+    } else if constexpr (D == InputDType::kBFloat16) {
+      x[2 * j] = __uint_as_float(words[j] << 16);
+      x[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+    } else {
+      x[2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
+      x[2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
+    }
+  }
+}
+
+// Eight consecutive elements starting at `p` (16-byte aligned) as FP32.
+template <InputDType D>
+__device__ __forceinline__ void Load8(const uint8_t* p, float (&x)[8]) {
+  Unpack16<D>(*reinterpret_cast<const uint4*>(p), x);
+  if constexpr (D == InputDType::kFloat32) {
+    Unpack16<D>(*reinterpret_cast<const uint4*>(p + 16), x + 4);
+  }
+}
+
+// ---- pass 1: amax ---------------------------------------------------------------
+
+// Grid-stride over the input as 16-byte words (`vec`: input 16-byte aligned),
+// then the elements past the last whole word; one partial amax per CTA.
+template <InputDType D>
+__global__ void __launch_bounds__(kThreads) TensorAmaxKernel(const void* in, int64_t count,
+                                                             bool vec, float* partials) {
+  __shared__ float red[kWarps];
+  constexpr int kPer = 16 / kElemBytes<D>;  // elements per 16-byte word
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  float am = 0.0f;
+  int64_t scalar_from = 0;
+  if (vec) {
+    const uint4* w = static_cast<const uint4*>(in);
+    const int64_t words = count / kPer;
+    int64_t i = g;
+    for (; i + 3 * stride < words; i += 4 * stride) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __ldg(w + i + u * stride);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        float x[kPer];
+        Unpack16<D>(v[u], x);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) am = AbsMax(am, x[k]);
+      }
+    }
+    for (; i < words; i += stride) {
+      float x[kPer];
+      Unpack16<D>(__ldg(w + i), x);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) am = AbsMax(am, x[k]);
+    }
+    scalar_from = words * kPer;
+  }
+  for (int64_t e = scalar_from + g; e < count; e += stride) am = AbsMax(am, LoadElem<D>(in, e));
+  am = BlockMax(am, red);
+  if (threadIdx.x == 0) partials[blockIdx.x] = am;
+}
+
+// ---- pass 2: cast ---------------------------------------------------------------
+
+struct CastArgs {
+  const void* input;
+  uint8_t* qr;  // rowwise data [M, N] (null: not requested)
+  float* sr;    // rowwise scale_inv[0] (null: not requested)
+  uint8_t* qc;  // columnwise data [N, M] (null: not requested)
+  float* sc;    // columnwise scale_inv[0] (null: not requested)
+  int64_t m, n;
+  const float* partials;
+  int num_partials;
+  bool pow2;
+  float eps;
+  // RowCastKernel: input 16-byte and qr 8-byte aligned (vector steps).
+  bool vec;
+  // TileCastKernel, for whole tiles: input rows start 16-byte aligned (16-byte
+  // loads), qr rows 8-byte aligned (8-byte stores), qc rows 16-byte aligned
+  // (16-byte stores).
+  bool vec_in, vec_row, vec_col;
+  int64_t full_mb, full_nb, mb, nb;  // TileCastKernel: tile grid, wholly-inside tiles
+};
+
+// Every CTA: the tensor's scale from the partial amaxes (identical in every
+// CTA); CTA 0 stores scale_inv for each requested copy.
+template <Fp8Format F>
+__device__ __forceinline__ float TensorScaleFromPartials(const CastArgs& a, float* red) {
+  float am = 0.0f;
+  for (int i = threadIdx.x; i < a.num_partials; i += kThreads) am = fmaxf(am, a.partials[i]);
+  am = BlockMax(am, red);
+  const float scale = TensorScale(am, F, a.pow2, a.eps);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const float scale_inv = ScaleInv(scale);
+    if (a.sr != nullptr) a.sr[0] = scale_inv;
+    if (a.sc != nullptr) a.sc[0] = scale_inv;
+  }
+  return scale;
+}
+
+// Rowwise copy only: the [M, N] bytes are the elementwise cast of the flat
+// input. Thread g takes 8-element chunks nchunks-1-g, nchunks-1-g-stride, ...
+// (from the end); the elements after the last whole chunk go to CTA 0.
+// Also launched (one CTA) for an empty tensor, to write the scale_inv.
+template <InputDType D, Fp8Format F>
+__global__ void __launch_bounds__(kThreads) RowCastKernel(const CastArgs a) {
+  __shared__ float red[kWarps];
+  const float scale = TensorScaleFromPartials<F>(a, red);
+  if (a.qr == nullptr) return;
+  const int64_t count = a.m * a.n;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const uint8_t* in = static_cast<const uint8_t*>(a.input);
+  int64_t scalar_from = 0;
+  if (a.vec) {
+    const int64_t chunks = count / 8;
+    int64_t i = g;
+    for (; i + 3 * stride < chunks; i += 4 * stride) {
+      float x[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        Load8<D>(in + (chunks - 1 - (i + u * stride)) * 8 * kElemBytes<D>, x[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        __stcs(reinterpret_cast<uint2*>(a.qr) + (chunks - 1 - (i + u * stride)),
+               Quantize8<F>(x[u], scale));
+      }
+    }
+    for (; i < chunks; i += stride) {
+      float x[8];
+      Load8<D>(in + (chunks - 1 - i) * 8 * kElemBytes<D>, x);
+      __stcs(reinterpret_cast<uint2*>(a.qr) + (chunks - 1 - i), Quantize8<F>(x, scale));
+    }
+    scalar_from = chunks * 8;
+  }
+  for (int64_t e = scalar_from + g; e < count; e += stride) {
+    a.qr[e] = static_cast<uint8_t>(
+        Cvt2<F>(__fmul_rn(LoadElem<D>(a.input, e), scale), 0.0f) & 0xFFu);
+  }
+}
+
+// With the columnwise copy (and the rowwise one when kRow): persistent CTAs
+// over 128x128 tiles, tile t = T-1-blockIdx.x, T-1-blockIdx.x-gridDim.x, ...
+// (from the end). Thread (q, v) = (tid / 16, tid % 16) owns rows 8q..8q+7 and
+// columns 8v..8v+7 of the tile: a half warp reads a contiguous 128-element row
+// segment, and writes its 128 rowwise bytes contiguously. The columnwise bytes
+// of the thread's 8 columns go into a 128x128-byte transposed tile in shared
+// memory (16-byte units XOR-swizzled by (column / 8) % 8), from which every
+// warp stores whole 128-byte rows of the [N, M] copy.
+// Whole tiles use vector loads and stores where the rows are aligned for them
+// (vec_in / vec_row / vec_col); edge tiles load and store element by element
+// with bounds checks.
+template <InputDType D, Fp8Format F, bool kRow>
+__global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) {
+  __shared__ float red[kWarps];
+  __shared__ __align__(16) uint8_t tsm[kTile * kTile];
+  const float scale = TensorScaleFromPartials<F>(a, red);
+  const int tid = threadIdx.x;
+  const int q = tid >> 4, v = tid & 15;
+  const int64_t num_tiles = a.mb * a.nb;
+  const uint8_t* in = static_cast<const uint8_t*>(a.input);
+  for (int64_t k = blockIdx.x; k < num_tiles; k += gridDim.x) {
+    const int64_t tile = num_tiles - 1 - k;
+    const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
+    const int64_t m0 = tm * kTile, n0 = tn * kTile;
+    const bool full = tm < a.full_mb && tn < a.full_nb;
+    const int64_t gm0 = m0 + 8 * q, gn0 = n0 + 8 * v;
+
+    float x[8][8];
+    if (full && a.vec_in) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) Load8<D>(in + ((gm0 + i) * a.n + gn0) * kElemBytes<D>, x[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const bool inside = gm0 + i < a.m && gn0 + j < a.n;
+          x[i][j] = inside ? LoadElem<D>(a.input, (gm0 + i) * a.n + gn0 + j) : 0.0f;
+        }
+      }
+    }
+
+    if constexpr (kRow) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint2 b = Quantize8<F>(x[i], scale);
+        uint8_t* row = a.qr + (gm0 + i) * a.n + gn0;
+        if (full && a.vec_row) {
+          __stcs(reinterpret_cast<uint2*>(row), b);
+        } else if (gm0 + i < a.m) {
+          const uint32_t words[2] = {b.x, b.y};
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (gn0 + j < a.n) row[j] = static_cast<uint8_t>(words[j >> 2] >> (8 * (j & 3)));
+          }
+        }
+      }
+    }
+
+    // Columnwise: column nl = 8v + j of the tile, bytes of rows 8q..8q+7.
+    const int unit = q >> 1, half = q & 1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float col[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) col[i] = x[i][j];
+      const int nl = 8 * v + j;
+      *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) =
+          Quantize8<F>(col, scale);
+    }
+    __syncthreads();
+    const int u = tid & 7;  // 16-byte unit of the M run
+#pragma unroll
+    for (int p = 0; p < kTile / 32; ++p) {
+      const int nl = p * 32 + (tid >> 3);
+      const uint4 val =
+          *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
+      uint8_t* dst = a.qc + (n0 + nl) * a.m + m0 + 16 * u;
+      if (full && a.vec_col) {
+        __stcs(reinterpret_cast<uint4*>(dst), val);
+      } else if (n0 + nl < a.n) {
+        const uint32_t words[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+        for (int b = 0; b < 16; ++b) {
+          if (m0 + 16 * u + b < a.m) dst[b] = static_cast<uint8_t>(words[b >> 2] >> (8 * (b & 3)));
+        }
+      }
+    }
+    __syncthreads();  // tsm is rewritten by the next tile
+  }
+}
+
+// ---- launch helpers -------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+
+// Multiprocessors of the current device (cached per device).
+cudaError_t SmCount(int* sms) {
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c > 0) {
+      *sms = c;
+      return cudaSuccess;
+    }
+  }
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(*sms, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+// CTAs of `kernel` (kThreads threads, static shared memory only) that fit on
+// the device at once: sms * blocks per SM, cached in `cache` (one array per
+// kernel instantiation, indexed by device). The cast passes launch exactly
+// this many (or fewer), so that every CTA is resident and the pass sweeps the
+// tensor in one front, from its end.
+template <typename Kernel>
+cudaError_t ResidentCtas(Kernel kernel, int sms, std::atomic<int>* cache, int64_t* resident) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  int per_sm = cached ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (per_sm == 0) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) per_sm = 1;
+    if (cached) cache[dev].store(per_sm, std::memory_order_relaxed);
+  }
+  *resident = int64_t{sms} * per_sm;
+  return cudaSuccess;
+}
+
+int GridFor(int64_t work, int64_t resident) {
+  return static_cast<int>(work < resident ? (work > 0 ? work : 1) : resident);
+}
+
+template <typename Fn>
+cudaError_t WithDType(InputDType d, Fn&& fn) {
+  switch (d) {
+    case InputDType::kBFloat16:
+      return fn(std::integral_constant<InputDType, InputDType::kBFloat16>{});
+    case InputDType::kFloat16:
+      return fn(std::integral_constant<InputDType, InputDType::kFloat16>{});
+    case InputDType::kFloat32:
+      return fn(std::integral_constant<InputDType, InputDType::kFloat32>{});
+  }
+  return cudaErrorInvalidValue;  // not one of kFloat32, kBFloat16, kFloat16
+}
+template <typename Fn>
+cudaError_t WithFormat(Fp8Format f, Fn&& fn) {
+  switch (f) {
+    case Fp8Format::kE4M3:
+      return fn(std::integral_constant<Fp8Format, Fp8Format::kE4M3>{});
+    case Fp8Format::kE5M2:
+      return fn(std::integral_constant<Fp8Format, Fp8Format::kE5M2>{});
+  }
+  return cudaErrorInvalidValue;  // not one of kE4M3, kE5M2
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- dequantize -------------------------------------------------------------------
+
+struct DequantArgs {
+  const uint8_t* q;
+  const float* s;  // the one scale_inv
+  void* out;
+  int64_t m, n;
+  Fp8Format format;
+};
+
+template <InputDType OutD>
+__global__ void __launch_bounds__(256) DequantizeTensorRowwiseKernel(const DequantArgs a) {
+  const float s = a.s[0];
+  const int64_t total = a.m * a.n;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    StoreOut<OutD>(a.out, idx, Dequant1(a.q[idx], s, a.format));
+  }
+}
+
+// [N, M] bytes back to [M, N]: 32x32 tiles transposed through shared memory.
+template <InputDType OutD>
+__global__ void __launch_bounds__(256) DequantizeTensorColumnwiseKernel(const DequantArgs a) {
+  __shared__ uint8_t tbuf[32][33];
+  const float s = a.s[0];
+  const int64_t tiles_m = (a.m + 31) / 32, tiles_n = (a.n + 31) / 32;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  for (int64_t t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {
+    const int64_t m0 = (t % tiles_m) * 32, n0 = (t / tiles_m) * 32;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t nn = n0 + ty + 8 * k, mm = m0 + tx;
+      tbuf[ty + 8 * k][tx] = (nn < a.n && mm < a.m) ? a.q[nn * a.m + mm] : 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t mm = m0 + ty + 8 * k, nn = n0 + tx;
+      if (mm < a.m && nn < a.n) {
+        StoreOut<OutD>(a.out, mm * a.n + nn, Dequant1(tbuf[tx][ty + 8 * k], s, a.format));
+      }
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
+                           const QuantizeParams& params, const QuantizedBuffers& out,
+                           cudaStream_t stream) {
+  if (m < 0 || n < 0) return cudaErrorInvalidValue;
+  if (n > 0 && m > INT64_MAX / n) return cudaErrorInvalidValue;
+  if (!(params.amax_epsilon >= 0.0f) || std::isinf(params.amax_epsilon)) {
+    return cudaErrorInvalidValue;
+  }
+  if (!params.rowwise && !params.columnwise) return cudaErrorInvalidValue;
+  const int64_t count = m * n;
+  if (params.rowwise &&
+      (out.rowwise_scale_inv == nullptr || (count > 0 && out.rowwise_data == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (params.columnwise &&
+      (out.columnwise_scale_inv == nullptr || (count > 0 && out.columnwise_data == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (count > 0 && input == nullptr) return cudaErrorInvalidValue;
+  int sms = 0;
+  cudaError_t err = SmCount(&sms);
+  if (err != cudaSuccess) return err;
+
+  CastArgs a{};
+  a.input = input;
+  a.qr = params.rowwise ? out.rowwise_data : nullptr;
+  a.sr = params.rowwise ? out.rowwise_scale_inv : nullptr;
+  a.qc = params.columnwise ? out.columnwise_data : nullptr;
+  a.sc = params.columnwise ? out.columnwise_scale_inv : nullptr;
+  a.m = m;
+  a.n = n;
+  a.pow2 = params.force_pow2_scales;
+  a.eps = params.amax_epsilon;
+  a.mb = CeilDiv(m, kTile);
+  a.nb = CeilDiv(n, kTile);
+  a.full_mb = m / kTile;
+  a.full_nb = n / kTile;
+  const int64_t elem = dtype == InputDType::kFloat32 ? 4 : 2;
+
+  return WithDType(dtype, [&](auto dt) {
+    return WithFormat(params.format, [&](auto ft) -> cudaError_t {
+      constexpr InputDType D = decltype(dt)::value;
+      constexpr Fp8Format F = decltype(ft)::value;
+      if (count == 0) {  // nothing to cast: one CTA writes scale_inv of amax 0
+        a.partials = nullptr;
+        a.num_partials = 0;
+        a.vec = false;
+        RowCastKernel<D, F><<<1, kThreads, 0, stream>>>(a);
+        return cudaGetLastError();
+      }
+      // Pass 1: at least about 32 elements a thread, every CTA resident.
+      static std::atomic<int> amax_cache[kMaxDevices];
+      static std::atomic<int> row_cache[kMaxDevices];
+      static std::atomic<int> tile_cache[2][kMaxDevices];
+      int64_t resident = 0;
+      cudaError_t e = ResidentCtas(TensorAmaxKernel<D>, sms, amax_cache, &resident);
+      if (e != cudaSuccess) return e;
+      const int amax_grid = GridFor(CeilDiv(count, int64_t{kThreads} * 32), resident);
+      float* partials = nullptr;
+      e = cudaMallocAsync(reinterpret_cast<void**>(&partials),
+                                      sizeof(float) * amax_grid, stream);
+      if (e != cudaSuccess) return e;
+      TensorAmaxKernel<D><<<amax_grid, kThreads, 0, stream>>>(input, count,
+                                                              Aligned(input, 16), partials);
+      e = cudaGetLastError();
+      if (e == cudaSuccess) {
+        // Pass 2.
+        a.partials = partials;
+        a.num_partials = amax_grid;
+        if (!params.columnwise) {
+          a.vec = Aligned(input, 16) && Aligned(a.qr, 8);
+          e = ResidentCtas(RowCastKernel<D, F>, sms, row_cache, &resident);
+          if (e == cudaSuccess) {
+            const int grid = GridFor(CeilDiv(count, int64_t{kThreads} * 8 * 4), resident);
+            RowCastKernel<D, F><<<grid, kThreads, 0, stream>>>(a);
+          }
+        } else {
+          a.vec_in = Aligned(input, 16) && (n * elem) % 16 == 0;
+          a.vec_row = params.rowwise && Aligned(a.qr, 8) && n % 8 == 0;
+          a.vec_col = Aligned(a.qc, 16) && m % 16 == 0;
+          const int64_t tiles = a.mb * a.nb;
+          if (params.rowwise) {
+            e = ResidentCtas(TileCastKernel<D, F, true>, sms, tile_cache[1], &resident);
+            if (e == cudaSuccess) {
+              TileCastKernel<D, F, true><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
+            }
+          } else {
+            e = ResidentCtas(TileCastKernel<D, F, false>, sms, tile_cache[0], &resident);
+            if (e == cudaSuccess) {
+              TileCastKernel<D, F, false><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
+            }
+          }
+        }
+        if (e == cudaSuccess) e = cudaGetLastError();
+      }
+      const cudaError_t f = cudaFreeAsync(partials, stream);
+      return e != cudaSuccess ? e : f;
+    });
+  });
+}
+
+cudaError_t DequantizeTensor(const QuantizedConstBuffers& in, Fp8Format format, int64_t m,
+                             int64_t n, bool use_rowwise, InputDType out_dtype, void* out,
+                             cudaStream_t stream) {
+  if (m < 0 || n < 0) return cudaErrorInvalidValue;
+  if (n > 0 && m > INT64_MAX / n) return cudaErrorInvalidValue;
+  if (format != Fp8Format::kE4M3 && format != Fp8Format::kE5M2) return cudaErrorInvalidValue;
+  if (m == 0 || n == 0) {
+    return WithDType(out_dtype, [](auto) { return cudaSuccess; });
+  }
+  DequantArgs a;
+  a.q = use_rowwise ? in.rowwise_data : in.columnwise_data;
+  a.s = use_rowwise ? in.rowwise_scale_inv : in.columnwise_scale_inv;
+  if (a.q == nullptr || a.s == nullptr || out == nullptr) return cudaErrorInvalidValue;
+  a.out = out;
+  a.m = m;
+  a.n = n;
+  a.format = format;
+  int sms = 0;
+  cudaError_t err = SmCount(&sms);
+  if (err != cudaSuccess) return err;
+  const int64_t max_grid = static_cast<int64_t>(sms) * 8;
+  return WithDType(out_dtype, [&](auto dt) {
+    constexpr InputDType OutD = decltype(dt)::value;
+    if (use_rowwise) {
+      const int64_t blocks = CeilDiv(m * n, 256);
+      DequantizeTensorRowwiseKernel<OutD>
+          <<<static_cast<int>(blocks < max_grid ? blocks : max_grid), 256, 0, stream>>>(a);
+    } else {
+      const int64_t tiles = CeilDiv(m, 32) * CeilDiv(n, 32);
+      DequantizeTensorColumnwiseKernel<OutD>
+          <<<static_cast<int>(tiles < max_grid ? tiles : max_grid), 256, 0, stream>>>(a);
+    }
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace qtx::kernels::cuda

@@ -1,0 +1,43 @@
+// CUDA per-tensor current scaling (BlockScaling::kTensor, docs/numerics.md
+// "Per-tensor current scaling"), bit-exact with kernels/cpu/quantize_tensor.h.
+// Plain header: CUDA runtime types only, so that host code can call it
+// without nvcc.
+//
+// All pointers are device pointers. Work is enqueued on `stream` (an amax
+// pass over the input, then one cast pass that writes every requested copy);
+// the functions do not synchronize. A stream-ordered temporary of at most a
+// few KiB comes from the device's current memory pool (cudaMallocAsync) and
+// is freed on the stream. An empty tensor launches one tiny kernel, which
+// writes the scale_inv of amax 0.
+#ifndef QTX_KERNELS_CUDA_QUANTIZE_TENSOR_H_
+#define QTX_KERNELS_CUDA_QUANTIZE_TENSOR_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/quantize_params.h"
+
+namespace qtx::kernels::cuda {
+
+// Quantizes the row-major [m, n] `input` with one scale for the whole tensor:
+// rowwise_data [m, n] + rowwise_scale_inv[0] when params.rowwise,
+// columnwise_data [n, m] + columnwise_scale_inv[0] when params.columnwise.
+// params.scaling is not read. Returns cudaErrorInvalidValue for m < 0, n < 0,
+// m * n overflowing, an unknown enum value, no copy requested, a null scale
+// buffer of a requested copy, a null data buffer or input of a non-empty
+// tensor, or a negative / non-finite amax_epsilon; otherwise the first
+// allocation or launch error, if any.
+cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
+                           const QuantizeParams& params, const QuantizedBuffers& out,
+                           cudaStream_t stream);
+
+// x = decode(q) * scale_inv[0] in FP32, narrowed to `out_dtype`; reads the
+// rowwise copy when `use_rowwise`, else the columnwise copy (transposed back).
+cudaError_t DequantizeTensor(const QuantizedConstBuffers& in, Fp8Format format, int64_t m,
+                             int64_t n, bool use_rowwise, InputDType out_dtype, void* out,
+                             cudaStream_t stream);
+
+}  // namespace qtx::kernels::cuda
+
+#endif  // QTX_KERNELS_CUDA_QUANTIZE_TENSOR_H_

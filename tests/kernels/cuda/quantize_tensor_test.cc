@@ -1,0 +1,354 @@
+// kernels/cuda QuantizeTensor / DequantizeTensor (per-tensor current scaling)
+// vs the CPU reference kernels/cpu/quantize_tensor, bit for bit: both data
+// copies and both scale_inv values, with sentinel-filled outputs on both sides
+// (so a byte written outside the tensor, or not written, shows). Shapes with
+// M, N not multiples of 128, one row, one column, empty, and 16384x7168; all
+// three input dtypes, E4M3 / E5M2, pow2 on / off, eps; rowwise, columnwise and
+// both; aligned and misaligned buffers (the vector and the checked paths);
+// normal, NaN / tie / subnormal sprinkled, Inf, tiny-amax and all-zero data.
+#include "kernels/cuda/quantize_tensor.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/quantize_tensor.h"
+#include "kernels/cuda/quantize_block.h"
+#include "kernels/fp8.h"
+
+namespace qtx::kernels::cuda {
+namespace {
+
+#define QTX_CUDA_ASSERT(expr)                                                          \
+  do {                                                                                 \
+    const cudaError_t qtx_err_ = (expr);                                               \
+    ASSERT_EQ(qtx_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(qtx_err_); \
+  } while (0)
+
+constexpr uint8_t kDataSentinel = 0xAA;
+constexpr uint32_t kScaleSentinel = 0xFFFFFFFFu;
+
+int ElemBytes(InputDType t) { return t == InputDType::kFloat32 ? 4 : 2; }
+const char* Name(InputDType t) {
+  switch (t) {
+    case InputDType::kBFloat16: return "bf16";
+    case InputDType::kFloat16: return "fp16";
+    default: return "fp32";
+  }
+}
+
+class DeviceMem {
+ public:
+  explicit DeviceMem(size_t bytes) {
+    if (cudaMalloc(&p_, bytes < 64 ? 64 : bytes) != cudaSuccess) p_ = nullptr;
+  }
+  ~DeviceMem() { cudaFree(p_); }
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+  uint8_t* get() const { return static_cast<uint8_t*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+void Store(std::vector<uint8_t>& buf, InputDType t, int64_t i, float x) {
+  if (t == InputDType::kFloat32) {
+    std::memcpy(buf.data() + 4 * i, &x, 4);
+  } else {
+    const uint16_t h = t == InputDType::kBFloat16 ? FloatToBf16(x) : FloatToHalf(x);
+    std::memcpy(buf.data() + 2 * i, &h, 2);
+  }
+}
+
+enum class Data { kNormal, kSpecials, kInf, kTiny, kZero };
+const char* Name(Data d) {
+  switch (d) {
+    case Data::kNormal: return "normal";
+    case Data::kSpecials: return "specials";
+    case Data::kInf: return "inf";
+    case Data::kTiny: return "tiny";
+    default: return "zero";
+  }
+}
+
+struct FastRng {  // splitmix64
+  uint64_t s;
+  uint64_t Next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float Uniform() { return static_cast<float>((Next() >> 40) + 1) * 0x1p-24f; }  // (0, 1]
+};
+
+std::vector<uint8_t> MakeInput(InputDType t, int64_t count, Data kind, uint64_t seed) {
+  std::vector<uint8_t> buf(static_cast<size_t>(count * ElemBytes(t)), 0);
+  FastRng rng{seed};
+  const float sub = t == InputDType::kFloat16 ? std::ldexp(1.0f, -24) : BitsToFloat(0x00010000u);
+  const float ties[] = {1.0625f, 1.1875f, 300.0f, -17.0f, 0.75f, 3.0f, 448.0f, -1.125f, 2.5f};
+  float mag = 1.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    if (i % 64 == 0) mag = std::ldexp(1.0f, static_cast<int>(rng.Next() % 13) - 6);
+    const float r = std::sqrt(-2.0f * std::log(rng.Uniform())) *
+                    std::cos(6.2831853f * rng.Uniform()) * mag;
+    float x = r;
+    switch (kind) {
+      case Data::kNormal:
+        break;
+      case Data::kSpecials: {
+        const uint64_t p = rng.Next() % 1000;
+        if (p < 5) x = std::nanf("");
+        else if (p < 15) x = sub * static_cast<float>(1 + rng.Next() % 3);
+        else if (p < 40) x = std::ldexp(ties[rng.Next() % 9], static_cast<int>(rng.Next() % 7) - 3);
+        else if (p < 50) x = (rng.Next() & 1) ? 0.0f : -0.0f;
+        break;
+      }
+      case Data::kInf:
+        if (i == count / 2) x = (seed & 1) ? std::numeric_limits<float>::infinity()
+                                           : -std::numeric_limits<float>::infinity();
+        break;
+      case Data::kTiny:  // amax in the subnormal range: 448 / amax overflows FP32 (not FP16)
+        x = sub * static_cast<float>(rng.Next() % 5) * ((rng.Next() & 1) ? 1.0f : -1.0f);
+        break;
+      case Data::kZero:
+        x = (rng.Next() & 1) ? 0.0f : -0.0f;
+        break;
+    }
+    Store(buf, t, i, x);
+  }
+  return buf;
+}
+
+template <typename T>
+std::string Diff(const char* what, const std::vector<T>& want, const std::vector<T>& got) {
+  if (want.size() != got.size()) return std::string(what) + ": size differs";
+  std::ostringstream os;
+  int64_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    uint32_t w = 0, g = 0;
+    std::memcpy(&w, &want[i], sizeof(T));
+    std::memcpy(&g, &got[i], sizeof(T));
+    if (w != g) {
+      if (bad < 4) os << " [" << i << "] want 0x" << std::hex << w << " got 0x" << g << std::dec;
+      ++bad;
+    }
+  }
+  if (bad == 0) return "";
+  std::ostringstream head;
+  head << what << ": " << bad << " of " << want.size() << " differ:" << os.str();
+  return head.str();
+}
+
+struct Case {
+  int64_t m, n;
+  InputDType dtype;
+  Fp8Format format;
+  bool pow2;
+  float eps;
+  bool row, col;
+  Data data;
+  int misalign;  // bytes added to every device pointer (0: 256-byte aligned)
+};
+
+std::string Describe(const Case& c) {
+  std::ostringstream os;
+  os << c.m << "x" << c.n << " " << Name(c.dtype) << " "
+     << (c.format == Fp8Format::kE4M3 ? "e4m3" : "e5m2") << " pow2=" << c.pow2
+     << " eps=" << c.eps << " " << (c.row ? "row" : "") << (c.col ? "+col" : "") << " "
+     << Name(c.data) << " misalign=" << c.misalign;
+  return os.str();
+}
+
+// Quantizes on the GPU (through QuantizeBlock, which forwards TENSOR) and on
+// the CPU; compares every byte and both scales; then dequantizes each copy on
+// the GPU and compares with the CPU's dequantization.
+void Check(const Case& c) {
+  SCOPED_TRACE(Describe(c));
+  const int64_t count = c.m * c.n;
+  const std::vector<uint8_t> in =
+      MakeInput(c.dtype, count, c.data, 0x1234 + static_cast<uint64_t>(c.m * 31 + c.n));
+  const QuantizeParams p{BlockScaling::kTensor, c.format, c.row, c.col, c.pow2, c.eps};
+
+  // CPU reference.
+  std::vector<uint8_t> want_row(count, kDataSentinel), want_col(count, kDataSentinel);
+  std::vector<float> want_s(2, BitsToFloat(kScaleSentinel));
+  cpu::QuantizeTensor(in.data(), c.dtype, c.m, c.n, p,
+                      {want_row.data(), &want_s[0], want_col.data(), &want_s[1]});
+
+  // GPU.
+  const int off = c.misalign;
+  const size_t in_bytes = in.size();
+  DeviceMem d_in(in_bytes + 64), d_row(count + 64), d_col(count + 64), d_s(64);
+  ASSERT_NE(d_in.get(), nullptr);
+  ASSERT_NE(d_row.get(), nullptr);
+  ASSERT_NE(d_col.get(), nullptr);
+  QTX_CUDA_ASSERT(cudaMemcpy(d_in.get() + off, in.data(), in_bytes, cudaMemcpyHostToDevice));
+  QTX_CUDA_ASSERT(cudaMemset(d_row.get(), kDataSentinel, count + 64));
+  QTX_CUDA_ASSERT(cudaMemset(d_col.get(), kDataSentinel, count + 64));
+  QTX_CUDA_ASSERT(cudaMemset(d_s.get(), 0xFF, 64));
+  float* s = reinterpret_cast<float*>(d_s.get());
+  QuantizedBuffers out{d_row.get() + off, s, d_col.get() + off, s + 4};
+  if (!c.row) out.rowwise_data = nullptr, out.rowwise_scale_inv = nullptr;
+  if (!c.col) out.columnwise_data = nullptr, out.columnwise_scale_inv = nullptr;
+  QTX_CUDA_ASSERT(QuantizeBlock(count ? d_in.get() + off : nullptr, c.dtype, c.m, c.n, p, out,
+                                nullptr));
+  QTX_CUDA_ASSERT(cudaDeviceSynchronize());
+  std::vector<uint8_t> got_row(count + 64), got_col(count + 64);
+  std::vector<float> got_s(16);
+  QTX_CUDA_ASSERT(cudaMemcpy(got_row.data(), d_row.get(), count + 64, cudaMemcpyDeviceToHost));
+  QTX_CUDA_ASSERT(cudaMemcpy(got_col.data(), d_col.get(), count + 64, cudaMemcpyDeviceToHost));
+  QTX_CUDA_ASSERT(cudaMemcpy(got_s.data(), d_s.get(), 64, cudaMemcpyDeviceToHost));
+
+  // Nothing outside [off, off + count) was written.
+  for (int64_t i = 0; i < off; ++i) {
+    ASSERT_EQ(got_row[i], kDataSentinel) << "rowwise byte before the buffer";
+    ASSERT_EQ(got_col[i], kDataSentinel) << "columnwise byte before the buffer";
+  }
+  for (int64_t i = off + count; i < count + 64; ++i) {
+    ASSERT_EQ(got_row[i], kDataSentinel) << "rowwise byte after the buffer";
+    ASSERT_EQ(got_col[i], kDataSentinel) << "columnwise byte after the buffer";
+  }
+  const std::vector<uint8_t> row(got_row.begin() + off, got_row.begin() + off + count);
+  const std::vector<uint8_t> col(got_col.begin() + off, got_col.begin() + off + count);
+  const std::vector<float> scales = {got_s[0], got_s[4]};
+  std::string d = Diff("rowwise_data", want_row, row);
+  EXPECT_TRUE(d.empty()) << d;
+  d = Diff("columnwise_data", want_col, col);
+  EXPECT_TRUE(d.empty()) << d;
+  d = Diff("scale_inv (row, col)", want_s, scales);
+  EXPECT_TRUE(d.empty()) << d;
+  for (int i : {1, 2, 3, 5, 6, 7}) {
+    uint32_t b;
+    std::memcpy(&b, &got_s[i], 4);
+    EXPECT_EQ(b, kScaleSentinel) << "scale word " << i << " written";
+  }
+  if (count == 0 || ::testing::Test::HasFailure()) return;
+
+  // Dequantize each produced copy on both sides (FP32 output, and BF16 once).
+  for (bool use_row : {true, false}) {
+    if (use_row ? !c.row : !c.col) continue;
+    const InputDType od = use_row ? InputDType::kFloat32 : InputDType::kBFloat16;
+    const size_t ob = static_cast<size_t>(count * ElemBytes(od));
+    std::vector<uint8_t> want_out(ob), got_out(ob);
+    QuantizedConstBuffers hin{want_row.data(), &want_s[0], want_col.data(), &want_s[1]};
+    cpu::DequantizeTensor(hin, c.format, c.m, c.n, use_row, od, want_out.data());
+    DeviceMem d_out(ob);
+    QuantizedConstBuffers din{d_row.get() + off, s, d_col.get() + off, s + 4};
+    QTX_CUDA_ASSERT(
+        DequantizeBlock(din, BlockScaling::kTensor, c.format, c.m, c.n, use_row, od, d_out.get(),
+                        nullptr));
+    QTX_CUDA_ASSERT(cudaMemcpy(got_out.data(), d_out.get(), ob, cudaMemcpyDeviceToHost));
+    d = Diff(use_row ? "dequantized rowwise" : "dequantized columnwise", want_out, got_out);
+    EXPECT_TRUE(d.empty()) << d;
+  }
+}
+
+TEST(QuantizeTensorCuda, MatchesCpuOnEdgeShapes) {
+  struct Shape {
+    int64_t m, n;
+  };
+  const Shape shapes[] = {{1, 1},   {1, 1000}, {1000, 1}, {7, 9},      {128, 128},
+                          {130, 300}, {255, 257}, {256, 1024}, {1000, 1000}, {129, 16}};
+  const struct {
+    bool row, col;
+  } usages[] = {{true, false}, {false, true}, {true, true}};
+  int n_cases = 0;
+  for (const Shape& s : shapes) {
+    for (InputDType t : {InputDType::kBFloat16, InputDType::kFloat16, InputDType::kFloat32}) {
+      for (auto u : usages) {
+        for (int k = 0; k < 2; ++k) {
+          const Fp8Format f = (n_cases % 2) ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+          const bool pow2 = (n_cases / 2) % 2 == 0;
+          const Data data = static_cast<Data>(n_cases % 5);
+          const float eps = data == Data::kZero && k == 1 ? 1e-4f : 0.0f;
+          Check({s.m, s.n, t, f, pow2, eps, u.row, u.col, data, k == 0 ? 0 : 4});
+          ++n_cases;
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantizeTensorCuda, MatchesCpuForEveryOptionOnAlignedShapes) {
+  for (InputDType t : {InputDType::kBFloat16, InputDType::kFloat16, InputDType::kFloat32}) {
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (bool pow2 : {true, false}) {
+        for (bool col : {false, true}) {
+          Check({512, 768, t, f, pow2, 0.0f, true, col, Data::kSpecials, 0});
+          Check({384, 256, t, f, pow2, 0.0f, true, col, Data::kTiny, 0});
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantizeTensorCuda, EmptyTensorWritesTheScale) {
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 7}, {5, 0}, {0, 0}}) {
+    for (float eps : {0.0f, 1e-4f}) {
+      Check({m, n, InputDType::kBFloat16, Fp8Format::kE4M3, true, eps, true, true, Data::kZero,
+             0});
+      Check({m, n, InputDType::kFloat32, Fp8Format::kE5M2, false, eps, false, true, Data::kZero,
+             0});
+    }
+  }
+}
+
+TEST(QuantizeTensorCuda, MatchesCpuOnLargeShapes) {
+  Check({16384, 7168, InputDType::kBFloat16, Fp8Format::kE4M3, true, 0.0f, true, true,
+         Data::kNormal, 0});
+  Check({16384, 7168, InputDType::kBFloat16, Fp8Format::kE4M3, false, 0.0f, true, false,
+         Data::kSpecials, 0});
+  Check({8191, 8192, InputDType::kFloat32, Fp8Format::kE5M2, true, 0.0f, true, true,
+         Data::kNormal, 0});
+  Check({4097, 4100, InputDType::kFloat16, Fp8Format::kE4M3, false, 0.0f, true, true,
+         Data::kSpecials, 4});
+}
+
+TEST(QuantizeTensorCuda, RejectsBadArguments) {
+  DeviceMem buf(1024);
+  float* s = reinterpret_cast<float*>(buf.get());
+  const QuantizeParams p{BlockScaling::kTensor, Fp8Format::kE4M3, true, true, true, 0.0f};
+  const QuantizedBuffers out{buf.get() + 256, s, buf.get() + 512, s + 1};
+  EXPECT_EQ(QuantizeTensor(buf.get() + 768, InputDType::kFloat32, -1, 4, p, out, nullptr),
+            cudaErrorInvalidValue);
+  QuantizeParams bad = p;
+  bad.amax_epsilon = -1.0f;
+  EXPECT_EQ(QuantizeTensor(buf.get() + 768, InputDType::kFloat32, 2, 4, bad, out, nullptr),
+            cudaErrorInvalidValue);
+  bad = p;
+  bad.amax_epsilon = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(QuantizeTensor(buf.get() + 768, InputDType::kFloat32, 2, 4, bad, out, nullptr),
+            cudaErrorInvalidValue);
+  bad = p;
+  bad.rowwise = bad.columnwise = false;
+  EXPECT_EQ(QuantizeTensor(buf.get() + 768, InputDType::kFloat32, 2, 4, bad, out, nullptr),
+            cudaErrorInvalidValue);
+  bad = p;
+  bad.format = static_cast<Fp8Format>(7);
+  EXPECT_EQ(QuantizeTensor(buf.get() + 768, InputDType::kFloat32, 2, 4, bad, out, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeTensor(buf.get() + 768, static_cast<InputDType>(9), 2, 4, p, out, nullptr),
+            cudaErrorInvalidValue);
+  QuantizedBuffers no_scale = out;
+  no_scale.columnwise_scale_inv = nullptr;
+  EXPECT_EQ(QuantizeTensor(buf.get() + 768, InputDType::kFloat32, 2, 4, p, no_scale, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeTensor(nullptr, InputDType::kFloat32, 2, 4, p, out, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeTensor(buf.get(), InputDType::kFloat32, int64_t{1} << 40, int64_t{1} << 40,
+                           p, out, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace qtx::kernels::cuda
