@@ -78,13 +78,6 @@ kernels::QuantizeParams ParamsOf(const QuantizeConfig& c) {
   return p;
 }
 
-    used += (bytes + 255) / 256 * 256;
-    EXPECT_LE(used, size);
-    return s;
-  }
-  void* At(const RegionSlice& s) const { return static_cast<char*>(base) + s.offset; }
-};
-
 // A case's input in the arena, its CPU reference (on the host and in the
 // arena, for comparisons on the caller's stream) and its output slices.
 struct Prepared {
@@ -409,7 +402,6 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
               held == cudaErrorNotReady ? "true" : "false",
               static_cast<unsigned long long>(Mismatches()));
 }
-
 
 // Exact kinds: 2-D row+col (amaxes exchanged on the device, per tile
 // column), 1-D columnwise (the same, per column), 1-D rowwise (no amax).

@@ -54,13 +54,6 @@ int Iterations() {
   return s != nullptr ? std::atoi(s) : 500;
 }
 
-    used += (bytes + 255) / 256 * 256;
-    EXPECT_LE(used, size);
-    return s;
-  }
-  void* At(const RegionSlice& s) const { return static_cast<char*>(base) + s.offset; }
-};
-
 class CudaChannelTest : public ::testing::Test {
  protected:
   void SetUp() override {
