@@ -110,6 +110,8 @@ tests() {
   stop_qtxd
 }
 benches() {  # channel_bench (C++ context), then the Python bench: current, then legacy
+  # QTX_PY_BENCH=0: tests only (a regression run).
+  [ "${QTX_PY_BENCH:-1}" = 0 ] && return 0
   local mps="$1" cb="$OUT/channel_bench_mps$1.jsonl"
   if [ -x "$B/bin/channel_bench" ]; then
     step "channel_bench_mps$mps" 40 "$B/bin/channel_bench" --qtxd="$B/bin/qtxd" --mps="$mps" --flags=host

@@ -31,7 +31,8 @@ class OptimizerStepTest(unittest.TestCase):
         ref = base.SERVERS["ref"]
         ref.offload_optimizer_state("py-opt", [(n, t.numpy().tobytes(), list(t.shape))
                                                for n, t in masters.items()],
-                                    HYPER, 2, 1, True, True, True, 0.0, 0, True)
+                                    HYPER, 2, 1, True, True, True, 0.0, 0, True,
+                                    [(None, None)] * len(masters))  # no per-parameter settings
         side = torch.cuda.Stream()
         with base.session() as s:
             self.assertEqual(s.offload_optimizer_state(
