@@ -74,6 +74,31 @@ __device__ __forceinline__ void StoreOut(void* out, int64_t idx, float x) {
   }
 }
 
+// Host side: turns runtime enums into template arguments for a kernel
+// launch; unknown values are rejected with cudaErrorInvalidValue.
+template <typename Fn>
+cudaError_t WithDType(InputDType d, Fn&& fn) {
+  switch (d) {
+    case InputDType::kBFloat16:
+      return fn(std::integral_constant<InputDType, InputDType::kBFloat16>{});
+    case InputDType::kFloat16:
+      return fn(std::integral_constant<InputDType, InputDType::kFloat16>{});
+    case InputDType::kFloat32:
+      return fn(std::integral_constant<InputDType, InputDType::kFloat32>{});
+  }
+  return cudaErrorInvalidValue;  // not one of kFloat32, kBFloat16, kFloat16
+}
+template <typename Fn>
+cudaError_t WithFormat(Fp8Format f, Fn&& fn) {
+  switch (f) {
+    case Fp8Format::kE4M3:
+      return fn(std::integral_constant<Fp8Format, Fp8Format::kE4M3>{});
+    case Fp8Format::kE5M2:
+      return fn(std::integral_constant<Fp8Format, Fp8Format::kE5M2>{});
+  }
+  return cudaErrorInvalidValue;  // not one of kE4M3, kE5M2
+}
+
 }  // namespace qtx::kernels::cuda
 
 #endif  // QTX_KERNELS_CUDA_DEVICE_FP8_CUH_

@@ -576,29 +576,6 @@ cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream
   return cudaGetLastError();
 }
 
-// Turns runtime enums into template arguments; unknown values are rejected.
-template <typename Fn>
-cudaError_t WithDType(InputDType d, Fn&& fn) {
-  switch (d) {
-    case InputDType::kBFloat16:
-      return fn(std::integral_constant<InputDType, InputDType::kBFloat16>{});
-    case InputDType::kFloat16:
-      return fn(std::integral_constant<InputDType, InputDType::kFloat16>{});
-    case InputDType::kFloat32:
-      return fn(std::integral_constant<InputDType, InputDType::kFloat32>{});
-  }
-  return cudaErrorInvalidValue;  // not one of kFloat32, kBFloat16, kFloat16
-}
-template <typename Fn>
-cudaError_t WithFormat(Fp8Format f, Fn&& fn) {
-  switch (f) {
-    case Fp8Format::kE4M3:
-      return fn(std::integral_constant<Fp8Format, Fp8Format::kE4M3>{});
-    case Fp8Format::kE5M2:
-      return fn(std::integral_constant<Fp8Format, Fp8Format::kE5M2>{});
-  }
-  return cudaErrorInvalidValue;  // not one of kE4M3, kE5M2
-}
 template <typename Fn>
 cudaError_t WithScaling(BlockScaling s, Fn&& fn) {
   switch (s) {
@@ -606,6 +583,8 @@ cudaError_t WithScaling(BlockScaling s, Fn&& fn) {
       return fn(std::integral_constant<BlockScaling, BlockScaling::kBlock1D>{});
     case BlockScaling::kBlock2D:
       return fn(std::integral_constant<BlockScaling, BlockScaling::kBlock2D>{});
+    case BlockScaling::kTensor:
+      break;  // kernels/cuda/quantize_tensor.cu, dispatched before this
   }
   return cudaErrorInvalidValue;  // not one of kBlock1D, kBlock2D
 }

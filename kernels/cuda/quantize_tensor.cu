@@ -358,28 +358,6 @@ int GridFor(int64_t work, int64_t resident) {
   return static_cast<int>(work < resident ? (work > 0 ? work : 1) : resident);
 }
 
-template <typename Fn>
-cudaError_t WithDType(InputDType d, Fn&& fn) {
-  switch (d) {
-    case InputDType::kBFloat16:
-      return fn(std::integral_constant<InputDType, InputDType::kBFloat16>{});
-    case InputDType::kFloat16:
-      return fn(std::integral_constant<InputDType, InputDType::kFloat16>{});
-    case InputDType::kFloat32:
-      return fn(std::integral_constant<InputDType, InputDType::kFloat32>{});
-  }
-  return cudaErrorInvalidValue;  // not one of kFloat32, kBFloat16, kFloat16
-}
-template <typename Fn>
-cudaError_t WithFormat(Fp8Format f, Fn&& fn) {
-  switch (f) {
-    case Fp8Format::kE4M3:
-      return fn(std::integral_constant<Fp8Format, Fp8Format::kE4M3>{});
-    case Fp8Format::kE5M2:
-      return fn(std::integral_constant<Fp8Format, Fp8Format::kE5M2>{});
-  }
-  return cudaErrorInvalidValue;  // not one of kE4M3, kE5M2
-}
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
