@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/block_geometry.h"
 #include "common/status_macros.h"
 
 namespace qtx {
@@ -121,32 +122,22 @@ absl::StatusOr<QuantizedLayout> ComputeQuantizedLayout(ScalingMode mode,
   QTX_ASSIGN_OR_RETURN(const int64_t m, NumElements(shape.first(shape.size() - 1)));
   QTX_RETURN_IF_ERROR(NumElements(shape).status());  // the whole tensor must fit too
   const int64_t n = shape.back();
-  auto ceil_div = [](int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); };
-  auto pad4 = [&](int64_t x) { return ceil_div(x, 4) * 4; };
-  constexpr int64_t kBlock = 128;
+  // The geometry is the kernels' (docs/numerics.md §3, §4), not a copy of it.
+  kernels::BlockScaling scaling = kernels::BlockScaling::kBlock1D;
+  if (mode == ScalingMode::kBlock2D) scaling = kernels::BlockScaling::kBlock2D;
+  if (mode == ScalingMode::kTensor) scaling = kernels::BlockScaling::kTensor;
+  const kernels::QuantizedLayout k = kernels::ComputeLayout(scaling, m, n);
   QuantizedLayout l;
-  l.m = m;
-  l.n = n;
-  l.rowwise_data_rows = m;
-  l.rowwise_data_cols = n;
-  l.columnwise_data_rows = n;
-  l.columnwise_data_cols = m;
-  const int64_t mb = ceil_div(m, kBlock);
-  const int64_t nb = ceil_div(n, kBlock);
-  if (mode == ScalingMode::kTensor) {
-    l.rowwise_scale_rows = l.rowwise_scale_cols = 1;  // one scale_inv, shape [1]
-    l.columnwise_scale_rows = l.columnwise_scale_cols = 1;
-  } else if (mode == ScalingMode::kBlock2D) {
-    l.rowwise_scale_rows = mb;
-    l.rowwise_scale_cols = pad4(nb);
-    l.columnwise_scale_rows = nb;
-    l.columnwise_scale_cols = pad4(mb);
-  } else {
-    l.rowwise_scale_rows = nb;
-    l.rowwise_scale_cols = pad4(m);
-    l.columnwise_scale_rows = mb;
-    l.columnwise_scale_cols = pad4(n);
-  }
+  l.m = k.m;
+  l.n = k.n;
+  l.rowwise_data_rows = k.rowwise_data_rows;
+  l.rowwise_data_cols = k.rowwise_data_cols;
+  l.rowwise_scale_rows = k.rowwise_scale_rows;
+  l.rowwise_scale_cols = k.rowwise_scale_cols;
+  l.columnwise_data_rows = k.columnwise_data_rows;
+  l.columnwise_data_cols = k.columnwise_data_cols;
+  l.columnwise_scale_rows = k.columnwise_scale_rows;
+  l.columnwise_scale_cols = k.columnwise_scale_cols;
   return l;
 }
 
