@@ -591,20 +591,19 @@ std::unique_ptr<StepScratchSlot> OptimizerStore::ScratchSlotOf(const std::shared
 
 void OptimizerStore::MaybeCheckpointPeriodically(Group& g, std::string_view name) {
   g.mu.AssertHeld();
-  const GroupState& s = g.state;
-  if (options_.checkpoint_every_steps <= 0 || s.config.step % options_.checkpoint_every_steps != 0) {
+  if (options_.checkpoint_every_steps <= 0 || g.state.config.step % options_.checkpoint_every_steps != 0) {
     return;
   }
-  absl::StatusOr<uint64_t> written = WriteCheckpoint(options_.checkpoint_dir, s, g.KeepPrevious());
+  absl::StatusOr<uint64_t> written = WriteCheckpoint(options_.checkpoint_dir, g.state, g.KeepPrevious());
   if (written.ok()) {
-    g.last_checkpoint_step = s.config.step;
+    g.last_checkpoint_step = g.state.config.step;
     g.rotate_on_write = true;
     spdlog::info("event=optimizer_checkpoint group={} step={} bytes={} reason=periodic", name,
-                 s.config.step, *written);
+                 g.state.config.step, *written);
   } else {
     // The step itself succeeded; the previous checkpoint is intact.
     spdlog::error("event=optimizer_checkpoint_failed group={} step={} msg=\"{}\"", name,
-                  s.config.step, std::string(written.status().message()));
+                  g.state.config.step, std::string(written.status().message()));
   }
 }
 
@@ -793,30 +792,29 @@ absl::StatusOr<GradNormStats> OptimizerStore::GradNorm(std::string_view name, in
   absl::MutexLock glock(&g->mu);
   if (g->released) return Released(name);
   if (!g->error.ok()) return Unusable(name, g->error);
-  const GroupState& s = g->state;
-  const int64_t at = s.config.step;
-  const bool processed = step == at && s.last.has_value() && s.last->step == at;
+  const int64_t at = g->state.config.step;
+  const bool processed = step == at && g->state.last.has_value() && g->state.last->step == at;
   if (step != at + 1 && !processed) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "optimizer group '%s' is at step %d: GradNorm measures the gradients of its next step "
         "%d%s; got step %d",
         name, at, at + 1,
-        s.last.has_value() ? absl::StrFormat(" (or of step %d, the last one, for a retry)", at)
+        g->state.last.has_value() ? absl::StrFormat(" (or of step %d, the last one, for a retry)", at)
                            : "",
         step));
   }
-  const GroupInfo info = InfoOf(s, g->last_checkpoint_step, absl::OkStatus());
+  const GroupInfo info = InfoOf(g->state, g->last_checkpoint_step, absl::OkStatus());
   std::unique_ptr<StepScratchSlot> slot = ScratchSlotOf(g, name);
   QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, /*replay=*/false, *slot));
-  const size_t np = s.params.size();
+  const size_t np = g->state.params.size();
   if (bufs.grads.size() != np) {
     return absl::InternalError(
         absl::StrFormat("GradNorm: %d gradients for %d parameters", bufs.grads.size(), np));
   }
   std::vector<kernels::cpu::AdamWParamBuffers> kb(np);
   for (size_t i = 0; i < np; ++i) {
-    kb[i].m = s.params[i].info.m;
-    kb[i].n = s.params[i].info.n;
+    kb[i].m = g->state.params[i].info.m;
+    kb[i].n = g->state.params[i].info.n;
     kb[i].grad = bufs.grads[i].data;
     kb[i].grad_dtype = bufs.grads[i].dtype;
   }
