@@ -17,24 +17,24 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <span>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "bench/bench_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/barrier.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "bench/bench_util.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
 #include "kernels/fp8.h"
@@ -53,7 +53,6 @@ namespace {
 using server::backend::CommCall;
 using server::backend::CudaDevice;
 using server::backend::NcclCommunicator;
-
 
 // The rendezvous store of the two in-process ranks.
 class LocalStore final : public server::backend::RendezvousClient {
@@ -105,8 +104,8 @@ struct Rank {
     QTX_BENCH_CHECK_CUDA(cudaMalloc(&p, std::max<uint64_t>(bytes, 256)));
     allocations.push_back(p);
     if (!region.empty()) {
-      QTX_BENCH_CHECK_OK(regions->RegisterCudaIpc(region, PointerHandle(p), rank,
-                                        std::max<uint64_t>(bytes, 256)));
+      QTX_BENCH_CHECK_OK(
+          regions->RegisterCudaIpc(region, PointerHandle(p), rank, std::max<uint64_t>(bytes, 256)));
     }
     return p;
   }
@@ -170,8 +169,8 @@ int main(int argc, char** argv) {
       QTX_BENCH_CHECK_OK(dev.status());
       k.device = std::move(*dev);
       server::tensor::RegionTableOptions ro;
-      ro.cuda_ipc_opener = [](std::string_view h, int32_t, uint64_t)
-          -> absl::StatusOr<server::tensor::MappedMemory> {
+      ro.cuda_ipc_opener = [](std::string_view h, int32_t,
+                              uint64_t) -> absl::StatusOr<server::tensor::MappedMemory> {
         void* p = nullptr;
         std::memcpy(&p, h.data(), sizeof p);
         return server::tensor::MappedMemory{static_cast<std::byte*>(p), [] {}};
@@ -205,8 +204,12 @@ int main(int argc, char** argv) {
                "vs_raw_fp8");
   for (const Config& cfg : configs) {
     const int64_t m_total = cfg.m0 + cfg.m1;
-    const kernels::QuantizeParams p{kernels::BlockScaling::kBlock1D, kernels::Fp8Format::kE4M3,
-                                    true, cfg.columnwise, true, 0.0f};
+    const kernels::QuantizeParams p{kernels::BlockScaling::kBlock1D,
+                                    kernels::Fp8Format::kE4M3,
+                                    true,
+                                    cfg.columnwise,
+                                    true,
+                                    0.0f};
     const kernels::QuantizedLayout lay = kernels::ComputeLayout(p.scaling, m_total, cfg.n);
     // Method -> per-rank median time (us); errors counted.
     std::map<std::string, double> times[2];
@@ -242,16 +245,14 @@ int main(int argc, char** argv) {
         // Baseline buffers: local quantized shard (packed data+scales), the
         // gathered BF16 tensor.
         const kernels::QuantizedLayout local = kernels::ComputeLayout(p.scaling, mr, cfg.n);
-        const uint64_t local_q = local.RowwiseDataBytes() + 4 * local.RowwiseScaleCount() +
-                                 (cfg.columnwise ? local.ColumnwiseDataBytes() +
-                                                       4 * local.ColumnwiseScaleCount()
-                                                 : 0);
+        const uint64_t local_q =
+            local.RowwiseDataBytes() + 4 * local.RowwiseScaleCount() +
+            (cfg.columnwise ? local.ColumnwiseDataBytes() + 4 * local.ColumnwiseScaleCount() : 0);
         const kernels::QuantizedLayout other =
             kernels::ComputeLayout(p.scaling, r == 0 ? cfg.m1 : cfg.m0, cfg.n);
-        const uint64_t other_q = other.RowwiseDataBytes() + 4 * other.RowwiseScaleCount() +
-                                 (cfg.columnwise ? other.ColumnwiseDataBytes() +
-                                                       4 * other.ColumnwiseScaleCount()
-                                                 : 0);
+        const uint64_t other_q =
+            other.RowwiseDataBytes() + 4 * other.RowwiseScaleCount() +
+            (cfg.columnwise ? other.ColumnwiseDataBytes() + 4 * other.ColumnwiseScaleCount() : 0);
         const uint64_t q_sizes[2] = {r == 0 ? local_q : other_q, r == 0 ? other_q : local_q};
         auto* qgather = static_cast<uint8_t*>(k.Alloc(q_sizes[0] + q_sizes[1], ""));
         auto* bf16 = static_cast<uint8_t*>(k.Alloc(static_cast<uint64_t>(m_total * cfg.n * 2), ""));
@@ -269,8 +270,8 @@ int main(int argc, char** argv) {
           req.input.data = server::tensor::RegionSliceSpec{"in", 0, in_bytes};
           req.params = p;
           req.mode = mode;
-          req.outputs.rowwise_data =
-              server::tensor::RegionSliceSpec{"rd", 0, static_cast<uint64_t>(lay.RowwiseDataBytes())};
+          req.outputs.rowwise_data = server::tensor::RegionSliceSpec{
+              "rd", 0, static_cast<uint64_t>(lay.RowwiseDataBytes())};
           req.outputs.rowwise_scale_inv = server::tensor::RegionSliceSpec{
               "rs", 0, static_cast<uint64_t>(4 * lay.RowwiseScaleCount())};
           if (cfg.columnwise) {
@@ -286,8 +287,9 @@ int main(int argc, char** argv) {
           if (timing != nullptr) timing->push_back(res->timing);
         };
         auto raw_gather = [&] {
-          QTX_BENCH_CHECK_OK(k.comm->AllGatherV(qgather + (r == 0 ? 0 : q_sizes[0]), q_sizes, qgather,
-                                      CommCall{absl::Now() + absl::Seconds(60)}));
+          QTX_BENCH_CHECK_OK(k.comm->AllGatherV(qgather + (r == 0 ? 0 : q_sizes[0]), q_sizes,
+                                                qgather,
+                                                CommCall{absl::Now() + absl::Seconds(60)}));
         };
         auto raw_quantize_local = [&] {
           uint8_t* base = qgather + (r == 0 ? 0 : q_sizes[0]);
@@ -299,16 +301,16 @@ int main(int argc, char** argv) {
             b.columnwise_scale_inv =
                 reinterpret_cast<float*>(b.columnwise_data + local.ColumnwiseDataBytes());
           }
-          QTX_BENCH_CHECK_CUDA(kernels::cuda::QuantizeBlock(in, kernels::InputDType::kBFloat16, mr, cfg.n,
-                                                  p, b, stream));
+          QTX_BENCH_CHECK_CUDA(kernels::cuda::QuantizeBlock(in, kernels::InputDType::kBFloat16, mr,
+                                                            cfg.n, p, b, stream));
         };
         auto bf16_then_quantize = [&] {
           QTX_BENCH_CHECK_CUDA(cudaMemcpyAsync(bf16 + off * cfg.n * 2, in, in_bytes,
-                                     cudaMemcpyDeviceToDevice, stream));
+                                               cudaMemcpyDeviceToDevice, stream));
           QTX_BENCH_CHECK_OK(k.comm->AllGatherV(bf16 + off * cfg.n * 2, b_sizes, bf16,
-                                      CommCall{absl::Now() + absl::Seconds(60)}));
-          QTX_BENCH_CHECK_CUDA(kernels::cuda::QuantizeBlock(bf16, kernels::InputDType::kBFloat16, m_total,
-                                                  cfg.n, p, {rd, rs, cd, cs}, stream));
+                                                CommCall{absl::Now() + absl::Seconds(60)}));
+          QTX_BENCH_CHECK_CUDA(kernels::cuda::QuantizeBlock(
+              bf16, kernels::InputDType::kBFloat16, m_total, cfg.n, p, {rd, rs, cd, cs}, stream));
           QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
         };
         static uint64_t seq_base[2] = {0, 0};
@@ -324,9 +326,8 @@ int main(int argc, char** argv) {
           }
           times[r][name] = Median(t);
         };
-        time_it("exact_fp8", [&] {
-          op(server::ops::AllGatherMode::kExactFp8, seq_base[r]++, &exact_timing);
-        });
+        time_it("exact_fp8",
+                [&] { op(server::ops::AllGatherMode::kExactFp8, seq_base[r]++, &exact_timing); });
         {
           // Median of each step of the op on this rank (server/ops AllGatherTiming).
           auto med = [&](absl::Duration server::ops::AllGatherTiming::*f) {
@@ -365,9 +366,8 @@ int main(int argc, char** argv) {
     auto t = [&](const std::string& k) { return std::max(times[0][k], times[1][k]); };
     const double raw = t("raw_fp8_gather_plus_quantize");
     const double bf = t("bf16_gather_then_quantize");
-    for (const char* method : {"exact_fp8", "gather_high_precision",
-                               "raw_fp8_gather_plus_quantize", "raw_fp8_gather",
-                               "bf16_gather_then_quantize"}) {
+    for (const char* method : {"exact_fp8", "gather_high_precision", "raw_fp8_gather_plus_quantize",
+                               "raw_fp8_gather", "bf16_gather_then_quantize"}) {
       const double us = t(method);
       const double out_bytes = static_cast<double>(m_total * cfg.n) * (cfg.columnwise ? 2 : 1);
       std::printf(
@@ -387,9 +387,10 @@ int main(int argc, char** argv) {
               r, static_cast<long long>(cfg.m0), static_cast<long long>(cfg.m1),
               static_cast<long long>(cfg.n), usage, phases[r][0], phases[r][1], phases[r][2],
               phases[r][3], phases[r][4]);
-          std::fprintf(stderr, "  steps rank %d: local %.1f header %.1f prepare %.1f gather %.1f "
-                       "assemble %.1f us\n", r, phases[r][0], phases[r][1], phases[r][2],
-                       phases[r][3], phases[r][4]);
+          std::fprintf(stderr,
+                       "  steps rank %d: local %.1f header %.1f prepare %.1f gather %.1f "
+                       "assemble %.1f us\n",
+                       r, phases[r][0], phases[r][1], phases[r][2], phases[r][3], phases[r][4]);
         }
       }
       std::fprintf(stderr, "%-28s %6lld %6lld %4s %9.1f %12.3f\n", method,

@@ -1,13 +1,13 @@
 // What every benchmark needs: fail-fast checks (a benchmark that cannot do
 // what it measures prints where and why and exits 1, so a broken run never
-// prints numbers) and percentiles. QTX_BENCH_CHECK_CUDA expands to cudaGetErrorString: use it only in
-// files that include the CUDA runtime.
+// prints numbers) and percentiles. QTX_BENCH_CHECK_CUDA expands to cudaGetErrorString: use it only
+// in files that include the CUDA runtime.
 #ifndef QTX_BENCH_BENCH_UTIL_H_
 #define QTX_BENCH_BENCH_UTIL_H_
 
-#include <cstdio>
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -71,12 +71,12 @@ inline double Percentile(std::vector<double> v, double q) {
     }                                                                                \
   } while (0)
 
-#define QTX_BENCH_CHECK_CUDA(expr)                                                      \
-  do {                                                                                  \
-    const cudaError_t qtx_bench_e_ = (expr);                                            \
-    if (qtx_bench_e_ != cudaSuccess) {                                                  \
+#define QTX_BENCH_CHECK_CUDA(expr)                                                            \
+  do {                                                                                        \
+    const cudaError_t qtx_bench_e_ = (expr);                                                  \
+    if (qtx_bench_e_ != cudaSuccess) {                                                        \
       ::qtx::bench::CheckFailed(__FILE__, __LINE__, #expr, cudaGetErrorString(qtx_bench_e_)); \
-    }                                                                                   \
+    }                                                                                         \
   } while (0)
 
 #endif  // QTX_BENCH_BENCH_UTIL_H_

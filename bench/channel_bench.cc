@@ -46,21 +46,21 @@
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                          \
-  do {                                                                            \
-    const cudaError_t e_ = (expr);                                                \
-    if (e_ != cudaSuccess) {                                                      \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_));            \
-      std::exit(1);                                                               \
-    }                                                                             \
+#define CHECK_CUDA(expr)                                               \
+  do {                                                                 \
+    const cudaError_t e_ = (expr);                                     \
+    if (e_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                    \
+    }                                                                  \
   } while (0)
-#define CHECK_OK(expr)                                                            \
-  do {                                                                            \
-    const absl::Status s_ = (expr);                                               \
-    if (!s_.ok()) {                                                               \
-      std::fprintf(stderr, "%s: %s\n", #expr, s_.ToString().c_str());             \
-      std::exit(1);                                                               \
-    }                                                                             \
+#define CHECK_OK(expr)                                                \
+  do {                                                                \
+    const absl::Status s_ = (expr);                                   \
+    if (!s_.ok()) {                                                   \
+      std::fprintf(stderr, "%s: %s\n", #expr, s_.ToString().c_str()); \
+      std::exit(1);                                                   \
+    }                                                                 \
   } while (0)
 
 double Percentile(std::vector<double> v, double q) {
@@ -92,8 +92,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: channel_bench --qtxd=PATH [--layers=N] [--m=M] [--k=K]\n");
     return 2;
   }
-  auto server =
-      qtx::testing::QtxdProcess::Start(qtxd, {"--device=cuda:0", "--allow_client_shm"});
+  auto server = qtx::testing::QtxdProcess::Start(qtxd, {"--device=cuda:0", "--allow_client_shm"});
   CHECK_OK(server.status());
   auto client = qtx::Client::Connect((*server)->target());
   CHECK_OK(client.status());
@@ -146,17 +145,16 @@ int main(int argc, char** argv) {
   auto gemm = [&] {
     if (cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(k), static_cast<int>(m),
                      static_cast<int>(k), &alpha, gb, CUDA_R_16BF, static_cast<int>(k), ga,
-                     CUDA_R_16BF, static_cast<int>(k), &beta, gc, CUDA_R_16BF,
-                     static_cast<int>(k), CUBLAS_COMPUTE_32F,
-                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+                     CUDA_R_16BF, static_cast<int>(k), &beta, gc, CUDA_R_16BF, static_cast<int>(k),
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
       std::fprintf(stderr, "cublasGemmEx failed\n");
       std::exit(1);
     }
   };
   auto in_process = [&] {
     CHECK_CUDA(qtx::kernels::cuda::QuantizeBlock(arena + offsets[0],
-                                                 qtx::kernels::InputDType::kBFloat16, m, k,
-                                                 params, out_buffers, stream));
+                                                 qtx::kernels::InputDType::kBFloat16, m, k, params,
+                                                 out_buffers, stream));
   };
 
   auto channel = qtx::cuda::OpenChannel(
@@ -225,15 +223,15 @@ int main(int argc, char** argv) {
       "\"host_us_p50\":%.2f,\"host_us_p99\":%.2f,\"sync_call_host_us_p50\":%.2f,"
       "\"sync_call_host_us_p99\":%.2f}\n",
       flag_memory.c_str(), mps, static_cast<long long>(m), static_cast<long long>(k),
-      channel_calls.size(),
-      Percentile(channel_calls, 0.5), Percentile(channel_calls, 0.99),
+      channel_calls.size(), Percentile(channel_calls, 0.5), Percentile(channel_calls, 0.99),
       Percentile(sync_calls, 0.5), Percentile(sync_calls, 0.99));
   for (int mode = 0; mode < 3; ++mode) {
     std::printf(
-        "{\"bench\":\"channel_chain\",\"mode\":\"%s\",\"flags\":\"%s\",\"mps\":%d,\"layers\":%d,\"m\":%lld,"
+        "{\"bench\":\"channel_chain\",\"mode\":\"%s\",\"flags\":\"%s\",\"mps\":%d,\"layers\":%d,"
+        "\"m\":%lld,"
         "\"k\":%lld,\"gpu_ms\":%.3f,\"per_layer_us\":%.2f,\"ratio_vs_in_process\":%.4f}\n",
-        mode_names[mode], flag_memory.c_str(), mps, layers, static_cast<long long>(m), static_cast<long long>(k),
-        best[mode], best[mode] * 1000.0 / layers, best[mode] / best[0]);
+        mode_names[mode], flag_memory.c_str(), mps, layers, static_cast<long long>(m),
+        static_cast<long long>(k), best[mode], best[mode] * 1000.0 / layers, best[mode] / best[0]);
   }
   if (allgather) {
     // One-rank NCCL group on this GPU: the channel's AllGather only enqueues
@@ -259,7 +257,8 @@ int main(int argc, char** argv) {
         if (r > 0) ag_calls.push_back(absl::ToDoubleMicroseconds(c1 - c0));
       }
       CHECK_OK((*channel)->Synchronize());
-      if (r > 0) ag_wall_ms[0] = std::min(ag_wall_ms[0], absl::ToDoubleMilliseconds(absl::Now() - w0));
+      if (r > 0)
+        ag_wall_ms[0] = std::min(ag_wall_ms[0], absl::ToDoubleMilliseconds(absl::Now() - w0));
       CHECK_CUDA(cudaStreamSynchronize(stream));
       const absl::Time s0 = absl::Now();
       for (int l = 0; l < layers; ++l) {
@@ -270,7 +269,8 @@ int main(int argc, char** argv) {
                      .status());
         if (r > 0) ag_sync_calls.push_back(absl::ToDoubleMicroseconds(absl::Now() - c0));
       }
-      if (r > 0) ag_wall_ms[1] = std::min(ag_wall_ms[1], absl::ToDoubleMilliseconds(absl::Now() - s0));
+      if (r > 0)
+        ag_wall_ms[1] = std::min(ag_wall_ms[1], absl::ToDoubleMilliseconds(absl::Now() - s0));
     }
     std::printf(
         "{\"bench\":\"channel_allgather\",\"flags\":\"%s\",\"mps\":%d,\"ranks\":1,\"m\":%lld,"

@@ -25,11 +25,11 @@ class JsonLinesReporter : public benchmark::BenchmarkReporter {
                     r.benchmark_name().c_str(), r.error_message.c_str());
         continue;
       }
-      const double time_us = r.GetAdjustedRealTime() *
-                              (r.time_unit == benchmark::kNanosecond    ? 1e-3
-                               : r.time_unit == benchmark::kMicrosecond ? 1.0
-                               : r.time_unit == benchmark::kMillisecond ? 1e3
-                                                                        : 1e6);
+      const double time_us =
+          r.GetAdjustedRealTime() * (r.time_unit == benchmark::kNanosecond    ? 1e-3
+                                     : r.time_unit == benchmark::kMicrosecond ? 1.0
+                                     : r.time_unit == benchmark::kMillisecond ? 1e3
+                                                                              : 1e6);
       std::printf("{\"bench\":\"%s\",\"name\":\"%s\",\"time_us\":%.3f,\"iterations\":%lld",
                   bench_.c_str(), r.benchmark_name().c_str(), time_us,
                   static_cast<long long>(r.iterations));

@@ -13,6 +13,7 @@
 //   load_bench --qtxd=build/server/qtxd --clients=16 --seconds=20
 //   load_bench --target=unix:/tmp/qtxd.sock --pid=1234 ...   (a running qtxd)
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -33,8 +34,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
 #include "bench/bench_util.h"
@@ -142,8 +141,8 @@ v1::TensorRef F32(int64_t m, int64_t n, uint32_t seed) {
 }
 
 enum Rpc { kQuantizeInline, kQuantizeRegion, kDequantize, kListRegions, kStep, kGetState, kRpcs };
-const char* kRpcNames[] = {"Quantize/inline", "Quantize/region", "Dequantize", "ListRegions",
-                           "Step", "GetState"};
+const char* kRpcNames[] = {
+    "Quantize/inline", "Quantize/region", "Dequantize", "ListRegions", "Step", "GetState"};
 
 struct Stats {
   std::vector<double> latency_us[kRpcs];
@@ -153,8 +152,7 @@ struct Stats {
 
 class Client {
  public:
-  Client(int id, const Options& o, const std::string& target)
-      : id_(id), o_(o) {
+  Client(int id, const Options& o, const std::string& target) : id_(id), o_(o) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
     args.SetMaxSendMessageSize(-1);
@@ -323,8 +321,7 @@ class Client {
         ++stats->errors[rpc];
         if (stats->error_samples.size() < 5) {
           stats->error_samples.push_back(std::string(kRpcNames[rpc]) + ": " +
-                                         std::to_string(s.error_code()) + " " +
-                                         s.error_message());
+                                         std::to_string(s.error_code()) + " " + s.error_message());
         }
       }
     }
@@ -365,8 +362,8 @@ int main(int argc, char** argv) {
       ::dup2(devnull, 1);
       ::dup2(devnull, 2);
       ::execl(o.qtxd.c_str(), o.qtxd.c_str(), "--device=cpu", sock_flag.c_str(),
-              "--allow_client_shm", threads.c_str(), "--log_level=warn",
-              "--shutdown_grace_s=1", static_cast<char*>(nullptr));
+              "--allow_client_shm", threads.c_str(), "--log_level=warn", "--shutdown_grace_s=1",
+              static_cast<char*>(nullptr));
       ::_exit(127);
     }
     o.pid = child;
@@ -441,8 +438,7 @@ int main(int argc, char** argv) {
       std::printf(
           "{\"bench\":\"load\",\"rpc\":\"%s\",\"calls\":%zu,\"calls_per_s\":%.1f,"
           "\"p50_us\":%.1f,\"p99_us\":%.1f,\"errors\":%lld}\n",
-          kRpcNames[r], lat.size(), lat.size() / elapsed, p50, p99,
-          static_cast<long long>(err));
+          kRpcNames[r], lat.size(), lat.size() / elapsed, p50, p99, static_cast<long long>(err));
     }
     const double p50 = qtx::bench::Percentile(all, 0.50), p99 = qtx::bench::Percentile(all, 0.99);
     const double growth = rss_after - rss_before;
@@ -453,10 +449,10 @@ int main(int argc, char** argv) {
         "\"qtxd_cpu_s_per_1k_calls\":%.3f,\"rss_before_mb\":%.1f,\"rss_after_mb\":%.1f,"
         "\"rss_growth_mb\":%.1f}\n",
         o.label.c_str(), o.clients, o.qtxd_threads, static_cast<long long>(o.m),
-        static_cast<long long>(o.n), elapsed, static_cast<long long>(total), total / elapsed,
-        p50, p99, static_cast<long long>(errors),
-        total > 0 && cpu_before >= 0 ? (cpu_after - cpu_before) / total * 1000.0 : -1.0,
-        rss_before, rss_after, growth);
+        static_cast<long long>(o.n), elapsed, static_cast<long long>(total), total / elapsed, p50,
+        p99, static_cast<long long>(errors),
+        total > 0 && cpu_before >= 0 ? (cpu_after - cpu_before) / total * 1000.0 : -1.0, rss_before,
+        rss_after, growth);
     for (auto& s : stats) {
       for (const auto& e : s.error_samples) std::fprintf(stderr, "error: %s\n", e.c_str());
     }

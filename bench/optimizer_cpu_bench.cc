@@ -107,8 +107,7 @@ int main(int argc, char** argv) {
         "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
         "\"bytes_moved_gbps\":%.3f,\"isa\":\"%s\"}\n",
         static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
-        best * 1e3, count / best,
-        bytes_moved / best / 1e9,
+        best * 1e3, count / best, bytes_moved / best / 1e9,
         cpu::internal::ActiveBandIsa() == cpu::internal::BandIsa::kAvx512 ? "avx512" : "baseline");
     std::printf("{\"bench\":\"memcpy\",\"bytes\":%lld,\"threads\":%d,\"gbps\":%.3f}\n",
                 static_cast<long long>(count * 4), threads,

@@ -12,10 +12,9 @@
 // One JSON line per (events) case on stdout; a table on stderr.
 //
 //   optimizer_gpu_bench --qtxd=PATH [--params=8 --m=8192 --n=16384 --steps=5]
-#include <unistd.h>
-
 #include <cuda_runtime_api.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -45,7 +44,6 @@ ABSL_FLAG(int, steps, 5, "timed steps");
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
 
 struct Flags {
   std::string qtxd;
@@ -109,16 +107,18 @@ int main(int argc, char** argv) {
   // Page-locked host buffers for the gradient upload and the stage timings.
   float* host_grads = nullptr;
   uint8_t* host_out = nullptr;
-  QTX_BENCH_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_grads), grad_bytes * np,
-                           cudaHostAllocDefault));
-  QTX_BENCH_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_out), out_bytes_per * np,
-                           cudaHostAllocDefault));
+  QTX_BENCH_CHECK_CUDA(
+      cudaHostAlloc(reinterpret_cast<void**>(&host_grads), grad_bytes * np, cudaHostAllocDefault));
+  QTX_BENCH_CHECK_CUDA(
+      cudaHostAlloc(reinterpret_cast<void**>(&host_out), out_bytes_per * np, cudaHostAllocDefault));
   cudaStream_t stream = nullptr;
   QTX_BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto upload_grads = [&](int t) {
 #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < count * np; ++j) host_grads[j] = GradValue(int(j / count), j % count, t);
-    QTX_BENCH_CHECK_CUDA(cudaMemcpy(grads_dev, host_grads, grad_bytes * np, cudaMemcpyHostToDevice));
+    for (int64_t j = 0; j < count * np; ++j)
+      host_grads[j] = GradValue(int(j / count), j % count, t);
+    QTX_BENCH_CHECK_CUDA(
+        cudaMemcpy(grads_dev, host_grads, grad_bytes * np, cudaMemcpyHostToDevice));
   };
 
   // ---- qtxd ----
@@ -162,16 +162,18 @@ int main(int argc, char** argv) {
   QTX_BENCH_CHECK_OK(client->UnregisterRegion("init"));
   shm.reset();
   const double offload_ms = Ms(t_off0, Clock::now());
-  QTX_BENCH_CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, "grads", grads_dev, grad_bytes * np));
-  QTX_BENCH_CHECK_OK(qtx::cuda::RegisterDevicePointer(*client, "params", out_dev, out_bytes_per * np));
+  QTX_BENCH_CHECK_OK(
+      qtx::cuda::RegisterDevicePointer(*client, "grads", grads_dev, grad_bytes * np));
+  QTX_BENCH_CHECK_OK(
+      qtx::cuda::RegisterDevicePointer(*client, "params", out_dev, out_bytes_per * np));
 
   std::vector<qtx::OptimizerGradient> grads;
   qtx::StepOptions options;
   for (int p = 0; p < np; ++p) {
     const std::string name = "p" + std::to_string(p);
-    grads.push_back({name, qtx::Tensor::InRegion(
-                               qtx::DType::kFloat32, {f.m, f.n},
-                               qtx::RegionSlice{"grads", grad_bytes * p, grad_bytes})});
+    grads.push_back(
+        {name, qtx::Tensor::InRegion(qtx::DType::kFloat32, {f.m, f.n},
+                                     qtx::RegionSlice{"grads", grad_bytes * p, grad_bytes})});
     qtx::ParameterDestination d;
     d.name = name;
     const uint64_t base = out_bytes_per * p;
@@ -235,8 +237,8 @@ int main(int argc, char** argv) {
     QTX_BENCH_CHECK_CUDA(cudaEventRecord(e0, stream));
     for (int p = 0; p < np; ++p) {
       QTX_BENCH_CHECK_CUDA(cudaMemcpyAsync(host_grads + count * p,
-                                 static_cast<char*>(grads_dev) + grad_bytes * p, grad_bytes,
-                                 cudaMemcpyDeviceToHost, stream));
+                                           static_cast<char*>(grads_dev) + grad_bytes * p,
+                                           grad_bytes, cudaMemcpyDeviceToHost, stream));
     }
     QTX_BENCH_CHECK_CUDA(cudaEventRecord(e1, stream));
     QTX_BENCH_CHECK_CUDA(cudaEventSynchronize(e1));
@@ -248,7 +250,7 @@ int main(int argc, char** argv) {
       for (int b = 0; b < 4; ++b) {
         const uint64_t off = out_bytes_per * p + out_off[b];
         QTX_BENCH_CHECK_CUDA(cudaMemcpyAsync(static_cast<char*>(out_dev) + off, host_out + off,
-                                   out_sizes[b], cudaMemcpyHostToDevice, stream));
+                                             out_sizes[b], cudaMemcpyHostToDevice, stream));
       }
     }
     QTX_BENCH_CHECK_CUDA(cudaEventRecord(e1, stream));
@@ -298,7 +300,8 @@ int main(int argc, char** argv) {
     (void)norm;
   }
 
-  const double d2h_ms = qtx::bench::Percentile(d2h, 0.5), h2d_ms = qtx::bench::Percentile(h2d, 0.5), host_ms = qtx::bench::Percentile(host, 0.5);
+  const double d2h_ms = qtx::bench::Percentile(d2h, 0.5), h2d_ms = qtx::bench::Percentile(h2d, 0.5),
+               host_ms = qtx::bench::Percentile(host, 0.5);
   const double slowest = std::max({d2h_ms, h2d_ms, host_ms});
   const double sum = d2h_ms + h2d_ms + host_ms;
   std::fprintf(stderr,

@@ -59,7 +59,9 @@ void BM_Quantize(benchmark::State& state, Shape s, BlockScaling scaling, bool ro
   state.counters["gbps"] = benchmark::Counter(static_cast<double>(bytes) * 1e-9,
                                               benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(std::string(scaling == BlockScaling::kBlock1D ? "1d" : "2d") + "/" +
-                 (row && col ? "row+col" : row ? "row" : "col"));
+                 (row && col ? "row+col"
+                  : row      ? "row"
+                             : "col"));
 }
 
 // The baseline: memcpy of (input + output) bytes / 2 each way, i.e. the same
@@ -74,8 +76,8 @@ void BM_Memcpy(benchmark::State& state, Shape s) {
   state.counters["m"] = static_cast<double>(s.m);
   state.counters["n"] = static_cast<double>(s.n);
   state.counters["bytes"] = static_cast<double>(2 * bytes);
-  state.counters["gbps"] = benchmark::Counter(2.0 * bytes * 1e-9,
-                                              benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["gbps"] =
+      benchmark::Counter(2.0 * bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel("memcpy");
 }
 
@@ -83,15 +85,17 @@ void Register() {
   for (Shape s : {Shape{1024, 1024}, Shape{4096, 4096}, Shape{2000, 7168}}) {
     const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n);
     benchmark::RegisterBenchmark(("memcpy/" + shape).c_str(), BM_Memcpy, s)
-        ->Unit(benchmark::kMicrosecond)->UseRealTime();
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
     for (BlockScaling sc : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
       const std::string mode = sc == BlockScaling::kBlock1D ? "1d" : "2d";
-      for (auto [row, col, usage] : {std::tuple{true, true, "row+col"},
-                                     std::tuple{true, false, "row"},
-                                     std::tuple{false, true, "col"}}) {
+      for (auto [row, col, usage] :
+           {std::tuple{true, true, "row+col"}, std::tuple{true, false, "row"},
+            std::tuple{false, true, "col"}}) {
         benchmark::RegisterBenchmark(("quantize/" + mode + "/" + usage + "/" + shape).c_str(),
                                      BM_Quantize, s, sc, row, col)
-            ->Unit(benchmark::kMicrosecond)->UseRealTime();
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
       }
     }
   }

@@ -36,13 +36,13 @@ using qtx::kernels::QuantizedLayout;
 using qtx::kernels::QuantizeParams;
 namespace qcuda = qtx::kernels::cuda;
 
-#define CHECK_CUDA(expr)                                                              \
-  do {                                                                                \
-    const cudaError_t e_ = (expr);                                                    \
-    if (e_ != cudaSuccess) {                                                          \
+#define CHECK_CUDA(expr)                                                                         \
+  do {                                                                                           \
+    const cudaError_t e_ = (expr);                                                               \
+    if (e_ != cudaSuccess) {                                                                     \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
+      std::exit(1);                                                                              \
+    }                                                                                            \
   } while (0)
 
 // Median of per-launch times (µs) of `launch(i)` over `iters` launches after
@@ -147,8 +147,8 @@ int main(int argc, char** argv) {
   };
   // 8191 / 8208 rows: the mixed path (whole tiles vectorized, the last tile
   // row checked; 8191 keeps the columnwise copy on the tail path).
-  std::vector<Shape> shapes = {{4096, 4096}, {8192, 8192}, {8191, 8192}, {8208, 8192},
-                               {16384, 7168}, {32768, 4096}};
+  std::vector<Shape> shapes = {{4096, 4096}, {8192, 8192},  {8191, 8192},
+                               {8208, 8192}, {16384, 7168}, {32768, 4096}};
   if (quick) shapes = {{8192, 8192}, {8191, 8192}, {8208, 8192}};
   if (shapes_arg != nullptr && !ParseShapes(shapes_arg, &shapes)) {
     std::fprintf(stderr, "--shapes %s: expected MxN[,MxN...]\n", shapes_arg);
@@ -178,13 +178,11 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  const Variant variants[] = {{"default", {}},
-                              {"stages3", {3, 0}},
-                              {"stages2_1cta", {2, 1}},
-                              {"l2_outputs", {0, 0, true}}};
+  const Variant variants[] = {
+      {"default", {}}, {"stages3", {3, 0}}, {"stages2_1cta", {2, 1}}, {"l2_outputs", {0, 0, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
-  constexpr int64_t kRingBytes = int64_t{1} << 30;   // rotate buffers: >> 60 MB L2
+  constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
   constexpr int64_t kFlushBytes = int64_t{256} << 20;  // the L2 flush of --l2 flush
   void* flush_buf = nullptr;
   if (l2_flush) CHECK_CUDA(cudaMalloc(&flush_buf, kFlushBytes));
@@ -202,8 +200,8 @@ int main(int argc, char** argv) {
       const QuantizedLayout l = ComputeLayout(mode.scaling, s.m, s.n);
       const int64_t set_bytes = in_bytes + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
                                 4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
-      const int ring = l2_rotate ? static_cast<int>(std::max<int64_t>(2, kRingBytes / set_bytes))
-                                 : 1;
+      const int ring =
+          l2_rotate ? static_cast<int>(std::max<int64_t>(2, kRingBytes / set_bytes)) : 1;
       std::vector<Set> sets(ring);
       for (auto& st : sets) {
         CHECK_CUDA(cudaMalloc(&st.in, in_bytes));
@@ -237,8 +235,8 @@ int main(int argc, char** argv) {
           // Copy of total / 2 bytes: it reads and writes that many, `total` in all.
           const int64_t copy_bytes = total / 2;
           const double copy_us = MedianUs(10, iters, prepare, [&](int i) {
-            CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % ncopy], copy_ring[i % ncopy],
-                                       copy_bytes, cudaMemcpyDeviceToDevice, nullptr));
+            CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % ncopy], copy_ring[i % ncopy], copy_bytes,
+                                       cudaMemcpyDeviceToDevice, nullptr));
           });
           const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
           for (const Variant& v : variants) {
@@ -259,8 +257,8 @@ int main(int argc, char** argv) {
               QuantizedBuffers o = st.out;
               if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;
               if (!u.col) o.columnwise_data = nullptr, o.columnwise_scale_inv = nullptr;
-              CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o,
-                                                           v.tuning, nullptr));
+              CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o, v.tuning,
+                                                           nullptr));
             });
             const double tbps = total / (us * 1e-6) / 1e12;
             std::printf(
@@ -278,8 +276,8 @@ int main(int argc, char** argv) {
             std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(s.m),
                           static_cast<long long>(s.n));
             std::fprintf(stderr, "%-6s %-7s %-8s %-12s %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n",
-                         mode.name, l2_name, u.name, shape, v.name, us, tbps, copy_us,
-                         copy_tbps, tbps / copy_tbps);
+                         mode.name, l2_name, u.name, shape, v.name, us, tbps, copy_us, copy_tbps,
+                         tbps / copy_tbps);
           }
         }
       }

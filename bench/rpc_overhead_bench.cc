@@ -17,6 +17,8 @@
 // the spawned qtxd, omp_set_num_threads(1) here) so that the difference is
 // the service path, not OpenMP team wake-ups. The cases alternate in rounds
 // so that a noisy moment of a shared machine hits all of them alike.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -31,9 +33,6 @@
 #include <string>
 #include <vector>
 
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
-
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
@@ -47,20 +46,21 @@
 
 ABSL_FLAG(std::string, qtxd, "", "qtxd binary to start with --device=cpu (or give --target)");
 ABSL_FLAG(std::string, target, "", "a running CPU qtxd (unix:///path)");
-ABSL_FLAG(std::vector<std::string>, shapes, std::vector<std::string>({"1x128", "128x128", "128x4096"}),
+ABSL_FLAG(std::vector<std::string>, shapes,
+          std::vector<std::string>({"1x128", "128x128", "128x4096"}),
           "input shapes MxN, comma-separated");
 ABSL_FLAG(int, iters, 2000, "calls per case and round (>= 10)");
 ABSL_FLAG(int, rounds, 5, "rounds of every case (>= 1)");
 ABSL_FLAG(int, threads, 4, "qtxd --threads");
 ABSL_FLAG(std::vector<std::string>, qtxd_arg, {}, "extra qtxd flags, comma-separated");
-ABSL_FLAG(std::vector<std::string>, cases, std::vector<std::string>({"health", "health_cq", "quantize", "kernel"}),
+ABSL_FLAG(std::vector<std::string>, cases,
+          std::vector<std::string>({"health", "health_cq", "quantize", "kernel"}),
           "cases to run (to trace one of them)");
 ABSL_FLAG(std::string, label, "", "free text copied into the JSON lines");
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
 
 struct Shape {
   int64_t m = 0;
@@ -126,7 +126,8 @@ struct Stats {
   double p50 = 0, p90 = 0, p99 = 0;
 };
 Stats Summarize(const std::vector<double>& v) {
-  return {qtx::bench::Percentile(v, 0.5), qtx::bench::Percentile(v, 0.9), qtx::bench::Percentile(v, 0.99)};
+  return {qtx::bench::Percentile(v, 0.5), qtx::bench::Percentile(v, 0.9),
+          qtx::bench::Percentile(v, 0.99)};
 }
 
 // A health check through a completion queue polled by this thread: the
@@ -182,8 +183,8 @@ double ProcessCpuUs(pid_t pid) {
   const char* p = std::strrchr(buf, ')');
   if (p == nullptr) return 0;
   unsigned long long utime = 0, stime = 0;
-  if (std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
-                  &stime) != 2) {
+  if (std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime, &stime) !=
+      2) {
     return 0;
   }
   return static_cast<double>(utime + stime) * 1e6 / static_cast<double>(::sysconf(_SC_CLK_TCK));
@@ -312,10 +313,8 @@ int main(int argc, char** argv) {
     const struct {
       const char* name;
       const Stats& s;
-    } rows[] = {{"health_rpc", hs},
-                {"health_rpc_cq", hq},
-                {"quantize_shm_rpc", qs},
-                {"kernel_cpu", ks}};
+    } rows[] = {
+        {"health_rpc", hs}, {"health_rpc_cq", hq}, {"quantize_shm_rpc", qs}, {"kernel_cpu", ks}};
     for (const auto& r : rows) {
       std::printf(
           "{\"bench\":\"rpc_overhead\",\"case\":\"%s\",\"m\":%lld,\"n\":%lld,\"iters\":%zu,"
@@ -323,8 +322,8 @@ int main(int argc, char** argv) {
           r.name, static_cast<long long>(m), static_cast<long long>(n), quantize.size(), r.s.p50,
           r.s.p90, r.s.p99, label_json.c_str());
       std::fprintf(stderr, "%-10s %-22s %10.1f %10.1f %10.1f\n",
-                   (std::to_string(m) + "x" + std::to_string(n)).c_str(), r.name, r.s.p50,
-                   r.s.p90, r.s.p99);
+                   (std::to_string(m) + "x" + std::to_string(n)).c_str(), r.name, r.s.p50, r.s.p90,
+                   r.s.p99);
     }
     std::printf(
         "{\"bench\":\"rpc_overhead\",\"case\":\"summary\",\"m\":%lld,\"n\":%lld,"

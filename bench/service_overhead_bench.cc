@@ -9,9 +9,8 @@
 //                          [--qtxd_arg=--flag=value ...]   (extra qtxd flags, e.g. for A/B:
 //                                                           --qtxd_arg=--inline_max_concurrent=0)
 //   service_overhead_bench --target=unix:///tmp/qtxd.sock   (an already running qtxd)
-#include <unistd.h>
-
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -34,7 +33,8 @@
 
 ABSL_FLAG(std::string, qtxd, "", "qtxd binary to start on cuda:0 (or give --target)");
 ABSL_FLAG(std::string, target, "", "a running qtxd (unix:///path)");
-ABSL_FLAG(std::vector<std::string>, sizes_mib, std::vector<std::string>({"1", "4", "16", "64", "256"}),
+ABSL_FLAG(std::vector<std::string>, sizes_mib,
+          std::vector<std::string>({"1", "4", "16", "64", "256"}),
           "input sizes in MiB, comma-separated");
 ABSL_FLAG(int, iters, 300, "calls per size (a third of it from 64 MiB up, at least 50)");
 ABSL_FLAG(int, mps, 0, "whether MPS runs (copied into the JSON lines)");
@@ -46,8 +46,6 @@ ABSL_FLAG(std::string, label, "", "free text copied into the JSON lines");
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-
 
 struct Flags {
   std::string qtxd;
@@ -89,7 +87,9 @@ double Us(Clock::time_point a, Clock::time_point b) {
 struct Stats {
   double p50 = 0, p99 = 0;
 };
-Stats Summarize(const std::vector<double>& v) { return {qtx::bench::Percentile(v, 0.5), qtx::bench::Percentile(v, 0.99)}; }
+Stats Summarize(const std::vector<double>& v) {
+  return {qtx::bench::Percentile(v, 0.5), qtx::bench::Percentile(v, 0.99)};
+}
 
 }  // namespace
 
@@ -139,9 +139,8 @@ int main(int argc, char** argv) {
   QTX_BENCH_CHECK_OK(ready.status());
   QTX_BENCH_CHECK_OK(done.status());
 
-  std::fprintf(stderr, "%-6s %-7s %10s %10s %10s %10s %12s %12s %12s\n", "MiB", "events",
-               "rpc_p50", "rpc_p99", "kern_p50", "kern_p99", "kern_gpu_p50", "ovh_p50",
-               "ovh_p99");
+  std::fprintf(stderr, "%-6s %-7s %10s %10s %10s %10s %12s %12s %12s\n", "MiB", "events", "rpc_p50",
+               "rpc_p99", "kern_p50", "kern_p99", "kern_gpu_p50", "ovh_p50", "ovh_p99");
   for (int64_t mib : flags.sizes_mib) {
     const int64_t n = flags.n;
     const int64_t bytes = int64_t{mib} << 20;
@@ -204,8 +203,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < iters + 10; ++i) {
       const auto t0 = Clock::now();
       QTX_BENCH_CHECK_CUDA(cudaEventRecord(ev0, stream));
-      QTX_BENCH_CHECK_CUDA(qtx::kernels::cuda::QuantizeBlock(d_in, qtx::kernels::InputDType::kBFloat16, m,
-                                                   n, params, kb, stream));
+      QTX_BENCH_CHECK_CUDA(qtx::kernels::cuda::QuantizeBlock(
+          d_in, qtx::kernels::InputDType::kBFloat16, m, n, params, kb, stream));
       QTX_BENCH_CHECK_CUDA(cudaEventRecord(ev1, stream));
       QTX_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
       const auto t1 = Clock::now();
@@ -249,9 +248,9 @@ int main(int argc, char** argv) {
           static_cast<long long>(m), static_cast<long long>(n), iters, rs.p50, rs.p99, ks.p50,
           ks.p99, kg.p50, rs.p50 - ks.p50, rs.p99 - ks.p99, flags.label.c_str());
       std::fflush(stdout);
-      std::fprintf(stderr, "%-6lld %-7s %10.1f %10.1f %10.1f %10.1f %12.1f %12.1f %12.1f\n", static_cast<long long>(mib),
-                   with_events ? "yes" : "no", rs.p50, rs.p99, ks.p50, ks.p99, kg.p50,
-                   rs.p50 - ks.p50, rs.p99 - ks.p99);
+      std::fprintf(stderr, "%-6lld %-7s %10.1f %10.1f %10.1f %10.1f %12.1f %12.1f %12.1f\n",
+                   static_cast<long long>(mib), with_events ? "yes" : "no", rs.p50, rs.p99, ks.p50,
+                   ks.p99, kg.p50, rs.p50 - ks.p50, rs.p99 - ks.p99);
     }
     QTX_BENCH_CHECK_OK(client->UnregisterRegion(in_name));
     QTX_BENCH_CHECK_OK(client->UnregisterRegion(out_name));

@@ -14,6 +14,8 @@
 // operations, the same for both transports. JSON lines on stdout.
 //
 //   submission_bench --qtxd=build/server/qtxd [--ops=20000] [--rounds=5] [--rows=128]
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -26,12 +28,10 @@
 #include <string>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
-#include "bench/bench_util.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/bench_util.h"
 #include "qtx/channel.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
@@ -46,7 +46,6 @@ ABSL_FLAG(int64_t, rows, 128, "rows of the [rows, 128] BF16 input");
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
 
 void SliceToProto(const qtx::RegionSlice& s, qtx::v1::RegionSlice* p) {
   p->set_region(s.region);
@@ -92,7 +91,8 @@ class AsyncCalls {
   }
   void Wait() {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(+[](int* p) { return *p == 0; }, &pending_));
+    mu_.Await(absl::Condition(
+        +[](int* p) { return *p == 0; }, &pending_));
   }
   int failed() const { return failed_.load(); }
 
@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
   const int ops = absl::GetFlag(FLAGS_ops), rounds = absl::GetFlag(FLAGS_rounds);
   const int64_t rows = absl::GetFlag(FLAGS_rows);
   if (qtxd.empty() || ops <= 0 || rounds <= 0 || rows <= 0) {
-    std::fprintf(stderr, "usage: submission_bench --qtxd=PATH [--ops=N] [--rounds=R] [--rows=M], all > 0\n");
+    std::fprintf(
+        stderr, "usage: submission_bench --qtxd=PATH [--ops=N] [--rounds=R] [--rows=M], all > 0\n");
     return 2;
   }
   auto server =
@@ -133,8 +134,8 @@ int main(int argc, char** argv) {
 
   grpc::ChannelArguments args;
   args.SetInt("qtx.submission_bench", 1);  // its own connection
-  auto channel = grpc::CreateCustomChannel((*server)->target(),
-                                           grpc::InsecureChannelCredentials(), args);
+  auto channel =
+      grpc::CreateCustomChannel((*server)->target(), grpc::InsecureChannelCredentials(), args);
   auto stub = qtx::v1::Quantizer::NewStub(channel);
 
   std::vector<double> stream_us, unary_async_us, unary_sync_us;
@@ -188,10 +189,11 @@ int main(int argc, char** argv) {
   }
   const double stream_p50 = qtx::bench::Percentile(stream_us, 0.5);
   auto line = [&](const char* transport, const std::vector<double>& v) {
-    std::printf("{\"bench\":\"submission\",\"transport\":\"%s\",\"rows\":%lld,\"calls\":%zu,"
-                "\"host_us_p50\":%.2f,\"host_us_p99\":%.2f,\"p50_vs_channel_stream\":%.2f}\n",
-                transport, static_cast<long long>(rows), v.size(), qtx::bench::Percentile(v, 0.5),
-                qtx::bench::Percentile(v, 0.99), qtx::bench::Percentile(v, 0.5) / stream_p50);
+    std::printf(
+        "{\"bench\":\"submission\",\"transport\":\"%s\",\"rows\":%lld,\"calls\":%zu,"
+        "\"host_us_p50\":%.2f,\"host_us_p99\":%.2f,\"p50_vs_channel_stream\":%.2f}\n",
+        transport, static_cast<long long>(rows), v.size(), qtx::bench::Percentile(v, 0.5),
+        qtx::bench::Percentile(v, 0.99), qtx::bench::Percentile(v, 0.5) / stream_p50);
   };
   line("channel_stream", stream_us);
   line("async_unary", unary_async_us);

@@ -144,8 +144,8 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
         completed_through_ = std::max(completed_through_, p.completed_through());
         if (failed_seq_ == 0 && p.failed_seq() != 0) {
           failed_seq_ = p.failed_seq();
-          failure_ = absl::Status(static_cast<absl::StatusCode>(p.failed_code()),
-                                  p.failed_message());
+          failure_ =
+              absl::Status(static_cast<absl::StatusCode>(p.failed_code()), p.failed_message());
         }
       }
     }
@@ -192,8 +192,8 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
 
   Snapshot Get() const {
     absl::MutexLock lock(&mu_);
-    return Snapshot{opened_,         ended_,      end_status_, completed_through_,
-                    failed_seq_,     failure_,    device_};
+    return Snapshot{opened_,     ended_,   end_status_, completed_through_,
+                    failed_seq_, failure_, device_};
   }
 
   // Waits until `cond` holds for the snapshot, or `deadline`. Returns the
@@ -202,12 +202,12 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
   Snapshot WaitFor(Cond cond, absl::Time deadline) const {
     absl::MutexLock lock(&mu_);
     auto holds = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return cond(Snapshot{opened_, ended_, end_status_, completed_through_, failed_seq_,
-                           failure_, device_});
+      return cond(Snapshot{opened_, ended_, end_status_, completed_through_, failed_seq_, failure_,
+                           device_});
     };
     mu_.AwaitWithDeadline(absl::Condition(&holds), deadline);
-    return Snapshot{opened_, ended_, end_status_, completed_through_, failed_seq_, failure_,
-                    device_};
+    return Snapshot{opened_,     ended_,   end_status_, completed_through_,
+                    failed_seq_, failure_, device_};
   }
 
   // Operation `seq`: "ready = seq" on the caller's stream, the descriptor
@@ -298,8 +298,7 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::OpenPlan(Client& client,
 absl::StatusOr<std::unique_ptr<Channel>> Channel::OpenWith(Client& client,
                                                            std::unique_ptr<ChannelFlags> flags,
                                                            const ChannelOptions& options,
-                                                           const PlanOp* plan,
-                                                           uint32_t lookahead) {
+                                                           const PlanOp* plan, uint32_t lookahead) {
   if (flags == nullptr) return absl::InvalidArgumentError("Channel::Open: flags is null");
   v1::ChannelRequest open;
   if (plan != nullptr) {
@@ -326,16 +325,16 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::OpenWith(Client& client,
   ToProto(channel->flags_->slice(), open.mutable_open()->mutable_flags());
   open.mutable_open()->set_label(options.label);
   channel->stream_->Start(*client.impl_, std::move(open));
-  const Stream::Snapshot s = channel->stream_->WaitFor(
-      [](const Stream::Snapshot& s) { return s.opened || s.ended; },
-      absl::Now() + options.open_timeout);
+  const Stream::Snapshot s =
+      channel->stream_->WaitFor([](const Stream::Snapshot& s) { return s.opened || s.ended; },
+                                absl::Now() + options.open_timeout);
   if (s.opened) return channel;
   absl::Status status =
       s.ended ? (s.end_status.ok() ? absl::UnavailableError("qtxd ended the channel at open")
                                    : s.end_status)
-              : absl::DeadlineExceededError(absl::StrFormat(
-                    "qtxd did not accept the channel within %s",
-                    absl::FormatDuration(options.open_timeout)));
+              : absl::DeadlineExceededError(
+                    absl::StrFormat("qtxd did not accept the channel within %s",
+                                    absl::FormatDuration(options.open_timeout)));
   channel->stream_->Cancel();
   channel->stream_->AwaitDone();
   channel->closed_ = true;
@@ -435,8 +434,8 @@ absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType
 absl::StatusOr<bool> Channel::Query(uint64_t op) const {
   const uint64_t next = next_seq_.load();
   if (op == 0 || op >= next) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "operation %d: not an id this channel returned (1..%d)", op, next - 1));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("operation %d: not an id this channel returned (1..%d)", op, next - 1));
   }
   const Stream::Snapshot s = stream_->Get();
   if (op <= s.completed_through) return true;
@@ -462,9 +461,9 @@ absl::Status Channel::Synchronize() {
   if (s.failed_seq != 0) return FailureOf(s.failed_seq, s.failure);
   if (s.completed_through >= last) return absl::OkStatus();
   if (s.ended) return GoneStatus(s.end_status);
-  return absl::DeadlineExceededError(absl::StrFormat(
-      "Synchronize: operations %d..%d not done after %s", s.completed_through + 1, last,
-      absl::FormatDuration(options_.sync_timeout)));
+  return absl::DeadlineExceededError(
+      absl::StrFormat("Synchronize: operations %d..%d not done after %s", s.completed_through + 1,
+                      last, absl::FormatDuration(options_.sync_timeout)));
 }
 
 absl::Status Channel::Close() {

@@ -175,9 +175,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target,
   if (options.connect_timeout > absl::ZeroDuration()) {
     const auto deadline = absl::ToChronoTime(absl::Now() + options.connect_timeout);
     if (!impl->channel->WaitForConnected(deadline)) {
-      return absl::UnavailableError(
-          absl::StrCat("could not connect to '", impl->target, "' within ",
-                       absl::FormatDuration(options.connect_timeout)));
+      return absl::UnavailableError(absl::StrCat("could not connect to '", impl->target,
+                                                 "' within ",
+                                                 absl::FormatDuration(options.connect_timeout)));
     }
   }
   return std::unique_ptr<Client>(new Client(std::move(impl)));
@@ -189,8 +189,8 @@ absl::StatusOr<ServingStatus> Client::Health(std::string_view service, const Cal
   return HealthImpl(service, call, impl_->options.wait_for_ready);
 }
 
-absl::StatusOr<ServingStatus> Client::HealthImpl(std::string_view service,
-                                                 const CallOptions& call, bool wait_for_ready) {
+absl::StatusOr<ServingStatus> Client::HealthImpl(std::string_view service, const CallOptions& call,
+                                                 bool wait_for_ready) {
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
   ctx.set_wait_for_ready(wait_for_ready);
@@ -235,13 +235,12 @@ absl::Status Client::WaitUntilServing(absl::Duration timeout) {
     absl::SleepFor(std::min(backoff, deadline - absl::Now()));
     backoff = std::min(backoff * 2, absl::Milliseconds(200));
   }
-  return absl::DeadlineExceededError(
-      absl::StrCat("'", impl_->target, "' not SERVING after ", absl::FormatDuration(timeout),
-                   "; last health check: ", last.ToString()));
+  return absl::DeadlineExceededError(absl::StrCat("'", impl_->target, "' not SERVING after ",
+                                                  absl::FormatDuration(timeout),
+                                                  "; last health check: ", last.ToString()));
 }
 
-absl::StatusOr<QuantizedTensor> Client::Quantize(const Tensor& input,
-                                                 const QuantizeConfig& config,
+absl::StatusOr<QuantizedTensor> Client::Quantize(const Tensor& input, const QuantizeConfig& config,
                                                  const QuantizeOutputs& outputs,
                                                  const CallOptions& call) {
   v1::QuantizeRequest request;
@@ -303,8 +302,7 @@ absl::Status Client::RegisterCudaIpcRegion(std::string_view name, std::string_vi
   return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
 }
 
-absl::Status Client::RegisterCudaIpcRegionOnGpu(std::string_view name,
-                                                std::string_view ipc_handle,
+absl::Status Client::RegisterCudaIpcRegionOnGpu(std::string_view name, std::string_view ipc_handle,
                                                 std::string_view device_uuid, uint64_t byte_size,
                                                 const CallOptions& call) {
   v1::RegisterRegionRequest request;

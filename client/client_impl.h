@@ -52,10 +52,9 @@ struct Client::Impl {
     if (!options.auth_token.empty()) {
       ctx->AddMetadata("authorization", absl::StrCat("Bearer ", options.auth_token));
     }
-    ctx->AddMetadata("x-request-id",
-                     call.request_id.empty()
-                         ? absl::StrCat(id_prefix, "-", next_request.fetch_add(1))
-                         : call.request_id);
+    ctx->AddMetadata("x-request-id", call.request_id.empty()
+                                         ? absl::StrCat(id_prefix, "-", next_request.fetch_add(1))
+                                         : call.request_id);
   }
 };
 

@@ -65,8 +65,7 @@ absl::StatusOr<CollectiveGroupInfo> Client::CreateGroup(const CollectiveGroupCon
 }
 
 absl::StatusOr<AllGatherResult> Client::AllGather(std::string_view group, uint64_t sequence,
-                                                  const Tensor& input,
-                                                  const QuantizeConfig& config,
+                                                  const Tensor& input, const QuantizeConfig& config,
                                                   AllGatherMode mode,
                                                   const QuantizeOutputs& outputs,
                                                   const CallOptions& call) {

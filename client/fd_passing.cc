@@ -22,7 +22,8 @@ void PutU32(char* p, uint32_t v) {
 
 uint32_t GetU32(const char* p) {
   uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 
@@ -102,8 +103,8 @@ bool FdPassingConnection::ok() const {
 
 absl::StatusOr<std::string> FdPassingConnection::Send(std::span<const int> fds) {
   if (fds.empty() || fds.size() > kMaxFdsPerBatch) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%d descriptors: one batch carries 1..%d", fds.size(), kMaxFdsPerBatch));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%d descriptors: one batch carries 1..%d", fds.size(), kMaxFdsPerBatch));
   }
   char header[kFdPassingRequestBytes] = {};
   PutU32(header, kFdPassingMagic);
@@ -170,8 +171,8 @@ absl::StatusOr<std::string> FdPassingConnection::SendLocked(std::string_view byt
   }
   const uint32_t code = GetU32(reply + 4);
   if (code != 0) {
-    const auto status_code = code <= 16 ? static_cast<absl::StatusCode>(code)
-                                        : absl::StatusCode::kUnknown;
+    const auto status_code =
+        code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
     return absl::Status(status_code, message.empty() ? "qtxd refused the descriptors" : message);
   }
   return std::string(reply + 8, kFdPassingTokenBytes);

@@ -142,8 +142,8 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
   if (!status.ok()) return FromGrpcStatus(status);
   OptimizerStepResult result;
   const v1::StepStats& s = response.stats();
-  result.stats = {s.step(),     s.grad_norm(), s.skipped(), s.non_finite(),
-                  s.clip_coef(), s.lr(),       s.replayed()};
+  result.stats = {s.step(),      s.grad_norm(), s.skipped(), s.non_finite(),
+                  s.clip_coef(), s.lr(),        s.replayed()};
   result.parameters.reserve(response.parameters_size());
   for (v1::ParameterOutput& p : *response.mutable_parameters()) {
     ParameterOutput out;

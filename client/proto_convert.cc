@@ -129,9 +129,9 @@ RegionInfo FromProto(const v1::RegionInfo& in) {
 absl::Status ToProto(const CollectiveGroupConfig& in, v1::CreateGroupRequest* out) {
   const absl::Duration max_timeout = absl::Milliseconds(std::numeric_limits<uint32_t>::max());
   if (in.timeout < absl::ZeroDuration() || in.timeout > max_timeout) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout=", absl::FormatDuration(in.timeout), ": must be >= 0 and <= ",
-                     absl::FormatDuration(max_timeout), " (0 = the server default)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "timeout=", absl::FormatDuration(in.timeout),
+        ": must be >= 0 and <= ", absl::FormatDuration(max_timeout), " (0 = the server default)"));
   }
   out->set_name(in.name);
   out->set_rank(in.rank);

@@ -70,8 +70,8 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(std::string_view na
                                                              std::string_view shm_name) {
   const std::string name(name_view);
   if (!IsValidRegionName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "region name '", name, "': must be 1..128 characters of [A-Za-z0-9_.:/-]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("region name '", name, "': must be 1..128 characters of [A-Za-z0-9_.:/-]"));
   }
   if (byte_size == 0) {
     return absl::InvalidArgumentError(absl::StrCat("region '", name, "': byte_size must be > 0"));
@@ -100,12 +100,11 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(std::string_view na
     shm_unlink(shm.c_str());
     return ErrnoStatus(err, absl::StrCat("mmap('", shm, "', ", byte_size, ")"));
   }
-  return std::unique_ptr<ShmRegion>(new ShmRegion(name, std::move(shm), byte_size,
-                                                  fd, static_cast<std::byte*>(base)));
+  return std::unique_ptr<ShmRegion>(
+      new ShmRegion(name, std::move(shm), byte_size, fd, static_cast<std::byte*>(base)));
 }
 
-ShmRegion::ShmRegion(std::string name, std::string shm_name, uint64_t size, int fd,
-                     std::byte* base)
+ShmRegion::ShmRegion(std::string name, std::string shm_name, uint64_t size, int fd, std::byte* base)
     : name_(std::move(name)), shm_name_(std::move(shm_name)), size_(size), fd_(fd), base_(base) {}
 
 ShmRegion::~ShmRegion() {
@@ -121,9 +120,9 @@ absl::StatusOr<RegionSlice> ShmRegion::Allocate(uint64_t byte_size, uint64_t ali
   }
   const uint64_t start = (used_ + alignment - 1) & ~(alignment - 1);
   if (start < used_ || start > size_ || byte_size > size_ - start) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "region '%s': %d bytes (alignment %d) do not fit: %d of %d bytes used", name_, byte_size,
-        alignment, used_, size_));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("region '%s': %d bytes (alignment %d) do not fit: %d of %d bytes used",
+                        name_, byte_size, alignment, used_, size_));
   }
   used_ = start + byte_size;
   return RegionSlice{name_, start, byte_size};
@@ -136,9 +135,9 @@ absl::StatusOr<Tensor> ShmRegion::Place(const Tensor& tensor, uint64_t alignment
   absl::StatusOr<int64_t> bytes = tensor.ByteSize();
   if (!bytes.ok()) return bytes.status();
   if (static_cast<uint64_t>(*bytes) != tensor.data.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "Place: tensor has %d bytes but dtype %s and its shape need %d", tensor.data.size(),
-        DTypeName(tensor.dtype), *bytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Place: tensor has %d bytes but dtype %s and its shape need %d",
+                        tensor.data.size(), DTypeName(tensor.dtype), *bytes));
   }
   absl::StatusOr<RegionSlice> slice = Allocate(tensor.data.size(), alignment);
   if (!slice.ok()) return slice.status();
@@ -159,8 +158,9 @@ absl::StatusOr<Tensor> ShmRegion::AllocateTensor(DType dtype, std::vector<int64_
   return t;
 }
 
-absl::StatusOr<QuantizeOutputs> ShmRegion::AllocateQuantizeOutputs(
-    std::span<const int64_t> shape, const QuantizeConfig& config, uint64_t alignment) {
+absl::StatusOr<QuantizeOutputs> ShmRegion::AllocateQuantizeOutputs(std::span<const int64_t> shape,
+                                                                   const QuantizeConfig& config,
+                                                                   uint64_t alignment) {
   absl::StatusOr<QuantizedLayout> layout = ComputeQuantizedLayout(config.scaling_mode, shape);
   if (!layout.ok()) return layout.status();
   const uint64_t saved = used_;
@@ -175,8 +175,8 @@ absl::StatusOr<QuantizeOutputs> ShmRegion::AllocateQuantizeOutputs(
   if (config.rowwise) {
     st.Update(take(layout->rowwise_data_rows * layout->rowwise_data_cols, out.rowwise_data));
     if (st.ok()) {
-      st.Update(take(layout->rowwise_scale_rows * layout->rowwise_scale_cols * 4,
-                     out.rowwise_scale_inv));
+      st.Update(
+          take(layout->rowwise_scale_rows * layout->rowwise_scale_cols * 4, out.rowwise_scale_inv));
     }
   }
   if (st.ok() && config.columnwise) {

@@ -7,8 +7,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/block_geometry.h"
 #include "common/status_macros.h"
+#include "kernels/block_geometry.h"
 
 namespace qtx {
 
@@ -60,9 +60,7 @@ const char* ScalingModeName(ScalingMode mode) {
   }
 }
 
-const char* Fp8FormatName(Fp8Format format) {
-  return format == Fp8Format::kE5M2 ? "e5m2" : "e4m3";
-}
+const char* Fp8FormatName(Fp8Format format) { return format == Fp8Format::kE5M2 ? "e5m2" : "e4m3"; }
 
 absl::StatusOr<int64_t> NumElements(std::span<const int64_t> shape) {
   int64_t count = 1;

@@ -12,10 +12,10 @@
 #define QTX_STATUS_CONCAT_INNER_(a, b) a##b
 #define QTX_STATUS_CONCAT_(a, b) QTX_STATUS_CONCAT_INNER_(a, b)
 
-#define QTX_RETURN_IF_ERROR(expr)                        \
-  do {                                                   \
-    ::absl::Status qtx_status_ = (expr);                 \
-    if (!qtx_status_.ok()) return qtx_status_;           \
+#define QTX_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::absl::Status qtx_status_ = (expr);       \
+    if (!qtx_status_.ok()) return qtx_status_; \
   } while (false)
 
 #define QTX_ASSIGN_OR_RETURN(lhs, expr) \

@@ -70,8 +70,7 @@ struct AdamWScalars {
 };
 
 // Host only. REQUIRES: step >= 1 (the step being applied, 1-based).
-inline AdamWScalars MakeAdamWScalars(const AdamWHyperParams& h, int64_t step,
-                                     double grad_scale) {
+inline AdamWScalars MakeAdamWScalars(const AdamWHyperParams& h, int64_t step, double grad_scale) {
   AdamWScalars s;
   s.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
   s.beta1 = static_cast<float>(h.beta1);

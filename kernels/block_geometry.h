@@ -18,13 +18,17 @@ QTX_HD constexpr int64_t Pad4(int64_t x) { return (x + 3) / 4 * 4; }
 // Shapes (rows, cols) of the four buffers of a quantized [M, N] tensor.
 struct QuantizedLayout {
   int64_t m = 0, n = 0;
-  int64_t rowwise_data_rows = 0, rowwise_data_cols = 0;    // [M, N]
+  int64_t rowwise_data_rows = 0, rowwise_data_cols = 0;  // [M, N]
   int64_t rowwise_scale_rows = 0, rowwise_scale_cols = 0;
   int64_t columnwise_data_rows = 0, columnwise_data_cols = 0;  // [N, M]
   int64_t columnwise_scale_rows = 0, columnwise_scale_cols = 0;
 
-  QTX_HD constexpr int64_t RowwiseDataBytes() const { return rowwise_data_rows * rowwise_data_cols; }
-  QTX_HD constexpr int64_t RowwiseScaleCount() const { return rowwise_scale_rows * rowwise_scale_cols; }
+  QTX_HD constexpr int64_t RowwiseDataBytes() const {
+    return rowwise_data_rows * rowwise_data_cols;
+  }
+  QTX_HD constexpr int64_t RowwiseScaleCount() const {
+    return rowwise_scale_rows * rowwise_scale_cols;
+  }
   QTX_HD constexpr int64_t ColumnwiseDataBytes() const {
     return columnwise_data_rows * columnwise_data_cols;
   }

@@ -43,9 +43,7 @@ QTX_HD bool IsInf(float f) { return (FloatBits(f) & 0x7FFFFFFFu) == 0x7F800000u;
 constexpr float kE4M3Max = 448.0f;
 constexpr float kE5M2Max = 57344.0f;
 
-QTX_HD float Fp8Max(Fp8Format f) {
-  return f == Fp8Format::kE4M3 ? kE4M3Max : kE5M2Max;
-}
+QTX_HD float Fp8Max(Fp8Format f) { return f == Fp8Format::kE4M3 ? kE4M3Max : kE5M2Max; }
 
 // Largest finite value of the *input* dtype: the scale used when fp8_max/amax
 // overflows FP32 (docs/numerics.md §2 step 5).
@@ -92,7 +90,7 @@ QTX_HD float AddRn(float a, float b) {
 template <int E, int M>
 QTX_HD uint8_t EncodeFp8Generic(float x) {
   constexpr int kBias = (1 << (E - 1)) - 1;
-  constexpr uint32_t kMaxCode = (E == 4) ? 0x7Eu : 0x7Bu;  // largest finite code
+  constexpr uint32_t kMaxCode = (E == 4) ? 0x7Eu : 0x7Bu;              // largest finite code
   constexpr uint32_t kMaxBits = (E == 4) ? 0x43E00000u : 0x47600000u;  // 448, 57344
   constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - kBias) << 23;
   constexpr uint32_t kMagicBits = static_cast<uint32_t>(127 - kBias + 23 - M + 1) << 23;
@@ -102,8 +100,7 @@ QTX_HD uint8_t EncodeFp8Generic(float x) {
   uint32_t a = u & 0x7FFFFFFFu;
   const bool nan = a > 0x7F800000u;
   a = a < kMaxBits ? a : kMaxBits;  // saturate (Inf and NaN too; NaN fixed below)
-  const uint32_t sub =
-      FloatBits(AddRn(BitsToFloat(a), BitsToFloat(kMagicBits))) - kMagicBits;
+  const uint32_t sub = FloatBits(AddRn(BitsToFloat(a), BitsToFloat(kMagicBits))) - kMagicBits;
   const uint32_t norm =
       (a - kRebias + ((1u << (22 - M)) - 1u) + ((a >> (23 - M)) & 1u)) >> (23 - M);
   uint32_t code = a < kMinNormalBits ? sub : norm;
@@ -134,7 +131,8 @@ QTX_HD float DecodeFp8Generic(uint8_t v) {
   if (exp == 0) {
     if (man == 0) return BitsToFloat(sign);
     // Subnormal: man * 2^(1 - bias - M), exact in FP32.
-    float mag = static_cast<float>(man) * BitsToFloat(static_cast<uint32_t>(127 + 1 - kBias - M) << 23);
+    float mag =
+        static_cast<float>(man) * BitsToFloat(static_cast<uint32_t>(127 + 1 - kBias - M) << 23);
     return BitsToFloat(sign | FloatBits(mag));
   }
   const uint32_t f32_exp = exp - kBias + 127;

@@ -31,9 +31,9 @@ struct QuantizeParams {
 // Output buffers of one quantization, sized per block_geometry.h. A pointer
 // is ignored (may be null) when its copy is not requested.
 struct QuantizedBuffers {
-  uint8_t* rowwise_data = nullptr;       // [M, N]
-  float* rowwise_scale_inv = nullptr;    // see QuantizedLayout
-  uint8_t* columnwise_data = nullptr;    // [N, M]
+  uint8_t* rowwise_data = nullptr;     // [M, N]
+  float* rowwise_scale_inv = nullptr;  // see QuantizedLayout
+  uint8_t* columnwise_data = nullptr;  // [N, M]
   float* columnwise_scale_inv = nullptr;
 };
 

@@ -12,7 +12,7 @@ PACKAGES=(
   python3-pip python3-setuptools python3-wheel
   zlib1g-dev
   openssl yamllint
-  clang libclang-rt-14-dev libomp-14-dev
+  clang libclang-rt-14-dev libomp-14-dev clang-format
 )
 
 # Needed only when the command is missing (a machine may have Node.js from
@@ -22,7 +22,7 @@ COMMANDS=(node:nodejs npm:npm)
 # QTX_DEPS=build (the container images' build stage): only what building
 # qtxd and the qtx CLI needs; the test-only tools below are skipped.
 TEST_ONLY=(python3-torch python3-pip python3-setuptools python3-wheel yamllint
-           clang libclang-rt-14-dev libomp-14-dev)
+           clang libclang-rt-14-dev libomp-14-dev clang-format)
 if [ "${QTX_DEPS:-all}" = "build" ]; then
   kept=()
   for p in "${PACKAGES[@]}"; do

@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/install_deps.sh
+# Formatting first: it takes half a minute and needs no build.
+scripts/format_check.sh
 
 BUILD="${QTX_BUILD_DIR:-build}"
 JOBS="${QTX_JOBS:-$(nproc)}"

@@ -52,9 +52,10 @@ int main(int argc, char** argv) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   if (!user_loading.empty() && user_loading != "EAGER") {
-    spdlog::warn("event=cuda_module_loading_overridden was={} now=EAGER (channels need kernels "
-                 "loaded before a stream waits)",
-                 user_loading);
+    spdlog::warn(
+        "event=cuda_module_loading_overridden was={} now=EAGER (channels need kernels "
+        "loaded before a stream waits)",
+        user_loading);
   }
 
   const std::string level = qtx::server::config::LogLevelFromFlags();
@@ -87,8 +88,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  const qtx::server::config::ServerConfig config =
-      qtx::server::config::ServerConfigFromFlags();
+  const qtx::server::config::ServerConfig config = qtx::server::config::ServerConfigFromFlags();
   auto server = qtx::server::api::QtxServer::Create(config);
   if (!server.ok()) {
     spdlog::critical("event=startup_failed code={} msg=\"{}\"",
@@ -104,8 +104,9 @@ int main(int argc, char** argv) {
   if (!(*server)->Shutdown(absl::Seconds(config.shutdown_grace_s))) {
     // Some call never finished (a wedged worker): destroying the server would
     // wait for it forever. The state it does not hold was checkpointed.
-    spdlog::critical("event=shutdown_incomplete exit=1 (calls still running after "
-                     "--shutdown_grace_s plus 5 s were abandoned)");
+    spdlog::critical(
+        "event=shutdown_incomplete exit=1 (calls still running after "
+        "--shutdown_grace_s plus 5 s were abandoned)");
     spdlog::default_logger()->flush();
     std::fflush(nullptr);
     ::_exit(1);

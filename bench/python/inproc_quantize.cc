@@ -26,15 +26,22 @@ namespace k = qtx::kernels;
 
 namespace {
 
-void Quantize(uintptr_t input, int dtype, int64_t m, int64_t n, int mode, int format,
-              bool rowwise, bool columnwise, bool pow2, float eps, uintptr_t rd, uintptr_t rs,
-              uintptr_t cd, uintptr_t cs, uintptr_t stream) {
+void Quantize(uintptr_t input, int dtype, int64_t m, int64_t n, int mode, int format, bool rowwise,
+              bool columnwise, bool pow2, float eps, uintptr_t rd, uintptr_t rs, uintptr_t cd,
+              uintptr_t cs, uintptr_t stream) {
   k::InputDType in;
   switch (dtype) {
-    case 1: in = k::InputDType::kFloat32; break;
-    case 2: in = k::InputDType::kBFloat16; break;
-    case 3: in = k::InputDType::kFloat16; break;
-    default: throw std::invalid_argument("dtype: 1 float32, 2 bfloat16, 3 float16");
+    case 1:
+      in = k::InputDType::kFloat32;
+      break;
+    case 2:
+      in = k::InputDType::kBFloat16;
+      break;
+    case 3:
+      in = k::InputDType::kFloat16;
+      break;
+    default:
+      throw std::invalid_argument("dtype: 1 float32, 2 bfloat16, 3 float16");
   }
   k::QuantizeParams p;
   p.scaling = mode == 2 ? k::BlockScaling::kBlock2D : k::BlockScaling::kBlock1D;

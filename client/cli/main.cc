@@ -21,8 +21,8 @@
 // group's step on, and checks the FP8 parameters against Quantize of the
 // master weights; --two_phase measures each step's gradient norm with
 // GradNorm first and passes the clip factor (from --max_grad_norm) and skip
-// to Step, as a trainer does after reducing the norms over its ranks. `groups` lists the collective and optimizer groups, or
-// destroys a collective group / releases an optimizer group.
+// to Step, as a trainer does after reducing the norms over its ranks. `groups` lists the collective
+// and optimizer groups, or destroys a collective group / releases an optimizer group.
 //
 // `quantize` sends the tensor to the server, prints the shapes of the outputs,
 // the range of the scale_inv values and the error of dequantize(quantize(x))
@@ -33,6 +33,8 @@
 // PREFIX.dequantized.npy, the server's FP32 dequantization), for tools that
 // have no gRPC (e.g. a GPU host's Python). Exit status: 0 on success, 1 on an RPC or input
 // error (the status is printed to stderr), 2 on a usage error.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,10 +47,7 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
-
-#include <unistd.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -56,14 +55,15 @@
 #include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "absl/time/time.h"
 #include "client/cli/npy.h"
 #include "qtx/client.h"
@@ -82,7 +82,8 @@ ABSL_FLAG(std::string, tls_server_name, "", "name to check the server certificat
 ABSL_FLAG(std::string, npy, "", "quantize: input .npy file ('<f4' or '<f2', C order)");
 ABSL_FLAG(std::string, shape, "", "quantize: shape of a generated N(0,1) tensor, e.g. 256x1024");
 ABSL_FLAG(uint64_t, seed, 0, "quantize: seed of the generated tensor");
-ABSL_FLAG(std::string, dtype, "float32", "quantize: dtype of the generated tensor: float32|bfloat16");
+ABSL_FLAG(std::string, dtype, "float32",
+          "quantize: dtype of the generated tensor: float32|bfloat16");
 ABSL_FLAG(std::string, mode, "1d",
           "quantize: scaling mode: 1d (1x128) | 2d (128x128) | tensor (per-tensor current "
           "scaling)");
@@ -202,8 +203,7 @@ absl::StatusOr<QuantizeConfig> ConfigFromFlags() {
   } else if (mode == "tensor") {
     c.scaling_mode = ScalingMode::kTensor;
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--mode=", mode, ": must be 1d, 2d or tensor"));
+    return absl::InvalidArgumentError(absl::StrCat("--mode=", mode, ": must be 1d, 2d or tensor"));
   }
   const std::string format = absl::GetFlag(FLAGS_format);
   if (format == "e4m3") {
@@ -232,8 +232,8 @@ absl::StatusOr<QuantizeConfig> ConfigFromFlags() {
 // A tensor of N(0, 1) * `stddev` values from the seed, as float32 or
 // bfloat16 (rounded to nearest even). The same arguments give the same bytes
 // in every process (std::mt19937_64 and std::normal_distribution of libstdc++).
-absl::StatusOr<Tensor> Generate(std::vector<int64_t> shape, uint64_t seed,
-                                const std::string& dtype, float stddev = 1.0f) {
+absl::StatusOr<Tensor> Generate(std::vector<int64_t> shape, uint64_t seed, const std::string& dtype,
+                                float stddev = 1.0f) {
   absl::StatusOr<int64_t> count = NumElements(shape);
   if (!count.ok()) return count.status();
   std::mt19937_64 rng(seed);
@@ -343,9 +343,8 @@ absl::Status SaveNpy(const std::string& prefix, absl::string_view name, const Te
       array.dtype = DType::kUInt8;
       break;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("--save: ", name, " has dtype ", DTypeName(t.dtype),
-                       ", which .npy cannot hold"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--save: ", name, " has dtype ", DTypeName(t.dtype), ", which .npy cannot hold"));
   }
   array.shape = t.shape;
   array.data = t.data;
@@ -380,8 +379,8 @@ absl::Status RunRegions() {
   for (const RegionInfo& r : *regions) {
     const std::string source =
         r.kind == "cuda_ipc" ? absl::StrCat("device ", r.device_id) : r.shm_name;
-    std::cout << absl::StrFormat("%-32s %-8s %14d %6d  %s\n", r.name, r.kind, r.byte_size,
-                                 r.in_use, source);
+    std::cout << absl::StrFormat("%-32s %-8s %14d %6d  %s\n", r.name, r.kind, r.byte_size, r.in_use,
+                                 source);
   }
   std::cout << regions->size() << " region(s)\n";
   return absl::OkStatus();
@@ -416,8 +415,7 @@ absl::Status RunQuantize() {
     absl::StatusOr<Tensor> placed = region->Place(*input);
     if (!placed.ok()) return placed.status();
     request_input = *std::move(placed);
-    absl::StatusOr<QuantizeOutputs> outs =
-        region->AllocateQuantizeOutputs(input->shape, *config);
+    absl::StatusOr<QuantizeOutputs> outs = region->AllocateQuantizeOutputs(input->shape, *config);
     if (!outs.ok()) return outs.status();
     outputs = *std::move(outs);
     absl::StatusOr<Tensor> dq = region->AllocateTensor(DType::kFloat32, input->shape);
@@ -441,8 +439,8 @@ absl::Status RunQuantize() {
   absl::StatusOr<Tensor> dq = client.Dequantize(*q, DType::kFloat32, dequant_out);
   if (!dq.ok()) return dq.status();
   if (region != nullptr) {
-    for (std::optional<Tensor>* t : {&q->rowwise_data, &q->rowwise_scale_inv,
-                                     &q->columnwise_data, &q->columnwise_scale_inv}) {
+    for (std::optional<Tensor>* t :
+         {&q->rowwise_data, &q->rowwise_scale_inv, &q->columnwise_data, &q->columnwise_scale_inv}) {
       if (!t->has_value()) continue;
       absl::StatusOr<Tensor> copy = region->ToInline(**t);
       if (!copy.ok()) return copy.status();
@@ -496,14 +494,14 @@ absl::Status RunQuantize() {
     ScaleRange(*q->columnwise_scale_inv, is_tensor ? 1 : is_1d ? layout->n : mb, &lo, &hi);
   }
   if (lo <= hi) {
-    std::cout << absl::StrFormat("scale_inv    [%g, %g] (log2 [%g, %g])\n", lo, hi,
-                                 std::log2(lo), std::log2(hi));
+    std::cout << absl::StrFormat("scale_inv    [%g, %g] (log2 [%g, %g])\n", lo, hi, std::log2(lo),
+                                 std::log2(hi));
   }
   const std::vector<float> x = ToFloats(*input);
   const std::vector<float> y = ToFloats(*dq);
   if (x.size() != y.size()) {
-    return absl::InternalError(absl::StrCat("dequantized ", y.size(), " elements, expected ",
-                                            x.size()));
+    return absl::InternalError(
+        absl::StrCat("dequantized ", y.size(), " elements, expected ", x.size()));
   }
   double max_abs = 0, err2 = 0, ref2 = 0;
   for (size_t i = 0; i < x.size(); ++i) {
@@ -605,11 +603,11 @@ absl::Status RunAllGather() {
     absl::StatusOr<std::vector<int64_t>> shape = ParseShape(absl::GetFlag(FLAGS_shape));
     if (!shape.ok()) return shape.status();
     if (shape->size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--shape=", absl::GetFlag(FLAGS_shape), ": allgather takes a shard MrxN (two dims)"));
+      return absl::InvalidArgumentError(absl::StrCat("--shape=", absl::GetFlag(FLAGS_shape),
+                                                     ": allgather takes a shard MrxN (two dims)"));
     }
-    shard = Generate(*std::move(shape), seed + static_cast<uint64_t>(rank),
-                     absl::GetFlag(FLAGS_dtype));
+    shard =
+        Generate(*std::move(shape), seed + static_cast<uint64_t>(rank), absl::GetFlag(FLAGS_dtype));
   } else {
     shard = InputFromFlags();
   }
@@ -644,8 +642,9 @@ absl::Status RunAllGather() {
   absl::StatusOr<std::vector<CollectiveGroupInfo>> groups = client.ListGroups();
   if (!groups.ok()) return groups.status();
   bool created = false;
-  const auto existing = std::find_if(groups->begin(), groups->end(),
-                                     [&](const CollectiveGroupInfo& g) { return g.name == *group; });
+  const auto existing =
+      std::find_if(groups->begin(), groups->end(),
+                   [&](const CollectiveGroupInfo& g) { return g.name == *group; });
   if (existing == groups->end()) {
     CollectiveGroupConfig gc;
     gc.name = *group;
@@ -688,8 +687,7 @@ absl::Status RunAllGather() {
   std::cout << absl::StrFormat("gathered   %s, mode=%s format=%s, %s\n",
                                ShapeString(r->tensor.shape),
                                ScalingModeName(r->tensor.config.scaling_mode),
-                               Fp8FormatName(r->tensor.config.format),
-                               AllGatherModeName(mode));
+                               Fp8FormatName(r->tensor.config.format), AllGatherModeName(mode));
   PrintQuantized(r->tensor);
   std::cout << absl::StrFormat("time       %s\n", absl::FormatDuration(elapsed));
 
@@ -704,8 +702,7 @@ absl::Status RunAllGather() {
   int64_t total_rows = 0;
   for (size_t k = 0; k < r->shard_rows.size(); ++k) {
     row_shape[0] = r->shard_rows[k];
-    absl::StatusOr<Tensor> part =
-        Generate(row_shape, seed + k, absl::GetFlag(FLAGS_dtype));
+    absl::StatusOr<Tensor> part = Generate(row_shape, seed + k, absl::GetFlag(FLAGS_dtype));
     if (!part.ok()) return part.status();
     all += part->data;
     total_rows += r->shard_rows[k];
@@ -779,8 +776,8 @@ absl::Status RunStep() {
     const int64_t step = info.step + k;
     std::vector<OptimizerGradient> grads;
     for (const OptimizerParameterState& p : state->parameters) {
-      absl::StatusOr<Tensor> g = Generate(p.master.shape, seed + static_cast<uint64_t>(step),
-                                          "float32", 0.01f);
+      absl::StatusOr<Tensor> g =
+          Generate(p.master.shape, seed + static_cast<uint64_t>(step), "float32", 0.01f);
       if (!g.ok()) return g.status();
       grads.push_back({p.name, *std::move(g)});
     }
@@ -809,8 +806,9 @@ absl::Status RunStep() {
   int checked = 0;
   for (const ParameterOutput& out : last->parameters) {
     if (!out.fp8) continue;
-    const auto p = std::find_if(after->parameters.begin(), after->parameters.end(),
-                                [&](const OptimizerParameterState& s) { return s.name == out.name; });
+    const auto p =
+        std::find_if(after->parameters.begin(), after->parameters.end(),
+                     [&](const OptimizerParameterState& s) { return s.name == out.name; });
     if (p == after->parameters.end()) {
       return absl::InternalError(absl::StrCat("GetState has no parameter '", out.name, "'"));
     }
@@ -820,9 +818,8 @@ absl::Status RunStep() {
     if (!q.ok()) return q.status();
     const std::string diff = FirstDifference(*out.fp8, *q);
     if (!diff.empty()) {
-      return absl::InternalError(absl::StrCat("parameter '", out.name,
-                                              "': FP8 output differs from Quantize(master): ",
-                                              diff));
+      return absl::InternalError(absl::StrCat(
+          "parameter '", out.name, "': FP8 output differs from Quantize(master): ", diff));
     }
     ++checked;
   }
@@ -860,22 +857,20 @@ absl::Status RunGroups() {
   std::cout << absl::StrFormat("%-24s %5s %5s %-7s %-7s %8s  %s\n", "COLLECTIVE GROUP", "RANK",
                                "WORLD", "BACKEND", "STATE", "NEXT_SEQ", "ERROR");
   for (const CollectiveGroupInfo& g : *collective) {
-    std::cout << absl::StrFormat("%-24s %5d %5d %-7s %-7s %8d  %s\n", g.name, g.rank,
-                                 g.world_size, CommBackendName(g.backend),
-                                 GroupStateName(g.state), g.next_sequence, g.error);
+    std::cout << absl::StrFormat("%-24s %5d %5d %-7s %-7s %8d  %s\n", g.name, g.rank, g.world_size,
+                                 CommBackendName(g.backend), GroupStateName(g.state),
+                                 g.next_sequence, g.error);
   }
   std::cout << collective->size() << " collective group(s)\n";
   std::cout << absl::StrFormat("%-24s %8s %8s %6s %12s %14s %9s  %s\n", "OPTIMIZER GROUP", "STEP",
                                "UPDATES", "PARAMS", "ELEMENTS", "STATE_BYTES", "LAST_CKPT",
                                "ERROR");
   for (const OptimizerGroupInfo& g : optimizer->groups) {
-    std::cout << absl::StrFormat("%-24s %8d %8d %6d %12d %14d %9s  %s\n", g.name, g.step,
-                                 g.update_count, g.num_parameters, g.num_elements,
-                                 g.state_bytes,
-                                 g.last_checkpoint_step < 0
-                                     ? std::string("-")
-                                     : absl::StrCat(g.last_checkpoint_step),
-                                 g.error);
+    std::cout << absl::StrFormat(
+        "%-24s %8d %8d %6d %12d %14d %9s  %s\n", g.name, g.step, g.update_count, g.num_parameters,
+        g.num_elements, g.state_bytes,
+        g.last_checkpoint_step < 0 ? std::string("-") : absl::StrCat(g.last_checkpoint_step),
+        g.error);
   }
   std::cout << absl::StrFormat("%d optimizer group(s); %d of %d bytes of optimizer memory used\n",
                                optimizer->groups.size(), optimizer->memory_used_bytes,

@@ -58,8 +58,8 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view file) {
   size_t header_len = 0;
   size_t header_start = 0;
   if (major == 1) {
-    header_len = static_cast<uint8_t>(file[8]) | (static_cast<size_t>(
-                                                      static_cast<uint8_t>(file[9])) << 8);
+    header_len =
+        static_cast<uint8_t>(file[8]) | (static_cast<size_t>(static_cast<uint8_t>(file[9])) << 8);
     header_start = 10;
   } else if (major == 2 || major == 3) {
     if (file.size() < 12) return absl::InvalidArgumentError("npy: truncated header");
@@ -119,9 +119,9 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view file) {
   if (!bytes.ok()) return bytes.status();
   const absl::string_view payload = file.substr(header_start + header_len);
   if (payload.size() != static_cast<uint64_t>(*bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "npy: shape (", absl::StrJoin(out.shape, ","), ") of ", DTypeName(out.dtype), " needs ",
-        *bytes, " data bytes, file has ", payload.size()));
+    return absl::InvalidArgumentError(absl::StrCat("npy: shape (", absl::StrJoin(out.shape, ","),
+                                                   ") of ", DTypeName(out.dtype), " needs ", *bytes,
+                                                   " data bytes, file has ", payload.size()));
   }
   out.data.assign(payload.data(), payload.size());
   return out;
@@ -134,8 +134,7 @@ absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path) {
   buffer << in.rdbuf();
   absl::StatusOr<NpyArray> array = ParseNpy(buffer.str());
   if (!array.ok()) {
-    return absl::Status(array.status().code(),
-                        absl::StrCat(path, ": ", array.status().message()));
+    return absl::Status(array.status().code(), absl::StrCat(path, ": ", array.status().message()));
   }
   return array;
 }
@@ -146,8 +145,8 @@ std::string SerializeNpy(const NpyArray& array) {
                                                        : "|u1";
   std::string shape = absl::StrJoin(array.shape, ", ");
   if (array.shape.size() == 1) shape += ",";
-  std::string header = absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (",
-                                    shape, "), }");
+  std::string header =
+      absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", shape, "), }");
   // Pad with spaces so that magic + 4 + header + '\n' is a multiple of 64.
   const size_t unpadded = kMagicLen + 4 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');

@@ -10,9 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "driver_symbols.h"
-#include "stream_flags.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/shm_region.h"
+#include "stream_flags.h"
 
 namespace qtx::cuda {
 namespace {
@@ -141,8 +141,7 @@ class StreamFlags final : public ChannelFlags {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client,
-                                                                cudaStream_t stream,
+absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateStreamFlags(Client& client, cudaStream_t stream,
                                                                 FlagMemory memory) {
   CUdeviceptr words = 0;
   return internal::CreateFlags(client, stream, memory, &words);
@@ -177,8 +176,7 @@ absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateFlags(Client& client, cudaSt
     // One zero-filled page of shm, mapped for the GPU here; qtxd maps it too.
     absl::StatusOr<std::unique_ptr<ShmRegion>> shm = ShmRegion::Create(region, 4096);
     if (!shm.ok()) return shm.status();
-    err = cudaHostRegister((*shm)->data(), 4096,
-                           cudaHostRegisterMapped | cudaHostRegisterPortable);
+    err = cudaHostRegister((*shm)->data(), 4096, cudaHostRegisterMapped | cudaHostRegisterPortable);
     if (err != cudaSuccess) return CudaStatus(err, "cudaHostRegister(channel flags)");
     void* view = nullptr;
     err = cudaHostGetDevicePointer(&view, (*shm)->data(), 0);
@@ -209,9 +207,8 @@ absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateFlags(Client& client, cudaSt
       (void)cudaFree(words);
       return s;
     }
-    flags = std::make_unique<StreamFlags>(client, *ops, stream, device,
-                                          reinterpret_cast<CUdeviceptr>(words), region, nullptr,
-                                          words);
+    flags = std::make_unique<StreamFlags>(
+        client, *ops, stream, device, reinterpret_cast<CUdeviceptr>(words), region, nullptr, words);
   }
   if (absl::Status s = flags->Init(); !s.ok()) return s;
   *device_words = flags->words();

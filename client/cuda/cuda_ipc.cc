@@ -19,8 +19,8 @@ namespace internal {
 
 absl::Status CudaStatus(cudaError_t err, std::string_view what) {
   (void)cudaGetLastError();  // clear the non-sticky error
-  return absl::InternalError(
-      absl::StrFormat("%s: CUDA error %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err)));
+  return absl::InternalError(absl::StrFormat("%s: CUDA error %s (%s)", what, cudaGetErrorName(err),
+                                             cudaGetErrorString(err)));
 }
 
 absl::Status LoadDriverSymbols(std::span<const std::pair<const char*, void**>> wanted) {
@@ -113,9 +113,9 @@ absl::StatusOr<AllocationOps> GetAllocationOps() {
 
 // What the driver says about the memory at `p`, in one call.
 struct PointerFacts {
-  bool valid = false;      // a CUDA pointer at all
+  bool valid = false;        // a CUDA pointer at all
   bool ipc_capable = false;  // cudaIpcGetMemHandle works (cudaMalloc memory)
-  bool pooled = false;     // from a cudaMallocAsync pool
+  bool pooled = false;       // from a cudaMallocAsync pool
   bool mapped = false;
   unsigned long long block_id = 0;
   unsigned long long buffer_id = 0;
@@ -126,13 +126,11 @@ PointerFacts QueryPointer(const AllocationOps& ops, CUdeviceptr p) {
   int memory_type = 0, ipc = 0, mapped = 0, device = -1;
   void* pool = nullptr;
   unsigned long long block = 0, buffer = 0;
-  CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-                                 CU_POINTER_ATTRIBUTE_MAPPED,
-                                 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                 CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-                                 CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID,
-                                 CU_POINTER_ATTRIBUTE_BUFFER_ID};
+  CUpointer_attribute attrs[] = {
+      CU_POINTER_ATTRIBUTE_MEMORY_TYPE,    CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+      CU_POINTER_ATTRIBUTE_MAPPED,         CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+      CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID,
+      CU_POINTER_ATTRIBUTE_BUFFER_ID};
   void* data[] = {&memory_type, &ipc, &mapped, &device, &pool, &block, &buffer};
   PointerFacts f;
   if (ops.pointer_attributes(7, attrs, data, p) != CUDA_SUCCESS) return f;
@@ -249,8 +247,8 @@ absl::Status RegisterVmmChunks(Client& client, std::string_view name,
     } releaser{*ops, h};
     CUmemAllocationProp prop = {};
     if (const CUresult r = ops->properties(&prop, h); r != CUDA_SUCCESS) {
-      return absl::InternalError(
-          absl::StrFormat("cuMemGetAllocationPropertiesFromHandle: CUresult %d", static_cast<int>(r)));
+      return absl::InternalError(absl::StrFormat(
+          "cuMemGetAllocationPropertiesFromHandle: CUresult %d", static_cast<int>(r)));
     }
     if ((prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0) {
       const bool fabric = (prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC) != 0;
@@ -264,9 +262,9 @@ absl::Status RegisterVmmChunks(Client& client, std::string_view name,
           fabric ? ": fabric handles, which qtx does not import" : ""));
     }
     if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "VMM chunk [0x%x, +%d) is not device memory (location type %d)", c.base, c.size,
-          static_cast<int>(prop.location.type)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("VMM chunk [0x%x, +%d) is not device memory (location type %d)", c.base,
+                          c.size, static_cast<int>(prop.location.type)));
     }
     if (device < 0) device = prop.location.id;
     if (prop.location.id != device) {
@@ -376,8 +374,7 @@ absl::StatusOr<RegionSlice> RegionCache::Slice(const void* ptr, uint64_t bytes) 
     size_t fsize = 0;
     unsigned long long fid = 0;
     CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                                   CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                                   CU_POINTER_ATTRIBUTE_BUFFER_ID};
+                                   CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_BUFFER_ID};
     void* data[] = {&fbase, &fsize, &fid};
     if (ops->pointer_attributes(3, attrs, data, p) == CUDA_SUCCESS && fbase != 0 && fid != 0) {
       auto hit = by_base_.find(fbase);
@@ -413,8 +410,8 @@ absl::StatusOr<RegionSlice> RegionCache::Slice(const void* ptr, uint64_t bytes) 
       break;  // ExportMemHandle below says why
   }
   if (bytes > size || p - base > size - bytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "[%p, +%d) leaves its allocation [0x%x, +%d)", ptr, bytes, base, size));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("[%p, +%d) leaves its allocation [0x%x, +%d)", ptr, bytes, base, size));
   }
   unsigned long long buffer_id = 0;
   if (ops->pointer_attribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, base) != CUDA_SUCCESS) {

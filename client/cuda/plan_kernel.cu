@@ -1,9 +1,9 @@
 // The caller's side of a plan execution (qtx/cuda_plan.h): one thread moves
 // the plan's ready word to the next execution number and waits for qtxd's
 // done word to reach it.
-#include "plan_kernel.h"
-
 #include <cuda/atomic>
+
+#include "plan_kernel.h"
 
 namespace qtx::cuda::internal {
 namespace {

@@ -187,9 +187,9 @@ class Channel {
   // output (sized for the gathered [sum M_r, N]) are region slices. The
   // sidecar reads the shard after the caller's earlier work on the stream,
   // and the caller's later work sees the gathered outputs. As Quantize.
-  absl::StatusOr<uint64_t> AllGather(std::string_view group, uint64_t sequence,
-                                     const Tensor& input, const QuantizeConfig& config,
-                                     AllGatherMode mode, const QuantizeOutputs& outputs);
+  absl::StatusOr<uint64_t> AllGather(std::string_view group, uint64_t sequence, const Tensor& input,
+                                     const QuantizeConfig& config, AllGatherMode mode,
+                                     const QuantizeOutputs& outputs);
 
   // Whether operation `op` has finished: true when done, false while pending;
   // the failure when `op` failed or was not run because an earlier one
@@ -222,9 +222,10 @@ class Channel {
  private:
   class Stream;
   explicit Channel(std::unique_ptr<ChannelFlags> flags, ChannelOptions options);
-  static absl::StatusOr<std::unique_ptr<Channel>> OpenWith(
-      Client& client, std::unique_ptr<ChannelFlags> flags, const ChannelOptions& options,
-      const PlanOp* plan, uint32_t lookahead);
+  static absl::StatusOr<std::unique_ptr<Channel>> OpenWith(Client& client,
+                                                           std::unique_ptr<ChannelFlags> flags,
+                                                           const ChannelOptions& options,
+                                                           const PlanOp* plan, uint32_t lookahead);
   // OK when a new operation may be submitted: not closed, not failed, qtxd
   // still there.
   absl::Status CheckUsable() const;

@@ -122,8 +122,7 @@ class Client {
   // Returns the serving status; NOT_FOUND from the server becomes
   // kServiceUnknown. Fails with the RPC's status otherwise (UNAVAILABLE when
   // the server cannot be reached).
-  absl::StatusOr<ServingStatus> Health(std::string_view service = "",
-                                       const CallOptions& call = {});
+  absl::StatusOr<ServingStatus> Health(std::string_view service = "", const CallOptions& call = {});
 
   // Polls Health() (waiting for the connection, whatever
   // ClientOptions::wait_for_ready says) until the server reports SERVING.
@@ -154,9 +153,8 @@ class Client {
   // missing shm object, INVALID_ARGUMENT for bad bounds or names, and
   // PERMISSION_DENIED / FAILED_PRECONDITION when the server does not allow
   // client shm (qtxd --allow_client_shm).
-  absl::Status RegisterShmRegion(std::string_view name, std::string_view shm_name,
-                                 uint64_t offset, uint64_t byte_size,
-                                 const CallOptions& call = {});
+  absl::Status RegisterShmRegion(std::string_view name, std::string_view shm_name, uint64_t offset,
+                                 uint64_t byte_size, const CallOptions& call = {});
   // Registers all of `region` under region.name().
   absl::Status RegisterShmRegion(const ShmRegion& region, const CallOptions& call = {});
 

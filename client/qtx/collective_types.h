@@ -53,7 +53,7 @@ const char* GroupStateName(GroupState state);
 // sidecar with the same name and world_size.
 struct CollectiveGroupConfig {
   std::string name{};  // unique per sidecar; the same on every rank
-  int32_t rank = 0;  // 0 .. world_size-1
+  int32_t rank = 0;    // 0 .. world_size-1
   int32_t world_size = 1;
   // gRPC target of rank 0's sidecar, as that sidecar is reachable from this
   // rank's sidecar ("host:port" or "unix:/path"). Rank 0's sidecar hosts the

@@ -77,7 +77,7 @@ class FdPassingConnection {
   absl::StatusOr<std::string> SendLocked(std::string_view bytes, std::span<const int> fds);
 
   mutable std::mutex mu_;
-  int fd_;              // guarded by mu_
+  int fd_;                       // guarded by mu_
   mutable bool broken_ = false;  // guarded by mu_
 };
 

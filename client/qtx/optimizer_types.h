@@ -197,8 +197,8 @@ struct OptimizerStepResult {
 // Where GetState writes one parameter's state; unset slices come back inline.
 struct StateDestination {
   std::string name;
-  std::optional<RegionSlice> master;      // m*n*4 bytes
-  std::optional<RegionSlice> exp_avg;     // m*n*moment bytes (with include_moments)
+  std::optional<RegionSlice> master;   // m*n*4 bytes
+  std::optional<RegionSlice> exp_avg;  // m*n*moment bytes (with include_moments)
   std::optional<RegionSlice> exp_avg_sq;
 };
 
@@ -210,7 +210,7 @@ struct GetStateOptions {
 
 struct OptimizerParameterState {
   std::string name;
-  Tensor master;  // FLOAT32
+  Tensor master;                  // FLOAT32
   std::optional<Tensor> exp_avg;  // moment dtype (with include_moments)
   std::optional<Tensor> exp_avg_sq;
 };

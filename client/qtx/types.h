@@ -89,7 +89,7 @@ enum class Fp8Format : int32_t {
 };
 
 const char* ScalingModeName(ScalingMode mode);  // "block1d" / "block2d" / "tensor"
-const char* Fp8FormatName(Fp8Format format);         // "e4m3" / "e5m2"
+const char* Fp8FormatName(Fp8Format format);    // "e4m3" / "e5m2"
 
 // How to quantize. The defaults are the TransformerEngine recipe defaults.
 struct QuantizeConfig {
@@ -108,7 +108,7 @@ struct QuantizeConfig {
 // buffers FP8 (one byte per element).
 struct QuantizedLayout {
   int64_t m = 0, n = 0;
-  int64_t rowwise_data_rows = 0, rowwise_data_cols = 0;        // [M, N]
+  int64_t rowwise_data_rows = 0, rowwise_data_cols = 0;  // [M, N]
   int64_t rowwise_scale_rows = 0, rowwise_scale_cols = 0;
   int64_t columnwise_data_rows = 0, columnwise_data_cols = 0;  // [N, M]
   int64_t columnwise_scale_rows = 0, columnwise_scale_cols = 0;

@@ -9,6 +9,8 @@
 // QTX_CPU_ARCH, scalar without). Both produce the same bytes.
 #include "kernels/cpu/adamw.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -16,8 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-
-#include <omp.h>
 
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/adamw_band.h"

@@ -30,11 +30,11 @@ namespace qtx::kernels::cpu {
 struct AdamWParamBuffers {
   int64_t m = 0;
   int64_t n = 0;
-  float* master = nullptr;         // [m, n] FP32, updated in place
-  void* exp_avg = nullptr;         // [m, n] of moment_dtype, updated in place
-  void* exp_avg_sq = nullptr;      // [m, n] of moment_dtype, updated in place
+  float* master = nullptr;     // [m, n] FP32, updated in place
+  void* exp_avg = nullptr;     // [m, n] of moment_dtype, updated in place
+  void* exp_avg_sq = nullptr;  // [m, n] of moment_dtype, updated in place
   MomentDType moment_dtype = MomentDType::kFloat32;
-  const void* grad = nullptr;      // [m, n] of grad_dtype
+  const void* grad = nullptr;  // [m, n] of grad_dtype
   InputDType grad_dtype = InputDType::kFloat32;
   // FP8 output (quant.rowwise / quant.columnwise select the copies; buffers per
   // ComputeLayout(quant.scaling, m, n); scale padding written as 0).

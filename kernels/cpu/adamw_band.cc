@@ -169,10 +169,10 @@ inline uint32_t RowMagnitudeMax(const float* __restrict p, int64_t len) {
   const __m256i inf_bits = _mm256_set1_epi32(0x7F800000);
   __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
   for (; j + 16 <= len; j += 16) {
-    const __m256i a0 = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), abs_mask);
-    const __m256i a1 = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j + 8)), abs_mask);
+    const __m256i a0 =
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), abs_mask);
+    const __m256i a1 =
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j + 8)), abs_mask);
     acc0 = _mm256_max_epu32(acc0, _mm256_andnot_si256(_mm256_cmpgt_epi32(a0, inf_bits), a0));
     acc1 = _mm256_max_epu32(acc1, _mm256_andnot_si256(_mm256_cmpgt_epi32(a1, inf_bits), a1));
   }
@@ -206,14 +206,14 @@ inline __m256i EncodeFast8(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
   const __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i rounded = _mm256_add_epi32(
-      _mm256_add_epi32(a, _mm256_set1_epi32((1 << (kDrop - 1)) - 1)),
-      _mm256_and_si256(_mm256_srli_epi32(a, kDrop), _mm256_set1_epi32(1)));
-  __m256i code_n = _mm256_sub_epi32(_mm256_srli_epi32(rounded, kDrop),
-                                    _mm256_set1_epi32((127 - kBias) << M));
+  const __m256i rounded =
+      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32((1 << (kDrop - 1)) - 1)),
+                       _mm256_and_si256(_mm256_srli_epi32(a, kDrop), _mm256_set1_epi32(1)));
+  __m256i code_n =
+      _mm256_sub_epi32(_mm256_srli_epi32(rounded, kDrop), _mm256_set1_epi32((127 - kBias) << M));
   code_n = _mm256_min_epu32(code_n, _mm256_set1_epi32(kMaxCode));
-  const __m256 t = _mm256_add_ps(_mm256_castsi256_ps(a),
-                                 _mm256_castsi256_ps(_mm256_set1_epi32(kSubMagicBits)));
+  const __m256 t =
+      _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_set1_epi32(kSubMagicBits)));
   const __m256i code_s = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(kSubMagicBits));
   // a <= 0x7FFFFFFF: signed compares order the magnitudes.
   const __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(kMinNormalBits), a);
@@ -235,20 +235,20 @@ inline __m512i EncodeFast16(__m512 x) {
   constexpr int kSubMagicBits = (127 + 23 + 1 - kBias - M) << 23;
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i rounded = _mm512_add_epi32(
-      _mm512_add_epi32(a, _mm512_set1_epi32((1 << (kDrop - 1)) - 1)),
-      _mm512_and_si512(_mm512_srli_epi32(a, kDrop), _mm512_set1_epi32(1)));
-  __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(rounded, kDrop),
-                                  _mm512_set1_epi32((127 - kBias) << M));
+  const __m512i rounded =
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((1 << (kDrop - 1)) - 1)),
+                       _mm512_and_si512(_mm512_srli_epi32(a, kDrop), _mm512_set1_epi32(1)));
+  __m512i code =
+      _mm512_sub_epi32(_mm512_srli_epi32(rounded, kDrop), _mm512_set1_epi32((127 - kBias) << M));
   code = _mm512_min_epu32(code, _mm512_set1_epi32(kMaxCode));
-  const __m512 t = _mm512_add_ps(_mm512_castsi512_ps(a),
-                                 _mm512_castsi512_ps(_mm512_set1_epi32(kSubMagicBits)));
+  const __m512 t =
+      _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32(kSubMagicBits)));
   const __m512i code_s = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(kSubMagicBits));
   code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(kMinNormalBits)),
                                code_s);
   // | sign bit moved to bit 7 (ternary logic: code | (bits >> 24 & 0x80)).
-  code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80),
-                                   0xF8);
+  code =
+      _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
   return _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
                                _mm512_set1_epi32(0x7F));
 }
@@ -270,8 +270,9 @@ void EncodeSpan(const float* __restrict p, float scale, uint8_t* __restrict out,
     _mm512_storeu_si512(out + j, _mm512_permutexvar_epi32(order, w));
   }
   for (; j + 16 <= len; j += 16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
-                     _mm512_cvtepi32_epi8(EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j), sc))));
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(out + j),
+        _mm512_cvtepi32_epi8(EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j), sc))));
   }
 #elif defined(__AVX2__)
   const __m256 sc = _mm256_set1_ps(scale);
@@ -298,8 +299,7 @@ void EncodeSpanPerColumn(const float* __restrict p, const float* __restrict scal
 
 // Not inlined nor cloned: one call per row costs nothing, and with a constant
 // `len` GCC warns about the (dead) scalar tail.
-[[gnu::noipa]] void EncodeRow(const float* p, float scale, uint8_t* out, int64_t len,
-                              Fp8Format f) {
+[[gnu::noipa]] void EncodeRow(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f) {
   if (f == Fp8Format::kE4M3) {
     EncodeSpan<4, 3>(p, scale, out, len);
   } else {
@@ -394,8 +394,8 @@ inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
 struct alignas(64) UnitScratch {
   uint8_t bytes[kBlockLen * kBlockLen];
   uint8_t transposed[kBlockLen * kBlockLen];
-  uint32_t row_max[kUnitTiles][kBlockLen];  // [tile][row]: 1-D rowwise scales
-  uint32_t tile_max[kUnitTiles];            // 2-D scales
+  uint32_t row_max[kUnitTiles][kBlockLen];   // [tile][row]: 1-D rowwise scales
+  uint32_t tile_max[kUnitTiles];             // 2-D scales
   uint32_t col_max[kUnitTiles * kBlockLen];  // [unit column]: 1-D columnwise scales
 };
 
@@ -465,8 +465,7 @@ void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* ro
     if (rows == kBlockLen && cols == kBlockLen) {
       // Full tile: encode and transpose in L1 scratch, then store whole rows.
       for (int64_t i = 0; i < rows; ++i) {
-        EncodeRow(b.master + (r0 + i) * n + c0, scale, tile_bytes + i * kBlockLen, cols,
-                  q.format);
+        EncodeRow(b.master + (r0 + i) * n + c0, scale, tile_bytes + i * kBlockLen, cols, q.format);
       }
       if (q.rowwise) StoreTileRows(tile_bytes, b.fp8.rowwise_data + r0 * n + c0, n);
       if (q.columnwise) {
@@ -503,8 +502,8 @@ void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* ro
       b.fp8.columnwise_scale_inv[k * l.columnwise_scale_cols + c0 + j] = ScaleInv(col_scale[j]);
     }
     for (int64_t i = 0; i < rows; ++i) {
-      EncodeRowPerColumn(b.master + (r0 + i) * n + c0, col_scale, tile_bytes + i * kBlockLen,
-                         cols, q.format);
+      EncodeRowPerColumn(b.master + (r0 + i) * n + c0, col_scale, tile_bytes + i * kBlockLen, cols,
+                         q.format);
     }
     StoreTransposed(tile_bytes, kBlockLen, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
   }
@@ -557,8 +556,8 @@ void DeferredRows(Deferred& d, int64_t end) {
 // Whether the encode of unit (k, [tj0, tj1)) can be deferred: full 2-D tiles.
 bool Deferrable(const ParamPlan& plan, int64_t k, int64_t tj1) {
   const AdamWParamBuffers& b = *plan.b;
-  return b.fp8_output && b.quant.scaling != BlockScaling::kBlock1D &&
-         (k + 1) * kBlockLen <= b.m && tj1 * kBlockLen <= b.n;
+  return b.fp8_output && b.quant.scaling != BlockScaling::kBlock1D && (k + 1) * kBlockLen <= b.m &&
+         tj1 * kBlockLen <= b.n;
 }
 #endif
 
@@ -566,8 +565,8 @@ bool Deferrable(const ParamPlan& plan, int64_t k, int64_t tj1) {
 // encode (if any) runs interleaved with the update rows and is completed; this
 // unit's encode is then deferred into `d` when possible, else done here.
 template <InputDType kG, MomentDType kM>
-void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
-                 const AdamWScalars& s, UnitScratch& sc, Deferred* d) {
+void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, const AdamWScalars& s,
+                 UnitScratch& sc, Deferred* d) {
   const AdamWParamBuffers& b = *plan.b;
   const int64_t n = b.n;
   const int64_t r0 = k * kBlockLen;
@@ -629,9 +628,9 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
   if (d != nullptr && Deferrable(plan, k, tj1)) {
     const float fp8_max = Fp8Max(b.quant.format);
     for (int64_t t = 0; t < tiles; ++t) {
-      const float scale = ComputeScale(std::bit_cast<float>(sc.tile_max[t]), fp8_max,
-                                       b.quant.force_pow2_scales, b.quant.amax_epsilon,
-                                       InputDTypeMax(InputDType::kFloat32));
+      const float scale =
+          ComputeScale(std::bit_cast<float>(sc.tile_max[t]), fp8_max, b.quant.force_pow2_scales,
+                       b.quant.amax_epsilon, InputDTypeMax(InputDType::kFloat32));
       const float scale_inv = ScaleInv(scale);
       const QuantizedLayout& l = plan.layout;
       if (b.quant.rowwise) b.fp8.rowwise_scale_inv[k * l.rowwise_scale_cols + tj0 + t] = scale_inv;
@@ -661,22 +660,22 @@ void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
   const bool bf16_moments = plan.b->moment_dtype == MomentDType::kBFloat16;
   switch (plan.b->grad_dtype) {
     case InputDType::kFloat32:
-      return bf16_moments
-                 ? ProcessUnit<InputDType::kFloat32, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc, d)
-                 : ProcessUnit<InputDType::kFloat32, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc, d);
+      return bf16_moments ? ProcessUnit<InputDType::kFloat32, MomentDType::kBFloat16>(plan, k, tj0,
+                                                                                      tj1, s, sc, d)
+                          : ProcessUnit<InputDType::kFloat32, MomentDType::kFloat32>(plan, k, tj0,
+                                                                                     tj1, s, sc, d);
     case InputDType::kBFloat16:
-      return bf16_moments
-                 ? ProcessUnit<InputDType::kBFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s,
-                                                                               sc, d)
-                 : ProcessUnit<InputDType::kBFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s,
-                                                                              sc, d);
+      return bf16_moments ? ProcessUnit<InputDType::kBFloat16, MomentDType::kBFloat16>(
+                                plan, k, tj0, tj1, s, sc, d)
+                          : ProcessUnit<InputDType::kBFloat16, MomentDType::kFloat32>(
+                                plan, k, tj0, tj1, s, sc, d);
     case InputDType::kFloat16:
-      return bf16_moments
-                 ? ProcessUnit<InputDType::kFloat16, MomentDType::kBFloat16>(plan, k, tj0, tj1, s, sc, d)
-                 : ProcessUnit<InputDType::kFloat16, MomentDType::kFloat32>(plan, k, tj0, tj1, s, sc, d);
+      return bf16_moments ? ProcessUnit<InputDType::kFloat16, MomentDType::kBFloat16>(plan, k, tj0,
+                                                                                      tj1, s, sc, d)
+                          : ProcessUnit<InputDType::kFloat16, MomentDType::kFloat32>(plan, k, tj0,
+                                                                                     tj1, s, sc, d);
   }
 }
-
 
 }  // namespace
 

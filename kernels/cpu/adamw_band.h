@@ -38,10 +38,10 @@ struct ParamPlan {
 // The units [u0, u1) of the flattened unit list of `plans` (first_unit
 // ascending), in order, with scratch of the calling thread. Ends with a store
 // fence (the FP8 copies may be written with non-temporal stores).
-#define QTX_ADAMW_BAND_DECLS                                                              \
-  void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,        \
-                const AdamWScalars& s);                                                   \
-  uint8_t EncodeFp8Branchless(float x, Fp8Format f);                                      \
+#define QTX_ADAMW_BAND_DECLS                                                      \
+  void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1, \
+                const AdamWScalars& s);                                           \
+  uint8_t EncodeFp8Branchless(float x, Fp8Format f);                              \
   void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f);
 
 namespace base {

@@ -115,8 +115,8 @@ void Columnwise1D(const void* in, const ShardGeometry& g, const BoundaryAmax& ex
 // The tile is staged (FP32 in, FP8 out) so the transposed copy is written in
 // contiguous runs.
 template <InputDType kT, Fp8Format kF>
-void Tiles2D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext,
-             const ScaleConfig& c, const Outputs& o) {
+void Tiles2D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext, const ScaleConfig& c,
+             const Outputs& o) {
   const int64_t n = g.n, nb = g.nb();
   const int64_t k0 = g.first_block(), nk = g.num_block_rows();
 #pragma omp parallel for collapse(2) schedule(static)
@@ -198,8 +198,8 @@ inline void StoreAs(void* out, InputDType t, int64_t i, float v) {
 
 namespace internal {
 
-void QuantizeWorkers(const void* in, InputDType dtype, const ShardGeometry& g, const QuantizeParams& p,
-                     const BoundaryAmax& ext, const Outputs& o) {
+void QuantizeWorkers(const void* in, InputDType dtype, const ShardGeometry& g,
+                     const QuantizeParams& p, const BoundaryAmax& ext, const Outputs& o) {
   if (g.m == 0 || g.n == 0) return;
   switch (dtype) {
     case InputDType::kFloat32:
@@ -263,9 +263,9 @@ void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8F
       float scale_inv;
       if (use_rowwise) {
         q = in.rowwise_data[r * n + col];
-        scale_inv = one_d ? in.rowwise_scale_inv[(col / kBlockLen) * l.rowwise_scale_cols + r]
-                          : in.rowwise_scale_inv[(r / kBlockLen) * l.rowwise_scale_cols +
-                                                 col / kBlockLen];
+        scale_inv =
+            one_d ? in.rowwise_scale_inv[(col / kBlockLen) * l.rowwise_scale_cols + r]
+                  : in.rowwise_scale_inv[(r / kBlockLen) * l.rowwise_scale_cols + col / kBlockLen];
       } else {
         q = in.columnwise_data[col * m + r];
         scale_inv = one_d ? in.columnwise_scale_inv[(r / kBlockLen) * l.columnwise_scale_cols + col]

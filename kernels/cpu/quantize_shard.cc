@@ -65,8 +65,10 @@ void CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float
     for (int r = 0; r < world_size; ++r) {
       if (geoms[r].m == 0) continue;
       const float* v = nullptr;
-      if (geoms[r].first_block() == k) v = firsts[r];
-      else if (geoms[r].last_block() == k) v = lasts[r];
+      if (geoms[r].first_block() == k)
+        v = firsts[r];
+      else if (geoms[r].last_block() == k)
+        v = lasts[r];
       if (v == nullptr) continue;
       for (int64_t j = 0; j < len; ++j) out[j] = std::max(out[j], v[j]);
     }

@@ -55,12 +55,12 @@ struct BoundaryAmax {
 struct Outputs {
   uint8_t* row_data = nullptr;  // [m, n]
   float* row_scale = nullptr;
-  int64_t row_scale_ld = 0;  // 1-D: scale (b, i) at b * ld + i
+  int64_t row_scale_ld = 0;                    // 1-D: scale (b, i) at b * ld + i
   int64_t row_k_stride = 0, row_j_stride = 0;  // 2-D
-  uint8_t* col_data = nullptr;  // col_data[col * col_data_ld + i]
+  uint8_t* col_data = nullptr;                 // col_data[col * col_data_ld + i]
   int64_t col_data_ld = 0;
   float* col_scale = nullptr;
-  int64_t col_scale_ld = 0;  // 1-D: scale (k, col) at (k - first) * ld + col
+  int64_t col_scale_ld = 0;                    // 1-D: scale (k, col) at (k - first) * ld + col
   int64_t col_k_stride = 0, col_j_stride = 0;  // 2-D
 };
 

@@ -3,8 +3,6 @@
 // (ComputeScale / ScaleInv: IEEE division, never fast-math); the FP32 -> FP8
 // cast is the hardware cvt.rn.satfinite, which equals EncodeFp8 bit for bit
 // (tests/kernels/cuda prove it over every BF16 and every FP32 pattern).
-#include "kernels/cuda/quantize_block.h"
-
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -14,6 +12,7 @@
 
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/device_fp8.cuh"
+#include "kernels/cuda/quantize_block.h"
 #include "kernels/cuda/quantize_tensor.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize_params.h"
@@ -21,8 +20,8 @@
 namespace qtx::kernels::cuda {
 namespace {
 
-constexpr int kTile = 128;           // block edge (docs/numerics.md §3)
-constexpr int kThreads = 256;        // 16 x 16 threads, each owns an 8x8 sub-tile
+constexpr int kTile = 128;     // block edge (docs/numerics.md §3)
+constexpr int kThreads = 256;  // 16 x 16 threads, each owns an 8x8 sub-tile
 constexpr int kWarps = kThreads / 32;
 constexpr int kTBytes = kTile * kTile;  // transposed FP8 tile in shared memory
 
@@ -58,9 +57,9 @@ struct QuantizeArgs {
   int64_t sr_pitch, sc_pitch;  // row pitch (elements) of the scale matrices
   float fp8_max, eps, value_for_inf;
   bool pow2;
-  bool stream_stores;  // st.global.cs (evict-first) for the FP8 outputs
+  bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
-  bool col_vec;  // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
+  bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
 };
 
 // How a launch loads and stores its tiles.
@@ -120,8 +119,8 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
   constexpr int kRowsPerStep = kThreads / kChunksPerRow;
   const int r = static_cast<int>(threadIdx.x) / kChunksPerRow;
   const int ch = static_cast<int>(threadIdx.x) % kChunksPerRow;
-  const uint8_t* src = static_cast<const uint8_t*>(a.input) +
-                       (tm * kTile + r) * pitch + (tn * kTile) * kElemBytes<D> + ch * 16;
+  const uint8_t* src = static_cast<const uint8_t*>(a.input) + (tm * kTile + r) * pitch +
+                       (tn * kTile) * kElemBytes<D> + ch * 16;
   uint8_t* dst = stage + r * kRowBytes + ch * 16;
 #pragma unroll
   for (int k = 0; k < kChunks / kThreads; ++k) {
@@ -132,8 +131,8 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
 // Tail path: loads one tile synchronously, element by element, zero-filling
 // everything outside the tensor (docs/numerics.md §3: partial blocks).
 template <InputDType D>
-__device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeArgs& a,
-                                                int64_t m0, int64_t n0) {
+__device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeArgs& a, int64_t m0,
+                                                int64_t n0) {
   using Storage = std::conditional_t<kElemBytes<D> == 4, uint32_t, uint16_t>;
   const Storage* in = static_cast<const Storage*>(a.input);
   Storage* dst = reinterpret_cast<Storage*>(stage);
@@ -197,8 +196,7 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath,
-          int kStages>
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
 __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
@@ -482,8 +480,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
           const uint8_t* const row = tsm + nl * kTile;
           const int sw = (nl >> 3) & 7;
           auto word_at = [&](int b) {  // the aligned 4 bytes holding segment byte b
-            return *reinterpret_cast<const uint32_t*>(row + (((b >> 4) ^ sw) << 4) +
-                                                      (b & 12));
+            return *reinterpret_cast<const uint32_t*>(row + (((b >> 4) ^ sw) << 4) + (b & 12));
           };
           const int b0 = 4 * lane - mis;
           uint32_t* const dst = reinterpret_cast<uint32_t*>(seg - mis) + lane;
@@ -534,8 +531,7 @@ constexpr int kMaxDevices = 64;
 // Resident CTAs per SM of `kernel` with `smem` bytes; `cache` (one per kernel
 // instantiation, indexed by device) holds (per_sm << 16) | sms, 0 = unknown.
 template <typename Kernel>
-cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* sms,
-                         int* per_sm) {
+cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* sms, int* per_sm) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -560,8 +556,7 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   return cudaSuccess;
 }
 
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath,
-          int kStages>
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
   auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
@@ -677,8 +672,8 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(
-                  args, tuning.ctas_per_sm, stream);
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, tuning.ctas_per_sm,
+                                                                          stream);
             }
           }
           return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2>(args, tuning.ctas_per_sm,
@@ -718,8 +713,8 @@ __global__ void __launch_bounds__(256) DequantizeRowwiseKernel(const DequantArgs
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t mm = idx / a.n, nn = idx % a.n;
-    const float s = a.two_d ? a.s[(mm / kTile) * a.s_pitch + nn / kTile]
-                            : a.s[(nn / kTile) * a.s_pitch + mm];
+    const float s =
+        a.two_d ? a.s[(mm / kTile) * a.s_pitch + nn / kTile] : a.s[(nn / kTile) * a.s_pitch + mm];
     StoreOut<OutD>(a.out, idx, Dequant1(a.q[idx], s, a.format));
   }
 }
@@ -760,9 +755,9 @@ cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_
   return QuantizeImpl(input, dtype, m, n, params, out, detail::LaunchTuning{}, stream);
 }
 
-cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling,
-                            Fp8Format format, int64_t m, int64_t n, bool use_rowwise,
-                            InputDType out_dtype, void* out, cudaStream_t stream) {
+cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8Format format,
+                            int64_t m, int64_t n, bool use_rowwise, InputDType out_dtype, void* out,
+                            cudaStream_t stream) {
   if (scaling == BlockScaling::kTensor) {
     return DequantizeTensor(in, format, m, n, use_rowwise, out_dtype, out, stream);
   }

@@ -33,18 +33,18 @@ cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_
 // `out_dtype` (round to nearest even). Reads the rowwise copy when
 // `use_rowwise`, else the columnwise copy (transposed back to [m, n]).
 // BlockScaling::kTensor goes to DequantizeTensor.
-cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling,
-                            Fp8Format format, int64_t m, int64_t n, bool use_rowwise,
-                            InputDType out_dtype, void* out, cudaStream_t stream);
+cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8Format format,
+                            int64_t m, int64_t n, bool use_rowwise, InputDType out_dtype, void* out,
+                            cudaStream_t stream);
 
 namespace detail {
 
 // Launch-shape override for benchmarking the fused quantize kernel:
 // `stages` = shared-memory pipeline depth of the aligned path (2 or 3; only
 // BF16 input with E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
-// of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of the default
-// evict-first (st.global.cs) ones. Results are identical for every setting.
-// Not part of the stable API.
+// of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of
+// the default evict-first (st.global.cs) ones. Results are identical for every setting. Not part of
+// the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;

@@ -3,8 +3,6 @@
 // rows), the same amax (kernels/fp8.h AmaxBitsUpdate: NaN ignored), scale
 // (ComputeScale / ScaleInv: IEEE division) and the hardware cvt.rn.satfinite
 // FP32 -> FP8 cast (proved equal to EncodeFp8 by tests/kernels/cuda).
-#include "kernels/cuda/quantize_shard.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
+#include "kernels/cuda/quantize_shard.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cuda {
@@ -77,8 +76,8 @@ __device__ __forceinline__ float Scale(uint32_t amax_bits, const ShardKernelArgs
 template <InputDType D, Fp8Format F, BlockScaling S>
 __global__ void __launch_bounds__(kThreads) QuantizeShardKernel(ShardKernelArgs a) {
   extern __shared__ float smem[];
-  float* x = smem;                        // [kTile][kPitch]
-  float* col_scale = smem + kTile * kPitch;  // [kTile]
+  float* x = smem;                                                 // [kTile][kPitch]
+  float* col_scale = smem + kTile * kPitch;                        // [kTile]
   uint32_t* red = reinterpret_cast<uint32_t*>(col_scale + kTile);  // [kWarps]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t tj = blockIdx.x;
@@ -98,8 +97,8 @@ __global__ void __launch_bounds__(kThreads) QuantizeShardKernel(ShardKernelArgs 
   const int64_t base = lo * a.n + c0;
   for (int idx = tid; idx < rows * kTile; idx += kThreads) {
     const int i = idx >> 7, j = idx & (kTile - 1);
-    x[i * kPitch + j] = j < cols ? LoadElem<D>(a.in, base + static_cast<int64_t>(i) * a.n + j)
-                                 : 0.0f;
+    x[i * kPitch + j] =
+        j < cols ? LoadElem<D>(a.in, base + static_cast<int64_t>(i) * a.n + j) : 0.0f;
   }
   __syncthreads();
 
@@ -169,9 +168,9 @@ __global__ void __launch_bounds__(kThreads) QuantizeShardKernel(ShardKernelArgs 
 // 0 = first block row, 1 = last); thread j reduces column 128 * x + j over
 // the shard's rows of that block row.
 template <InputDType D, BlockScaling S>
-__global__ void __launch_bounds__(kTile) BoundaryAmaxKernel(const void* in, int64_t row_offset,
-                                                            int64_t m, int64_t n, float* first,
-                                                            float* last) {
+__global__ void __launch_bounds__(kTile)
+    BoundaryAmaxKernel(const void* in, int64_t row_offset, int64_t m, int64_t n, float* first,
+                       float* last) {
   __shared__ uint32_t red[kTile / 32];
   const int64_t k = blockIdx.y == 0 ? row_offset / kTile : (row_offset + m - 1) / kTile;
   const int64_t lo = max(k * kTile, row_offset) - row_offset;
@@ -298,8 +297,8 @@ void LaunchBoundary(bool one_d, dim3 grid, const void* in, const ShardGeometry& 
 }
 
 bool ValidEnums(InputDType d, BlockScaling s) {
-  const bool dt = d == InputDType::kFloat32 || d == InputDType::kBFloat16 ||
-                  d == InputDType::kFloat16;
+  const bool dt =
+      d == InputDType::kFloat32 || d == InputDType::kBFloat16 || d == InputDType::kFloat16;
   return dt && (s == BlockScaling::kBlock1D || s == BlockScaling::kBlock2D);
 }
 
@@ -337,12 +336,11 @@ cudaError_t ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGe
 }
 
 cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
-                          const QuantizeParams& p, const float* first_amax,
-                          const float* last_amax, const QuantizedBuffers& out,
-                          cudaStream_t stream) {
+                          const QuantizeParams& p, const float* first_amax, const float* last_amax,
+                          const QuantizedBuffers& out, cudaStream_t stream) {
   if (g.m < 0 || g.n < 0 || g.row_offset < 0 || !ValidEnums(dtype, p.scaling) ||
-      (p.format != Fp8Format::kE4M3 && p.format != Fp8Format::kE5M2) ||
-      !(p.amax_epsilon >= 0.0f) || IsInf(p.amax_epsilon)) {
+      (p.format != Fp8Format::kE4M3 && p.format != Fp8Format::kE5M2) || !(p.amax_epsilon >= 0.0f) ||
+      IsInf(p.amax_epsilon)) {
     return cudaErrorInvalidValue;
   }
   if (g.m == 0 || g.n == 0) return cudaSuccess;
@@ -495,8 +493,8 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
       if (one_d) {
         if (!row_scales_in_one_pass) {
           ok(cudaMemcpy2DAsync(out.rowwise_scale_inv + o, 4 * l.rowwise_scale_cols,
-                               s.rowwise_scale_inv, 4 * g.m, 4 * g.m, nb,
-                               cudaMemcpyDeviceToDevice, stream));
+                               s.rowwise_scale_inv, 4 * g.m, 4 * g.m, nb, cudaMemcpyDeviceToDevice,
+                               stream));
         }
       } else {
         ok(cudaMemcpy2DAsync(out.rowwise_scale_inv + k0 * l.rowwise_scale_cols,
@@ -512,8 +510,8 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
       }
       if (one_d) {
         ok(cudaMemcpy2DAsync(out.columnwise_scale_inv + k0 * l.columnwise_scale_cols,
-                             4 * l.columnwise_scale_cols, s.columnwise_scale_inv, 4 * n, 4 * n,
-                             nk, cudaMemcpyDeviceToDevice, stream));
+                             4 * l.columnwise_scale_cols, s.columnwise_scale_inv, 4 * n, 4 * n, nk,
+                             cudaMemcpyDeviceToDevice, stream));
       } else {
         const int64_t count = nk * nb;
         const int threads = 256;

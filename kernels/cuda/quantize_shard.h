@@ -22,8 +22,7 @@ namespace qtx::kernels::cuda {
 // 1-D, per tile column for 2-D), BoundaryAmaxLength(scaling, g) floats each.
 // cudaErrorInvalidValue for a negative size, an unknown enum or null outputs.
 cudaError_t ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGeometry& g,
-                              BlockScaling scaling, float* first, float* last,
-                              cudaStream_t stream);
+                              BlockScaling scaling, float* first, float* last, cudaStream_t stream);
 
 // Quantizes the shard with the combined boundary amaxes (device vectors, as
 // for kernels::cpu::QuantizeShard; ignored by 1-D rowwise). The 1-D
@@ -33,8 +32,7 @@ cudaError_t ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGe
 // amax vectors when columnwise or 2-D, unknown enums, too many tiles).
 cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
                           const QuantizeParams& params, const float* first_amax,
-                          const float* last_amax, const QuantizedBuffers& out,
-                          cudaStream_t stream);
+                          const float* last_amax, const QuantizedBuffers& out, cudaStream_t stream);
 
 // This rank's combined boundary amaxes from every rank's partial ones, on
 // the device, bit-exact with kernels::cpu::CombineBoundaryAmax: `gathered`

@@ -16,8 +16,6 @@
 // The cast pass walks the tensor from its end to its start while the amax pass
 // walks it from the start, so the cast first reads what the amax pass left in
 // L2 most recently.
-#include "kernels/cuda/quantize_tensor.h"
-
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -26,6 +24,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/device_fp8.cuh"
+#include "kernels/cuda/quantize_tensor.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize_params.h"
 
@@ -100,8 +99,8 @@ __device__ __forceinline__ void Load8(const uint8_t* p, float (&x)[8]) {
 // Grid-stride over the input as 16-byte words (`vec`: input 16-byte aligned),
 // then the elements past the last whole word; one partial amax per CTA.
 template <InputDType D>
-__global__ void __launch_bounds__(kThreads) TensorAmaxKernel(const void* in, int64_t count,
-                                                             bool vec, float* partials) {
+__global__ void __launch_bounds__(kThreads)
+    TensorAmaxKernel(const void* in, int64_t count, bool vec, float* partials) {
   __shared__ float red[kWarps];
   constexpr int kPer = 16 / kElemBytes<D>;  // elements per 16-byte word
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -212,8 +211,8 @@ __global__ void __launch_bounds__(kThreads) RowCastKernel(const CastArgs a) {
     scalar_from = chunks * 8;
   }
   for (int64_t e = scalar_from + g; e < count; e += stride) {
-    a.qr[e] = static_cast<uint8_t>(
-        Cvt2<F>(__fmul_rn(LoadElem<D>(a.input, e), scale), 0.0f) & 0xFFu);
+    a.qr[e] =
+        static_cast<uint8_t>(Cvt2<F>(__fmul_rn(LoadElem<D>(a.input, e), scale), 0.0f) & 0xFFu);
   }
 }
 
@@ -358,7 +357,6 @@ int GridFor(int64_t work, int64_t resident) {
   return static_cast<int>(work < resident ? (work > 0 ? work : 1) : resident);
 }
 
-
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- dequantize -------------------------------------------------------------------
@@ -468,11 +466,10 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
       if (e != cudaSuccess) return e;
       const int amax_grid = GridFor(CeilDiv(count, int64_t{kThreads} * 32), resident);
       float* partials = nullptr;
-      e = cudaMallocAsync(reinterpret_cast<void**>(&partials),
-                                      sizeof(float) * amax_grid, stream);
+      e = cudaMallocAsync(reinterpret_cast<void**>(&partials), sizeof(float) * amax_grid, stream);
       if (e != cudaSuccess) return e;
-      TensorAmaxKernel<D><<<amax_grid, kThreads, 0, stream>>>(input, count,
-                                                              Aligned(input, 16), partials);
+      TensorAmaxKernel<D>
+          <<<amax_grid, kThreads, 0, stream>>>(input, count, Aligned(input, 16), partials);
       e = cudaGetLastError();
       if (e == cudaSuccess) {
         // Pass 2.

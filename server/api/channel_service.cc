@@ -22,8 +22,7 @@ namespace qtx::server::api {
 // channel's progress, one at a time, the newest state each time. The call
 // finishes after the channel is closed (no progress callback can run any
 // more) and its last progress is written.
-class ChannelReactor final
-    : public grpc::ServerBidiReactor<v1::ChannelRequest, v1::ChannelReply> {
+class ChannelReactor final : public grpc::ServerBidiReactor<v1::ChannelRequest, v1::ChannelReply> {
  public:
   ChannelReactor(grpc::CallbackServerContext* context, StreamChannelService* service)
       : context_(context), service_(service), log_(StartRequest(context, "StreamChannel.Connect")) {
@@ -81,8 +80,8 @@ class ChannelReactor final
   bool Open(const v1::ChannelOpen& open) {
     if (open.label().size() > 128) {
       BeginClose(absl::ZeroDuration(),
-                 absl::InvalidArgumentError(absl::StrFormat(
-                     "open.label: %d bytes, at most 128", open.label().size())));
+                 absl::InvalidArgumentError(
+                     absl::StrFormat("open.label: %d bytes, at most 128", open.label().size())));
       return false;
     }
     if (!open.has_flags()) {
@@ -135,8 +134,7 @@ class ChannelReactor final
       if (!spec.ok()) return PlanError(spec.status());
       plan.op = std::move(*spec);
     } else if (p.has_dequantize()) {
-      absl::StatusOr<ops::DequantizeRequestSpec> spec =
-          DequantizeRequestFromProto(p.dequantize());
+      absl::StatusOr<ops::DequantizeRequestSpec> spec = DequantizeRequestFromProto(p.dequantize());
       if (!spec.ok()) return PlanError(spec.status());
       plan.op = std::move(*spec);
     } else {
@@ -153,8 +151,8 @@ class ChannelReactor final
     auto msg = std::make_shared<v1::ChannelRequest>();
     msg->Swap(&in_);  // the spec borrows from the message: convert the kept copy
     const v1::ChannelSubmit& submit = msg->submit();
-    ops::ChannelOp op = absl::InvalidArgumentError(absl::StrFormat(
-        "submit.seq=%d: no op set (quantize or dequantize)", submit.seq()));
+    ops::ChannelOp op = absl::InvalidArgumentError(
+        absl::StrFormat("submit.seq=%d: no op set (quantize or dequantize)", submit.seq()));
     if (submit.has_quantize()) {
       absl::StatusOr<ops::QuantizeRequestSpec> spec = QuantizeRequestFromProto(submit.quantize());
       if (spec.ok()) {

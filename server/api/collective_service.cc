@@ -8,11 +8,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
 #include "server/collective/communicators.h"
 #include "server/ops/allgather.h"
-#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
@@ -78,7 +78,6 @@ absl::StatusOr<collective::GroupSpec> GroupSpecFromProto(const v1::CreateGroupRe
   }
   return s;
 }
-
 
 // Rendezvous.Get: parked in the KvStore, finished by its callback.
 class GetReactor final : public grpc::ServerUnaryReactor {
@@ -294,8 +293,7 @@ grpc::ServerUnaryReactor* RendezvousService::Get(grpc::CallbackServerContext* co
   return new GetReactor(context, store_, request, response);
 }
 
-GrpcRendezvousClient::GrpcRendezvousClient(const std::string& target,
-                                           const PeerSecurity& security)
+GrpcRendezvousClient::GrpcRendezvousClient(const std::string& target, const PeerSecurity& security)
     : target_(target),
       token_(security.token),
       stub_(v1::Rendezvous::NewStub(
@@ -333,8 +331,8 @@ absl::StatusOr<std::vector<std::string>> GrpcRendezvousClient::Get(
   req.set_max_wait_ms(static_cast<uint32_t>(std::clamp<int64_t>(
       absl::ToInt64Milliseconds(deadline - absl::Now()), 1, int64_t{24} * 3600 * 1000)));
   v1::RendezvousGetResponse resp;
-  QTX_RETURN_IF_ERROR(FromGrpc(stub_->Get(&ctx, req, &resp),
-                               absl::StrFormat("rendezvous store at '%s'", target_)));
+  QTX_RETURN_IF_ERROR(
+      FromGrpc(stub_->Get(&ctx, req, &resp), absl::StrFormat("rendezvous store at '%s'", target_)));
   if (resp.values_size() != static_cast<int>(keys.size())) {
     return absl::InternalError(absl::StrFormat("rendezvous store at '%s': %d values for %d keys",
                                                target_, resp.values_size(), keys.size()));

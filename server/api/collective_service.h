@@ -12,20 +12,20 @@
 #ifndef QTX_SERVER_API_COLLECTIVE_SERVICE_H_
 #define QTX_SERVER_API_COLLECTIVE_SERVICE_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "qtx/v1/collective.grpc.pb.h"
+#include "server/api/security.h"
 #include "server/backend/communicator.h"
 #include "server/collective/group_registry.h"
 #include "server/collective/kv_store.h"
-#include "server/api/security.h"
 #include "server/ops/allgather.h"
 #include "server/ops/op_context.h"
 

@@ -137,8 +137,7 @@ backend::CudaEvents CudaEventsFromProto(const v1::CudaEvents& events) {
   return out;
 }
 
-absl::StatusOr<ops::QuantizeRequestSpec> QuantizeRequestFromProto(
-    const v1::QuantizeRequest& req) {
+absl::StatusOr<ops::QuantizeRequestSpec> QuantizeRequestFromProto(const v1::QuantizeRequest& req) {
   ops::QuantizeRequestSpec spec;
   if (!req.has_input()) {
     return absl::InvalidArgumentError("input: missing");
@@ -200,8 +199,7 @@ absl::StatusOr<ops::DequantizeRequestSpec> DequantizeRequestFromProto(
   }
   const v1::QuantizedTensor& q = req.input();
   spec.input.shape.assign(q.shape().begin(), q.shape().end());
-  QTX_ASSIGN_OR_RETURN(kernels::QuantizeParams params,
-                       ParamsFromProto(q.config(), "input.config"));
+  QTX_ASSIGN_OR_RETURN(kernels::QuantizeParams params, ParamsFromProto(q.config(), "input.config"));
   spec.input.scaling = params.scaling;
   spec.input.format = params.format;
   if (q.has_rowwise_data()) {

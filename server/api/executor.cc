@@ -58,9 +58,8 @@ void Executor::WorkerLoop(size_t index) {
       absl::MutexLock lock(&mu_);
       busy_since_[index] = absl::InfiniteFuture();
       mu_.Await(absl::Condition(
-          +[](Executor* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) {
-            return e->stopping_ || !e->queue_.empty();
-          },
+          +[](Executor* e)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) { return e->stopping_ || !e->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stopping and drained
       task = std::move(queue_.front());

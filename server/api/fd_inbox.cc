@@ -8,8 +8,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -37,7 +37,8 @@ void PutU32(char* p, uint32_t v) {
 
 uint32_t GetU32(const char* p) {
   uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 
@@ -99,7 +100,8 @@ absl::StatusOr<std::unique_ptr<FdInbox>> FdInbox::Create(FdInboxOptions options)
   }
   // Created 0600 (umask for the bind), then chmod-ed in case umask was wider.
   const mode_t old_mask = ::umask(0177);
-  const int bound = ::bind(inbox->listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int bound =
+      ::bind(inbox->listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   const int bind_err = errno;
   ::umask(old_mask);
   if (bound != 0) {
@@ -108,8 +110,8 @@ absl::StatusOr<std::unique_ptr<FdInbox>> FdInbox::Create(FdInboxOptions options)
   }
   if (::chmod(inbox->options_.socket_path.c_str(), 0600) != 0 ||
       ::listen(inbox->listen_fd_, 64) != 0) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "fd socket %s: %s", inbox->options_.socket_path, std::strerror(errno)));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("fd socket %s: %s", inbox->options_.socket_path, std::strerror(errno)));
   }
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -151,8 +153,8 @@ void FdInbox::Serve() {
     int timeout_ms = 1000;
     if (!closing_.empty()) {
       const absl::Duration wait = closing_.front().first - absl::Now();
-      timeout_ms = static_cast<int>(
-          std::clamp<int64_t>(absl::ToInt64Milliseconds(wait) + 1, 0, 1000));
+      timeout_ms =
+          static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wait) + 1, 0, 1000));
     }
     const int n = ::poll(fds.data(), fds.size(), timeout_ms);
     while (!closing_.empty() && closing_.front().first <= absl::Now()) {
@@ -214,17 +216,19 @@ void FdInbox::Accept() {
   if (cred.uid != options_.allowed_uid && !(options_.allow_root && cred.uid == 0)) {
     spdlog::warn("event=fd_socket_peer_refused pid={} uid={} allowed_uid={}", cred.pid, cred.uid,
                  options_.allowed_uid);
-    Reply(fd, absl::PermissionDeniedError(absl::StrFormat(
-                  "qtxd's fd socket takes descriptors only from its own user (uid %d) or root; "
-                  "this peer is uid %d: run the client as qtxd's user",
-                  options_.allowed_uid, cred.uid)),
+    Reply(fd,
+          absl::PermissionDeniedError(absl::StrFormat(
+              "qtxd's fd socket takes descriptors only from its own user (uid %d) or root; "
+              "this peer is uid %d: run the client as qtxd's user",
+              options_.allowed_uid, cred.uid)),
           {});
     ::close(fd);
     return;
   }
   if (connections_.size() >= options_.max_connections) {
-    Reply(fd, absl::ResourceExhaustedError(absl::StrFormat(
-                  "qtxd's fd socket already serves %d connections", options_.max_connections)),
+    Reply(fd,
+          absl::ResourceExhaustedError(absl::StrFormat(
+              "qtxd's fd socket already serves %d connections", options_.max_connections)),
           {});
     ::close(fd);
     return;
@@ -286,7 +290,8 @@ bool FdInbox::HandleMessage(int fd, uint64_t session) {
         got, static_cast<size_t>(got) > kRequestBytes ? " or more" : "")));
   }
   if (GetU32(header) != kMagic) {
-    return refuse(absl::InvalidArgumentError("bad magic: this is qtxd's fd socket (qtx/fd_passing.h)"));
+    return refuse(
+        absl::InvalidArgumentError("bad magic: this is qtxd's fd socket (qtx/fd_passing.h)"));
   }
   if (GetU32(header + 4) != kVersion) {
     return refuse(absl::InvalidArgumentError(absl::StrFormat(
@@ -298,9 +303,9 @@ bool FdInbox::HandleMessage(int fd, uint64_t session) {
         absl::StrFormat("descriptor count %d: must be 1..%d", count, kMaxFdsPerBatch)));
   }
   if (count != fds.size()) {
-    return refuse(absl::InvalidArgumentError(absl::StrFormat(
-        "the header announces %d descriptors but %d are attached (SCM_RIGHTS)", count,
-        fds.size())));
+    return refuse(absl::InvalidArgumentError(
+        absl::StrFormat("the header announces %d descriptors but %d are attached (SCM_RIGHTS)",
+                        count, fds.size())));
   }
   std::string token(kTokenBytes, '\0');
   if (::getrandom(token.data(), token.size(), 0) != static_cast<ssize_t>(token.size())) {

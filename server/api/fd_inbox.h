@@ -137,7 +137,7 @@ class FdInbox {
   std::thread thread_;
 
   // Used by the inbox thread only.
-  std::map<int, uint64_t> connections_;  // fd -> session
+  std::map<int, uint64_t> connections_;                   // fd -> session
   std::vector<std::pair<absl::Time, uint64_t>> closing_;  // on_session_closed due, in order
   uint64_t next_session_ = 1;
 

@@ -5,9 +5,9 @@
 #ifndef QTX_SERVER_API_GRPC_STATUS_H_
 #define QTX_SERVER_API_GRPC_STATUS_H_
 
-#include <string_view>
-
 #include <grpcpp/support/status.h>
+
+#include <string_view>
 
 #include "absl/status/status.h"
 

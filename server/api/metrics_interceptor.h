@@ -7,9 +7,9 @@
 #ifndef QTX_SERVER_API_METRICS_INTERCEPTOR_H_
 #define QTX_SERVER_API_METRICS_INTERCEPTOR_H_
 
-#include <memory>
-
 #include <grpcpp/support/server_interceptor.h>
+
+#include <memory>
 
 #include "server/metrics/metrics.h"
 

@@ -9,10 +9,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
 #include "server/ops/optimizer.h"
-#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
@@ -50,8 +50,9 @@ absl::StatusOr<optimizer::OutputConfig> OutputFromProto(const v1::ParameterOutpu
       out.fp8 = false;
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "output.format=%d: unknown ParameterFormat (FP8=1, BF16=2)", static_cast<int>(o.format())));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("output.format=%d: unknown ParameterFormat (FP8=1, BF16=2)",
+                          static_cast<int>(o.format())));
   }
   QTX_ASSIGN_OR_RETURN(out.quant, ParamsFromProto(o.fp8(), "output.fp8"));
   // The Optimizer's defaults: 128x128 tiles, both copies.
@@ -98,7 +99,6 @@ void GroupInfoToProto(const optimizer::GroupInfo& g, v1::OptimizerGroupInfo* p) 
   }
 }
 
-
 }  // namespace
 
 grpc::ServerUnaryReactor* OptimizerService::OffloadOptimizerState(
@@ -117,9 +117,9 @@ grpc::ServerUnaryReactor* OptimizerService::OffloadOptimizerState(
         spec.config.moment_dtype = kernels::MomentDType::kBFloat16;
         break;
       default:
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "moment_dtype=%d: unknown MomentDType (FLOAT32=1, BFLOAT16=2)",
-            static_cast<int>(request->moment_dtype())));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("moment_dtype=%d: unknown MomentDType (FLOAT32=1, BFLOAT16=2)",
+                            static_cast<int>(request->moment_dtype())));
     }
     QTX_ASSIGN_OR_RETURN(spec.config.output, OutputFromProto(request->output()));
     spec.config.step = request->step();
@@ -289,8 +289,8 @@ grpc::ServerUnaryReactor* OptimizerService::GetState(grpc::CallbackServerContext
       dests.push_back(std::move(ds));
     }
     QTX_ASSIGN_OR_RETURN(ops::GetStateResult r,
-                         ops::GetOptimizerState(request->group(), names,
-                                                request->include_moments(), ctx_, *store_, dests));
+                         ops::GetOptimizerState(request->group(), names, request->include_moments(),
+                                                ctx_, *store_, dests));
     GroupInfoToProto(r.group, response->mutable_group());
     for (ops::ParameterStateResult& p : r.params) {
       v1::ParameterState* out = response->add_parameters();
@@ -303,9 +303,9 @@ grpc::ServerUnaryReactor* OptimizerService::GetState(grpc::CallbackServerContext
   });
 }
 
-grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(
-    grpc::CallbackServerContext* context, const v1::SaveCheckpointRequest* request,
-    v1::SaveCheckpointResponse* response) {
+grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerContext* context,
+                                                           const v1::SaveCheckpointRequest* request,
+                                                           v1::SaveCheckpointResponse* response) {
   return RunOnExecutor(context, "SaveCheckpoint", executor_, [this, request, response] {
     QTX_ASSIGN_OR_RETURN(std::vector<optimizer::CheckpointResult> written,
                          store_->SaveCheckpoint(request->group()));
@@ -320,11 +320,12 @@ grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(
   });
 }
 
-grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(
-    grpc::CallbackServerContext* context, const v1::LoadCheckpointRequest* request,
-    v1::LoadCheckpointResponse* response) {
+grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerContext* context,
+                                                           const v1::LoadCheckpointRequest* request,
+                                                           v1::LoadCheckpointResponse* response) {
   return RunOnExecutor(context, "LoadCheckpoint", executor_, [this, request, response] {
-    QTX_ASSIGN_OR_RETURN(optimizer::GroupInfo info, store_->LoadCheckpoint(request->group(), request->previous()));
+    QTX_ASSIGN_OR_RETURN(optimizer::GroupInfo info,
+                         store_->LoadCheckpoint(request->group(), request->previous()));
     spdlog::info("event=optimizer_group_restored group={} step={}", info.config.name,
                  info.config.step);
     GroupInfoToProto(info, response->mutable_group());
@@ -335,9 +336,8 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(
 grpc::ServerUnaryReactor* OptimizerService::ReleaseGroup(grpc::CallbackServerContext* context,
                                                          const v1::ReleaseGroupRequest* request,
                                                          v1::ReleaseGroupResponse* /*response*/) {
-  return RunOnExecutor(context, "ReleaseGroup", executor_, [this, request] {
-    return store_->ReleaseGroup(request->group());
-  });
+  return RunOnExecutor(context, "ReleaseGroup", executor_,
+                       [this, request] { return store_->ReleaseGroup(request->group()); });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::ListGroups(

@@ -6,12 +6,12 @@
 #ifndef QTX_SERVER_API_REQUEST_CONTEXT_H_
 #define QTX_SERVER_API_REQUEST_CONTEXT_H_
 
+#include <grpcpp/server_context.h>
+#include <grpcpp/support/server_callback.h>
+
 #include <string>
 #include <string_view>
 #include <utility>
-
-#include <grpcpp/server_context.h>
-#include <grpcpp/support/server_callback.h>
 
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
@@ -49,8 +49,7 @@ grpc::Status EndRequest(const RequestLog& log, const absl::Status& status);
 // starts finishes CANCELLED without running it.
 template <typename Work>
 grpc::ServerUnaryReactor* RunOnExecutor(grpc::CallbackServerContext* context,
-                                        std::string_view method, Executor* executor,
-                                        Work work) {
+                                        std::string_view method, Executor* executor, Work work) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   RequestLog log = StartRequest(context, method);
   auto task = [context, reactor, log, work = std::move(work)]() mutable {

@@ -56,8 +56,8 @@ grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
                                            grpc::AuthContext* /*context*/,
                                            OutputMetadata* consumed_auth_metadata,
                                            OutputMetadata* /*response_metadata*/) {
-  auto it = auth_metadata.find(grpc::string_ref(kAuthorizationHeader.data(),
-                                                kAuthorizationHeader.size()));
+  auto it = auth_metadata.find(
+      grpc::string_ref(kAuthorizationHeader.data(), kAuthorizationHeader.size()));
   if (it == auth_metadata.end()) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "this qtxd requires a bearer token: send metadata 'authorization: "
@@ -65,8 +65,7 @@ grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
   }
   const std::string_view value(it->second.data(), it->second.size());
   constexpr std::string_view kBearer = "Bearer ";
-  if (!value.starts_with(kBearer) ||
-      !SecureEquals(value.substr(kBearer.size()), token_)) {
+  if (!value.starts_with(kBearer) || !SecureEquals(value.substr(kBearer.size()), token_)) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "the 'authorization' metadata does not carry this qtxd's bearer token "
                         "(expected 'Bearer <token of --auth_token_file>')");
@@ -101,8 +100,7 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const config::ServerConfig& co
     if (!config.tls_client_ca_file.empty()) {
       QTX_ASSIGN_OR_RETURN(opts.pem_root_certs,
                            ReadFile(config.tls_client_ca_file, "tls_client_ca_file"));
-      opts.client_certificate_request =
-          GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+      opts.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
       s.mtls = true;
     }
     s.tcp = grpc::SslServerCredentials(opts);

@@ -16,12 +16,12 @@
 #ifndef QTX_SERVER_API_SECURITY_H_
 #define QTX_SERVER_API_SECURITY_H_
 
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/security/auth_metadata_processor.h>
+
 #include <memory>
 #include <string>
 #include <string_view>
-
-#include <grpcpp/grpcpp.h>
-#include <grpcpp/security/auth_metadata_processor.h>
 
 #include "absl/status/statusor.h"
 #include "server/config/server_config.h"
@@ -66,8 +66,7 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const config::ServerConfig& co
 struct PeerSecurity {
   // For "host:port" targets: TLS (own certificate as the client certificate,
   // peer roots) when this sidecar has TLS, else plaintext.
-  std::shared_ptr<grpc::ChannelCredentials> tcp =
-      grpc::InsecureChannelCredentials();
+  std::shared_ptr<grpc::ChannelCredentials> tcp = grpc::InsecureChannelCredentials();
   // Sent as "authorization: Bearer <token>" when not empty.
   std::string token;
 };

@@ -1,5 +1,7 @@
 #include "server/api/server.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -9,15 +11,12 @@
 #include <cstring>
 #include <utility>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "server/api/metrics_interceptor.h"
 #include "server/api/security.h"
 #include "server/backend/device_factory.h"
 #include "server/collective/communicators.h"
-#include "common/status_macros.h"
 #include "server/tensor/shm_fault_guard.h"
 #include "spdlog/spdlog.h"
 
@@ -37,9 +36,12 @@ class ScopedUmask {
 };
 
 // Serving-status names reported by grpc.health.v1.
-constexpr const char* kHealthServices[] = {"", "qtx.v1.Quantizer", "qtx.v1.Memory",
+constexpr const char* kHealthServices[] = {"",
+                                           "qtx.v1.Quantizer",
+                                           "qtx.v1.Memory",
                                            "qtx.v1.StreamChannel",
-                                           "qtx.v1.Collective", "qtx.v1.Rendezvous",
+                                           "qtx.v1.Collective",
+                                           "qtx.v1.Rendezvous",
                                            "qtx.v1.Optimizer"};
 
 }  // namespace
@@ -53,8 +55,7 @@ absl::Status PrepareSocketPath(const std::string& path) {
   }
   if (!S_ISSOCK(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "--socket=%s: the path exists and is not a socket; remove it or pick another path",
-        path));
+        "--socket=%s: the path exists and is not a socket; remove it or pick another path", path));
   }
   // A socket file: is anybody listening?
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -68,8 +69,8 @@ absl::Status PrepareSocketPath(const std::string& path) {
   const int err = errno;
   ::close(fd);
   if (rc == 0) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "--socket=%s: another server is already listening there", path));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("--socket=%s: another server is already listening there", path));
   }
   if (err != ECONNREFUSED && err != ENOENT) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -102,8 +103,8 @@ absl::Status QtxServer::Start() {
       "cuda_ipc regions need --device=cuda:N (this qtxd runs --device=%s)", device_->name());
   regions_ = std::make_unique<tensor::RegionTable>(std::move(region_options));
 
-  executor_ = std::make_unique<Executor>(config_.threads,
-                                         static_cast<size_t>(config_.max_queued_requests));
+  executor_ =
+      std::make_unique<Executor>(config_.threads, static_cast<size_t>(config_.max_queued_requests));
   const uint64_t max_message_bytes = static_cast<uint64_t>(config_.max_message_mb) << 20;
   ops::OpContext ctx;
   ctx.regions = regions_.get();
@@ -138,8 +139,8 @@ absl::Status QtxServer::Start() {
   memory_ = std::make_unique<MemoryService>(regions_.get(), executor_.get(), inline_slots_.get(),
                                             fd_inbox_.get());
   optimizer::OptimizerStore::Options optimizer_options;
-  optimizer_options.memory_limit_bytes =
-      static_cast<uint64_t>(config_.optimizer_memory_limit_mb) << 20;
+  optimizer_options.memory_limit_bytes = static_cast<uint64_t>(config_.optimizer_memory_limit_mb)
+                                         << 20;
   optimizer_options.checkpoint_dir = config_.checkpoint_dir;
   optimizer_options.checkpoint_every_steps = config_.checkpoint_every_steps;
   optimizer_options.num_threads = config_.optimizer_threads;
@@ -149,10 +150,9 @@ absl::Status QtxServer::Start() {
   collective::KvStoreLimits store_limits;
   store_limits.require_namespace = true;  // keys only under this sidecar's rank-0 groups
   rendezvous_store_ = std::make_unique<collective::KvStore>(store_limits);
-  groups_ = std::make_unique<collective::GroupRegistry>(
-      collective::WithNcclCommunicator(
-          MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
-          device_.get()));
+  groups_ = std::make_unique<collective::GroupRegistry>(collective::WithNcclCommunicator(
+      MakeGroupRegistryOptions(rendezvous_store_.get(), config_.peer_host, peer_security),
+      device_.get()));
   collective_ = std::make_unique<CollectiveService>(ctx, groups_.get());
   optimizer_ = std::make_unique<OptimizerService>(ctx, optimizer_store_.get(), executor_.get(),
                                                   groups_.get());
@@ -200,8 +200,8 @@ absl::Status QtxServer::Start() {
   if (!config_.socket_path.empty() && ::chmod(config_.socket_path.c_str(), 0600) != 0) {
     const std::string err = std::strerror(errno);
     server_->Shutdown(std::chrono::system_clock::now());
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "--socket=%s: cannot set mode 0600: %s", config_.socket_path, err));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("--socket=%s: cannot set mode 0600: %s", config_.socket_path, err));
   }
   if (!config_.listen_tcp.empty() && tcp_port_ == 0) {
     server_->Shutdown(std::chrono::system_clock::now());
@@ -217,8 +217,8 @@ absl::Status QtxServer::Start() {
     health_server_ = health_builder.BuildAndStart();
     if (health_server_ == nullptr || health_port_ == 0) {
       server_->Shutdown(std::chrono::system_clock::now());
-      return absl::UnavailableError(absl::StrFormat(
-          "--health_port=%d: cannot listen (in use?)", config_.health_port));
+      return absl::UnavailableError(
+          absl::StrFormat("--health_port=%d: cannot listen (in use?)", config_.health_port));
     }
   }
   if (metrics_ != nullptr) {
@@ -247,12 +247,12 @@ absl::Status QtxServer::Start() {
   }
   spdlog::info(
       "event=listening socket={} tcp_port={} tls={} mtls={} token={} health_port={} "
-      "metrics_host={} metrics_port={} device={} threads={} inline_max_concurrent={} inline_max_bytes={} "
+      "metrics_host={} metrics_port={} device={} threads={} inline_max_concurrent={} "
+      "inline_max_bytes={} "
       "inline_max_device_bytes={} max_message_mb={} allow_client_shm={}",
       config_.socket_path.empty() ? "-" : config_.socket_path, tcp_port_, security.tls,
       security.mtls, security.token, health_port_, config_.metrics_host, metrics_port(),
-      device_->name(),
-      config_.threads, config_.inline_max_concurrent, config_.inline_max_bytes,
+      device_->name(), config_.threads, config_.inline_max_concurrent, config_.inline_max_bytes,
       config_.inline_max_device_bytes, config_.max_message_mb, config_.allow_client_shm);
   return absl::OkStatus();
 }
@@ -278,9 +278,9 @@ void QtxServer::AddGauges() {
                      [this] { return static_cast<double>(groups_->ListGroups().size()); });
   metrics_->AddGauge("qtx_optimizer_groups", "Offloaded optimizer parameter groups.",
                      [this] { return static_cast<double>(optimizer_store_->ListGroups().size()); });
-  metrics_->AddGauge(
-      "qtx_optimizer_state_bytes", "Host bytes of optimizer state (master weights + moments).",
-      [this] { return static_cast<double>(optimizer_store_->memory_used_bytes()); });
+  metrics_->AddGauge("qtx_optimizer_state_bytes",
+                     "Host bytes of optimizer state (master weights + moments).",
+                     [this] { return static_cast<double>(optimizer_store_->memory_used_bytes()); });
   metrics_->AddGauge(
       "qtx_optimizer_state_limit_bytes", "The optimizer state cap (--optimizer_memory_limit_mb).",
       [this] { return static_cast<double>(optimizer_store_->memory_limit_bytes()); });

@@ -15,11 +15,11 @@
 #ifndef QTX_SERVER_API_SERVER_H_
 #define QTX_SERVER_API_SERVER_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <memory>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -27,14 +27,14 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/api/channel_service.h"
+#include "server/api/collective_service.h"
 #include "server/api/executor.h"
 #include "server/api/fd_inbox.h"
-#include "server/api/collective_service.h"
 #include "server/api/optimizer_service.h"
 #include "server/api/services.h"
+#include "server/backend/device.h"
 #include "server/collective/group_registry.h"
 #include "server/collective/kv_store.h"
-#include "server/backend/device.h"
 #include "server/config/server_config.h"
 #include "server/metrics/http_exporter.h"
 #include "server/metrics/metrics.h"

@@ -5,10 +5,9 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-
+#include "common/status_macros.h"
 #include "server/api/convert.h"
 #include "server/api/request_context.h"
-#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
@@ -37,22 +36,21 @@ grpc::ServerUnaryReactor* QuantizerService::Dequantize(grpc::CallbackServerConte
   return RunShortInline(context, "Dequantize", executor_, inline_slots_, is_short,
                         [this, spec = std::move(spec), response]() -> absl::Status {
                           QTX_RETURN_IF_ERROR(spec.status());
-                          QTX_ASSIGN_OR_RETURN(ops::OutputTensor out,
-                                               ops::Dequantize(*spec, ctx_));
+                          QTX_ASSIGN_OR_RETURN(ops::OutputTensor out, ops::Dequantize(*spec, ctx_));
                           OutputTensorToProto(std::move(out), response->mutable_output());
                           return absl::OkStatus();
                         });
 }
 
-grpc::ServerUnaryReactor* MemoryService::RegisterRegion(
-    grpc::CallbackServerContext* context, const v1::RegisterRegionRequest* request,
-    v1::RegisterRegionResponse* /*response*/) {
+grpc::ServerUnaryReactor* MemoryService::RegisterRegion(grpc::CallbackServerContext* context,
+                                                        const v1::RegisterRegionRequest* request,
+                                                        v1::RegisterRegionResponse* /*response*/) {
   return RunOnExecutor(context, "RegisterRegion", executor_, [this, request]() -> absl::Status {
     switch (request->kind_case()) {
       case v1::RegisterRegionRequest::kShm: {
         const v1::ShmRegion& shm = request->shm();
-        QTX_RETURN_IF_ERROR(regions_->RegisterShm(request->name(), shm.shm_name(), shm.offset(),
-                                                  shm.byte_size()));
+        QTX_RETURN_IF_ERROR(
+            regions_->RegisterShm(request->name(), shm.shm_name(), shm.offset(), shm.byte_size()));
         spdlog::info("event=region_registered region={} kind=shm shm_name={} offset={} bytes={}",
                      request->name(), shm.shm_name(), shm.offset(), shm.byte_size());
         return absl::OkStatus();
@@ -123,11 +121,11 @@ grpc::ServerUnaryReactor* MemoryService::ListRegions(grpc::CallbackServerContext
   // A copy of the table under its lock: short.
   return RunShortInline(context, "ListRegions", executor_, inline_slots_, /*is_short=*/true,
                         [this, response] {
-    for (const tensor::RegionInfo& info : regions_->List()) {
-      RegionInfoToProto(info, response->add_regions());
-    }
-    return absl::OkStatus();
-  });
+                          for (const tensor::RegionInfo& info : regions_->List()) {
+                            RegionInfoToProto(info, response->add_regions());
+                          }
+                          return absl::OkStatus();
+                        });
 }
 
 }  // namespace qtx::server::api

@@ -15,8 +15,8 @@
 // Completion: every method returns only after the operation is complete for
 // this rank (a device communicator synchronizes `stream` before returning), or
 // failed; except that a device communicator returns once the work is
-// enqueued when CommCall::enqueue_only is set. A method never blocks past `CommCall::deadline` plus a short grace
-// for tearing down the transport.
+// enqueued when CommCall::enqueue_only is set. A method never blocks past `CommCall::deadline` plus
+// a short grace for tearing down the transport.
 //
 // Errors: every message begins with name(). Codes:
 //   DEADLINE_EXCEEDED  a peer did not take part before the deadline;
@@ -148,8 +148,7 @@ class RendezvousClient {
 
   // Stores `value` under `key`, replacing any previous value. UNAVAILABLE when
   // the store cannot be reached, DEADLINE_EXCEEDED past `deadline`.
-  virtual absl::Status Set(std::string_view key, std::string_view value,
-                           absl::Time deadline) = 0;
+  virtual absl::Status Set(std::string_view key, std::string_view value, absl::Time deadline) = 0;
 
   // Waits until every key exists, then returns their values in order.
   // DEADLINE_EXCEEDED if some key is still missing at `deadline` (the message

@@ -117,8 +117,8 @@ absl::Status CpuDevice::ShardBoundaryAmax(const ShardArgs& args, float* first, f
 absl::Status CpuDevice::QuantizeShard(const ShardArgs& args, const float* first_amax,
                                       const float* last_amax,
                                       const kernels::QuantizedBuffers& out) {
-  kernels::cpu::QuantizeShard(args.input, args.dtype, args.geom, args.params, first_amax,
-                              last_amax, out);
+  kernels::cpu::QuantizeShard(args.input, args.dtype, args.geom, args.params, first_amax, last_amax,
+                              out);
   return absl::OkStatus();
 }
 

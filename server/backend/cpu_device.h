@@ -23,8 +23,7 @@ class CpuDevice final : public Device {
   absl::Status Quantize(const QuantizeArgs& args) override;
   absl::Status Dequantize(const DequantizeArgs& args) override;
   absl::Status ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) override;
-  absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax,
-                             const float* last_amax,
+  absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax, const float* last_amax,
                              const kernels::QuantizedBuffers& out) override;
   // A queue that is the calling thread: WaitReady blocks until the ready
   // word (host memory, e.g. a client's shm) reaches the value, or Release();

@@ -18,12 +18,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
 #include "kernels/cuda/quantize_shard.h"
 #include "kernels/shard_geometry.h"
 #include "server/backend/cuda_status.h"
-#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::backend {
@@ -35,12 +35,12 @@ using CuMemGetAddressRangeFn = int (*)(unsigned long long* base, size_t* size,
                                        unsigned long long dptr);
 
 absl::StatusOr<CuMemGetAddressRangeFn> AddressRangeFn() {
-  static const auto* const fn = new absl::StatusOr<CuMemGetAddressRangeFn>(
-      []() -> absl::StatusOr<CuMemGetAddressRangeFn> {
+  static const auto* const fn =
+      new absl::StatusOr<CuMemGetAddressRangeFn>([]() -> absl::StatusOr<CuMemGetAddressRangeFn> {
         void* p = nullptr;
         cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-        QTX_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
-            "cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &query));
+        QTX_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000,
+                                                                  cudaEnableDefault, &query));
         if (query != cudaDriverEntryPointSuccess || p == nullptr) {
           return absl::InternalError(
               "the CUDA driver has no cuMemGetAddressRange (driver too old for CUDA 12+?)");
@@ -64,8 +64,8 @@ struct StreamMemOps {
 };
 
 absl::StatusOr<StreamMemOps> GetStreamMemOps() {
-  static const auto* const ops = new absl::StatusOr<StreamMemOps>(
-      []() -> absl::StatusOr<StreamMemOps> {
+  static const auto* const ops =
+      new absl::StatusOr<StreamMemOps>([]() -> absl::StatusOr<StreamMemOps> {
         StreamMemOps o;
         const std::pair<const char*, void**> wanted[] = {
             {"cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait)},
@@ -101,9 +101,9 @@ std::string HexPrefix(std::string_view bytes) {
 
 absl::Status CheckEventLength(std::string_view handle, std::string_view field) {
   if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: %d bytes, must be exactly %d (a cudaIpcEventHandle_t)", field, handle.size(),
-        sizeof(cudaIpcEventHandle_t)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: %d bytes, must be exactly %d (a cudaIpcEventHandle_t)", field,
+                        handle.size(), sizeof(cudaIpcEventHandle_t)));
   }
   return absl::OkStatus();
 }
@@ -140,10 +140,10 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal,
         ordinal, s.message()));
   }
   if (ordinal < 0 || ordinal >= count) {
-    return absl::NotFoundError(absl::StrFormat(
-        "cuda:%d: no such device: this process sees %d CUDA device(s) (check "
-        "CUDA_VISIBLE_DEVICES)",
-        ordinal, count));
+    return absl::NotFoundError(
+        absl::StrFormat("cuda:%d: no such device: this process sees %d CUDA device(s) (check "
+                        "CUDA_VISIBLE_DEVICES)",
+                        ordinal, count));
   }
   std::unique_ptr<CudaDevice> device(new CudaDevice(ordinal, options));
   QTX_RETURN_IF_ERROR(device->Init());
@@ -230,8 +230,8 @@ absl::StatusOr<DeviceBuffer> CudaDevice::Allocate(uint64_t bytes) {
   const cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, pool_, stream);
   if (err != cudaSuccess) {
     absl::Status s = CudaErrorToStatus(err, "cudaMallocFromPoolAsync", __FILE__, __LINE__);
-    return absl::Status(s.code(), absl::StrFormat("cuda:%d: cannot allocate %d bytes: %s",
-                                                  ordinal_, bytes, s.message()));
+    return absl::Status(s.code(), absl::StrFormat("cuda:%d: cannot allocate %d bytes: %s", ordinal_,
+                                                  bytes, s.message()));
   }
   const int ordinal = ordinal_;
   return DeviceBuffer(p, bytes, [stream, ordinal](void* q) {
@@ -425,7 +425,8 @@ absl::Status CudaDevice::OrderAfterClient(const CudaEvents& events) {
     QTX_RETURN_IF_ERROR(OpenIpcEvent(events.signal_event, "cuda_events.signal_event").status());
   }
   if (events.wait_event.empty()) return absl::OkStatus();
-  QTX_ASSIGN_OR_RETURN(SharedEvent event, OpenIpcEvent(events.wait_event, "cuda_events.wait_event"));
+  QTX_ASSIGN_OR_RETURN(SharedEvent event,
+                       OpenIpcEvent(events.wait_event, "cuda_events.wait_event"));
   QTX_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ThisThreadStream(), event.get(), 0));
   return absl::OkStatus();
 }
@@ -443,9 +444,8 @@ absl::Status CudaDevice::SignalClient(const CudaEvents& events) {
 absl::Status CudaDevice::Quantize(const QuantizeArgs& args) {
   QTX_RETURN_IF_ERROR(Activate());
   if (args.queue != nullptr) {
-    QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeBlock(args.input, args.dtype, args.m, args.n,
-                                                          args.params, args.out,
-                                                          QueueStream(args.queue)));
+    QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeBlock(
+        args.input, args.dtype, args.m, args.n, args.params, args.out, QueueStream(args.queue)));
     return absl::OkStatus();  // enqueued; the channel's done write marks completion
   }
   cudaStream_t stream = ThisThreadStream();
@@ -486,9 +486,8 @@ absl::Status CudaDevice::QuantizeShard(const ShardArgs& args, const float* first
                                        const kernels::QuantizedBuffers& out) {
   QTX_RETURN_IF_ERROR(Activate());
   cudaStream_t stream = ThisThreadStream();
-  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeShard(args.input, args.dtype, args.geom,
-                                                        args.params, first_amax, last_amax, out,
-                                                        stream));
+  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::QuantizeShard(
+      args.input, args.dtype, args.geom, args.params, first_amax, last_amax, out, stream));
   return absl::OkStatus();  // stream-ordered (device.h)
 }
 
@@ -550,8 +549,8 @@ namespace {
 // The driver's virtual memory functions, found through the runtime like
 // cuMemGetAddressRange above.
 struct VmmOps {
-  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) =
-      nullptr;
+  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*,
+                            CUmemAllocationHandleType) = nullptr;
   CUresult (*properties)(CUmemAllocationProp*, CUmemGenericAllocationHandle) = nullptr;
   CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
                           CUmemAllocationGranularity_flags) = nullptr;
@@ -647,8 +646,8 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenVmmMemory(
     std::span<const int> fds, std::span<const uint64_t> chunk_sizes, int32_t device_id,
     uint64_t offset, uint64_t byte_size) {
   if (fds.size() != chunk_sizes.size() || fds.empty()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cuda_vmm: %d descriptors for %d chunks", fds.size(), chunk_sizes.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda_vmm: %d descriptors for %d chunks", fds.size(), chunk_sizes.size()));
   }
   QTX_ASSIGN_OR_RETURN(const VmmOps ops, GetVmmOps());
   QTX_RETURN_IF_ERROR(Activate());
@@ -678,8 +677,9 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenVmmMemory(
   size_t granularity = 0;
   for (size_t i = 0; i < fds.size(); ++i) {
     CUmemGenericAllocationHandle h = 0;
-    const CUresult r = ops.import_handle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[i])),
-                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    const CUresult r =
+        ops.import_handle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[i])),
+                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     if (r != CUDA_SUCCESS) {
       return fail(absl::InvalidArgumentError(absl::StrFormat(
           "cuda_vmm.chunks[%d]: its descriptor is not a CUDA memory handle qtxd can import "
@@ -700,10 +700,11 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenVmmMemory(
           i, device_id, static_cast<int>(prop.location.type), prop.location.id)));
     }
     if (i == 0) {
-      if (const CUresult gr = ops.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+      if (const CUresult gr =
+              ops.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
           gr != CUDA_SUCCESS || granularity == 0) {
-        return fail(absl::InternalError(absl::StrFormat(
-            "cuda_vmm: cuMemGetAllocationGranularity: %s", CuName(ops, gr))));
+        return fail(absl::InternalError(
+            absl::StrFormat("cuda_vmm: cuMemGetAllocationGranularity: %s", CuName(ops, gr))));
       }
     }
     if (chunk_sizes[i] % granularity != 0) {
@@ -746,7 +747,8 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenVmmMemory(
   // As for CUDA IPC memory: work that returned early may still use it.
   memory.release = [this, mapping] {
     const absl::Status s = SynchronizeAll();
-    if (!s.ok()) spdlog::warn("event=cuda_vmm_release_sync_failed msg=\"{}\"", std::string(s.message()));
+    if (!s.ok())
+      spdlog::warn("event=cuda_vmm_release_sync_failed msg=\"{}\"", std::string(s.message()));
     mapping->Release();
   };
   spdlog::info("event=cuda_vmm_mapped device=cuda:{} chunks={} bytes={} granularity={}", ordinal_,
@@ -756,12 +758,12 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenVmmMemory(
 }
 
 absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view ipc_handle,
-                                                              int32_t device_id,
-                                                              uint64_t byte_size) {
+                                                               int32_t device_id,
+                                                               uint64_t byte_size) {
   if (ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cuda_ipc.ipc_handle: %d bytes, must be exactly %d (a cudaIpcMemHandle_t)",
-        ipc_handle.size(), sizeof(cudaIpcMemHandle_t)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda_ipc.ipc_handle: %d bytes, must be exactly %d (a cudaIpcMemHandle_t)",
+                        ipc_handle.size(), sizeof(cudaIpcMemHandle_t)));
   }
   QTX_RETURN_IF_ERROR(Activate());
   const int count = VisibleCudaDevices();
@@ -811,9 +813,9 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view 
     return fail(CudaErrorToStatus(aerr, "cudaPointerGetAttributes", __FILE__, __LINE__));
   }
   if (attr.type != cudaMemoryTypeDevice) {
-    return fail(absl::InvalidArgumentError(absl::StrFormat(
-        "cuda_ipc.ipc_handle: the opened memory is not device memory (type %d)",
-        static_cast<int>(attr.type))));
+    return fail(absl::InvalidArgumentError(
+        absl::StrFormat("cuda_ipc.ipc_handle: the opened memory is not device memory (type %d)",
+                        static_cast<int>(attr.type))));
   }
   if (attr.device != device_id) {
     return fail(absl::InvalidArgumentError(absl::StrFormat(
@@ -831,9 +833,9 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view 
   }
   const uint64_t start = reinterpret_cast<uintptr_t>(base);
   // Overflow-safe: bytes from the opened pointer to the allocation's end.
-  const uint64_t available =
-      start >= alloc_base && start - alloc_base <= alloc_size ? alloc_size - (start - alloc_base)
-                                                              : 0;
+  const uint64_t available = start >= alloc_base && start - alloc_base <= alloc_size
+                                 ? alloc_size - (start - alloc_base)
+                                 : 0;
   if (byte_size > available) {
     return fail(absl::InvalidArgumentError(absl::StrFormat(
         "cuda_ipc.byte_size=%d exceeds the exported allocation: %d bytes from the handle's "
@@ -846,7 +848,8 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view 
   // drain the device's streams before unmapping.
   memory.release = [this, close] {
     const absl::Status s = SynchronizeAll();
-    if (!s.ok()) spdlog::warn("event=cuda_ipc_close_sync_failed msg=\"{}\"", std::string(s.message()));
+    if (!s.ok())
+      spdlog::warn("event=cuda_ipc_close_sync_failed msg=\"{}\"", std::string(s.message()));
     close();
   };
   return memory;
@@ -1012,9 +1015,8 @@ class CudaChannelQueue final : public ChannelQueue {
       {
         absl::MutexLock lock(&mu_);
         mu_.Await(absl::Condition(
-            +[](CudaChannelQueue* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-              return q->stopping_ || !q->pending_.empty();
-            },
+            +[](CudaChannelQueue* q)
+                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return q->stopping_ || !q->pending_.empty(); },
             this));
         if (pending_.empty()) return;  // stopping, nothing left
         p = std::move(pending_.front());
@@ -1064,8 +1066,7 @@ absl::StatusOr<std::unique_ptr<ChannelQueue>> CudaDevice::OpenChannelQueue(
       "cuDeviceGetAttribute(CAN_USE_64_BIT_STREAM_MEM_OPS)"));
   if (supported == 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "cuda:%d does not support 64-bit stream memory operations (needed by channels)",
-        ordinal_));
+        "cuda:%d does not support 64-bit stream memory operations (needed by channels)", ordinal_));
   }
   CUdeviceptr words = reinterpret_cast<CUdeviceptr>(flags);
   void* host_base = nullptr;
@@ -1089,14 +1090,12 @@ absl::StatusOr<std::unique_ptr<ChannelQueue>> CudaDevice::OpenChannelQueue(
     const cudaError_t gerr = cudaHostGetDevicePointer(&device_view, flags, 0);
     if (gerr != cudaSuccess) {
       if (host_base != nullptr) (void)cudaHostUnregister(host_base);
-      return CudaErrorToStatus(gerr, "cudaHostGetDevicePointer(channel flags)", __FILE__,
-                               __LINE__);
+      return CudaErrorToStatus(gerr, "cudaHostGetDevicePointer(channel flags)", __FILE__, __LINE__);
     }
     words = reinterpret_cast<CUdeviceptr>(device_view);
   }
   auto queue = std::make_unique<CudaChannelQueue>(
-      ordinal_, ops, words, host_base,
-      flags_kind == tensor::MemoryKind::kHost ? flags : nullptr);
+      ordinal_, ops, words, host_base, flags_kind == tensor::MemoryKind::kHost ? flags : nullptr);
   QTX_RETURN_IF_ERROR(queue->Init());
   return queue;
 }
@@ -1146,9 +1145,9 @@ class CudaTransferPipeline final : public TransferPipeline {
     const cudaError_t err = cudaHostAlloc(&p, std::max<uint64_t>(bytes, 1), cudaHostAllocDefault);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "cuda:%d: cannot allocate %d bytes of page-locked host staging: %s", ordinal_, bytes,
-          cudaGetErrorString(err)));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("cuda:%d: cannot allocate %d bytes of page-locked host staging: %s",
+                          ordinal_, bytes, cudaGetErrorString(err)));
     }
     staging_ = static_cast<std::byte*>(p);
     staging_bytes_ = bytes;
@@ -1162,8 +1161,8 @@ class CudaTransferPipeline final : public TransferPipeline {
     signal_ = nullptr;
     tickets_ = 0;
     if (!events.signal_event.empty()) {
-      QTX_ASSIGN_OR_RETURN(signal_, device_->OpenEvent(events.signal_event,
-                                                       "cuda_events.signal_event"));
+      QTX_ASSIGN_OR_RETURN(signal_,
+                           device_->OpenEvent(events.signal_event, "cuda_events.signal_event"));
     }
     if (!events.wait_event.empty()) {
       QTX_ASSIGN_OR_RETURN(std::shared_ptr<CUevent_st> wait,
@@ -1199,8 +1198,7 @@ class CudaTransferPipeline final : public TransferPipeline {
     return absl::OkStatus();
   }
 
-  absl::Status CopyFromHostAsync(void* device_dst, const void* host_src,
-                                 uint64_t bytes) override {
+  absl::Status CopyFromHostAsync(void* device_dst, const void* host_src, uint64_t bytes) override {
     if (bytes == 0) return absl::OkStatus();
     QTX_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, outbound_));

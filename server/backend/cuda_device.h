@@ -16,8 +16,8 @@
 // mapping is closed (after the device's streams drain) when the region's last
 // pin drops. cuda_vmm_opener() imports cuMemCreate chunks passed as POSIX
 // file descriptors and maps them contiguously; qtxd then holds the physical
-// memory itself (see OpenVmmMemory). Interprocess events (CudaEvents in the op arguments) are opened
-// on first use and cached by handle.
+// memory itself (see OpenVmmMemory). Interprocess events (CudaEvents in the op arguments) are
+// opened on first use and cached by handle.
 //
 // Thread safety: safe for concurrent use by any number of threads.
 #ifndef QTX_SERVER_BACKEND_CUDA_DEVICE_H_
@@ -98,8 +98,7 @@ class CudaDevice final : public Device {
   // The exact all-gather building blocks (kernels/cuda/quantize_shard.h) on
   // this thread's stream; each returns when its outputs are written.
   absl::Status ShardBoundaryAmax(const ShardArgs& args, float* first, float* last) override;
-  absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax,
-                             const float* last_amax,
+  absl::Status QuantizeShard(const ShardArgs& args, const float* first_amax, const float* last_amax,
                              const kernels::QuantizedBuffers& out) override;
   absl::Status OrderAfterClient(const CudaEvents& events) override;
   absl::Status SignalClient(const CudaEvents& events) override;
@@ -119,8 +118,8 @@ class CudaDevice final : public Device {
   tensor::CudaUuidResolver cuda_uuid_resolver() override;
 
   // A channel queue on a non-blocking stream of its own (not counted in
-  // SynchronizeAll: the channel pins what its queued work uses), ordered through cuStreamWaitValue64 /
-  // cuStreamWriteValue64 on `flags`: host memory (a client's shm, registered
+  // SynchronizeAll: the channel pins what its queued work uses), ordered through
+  // cuStreamWaitValue64 / cuStreamWriteValue64 on `flags`: host memory (a client's shm, registered
   // with cudaHostRegister here; the default of qtx::cuda::OpenChannel) or
   // device memory (a client's CUDA IPC region). FAILED_PRECONDITION when the
   // driver or GPU lacks 64-bit stream memory operations; INTERNAL on a CUDA
@@ -143,8 +142,8 @@ class CudaDevice final : public Device {
   // FAILED_PRECONDITION when memory on device_id is not reachable from this
   // device (no peer access). The returned release closes the mapping after
   // the device's streams drain.
-  absl::StatusOr<tensor::MappedMemory> OpenIpcMemory(std::string_view ipc_handle,
-                                                     int32_t device_id, uint64_t byte_size);
+  absl::StatusOr<tensor::MappedMemory> OpenIpcMemory(std::string_view ipc_handle, int32_t device_id,
+                                                     uint64_t byte_size);
 
   // Imports cuMemCreate chunks from POSIX fd handles (borrowed), checks that
   // each lives on `device_id`, reserves one address range, maps chunk i at

@@ -12,9 +12,9 @@ absl::Status CudaErrorToStatus(cudaError_t err, std::string_view expr, std::stri
   (void)cudaGetLastError();
   const size_t slash = file.rfind('/');
   const std::string_view base = slash == std::string_view::npos ? file : file.substr(slash + 1);
-  const std::string message = absl::StrFormat("CUDA error %s (%s) in %s at %s:%d",
-                                              cudaGetErrorName(err), cudaGetErrorString(err),
-                                              expr, base, line);
+  const std::string message =
+      absl::StrFormat("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(err),
+                      cudaGetErrorString(err), expr, base, line);
   if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
   return absl::InternalError(message);
 }

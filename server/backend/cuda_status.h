@@ -25,13 +25,12 @@ absl::Status CudaErrorToStatus(cudaError_t err, std::string_view expr, std::stri
 
 }  // namespace qtx::server::backend
 
-#define QTX_CUDA_RETURN_IF_ERROR(expr)                                                    \
-  do {                                                                                    \
-    const cudaError_t qtx_cuda_err_ = (expr);                                             \
-    if (qtx_cuda_err_ != cudaSuccess) {                                                   \
-      return ::qtx::server::backend::CudaErrorToStatus(qtx_cuda_err_, #expr, __FILE__,    \
-                                                       __LINE__);                         \
-    }                                                                                     \
+#define QTX_CUDA_RETURN_IF_ERROR(expr)                                                            \
+  do {                                                                                            \
+    const cudaError_t qtx_cuda_err_ = (expr);                                                     \
+    if (qtx_cuda_err_ != cudaSuccess) {                                                           \
+      return ::qtx::server::backend::CudaErrorToStatus(qtx_cuda_err_, #expr, __FILE__, __LINE__); \
+    }                                                                                             \
   } while (false)
 
 #endif  // QTX_SERVER_BACKEND_CUDA_STATUS_H_

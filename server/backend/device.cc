@@ -2,8 +2,8 @@
 
 #include <vector>
 
-#include "kernels/cpu/quantize_shard.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/quantize_shard.h"
 
 namespace qtx::server::backend {
 
@@ -20,15 +20,14 @@ absl::Status Device::CombineBoundaryAmax(int world_size, const kernels::ShardGeo
     firsts[r] = all.data() + per_rank * r;
     lasts[r] = firsts[r] + len;
   }
-  return CombineHostBoundaryAmax(world_size, geoms, firsts.data(), lasts.data(), len, rank,
-                                 scaling, first_out, last_out);
+  return CombineHostBoundaryAmax(world_size, geoms, firsts.data(), lasts.data(), len, rank, scaling,
+                                 first_out, last_out);
 }
 
 absl::Status Device::CombineHostBoundaryAmax(int world_size, const kernels::ShardGeometry* geoms,
-                                             const float* const* firsts,
-                                             const float* const* lasts, int64_t len, int rank,
-                                             kernels::BlockScaling scaling, float* first_out,
-                                             float* last_out) {
+                                             const float* const* firsts, const float* const* lasts,
+                                             int64_t len, int rank, kernels::BlockScaling scaling,
+                                             float* first_out, float* last_out) {
   if (len == 0) return absl::OkStatus();
   std::vector<float> combined(2 * static_cast<uint64_t>(len), 0.0f);
   // Writes nothing for an empty shard of this rank: the zeros are copied.

@@ -243,8 +243,8 @@ class Device {
   // (see TransferPipeline). FAILED_PRECONDITION on a device whose memory is
   // host memory (the default): there is nothing to transfer.
   virtual absl::StatusOr<std::unique_ptr<TransferPipeline>> CreateTransferPipeline() {
-    return absl::FailedPreconditionError(
-        "device '" + name() + "' computes on host memory: it has no transfer pipeline");
+    return absl::FailedPreconditionError("device '" + name() +
+                                         "' computes on host memory: it has no transfer pipeline");
   }
 
   // The queue of a stream-ordered channel whose 16-byte flag area starts at

@@ -78,14 +78,16 @@ absl::StatusOr<std::unique_ptr<Device>> CreateDevice(std::string_view spec) {
   if (visible > 0) {
     auto device = CudaDevice::Create(0);
     if (device.ok()) {
-      spdlog::info("event=device_selected device=cuda:0 reason=\"--device=auto: {} CUDA device(s) "
-                   "visible\"",
-                   visible);
+      spdlog::info(
+          "event=device_selected device=cuda:0 reason=\"--device=auto: {} CUDA device(s) "
+          "visible\"",
+          visible);
       return std::unique_ptr<Device>(std::move(*device));
     }
-    spdlog::warn("event=device_selected device=cpu reason=\"--device=auto: cuda:0 failed to "
-                 "start: {}\"",
-                 std::string(device.status().message()));
+    spdlog::warn(
+        "event=device_selected device=cpu reason=\"--device=auto: cuda:0 failed to "
+        "start: {}\"",
+        std::string(device.status().message()));
     return std::make_unique<CpuDevice>();
   }
   spdlog::info("event=device_selected device=cpu reason=\"--device=auto: no CUDA device visible\"");

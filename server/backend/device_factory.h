@@ -26,10 +26,10 @@ absl::StatusOr<DeviceSpec> ParseDeviceSpec(std::string_view spec);
 
 // "cpu" -> CpuDevice. "cuda" / "cuda:N" -> the CUDA device N, or
 // FAILED_PRECONDITION "not built with CUDA" in a CPU-only build or when the
-// host has no usable GPU/driver, NOT_FOUND when no such GPU is visible. "auto" -> cuda:0 when this is a CUDA build
-// and a GPU is visible, else cpu (a cuda:0 that fails to start falls back to
-// cpu with a warning). Logs which device was chosen and why.
-// INVALID_ARGUMENT for anything else (the message lists the accepted values).
+// host has no usable GPU/driver, NOT_FOUND when no such GPU is visible. "auto" -> cuda:0 when this
+// is a CUDA build and a GPU is visible, else cpu (a cuda:0 that fails to start falls back to cpu
+// with a warning). Logs which device was chosen and why. INVALID_ARGUMENT for anything else (the
+// message lists the accepted values).
 absl::StatusOr<std::unique_ptr<Device>> CreateDevice(std::string_view spec);
 
 }  // namespace qtx::server::backend

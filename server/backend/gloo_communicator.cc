@@ -1,8 +1,8 @@
 #include "server/backend/gloo_communicator.h"
 
 #include <algorithm>
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <numeric>
@@ -80,8 +80,7 @@ std::chrono::milliseconds ToMillis(absl::Duration d) {
 // Runs `fn` (Gloo calls) and turns any exception into a Status prefixed with
 // `what`. A timeout (Gloo says "Timed out") or a passed deadline becomes
 // DEADLINE_EXCEEDED; other I/O errors UNAVAILABLE; anything else INTERNAL.
-absl::Status Guard(const std::string& what, absl::Time deadline,
-                   const std::function<void()>& fn) {
+absl::Status Guard(const std::string& what, absl::Time deadline, const std::function<void()>& fn) {
   try {
     fn();
     return absl::OkStatus();
@@ -128,15 +127,14 @@ class LiveBuffers {
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     const GlooCommunicatorOptions& options) {
   const std::string name =
-      absl::StrFormat("gloo[group=%s rank=%d/%d]", options.group, options.rank,
-                      options.world_size);
+      absl::StrFormat("gloo[group=%s rank=%d/%d]", options.group, options.rank, options.world_size);
   if (options.world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: world_size=%d: must be >= 1", name, options.world_size));
   }
   if (options.rank < 0 || options.rank >= options.world_size) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: rank=%d: must be in [0, %d)", name, options.rank, options.world_size));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: rank=%d: must be in [0, %d)", name, options.rank, options.world_size));
   }
   if (options.store == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": no rendezvous store"));
@@ -181,8 +179,8 @@ absl::StatusOr<absl::Duration> GlooCommunicator::Begin(const CommCall& call, con
   {
     absl::MutexLock lock(&mu_);
     if (!broken_reason_.empty()) {
-      return absl::AbortedError(absl::StrFormat(
-          "%s: %s: unusable after an earlier failure: %s", name_, op, broken_reason_));
+      return absl::AbortedError(absl::StrFormat("%s: %s: unusable after an earlier failure: %s",
+                                                name_, op, broken_reason_));
     }
   }
   if (aborted_.load()) {
@@ -217,9 +215,9 @@ absl::Status GlooCommunicator::Fail(absl::Status status) {
 absl::Status GlooCommunicator::AllGatherV(const void* send, std::span<const uint64_t> recv_bytes,
                                           void* recv, const CommCall& call) {
   if (recv_bytes.size() != static_cast<size_t>(world_size_)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d", name_,
-        recv_bytes.size(), world_size_));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d", name_,
+                        recv_bytes.size(), world_size_));
   }
   auto left = Begin(call, "AllGatherV");
   if (!left.ok()) return left.status();
@@ -271,9 +269,8 @@ absl::Status GlooCommunicator::AllReduceMax(float* data, uint64_t count, const C
   absl::Status s = Guard(absl::StrCat(name_, ": AllReduceMax"), call.deadline, [&] {
     gloo::AllreduceOptions opts(context_);
     opts.setOutput<float>(data, count);
-    opts.setReduceFunction([](void* c, const void* a, const void* b, size_t n) {
-      gloo::max<float>(c, a, b, n);
-    });
+    opts.setReduceFunction(
+        [](void* c, const void* a, const void* b, size_t n) { gloo::max<float>(c, a, b, n); });
     opts.setTag(tag);
     opts.setTimeout(ToMillis(*left));
     gloo::allreduce(opts);

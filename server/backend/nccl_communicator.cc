@@ -33,10 +33,9 @@ namespace {
 absl::Status NcclErrorToStatus(const std::string& name, ncclResult_t r, const char* expr,
                                const char* file, int line, ncclComm_t comm) {
   const char* last = ncclGetLastError(comm);
-  const std::string msg =
-      absl::StrFormat("%s: %s failed at %s:%d: %s%s%s", name, expr, file, line,
-                      ncclGetErrorString(r), last != nullptr && *last ? " - " : "",
-                      last != nullptr ? last : "");
+  const std::string msg = absl::StrFormat(
+      "%s: %s failed at %s:%d: %s%s%s", name, expr, file, line, ncclGetErrorString(r),
+      last != nullptr && *last ? " - " : "", last != nullptr ? last : "");
   (void)cudaGetLastError();  // never leak a sticky CUDA error into the next request
   if (r == ncclRemoteError || r == ncclSystemError) return absl::UnavailableError(msg);
   return absl::InternalError(msg);
@@ -94,16 +93,16 @@ absl::StatusOr<bool> PollUntil(absl::Time deadline, Fn done) {
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     const NcclCommunicatorOptions& options) {
-  const std::string name_ = absl::StrFormat("nccl[group=%s rank=%d/%d cuda:%d]", options.group,
-                                            options.rank, options.world_size,
-                                            options.device_ordinal);
+  const std::string name_ =
+      absl::StrFormat("nccl[group=%s rank=%d/%d cuda:%d]", options.group, options.rank,
+                      options.world_size, options.device_ordinal);
   if (options.world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: world_size=%d: must be >= 1", name_, options.world_size));
   }
   if (options.rank < 0 || options.rank >= options.world_size) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: rank=%d: must be in [0, %d)", name_, options.rank, options.world_size));
+    return absl::InvalidArgumentError(absl::StrFormat("%s: rank=%d: must be in [0, %d)", name_,
+                                                      options.rank, options.world_size));
   }
   if (options.store == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(name_, ": no rendezvous store"));
@@ -132,9 +131,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     const std::string keys[1] = {key};
     absl::StatusOr<std::vector<std::string>> v = options.store->Get(keys, options.deadline);
     if (!v.ok()) {
-      return absl::Status(v.status().code(),
-                          absl::StrCat(name_, ": waiting for rank 0's NCCL unique id: ",
-                                       v.status().message()));
+      return absl::Status(
+          v.status().code(),
+          absl::StrCat(name_, ": waiting for rank 0's NCCL unique id: ", v.status().message()));
     }
     if ((*v)[0].size() != sizeof id) {
       return absl::InternalError(absl::StrFormat("%s: the NCCL unique id has %d bytes, expected %d",
@@ -150,8 +149,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   const ncclResult_t init =
       ncclCommInitRankConfig(&comm, options.world_size, id, options.rank, &config);
   if (init != ncclSuccess && init != ncclInProgress) {
-    absl::Status s = NcclErrorToStatus(name_, init, "ncclCommInitRankConfig", __FILE__, __LINE__,
-                                       comm);
+    absl::Status s =
+        NcclErrorToStatus(name_, init, "ncclCommInitRankConfig", __FILE__, __LINE__, comm);
     if (comm != nullptr) (void)ncclCommAbort(comm);
     return s;
   }
@@ -192,12 +191,12 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   });
   if (!*ready || state != ncclSuccess) {
     absl::Status s =
-        !*ready ? absl::DeadlineExceededError(absl::StrFormat(
-                      "%s: not every rank joined the blocking NCCL communicator (ncclCommSplit) "
-                      "before the deadline (both communicators were aborted)",
-                      name_))
-                : NcclErrorToStatus(name_, state, "ncclCommSplit (async)", __FILE__, __LINE__,
-                                    comm);
+        !*ready
+            ? absl::DeadlineExceededError(absl::StrFormat(
+                  "%s: not every rank joined the blocking NCCL communicator (ncclCommSplit) "
+                  "before the deadline (both communicators were aborted)",
+                  name_))
+            : NcclErrorToStatus(name_, state, "ncclCommSplit (async)", __FILE__, __LINE__, comm);
     (void)ncclCommAbort(comm);  // also stops the child's init
     if (ncclComm_t c = __atomic_load_n(&child, __ATOMIC_ACQUIRE); c != nullptr) {
       (void)ncclCommAbort(c);
@@ -256,8 +255,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
       }
     };
     step(ncclAllGather(b + 256 * me, b, 256, ncclUint8, child, side), "ncclAllGather(small)");
-    step(ncclAllGather(b + kLarge * me, b, kLarge, ncclUint8, child, side),
-         "ncclAllGather(large)");
+    step(ncclAllGather(b + kLarge * me, b, kLarge, ncclUint8, child, side), "ncclAllGather(large)");
     if (r == ncclSuccess) {
       // Unequal contributions: the grouped broadcasts of AllGatherV.
       step(ncclGroupStart(), "ncclGroupStart");
@@ -292,14 +290,15 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     const bool running = warm_state.load() == 0;
     if (running) (void)ncclCommAbort(child);  // unblocks the helper's NCCL call
     warm.join();
-    absl::Status s = !ready.ok() ? ready.status()
-                     : running   ? absl::DeadlineExceededError(absl::StrFormat(
-                                     "%s: a peer did not take part in the communicator's "
-                                     "warm-up before the deadline (both communicators were "
-                                     "aborted)",
-                                     name_))
-                                 : absl::InternalError(absl::StrFormat(
-                                       "%s: warm-up failed: %s", name_, warm_error));
+    absl::Status s =
+        !ready.ok() ? ready.status()
+        : running
+            ? absl::DeadlineExceededError(
+                  absl::StrFormat("%s: a peer did not take part in the communicator's "
+                                  "warm-up before the deadline (both communicators were "
+                                  "aborted)",
+                                  name_))
+            : absl::InternalError(absl::StrFormat("%s: warm-up failed: %s", name_, warm_error));
     if (running) {
       (void)ncclCommAbort(comm);
       (void)cudaStreamDestroy(side);
@@ -311,9 +310,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     return s;
   }
   warm.join();
-  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(
-      name_, options.rank, options.world_size, options.device_ordinal, comm, child, scratch,
-      side, options.default_stream));
+  return std::unique_ptr<NcclCommunicator>(
+      new NcclCommunicator(name_, options.rank, options.world_size, options.device_ordinal, comm,
+                           child, scratch, side, options.default_stream));
 }
 
 NcclCommunicator::NcclCommunicator(std::string name, int rank, int world_size, int device,
@@ -386,13 +385,13 @@ absl::StatusOr<void*> NcclCommunicator::Begin(const CommCall& call, const char* 
   {
     absl::MutexLock lock(&mu_);
     if (!broken_reason_.empty()) {
-      return absl::AbortedError(absl::StrFormat(
-          "%s: %s: unusable after an earlier failure: %s", name_, op, broken_reason_));
+      return absl::AbortedError(absl::StrFormat("%s: %s: unusable after an earlier failure: %s",
+                                                name_, op, broken_reason_));
     }
   }
   if (abort_requested_.load()) {
-    return Fail(absl::AbortedError(
-        absl::StrFormat("%s: %s: the communicator was aborted", name_, op)));
+    return Fail(
+        absl::AbortedError(absl::StrFormat("%s: %s: the communicator was aborted", name_, op)));
   }
   if (absl::Now() >= call.deadline) {
     return Fail(absl::DeadlineExceededError(
@@ -514,9 +513,9 @@ absl::Status NcclCommunicator::AllGatherVParts(std::span<const GatherPart> parts
                                                const CommCall& call) {
   for (const GatherPart& p : parts) {
     if (p.recv_bytes.size() != static_cast<size_t>(world_size_)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d", name_,
-          p.recv_bytes.size(), world_size_));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: AllGatherV: recv_bytes has %d entries, expected world_size=%d",
+                          name_, p.recv_bytes.size(), world_size_));
     }
   }
   absl::StatusOr<void*> stream = Begin(call, "AllGatherV");

@@ -72,11 +72,11 @@
 
 #include <atomic>
 #include <cstdint>
-#include <thread>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -127,8 +127,7 @@ class NcclCommunicator final : public Communicator {
   absl::Status AllGatherV(const void* send, std::span<const uint64_t> recv_bytes, void* recv,
                           const CommCall& call) override;
   absl::Status AllGatherVParts(std::span<const GatherPart> parts, const CommCall& call) override;
-  absl::Status AllGatherHost(const void* send, uint64_t bytes, void* recv,
-                             const CommCall& call,
+  absl::Status AllGatherHost(const void* send, uint64_t bytes, void* recv, const CommCall& call,
                              const std::function<void()>& in_flight = nullptr) override;
   absl::Status AllReduceMax(float* data, uint64_t count, const CommCall& call) override;
   absl::Status Barrier(const CommCall& call) override;
@@ -164,14 +163,14 @@ class NcclCommunicator final : public Communicator {
   const int world_size_;
   const int device_;
   const std::function<absl::StatusOr<void*>()> default_stream_;
-  float* const scratch_;  // one device float for Barrier
+  float* const scratch_;     // one device float for Barrier
   void* const side_stream_;  // cudaStream_t of AllGatherHost (owned)
 
   std::atomic<bool> abort_requested_{false};
   // Used by the (single) collective caller and the destructor only.
-  std::thread reaper_;         // runs the ncclCommAbort of a failed call
-  void* host_buf_ = nullptr;   // pinned, host_bytes_ (AllGatherHost)
-  void* dev_buf_ = nullptr;    // device, host_bytes_ (AllGatherHost)
+  std::thread reaper_;        // runs the ncclCommAbort of a failed call
+  void* host_buf_ = nullptr;  // pinned, host_bytes_ (AllGatherHost)
+  void* dev_buf_ = nullptr;   // device, host_bytes_ (AllGatherHost)
   uint64_t host_bytes_ = 0;
   mutable absl::Mutex mu_;
   ncclComm* parent_ ABSL_GUARDED_BY(mu_);  // nonblocking; null once aborted

@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "server/backend/gloo_communicator.h"
 #include "common/status_macros.h"
+#include "server/backend/gloo_communicator.h"
 
 #if defined(QTX_HAVE_NCCL) && defined(QTX_HAVE_CUDA_DEVICE)
 #include "server/backend/cuda_device.h"
@@ -17,24 +17,23 @@
 namespace qtx::server::collective {
 
 CommunicatorFactory GlooCommunicatorFactory(std::string peer_host) {
-  return [peer_host = std::move(peer_host)](const GroupSpec& spec,
-                                            backend::RendezvousClient& rendezvous,
-                                            const std::string& prefix, absl::Time deadline)
-             -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
-    backend::GlooCommunicatorOptions g;
-    g.group = spec.name;
-    g.rank = spec.rank;
-    g.world_size = spec.world_size;
-    g.host = peer_host;
-    g.key_prefix = prefix;
-    g.store = &rendezvous;
-    g.deadline = deadline;
-    QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::GlooCommunicator> c,
-                         backend::GlooCommunicator::Create(g));
-    return std::unique_ptr<backend::Communicator>(std::move(c));
-  };
+  return
+      [peer_host = std::move(peer_host)](
+          const GroupSpec& spec, backend::RendezvousClient& rendezvous, const std::string& prefix,
+          absl::Time deadline) -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
+        backend::GlooCommunicatorOptions g;
+        g.group = spec.name;
+        g.rank = spec.rank;
+        g.world_size = spec.world_size;
+        g.host = peer_host;
+        g.key_prefix = prefix;
+        g.store = &rendezvous;
+        g.deadline = deadline;
+        QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::GlooCommunicator> c,
+                             backend::GlooCommunicator::Create(g));
+        return std::unique_ptr<backend::Communicator>(std::move(c));
+      };
 }
-
 
 bool NcclAvailable(const backend::Device& device) {
 #ifdef QTX_NCCL_WIRING
@@ -46,17 +45,15 @@ bool NcclAvailable(const backend::Device& device) {
 }
 
 CommBackendKind DefaultCommBackend(const backend::Device& device) {
-  return NcclAvailable(device) ? CommBackendKind::kNccl
-                               : CommBackendKind::kGloo;
+  return NcclAvailable(device) ? CommBackendKind::kNccl : CommBackendKind::kGloo;
 }
 
-GroupRegistryOptions WithNcclCommunicator(GroupRegistryOptions options,
-                                                      backend::Device* device) {
+GroupRegistryOptions WithNcclCommunicator(GroupRegistryOptions options, backend::Device* device) {
   CommunicatorFactory previous = std::move(options.make_communicator);
   options.make_communicator =
-      [previous, device](const GroupSpec& spec, backend::RendezvousClient& store,
-                         const std::string& prefix, absl::Time deadline)
-      -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
+      [previous, device](
+          const GroupSpec& spec, backend::RendezvousClient& store, const std::string& prefix,
+          absl::Time deadline) -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
     if (spec.backend != CommBackendKind::kNccl) {
       if (!previous) return absl::UnimplementedError("no communicator factory for GLOO");
       return previous(spec, store, prefix, deadline);

@@ -35,8 +35,8 @@ struct GroupRegistry::Group {
   explicit Group(GroupSpec s) : spec(std::move(s)) {}
 
   GroupInfo Info() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    return GroupInfo{spec.name, spec.rank,    spec.world_size, spec.backend,
-                     state,     next_sequence, error,          spec.timeout};
+    return GroupInfo{spec.name, spec.rank,     spec.world_size, spec.backend,
+                     state,     next_sequence, error,           spec.timeout};
   }
   std::string KeyBase() const { return absl::StrCat("qtx/group/", spec.name, "/"); }
 
@@ -84,8 +84,8 @@ std::string RandomSession() {
 
 // Ranks in [first, first + count) whose join key appears in a store timeout
 // message ("... not set before the deadline: k1, k2").
-std::vector<int> MissingRanks(absl::string_view message, const std::string& join_prefix,
-                              int first, int count) {
+std::vector<int> MissingRanks(absl::string_view message, const std::string& join_prefix, int first,
+                              int count) {
   std::vector<int> missing;
   for (int r = first; r < first + count; ++r) {
     const std::string key = absl::StrCat(join_prefix, r);
@@ -206,8 +206,8 @@ GroupRegistry::~GroupRegistry() {
 absl::Status GroupRegistry::ValidateSpec(const GroupSpec& spec) const {
   if (spec.name.empty()) return absl::InvalidArgumentError("name: must not be empty");
   if (spec.name.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "name: %d bytes, at most %d allowed", spec.name.size(), kMaxNameBytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("name: %d bytes, at most %d allowed", spec.name.size(), kMaxNameBytes));
   }
   for (char c : spec.name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-' && c != '.') {
@@ -220,12 +220,12 @@ absl::Status GroupRegistry::ValidateSpec(const GroupSpec& spec) const {
         absl::StrFormat("world_size=%d: must be >= 1", spec.world_size));
   }
   if (spec.world_size > kMaxWorldSize) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "world_size=%d: at most %d ranks per group", spec.world_size, kMaxWorldSize));
+    return absl::InvalidArgumentError(absl::StrFormat("world_size=%d: at most %d ranks per group",
+                                                      spec.world_size, kMaxWorldSize));
   }
   if (spec.rank < 0 || spec.rank >= spec.world_size) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "rank=%d: must be in [0, world_size=%d)", spec.rank, spec.world_size));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rank=%d: must be in [0, world_size=%d)", spec.rank, spec.world_size));
   }
   if (spec.rank > 0 && spec.coordinator.empty()) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -233,9 +233,9 @@ absl::Status GroupRegistry::ValidateSpec(const GroupSpec& spec) const {
         spec.rank));
   }
   if (spec.timeout <= absl::ZeroDuration() || spec.timeout > options_.max_timeout) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "timeout=%s: must be > 0 and <= %s", absl::FormatDuration(spec.timeout),
-        absl::FormatDuration(options_.max_timeout)));
+    return absl::InvalidArgumentError(absl::StrFormat("timeout=%s: must be > 0 and <= %s",
+                                                      absl::FormatDuration(spec.timeout),
+                                                      absl::FormatDuration(options_.max_timeout)));
   }
   if (spec.rank == 0 && options_.local_store == nullptr) {
     return absl::FailedPreconditionError(
@@ -244,8 +244,7 @@ absl::Status GroupRegistry::ValidateSpec(const GroupSpec& spec) const {
   return absl::OkStatus();
 }
 
-void GroupRegistry::CreateGroup(GroupSpec spec,
-                                std::function<void(absl::StatusOr<GroupInfo>)> done,
+void GroupRegistry::CreateGroup(GroupSpec spec, std::function<void(absl::StatusOr<GroupInfo>)> done,
                                 JoinControl control) {
   if (absl::Status s = ValidateSpec(spec); !s.ok()) {
     done(s);
@@ -270,8 +269,8 @@ void GroupRegistry::CreateGroup(GroupSpec spec,
       return;
     }
     groups_.emplace(g->spec.name, g);
-    g->thread = std::thread(
-        [this, g, done = std::move(done), control = std::move(control)]() mutable {
+    g->thread =
+        std::thread([this, g, done = std::move(done), control = std::move(control)]() mutable {
           RunExecutor(std::move(g), std::move(done), std::move(control));
         });
   }
@@ -350,8 +349,7 @@ absl::StatusOr<std::unique_ptr<backend::Communicator>> GroupRegistry::Join(
         (void)raw->Set(formed_key, absl::StrCat(kFormedFailed, error.message()), deadline);
       } else {
         (void)raw->Set(formed_key,
-                       absl::StrCat(kFormedAborted, "rank 0 gave up: ", error.message()),
-                       deadline);
+                       absl::StrCat(kFormedAborted, "rank 0 gave up: ", error.message()), deadline);
       }
       return error;
     }
@@ -376,10 +374,10 @@ absl::StatusOr<std::unique_ptr<backend::Communicator>> GroupRegistry::Join(
       return absl::DeadlineExceededError(formed.substr(kFormedFailed.size()));
     }
     if (formed != kFormedOk) {
-      return absl::AbortedError(absl::StrFormat(
-          "group '%s': %s", spec.name,
-          absl::StartsWith(formed, kFormedAborted) ? formed.substr(kFormedAborted.size())
-                                                   : formed));
+      return absl::AbortedError(absl::StrFormat("group '%s': %s", spec.name,
+                                                absl::StartsWith(formed, kFormedAborted)
+                                                    ? formed.substr(kFormedAborted.size())
+                                                    : formed));
     }
   }
   return options_.make_communicator(spec, store, prefix + "comm/", deadline);
@@ -470,8 +468,7 @@ void GroupRegistry::RunExecutor(std::shared_ptr<Group> g,
                 absl::FailedPreconditionError(absl::StrFormat(
                     "group '%s': sequence %d waited for its predecessors, but the group still "
                     "expects sequence %d next (calls %d..%d never arrived before the deadline)",
-                    g->spec.name, it->first, g->next_sequence, g->next_sequence,
-                    it->first - 1)));
+                    g->spec.name, it->first, g->next_sequence, g->next_sequence, it->first - 1)));
             it = g->pending.erase(it);
           } else {
             ++it;
@@ -522,9 +519,8 @@ void GroupRegistry::Submit(std::string_view group, Collective c) {
     if (it != groups_.end()) g = it->second;
   }
   if (g == nullptr) {
-    c.finish(absl::NotFoundError(
-        absl::StrFormat("group '%s' does not exist on this sidecar; call CreateGroup first",
-                        group)));
+    c.finish(absl::NotFoundError(absl::StrFormat(
+        "group '%s' does not exist on this sidecar; call CreateGroup first", group)));
     return;
   }
   absl::Status error;
@@ -534,8 +530,8 @@ void GroupRegistry::Submit(std::string_view group, Collective c) {
     if (g->stopping) {
       error = absl::AbortedError(absl::StrFormat("group '%s' was destroyed", group));
     } else if (g->state == GroupState::kJoining) {
-      error = absl::FailedPreconditionError(absl::StrFormat(
-          "group '%s' is still joining; wait for CreateGroup to return", group));
+      error = absl::FailedPreconditionError(
+          absl::StrFormat("group '%s' is still joining; wait for CreateGroup to return", group));
     } else if (g->state == GroupState::kBroken) {
       error = absl::AbortedError(absl::StrFormat(
           "group '%s' is BROKEN (%s); destroy it and create a new one", group, g->error));

@@ -45,9 +45,9 @@
 #ifndef QTX_SERVER_COLLECTIVE_GROUP_REGISTRY_H_
 #define QTX_SERVER_COLLECTIVE_GROUP_REGISTRY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
-#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -119,8 +119,9 @@ using CommunicatorFactory = std::function<absl::StatusOr<std::unique_ptr<backend
     const GroupSpec& spec, backend::RendezvousClient& store, const std::string& key_prefix,
     absl::Time deadline)>;
 // Opens a client to the rendezvous store of the sidecar at `coordinator`.
-using RendezvousConnector = std::function<absl::StatusOr<std::unique_ptr<backend::RendezvousClient>>(
-    const std::string& coordinator)>;
+using RendezvousConnector =
+    std::function<absl::StatusOr<std::unique_ptr<backend::RendezvousClient>>(
+        const std::string& coordinator)>;
 
 // What a collective body reports back to the registry.
 struct CollectiveOutcome {
@@ -194,8 +195,7 @@ class GroupRegistry {
   struct Group;
   void RunExecutor(std::shared_ptr<Group> g, std::function<void(absl::StatusOr<GroupInfo>)> done,
                    JoinControl control);
-  absl::StatusOr<std::unique_ptr<backend::Communicator>> Join(Group& g,
-                                                              const JoinControl& control);
+  absl::StatusOr<std::unique_ptr<backend::Communicator>> Join(Group& g, const JoinControl& control);
   void Forget(const std::shared_ptr<Group>& g);
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

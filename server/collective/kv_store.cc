@@ -2,10 +2,10 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 
 namespace qtx::server::collective {
@@ -29,9 +29,9 @@ KvStore::~KvStore() {
 absl::Status KvStore::CheckKey(std::string_view key) const {
   if (key.empty()) return absl::InvalidArgumentError("rendezvous key is empty");
   if (key.size() > limits_.max_key_bytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "rendezvous key of %d bytes exceeds the limit of %d bytes", key.size(),
-        limits_.max_key_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rendezvous key of %d bytes exceeds the limit of %d bytes", key.size(),
+                        limits_.max_key_bytes));
   }
   return absl::OkStatus();
 }
@@ -138,9 +138,9 @@ void KvStore::Erase(std::string_view key) {
 absl::Status KvStore::Put(std::string_view key, std::string_view value) {
   if (absl::Status s = CheckKey(key); !s.ok()) return s;
   if (value.size() > limits_.max_value_bytes) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "rendezvous key '%s': value of %d bytes exceeds the limit of %d bytes", key,
-        value.size(), limits_.max_value_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("rendezvous key '%s': value of %d bytes exceeds the limit of %d bytes", key,
+                        value.size(), limits_.max_value_bytes));
   }
   std::vector<std::pair<GetCallback, std::vector<std::string>>> ready;
   {
@@ -174,9 +174,9 @@ absl::Status KvStore::Put(std::string_view key, std::string_view value) {
     if (ns != namespaces_.end()) {
       Namespace& n = ns->second;
       if (it == values_.end() && n.keys >= n.limits.max_keys) {
-        return absl::ResourceExhaustedError(absl::StrFormat(
-            "rendezvous key '%s': group namespace '%s' holds %d keys (its limit)", key,
-            ns->first, n.keys));
+        return absl::ResourceExhaustedError(
+            absl::StrFormat("rendezvous key '%s': group namespace '%s' holds %d keys (its limit)",
+                            key, ns->first, n.keys));
       }
       if (n.bytes - old_bytes + new_bytes > n.limits.max_bytes) {
         return absl::ResourceExhaustedError(absl::StrFormat(
@@ -211,8 +211,7 @@ KvStore::WaiterId KvStore::GetAsync(std::vector<std::string> keys, absl::Time de
   }
   if (keys.size() > limits_.max_keys_per_get) {
     done(absl::InvalidArgumentError(absl::StrFormat(
-        "rendezvous Get: %d keys exceed the limit of %d", keys.size(),
-        limits_.max_keys_per_get)));
+        "rendezvous Get: %d keys exceed the limit of %d", keys.size(), limits_.max_keys_per_get)));
     return 0;
   }
   for (const std::string& k : keys) {
@@ -235,8 +234,8 @@ KvStore::WaiterId KvStore::GetAsync(std::vector<std::string> keys, absl::Time de
     } else if (stopping_) {
       error = absl::CancelledError("rendezvous store is shutting down");
     } else if (waiters_.size() >= limits_.max_waiters) {
-      error = absl::ResourceExhaustedError(absl::StrFormat(
-          "rendezvous store has %d waiting Gets (the limit)", waiters_.size()));
+      error = absl::ResourceExhaustedError(
+          absl::StrFormat("rendezvous store has %d waiting Gets (the limit)", waiters_.size()));
     } else {
       id = next_id_++;
       waiters_.emplace(id, std::move(w));

@@ -16,8 +16,7 @@ absl::StatusOr<HostPort> ParseHostPort(std::string_view s) {
   if (!s.empty() && s.front() == '[') {
     const size_t close = s.find(']');
     if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("'%s': expected [ipv6]:port", s));
+      return absl::InvalidArgumentError(absl::StrFormat("'%s': expected [ipv6]:port", s));
     }
     hp.host = std::string(s.substr(1, close - 1));
     port = s.substr(close + 2);
@@ -30,7 +29,8 @@ absl::StatusOr<HostPort> ParseHostPort(std::string_view s) {
     hp.host = std::string(s.substr(0, colon));
     port = s.substr(colon + 1);
   }
-  if (hp.host.empty() || !absl::SimpleAtoi(std::string(port), &hp.port) || hp.port < 0 || hp.port > 65535) {
+  if (hp.host.empty() || !absl::SimpleAtoi(std::string(port), &hp.port) || hp.port < 0 ||
+      hp.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrFormat("'%s': expected host:port with a port in 0..65535", s));
   }
@@ -107,9 +107,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   }
   // sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
   if (c.socket_path.size() > 107) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--socket=%s: %d bytes, a unix socket path may have at most 107", c.socket_path,
-        c.socket_path.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--socket=%s: %d bytes, a unix socket path may have at most 107",
+                        c.socket_path, c.socket_path.size()));
   }
   if (!c.listen_tcp.empty()) {
     auto hp = ParseHostPort(c.listen_tcp);
@@ -137,14 +137,15 @@ absl::Status ValidateConfig(const ServerConfig& c) {
         "--metrics_host is empty: use 127.0.0.1 (the default), an interface address, or 0.0.0.0");
   }
   if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--tls_cert_file='%s' --tls_key_file='%s': set both or neither", c.tls_cert_file,
-        c.tls_key_file));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--tls_cert_file='%s' --tls_key_file='%s': set both or neither",
+                        c.tls_cert_file, c.tls_key_file));
   }
   if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--tls_client_ca_file=%s: client certificates need TLS: set --tls_cert_file and "
-        "--tls_key_file", c.tls_client_ca_file));
+        "--tls_key_file",
+        c.tls_client_ca_file));
   }
   for (const auto& [flag, port] : {std::pair<const char*, int>{"health_port", c.health_port},
                                    std::pair<const char*, int>{"metrics_port", c.metrics_port}}) {
@@ -158,28 +159,27 @@ absl::Status ValidateConfig(const ServerConfig& c) {
         absl::StrFormat("--max_message_mb=%d: must be 1..2047", c.max_message_mb));
   }
   if (c.threads < 1 || c.threads > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--threads=%d: must be 1..1024", c.threads));
+    return absl::InvalidArgumentError(absl::StrFormat("--threads=%d: must be 1..1024", c.threads));
   }
   if (c.inline_max_concurrent < 0 || c.inline_max_concurrent > 1024) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--inline_max_concurrent=%d: must be 0..1024", c.inline_max_concurrent));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--inline_max_concurrent=%d: must be 0..1024", c.inline_max_concurrent));
   }
   if (c.inline_max_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--inline_max_bytes=%d: must be >= 0", c.inline_max_bytes));
   }
   if (c.inline_max_device_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--inline_max_device_bytes=%d: must be >= 0", c.inline_max_device_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--inline_max_device_bytes=%d: must be >= 0", c.inline_max_device_bytes));
   }
   if (c.max_queued_requests < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--max_queued_requests=%d: must be >= 1", c.max_queued_requests));
   }
   if (c.max_tensor_elements < 1 || c.max_tensor_elements > (int64_t{1} << 40)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--max_tensor_elements=%d: must be 1..2^40", c.max_tensor_elements));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_tensor_elements=%d: must be 1..2^40", c.max_tensor_elements));
   }
   // Converted to bytes with << 20: bounded well below 2^64 bytes, and never
   // negative (a negative value used to wrap to "unlimited").
@@ -206,8 +206,8 @@ absl::Status ValidateConfig(const ServerConfig& c) {
         absl::StrFormat("shutdown_slack_ms=%d: must be >= 0", c.shutdown_slack_ms));
   }
   if (c.worker_stall_s < 0 || c.worker_stall_s > 86400) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--worker_stall_s=%d: must be 0 (off) ..86400", c.worker_stall_s));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--worker_stall_s=%d: must be 0 (off) ..86400", c.worker_stall_s));
   }
   return absl::OkStatus();
 }

@@ -45,8 +45,7 @@ std::string NumericAddress(const sockaddr_storage& ss) {
   if (ss.ss_family == AF_INET) {
     ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof(buf));
   } else if (ss.ss_family == AF_INET6) {
-    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, buf,
-                sizeof(buf));
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, buf, sizeof(buf));
   }
   return buf;
 }
@@ -63,8 +62,9 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Create(
         absl::StrFormat("--metrics_port=%d: must be 1..65535", options.port));
   }
   if (options.max_connections < 1 || options.request_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("metrics exporter: max_connections and request_timeout "
-                                      "must be positive");
+    return absl::InvalidArgumentError(
+        "metrics exporter: max_connections and request_timeout "
+        "must be positive");
   }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -73,14 +73,14 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Create(
   addrinfo* found = nullptr;
   const std::string port = std::to_string(options.port);
   if (int rc = ::getaddrinfo(options.host.c_str(), port.c_str(), &hints, &found); rc != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--metrics_host=%s: cannot resolve: %s", options.host, ::gai_strerror(rc)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--metrics_host=%s: cannot resolve: %s", options.host, ::gai_strerror(rc)));
   }
   std::unique_ptr<HttpExporter> e(new HttpExporter(options, metrics));
   std::string error = "no address";
   for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
-                            a->ai_protocol);
+    const int fd =
+        ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) {
       error = std::strerror(errno);
       continue;
@@ -102,9 +102,9 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Create(
   }
   ::freeaddrinfo(found);
   if (e->listen_fd_ < 0) {
-    return absl::UnavailableError(absl::StrFormat(
-        "--metrics_host=%s --metrics_port=%d: cannot listen (port in use?): %s", options.host,
-        options.port, error));
+    return absl::UnavailableError(
+        absl::StrFormat("--metrics_host=%s --metrics_port=%d: cannot listen (port in use?): %s",
+                        options.host, options.port, error));
   }
   if (::pipe2(e->wake_fds_, O_CLOEXEC | O_NONBLOCK) != 0) {
     return absl::InternalError(absl::StrCat("metrics exporter: pipe2: ", std::strerror(errno)));
@@ -153,8 +153,8 @@ void HttpExporter::Loop() {
     }
     int timeout_ms = -1;
     if (earliest != absl::InfiniteFuture()) {
-      timeout_ms = static_cast<int>(
-          std::max<int64_t>(1, absl::ToInt64Milliseconds(earliest - now) + 1));
+      timeout_ms =
+          static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(earliest - now) + 1));
     }
     const int n = ::poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0 && errno != EINTR) break;
@@ -172,8 +172,8 @@ void HttpExporter::Loop() {
           done = true;
         } else if (got > 0) {
           c.in.append(buf, static_cast<size_t>(got));
-          const bool complete = absl::StrContains(c.in, "\r\n\r\n") ||
-                                absl::StrContains(c.in, "\n\n");
+          const bool complete =
+              absl::StrContains(c.in, "\r\n\r\n") || absl::StrContains(c.in, "\n\n");
           if (complete) {
             const absl::string_view line(c.in.data(), c.in.find('\n'));
             if (absl::StartsWith(line, "GET /metrics ") || line == "GET /metrics" ||
@@ -191,8 +191,8 @@ void HttpExporter::Loop() {
           }
         }
       } else {
-        const ssize_t put = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent,
-                                   MSG_NOSIGNAL);
+        const ssize_t put =
+            ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
         if (put < 0 && errno != EAGAIN && errno != EINTR) {
           done = true;
         } else if (put > 0) {

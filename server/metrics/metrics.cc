@@ -69,13 +69,13 @@ std::string Metrics::RenderPrometheus() const {
       for (size_t b = 0; b <= kLatencyBuckets.size(); ++b) {
         cumulative += m.buckets[b];
         const std::string le = b < kLatencyBuckets.size() ? Number(kLatencyBuckets[b]) : "+Inf";
-        absl::StrAppend(&out, "qtx_grpc_request_duration_seconds_bucket{method=\"", l,
-                        "\",le=\"", le, "\"} ", cumulative, "\n");
+        absl::StrAppend(&out, "qtx_grpc_request_duration_seconds_bucket{method=\"", l, "\",le=\"",
+                        le, "\"} ", cumulative, "\n");
       }
       absl::StrAppend(&out, "qtx_grpc_request_duration_seconds_sum{method=\"", l, "\"} ",
                       Number(m.seconds_sum), "\n");
-      absl::StrAppend(&out, "qtx_grpc_request_duration_seconds_count{method=\"", l, "\"} ",
-                      m.count, "\n");
+      absl::StrAppend(&out, "qtx_grpc_request_duration_seconds_count{method=\"", l, "\"} ", m.count,
+                      "\n");
     }
     absl::StrAppend(&out,
                     "# HELP qtx_grpc_received_bytes_total Request payload bytes by method.\n"

@@ -25,8 +25,7 @@ class Metrics {
  public:
   // Upper bounds (seconds) of the latency histogram buckets; +Inf follows.
   static constexpr std::array<double, 14> kLatencyBuckets = {
-      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
-      0.025,  0.05,    0.1,    0.25,  0.5,    1.0,   5.0};
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0};
 
   Metrics() = default;
   Metrics(const Metrics&) = delete;
@@ -35,8 +34,8 @@ class Metrics {
   // One finished RPC: full method name ("/qtx.v1.Quantizer/Quantize"), its
   // status code name ("OK", "INVALID_ARGUMENT", ...), wall time, and the
   // request and response payload bytes.
-  void RecordRpc(std::string_view method, std::string_view code, double seconds,
-                 uint64_t bytes_in, uint64_t bytes_out);
+  void RecordRpc(std::string_view method, std::string_view code, double seconds, uint64_t bytes_in,
+                 uint64_t bytes_out);
 
   // A gauge read at each scrape. `name` must be a valid metric name.
   // REQUIRES: called before the first RenderPrometheus.

@@ -10,9 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "kernels/block_geometry.h"
 #include "kernels/shard_geometry.h"
-#include "common/status_macros.h"
 #include "server/ops/output_placement.h"
 
 namespace qtx::server::ops {
@@ -109,17 +109,22 @@ absl::Status CheckAgreement(const std::vector<WireHeader>& h, const std::string&
     if (f == "config.force_pow2_scales") return a.pow2 != b.pow2;
     return a.epsilon_bits != b.epsilon_bits;
   };
-  static constexpr const char* kFields[] = {
-      "sequence",       "n",                 "dtype",
-      "mode",           "config.scaling_mode", "config.format",
-      "config.rowwise", "config.columnwise", "config.force_pow2_scales",
-      "config.amax_epsilon"};
+  static constexpr const char* kFields[] = {"sequence",
+                                            "n",
+                                            "dtype",
+                                            "mode",
+                                            "config.scaling_mode",
+                                            "config.format",
+                                            "config.rowwise",
+                                            "config.columnwise",
+                                            "config.force_pow2_scales",
+                                            "config.amax_epsilon"};
   for (const char* f : kFields) {
     for (size_t r = 1; r < h.size(); ++r) {
       if (differs(f, h[0], h[r])) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%sranks disagree on %s: rank 0 has %s, rank %d has %s", prefix, f,
-            describe(f, h[0]), r, describe(f, h[r])));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%sranks disagree on %s: rank 0 has %s, rank %d has %s", prefix, f,
+                            describe(f, h[0]), r, describe(f, h[r])));
       }
     }
   }
@@ -158,8 +163,8 @@ PackedShard PackShard(const kernels::ShardGeometry& g, const kernels::QuantizePa
 std::string ChannelMemoryMessage(std::string_view field, const OpContext& ctx) {
   const bool device = ctx.device->memory_kind() == MemoryKind::kDevice;
   return absl::StrFormat(
-      "%s: a channel AllGather on %s needs its tensors in %s memory (register a %s region)",
-      field, ctx.device->name(), device ? "device" : "host", device ? "cuda_ipc" : "shm");
+      "%s: a channel AllGather on %s needs its tensors in %s memory (register a %s region)", field,
+      ctx.device->name(), device ? "device" : "host", device ? "cuda_ipc" : "shm");
 }
 
 struct LocalRequest {
@@ -193,11 +198,11 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
     const std::optional<tensor::RegionSliceSpec>& spec;
     bool requested;
     const char* field;
-  } checks[] = {{r.outputs.rowwise_data, r.params.rowwise, "outputs.rowwise_data"},
-                {r.outputs.rowwise_scale_inv, r.params.rowwise, "outputs.rowwise_scale_inv"},
-                {r.outputs.columnwise_data, r.params.columnwise, "outputs.columnwise_data"},
-                {r.outputs.columnwise_scale_inv, r.params.columnwise,
-                 "outputs.columnwise_scale_inv"}};
+  } checks[] = {
+      {r.outputs.rowwise_data, r.params.rowwise, "outputs.rowwise_data"},
+      {r.outputs.rowwise_scale_inv, r.params.rowwise, "outputs.rowwise_scale_inv"},
+      {r.outputs.columnwise_data, r.params.columnwise, "outputs.columnwise_data"},
+      {r.outputs.columnwise_scale_inv, r.params.columnwise, "outputs.columnwise_scale_inv"}};
   for (const auto& c : checks) {
     if (c.spec.has_value() && !c.requested) {
       return absl::InvalidArgumentError(
@@ -264,9 +269,9 @@ absl::StatusOr<bool> PrepareEarly(const AllGatherRequestSpec& r, const LocalRequ
     outs[i].emplace();
     outs[i]->bytes = spec.size;
     outs[i]->tensor.region = spec;
-    QTX_ASSIGN_OR_RETURN(outs[i]->slice, tensor::ResolveOutputSlice(spec, spec.size, alignment[i],
-                                                                     kOutputFields[i],
-                                                                     *ctx.regions));
+    QTX_ASSIGN_OR_RETURN(
+        outs[i]->slice,
+        tensor::ResolveOutputSlice(spec, spec.size, alignment[i], kOutputFields[i], *ctx.regions));
     if (spec.size > 0 && outs[i]->slice->memory != ctx.device->memory_kind()) {
       if (r.events.queue != nullptr) {
         return absl::FailedPreconditionError(ChannelMemoryMessage(kOutputFields[i], ctx));
@@ -465,17 +470,16 @@ absl::Status AllGatherCall::ExchangeHeaders() {
     mine.status = ToWire(local.status());
   }
   headers.resize(world);
-  if (absl::Status s = ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), comm, call,
-                                     enqueue_early);
+  if (absl::Status s =
+          ExchangeFixed(&mine, sizeof(WireHeader), headers.data(), comm, call, enqueue_early);
       !s.ok()) {
     return CommFailed(s);
   }
   if (!early_launch.ok()) {
     // The peers have gone on towards the gather: this rank cannot follow.
     return CommFailed(absl::Status(
-        early_launch.code(),
-        absl::StrCat("the shard's quantize failed after the header exchange: ",
-                     early_launch.message())));
+        early_launch.code(), absl::StrCat("the shard's quantize failed after the header exchange: ",
+                                          early_launch.message())));
   }
   if (!local.ok()) return local.status();
   for (int r = 0; r < world; ++r) {
@@ -502,9 +506,9 @@ absl::Status AllGatherCall::PrepareOutputs() {
     int64_t elements = 0;
     if (__builtin_add_overflow(m_total, headers[r].m, &m_total) ||
         __builtin_mul_overflow(m_total, n, &elements) || elements > ctx.limits.max_elements) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%sthe gathered tensor [sum M_r, N=%d] exceeds the element limit %d", prefix, n,
-          ctx.limits.max_elements));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%sthe gathered tensor [sum M_r, N=%d] exceeds the element limit %d",
+                          prefix, n, ctx.limits.max_elements));
     }
   }
   const kernels::ShardGeometry& g = geoms[rank];
@@ -515,8 +519,8 @@ absl::Status AllGatherCall::PrepareOutputs() {
   input_ptr = local->input.data;
   amax_first.assign(amax_len, 0.0f);
   amax_last.assign(amax_len, 0.0f);
-  all_early = std::all_of(headers.begin(), headers.end(),
-                          [](const WireHeader& h) { return h.early != 0; });
+  all_early =
+      std::all_of(headers.begin(), headers.end(), [](const WireHeader& h) { return h.early != 0; });
   if (all_early) {
     QTX_RETURN_IF_ERROR(EarlyVerdict());
   } else {
@@ -576,8 +580,8 @@ absl::Status AllGatherCall::EarlyVerdict() {
   auto size_error = [&](const WireHeader& h) -> absl::Status {
     for (int i = 0; i < 4; ++i) {
       if ((i < 2 ? p.rowwise : p.columnwise) && h.out_size[i] != needed[i]) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s.size=%d: expected %d", kOutputFields[i], h.out_size[i], needed[i]));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s.size=%d: expected %d", kOutputFields[i], h.out_size[i], needed[i]));
       }
     }
     return absl::OkStatus();
@@ -590,8 +594,8 @@ absl::Status AllGatherCall::EarlyVerdict() {
                       absl::StrFormat("%srank %d could not take part: ", prefix, r));
     }
     if (absl::Status e = size_error(headers[r]); !e.ok()) {
-      return absl::Status(e.code(), absl::StrFormat("%srank %d could not take part: %s",
-                                                    prefix, r, e.message()));
+      return absl::Status(
+          e.code(), absl::StrFormat("%srank %d could not take part: %s", prefix, r, e.message()));
     }
   }
   const DType data_dtype = tensor::Fp8DataDType(p.format);
@@ -611,20 +615,20 @@ absl::Status AllGatherCall::PlaceOutputs() {
                                     data_dtype,
                                     {layout.rowwise_data_rows, layout.rowwise_data_cols},
                                     "outputs.rowwise_data", ctx, outs[0]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(
-        request.outputs.rowwise_scale_inv, 4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
-        {layout.rowwise_scale_rows, layout.rowwise_scale_cols}, "outputs.rowwise_scale_inv",
-        ctx, outs[1]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_scale_inv,
+                                    4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
+                                    {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
+                                    "outputs.rowwise_scale_inv", ctx, outs[1]));
   }
   if (p.columnwise) {
-    QTX_RETURN_IF_ERROR(PlaceOutput(
-        request.outputs.columnwise_data, layout.ColumnwiseDataBytes(), 1, data_dtype,
-        {layout.columnwise_data_rows, layout.columnwise_data_cols}, "outputs.columnwise_data",
-        ctx, outs[2]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(
-        request.outputs.columnwise_scale_inv, 4 * layout.ColumnwiseScaleCount(), 4,
-        DType::kFloat32, {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
-        "outputs.columnwise_scale_inv", ctx, outs[3]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_data, layout.ColumnwiseDataBytes(),
+                                    1, data_dtype,
+                                    {layout.columnwise_data_rows, layout.columnwise_data_cols},
+                                    "outputs.columnwise_data", ctx, outs[2]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_scale_inv,
+                                    4 * layout.ColumnwiseScaleCount(), 4, DType::kFloat32,
+                                    {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
+                                    "outputs.columnwise_scale_inv", ctx, outs[3]));
   }
   QTX_RETURN_IF_ERROR(CheckNoOverlap(OutputRanges(local->input, outs)));
   uint64_t inline_bytes = 0;
@@ -690,9 +694,8 @@ absl::Status AllGatherCall::GatherExact(const backend::CommCall& data_call, bool
     if (absl::Status s = comm.AllGatherV(mine, amax_sizes, all, data_call); !s.ok()) {
       return CommFailed(s);
     }
-    QTX_RETURN_IF_ERROR(ctx.device->CombineBoundaryAmax(world, geoms.data(), all, amax_len,
-                                                        rank, p.scaling, amax_ptr,
-                                                        amax_ptr + amax_len));
+    QTX_RETURN_IF_ERROR(ctx.device->CombineBoundaryAmax(world, geoms.data(), all, amax_len, rank,
+                                                        p.scaling, amax_ptr, amax_ptr + amax_len));
   } else if (amax_len > 0) {
     // The amaxes came with the status exchange (host bytes).
     std::vector<const float*> firsts(world), lasts(world);
@@ -704,9 +707,9 @@ absl::Status AllGatherCall::GatherExact(const backend::CommCall& data_call, bool
         lasts[r] = base + amax_len;
       }
     }
-    QTX_RETURN_IF_ERROR(ctx.device->CombineHostBoundaryAmax(
-        world, geoms.data(), firsts.data(), lasts.data(), amax_len, rank, p.scaling, amax_ptr,
-        amax_ptr + amax_len));
+    QTX_RETURN_IF_ERROR(ctx.device->CombineHostBoundaryAmax(world, geoms.data(), firsts.data(),
+                                                            lasts.data(), amax_len, rank, p.scaling,
+                                                            amax_ptr, amax_ptr + amax_len));
   }
   // The early shard holds [data | scales]; its scales section is this
   // rank's packed shard (rowwise-only: rw_scale = 0, total = scales).
@@ -727,9 +730,8 @@ absl::Status AllGatherCall::GatherExact(const backend::CommCall& data_call, bool
   }
   if (g.m > 0 && !have_early) {
     backend::ShardArgs args{input_ptr, local->dtype, g, p};
-    QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(args, amax_len ? amax_ptr : nullptr,
-                                                  amax_len ? amax_ptr + amax_len : nullptr,
-                                                  shard_bufs));
+    QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
+        args, amax_len ? amax_ptr : nullptr, amax_len ? amax_ptr + amax_len : nullptr, shard_bufs));
   }
   Lap(&timing.prepare);
   // The rowwise data (in place in the output) and the packed rest in one
@@ -768,7 +770,7 @@ absl::Status AllGatherCall::GatherExact(const backend::CommCall& data_call, bool
 }
 
 absl::Status AllGatherCall::GatherHighPrecision(const backend::CommCall& data_call,
-                                               bool stream_ordered) {
+                                                bool stream_ordered) {
   const int64_t esize = tensor::ElementSize(request.input.dtype);
   std::vector<uint64_t> sizes(world);
   uint64_t total = 0;
@@ -778,8 +780,7 @@ absl::Status AllGatherCall::GatherHighPrecision(const backend::CommCall& data_ca
   }
   QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered, ctx.device->Allocate(total));
   Lap(&timing.prepare);
-  if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), data_call);
-      !s.ok()) {
+  if (absl::Status s = comm.AllGatherV(input_ptr, sizes, gathered.data(), data_call); !s.ok()) {
     return CommFailed(s);
   }
   Lap(&timing.gather);
@@ -841,8 +842,8 @@ std::string_view AllGatherModeName(AllGatherMode m) {
   return "UNKNOWN";
 }
 
-absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
-                                          const OpContext& ctx, backend::Communicator& comm,
+absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request, const OpContext& ctx,
+                                          backend::Communicator& comm,
                                           const backend::CommCall& call, bool* group_broken) {
   *group_broken = false;
   return AllGatherCall(request, ctx, comm, call, group_broken).Run();

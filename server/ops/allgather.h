@@ -53,7 +53,7 @@ struct AllGatherRequestSpec {
   tensor::TensorRefSpec input;     // this rank's shard [M_r, N] (leading dims flattened)
   kernels::QuantizeParams params;  // defaults applied by the caller
   AllGatherMode mode = AllGatherMode::kExactFp8;
-  QuantizeOutputSpecs outputs;     // for the gathered [M, N] tensor
+  QuantizeOutputSpecs outputs;  // for the gathered [M, N] tensor
   // Optional interprocess events (CUDA device only): the shard is read only
   // after wait_event; signal_event is recorded once the outputs are written.
   // AllGather returns when its outputs are complete either way, except on a
@@ -89,8 +89,8 @@ struct AllGatherResult {
 // exceeds the element limit; the communicator's errors (DEADLINE_EXCEEDED,
 // UNAVAILABLE, ABORTED), after which `*group_broken` is set: the ranks may be
 // out of step and the group must not be used again.
-absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request,
-                                          const OpContext& ctx, backend::Communicator& comm,
+absl::StatusOr<AllGatherResult> AllGather(const AllGatherRequestSpec& request, const OpContext& ctx,
+                                          backend::Communicator& comm,
                                           const backend::CommCall& call, bool* group_broken);
 
 }  // namespace qtx::server::ops

@@ -49,13 +49,11 @@ std::vector<std::string> RegionsOf(const ChannelOp& op) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const tensor::RegionSliceSpec& flags,
-                                                       const OpContext& ctx,
-                                                       ProgressFn on_progress,
+                                                       const OpContext& ctx, ProgressFn on_progress,
                                                        std::optional<ChannelPlan> plan) {
   if (plan.has_value() && (plan->lookahead < 1 || plan->lookahead > kMaxPlanLookahead)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "open.plan.lookahead=%d: must be 1..%d (0 means 2)", plan->lookahead,
-        kMaxPlanLookahead));
+        "open.plan.lookahead=%d: must be 1..%d (0 means 2)", plan->lookahead, kMaxPlanLookahead));
   }
   if (flags.size != kChannelFlagBytes) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -70,9 +68,9 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const tensor::RegionSlice
   QTX_ASSIGN_OR_RETURN(
       tensor::OutputSlice slice,
       tensor::ResolveOutputSlice(flags, kChannelFlagBytes, 8, "open.flags", *ctx.regions));
-  QTX_ASSIGN_OR_RETURN(std::unique_ptr<backend::ChannelQueue> queue,
-                       ctx.device->OpenChannelQueue(static_cast<std::byte*>(slice.data),
-                                                    slice.memory));
+  QTX_ASSIGN_OR_RETURN(
+      std::unique_ptr<backend::ChannelQueue> queue,
+      ctx.device->OpenChannelQueue(static_cast<std::byte*>(slice.data), slice.memory));
   return std::unique_ptr<Channel>(new Channel(ctx, std::move(slice.pin), std::move(queue),
                                               std::move(on_progress), std::move(plan)));
 }
@@ -115,9 +113,8 @@ void Channel::WorkerLoop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](Channel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return c->closing_ || !c->items_.empty();
-          },
+          +[](Channel* c)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return c->closing_ || !c->items_.empty(); },
           this));
       if (items_.empty()) return;  // closing and drained
       item = std::move(items_.front());
@@ -278,15 +275,14 @@ void Channel::Close(absl::Duration grace) {
     closing_ = true;
     // Everything submitted has finished (or the channel failed), or the
     // grace is over.
-    mu_.AwaitWithDeadline(
-        absl::Condition(
-            +[](Channel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-              return c->progress_.failed_seq != 0 ||
-                     (c->items_.empty() && !c->busy_ &&
-                      c->progress_.completed_through >= c->submitted_);
-            },
-            this),
-        deadline);
+    mu_.AwaitWithDeadline(absl::Condition(
+                              +[](Channel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                return c->progress_.failed_seq != 0 ||
+                                       (c->items_.empty() && !c->busy_ &&
+                                        c->progress_.completed_through >= c->submitted_);
+                              },
+                              this),
+                          deadline);
     all_done = !plan_.has_value() && progress_.failed_seq == 0 && items_.empty() && !busy_ &&
                progress_.completed_through >= submitted_;
   }

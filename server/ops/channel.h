@@ -173,8 +173,8 @@ class Channel {
   absl::Mutex mu_;
   std::deque<Item> items_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // the worker is running an item
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // highest seq handed to Submit
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;           // the worker is running an item
+  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;      // highest seq handed to Submit
   uint64_t plan_enqueued_ ABSL_GUARDED_BY(mu_) = 0;  // plan executions enqueued
   ChannelProgress progress_ ABSL_GUARDED_BY(mu_);
   std::deque<Held> held_ ABSL_GUARDED_BY(mu_);  // oldest first

@@ -10,9 +10,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "kernels/block_geometry.h"
 #include "server/optimizer/group_state.h"
-#include "common/status_macros.h"
 #include "server/tensor/dtype.h"
 
 namespace qtx::server::ops {
@@ -40,14 +40,14 @@ absl::StatusOr<tensor::TensorView> ResolveHighPrecision(const tensor::TensorRefS
   const bool ok = v.dtype == DType::kFloat32 || v.dtype == DType::kBFloat16 ||
                   (allow_fp16 && v.dtype == DType::kFloat16);
   if (!ok) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.dtype=%s: must be FLOAT32 or BFLOAT16%s", field, tensor::DTypeName(v.dtype),
-        allow_fp16 ? " (or FLOAT16)" : ""));
+    return absl::InvalidArgumentError(absl::StrFormat("%s.dtype=%s: must be FLOAT32 or BFLOAT16%s",
+                                                      field, tensor::DTypeName(v.dtype),
+                                                      allow_fp16 ? " (or FLOAT16)" : ""));
   }
   if (v.shape != shape) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.shape=[%s]: must equal the parameter's shape [%s]", field,
-        absl::StrJoin(v.shape, ","), absl::StrJoin(shape, ",")));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.shape=[%s]: must equal the parameter's shape [%s]", field,
+                        absl::StrJoin(v.shape, ","), absl::StrJoin(shape, ",")));
   }
   QTX_RETURN_IF_ERROR(RequireHost(v.memory, field));
   return v;
@@ -83,9 +83,9 @@ absl::StatusOr<std::vector<void*>> Place(std::vector<Placement>& ps, const OpCon
   ptrs.reserve(ps.size());
   for (Placement& p : ps) {
     if (p.slice.has_value()) {
-      QTX_ASSIGN_OR_RETURN(tensor::OutputSlice s,
-                           tensor::ResolveOutputSlice(*p.slice, p.bytes, p.alignment, p.field,
-                                                      *ctx.regions));
+      QTX_ASSIGN_OR_RETURN(
+          tensor::OutputSlice s,
+          tensor::ResolveOutputSlice(*p.slice, p.bytes, p.alignment, p.field, *ctx.regions));
       if (device != nullptr) {
         device->push_back(s.memory == MemoryKind::kDevice);
       } else {
@@ -174,9 +174,9 @@ class DeviceStepHooks final : public optimizer::StepHooks {
     if (!gradients) return absl::OkStatus();
     for (size_t i = 0; i < grads_.size(); ++i) {
       if (!grads_[i].has_value()) continue;
-      QTX_ASSIGN_OR_RETURN(tickets_[i], pipeline_->CopyToHostAsync(staging_ + grads_[i]->offset,
-                                                                   grads_[i]->device,
-                                                                   grads_[i]->bytes));
+      QTX_ASSIGN_OR_RETURN(
+          tickets_[i], pipeline_->CopyToHostAsync(staging_ + grads_[i]->offset, grads_[i]->device,
+                                                  grads_[i]->bytes));
     }
     return absl::OkStatus();
   }
@@ -212,7 +212,6 @@ OutputTensor MakeTensor(DType dtype, std::vector<int64_t> shape) {
   t.shape = std::move(shape);
   return t;
 }
-
 
 // ---- Step: the parts of preparing one step's buffers under the group's lock ----
 
@@ -334,9 +333,9 @@ absl::Status GatherGradients(const optimizer::GroupInfo& info, StepPlan& plan,
                           tensor::DTypeName(v.dtype)));
     }
     if (v.shape != p.shape) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.shape=[%s]: must equal the parameter's shape [%s]", field,
-          absl::StrJoin(v.shape, ","), absl::StrJoin(p.shape, ",")));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.shape=[%s]: must equal the parameter's shape [%s]", field,
+                          absl::StrJoin(v.shape, ","), absl::StrJoin(p.shape, ",")));
     }
     if (v.memory == MemoryKind::kDevice) {
       plan.grad_copies[bufs.grads.size()] = StagedCopy{const_cast<void*>(v.data), v.byte_size, 0};
@@ -364,8 +363,8 @@ absl::Status AddFp8Output(OutputPlacements& out, bool wanted, std::optional<Outp
                           size_t param, int slot) {
   if (!wanted) {
     if (slice.has_value()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.fp8.%s: group '%s' does not produce this copy", field, name, group));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.fp8.%s: group '%s' does not produce this copy", field, name, group));
     }
     return absl::OkStatus();
   }
@@ -401,9 +400,9 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
           "%s.fp8: group '%s' returns BF16 parameters, not FP8", field, info.config.name));
     }
     if (d != nullptr && d->bf16.has_value() && !out.bf16()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.bf16: group '%s' returns no BF16 copy (set output.bf16_copy)", field,
-          info.config.name));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.bf16: group '%s' returns no BF16 copy (set output.bf16_copy)", field,
+                          info.config.name));
     }
     if (out.fp8) {
       const kernels::QuantizedLayout l = kernels::ComputeLayout(q.scaling, p.m, p.n);
@@ -415,12 +414,10 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
       const QuantizeOutputSpecs none;
       const QuantizeOutputSpecs& s = d != nullptr ? d->fp8 : none;
       const std::string& g = info.config.name;
-      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_data, data,
-                                       {l.rowwise_data_rows, l.rowwise_data_cols},
-                                       l.RowwiseDataBytes(), 1, s.rowwise_data, field,
-                                       "rowwise_data", g, i, kRowwiseData));
-      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_scale_inv,
-                                       DType::kFloat32,
+      QTX_RETURN_IF_ERROR(AddFp8Output(
+          placed, q.rowwise, r.fp8->rowwise_data, data, {l.rowwise_data_rows, l.rowwise_data_cols},
+          l.RowwiseDataBytes(), 1, s.rowwise_data, field, "rowwise_data", g, i, kRowwiseData));
+      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_scale_inv, DType::kFloat32,
                                        {l.rowwise_scale_rows, l.rowwise_scale_cols},
                                        4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv, field,
                                        "rowwise_scale_inv", g, i, kRowwiseScaleInv));
@@ -428,12 +425,10 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
                                        {l.columnwise_data_rows, l.columnwise_data_cols},
                                        l.ColumnwiseDataBytes(), 1, s.columnwise_data, field,
                                        "columnwise_data", g, i, kColumnwiseData));
-      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.columnwise, r.fp8->columnwise_scale_inv,
-                                       DType::kFloat32,
-                                       {l.columnwise_scale_rows, l.columnwise_scale_cols},
-                                       4 * l.ColumnwiseScaleCount(), 4, s.columnwise_scale_inv,
-                                       field, "columnwise_scale_inv", g, i,
-                                       kColumnwiseScaleInv));
+      QTX_RETURN_IF_ERROR(AddFp8Output(
+          placed, q.columnwise, r.fp8->columnwise_scale_inv, DType::kFloat32,
+          {l.columnwise_scale_rows, l.columnwise_scale_cols}, 4 * l.ColumnwiseScaleCount(), 4,
+          s.columnwise_scale_inv, field, "columnwise_scale_inv", g, i, kColumnwiseScaleInv));
     }
     if (out.bf16()) {
       r.bf16 = MakeTensor(DType::kBFloat16, p.shape);
@@ -507,9 +502,8 @@ absl::Status UseTransferPipeline(StepPlan& plan, const OpContext& ctx,
       SetOutputPointer(bufs.outputs[i], c.slot, staging + c.offset);
     }
   }
-  bufs.hooks = std::make_shared<DeviceStepHooks>(&pipeline, staging, events,
-                                                 std::move(plan.grad_copies),
-                                                 std::move(plan.out_copies));
+  bufs.hooks = std::make_shared<DeviceStepHooks>(
+      &pipeline, staging, events, std::move(plan.grad_copies), std::move(plan.out_copies));
   return absl::OkStatus();
 }
 
@@ -539,8 +533,7 @@ absl::StatusOr<optimizer::StepBuffers> PrepareStepBuffers(
 
 // DATA_LOSS when a gradient region shrank under step `step` (it was applied
 // with zeros in place of the lost bytes), or an output region did.
-absl::Status CheckStepRegionsIntact(const StepPlan& plan, const std::string& group,
-                                    int64_t step) {
+absl::Status CheckStepRegionsIntact(const StepPlan& plan, const std::string& group, int64_t step) {
   for (const auto& [name, view] : plan.grads) {
     if (absl::Status intact = tensor::CheckIntact(view.pin); !intact.ok()) {
       return absl::DataLossError(absl::StrFormat(
@@ -549,7 +542,8 @@ absl::Status CheckStepRegionsIntact(const StepPlan& plan, const std::string& gro
           intact.message(), step, group, name));
     }
   }
-  for (const tensor::OutputSlice& out : plan.pins) QTX_RETURN_IF_ERROR(tensor::CheckIntact(out.pin));
+  for (const tensor::OutputSlice& out : plan.pins)
+    QTX_RETURN_IF_ERROR(tensor::CheckIntact(out.pin));
   return absl::OkStatus();
 }
 
@@ -573,9 +567,9 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
     QTX_ASSIGN_OR_RETURN(const Matrix2D mn, FlattenTo2D(p.shape, field + ".shape", ctx.limits));
     total += elements;
     if (total > ctx.limits.max_elements) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "parameters: %d elements in total exceed --max_tensor_elements=%d", total,
-          ctx.limits.max_elements));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("parameters: %d elements in total exceed --max_tensor_elements=%d", total,
+                          ctx.limits.max_elements));
     }
     optimizer::ParameterInit init;
     init.name = p.name;
@@ -589,20 +583,20 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
     init.master_dtype = *tensor::ToInputDType(master.dtype);
     views.push_back(std::move(master));
     if (p.exp_avg.has_value() != p.exp_avg_sq.has_value()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s ('%s'): give both exp_avg and exp_avg_sq or neither", field, p.name));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s ('%s'): give both exp_avg and exp_avg_sq or neither", field, p.name));
     }
     if (p.exp_avg.has_value()) {
-      QTX_ASSIGN_OR_RETURN(tensor::TensorView m1, ResolveHighPrecision(*p.exp_avg, p.shape,
-                                                                       field + ".exp_avg", ctx,
-                                                                       false));
-      QTX_ASSIGN_OR_RETURN(tensor::TensorView m2,
-                           ResolveHighPrecision(*p.exp_avg_sq, p.shape, field + ".exp_avg_sq",
-                                                ctx, false));
+      QTX_ASSIGN_OR_RETURN(
+          tensor::TensorView m1,
+          ResolveHighPrecision(*p.exp_avg, p.shape, field + ".exp_avg", ctx, false));
+      QTX_ASSIGN_OR_RETURN(
+          tensor::TensorView m2,
+          ResolveHighPrecision(*p.exp_avg_sq, p.shape, field + ".exp_avg_sq", ctx, false));
       if (m1.dtype != m2.dtype) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: exp_avg is %s but exp_avg_sq is %s; give both in one dtype", field,
-            tensor::DTypeName(m1.dtype), tensor::DTypeName(m2.dtype)));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: exp_avg is %s but exp_avg_sq is %s; give both in one dtype", field,
+                            tensor::DTypeName(m1.dtype), tensor::DTypeName(m2.dtype)));
       }
       init.exp_avg = m1.data;
       init.exp_avg_sq = m2.data;
@@ -639,9 +633,8 @@ absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const O
     return PrepareStepBuffers(info, replay, request.omit_parameters, request.events, ctx, slot,
                               plan, result.params);
   };
-  QTX_ASSIGN_OR_RETURN(result.stats,
-                       store.Step(request.group, request.options,
-                                  optimizer::PrepareStepWithScratchFn(prepare)));
+  QTX_ASSIGN_OR_RETURN(result.stats, store.Step(request.group, request.options,
+                                                optimizer::PrepareStepWithScratchFn(prepare)));
   QTX_RETURN_IF_ERROR(CheckStepRegionsIntact(plan, request.group, result.stats.step));
   return result;
 }
@@ -654,12 +647,12 @@ absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequest
   std::vector<ParameterResult> unused;
   auto prepare = [&](const optimizer::GroupInfo& info, bool replay,
                      optimizer::StepScratchSlot& slot) {
-    return PrepareStepBuffers(info, replay, /*omit_outputs=*/true, request.events, ctx, slot,
-                              plan, unused);
+    return PrepareStepBuffers(info, replay, /*omit_outputs=*/true, request.events, ctx, slot, plan,
+                              unused);
   };
-  QTX_ASSIGN_OR_RETURN(optimizer::GradNormStats stats,
-                       store.GradNorm(request.group, request.step,
-                                      optimizer::PrepareStepWithScratchFn(prepare)));
+  QTX_ASSIGN_OR_RETURN(
+      optimizer::GradNormStats stats,
+      store.GradNorm(request.group, request.step, optimizer::PrepareStepWithScratchFn(prepare)));
   for (const auto& [name, view] : plan.grads) {
     if (absl::Status intact = tensor::CheckIntact(view.pin); !intact.ok()) {
       return absl::DataLossError(absl::StrFormat(
@@ -746,8 +739,9 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
   GetStateResult result;
   std::vector<tensor::OutputSlice> pins;  // held until the copies are done
   QTX_RETURN_IF_ERROR(store.ReadState(
-      group, [&](const optimizer::GroupInfo& info,
-                 std::span<const optimizer::ParameterStateView> views) -> absl::Status {
+      group,
+      [&](const optimizer::GroupInfo& info,
+          std::span<const optimizer::ParameterStateView> views) -> absl::Status {
         result.group = info;
         std::vector<const optimizer::ParameterStateView*> chosen;
         if (names.empty()) {
@@ -808,8 +802,8 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
           if (include_moments) {
             r.exp_avg = MakeTensor(mdt, v->info->shape);
             r.exp_avg_sq = MakeTensor(mdt, v->info->shape);
-            add(&*r.exp_avg, d != nullptr ? d->exp_avg : std::nullopt, count * mb, mb,
-                v->exp_avg, "exp_avg");
+            add(&*r.exp_avg, d != nullptr ? d->exp_avg : std::nullopt, count * mb, mb, v->exp_avg,
+                "exp_avg");
             add(&*r.exp_avg_sq, d != nullptr ? d->exp_avg_sq : std::nullopt, count * mb, mb,
                 v->exp_avg_sq, "exp_avg_sq");
           }

@@ -32,7 +32,7 @@ namespace qtx::server::ops {
 struct OffloadParameterSpec {
   std::string name;
   std::vector<int64_t> shape;
-  tensor::TensorRefSpec master;                 // FLOAT32 or BFLOAT16
+  tensor::TensorRefSpec master;                  // FLOAT32 or BFLOAT16
   std::optional<tensor::TensorRefSpec> exp_avg;  // FLOAT32 or BFLOAT16
   std::optional<tensor::TensorRefSpec> exp_avg_sq;
   optimizer::ParameterHyper hyper = {};  // its own weight decay / lr scale, if any

@@ -30,9 +30,9 @@ absl::Status PlaceOutput(const std::optional<tensor::RegionSliceSpec>& spec, uin
     dst_kind = p.slice->memory;
   }
   if (dst_kind == MemoryKind::kDevice && ctx.device->memory_kind() == MemoryKind::kHost) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: region '%s' is device memory, but this server computes on %s", field,
-        spec->region, ctx.device->name()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s: region '%s' is device memory, but this server computes on %s", field,
+                        spec->region, ctx.device->name()));
   }
   if (dst_kind != ctx.device->memory_kind() && bytes > 0) {
     QTX_ASSIGN_OR_RETURN(p.staging, ctx.device->Allocate(bytes));
@@ -55,9 +55,9 @@ absl::StatusOr<const void*> InputOnDevice(const tensor::TensorView& view, std::s
                                           const OpContext& ctx, backend::DeviceBuffer& staging) {
   if (view.byte_size == 0 || view.memory == ctx.device->memory_kind()) return view.data;
   if (view.memory == MemoryKind::kDevice) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: the region is device memory, but this server computes on %s", field,
-        ctx.device->name()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s: the region is device memory, but this server computes on %s", field,
+                        ctx.device->name()));
   }
   QTX_ASSIGN_OR_RETURN(staging, ctx.device->Allocate(view.byte_size));
   QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(staging.data(), view.data, view.byte_size));
@@ -114,24 +114,22 @@ absl::Status CheckChannelOutput(const PlacedOutput& out, std::string_view field,
 absl::Status CheckNoOverlap(const std::vector<NamedRange>& ranges) {
   for (size_t i = 0; i < ranges.size(); ++i) {
     for (size_t j = i + 1; j < ranges.size(); ++j) {
-      if (tensor::RangesOverlap(ranges[i].data, ranges[i].size, ranges[j].data,
-                                ranges[j].size)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s overlaps %s: outputs may not alias each other or an input", ranges[j].field,
-            ranges[i].field));
+      if (tensor::RangesOverlap(ranges[i].data, ranges[i].size, ranges[j].data, ranges[j].size)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s overlaps %s: outputs may not alias each other or an input",
+                            ranges[j].field, ranges[i].field));
       }
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx,
-                               std::string_view what) {
+absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx, std::string_view what) {
   if (inline_bytes > ctx.max_inline_output_bytes) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s: %d bytes of inline output exceed the server's limit of %d bytes "
-        "(--max_message_mb); write the outputs into a registered region instead",
-        what, inline_bytes, ctx.max_inline_output_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("%s: %d bytes of inline output exceed the server's limit of %d bytes "
+                        "(--max_message_mb); write the outputs into a registered region instead",
+                        what, inline_bytes, ctx.max_inline_output_bytes));
   }
   return absl::OkStatus();
 }

@@ -89,8 +89,7 @@ absl::Status CheckNoOverlap(const std::vector<NamedRange>& ranges);
 
 // RESOURCE_EXHAUSTED (prefixed with `what`, the op) when the inline outputs
 // exceed ctx.max_inline_output_bytes.
-absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx,
-                               std::string_view what);
+absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx, std::string_view what);
 
 }  // namespace qtx::server::ops
 

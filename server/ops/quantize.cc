@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "kernels/block_geometry.h"
 #include "common/status_macros.h"
+#include "kernels/block_geometry.h"
 #include "server/ops/output_placement.h"
 
 namespace qtx::server::ops {
@@ -47,7 +47,8 @@ std::vector<int64_t> ScaleShape(kernels::BlockScaling s, int64_t rows, int64_t c
 absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
     const std::optional<tensor::TensorRefSpec>& spec, std::string_view field, bool is_data,
     kernels::Fp8Format format, int64_t expected_elements, const std::string& layout_desc,
-    const OpContext& ctx, std::optional<std::pair<int64_t, int64_t>> expected_shape = std::nullopt) {
+    const OpContext& ctx,
+    std::optional<std::pair<int64_t, int64_t>> expected_shape = std::nullopt) {
   if (!spec.has_value()) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: missing", field));
   }
@@ -59,24 +60,24 @@ absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
           tensor::DTypeName(want), FormatName(format)));
     }
   } else if (spec->dtype != DType::kFloat32) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s.dtype=%s: must be FLOAT32", field,
-                                                      tensor::DTypeName(spec->dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.dtype=%s: must be FLOAT32", field, tensor::DTypeName(spec->dtype)));
   }
   QTX_ASSIGN_OR_RETURN(tensor::TensorView view,
                        tensor::ResolveInput(*spec, field, *ctx.regions, ctx.limits));
   if (view.elements != expected_elements) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.shape=%s: %d elements, expected %d (%s)", field, ShapeString(view.shape),
-        view.elements, expected_elements, layout_desc));
+    return absl::InvalidArgumentError(absl::StrFormat("%s.shape=%s: %d elements, expected %d (%s)",
+                                                      field, ShapeString(view.shape), view.elements,
+                                                      expected_elements, layout_desc));
   }
   // The element count alone would let the transpose (or any other
   // arrangement) through and dequantize it silently wrong.
   if (expected_shape.has_value() &&
       (view.shape.size() != 2 || view.shape[0] != expected_shape->first ||
        view.shape[1] != expected_shape->second)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.shape=%s: expected [%d, %d] (%s)", field, ShapeString(view.shape),
-        expected_shape->first, expected_shape->second, layout_desc));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.shape=%s: expected [%d, %d] (%s)", field, ShapeString(view.shape),
+                        expected_shape->first, expected_shape->second, layout_desc));
   }
   return view;
 }
@@ -143,8 +144,7 @@ MemoryKind RefMemory(const tensor::TensorRefSpec& ref, const OpContext& ctx) {
   return MemoryKind::kHost;
 }
 
-MemoryKind OutputMemory(const std::optional<tensor::RegionSliceSpec>& spec,
-                        const OpContext& ctx) {
+MemoryKind OutputMemory(const std::optional<tensor::RegionSliceSpec>& spec, const OpContext& ctx) {
   return spec.has_value() ? SliceMemory(*spec, ctx) : MemoryKind::kHost;
 }
 
@@ -220,24 +220,23 @@ std::string_view FormatName(kernels::Fp8Format f) {
   return f == kernels::Fp8Format::kE5M2 ? "E5M2" : "E4M3";
 }
 
-absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
-                                    std::string_view field) {
+absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params, std::string_view field) {
   if (!ValidScaling(params.scaling)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.scaling_mode=%d: must be BLOCK_1D, BLOCK_2D or TENSOR", field,
-        static_cast<int>(params.scaling)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.scaling_mode=%d: must be BLOCK_1D, BLOCK_2D or TENSOR", field,
+                        static_cast<int>(params.scaling)));
   }
   if (params.format != kernels::Fp8Format::kE4M3 && params.format != kernels::Fp8Format::kE5M2) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.format=%d: must be E4M3 or E5M2", field, static_cast<int>(params.format)));
+    return absl::InvalidArgumentError(absl::StrFormat("%s.format=%d: must be E4M3 or E5M2", field,
+                                                      static_cast<int>(params.format)));
   }
   if (!params.rowwise && !params.columnwise) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: rowwise=false and columnwise=false: at least one copy must be requested", field));
   }
   if (!std::isfinite(params.amax_epsilon) || params.amax_epsilon < 0.0f) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.amax_epsilon=%g: must be finite and >= 0", field, params.amax_epsilon));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.amax_epsilon=%g: must be finite and >= 0", field, params.amax_epsilon));
   }
   return absl::OkStatus();
 }
@@ -261,8 +260,7 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
   } const unrequested_checks[] = {
       {request.outputs.rowwise_data, params.rowwise, "outputs.rowwise_data", "rowwise"},
       {request.outputs.rowwise_scale_inv, params.rowwise, "outputs.rowwise_scale_inv", "rowwise"},
-      {request.outputs.columnwise_data, params.columnwise, "outputs.columnwise_data",
-       "columnwise"},
+      {request.outputs.columnwise_data, params.columnwise, "outputs.columnwise_data", "columnwise"},
       {request.outputs.columnwise_scale_inv, params.columnwise, "outputs.columnwise_scale_inv",
        "columnwise"},
   };
@@ -288,11 +286,10 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
     QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, data_bytes, 1, data_dtype,
                                     {layout.rowwise_data_rows, layout.rowwise_data_cols},
                                     "outputs.rowwise_data", ctx, outs[0]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_scale_inv, scale_bytes, 4,
-                                    DType::kFloat32,
-                                    ScaleShape(params.scaling, layout.rowwise_scale_rows,
-                                               layout.rowwise_scale_cols),
-                                    "outputs.rowwise_scale_inv", ctx, outs[1]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(
+        request.outputs.rowwise_scale_inv, scale_bytes, 4, DType::kFloat32,
+        ScaleShape(params.scaling, layout.rowwise_scale_rows, layout.rowwise_scale_cols),
+        "outputs.rowwise_scale_inv", ctx, outs[1]));
   }
   if (params.columnwise) {
     QTX_ASSIGN_OR_RETURN(uint64_t data_bytes,
@@ -302,11 +299,10 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
     QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_data, data_bytes, 1, data_dtype,
                                     {layout.columnwise_data_rows, layout.columnwise_data_cols},
                                     "outputs.columnwise_data", ctx, outs[2]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_scale_inv, scale_bytes, 4,
-                                    DType::kFloat32,
-                                    ScaleShape(params.scaling, layout.columnwise_scale_rows,
-                                               layout.columnwise_scale_cols),
-                                    "outputs.columnwise_scale_inv", ctx, outs[3]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(
+        request.outputs.columnwise_scale_inv, scale_bytes, 4, DType::kFloat32,
+        ScaleShape(params.scaling, layout.columnwise_scale_rows, layout.columnwise_scale_cols),
+        "outputs.columnwise_scale_inv", ctx, outs[3]));
   }
 
   // Aliasing and inline budget, still before any work.
@@ -335,8 +331,7 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
   }
 
   backend::DeviceBuffer input_staging;
-  QTX_ASSIGN_OR_RETURN(const void* input_ptr,
-                       InputOnDevice(input, "input", ctx, input_staging));
+  QTX_ASSIGN_OR_RETURN(const void* input_ptr, InputOnDevice(input, "input", ctx, input_staging));
   for (auto& o : outs) AllocateInline(o);
 
   backend::QuantizeArgs args;
@@ -375,9 +370,9 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
                                         const OpContext& ctx) {
   const QuantizedTensorSpec& q = request.input;
   if (!ValidScaling(q.scaling)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "input.config.scaling_mode=%d: must be BLOCK_1D, BLOCK_2D or TENSOR",
-        static_cast<int>(q.scaling)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("input.config.scaling_mode=%d: must be BLOCK_1D, BLOCK_2D or TENSOR",
+                        static_cast<int>(q.scaling)));
   }
   if (q.format != kernels::Fp8Format::kE4M3 && q.format != kernels::Fp8Format::kE5M2) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -389,9 +384,8 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
       request.output_dtype == DType::kUnspecified ? DType::kFloat32 : request.output_dtype;
   const auto out_kernel_dtype = tensor::ToInputDType(out_dtype);
   if (!out_kernel_dtype.has_value()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("output_dtype=%s: must be FLOAT32, BFLOAT16 or FLOAT16",
-                        tensor::DTypeName(out_dtype)));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "output_dtype=%s: must be FLOAT32, BFLOAT16 or FLOAT16", tensor::DTypeName(out_dtype)));
   }
   QTX_ASSIGN_OR_RETURN(int64_t elements, tensor::ValidateShape(q.shape, "input", ctx.limits));
   QTX_ASSIGN_OR_RETURN(const Matrix2D mn, FlattenTo2D(q.shape, "input", ctx.limits));
@@ -407,9 +401,9 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
   tensor::TensorView data;
   tensor::TensorView scale;
   if (use_rowwise) {
-    QTX_ASSIGN_OR_RETURN(data, ResolveQuantizedBuffer(q.rowwise_data, "input.rowwise_data", true,
-                                                      q.format, layout.RowwiseDataBytes(),
-                                                      layout_desc, ctx));
+    QTX_ASSIGN_OR_RETURN(
+        data, ResolveQuantizedBuffer(q.rowwise_data, "input.rowwise_data", true, q.format,
+                                     layout.RowwiseDataBytes(), layout_desc, ctx));
     QTX_ASSIGN_OR_RETURN(
         scale, ResolveQuantizedBuffer(q.rowwise_scale_inv, "input.rowwise_scale_inv", false,
                                       q.format, layout.RowwiseScaleCount(), layout_desc, ctx));
@@ -434,8 +428,8 @@ absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
                        CheckedBytes(elements, tensor::ElementSize(out_dtype), "output"));
   std::optional<PlacedOutput> out;
   QTX_RETURN_IF_ERROR(PlaceOutput(request.output, out_bytes,
-                                  static_cast<uint64_t>(tensor::ElementSize(out_dtype)),
-                                  out_dtype, q.shape, "output", ctx, out));
+                                  static_cast<uint64_t>(tensor::ElementSize(out_dtype)), out_dtype,
+                                  q.shape, "output", ctx, out));
   if (out->slice.has_value()) {
     std::vector<NamedRange> ranges;
     if (data.pin != nullptr) ranges.push_back({"input data", data.data, data.byte_size});

@@ -82,8 +82,7 @@ struct DequantizeRequestSpec {
 
 // INVALID_ARGUMENT unless at least one of rowwise/columnwise is set and
 // amax_epsilon is finite and >= 0. `field` prefixes messages ("config").
-absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params,
-                                    std::string_view field);
+absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params, std::string_view field);
 
 // Quantizes `request.input`. Errors: INVALID_ARGUMENT for any bad field
 // (dtype not FLOAT32/BFLOAT16/FLOAT16, shape, byte counts, usages, epsilon,
@@ -100,8 +99,7 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
 // Errors as Quantize; additionally INVALID_ARGUMENT when neither copy is
 // present, a data/scale buffer's dtype is wrong or its size differs from
 // the layout of (scaling, M, N).
-absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request,
-                                        const OpContext& ctx);
+absl::StatusOr<OutputTensor> Dequantize(const DequantizeRequestSpec& request, const OpContext& ctx);
 
 // True when Quantize(request, ctx) / Dequantize(request, ctx) would do little
 // host work: at most ctx.inline_limits.max_host_bytes bytes computed on or

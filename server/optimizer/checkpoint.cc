@@ -7,8 +7,8 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include <bit>
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -46,9 +46,8 @@ absl::Status Errno(std::string_view what, const std::string& path) {
   // A full disk, quota or file-size limit is something the operator can fix:
   // RESOURCE_EXHAUSTED, not INTERNAL.
   if (err == ENOSPC || err == EDQUOT || err == EFBIG) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("checkpoint %s '%s': %s (free space in --checkpoint_dir)", what, path,
-                        std::strerror(err)));
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "checkpoint %s '%s': %s (free space in --checkpoint_dir)", what, path, std::strerror(err)));
   }
   return absl::InternalError(
       absl::StrFormat("checkpoint %s '%s': %s", what, path, std::strerror(err)));
@@ -204,7 +203,8 @@ absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path, ui
   QTX_RETURN_IF_ERROR(r.Get(&u8));
   c.hyper.bias_correction = u8 != 0;
   QTX_RETURN_IF_ERROR(r.Get(&u8));
-  if (u8 > 1) return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad moment dtype", path));
+  if (u8 > 1)
+    return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad moment dtype", path));
   c.moment_dtype = static_cast<kernels::MomentDType>(u8);
   QTX_RETURN_IF_ERROR(r.Get(&u8));
   c.output.fp8 = u8 != 0;
@@ -297,8 +297,8 @@ absl::Status ValidateLoadedState(const GroupState& s) {
   const GroupConfig& c = s.config;
   QTX_RETURN_IF_ERROR(ValidateGroupConfig(c));
   if (s.update_count < 0 || s.update_count > c.step) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "update_count=%d: must be 0..step (%d)", s.update_count, c.step));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("update_count=%d: must be 0..step (%d)", s.update_count, c.step));
   }
   if (s.last.has_value()) {
     const StepStats& l = *s.last;

@@ -16,14 +16,14 @@ namespace qtx::server::optimizer {
 
 struct ParamState {
   ParameterInfo info;
-  std::unique_ptr<float[]> master;          // m*n FP32
-  std::unique_ptr<uint8_t[]> exp_avg;       // m*n of the group's moment dtype
+  std::unique_ptr<float[]> master;     // m*n FP32
+  std::unique_ptr<uint8_t[]> exp_avg;  // m*n of the group's moment dtype
   std::unique_ptr<uint8_t[]> exp_avg_sq;
 };
 
 struct GroupState {
-  GroupConfig config;        // config.step: steps processed
-  int64_t update_count = 0;  // steps applied (AdamW's t)
+  GroupConfig config;             // config.step: steps processed
+  int64_t update_count = 0;       // steps applied (AdamW's t)
   std::optional<StepStats> last;  // result of step config.step, when known
   std::vector<ParamState> params;
 };

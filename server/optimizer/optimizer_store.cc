@@ -12,12 +12,12 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/fp8.h"
 #include "server/optimizer/checkpoint.h"
 #include "server/optimizer/group_state.h"
-#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::optimizer {
@@ -110,8 +110,8 @@ void WriteOutputsFromMaster(const ParamState& p, const OutputConfig& out,
   if (b.skip) return;
   const int64_t count = p.info.m * p.info.n;
   if (out.fp8) {
-    kernels::cpu::QuantizeBlock(p.master.get(), InputDType::kFloat32, p.info.m, p.info.n,
-                                out.quant, b.fp8);
+    kernels::cpu::QuantizeBlock(p.master.get(), InputDType::kFloat32, p.info.m, p.info.n, out.quant,
+                                b.fp8);
   }
   if (out.bf16() && b.bf16 != nullptr) {
     for (int64_t i = 0; i < count; ++i) b.bf16[i] = kernels::FloatToBf16(p.master[i]);
@@ -163,15 +163,14 @@ absl::Status ValidateGroupName(std::string_view name) {
         absl::StrFormat("group='%s': must be 1..128 characters (got %d)", name, name.size()));
   }
   if (name[0] == '.') {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("group='%s': must not start with '.'", name));
+    return absl::InvalidArgumentError(absl::StrFormat("group='%s': must not start with '.'", name));
   }
   for (char c : name) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                     c == '_' || c == '-' || c == '.';
     if (!ok) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "group='%s': character '%c' not allowed (use [A-Za-z0-9_.-])", name, c));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("group='%s': character '%c' not allowed (use [A-Za-z0-9_.-])", name, c));
     }
   }
   return absl::OkStatus();
@@ -179,7 +178,8 @@ absl::Status ValidateGroupName(std::string_view name) {
 
 absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h) {
   if (!FiniteNonNegative(h.lr)) {
-    return absl::InvalidArgumentError(absl::StrFormat("hyper_params.lr=%g: must be finite and >= 0", h.lr));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("hyper_params.lr=%g: must be finite and >= 0", h.lr));
   }
   if (!(h.beta1 >= 0.0 && h.beta1 < 1.0)) {
     return absl::InvalidArgumentError(
@@ -202,9 +202,9 @@ absl::Status ValidateHyperParams(const kernels::AdamWHyperParams& h) {
 
 absl::Status ValidateParameterHyper(const ParameterHyper& h, std::string_view field) {
   if (h.weight_decay.has_value() && !FiniteNonNegative(*h.weight_decay)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.weight_decay=%g: must be finite and >= 0 (unset: the group's)", field,
-        *h.weight_decay));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.weight_decay=%g: must be finite and >= 0 (unset: the group's)", field,
+                        *h.weight_decay));
   }
   if (h.lr_scale.has_value() && !FiniteNonNegative(*h.lr_scale)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -248,19 +248,18 @@ absl::Status ValidateGroupConfig(const GroupConfig& c) {
 
 absl::StatusOr<std::unique_ptr<OptimizerStore>> OptimizerStore::Create(Options options) {
   if (options.checkpoint_every_steps < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--checkpoint_every_steps=%d: must be >= 0", options.checkpoint_every_steps));
+    return absl::InvalidArgumentError(absl::StrFormat("--checkpoint_every_steps=%d: must be >= 0",
+                                                      options.checkpoint_every_steps));
   }
   if (options.checkpoint_every_steps > 0 && options.checkpoint_dir.empty()) {
-    return absl::InvalidArgumentError(
-        "--checkpoint_every_steps needs --checkpoint_dir");
+    return absl::InvalidArgumentError("--checkpoint_every_steps needs --checkpoint_dir");
   }
   std::unique_ptr<OptimizerStore> store(new OptimizerStore(std::move(options)));
   if (!store->options_.checkpoint_dir.empty()) {
     const std::string& dir = store->options_.checkpoint_dir;
     if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-      return absl::InternalError(absl::StrFormat("--checkpoint_dir=%s: cannot create: %s", dir,
-                                                 std::strerror(errno)));
+      return absl::InternalError(
+          absl::StrFormat("--checkpoint_dir=%s: cannot create: %s", dir, std::strerror(errno)));
     }
     QTX_RETURN_IF_ERROR(store->LoadAllCheckpoints());
   }
@@ -270,8 +269,7 @@ absl::StatusOr<std::unique_ptr<OptimizerStore>> OptimizerStore::Create(Options o
 OptimizerStore::~OptimizerStore() = default;
 
 absl::Status OptimizerStore::LoadAllCheckpoints() {
-  QTX_ASSIGN_OR_RETURN(std::vector<std::string> names,
-                       ListCheckpoints(options_.checkpoint_dir));
+  QTX_ASSIGN_OR_RETURN(std::vector<std::string> names, ListCheckpoints(options_.checkpoint_dir));
   for (const std::string& name : names) {
     if (absl::Status s = ValidateGroupName(name); !s.ok()) {
       spdlog::warn("event=optimizer_checkpoint_ignored file={} reason=\"{}\"",
@@ -401,8 +399,8 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
         ps->master[i] = kernels::LoadAsFloat(init.master, init.master_dtype, i);
       }
       for (int64_t i = 0; i < count; ++i) {
-        const float m1 = init.exp_avg ? kernels::LoadAsFloat(init.exp_avg, init.moments_dtype, i)
-                                      : 0.0f;
+        const float m1 =
+            init.exp_avg ? kernels::LoadAsFloat(init.exp_avg, init.moments_dtype, i) : 0.0f;
         const float m2 =
             init.exp_avg_sq ? kernels::LoadAsFloat(init.exp_avg_sq, init.moments_dtype, i) : 0.0f;
         StoreMoment(ps->exp_avg.get(), config.moment_dtype, i, m1);
@@ -452,8 +450,8 @@ class GroupScratchSlot final : public StepScratchSlot {
 
 // What a pipelined step did, for Step to commit or report.
 struct PipelineOutcome {
-  absl::Status failure;  // the update did not complete
-  size_t updated = 0;    // parameters updated before `failure`
+  absl::Status failure;   // the update did not complete
+  size_t updated = 0;     // parameters updated before `failure`
   absl::Status delivery;  // the update completed; the outputs did not arrive
 };
 
@@ -465,10 +463,9 @@ struct PipelineOutcome {
 // gradient arrived and the norm is only reported; with either, the norm must
 // be known before any update, so every gradient arrives first (the copies
 // back still overlap the host steps).
-PipelineOutcome RunPipelinedStep(GroupState& s,
-                                 std::span<kernels::cpu::AdamWParamBuffers> kb,
-                                 const StepBuffers& bufs, const StepOptions& options,
-                                 int threads, StepStats& stats) {
+PipelineOutcome RunPipelinedStep(GroupState& s, std::span<kernels::cpu::AdamWParamBuffers> kb,
+                                 const StepBuffers& bufs, const StepOptions& options, int threads,
+                                 StepStats& stats) {
   StepHooks& h = *bufs.hooks;
   const size_t np = kb.size();
   const OutputConfig& out = s.config.output;
@@ -561,7 +558,7 @@ std::unique_ptr<StepScratchSlot> OptimizerStore::ScratchSlotOf(const std::shared
   return std::make_unique<GroupScratchSlot>(
       &g->scratch, scratch_bytes,
       [this, g, name](uint64_t bytes,
-          const StepScratchSlot::MakeFn& make) -> absl::StatusOr<StepScratch*> {
+                      const StepScratchSlot::MakeFn& make) -> absl::StatusOr<StepScratch*> {
         g->mu.AssertHeld();
         g->scratch.reset();  // its destructor waits for its transfers
         {
@@ -591,10 +588,12 @@ std::unique_ptr<StepScratchSlot> OptimizerStore::ScratchSlotOf(const std::shared
 
 void OptimizerStore::MaybeCheckpointPeriodically(Group& g, std::string_view name) {
   g.mu.AssertHeld();
-  if (options_.checkpoint_every_steps <= 0 || g.state.config.step % options_.checkpoint_every_steps != 0) {
+  if (options_.checkpoint_every_steps <= 0 ||
+      g.state.config.step % options_.checkpoint_every_steps != 0) {
     return;
   }
-  absl::StatusOr<uint64_t> written = WriteCheckpoint(options_.checkpoint_dir, g.state, g.KeepPrevious());
+  absl::StatusOr<uint64_t> written =
+      WriteCheckpoint(options_.checkpoint_dir, g.state, g.KeepPrevious());
   if (written.ok()) {
     g.last_checkpoint_step = g.state.config.step;
     g.rotate_on_write = true;
@@ -609,11 +608,11 @@ void OptimizerStore::MaybeCheckpointPeriodically(Group& g, std::string_view name
 
 absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
                                                const PrepareStepFn& prepare) {
-  return Step(name, options,
-              PrepareStepWithScratchFn(
-                  [&prepare](const GroupInfo& info, bool replay, StepScratchSlot&) {
-                    return prepare(info, replay);
-                  }));
+  return Step(
+      name, options,
+      PrepareStepWithScratchFn([&prepare](const GroupInfo& info, bool replay, StepScratchSlot&) {
+        return prepare(info, replay);
+      }));
 }
 
 absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const StepOptions& options,
@@ -624,8 +623,8 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   }
   if (options.max_grad_norm.has_value() &&
       !(std::isfinite(*options.max_grad_norm) && *options.max_grad_norm > 0.0)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "max_grad_norm=%g: must be finite and > 0", *options.max_grad_norm));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_grad_norm=%g: must be finite and > 0", *options.max_grad_norm));
   }
   if (options.clip_factor.has_value() &&
       !(std::isfinite(*options.clip_factor) && *options.clip_factor > 0.0)) {
@@ -643,9 +642,9 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
         options.max_grad_norm.has_value() ? "max_grad_norm" : "skip_if_non_finite"));
   }
   if (options.step > kMaxStepNumber) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "step=%d: must be at most %d (2^53, the largest step number)", options.step,
-        kMaxStepNumber));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("step=%d: must be at most %d (2^53, the largest step number)", options.step,
+                        kMaxStepNumber));
   }
   QTX_ASSIGN_OR_RETURN(std::shared_ptr<Group> g, Find(name));
   absl::MutexLock glock(&g->mu);
@@ -656,8 +655,7 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   const bool replay = options.step == at && s.last.has_value() && s.last->step == at;
   if (options.step != at + 1 && !replay) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "optimizer group '%s' is at step %d: the next step is %d%s; got step %d", name, at,
-        at + 1,
+        "optimizer group '%s' is at step %d: the next step is %d%s; got step %d", name, at, at + 1,
         s.last.has_value() ? absl::StrFormat(" (or %d to retry the last one)", at) : "",
         options.step));
   }
@@ -667,8 +665,8 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   StepHooks* const hooks = bufs.hooks.get();
   const size_t np = s.params.size();
   if (!bufs.omit_outputs && bufs.outputs.size() != np) {
-    return absl::InternalError(absl::StrFormat("step: %d output buffers for %d parameters",
-                                               bufs.outputs.size(), np));
+    return absl::InternalError(
+        absl::StrFormat("step: %d output buffers for %d parameters", bufs.outputs.size(), np));
   }
   const OutputConfig& out = s.config.output;
   if (replay) {
@@ -718,8 +716,7 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   stats.lr = options.lr.value_or(s.config.hyper.lr);
   absl::Status delivery;
   if (hooks != nullptr) {
-    PipelineOutcome o =
-        RunPipelinedStep(s, kb, bufs, options, options_.num_threads, stats);
+    PipelineOutcome o = RunPipelinedStep(s, kb, bufs, options, options_.num_threads, stats);
     if (!o.failure.ok()) {
       if (o.updated == 0) return o.failure;  // nothing changed
       g->error = absl::DataLossError(absl::StrFormat(
@@ -744,31 +741,31 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
     kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
     ++s.update_count;
   } else {
-  const kernels::cpu::GradNormResult norm =
-      kernels::cpu::GradSumSquares(kb, options_.num_threads);
-  stats.grad_norm = std::sqrt(norm.sum_squares);
-  stats.non_finite = !norm.all_finite;
-  if (stats.non_finite && options.skip_if_non_finite) {
-    stats.skipped = true;
-    if (!bufs.omit_outputs) {
-      for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+    const kernels::cpu::GradNormResult norm =
+        kernels::cpu::GradSumSquares(kb, options_.num_threads);
+    stats.grad_norm = std::sqrt(norm.sum_squares);
+    stats.non_finite = !norm.all_finite;
+    if (stats.non_finite && options.skip_if_non_finite) {
+      stats.skipped = true;
+      if (!bufs.omit_outputs) {
+        for (size_t i = 0; i < np; ++i) WriteOutputsFromMaster(s.params[i], out, bufs.outputs[i]);
+      }
+    } else {
+      // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied
+      // when < 1. Not applied when the norm is not finite.
+      if (options.max_grad_norm.has_value() && norm.all_finite) {
+        const double coef = *options.max_grad_norm / (stats.grad_norm + 1e-6);
+        if (coef < 1.0) stats.clip_coef = coef;
+      }
+      kernels::AdamWHyperParams h = s.config.hyper;
+      h.lr = stats.lr;
+      const kernels::AdamWScalars scalars =
+          kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
+      std::vector<kernels::AdamWScalars> own;
+      AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
+      kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
+      ++s.update_count;
     }
-  } else {
-    // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied
-    // when < 1. Not applied when the norm is not finite.
-    if (options.max_grad_norm.has_value() && norm.all_finite) {
-      const double coef = *options.max_grad_norm / (stats.grad_norm + 1e-6);
-      if (coef < 1.0) stats.clip_coef = coef;
-    }
-    kernels::AdamWHyperParams h = s.config.hyper;
-    h.lr = stats.lr;
-    const kernels::AdamWScalars scalars =
-        kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
-    std::vector<kernels::AdamWScalars> own;
-    AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
-    kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
-    ++s.update_count;
-  }
   }
   s.config.step = options.step;
   s.last = stats;
@@ -799,8 +796,9 @@ absl::StatusOr<GradNormStats> OptimizerStore::GradNorm(std::string_view name, in
         "optimizer group '%s' is at step %d: GradNorm measures the gradients of its next step "
         "%d%s; got step %d",
         name, at, at + 1,
-        g->state.last.has_value() ? absl::StrFormat(" (or of step %d, the last one, for a retry)", at)
-                           : "",
+        g->state.last.has_value()
+            ? absl::StrFormat(" (or of step %d, the last one, for a retry)", at)
+            : "",
         step));
   }
   const GroupInfo info = InfoOf(g->state, g->last_checkpoint_step, absl::OkStatus());
@@ -902,8 +900,7 @@ absl::StatusOr<std::vector<CheckpointResult>> OptimizerStore::SaveCheckpoint(
     g->rotate_on_write = true;
     spdlog::info("event=optimizer_checkpoint group={} step={} bytes={}", n, g->state.config.step,
                  bytes);
-    results.push_back(
-        {n, g->state.config.step, CheckpointPath(options_.checkpoint_dir, n), bytes});
+    results.push_back({n, g->state.config.step, CheckpointPath(options_.checkpoint_dir, n), bytes});
   }
   return results;
 }
@@ -940,8 +937,8 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
   }
   if (state->config.name != name) {
     unreserve();
-    return absl::DataLossError(absl::StrFormat("checkpoint '%s' holds group '%s', not '%s'",
-                                               path, state->config.name, name));
+    return absl::DataLossError(absl::StrFormat("checkpoint '%s' holds group '%s', not '%s'", path,
+                                               state->config.name, name));
   }
   auto g = std::make_shared<Group>();
   g->bytes = reserved;

@@ -122,8 +122,8 @@ struct StepStats {
 // One group's share of the gradient norm of a step (OptimizerStore::GradNorm).
 struct GradNormStats {
   int64_t step = 0;
-  double sum_squares = 0.0;  // every gradient element squared, summed as Step sums them
-  bool non_finite = false;   // an element is NaN or Inf, or the sum overflowed
+  double sum_squares = 0.0;     // every gradient element squared, summed as Step sums them
+  bool non_finite = false;      // an element is NaN or Inf, or the sum overflowed
   bool step_processed = false;  // the step was already processed (a retry)
 };
 
@@ -233,8 +233,8 @@ class OptimizerStore {
   // corrupted or over the memory cap is registered as failed (every call on
   // it returns that error, which says whether a previous checkpoint exists to
   // fall back to with LoadCheckpoint(previous=true); OffloadOptimizerState
-  // with replace, ReleaseGroup, or a successful LoadCheckpoint clears it). INVALID_ARGUMENT for bad options; INTERNAL if
-  // the directory cannot be created or listed.
+  // with replace, ReleaseGroup, or a successful LoadCheckpoint clears it). INVALID_ARGUMENT for bad
+  // options; INTERNAL if the directory cannot be created or listed.
   static absl::StatusOr<std::unique_ptr<OptimizerStore>> Create(Options options);
   ~OptimizerStore();
   OptimizerStore(const OptimizerStore&) = delete;
@@ -350,8 +350,8 @@ class OptimizerStore {
   absl::Status LoadAllCheckpoints();
   // Loads `path` into a new group and installs it (replacing any).
   // `previous`: `path` is the .prev checkpoint (see LoadCheckpoint).
-  absl::StatusOr<GroupInfo> InstallFromCheckpoint(const std::string& name,
-                                                  const std::string& path, bool previous);
+  absl::StatusOr<GroupInfo> InstallFromCheckpoint(const std::string& name, const std::string& path,
+                                                  bool previous);
   // Reserves `bytes` against the cap, given that `freed` bytes go away when
   // the new state replaces the old. RESOURCE_EXHAUSTED naming `what`.
   absl::Status Reserve(uint64_t bytes, uint64_t freed, std::string_view what)

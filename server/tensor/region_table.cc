@@ -18,8 +18,8 @@ namespace qtx::server::tensor {
 namespace {
 
 bool IsNameChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-         c == '_' || c == '.' || c == ':' || c == '/' || c == '-';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '.' || c == ':' || c == '/' || c == '-';
 }
 
 std::string Quoted(std::string_view s) {
@@ -60,15 +60,14 @@ class FdCloser {
 
 absl::Status ValidateRegionName(std::string_view name, std::string_view field) {
   if (name.empty() || name.size() > kMaxRegionNameLength) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s=%s: length %d, must be 1..%d characters", field, Quoted(name), name.size(),
-        kMaxRegionNameLength));
+    return absl::InvalidArgumentError(absl::StrFormat("%s=%s: length %d, must be 1..%d characters",
+                                                      field, Quoted(name), name.size(),
+                                                      kMaxRegionNameLength));
   }
   for (size_t i = 0; i < name.size(); ++i) {
     if (!IsNameChar(name[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s=%s: character %d is not one of [A-Za-z0-9_.:/-]", field,
-                          Quoted(name), i));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s=%s: character %d is not one of [A-Za-z0-9_.:/-]", field, Quoted(name), i));
     }
   }
   return absl::OkStatus();
@@ -82,9 +81,9 @@ absl::Status ValidateShmName(std::string_view shm_name, std::string_view field) 
   }
   for (size_t i = 1; i < shm_name.size(); ++i) {
     if (shm_name[i] == '/' || shm_name[i] == '\0') {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s=%s: only the first character may be '/', and NUL is not allowed", field,
-          Quoted(shm_name)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s=%s: only the first character may be '/', and NUL is not allowed",
+                          field, Quoted(shm_name)));
     }
   }
   return absl::OkStatus();
@@ -122,8 +121,8 @@ RegionTable::RegionTable(RegionTableOptions options) : options_(std::move(option
 absl::Status RegionTable::CheckNameFree(std::string_view name) const {
   absl::MutexLock lock(&mu_);
   if (regions_.find(name) != regions_.end()) {
-    return absl::AlreadyExistsError(absl::StrFormat(
-        "region %s is already registered (unregister it first)", Quoted(name)));
+    return absl::AlreadyExistsError(
+        absl::StrFormat("region %s is already registered (unregister it first)", Quoted(name)));
   }
   if (regions_.size() >= options_.max_regions) {
     return absl::ResourceExhaustedError(absl::StrFormat(
@@ -173,12 +172,12 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
           absl::StrFormat("shm.shm_name=%s: no such shared-memory object", Quoted(shm_name)));
     }
     if (err == EACCES) {
-      return absl::PermissionDeniedError(absl::StrFormat(
-          "shm.shm_name=%s: the server may not open it read-write (%s)", Quoted(shm_name),
-          std::strerror(err)));
+      return absl::PermissionDeniedError(
+          absl::StrFormat("shm.shm_name=%s: the server may not open it read-write (%s)",
+                          Quoted(shm_name), std::strerror(err)));
     }
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "shm.shm_name=%s: shm_open failed: %s", Quoted(shm_name), std::strerror(err)));
+    return absl::InvalidArgumentError(absl::StrFormat("shm.shm_name=%s: shm_open failed: %s",
+                                                      Quoted(shm_name), std::strerror(err)));
   }
   FdCloser closer(fd);  // released below once the region owns the descriptor
   struct stat st;
@@ -187,8 +186,8 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
                                                Quoted(shm_name), std::strerror(errno)));
   }
   if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "shm.shm_name=%s: not a regular shared-memory object", Quoted(shm_name)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("shm.shm_name=%s: not a regular shared-memory object", Quoted(shm_name)));
   }
   const uint64_t object_size = static_cast<uint64_t>(st.st_size);
   // Overflow-safe form of offset + byte_size <= object_size.
@@ -210,9 +209,9 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
       return absl::ResourceExhaustedError(absl::StrFormat(
           "region %s: cannot map %d bytes: %s", Quoted(name), map_len, std::strerror(err)));
     }
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "region %s: mmap of shm object %s failed: %s", Quoted(name), Quoted(shm_name),
-        std::strerror(err)));
+    return absl::InvalidArgumentError(absl::StrFormat("region %s: mmap of shm object %s failed: %s",
+                                                      Quoted(name), Quoted(shm_name),
+                                                      std::strerror(err)));
   }
   MappedMemory memory;
   memory.data = static_cast<std::byte*>(base) + delta;
@@ -235,8 +234,7 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
   };
   memory.faulted = [watch_id] { return ShmFaultGuard::Faulted(watch_id); };
   const uint64_t needed = offset + byte_size;  // checked above: no overflow
-  memory.check = [kept_fd, needed, watch_id, name = std::string(name),
-                  shm]() -> absl::Status {
+  memory.check = [kept_fd, needed, watch_id, name = std::string(name), shm]() -> absl::Status {
     if (ShmFaultGuard::Faulted(watch_id)) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "region %s: shm object %s was truncated while a request used it, and the server's "
@@ -246,8 +244,7 @@ absl::Status RegionTable::RegisterShm(std::string_view name, std::string_view sh
     struct stat now;
     if (::fstat(kept_fd, &now) != 0) {
       return absl::InternalError(absl::StrFormat("region %s: fstat of shm object %s failed: %s",
-                                                 Quoted(name), Quoted(shm),
-                                                 std::strerror(errno)));
+                                                 Quoted(name), Quoted(shm), std::strerror(errno)));
     }
     if (static_cast<uint64_t>(now.st_size) < needed) {
       return absl::FailedPreconditionError(absl::StrFormat(
@@ -268,9 +265,9 @@ absl::Status RegionTable::RegisterCudaIpc(std::string_view name, std::string_vie
                                           std::string_view device_uuid) {
   QTX_RETURN_IF_ERROR(ValidateRegionName(name, "name"));
   if (ipc_handle.size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cuda_ipc.ipc_handle: %d bytes, must be exactly %d (a cudaIpcMemHandle_t)",
-        ipc_handle.size(), kCudaIpcHandleBytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda_ipc.ipc_handle: %d bytes, must be exactly %d (a cudaIpcMemHandle_t)",
+                        ipc_handle.size(), kCudaIpcHandleBytes));
   }
   if (device_id < 0) {
     return absl::InvalidArgumentError(
@@ -330,9 +327,9 @@ absl::Status RegionTable::RegisterCudaVmm(std::string_view name, std::span<const
     return absl::InvalidArgumentError("cuda_vmm.byte_size=0: must be > 0");
   }
   if (offset > total || byte_size > total - offset) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cuda_vmm.offset %d + byte_size %d exceeds the %d bytes of the %d chunks", offset,
-        byte_size, total, chunk_sizes.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda_vmm.offset %d + byte_size %d exceeds the %d bytes of the %d chunks",
+                        offset, byte_size, total, chunk_sizes.size()));
   }
   if (device_uuid.size() != 16) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -344,8 +341,8 @@ absl::Status RegionTable::RegisterCudaVmm(std::string_view name, std::span<const
   }
   QTX_ASSIGN_OR_RETURN(const int32_t device_id, options_.cuda_uuid_resolver(device_uuid));
   QTX_RETURN_IF_ERROR(CheckNameFree(name));
-  QTX_ASSIGN_OR_RETURN(MappedMemory memory, options_.cuda_vmm_opener(fds, chunk_sizes, device_id,
-                                                                     offset, byte_size));
+  QTX_ASSIGN_OR_RETURN(MappedMemory memory,
+                       options_.cuda_vmm_opener(fds, chunk_sizes, device_id, offset, byte_size));
   auto region = std::make_shared<Region>(std::string(name), RegionKind::kCudaVmm, "", device_id,
                                          byte_size, std::move(memory), session);
   return Insert(std::move(region));
@@ -373,8 +370,7 @@ absl::Status RegionTable::Unregister(std::string_view name) {
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(name);
     if (it == regions_.end()) {
-      return absl::NotFoundError(
-          absl::StrFormat("region %s is not registered", Quoted(name)));
+      return absl::NotFoundError(absl::StrFormat("region %s is not registered", Quoted(name)));
     }
     removed = std::move(it->second);
     regions_.erase(it);

@@ -152,8 +152,7 @@ class RegionTable {
   // returns.
   absl::Status RegisterCudaVmm(std::string_view name, std::span<const int> fds,
                                std::span<const uint64_t> chunk_sizes, uint64_t offset,
-                               uint64_t byte_size, std::string_view device_uuid,
-                               uint64_t session);
+                               uint64_t byte_size, std::string_view device_uuid, uint64_t session);
 
   // Removes `name` at once; requests that hold a pin keep the mapping until
   // they drop it. NOT_FOUND if `name` is not registered.

@@ -96,9 +96,8 @@ absl::Status InstallOnce() {
     sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&sa.sa_mask);
     if (::sigaction(SIGBUS, &sa, &g_previous) != 0) {
-      return absl::InternalError(
-          absl::StrFormat("cannot install the SIGBUS guard for shm regions: %s",
-                          std::strerror(errno)));
+      return absl::InternalError(absl::StrFormat(
+          "cannot install the SIGBUS guard for shm regions: %s", std::strerror(errno)));
     }
     return absl::OkStatus();
   }();

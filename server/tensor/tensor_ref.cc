@@ -16,9 +16,9 @@ absl::StatusOr<std::byte*> LocateSlice(const Region& region, const RegionSliceSp
                                        uint64_t alignment, std::string_view field) {
   const uint64_t region_size = region.byte_size();
   if (spec.offset > region_size || spec.size > region_size - spec.offset) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: region '%s': offset %d + size %d exceeds region size %d", field, region.name(),
-        spec.offset, spec.size, region_size));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: region '%s': offset %d + size %d exceeds region size %d", field,
+                        region.name(), spec.offset, spec.size, region_size));
   }
   std::byte* p = region.data() + spec.offset;
   if (alignment > 1 && reinterpret_cast<uintptr_t>(p) % alignment != 0) {
@@ -31,8 +31,8 @@ absl::StatusOr<std::byte*> LocateSlice(const Region& region, const RegionSliceSp
         "starts %d bytes past a multiple of %d in %s; tensor slices must start at multiples of "
         "the element size counted from the start of the %s (the region's registration offset "
         "plus the slice offset)",
-        field, region.name(), spec.offset, alignment,
-        reinterpret_cast<uintptr_t>(p) % alignment, alignment,
+        field, region.name(), spec.offset, alignment, reinterpret_cast<uintptr_t>(p) % alignment,
+        alignment,
         shm ? absl::StrFormat("shm object '%s'", region.shm_name())
             : std::string("the CUDA allocation"),
         shm ? "shm object" : "CUDA allocation"));
@@ -45,8 +45,8 @@ absl::StatusOr<std::byte*> LocateSlice(const Region& region, const RegionSliceSp
 absl::StatusOr<int64_t> ValidateShape(std::span<const int64_t> shape, std::string_view field,
                                       const ShapeLimits& limits) {
   if (shape.empty() || shape.size() > static_cast<size_t>(limits.max_rank)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.shape: rank %d, must be 1..%d", field, shape.size(), limits.max_rank));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.shape: rank %d, must be 1..%d", field, shape.size(), limits.max_rank));
   }
   int64_t elements = 1;
   bool overflow = false;
@@ -56,9 +56,9 @@ absl::StatusOr<int64_t> ValidateShape(std::span<const int64_t> shape, std::strin
           absl::StrFormat("%s.shape[%d]=%d: dims must be >= 0", field, i, shape[i]));
     }
     if (shape[i] > limits.max_elements) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.shape[%d]=%d: exceeds the element limit %d", field, i, shape[i],
-          limits.max_elements));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.shape[%d]=%d: exceeds the element limit %d", field, i, shape[i],
+                          limits.max_elements));
     }
   }
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -75,10 +75,10 @@ absl::StatusOr<int64_t> ValidateShape(std::span<const int64_t> shape, std::strin
     for (size_t i = 0; i < shape.size(); ++i) {
       absl::StrAppendFormat(&dims, "%s%d", i ? "," : "", shape[i]);
     }
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.shape=[%s]: %s elements, the limit is %d", field, dims,
-        overflow ? std::string("more than 2^63") : absl::StrFormat("%d", elements),
-        limits.max_elements));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.shape=[%s]: %s elements, the limit is %d", field, dims,
+                        overflow ? std::string("more than 2^63") : absl::StrFormat("%d", elements),
+                        limits.max_elements));
   }
   return elements;
 }
@@ -111,9 +111,9 @@ absl::StatusOr<TensorView> ResolveInput(const TensorRefSpec& spec, std::string_v
   }
   if (const auto* bytes = std::get_if<std::string_view>(&spec.data)) {
     if (bytes->size() != view.byte_size) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.inline_data: %d bytes, expected %d (%d elements of %s)", field, bytes->size(),
-          view.byte_size, view.elements, DTypeName(spec.dtype)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.inline_data: %d bytes, expected %d (%d elements of %s)", field,
+                          bytes->size(), view.byte_size, view.elements, DTypeName(spec.dtype)));
     }
     view.memory = MemoryKind::kHost;
     if (view.byte_size == 0) return view;
@@ -131,9 +131,9 @@ absl::StatusOr<TensorView> ResolveInput(const TensorRefSpec& spec, std::string_v
   const auto& slice = std::get<RegionSliceSpec>(spec.data);
   const std::string slice_field = absl::StrFormat("%s.region", field);
   if (slice.size != view.byte_size) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s.size=%d: expected %d (%d elements of %s)", slice_field, slice.size, view.byte_size,
-        view.elements, DTypeName(spec.dtype)));
+    return absl::InvalidArgumentError(absl::StrFormat("%s.size=%d: expected %d (%d elements of %s)",
+                                                      slice_field, slice.size, view.byte_size,
+                                                      view.elements, DTypeName(spec.dtype)));
   }
   auto pin = regions.Acquire(slice.region);
   if (!pin.ok()) {
@@ -147,9 +147,8 @@ absl::StatusOr<TensorView> ResolveInput(const TensorRefSpec& spec, std::string_v
   return view;
 }
 
-absl::StatusOr<OutputSlice> ResolveOutputSlice(const RegionSliceSpec& spec,
-                                               uint64_t needed_bytes, uint64_t alignment,
-                                               std::string_view field,
+absl::StatusOr<OutputSlice> ResolveOutputSlice(const RegionSliceSpec& spec, uint64_t needed_bytes,
+                                               uint64_t alignment, std::string_view field,
                                                const RegionTable& regions) {
   if (spec.size != needed_bytes) {
     return absl::InvalidArgumentError(
@@ -157,7 +156,8 @@ absl::StatusOr<OutputSlice> ResolveOutputSlice(const RegionSliceSpec& spec,
   }
   auto pin = regions.Acquire(spec.region);
   if (!pin.ok()) {
-    return absl::Status(pin.status().code(), absl::StrFormat("%s: %s", field, pin.status().message()));
+    return absl::Status(pin.status().code(),
+                        absl::StrFormat("%s: %s", field, pin.status().message()));
   }
   QTX_ASSIGN_OR_RETURN(std::byte * p, LocateSlice(**pin, spec, alignment, field));
   OutputSlice out;

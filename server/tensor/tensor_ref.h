@@ -55,8 +55,8 @@ struct TensorView {
   const void* data = nullptr;  // aligned to the element size; null if byte_size == 0
   uint64_t byte_size = 0;
   MemoryKind memory = MemoryKind::kHost;
-  std::shared_ptr<const Region> pin;   // set for region slices
-  std::shared_ptr<const void> owned;   // set when inline bytes were re-aligned
+  std::shared_ptr<const Region> pin;  // set for region slices
+  std::shared_ptr<const void> owned;  // set when inline bytes were re-aligned
 };
 
 // A resolved, writable output slice of a region.
@@ -89,9 +89,8 @@ absl::StatusOr<TensorView> ResolveInput(const TensorRefSpec& spec, std::string_v
 
 // Resolves a client-provided output slice that must hold exactly
 // `needed_bytes`, aligned to `alignment` bytes. Errors as ResolveInput.
-absl::StatusOr<OutputSlice> ResolveOutputSlice(const RegionSliceSpec& spec,
-                                               uint64_t needed_bytes, uint64_t alignment,
-                                               std::string_view field,
+absl::StatusOr<OutputSlice> ResolveOutputSlice(const RegionSliceSpec& spec, uint64_t needed_bytes,
+                                               uint64_t alignment, std::string_view field,
                                                const RegionTable& regions);
 
 // True if the byte ranges [a, a+a_size) and [b, b+b_size) share a byte.

@@ -4,6 +4,7 @@
 // byte-exact outputs against kernels::cpu::QuantizeBlock, failures (sticky,
 // naming the operation, releasing the done word), qtxd dying with work in
 // flight, a client going away with work parked on its ready word.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 
 #include <atomic>
@@ -14,8 +15,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
@@ -112,8 +111,8 @@ class DeferredFlags final : public ChannelFlags {
 class ChannelE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    QTX_ASSERT_OK_AND_ASSIGN(server_,
-                             QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--allow_client_shm"}));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        server_, QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--allow_client_shm"}));
     QTX_ASSERT_OK_AND_ASSIGN(client_, Client::Connect(server_->target()));
     QTX_ASSERT_OK_AND_ASSIGN(region_, ShmRegion::Create("ch-data", 8 << 20));
     QTX_ASSERT_OK(client_->RegisterShmRegion(*region_));
@@ -168,8 +167,8 @@ TEST_F(ChannelE2eTest, OperationsRunInOrderAndMatchTheReference) {
   const int64_t shapes[][2] = {{128, 256}, {200, 384}, {1, 128}, {129, 130}, {256, 128}};
   for (int i = 0; i < 20; ++i) {
     ops.push_back(MakeOp(shapes[i % 5][0], shapes[i % 5][1], 100 + i));
-    QTX_ASSERT_OK_AND_ASSIGN(uint64_t id, ch->Quantize(ops.back().input, Config(),
-                                                       ops.back().outputs));
+    QTX_ASSERT_OK_AND_ASSIGN(uint64_t id,
+                             ch->Quantize(ops.back().input, Config(), ops.back().outputs));
     EXPECT_EQ(id, static_cast<uint64_t>(i + 1));
   }
   QTX_ASSERT_OK(ch->Synchronize());
@@ -248,9 +247,10 @@ TEST_F(ChannelE2eTest, AFailedOperationFailsTheChannelAndReleasesTheWaits) {
   Tensor missing = good.input;
   missing.region->region = "no-such-region";
   QTX_ASSERT_OK(ch->Quantize(missing, Config(), good.outputs).status());  // fails at qtxd
-  EXPECT_THAT(ch->Synchronize(),
-              StatusIs(absl::StatusCode::kNotFound,
-                       HasSubstr("channel operation 2 failed: input.region: region 'no-such-region'")));
+  EXPECT_THAT(
+      ch->Synchronize(),
+      StatusIs(absl::StatusCode::kNotFound,
+               HasSubstr("channel operation 2 failed: input.region: region 'no-such-region'")));
   EXPECT_EQ(raw->done(), kChannelFailedOffset + 2);  // releases every wait
   EXPECT_EQ(State(ch->Query(1)), "done");
   EXPECT_THAT(ch->Query(2), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
@@ -278,8 +278,8 @@ TEST_F(ChannelE2eTest, OperationsBehindAFailureAreNotRun) {
   deferred->Deliver();
   EXPECT_THAT(ch->Synchronize(), StatusIs(absl::StatusCode::kInvalidArgument,
                                           HasSubstr("outputs.columnwise_data: not set")));
-  EXPECT_THAT(ch->Query(2), StatusIs(absl::StatusCode::kInvalidArgument,
-                                     HasSubstr("operation 2 was not run")));
+  EXPECT_THAT(ch->Query(2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("operation 2 was not run")));
   // The second op never wrote its outputs.
   const std::string untouched(op.expected.rowwise_data.size(), '\xCD');
   EXPECT_TRUE(Bytes(*region_, *op.outputs.rowwise_data) == untouched);
@@ -372,8 +372,7 @@ TEST_F(ChannelE2eTest, ASequenceGapFailsTheChannel) {
     q->mutable_outputs()->mutable_rowwise_scale_inv()->set_region("ch-data");
     q->mutable_outputs()->mutable_rowwise_scale_inv()->set_offset(
         op.outputs.rowwise_scale_inv->offset);
-    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_size(
-        op.outputs.rowwise_scale_inv->size);
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_size(op.outputs.rowwise_scale_inv->size);
     ASSERT_TRUE(stream->Write(submit));
   }
   uint64_t failed = 0;
@@ -517,10 +516,9 @@ TEST_F(ChannelE2eTest, APlanWhoseOpIsBadFailsAtItsFirstExecution) {
   EXPECT_EQ(raw->done(), kChannelFailedOffset + 1);  // released, marked failed
   const absl::Time end = absl::Now() + absl::Seconds(10);
   while (plan->status().ok() && absl::Now() < end) absl::SleepFor(absl::Milliseconds(5));
-  EXPECT_THAT(plan->status(),
-              StatusIs(absl::StatusCode::kNotFound,
-                       HasSubstr("channel operation 1 failed: input.region: region "
-                                 "'no-such-region'")));
+  EXPECT_THAT(plan->status(), StatusIs(absl::StatusCode::kNotFound,
+                                       HasSubstr("channel operation 1 failed: input.region: region "
+                                                 "'no-such-region'")));
   EXPECT_THAT(Channel::OpenPlan(*client_, nullptr, QuantizePlan{op.input, Config(), op.outputs}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("flags is null")));
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> more,
@@ -530,9 +528,10 @@ TEST_F(ChannelE2eTest, APlanWhoseOpIsBadFailsAtItsFirstExecution) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lookahead=0")));
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> too_many,
                            HostChannelFlags::Create(*client_, "plan-flags-3"));
-  EXPECT_THAT(Channel::OpenPlan(*client_, std::move(too_many),
-                                QuantizePlan{op.input, Config(), op.outputs}, {}, 17),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lookahead=17: must be 1..16")));
+  EXPECT_THAT(
+      Channel::OpenPlan(*client_, std::move(too_many), QuantizePlan{op.input, Config(), op.outputs},
+                        {}, 17),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lookahead=17: must be 1..16")));
 }
 
 // The server refuses a submission on a plan channel (a raw stream: the
@@ -564,8 +563,7 @@ TEST_F(ChannelE2eTest, ServerRefusesSubmissionsOnAPlanAndBadLookaheads) {
         op.outputs.rowwise_scale_inv->region);
     q->mutable_outputs()->mutable_rowwise_scale_inv()->set_offset(
         op.outputs.rowwise_scale_inv->offset);
-    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_size(
-        op.outputs.rowwise_scale_inv->size);
+    q->mutable_outputs()->mutable_rowwise_scale_inv()->set_size(op.outputs.rowwise_scale_inv->size);
     return open;
   };
   {
@@ -606,8 +604,8 @@ TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatena
   std::unique_ptr<Client> clients[kWorld];
   std::unique_ptr<ShmRegion> regions[kWorld];
   for (int r = 0; r < kWorld; ++r) {
-    QTX_ASSERT_OK_AND_ASSIGN(servers[r], QtxdProcess::Start(g_qtxd_path, {"--device=cpu",
-                                                                          "--allow_client_shm"}));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        servers[r], QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--allow_client_shm"}));
     QTX_ASSERT_OK_AND_ASSIGN(clients[r], Client::Connect(servers[r]->target()));
     QTX_ASSERT_OK_AND_ASSIGN(regions[r], ShmRegion::Create("ag-" + std::to_string(r), 4 << 20));
     QTX_ASSERT_OK(clients[r]->RegisterShmRegion(*regions[r]));
@@ -640,13 +638,13 @@ TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatena
     QTX_ASSERT_OK_AND_ASSIGN(channels[r], Channel::Open(*clients[r], std::move(flags)));
     const std::string shard = all.substr(offset * n * 2, rows[r] * n * 2);
     offset += rows[r];
-    QTX_ASSERT_OK_AND_ASSIGN(Tensor in, regions[r]->Place(Tensor::Inline(DType::kBFloat16,
-                                                                          {rows[r], n}, shard)));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        Tensor in, regions[r]->Place(Tensor::Inline(DType::kBFloat16, {rows[r], n}, shard)));
     const std::vector<int64_t> gathered = {m, n};
     QTX_ASSERT_OK_AND_ASSIGN(outs[r], regions[r]->AllocateQuantizeOutputs(gathered, config));
-    QTX_ASSERT_OK_AND_ASSIGN(uint64_t id, channels[r]->AllGather("tp", 0, in, config,
-                                                                 AllGatherMode::kExactFp8,
-                                                                 outs[r]));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        uint64_t id,
+        channels[r]->AllGather("tp", 0, in, config, AllGatherMode::kExactFp8, outs[r]));
     EXPECT_EQ(id, 1u);
   }
   for (int r = 0; r < kWorld; ++r) {
@@ -654,8 +652,7 @@ TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatena
     EXPECT_TRUE(Bytes(*regions[r], *outs[r].rowwise_data) == expected.rowwise_data) << r;
     EXPECT_TRUE(Bytes(*regions[r], *outs[r].rowwise_scale_inv) == expected.rowwise_scale_inv) << r;
     EXPECT_TRUE(Bytes(*regions[r], *outs[r].columnwise_data) == expected.columnwise_data) << r;
-    EXPECT_TRUE(Bytes(*regions[r], *outs[r].columnwise_scale_inv) ==
-                expected.columnwise_scale_inv)
+    EXPECT_TRUE(Bytes(*regions[r], *outs[r].columnwise_scale_inv) == expected.columnwise_scale_inv)
         << r;
   }
   // A channel AllGather without outputs fails on every rank (it still joins
@@ -664,15 +661,14 @@ TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatena
     QTX_ASSERT_OK_AND_ASSIGN(Tensor in, regions[r]->AllocateTensor(DType::kBFloat16, {rows[r], n}));
     QuantizeOutputs partial = outs[r];
     if (r == 1) partial.columnwise_scale_inv.reset();
-    QTX_ASSERT_OK(channels[r]
-                      ->AllGather("tp", 1, in, config, AllGatherMode::kExactFp8, partial)
-                      .status());
+    QTX_ASSERT_OK(
+        channels[r]->AllGather("tp", 1, in, config, AllGatherMode::kExactFp8, partial).status());
   }
   EXPECT_THAT(channels[1]->Synchronize(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("all_gather.outputs.columnwise_scale_inv: not set")));
-  EXPECT_THAT(channels[0]->Synchronize(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                   HasSubstr("columnwise_scale_inv")));
+  EXPECT_THAT(channels[0]->Synchronize(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("columnwise_scale_inv")));
 }
 
 }  // namespace

@@ -66,7 +66,7 @@ kernels::InputDType KernelDType(DType d) {
 
 kernels::QuantizeParams KernelParams(const QuantizeConfig& c) {
   kernels::QuantizeParams p;
-  p.scaling = c.scaling_mode == ScalingMode::kBlock2D   ? kernels::BlockScaling::kBlock2D
+  p.scaling = c.scaling_mode == ScalingMode::kBlock2D  ? kernels::BlockScaling::kBlock2D
               : c.scaling_mode == ScalingMode::kTensor ? kernels::BlockScaling::kTensor
                                                        : kernels::BlockScaling::kBlock1D;
   p.format = c.format == Fp8Format::kE5M2 ? kernels::Fp8Format::kE5M2 : kernels::Fp8Format::kE4M3;
@@ -127,11 +127,11 @@ void ExpectMatchesReference(const QuantizedTensor& q, const Reference& ref,
   if (config.rowwise) {
     EXPECT_EQ(q.rowwise_data->dtype, fp8);
     EXPECT_EQ(q.rowwise_scale_inv->dtype, DType::kFloat32);
-    EXPECT_EQ(q.rowwise_scale_inv->shape,
-              config.scaling_mode == ScalingMode::kTensor
-                  ? std::vector<int64_t>{1}
-                  : (std::vector<int64_t>{ref.layout.rowwise_scale_rows,
-                                          ref.layout.rowwise_scale_cols}));
+    EXPECT_EQ(
+        q.rowwise_scale_inv->shape,
+        config.scaling_mode == ScalingMode::kTensor
+            ? std::vector<int64_t>{1}
+            : (std::vector<int64_t>{ref.layout.rowwise_scale_rows, ref.layout.rowwise_scale_cols}));
     EXPECT_TRUE(BytesOf(*q.rowwise_data, region) == ref.rowwise_data) << "rowwise data differs";
     EXPECT_TRUE(BytesOf(*q.rowwise_scale_inv, region) == ref.rowwise_scale_inv)
         << "rowwise scale_inv differs";
@@ -217,8 +217,8 @@ TEST_F(ClientE2eTest, QuantizeInlineMatchesReferenceBitForBit) {
           c.force_pow2_scales = pow2;
           SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " ", ScalingModeName(mode), " ",
                                     Fp8FormatName(format), " pow2=", pow2));
-          QTX_ASSERT_OK_AND_ASSIGN(
-              QuantizedTensor q, client_->Quantize(Tensor::Inline(dtype, {m, n}, input), c));
+          QTX_ASSERT_OK_AND_ASSIGN(QuantizedTensor q,
+                                   client_->Quantize(Tensor::Inline(dtype, {m, n}, input), c));
           EXPECT_EQ(q.shape, (std::vector<int64_t>{m, n}));
           EXPECT_EQ(q.source_dtype, dtype);
           ExpectMatchesReference(q, QuantizeOnCpu(input, dtype, m, n, c), c);
@@ -255,8 +255,8 @@ TEST_F(ClientE2eTest, DequantizeMatchesReference) {
     c.rowwise = rowwise;
     c.columnwise = !rowwise;
     const Reference ref = QuantizeOnCpu(input, DType::kFloat32, m, n, c);
-    QTX_ASSERT_OK_AND_ASSIGN(
-        QuantizedTensor q, client_->Quantize(Tensor::Inline(DType::kFloat32, {m, n}, input), c));
+    QTX_ASSERT_OK_AND_ASSIGN(QuantizedTensor q,
+                             client_->Quantize(Tensor::Inline(DType::kFloat32, {m, n}, input), c));
     for (DType out : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
       SCOPED_TRACE(absl::StrCat("rowwise=", rowwise, " out=", DTypeName(out)));
       QTX_ASSERT_OK_AND_ASSIGN(Tensor dq, client_->Dequantize(q, out));
@@ -365,15 +365,15 @@ TEST_F(ClientE2eTest, VmmRegionDescriptorsTravelOverTheFdSocket) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("1 chunks but the fd tokens carry 2 descriptors")));
   // The token was claimed by that request.
-  EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {token}, {2 << 20, 2 << 20}, 0, 4 << 20,
-                                             uuid),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no descriptors wait")));
+  EXPECT_THAT(
+      client_->RegisterCudaVmmRegion("e2e-vmm", {token}, {2 << 20, 2 << 20}, 0, 4 << 20, uuid),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("no descriptors wait")));
   QTX_ASSERT_OK_AND_ASSIGN(std::string t2, conn->Send(std::vector<int>{0}));
   EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {t2}, {2 << 20}, 0, 2 << 20, uuid),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--device=cuda")));
-  EXPECT_THAT(
-      client_->RegisterCudaVmmRegion("e2e-vmm", {std::string(16, 'n')}, {2 << 20}, 0, 2 << 20, uuid),
-      StatusIs(absl::StatusCode::kNotFound, HasSubstr("fd_tokens[0]")));
+  EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {std::string(16, 'n')}, {2 << 20}, 0,
+                                             2 << 20, uuid),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("fd_tokens[0]")));
   EXPECT_THAT(client_->RegisterCudaVmmRegion("e2e-vmm", {}, {2 << 20}, 0, 2 << 20, uuid),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fd_tokens: empty")));
   QTX_ASSERT_OK_AND_ASSIGN(std::vector<RegionInfo> regions, client_->ListRegions());

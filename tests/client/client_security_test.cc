@@ -134,12 +134,11 @@ TEST_F(ClientSecurityTest, TlsAndTokenOverTcp) {
 
 TEST_F(ClientSecurityTest, MutualTlsNeedsTheClientCertificate) {
   const int port = FreePort();
-  auto mtls = QtxdProcess::Start(
-      absl::GetFlag(FLAGS_qtxd),
-      {"--device=cpu", absl::StrCat("--listen_tcp=127.0.0.1:", port),
-       "--tls_cert_file=" + TestPki::Get().server_cert,
-       "--tls_key_file=" + TestPki::Get().server_key,
-       "--tls_client_ca_file=" + TestPki::Get().ca_file});
+  auto mtls = QtxdProcess::Start(absl::GetFlag(FLAGS_qtxd),
+                                 {"--device=cpu", absl::StrCat("--listen_tcp=127.0.0.1:", port),
+                                  "--tls_cert_file=" + TestPki::Get().server_cert,
+                                  "--tls_key_file=" + TestPki::Get().server_key,
+                                  "--tls_client_ca_file=" + TestPki::Get().ca_file});
   ASSERT_TRUE(mtls.ok()) << mtls.status();
   const std::string target = absl::StrCat("127.0.0.1:", port);
   ClientOptions with_cert = Tls("", TestPki::Get().ca_pem);

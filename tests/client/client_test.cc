@@ -23,8 +23,8 @@ std::string DeadSocket() {
 }
 
 TEST(ClientTest, ConnectRejectsBadArguments) {
-  EXPECT_THAT(Client::Connect(""), StatusIs(absl::StatusCode::kInvalidArgument,
-                                            HasSubstr("target")));
+  EXPECT_THAT(Client::Connect(""),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target")));
   ClientOptions o;
   o.max_message_bytes = 0;
   EXPECT_THAT(Client::Connect("unix:///tmp/x.sock", o),
@@ -65,8 +65,7 @@ TEST(ClientTest, WaitForReadyHitsTheDeadline) {
   o.timeout = absl::Milliseconds(300);
   QTX_ASSERT_OK_AND_ASSIGN(auto client, Client::Connect(DeadSocket(), o));
   const absl::Time start = absl::Now();
-  EXPECT_THAT(client->ListRegions(),
-              StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  EXPECT_THAT(client->ListRegions(), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
   CallOptions call;
   call.timeout = absl::Milliseconds(50);

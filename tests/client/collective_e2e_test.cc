@@ -61,8 +61,8 @@ struct Ranks {
 
 void StartRanks(int world, Ranks* ranks) {
   for (int r = 0; r < world; ++r) {
-    auto server = QtxdProcess::Start(
-        g_qtxd_path, {"--device=cpu", "--threads=2", "--allow_client_shm"});
+    auto server =
+        QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--threads=2", "--allow_client_shm"});
     ASSERT_TRUE(server.ok()) << "rank " << r << ": " << server.status();
     auto client = Client::Connect((*server)->target());
     ASSERT_TRUE(client.ok()) << client.status();
@@ -263,11 +263,10 @@ TEST_P(ClientCollectiveE2eTest, AllGatherMatchesQuantizeOfConcatenation) {
         const Reference ref = QuantizeReference(s, c);
         for (AllGatherMode mode : {AllGatherMode::kExactFp8, AllGatherMode::kGatherHighPrecision}) {
           SCOPED_TRACE(absl::StrFormat("world=%d rows=%s n=%d %s %s", world,
-                                       ::testing::PrintToString(rows), n,
-                                       ScalingModeName(scaling), AllGatherModeName(mode)));
+                                       ::testing::PrintToString(rows), n, ScalingModeName(scaling),
+                                       AllGatherModeName(mode)));
           auto results = AllGatherOnEveryRank(
-              ranks, "tp", sequence++, [&](int r) { return s.Shard(r, DType::kFloat32); }, c,
-              mode);
+              ranks, "tp", sequence++, [&](int r) { return s.Shard(r, DType::kFloat32); }, c, mode);
           for (int r = 0; r < world; ++r) {
             SCOPED_TRACE(absl::StrCat("rank ", r));
             ASSERT_TRUE(results[r].ok()) << results[r].status();
@@ -280,9 +279,9 @@ TEST_P(ClientCollectiveE2eTest, AllGatherMatchesQuantizeOfConcatenation) {
 
   // BF16 shards, E5M2, rowwise only, non-pow2 scales: the config travels whole.
   {
-    const Shards s = MakeShards(world == 2 ? std::vector<int64_t>{130, 77}
-                                           : std::vector<int64_t>{100, 156, 1},
-                                300, /*bf16_exact=*/true);
+    const Shards s =
+        MakeShards(world == 2 ? std::vector<int64_t>{130, 77} : std::vector<int64_t>{100, 156, 1},
+                   300, /*bf16_exact=*/true);
     QuantizeConfig c;
     c.format = Fp8Format::kE5M2;
     c.force_pow2_scales = false;
@@ -395,8 +394,8 @@ TEST(ClientCollectiveE2e, MismatchedNFailsOnEveryRank) {
   const Shards a = MakeShards({64, 64, 64}, 128, false);
   const Shards b = MakeShards({64, 64, 64}, 100, false);
   auto results = AllGatherOnEveryRank(
-      ranks, "bad", 0, [&](int r) { return r == 2 ? b.Shard(r, DType::kFloat32)
-                                                  : a.Shard(r, DType::kFloat32); },
+      ranks, "bad", 0,
+      [&](int r) { return r == 2 ? b.Shard(r, DType::kFloat32) : a.Shard(r, DType::kFloat32); },
       QuantizeConfig{}, AllGatherMode::kExactFp8);
   for (int r = 0; r < world; ++r) {
     EXPECT_THAT(results[r], StatusIs(absl::StatusCode::kInvalidArgument,
@@ -447,9 +446,11 @@ TEST_P(GradNormReduceE2eTest, EveryRankGetsTheSameTotalsAndDecides) {
     OptimizerGroupConfig c;
     c.group = "opt";
     auto info = ranks.clients[r]->OffloadOptimizerState(
-        c, {{.name = "w" + std::to_string(r), .shape = shape(r),
+        c, {{.name = "w" + std::to_string(r),
+             .shape = shape(r),
              .master = Tensor::FromFloat32(shape(r), values(r, 1, 0.1f)),
-             .exp_avg = std::nullopt, .exp_avg_sq = std::nullopt}});
+             .exp_avg = std::nullopt,
+             .exp_avg_sq = std::nullopt}});
     EXPECT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
   });
   uint64_t sequence = 0;
@@ -457,13 +458,13 @@ TEST_P(GradNormReduceE2eTest, EveryRankGetsTheSameTotalsAndDecides) {
     return std::vector<OptimizerGradient>{
         {"w" + std::to_string(r), Tensor::FromFloat32(shape(r), values(r, seed, 1.0f))}};
   };
-  auto reduce_on_every_rank = [&](int64_t step, const std::function<std::vector<OptimizerGradient>(int)>& g) {
+  auto reduce_on_every_rank = [&](int64_t step,
+                                  const std::function<std::vector<OptimizerGradient>(int)>& g) {
     std::vector<absl::StatusOr<GradNormResult>> out(world);
     const uint64_t seq = sequence++;
     OnEveryRank(world, [&](int r) {
-      out[r] = ranks.clients[r]->GradNorm("opt", step, g(r),
-                                          {.collective_group = "tp", .sequence = seq},
-                                          Deadline(kGroupTimeout));
+      out[r] = ranks.clients[r]->GradNorm(
+          "opt", step, g(r), {.collective_group = "tp", .sequence = seq}, Deadline(kGroupTimeout));
     });
     return out;
   };
@@ -552,9 +553,9 @@ TEST_P(GradNormReduceE2eTest, EveryRankGetsTheSameTotalsAndDecides) {
     }
   }
   // A used sequence and an unknown Collective group are refused.
-  EXPECT_THAT(ranks.clients[0]->GradNorm("opt", 3, grads(0, 4),
-                                         {.collective_group = "tp", .sequence = 0}),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("sequence")));
+  EXPECT_THAT(
+      ranks.clients[0]->GradNorm("opt", 3, grads(0, 4), {.collective_group = "tp", .sequence = 0}),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("sequence")));
   EXPECT_THAT(ranks.clients[0]->GradNorm("opt", 3, grads(0, 4), {.collective_group = "nope"}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
   for (int r = 0; r < world; ++r) {

@@ -100,7 +100,8 @@ void ReferenceStep(std::vector<RefParam>& ps, const std::vector<std::vector<floa
     b.quant.rowwise = true;
     b.quant.columnwise = true;
     b.fp8 = {reinterpret_cast<uint8_t*>(p.row.data()), reinterpret_cast<float*>(p.row_scale.data()),
-             reinterpret_cast<uint8_t*>(p.col.data()), reinterpret_cast<float*>(p.col_scale.data())};
+             reinterpret_cast<uint8_t*>(p.col.data()),
+             reinterpret_cast<float*>(p.col_scale.data())};
     kernels::cpu::AdamWReference({&b, 1}, kernels::MakeAdamWScalars(h, t, grad_scale));
   }
 }
@@ -114,8 +115,8 @@ class OptimizerE2eTest : public ::testing::Test {
     StartServer();
     hyper_.lr = 1e-2;
     hyper_.weight_decay = 0.1;
-    params_.push_back(MakeParam("w1", {200, 96}, 1));  // partial 128x128 tiles
-    params_.push_back(MakeParam("b1", {130}, 2));      // 1-D: [1, 130]
+    params_.push_back(MakeParam("w1", {200, 96}, 1));    // partial 128x128 tiles
+    params_.push_back(MakeParam("b1", {130}, 2));        // 1-D: [1, 130]
     params_.push_back(MakeParam("w2", {2, 3, 129}, 3));  // rank 3: [6, 129]
   }
   void TearDown() override {
@@ -123,9 +124,9 @@ class OptimizerE2eTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
   void StartServer() {
-    auto server = QtxdProcess::Start(
-        g_qtxd_path, {"--allow_client_shm", "--device=cpu", "--checkpoint_dir=" + dir_ + "/ckpt",
-                      "--log_level=warn"});
+    auto server =
+        QtxdProcess::Start(g_qtxd_path, {"--allow_client_shm", "--device=cpu",
+                                         "--checkpoint_dir=" + dir_ + "/ckpt", "--log_level=warn"});
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     auto client = Client::Connect(server_->target());
@@ -244,10 +245,10 @@ TEST_F(OptimizerE2eTest, StepsMatchTheReferenceBitForBitAndRetriesReplay) {
   EXPECT_EQ(again.stats.grad_norm, last.stats.grad_norm);
   ExpectMatchesReference(again);
   // A step from the future or the past fails naming the group's step.
-  EXPECT_THAT(StepBoth(5, false), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                           HasSubstr("is at step 3")));
-  EXPECT_THAT(StepBoth(1, false), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                           HasSubstr("the next step is 4")));
+  EXPECT_THAT(StepBoth(5, false),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is at step 3")));
+  EXPECT_THAT(StepBoth(1, false),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("the next step is 4")));
   // Options: an lr override and clipping are reported; omit_parameters.
   StepOptions so;
   so.lr = 5e-3;
@@ -265,7 +266,8 @@ TEST_F(OptimizerE2eTest, StepsMatchTheReferenceBitForBitAndRetriesReplay) {
   gs.pop_back();
   EXPECT_THAT(client_->Step("mlp", 5, gs),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("missing the gradient")));
-  EXPECT_THAT(client_->Step("nope", 1, gs), StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+  EXPECT_THAT(client_->Step("nope", 1, gs),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
   EXPECT_THAT(Offload(), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("mlp")));
 }
 
@@ -373,9 +375,9 @@ TEST_F(OptimizerE2eTest, TwoPhaseStepsAcrossGroupsMatchTheReferenceWithTheGlobal
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("clip_factor=nan")));
   bad.clip_factor = 0.5;
   bad.max_grad_norm = 1.0;
-  EXPECT_THAT(client_->Step(names[0], 5, gs[0], bad),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("clip_factor with max_grad_norm")));
+  EXPECT_THAT(
+      client_->Step(names[0], 5, gs[0], bad),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("clip_factor with max_grad_norm")));
   EXPECT_THAT(client_->GradNorm(names[0], 9, gs[0]),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("'rank0' is at step 4: GradNorm measures the gradients of its "
@@ -413,9 +415,9 @@ TEST_F(OptimizerE2eTest, PerParameterSettingsMatchTheReference) {
                        HasSubstr("parameters[1] ('b1').weight_decay=-1: must be finite and >= 0")));
   bad = inits;
   bad[2].lr_scale = std::nan("");
-  EXPECT_THAT(client_->OffloadOptimizerState(c, bad),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("parameters[2] ('w2').lr_scale=nan")));
+  EXPECT_THAT(
+      client_->OffloadOptimizerState(c, bad),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("parameters[2] ('w2').lr_scale=nan")));
   QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupInfo info, client_->OffloadOptimizerState(c, inits));
   ASSERT_EQ(info.parameter_hyper_params.size(), 2u);
   EXPECT_EQ(info.parameter_hyper_params[0], (ParameterHyperParams{"b1", 0.0, 1.0}));
@@ -511,7 +513,8 @@ TEST_F(OptimizerE2eTest, CheckpointsReleaseLoadAndList) {
   EXPECT_GT(list.memory_limit_bytes, list.memory_used_bytes);
 
   QTX_ASSERT_OK(client_->ReleaseGroup("mlp"));
-  EXPECT_THAT(client_->ReleaseGroup("mlp"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("mlp")));
+  EXPECT_THAT(client_->ReleaseGroup("mlp"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("mlp")));
   EXPECT_THAT(StepBoth(3, false), StatusIs(absl::StatusCode::kNotFound, HasSubstr("mlp")));
   QTX_ASSERT_OK_AND_ASSIGN(list, client_->ListOptimizerGroups());
   EXPECT_TRUE(list.groups.empty());

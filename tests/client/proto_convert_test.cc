@@ -61,7 +61,8 @@ TEST(ProtoConvertTest, UnsetConfigGetsDocumentedDefaults) {
 }
 
 TEST(ProtoConvertTest, TensorRoundTripsInlineAndRegion) {
-  const Tensor in = Tensor::Inline(DType::kBFloat16, {2, 2}, std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8));
+  const Tensor in =
+      Tensor::Inline(DType::kBFloat16, {2, 2}, std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8));
   v1::TensorRef p;
   ToProto(in, &p);
   EXPECT_EQ(p.dtype(), v1::BFLOAT16);
@@ -159,8 +160,8 @@ TEST(ProtoConvertTest, CollectiveGroupConfigToProto) {
   EXPECT_EQ(p.backend(), v1::COMM_BACKEND_UNSPECIFIED);
   EXPECT_EQ(p.timeout_ms(), 0u);
 
-  for (absl::Duration bad : {absl::Milliseconds(-1), absl::Hours(24 * 50),
-                             absl::InfiniteDuration()}) {
+  for (absl::Duration bad :
+       {absl::Milliseconds(-1), absl::Hours(24 * 50), absl::InfiniteDuration()}) {
     EXPECT_THAT(ToProto(CollectiveGroupConfig{.timeout = bad}, &p),
                 StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("timeout=")));
   }

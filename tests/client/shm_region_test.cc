@@ -58,8 +58,8 @@ TEST(ShmRegionTest, ExplicitNameIsExclusive) {
 }
 
 TEST(ShmRegionTest, RejectsBadArguments) {
-  EXPECT_THAT(ShmRegion::Create("", 64), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                  HasSubstr("region name")));
+  EXPECT_THAT(ShmRegion::Create("", 64),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("region name")));
   EXPECT_THAT(ShmRegion::Create("bad name!", 64),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad name!")));
   EXPECT_THAT(ShmRegion::Create(std::string(129, 'a'), 64),
@@ -81,12 +81,13 @@ TEST(ShmRegionTest, AllocateAlignsAndRunsOut) {
   QTX_ASSERT_OK_AND_ASSIGN(RegionSlice c, r->Allocate(100));
   EXPECT_EQ(c.offset, 64u);
   EXPECT_EQ(r->used(), 164u);
-  EXPECT_THAT(r->Allocate(100), StatusIs(absl::StatusCode::kResourceExhausted,
-                                         HasSubstr("region 'alloc'")));
+  EXPECT_THAT(r->Allocate(100),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("region 'alloc'")));
   EXPECT_EQ(r->used(), 164u);  // unchanged by the failure
-  EXPECT_THAT(r->Allocate(1, 3), StatusIs(absl::StatusCode::kInvalidArgument,
-                                          HasSubstr("power of two")));
-  EXPECT_THAT(r->Allocate(~uint64_t{0}), StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
+  EXPECT_THAT(r->Allocate(1, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power of two")));
+  EXPECT_THAT(r->Allocate(~uint64_t{0}),
+              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
   QTX_ASSERT_OK_AND_ASSIGN(RegionSlice d, r->Allocate(64, 64));  // exactly fills [192, 256)
   EXPECT_EQ(d.offset, 192u);
   r->Reset();
@@ -108,12 +109,12 @@ TEST(ShmRegionTest, PlaceViewAndToInline) {
   EXPECT_EQ(back.data, src.data);
   EXPECT_EQ(back.dtype, DType::kFloat32);
 
-  EXPECT_THAT(r->Place(placed), StatusIs(absl::StatusCode::kInvalidArgument,
-                                         HasSubstr("already in a region")));
+  EXPECT_THAT(r->Place(placed),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("already in a region")));
   Tensor short_data = src;
   short_data.data.pop_back();
-  EXPECT_THAT(r->Place(short_data), StatusIs(absl::StatusCode::kInvalidArgument,
-                                             HasSubstr("23 bytes")));
+  EXPECT_THAT(r->Place(short_data),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("23 bytes")));
   EXPECT_THAT(r->View(RegionSlice{"other", 0, 4}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'other'")));
   EXPECT_THAT(r->View(RegionSlice{"place", 1000, 25}),
@@ -130,10 +131,9 @@ TEST(ShmRegionTest, AllocateQuantizeOutputsSizesEveryBuffer) {
   c.columnwise = true;
   const std::vector<int64_t> shape = {200, 300};
   QTX_ASSERT_OK_AND_ASSIGN(QuantizeOutputs o, r->AllocateQuantizeOutputs(shape, c));
-  ASSERT_TRUE(o.rowwise_data && o.rowwise_scale_inv && o.columnwise_data &&
-              o.columnwise_scale_inv);
+  ASSERT_TRUE(o.rowwise_data && o.rowwise_scale_inv && o.columnwise_data && o.columnwise_scale_inv);
   EXPECT_EQ(o.rowwise_data->size, 60000u);
-  EXPECT_EQ(o.rowwise_scale_inv->size, 2u * 4 * 4);     // [2, pad4(3)] f32
+  EXPECT_EQ(o.rowwise_scale_inv->size, 2u * 4 * 4);  // [2, pad4(3)] f32
   EXPECT_EQ(o.columnwise_data->size, 60000u);
   EXPECT_EQ(o.columnwise_scale_inv->size, 3u * 4 * 4);  // [3, pad4(2)] f32
   c.columnwise = false;

@@ -51,8 +51,8 @@ TEST(TypesTest, TensorByteSize) {
   EXPECT_TRUE(r.in_region());
   QTX_ASSERT_OK_AND_ASSIGN(bytes, r.ByteSize());
   EXPECT_EQ(bytes, 42);
-  EXPECT_THAT(Tensor{}.ByteSize(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                            HasSubstr("unspecified")));
+  EXPECT_THAT(Tensor{}.ByteSize(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unspecified")));
   const int64_t big = int64_t{1} << 31;
   Tensor huge = Tensor::InRegion(DType::kFloat32, {big, big}, {});
   EXPECT_THAT(huge.ByteSize(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("byte")));
@@ -63,15 +63,15 @@ TEST(TypesTest, QuantizedLayoutMatchesKernels) {
   for (ScalingMode mode : {ScalingMode::kBlock1D, ScalingMode::kBlock2D, ScalingMode::kTensor}) {
     for (int64_t m : {0, 1, 3, 127, 128, 129, 200, 256, 130}) {
       for (int64_t n : {1, 4, 128, 130, 300, 1024}) {
-        SCOPED_TRACE(::testing::Message() << "mode " << static_cast<int>(mode) << " m " << m
-                                        << " n " << n);
+        SCOPED_TRACE(::testing::Message()
+                     << "mode " << static_cast<int>(mode) << " m " << m << " n " << n);
         QTX_ASSERT_OK_AND_ASSIGN(QuantizedLayout got,
                                  ComputeQuantizedLayout(mode, std::vector<int64_t>{m, n}));
-        const kernels::QuantizedLayout want = kernels::ComputeLayout(
-            mode == ScalingMode::kBlock1D   ? kernels::BlockScaling::kBlock1D
-            : mode == ScalingMode::kBlock2D ? kernels::BlockScaling::kBlock2D
-                                            : kernels::BlockScaling::kTensor,
-            m, n);
+        const kernels::QuantizedLayout want =
+            kernels::ComputeLayout(mode == ScalingMode::kBlock1D   ? kernels::BlockScaling::kBlock1D
+                                   : mode == ScalingMode::kBlock2D ? kernels::BlockScaling::kBlock2D
+                                                                   : kernels::BlockScaling::kTensor,
+                                   m, n);
         EXPECT_EQ(got.m, want.m);
         EXPECT_EQ(got.n, want.n);
         EXPECT_EQ(got.rowwise_data_rows, want.rowwise_data_rows);
@@ -88,9 +88,9 @@ TEST(TypesTest, QuantizedLayoutMatchesKernels) {
 }
 
 TEST(TypesTest, QuantizedLayoutFlattensLeadingDims) {
-  QTX_ASSERT_OK_AND_ASSIGN(QuantizedLayout l,
-                           ComputeQuantizedLayout(ScalingMode::kBlock1D,
-                                                  std::vector<int64_t>{2, 100, 300}));
+  QTX_ASSERT_OK_AND_ASSIGN(
+      QuantizedLayout l,
+      ComputeQuantizedLayout(ScalingMode::kBlock1D, std::vector<int64_t>{2, 100, 300}));
   EXPECT_EQ(l.m, 200);
   EXPECT_EQ(l.n, 300);
   EXPECT_EQ(l.rowwise_scale_rows, 3);

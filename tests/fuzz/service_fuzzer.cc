@@ -8,6 +8,8 @@
 //
 // QTX_FUZZ_WRITE_SEEDS=<dir>: write the seed corpus (valid requests) and exit.
 #include <fcntl.h>
+#include <google/protobuf/stubs/logging.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -19,9 +21,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <google/protobuf/stubs/logging.h>
-#include <grpcpp/grpcpp.h>
 
 #include "qtx/v1/collective.grpc.pb.h"
 #include "qtx/v1/memory.grpc.pb.h"
@@ -63,10 +62,11 @@ std::unique_ptr<grpc::ClientContext> Ctx() {
 // server went away: report either as a finding. DEADLINE_EXCEEDED answered
 // well before the call's own 20 s deadline is the server honouring a short
 // timeout the request asked for (e.g. CreateGroup timeout_ms=1), not a hang.
-void Check(const grpc::Status& s, const char* what,
-           std::chrono::steady_clock::duration elapsed = std::chrono::steady_clock::duration::max()) {
-  const bool hang = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                    elapsed >= std::chrono::seconds(15);
+void Check(
+    const grpc::Status& s, const char* what,
+    std::chrono::steady_clock::duration elapsed = std::chrono::steady_clock::duration::max()) {
+  const bool hang =
+      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && elapsed >= std::chrono::seconds(15);
   if (hang || s.error_code() == grpc::StatusCode::UNAVAILABLE) {
     std::fprintf(stderr, "FINDING: %s: %d %s\n", what, s.error_code(), s.error_message().c_str());
     std::abort();
@@ -215,15 +215,15 @@ bool Parse(const uint8_t* data, size_t size, Req* req) {
   return req->ParseFromArray(data, static_cast<int>(size));
 }
 
-#define QTX_FUZZ_CALL(stub, Method)                                       \
-  do {                                                                    \
-    v1::Method##Request req;                                              \
-    if (!Parse(data, size, &req)) return;                                 \
-    Adjust(&req);                                                         \
-    v1::Method##Response resp;                                            \
-    const auto start = std::chrono::steady_clock::now();                  \
-    const grpc::Status s = e.stub->Method(Ctx().get(), req, &resp);       \
-    Check(s, #Method, std::chrono::steady_clock::now() - start);          \
+#define QTX_FUZZ_CALL(stub, Method)                                 \
+  do {                                                              \
+    v1::Method##Request req;                                        \
+    if (!Parse(data, size, &req)) return;                           \
+    Adjust(&req);                                                   \
+    v1::Method##Response resp;                                      \
+    const auto start = std::chrono::steady_clock::now();            \
+    const grpc::Status s = e.stub->Method(Ctx().get(), req, &resp); \
+    Check(s, #Method, std::chrono::steady_clock::now() - start);    \
   } while (false)
 
 template <typename Req>
@@ -242,30 +242,60 @@ void Adjust(Req*) {}
 void RunOne(Env& e, uint8_t method, const uint8_t* data, size_t size) {
 #if QTX_FUZZ_SERVICE == 1
   switch (method % 2) {
-    case 0: QTX_FUZZ_CALL(quantizer, Quantize); break;
-    case 1: QTX_FUZZ_CALL(quantizer, Dequantize); break;
+    case 0:
+      QTX_FUZZ_CALL(quantizer, Quantize);
+      break;
+    case 1:
+      QTX_FUZZ_CALL(quantizer, Dequantize);
+      break;
   }
 #elif QTX_FUZZ_SERVICE == 2
   switch (method % 3) {
-    case 0: QTX_FUZZ_CALL(memory, RegisterRegion); break;
-    case 1: QTX_FUZZ_CALL(memory, UnregisterRegion); break;
-    case 2: QTX_FUZZ_CALL(memory, ListRegions); break;
+    case 0:
+      QTX_FUZZ_CALL(memory, RegisterRegion);
+      break;
+    case 1:
+      QTX_FUZZ_CALL(memory, UnregisterRegion);
+      break;
+    case 2:
+      QTX_FUZZ_CALL(memory, ListRegions);
+      break;
   }
 #elif QTX_FUZZ_SERVICE == 3
   switch (method % 4) {
-    case 0: QTX_FUZZ_CALL(collective, CreateGroup); break;
-    case 1: QTX_FUZZ_CALL(collective, AllGather); break;
-    case 2: QTX_FUZZ_CALL(collective, DestroyGroup); break;
-    case 3: QTX_FUZZ_CALL(collective, ListGroups); break;
+    case 0:
+      QTX_FUZZ_CALL(collective, CreateGroup);
+      break;
+    case 1:
+      QTX_FUZZ_CALL(collective, AllGather);
+      break;
+    case 2:
+      QTX_FUZZ_CALL(collective, DestroyGroup);
+      break;
+    case 3:
+      QTX_FUZZ_CALL(collective, ListGroups);
+      break;
   }
 #elif QTX_FUZZ_SERVICE == 4
   switch (method % 7) {
-    case 0: QTX_FUZZ_CALL(optimizer, OffloadOptimizerState); break;
-    case 1: QTX_FUZZ_CALL(optimizer, Step); break;
-    case 2: QTX_FUZZ_CALL(optimizer, GetState); break;
-    case 3: QTX_FUZZ_CALL(optimizer, SaveCheckpoint); break;
-    case 4: QTX_FUZZ_CALL(optimizer, LoadCheckpoint); break;
-    case 5: QTX_FUZZ_CALL(optimizer, ReleaseGroup); break;
+    case 0:
+      QTX_FUZZ_CALL(optimizer, OffloadOptimizerState);
+      break;
+    case 1:
+      QTX_FUZZ_CALL(optimizer, Step);
+      break;
+    case 2:
+      QTX_FUZZ_CALL(optimizer, GetState);
+      break;
+    case 3:
+      QTX_FUZZ_CALL(optimizer, SaveCheckpoint);
+      break;
+    case 4:
+      QTX_FUZZ_CALL(optimizer, LoadCheckpoint);
+      break;
+    case 5:
+      QTX_FUZZ_CALL(optimizer, ReleaseGroup);
+      break;
     case 6: {
       v1::ListOptimizerGroupsRequest req;
       v1::ListOptimizerGroupsResponse resp;

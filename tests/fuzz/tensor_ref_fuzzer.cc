@@ -4,6 +4,7 @@
 // 64 KiB shm region "r". Every resolved view is read end to end and every
 // output slice written end to end, so a bounds bug is an ASan report.
 #include <fcntl.h>
+#include <google/protobuf/stubs/logging.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -11,8 +12,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
-
-#include <google/protobuf/stubs/logging.h>
 
 #include "qtx/v1/quantizer.pb.h"
 #include "server/api/convert.h"
@@ -61,10 +60,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       g_sink = x;
     }
   }
-  const qtx::v1::RegionSlice* slices[] = {&req.outputs().rowwise_data(),
-                                          &req.outputs().rowwise_scale_inv(),
-                                          &req.outputs().columnwise_data(),
-                                          &req.outputs().columnwise_scale_inv()};
+  const qtx::v1::RegionSlice* slices[] = {
+      &req.outputs().rowwise_data(), &req.outputs().rowwise_scale_inv(),
+      &req.outputs().columnwise_data(), &req.outputs().columnwise_scale_inv()};
   const uint64_t alignments[] = {1, 4, 1, 4};
   for (int i = 0; i < 4; ++i) {
     const tensor::RegionSliceSpec s = api::SliceFromProto(*slices[i]);

@@ -4,6 +4,8 @@
 // joins it). Each case asserts the exact status code and a message substring,
 // then that the server still answers a health check and a valid Quantize, and
 // that no region stays pinned by the failed call.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,16 +16,13 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
-#include <iterator>
 #include <future>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -191,9 +190,7 @@ class BadInputTest : public ::testing::TestWithParam<Case> {
   static Sidecar& A() { return sidecars_[0]; }
   static Sidecar& B() { return sidecars_[1]; }
   static const ShmObject& shm() { return *shm_; }
-  static std::string Coordinator() {
-    return absl::StrCat("127.0.0.1:", A().server->tcp_port());
-  }
+  static std::string Coordinator() { return absl::StrCat("127.0.0.1:", A().server->tcp_port()); }
 
   static grpc::Status CreateGroup(int sidecar, const std::string& name, int rank, int world) {
     v1::CreateGroupRequest req;
@@ -483,9 +480,9 @@ std::function<grpc::Status(T&)> LoadPlanted(std::string name,
 std::function<grpc::Status(T&)> LoadEdited(
     std::string name, std::function<void(server::optimizer::GroupState*)> edit) {
   return LoadPlanted(name, [name, edit](const std::string&) {
-    auto state = server::optimizer::ReadCheckpoint(
-        server::optimizer::CheckpointPath(CheckpointDir(), "opt"),
-        [](uint64_t) { return absl::OkStatus(); });
+    auto state =
+        server::optimizer::ReadCheckpoint(server::optimizer::CheckpointPath(CheckpointDir(), "opt"),
+                                          [](uint64_t) { return absl::OkStatus(); });
     if (!state.ok()) return 1;
     state->config.name = name;
     edit(&*state);
@@ -1066,8 +1063,8 @@ std::vector<Case> Cases() {
 TEST_P(BadInputTest, FailsCleanlyAndServerStaysUsable) {
   const Case& c = GetParam();
   const grpc::Status s = c.call(*this);
-  EXPECT_EQ(s.error_code(), c.code) << c.name << ": got code " << s.error_code() << " ("
-                                    << s.error_message() << ")";
+  EXPECT_EQ(s.error_code(), c.code)
+      << c.name << ": got code " << s.error_code() << " (" << s.error_message() << ")";
   EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.name;
   // Still healthy, still answering a valid call, nothing left pinned.
   EXPECT_EQ(HealthStatus(A()), 1);

@@ -3,6 +3,7 @@
 // unregistered while calls use it, calls cancelled or timed out mid-flight.
 // Every call must end OK or with its expected error; the server must stay
 // usable and leave nothing pinned.
+#include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -14,8 +15,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -65,7 +64,8 @@ class ConcurrencyTest : public ::testing::Test {
     config.threads = 4;
     config.checkpoint_dir = dir_ + "/ckpt";
     QTX_ASSERT_OK_AND_ASSIGN(server_, server::api::QtxServer::Create(config));
-    channel_ = grpc::CreateChannel("unix:" + config.socket_path, grpc::InsecureChannelCredentials());
+    channel_ =
+        grpc::CreateChannel("unix:" + config.socket_path, grpc::InsecureChannelCredentials());
     quantizer_ = v1::Quantizer::NewStub(channel_);
     memory_ = v1::Memory::NewStub(channel_);
     optimizer_ = v1::Optimizer::NewStub(channel_);

@@ -11,9 +11,10 @@
 // (A peer sidecar killed during AllGather: tests/server/collective,
 // CollectiveFaults.MissingRankMismatchedNAndKilledSidecar.)
 #include <fcntl.h>
-#include <sys/mman.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -24,13 +25,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
-#include <functional>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -110,9 +109,13 @@ class Sidecar {
  public:
   Sidecar(const std::string& dir, std::vector<std::string> extra, rlim_t fsize_limit = 0)
       : socket_(dir + "/qtxd.sock") {
-    std::vector<std::string> argv = {QTXD_PATH, "--device=cpu", "--socket=" + socket_,
-                                     "--checkpoint_dir=" + dir + "/ckpt", "--threads=2",
-                                     "--shutdown_grace_s=1", "--log_level=warn"};
+    std::vector<std::string> argv = {QTXD_PATH,
+                                     "--device=cpu",
+                                     "--socket=" + socket_,
+                                     "--checkpoint_dir=" + dir + "/ckpt",
+                                     "--threads=2",
+                                     "--shutdown_grace_s=1",
+                                     "--log_level=warn"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     child_ = std::make_unique<Child>(argv, fsize_limit);
     grpc::ChannelArguments args;
@@ -120,8 +123,8 @@ class Sidecar {
     args.SetMaxSendMessageSize(-1);
     // A fresh channel per sidecar (no reuse of a dead one's subchannel).
     args.SetInt("qtx.fault_test.instance", ++instances_);
-    channel_ = grpc::CreateCustomChannel("unix:" + socket_, grpc::InsecureChannelCredentials(),
-                                         args);
+    channel_ =
+        grpc::CreateCustomChannel("unix:" + socket_, grpc::InsecureChannelCredentials(), args);
     quantizer = v1::Quantizer::NewStub(channel_);
     optimizer = v1::Optimizer::NewStub(channel_);
     memory = v1::Memory::NewStub(channel_);
@@ -227,8 +230,7 @@ grpc::Status Save(Sidecar& s, const std::string& group) {
 }
 
 // Master weights and moments of `group` on `s`, as one string.
-std::string StateBytes(Sidecar& s, const std::string& group, int64_t* step,
-                       int64_t* updates) {
+std::string StateBytes(Sidecar& s, const std::string& group, int64_t* step, int64_t* updates) {
   v1::GetStateResponse resp;
   grpc::Status st = GetState(s, group, &resp);
   EXPECT_TRUE(st.ok()) << st.error_message();
@@ -264,8 +266,8 @@ TEST(Faults, ClientProcessKilledMidCall) {
   ASSERT_TRUE(s.WaitReady());
   for (int i = 0; i < 5; ++i) {
     // A large inline Quantize from the CLI, killed while it is in flight.
-    Child cli({QTX_CLI_PATH, "--target=unix:" + s.socket(), "quantize",
-               "--shape=2048x4096", "--usages=rowwise,columnwise"});
+    Child cli({QTX_CLI_PATH, "--target=unix:" + s.socket(), "quantize", "--shape=2048x4096",
+               "--usages=rowwise,columnwise"});
     std::this_thread::sleep_for(std::chrono::milliseconds(50 + 40 * i));
     cli.Kill(SIGKILL);
   }
@@ -366,13 +368,17 @@ TEST(Faults, CheckpointDirectoryUnwritable) {
   // The directory is replaced by a plain file: nothing can be written there.
   const std::string ckpt = dir + "/ckpt";
   fs::rename(ckpt, dir + "/ckpt.saved");
-  { std::FILE* f = std::fopen(ckpt.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  {
+    std::FILE* f = std::fopen(ckpt.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fclose(f);
+  }
   ASSERT_TRUE(Step(s, "opt", 2).ok());
   grpc::Status st = Save(s, "opt");
   EXPECT_FALSE(st.ok());
-  EXPECT_THAT(st.error_code(), AnyOf(grpc::StatusCode::INTERNAL,
-                                     grpc::StatusCode::FAILED_PRECONDITION,
-                                     grpc::StatusCode::PERMISSION_DENIED));
+  EXPECT_THAT(st.error_code(),
+              AnyOf(grpc::StatusCode::INTERNAL, grpc::StatusCode::FAILED_PRECONDITION,
+                    grpc::StatusCode::PERMISSION_DENIED));
   EXPECT_THAT(st.error_message(), HasSubstr(ckpt));
   // The in-memory state is intact and steps go on.
   ASSERT_TRUE(Step(s, "opt", 3).ok());

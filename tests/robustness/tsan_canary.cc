@@ -147,7 +147,8 @@ int Await() {
         {
           absl::MutexLock l(&mu);
           round = 1;
-          mu.Await(absl::Condition(+[](int* r) { return *r == 2; }, &round));
+          mu.Await(absl::Condition(
+              +[](int* r) { return *r == 2; }, &round));
         }
         Write(3);
         absl::MutexLock l(&mu);
@@ -156,12 +157,14 @@ int Await() {
       [&] {
         {
           absl::MutexLock l(&mu);
-          mu.Await(absl::Condition(+[](int* r) { return *r == 1; }, &round));
+          mu.Await(absl::Condition(
+              +[](int* r) { return *r == 1; }, &round));
         }
         Write(2);
         absl::MutexLock l(&mu);
         round = 2;
-        while (!mu.AwaitWithDeadline(absl::Condition(+[](int* r) { return *r == 3; }, &round),
+        while (!mu.AwaitWithDeadline(absl::Condition(
+                                         +[](int* r) { return *r == 3; }, &round),
                                      absl::Now() + absl::Seconds(1))) {
         }
       });
@@ -228,9 +231,14 @@ int main(int argc, char** argv) {
     int (*run)();
   };
   const Mode modes[] = {
-      {"unlocked", Unlocked}, {"two_mutexes", TwoMutexes}, {"after_notify", AfterNotify},
-      {"mutex", Guarded},     {"await", Await},            {"lock_when", LockWhen},
-      {"condvar", CondVar},   {"notification", Notification},
+      {"unlocked", Unlocked},
+      {"two_mutexes", TwoMutexes},
+      {"after_notify", AfterNotify},
+      {"mutex", Guarded},
+      {"await", Await},
+      {"lock_when", LockWhen},
+      {"condvar", CondVar},
+      {"notification", Notification},
   };
   if (argc == 2) {
     for (const Mode& m : modes) {

@@ -1,5 +1,6 @@
 // The qtxd executable: starts on a temporary socket, serves, and on SIGTERM
 // or SIGINT stops, removes its socket and exits 0.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -9,8 +10,6 @@
 #include <chrono>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gtest/gtest.h"
 #include "qtx/v1/memory.grpc.pb.h"
@@ -42,8 +41,8 @@ void RunAndStop(int signal_number) {
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    ::execl(QTXD_PATH, QTXD_PATH, socket_flag.c_str(), "--threads=1", "--log_level=warn", "--shutdown_grace_s=1",
-            static_cast<char*>(nullptr));
+    ::execl(QTXD_PATH, QTXD_PATH, socket_flag.c_str(), "--threads=1", "--log_level=warn",
+            "--shutdown_grace_s=1", static_cast<char*>(nullptr));
     ::_exit(127);
   }
   for (int i = 0; i < 500 && !Exists(socket); ++i) {
@@ -77,8 +76,8 @@ TEST(Qtxd, BadFlagsExitNonZeroWithAClearMessage) {
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    ::execl(QTXD_PATH, QTXD_PATH, "--listen_tcp=0.0.0.0:1", "--socket=",
-            static_cast<char*>(nullptr));
+    ::execl(QTXD_PATH, QTXD_PATH, "--listen_tcp=0.0.0.0:1",
+            "--socket=", static_cast<char*>(nullptr));
     ::_exit(127);
   }
   const int status = WaitFor(pid, std::chrono::seconds(20));

@@ -57,9 +57,8 @@ absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
     last = (*client)->WaitUntilServing(absl::Milliseconds(200));
     if (last.ok()) return process;
   }
-  return absl::DeadlineExceededError(
-      absl::StrCat("qtxd not serving after ", absl::FormatDuration(timeout), ": ",
-                   last.ToString()));
+  return absl::DeadlineExceededError(absl::StrCat(
+      "qtxd not serving after ", absl::FormatDuration(timeout), ": ", last.ToString()));
 }
 
 absl::StatusOr<int> QtxdProcess::Stop(absl::Duration grace) {

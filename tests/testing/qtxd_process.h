@@ -1,6 +1,6 @@
 // QtxdProcess: a qtxd child process on a private unix socket, for end-to-end
-// tests and benchmarks (the one qtxd launcher of tests/ and bench/). Start() spawns it and waits until its health service
-// says SERVING; the destructor sends SIGTERM and reaps it (SIGKILL after a
+// tests and benchmarks (the one qtxd launcher of tests/ and bench/). Start() spawns it and waits
+// until its health service says SERVING; the destructor sends SIGTERM and reaps it (SIGKILL after a
 // grace period).
 // One owner thread.
 #ifndef QTX_TESTS_TESTING_QTXD_PROCESS_H_

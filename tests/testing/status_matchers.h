@@ -25,31 +25,30 @@ MATCHER_P2(StatusIs, code, message_matcher,
   const absl::Status& s = ::qtx::testing::GetStatus(arg);
   *result_listener << "status is " << s.ToString();
   if (s.code() != code) return false;
-  return ::testing::ExplainMatchResult(message_matcher, std::string(s.message()),
-                                       result_listener);
+  return ::testing::ExplainMatchResult(message_matcher, std::string(s.message()), result_listener);
 }
 
 }  // namespace qtx::testing
 
-#define QTX_ASSERT_OK(expr)                                       \
-  do {                                                            \
+#define QTX_ASSERT_OK(expr)                                          \
+  do {                                                               \
     const ::absl::Status qtx_s_ = ::qtx::testing::GetStatus((expr)); \
-    ASSERT_TRUE(qtx_s_.ok()) << #expr << ": " << qtx_s_.ToString(); \
+    ASSERT_TRUE(qtx_s_.ok()) << #expr << ": " << qtx_s_.ToString();  \
   } while (false)
 
-#define QTX_EXPECT_OK(expr)                                       \
-  do {                                                            \
+#define QTX_EXPECT_OK(expr)                                          \
+  do {                                                               \
     const ::absl::Status qtx_s_ = ::qtx::testing::GetStatus((expr)); \
-    EXPECT_TRUE(qtx_s_.ok()) << #expr << ": " << qtx_s_.ToString(); \
+    EXPECT_TRUE(qtx_s_.ok()) << #expr << ": " << qtx_s_.ToString();  \
   } while (false)
 
 #define QTX_TESTING_CONCAT_INNER_(a, b) a##b
 #define QTX_TESTING_CONCAT_(a, b) QTX_TESTING_CONCAT_INNER_(a, b)
 #define QTX_ASSERT_OK_AND_ASSIGN(lhs, expr) \
   QTX_ASSERT_OK_AND_ASSIGN_IMPL_(QTX_TESTING_CONCAT_(qtx_so_, __LINE__), lhs, expr)
-#define QTX_ASSERT_OK_AND_ASSIGN_IMPL_(so, lhs, expr)               \
-  auto so = (expr);                                                 \
-  ASSERT_TRUE(so.ok()) << #expr << ": " << so.status().ToString();  \
+#define QTX_ASSERT_OK_AND_ASSIGN_IMPL_(so, lhs, expr)              \
+  auto so = (expr);                                                \
+  ASSERT_TRUE(so.ok()) << #expr << ": " << so.status().ToString(); \
   lhs = std::move(so).value()
 
 #endif  // QTX_TESTS_TESTING_STATUS_MATCHERS_H_

@@ -20,9 +20,9 @@ class TestPki {
   bool ok() const { return ok_; }
 
   std::string dir;
-  std::string ca_pem, ca_file, other_ca_pem;      // CA: contents and file
-  std::string server_cert, server_key;            // files
-  std::string client_cert_pem, client_key_pem;    // contents
+  std::string ca_pem, ca_file, other_ca_pem;    // CA: contents and file
+  std::string server_cert, server_key;          // files
+  std::string client_cert_pem, client_key_pem;  // contents
 
  private:
   TestPki();

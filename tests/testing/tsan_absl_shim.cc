@@ -43,9 +43,8 @@
 // internal; qtx does not use it). A missing release/acquire shows up as a
 // (false) race report, never as a silenced one, and the canary in
 // tests/robustness/tsan_canary.cc keeps the setup honest both ways.
-#include <sanitizer/tsan_interface.h>
-
 #include <dlfcn.h>
+#include <sanitizer/tsan_interface.h>
 
 #include <atomic>
 #include <cstdio>
@@ -88,14 +87,14 @@ Fn Real(const char* prefix, const char* rest) {
   const std::string name = Mangle(prefix, rest);
   void* p = dlsym(RTLD_NEXT, name.c_str());
   if (p == nullptr) {
-    std::fprintf(stderr, "tsan_absl_shim: %s not found after the executable: %s\n",
-                 name.c_str(), dlerror());
+    std::fprintf(stderr, "tsan_absl_shim: %s not found after the executable: %s\n", name.c_str(),
+                 dlerror());
     std::abort();
   }
   return reinterpret_cast<Fn>(p);
 }
 
-#define QTX_REAL(type, prefix, rest)                   \
+#define QTX_REAL(type, prefix, rest)                 \
   static const auto real = Real<type>(prefix, rest); \
   static_assert(true)
 
@@ -199,8 +198,7 @@ bool Mutex::TryLock() {
   if (in_real > 0) return real(this);
   __tsan_mutex_pre_lock(this, __tsan_mutex_try_lock);
   const bool ok = CallReal(real, this);
-  __tsan_mutex_post_lock(this, __tsan_mutex_try_lock | (ok ? 0 : __tsan_mutex_try_lock_failed),
-                         0);
+  __tsan_mutex_post_lock(this, __tsan_mutex_try_lock | (ok ? 0 : __tsan_mutex_try_lock_failed), 0);
   return ok;
 }
 

@@ -24,16 +24,14 @@
 // "nexting" threads take events with grpc_completion_queue_next and run the
 // functor. A core callback queue that runs functors itself (no _next) would
 // not get the acquire; then the reports come back, they are not hidden.
-#include <sanitizer/tsan_interface.h>
-
 #include <dlfcn.h>
+#include <grpc/grpc.h>
+#include <grpcpp/support/server_callback.h>
+#include <sanitizer/tsan_interface.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-
-#include <grpc/grpc.h>
-#include <grpcpp/support/server_callback.h>
 
 #if !defined(__has_feature)
 #error "tsan_grpc_shim.cc needs clang"
@@ -90,13 +88,15 @@ grpc_call_error grpc_server_request_call(grpc_server* server, grpc_call** call,
               tag_new);
 }
 
-grpc_call_error grpc_server_request_registered_call(
-    grpc_server* server, void* registered_method, grpc_call** call, gpr_timespec* deadline,
-    grpc_metadata_array* request_metadata, grpc_byte_buffer** optional_payload,
-    grpc_completion_queue* cq_bound_to_call, grpc_completion_queue* cq_for_notification,
-    void* tag_new) {
-  static const auto real = Real<decltype(&grpc_server_request_registered_call)>(
-      "grpc_server_request_registered_call");
+grpc_call_error grpc_server_request_registered_call(grpc_server* server, void* registered_method,
+                                                    grpc_call** call, gpr_timespec* deadline,
+                                                    grpc_metadata_array* request_metadata,
+                                                    grpc_byte_buffer** optional_payload,
+                                                    grpc_completion_queue* cq_bound_to_call,
+                                                    grpc_completion_queue* cq_for_notification,
+                                                    void* tag_new) {
+  static const auto real =
+      Real<decltype(&grpc_server_request_registered_call)>("grpc_server_request_registered_call");
   Release(tag_new);
   return real(server, registered_method, call, deadline, request_metadata, optional_payload,
               cq_bound_to_call, cq_for_notification, tag_new);
@@ -109,8 +109,8 @@ grpc_event grpc_completion_queue_next(grpc_completion_queue* cq, gpr_timespec de
   return Acquired(real(cq, deadline, reserved));
 }
 
-grpc_event grpc_completion_queue_pluck(grpc_completion_queue* cq, void* tag,
-                                       gpr_timespec deadline, void* reserved) {
+grpc_event grpc_completion_queue_pluck(grpc_completion_queue* cq, void* tag, gpr_timespec deadline,
+                                       void* reserved) {
   static const auto real =
       Real<decltype(&grpc_completion_queue_pluck)>("grpc_completion_queue_pluck");
   return Acquired(real(cq, tag, deadline, reserved));

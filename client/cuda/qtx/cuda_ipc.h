@@ -65,7 +65,7 @@ absl::Status RegisterDevicePointer(Client& client, std::string_view name, const 
 
 // One physical chunk of VMM memory as the exporting process maps it.
 struct VmmChunk {
-  uintptr_t base = 0;               // its mapped address range [base, base + size)
+  uintptr_t base = 0;  // its mapped address range [base, base + size)
   uint64_t size = 0;
   unsigned long long block_id = 0;  // the driver's id of the physical allocation
 };

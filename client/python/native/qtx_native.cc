@@ -64,8 +64,8 @@ T Unwrap(absl::StatusOr<T> v) {
 }
 void CheckCuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
-    Throw(absl::InternalError(absl::StrFormat("%s: %s (%s)", what, cudaGetErrorName(e),
-                                              cudaGetErrorString(e))));
+    Throw(absl::InternalError(
+        absl::StrFormat("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e))));
   }
 }
 void UseDevice(int device) {
@@ -91,8 +91,8 @@ qtx::QuantizeConfig MakeConfig(int mode, int format, bool rowwise, bool columnwi
 
 class NativeSession {
  public:
-  NativeSession(const std::string& target, const std::string& flag_memory,
-                const std::string& label, double timeout_s)
+  NativeSession(const std::string& target, const std::string& flag_memory, const std::string& label,
+                double timeout_s)
       : label_(label) {
     if (flag_memory == "host") {
       flags_ = qtx::cuda::FlagMemory::kHostShm;
@@ -192,9 +192,9 @@ class NativeSession {
 
   // Submits this rank's part of AllGather `sequence` of `group`.
   uint64_t AllGather(int device, uintptr_t stream, const std::string& group, uint64_t sequence,
-                     int gather_mode, uintptr_t input, int dtype,
-                     const std::vector<int64_t>& shape, int mode, int format, bool rowwise,
-                     bool columnwise, bool pow2, float eps, const std::vector<Buf>& outs) {
+                     int gather_mode, uintptr_t input, int dtype, const std::vector<int64_t>& shape,
+                     int mode, int format, bool rowwise, bool columnwise, bool pow2, float eps,
+                     const std::vector<Buf>& outs) {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> l(mu_);
     qtx::Channel& ch = ChannelLocked(device, stream);
@@ -210,16 +210,15 @@ class NativeSession {
   // ([rows, cols] x 4, ignored for absent ones).
   uint64_t Dequantize(int device, uintptr_t stream, const std::vector<int64_t>& shape, int mode,
                       int format, const std::vector<Buf>& bufs,
-                      const std::vector<std::vector<int64_t>>& shapes, int out_dtype,
-                      uintptr_t out, uint64_t out_bytes) {
+                      const std::vector<std::vector<int64_t>>& shapes, int out_dtype, uintptr_t out,
+                      uint64_t out_bytes) {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> l(mu_);
     qtx::Channel& ch = ChannelLocked(device, stream);
     qtx::QuantizedTensor q;
     q.shape = shape;
     q.config = MakeConfig(mode, format, bufs[0].has_value(), bufs[2].has_value(), true, 0.0f);
-    const qtx::DType fp8 =
-        format == 2 ? qtx::DType::kFloat8E5M2 : qtx::DType::kFloat8E4M3;
+    const qtx::DType fp8 = format == 2 ? qtx::DType::kFloat8E5M2 : qtx::DType::kFloat8E4M3;
     std::optional<qtx::Tensor>* fields[4] = {&q.rowwise_data, &q.rowwise_scale_inv,
                                              &q.columnwise_data, &q.columnwise_scale_inv};
     for (int i = 0; i < 4; ++i) {
@@ -297,8 +296,7 @@ class NativeSession {
   // client's plain call, used by tests against a CPU qtxd as the reference.
   py::dict QuantizeHost(py::bytes data, int dtype, const std::vector<int64_t>& shape, int mode,
                         int format, bool rowwise, bool columnwise, bool pow2, float eps) {
-    qtx::Tensor in = qtx::Tensor::Inline(static_cast<qtx::DType>(dtype), shape,
-                                         std::string(data));
+    qtx::Tensor in = qtx::Tensor::Inline(static_cast<qtx::DType>(dtype), shape, std::string(data));
     qtx::QuantizedTensor q;
     {
       py::gil_scoped_release nogil;
@@ -341,14 +339,12 @@ class NativeSession {
   // weight_decay, bias_correction). param_hyper: per parameter (in order),
   // its own (weight_decay, lr_scale), None for the group's. Returns the
   // group's parameter count.
-  int OffloadOptimizerState(const std::string& group,
-                            const std::vector<std::tuple<std::string, py::bytes,
-                                                         std::vector<int64_t>>>& params,
-                            const std::tuple<double, double, double, double, double, bool>& hyper,
-                            int mode, int format, bool rowwise, bool columnwise, bool pow2,
-                            float eps, int64_t step, bool replace,
-                            const std::vector<std::pair<std::optional<double>,
-                                                        std::optional<double>>>& param_hyper) {
+  int OffloadOptimizerState(
+      const std::string& group,
+      const std::vector<std::tuple<std::string, py::bytes, std::vector<int64_t>>>& params,
+      const std::tuple<double, double, double, double, double, bool>& hyper, int mode, int format,
+      bool rowwise, bool columnwise, bool pow2, float eps, int64_t step, bool replace,
+      const std::vector<std::pair<std::optional<double>, std::optional<double>>>& param_hyper) {
     qtx::OptimizerGroupConfig c;
     c.group = group;
     std::tie(c.hyper_params.lr, c.hyper_params.beta1, c.hyper_params.beta2, c.hyper_params.eps,
@@ -380,12 +376,11 @@ class NativeSession {
   // lr < 0 / max_grad_norm <= 0: not set; clip_factor / skip: the caller's
   // decisions of a two-phase step (sent as given: qtxd checks them). Returns
   // the statistics as a dict.
-  py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
-                const std::vector<std::tuple<std::string, uintptr_t, int,
-                                             std::vector<int64_t>>>& grads,
-                const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
-                double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor,
-                bool skip) {
+  py::dict Step(
+      int device, uintptr_t stream, const std::string& group, int64_t step,
+      const std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>& grads,
+      const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
+      double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor, bool skip) {
     qtx::OptimizerStepResult r;
     {
       py::gil_scoped_release nogil;
@@ -433,9 +428,9 @@ class NativeSession {
   // qtxd reads them after the work queued on `stream` so far; the host
   // returns with qtxd's answer (every gradient was read by then). Returns
   // {step, sum_squares, non_finite, grad_norm, step_processed}.
-  py::dict GradNorm(int device, uintptr_t stream, const std::string& group, int64_t step,
-                    const std::vector<std::tuple<std::string, uintptr_t, int,
-                                                 std::vector<int64_t>>>& grads) {
+  py::dict GradNorm(
+      int device, uintptr_t stream, const std::string& group, int64_t step,
+      const std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>& grads) {
     qtx::GradNormResult r;
     {
       py::gil_scoped_release nogil;
@@ -465,13 +460,13 @@ class NativeSession {
   // Client::Step with inline gradients (host bytes) and inline outputs: the
   // reference path for tests against a CPU qtxd. Returns
   // {name: {field: bytes}}.
-  py::dict StepHost(const std::string& group, int64_t step,
-                    const std::vector<std::tuple<std::string, py::bytes, int,
-                                                 std::vector<int64_t>>>& grads) {
+  py::dict StepHost(
+      const std::string& group, int64_t step,
+      const std::vector<std::tuple<std::string, py::bytes, int, std::vector<int64_t>>>& grads) {
     std::vector<qtx::OptimizerGradient> g;
     for (const auto& [name, bytes, dtype, shape] : grads) {
-      g.push_back({name, qtx::Tensor::Inline(static_cast<qtx::DType>(dtype), shape,
-                                             std::string(bytes))});
+      g.push_back(
+          {name, qtx::Tensor::Inline(static_cast<qtx::DType>(dtype), shape, std::string(bytes))});
     }
     qtx::OptimizerStepResult r;
     {
@@ -505,14 +500,15 @@ class NativeSession {
   qtx::Tensor InputTensor(uintptr_t ptr, int dtype, const std::vector<int64_t>& shape) {
     const auto d = static_cast<qtx::DType>(dtype);
     const int64_t n = Unwrap(qtx::NumElements(shape));
-    return qtx::Tensor::InRegion(d, shape,
-                                 SliceLocked(ptr, static_cast<uint64_t>(n) *
-                                                      static_cast<uint64_t>(qtx::DTypeSize(d))));
+    return qtx::Tensor::InRegion(
+        d, shape,
+        SliceLocked(ptr, static_cast<uint64_t>(n) * static_cast<uint64_t>(qtx::DTypeSize(d))));
   }
   qtx::QuantizeOutputs Outputs(const std::vector<Buf>& outs) {
     if (outs.size() != 4) {
-      Throw(absl::InvalidArgumentError("outputs: 4 entries (rowwise data/scale, columnwise "
-                                       "data/scale), None for those not requested"));
+      Throw(
+          absl::InvalidArgumentError("outputs: 4 entries (rowwise data/scale, columnwise "
+                                     "data/scale), None for those not requested"));
     }
     qtx::QuantizeOutputs o;
     std::optional<qtx::RegionSlice>* f[4] = {&o.rowwise_data, &o.rowwise_scale_inv,
@@ -533,8 +529,8 @@ class NativeSession {
     if (it != channels_.end()) return *it->second;
     qtx::ChannelOptions opts;
     opts.label = absl::StrFormat("%s/cuda:%d/0x%x", label_, device, stream);
-    std::unique_ptr<qtx::Channel> ch = Unwrap(qtx::cuda::OpenChannel(
-        *client_, reinterpret_cast<cudaStream_t>(stream), opts, flags_));
+    std::unique_ptr<qtx::Channel> ch = Unwrap(
+        qtx::cuda::OpenChannel(*client_, reinterpret_cast<cudaStream_t>(stream), opts, flags_));
     return *channels_.emplace(std::make_pair(device, stream), std::move(ch)).first->second;
   }
   struct Events {
@@ -574,7 +570,7 @@ class NativeSession {
   qtx::cuda::FlagMemory flags_ = qtx::cuda::FlagMemory::kHostShm;
   std::mutex mu_;
   std::unique_ptr<qtx::Client> client_;
-  std::unique_ptr<qtx::cuda::RegionCache> cache_;  // guarded by mu_
+  std::unique_ptr<qtx::cuda::RegionCache> cache_;                                // guarded by mu_
   std::map<std::pair<int, uintptr_t>, std::unique_ptr<qtx::Channel>> channels_;  // mu_
   std::map<int, Events> events_;  // mu_: Step's interprocess events per device
 };
@@ -609,9 +605,9 @@ struct DLManagedTensor {
 // (device_type, device_id)).
 py::tuple ParseDlpack(py::capsule capsule) {
   if (std::string(capsule.name() ? capsule.name() : "") != "dltensor") {
-    Throw(absl::InvalidArgumentError(absl::StrFormat(
-        "DLPack capsule named '%s': expected an unconsumed 'dltensor'",
-        capsule.name() ? capsule.name() : "")));
+    Throw(absl::InvalidArgumentError(
+        absl::StrFormat("DLPack capsule named '%s': expected an unconsumed 'dltensor'",
+                        capsule.name() ? capsule.name() : "")));
   }
   auto* m = static_cast<DLManagedTensor*>(capsule.get_pointer());
   if (m == nullptr) Throw(absl::InvalidArgumentError("DLPack capsule holds no tensor"));
@@ -661,9 +657,7 @@ void EventSynchronize(uintptr_t event) {
   }
   CheckCuda(e, "cudaEventSynchronize");
 }
-void EventDestroy(uintptr_t event) {
-  (void)cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event));
-}
+void EventDestroy(uintptr_t event) { (void)cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)); }
 void StreamWaitEvent(int device, uintptr_t stream, uintptr_t event) {
   UseDevice(device);
   CheckCuda(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),

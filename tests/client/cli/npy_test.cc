@@ -72,13 +72,14 @@ TEST(NpyTest, RejectsWhatItCannotRead) {
   EXPECT_THAT(ParseNpy(NumpyFile("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }",
                                  std::string(20, '\0'))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("file has 20")));
-  EXPECT_THAT(ParseNpy(NumpyFile("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }",
-                                 "")),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad dim")));
-  std::string truncated = NumpyFile("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", "");
+  EXPECT_THAT(
+      ParseNpy(NumpyFile("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }", "")),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad dim")));
+  std::string truncated =
+      NumpyFile("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", "");
   truncated.resize(20);
-  EXPECT_THAT(ParseNpy(truncated), StatusIs(absl::StatusCode::kInvalidArgument,
-                                            HasSubstr("truncated")));
+  EXPECT_THAT(ParseNpy(truncated),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("truncated")));
 }
 
 TEST(NpyTest, SerializeRoundTrips) {

@@ -14,6 +14,8 @@
 // Nothing here can hold the GPU for good: the holding kernel gives up after
 // 60 s on its own (and the test then fails), and the host releases it on
 // every exit path.
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -21,8 +23,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <cuda_runtime_api.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
@@ -60,8 +60,7 @@ struct Case {
   AllGatherMode mode = AllGatherMode::kExactFp8;
   std::string Name() const {
     return absl::StrFormat("m=%d n=%d %s row=%d col=%d %s", m, n,
-                           ScalingModeName(config.scaling_mode), config.rowwise,
-                           config.columnwise,
+                           ScalingModeName(config.scaling_mode), config.rowwise, config.columnwise,
                            mode == AllGatherMode::kExactFp8 ? "EXACT_FP8" : "GATHER_HP");
   }
 };
@@ -69,7 +68,7 @@ struct Case {
 kernels::QuantizeParams ParamsOf(const QuantizeConfig& c) {
   kernels::QuantizeParams p;
   p.scaling = c.scaling_mode == ScalingMode::kBlock2D ? kernels::BlockScaling::kBlock2D
-                                                       : kernels::BlockScaling::kBlock1D;
+                                                      : kernels::BlockScaling::kBlock1D;
   p.format = c.format == Fp8Format::kE5M2 ? kernels::Fp8Format::kE5M2 : kernels::Fp8Format::kE4M3;
   p.rowwise = c.rowwise;
   p.columnwise = c.columnwise;
@@ -93,9 +92,9 @@ class CudaAllGatherChannelTest : public ::testing::Test {
   void SetUp() override {
     // Debug logs: qtxd prints each AllGather's host time per step
     // (event=allgather_steps), which shows where a wait would be.
-    QTX_ASSERT_OK_AND_ASSIGN(server_, QtxdProcess::Start(g_qtxd_path, {"--device=cuda:0",
-                                                                       "--allow_client_shm",
-                                                                       "--log_level=debug"}));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        server_, QtxdProcess::Start(
+                     g_qtxd_path, {"--device=cuda:0", "--allow_client_shm", "--log_level=debug"}));
     QTX_ASSERT_OK_AND_ASSIGN(client_, Client::Connect(server_->target()));
     CUDA_OK(cudaSetDevice(0));
     CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -159,10 +158,9 @@ class CudaAllGatherChannelTest : public ::testing::Test {
     kernels::cpu::QuantizeBlock(input.data(), kernels::InputDType::kBFloat16, m, n, p, b);
     out.input = arena_.Take(input.size());
     CUDA_OK(cudaMemcpy(arena_.At(out.input), input.data(), input.size(), cudaMemcpyHostToDevice));
-    std::optional<RegionSlice>* slots[4] = {&out.outputs.rowwise_data,
-                                            &out.outputs.rowwise_scale_inv,
-                                            &out.outputs.columnwise_data,
-                                            &out.outputs.columnwise_scale_inv};
+    std::optional<RegionSlice>* slots[4] = {
+        &out.outputs.rowwise_data, &out.outputs.rowwise_scale_inv, &out.outputs.columnwise_data,
+        &out.outputs.columnwise_scale_inv};
     for (int k = 0; k < 4; ++k) {
       if ((k < 2 && !p.rowwise) || (k >= 2 && !p.columnwise)) continue;
       *slots[k] = arena_.Take(bytes[k]);
@@ -189,8 +187,7 @@ class CudaAllGatherChannelTest : public ::testing::Test {
         }
       }
       EXPECT_EQ(first, got.size()) << what << ": " << kNames[k] << " differs from the CPU "
-                                   << "reference first at byte " << first << " of "
-                                   << got.size();
+                                   << "reference first at byte " << first << " of " << got.size();
     }
   }
 
@@ -265,9 +262,8 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
     // The synchronous call: outputs complete when it returns.
     ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
     CUDA_OK(cudaStreamSynchronize(stream_));
-    QTX_ASSERT_OK_AND_ASSIGN(
-        AllGatherResult r,
-        client_->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs));
+    QTX_ASSERT_OK_AND_ASSIGN(AllGatherResult r, client_->AllGather(kGroup, next_sequence_++, input,
+                                                                   c.config, c.mode, pr.outputs));
     EXPECT_EQ(r.shard_rows, std::vector<int64_t>{c.m});
     ExpectOutputsExact(pr, "synchronous");
     checked += 2;
@@ -354,13 +350,12 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
       ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
       const Tensor input = Tensor::InRegion(DType::kBFloat16, {kinds[i].m, kinds[i].n}, pr.input);
       QTX_ASSERT_OK_AND_ASSIGN(last_op, ch->AllGather(kGroup, next_sequence_++, input,
-                                                      kinds[i].config, kinds[i].mode,
-                                                      pr.outputs));
+                                                      kinds[i].config, kinds[i].mode, pr.outputs));
       for (int k = 0; k < 4; ++k) {
         if (pr.out[k] == nullptr) continue;
         CUDA_OK(qtx::testing::LaunchCountMismatches(arena_.At(*pr.out[k]),
-                                                    arena_.At(pr.expected_dev[k]),
-                                                    pr.out[k]->size, mismatches_, stream_));
+                                                    arena_.At(pr.expected_dev[k]), pr.out[k]->size,
+                                                    mismatches_, stream_));
       }
     }
   }
@@ -396,11 +391,11 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
   // And the outputs as the host sees them (the last round's).
   for (size_t i = 0; i < kinds.size(); ++i) ExpectOutputsExact(prepared[i], kinds[i].Name());
   QTX_ASSERT_OK(ch->Close());
-  std::printf("{\"test\":\"cuda_allgather_enqueue_only\",\"kinds\":\"%s\",\"held_allgathers\":%d,"
-              "\"probe_ms\":%.3f,\"gpu_held_at_probe\":%s,\"mismatched_bytes\":%llu}\n",
-              label, static_cast<int>(kRounds * kinds.size()), absl::ToDoubleMilliseconds(probe_time),
-              held == cudaErrorNotReady ? "true" : "false",
-              static_cast<unsigned long long>(Mismatches()));
+  std::printf(
+      "{\"test\":\"cuda_allgather_enqueue_only\",\"kinds\":\"%s\",\"held_allgathers\":%d,"
+      "\"probe_ms\":%.3f,\"gpu_held_at_probe\":%s,\"mismatched_bytes\":%llu}\n",
+      label, static_cast<int>(kRounds * kinds.size()), absl::ToDoubleMilliseconds(probe_time),
+      held == cudaErrorNotReady ? "true" : "false", static_cast<unsigned long long>(Mismatches()));
 }
 
 // Exact kinds: 2-D row+col (amaxes exchanged on the device, per tile

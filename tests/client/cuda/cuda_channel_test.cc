@@ -7,6 +7,9 @@
 // the producer. Also: a failed op releases the caller's wait within 100 ms;
 // qtxd dying releases the waits and later calls fail with UNAVAILABLE.
 // Run with and without MPS (scripts/gpu_channel.sh).
+#include "qtx/cuda_channel.h"
+
+#include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,8 +22,6 @@
 #include <string>
 #include <vector>
 
-#include <cuda_runtime_api.h>
-
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -31,7 +32,6 @@
 #include "kernels/fp8.h"
 #include "qtx/channel.h"
 #include "qtx/client.h"
-#include "qtx/cuda_channel.h"
 #include "qtx/cuda_ipc.h"
 #include "tests/client/cuda/channel_test_kernels.h"
 #include "tests/client/cuda/cuda_test_support.h"
@@ -57,15 +57,16 @@ int Iterations() {
 class CudaChannelTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    QTX_ASSERT_OK_AND_ASSIGN(server_, QtxdProcess::Start(g_qtxd_path, {"--device=cuda:0", "--allow_client_shm"}));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        server_, QtxdProcess::Start(g_qtxd_path, {"--device=cuda:0", "--allow_client_shm"}));
     QTX_ASSERT_OK_AND_ASSIGN(client_, Client::Connect(server_->target()));
     CUDA_OK(cudaSetDevice(0));
     CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     arena_.size = uint64_t{256} << 20;
     arena_.name = "chtest-arena";
     CUDA_OK(cudaMalloc(&arena_.base, arena_.size));
-    QTX_ASSERT_OK(qtx::cuda::RegisterDevicePointer(*client_, arena_.name, arena_.base,
-                                                   arena_.size));
+    QTX_ASSERT_OK(
+        qtx::cuda::RegisterDevicePointer(*client_, arena_.name, arena_.base, arena_.size));
     CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&mismatches_), sizeof(unsigned long long)));
     CUDA_OK(cudaMemset(mismatches_, 0, sizeof(unsigned long long)));
   }
@@ -180,9 +181,10 @@ TEST_F(CudaChannelTest, AFailedOpReleasesTheWaitWithin100Ms) {
   CUDA_OK(cudaStreamSynchronize(stream_));  // the wait on done must be released
   const absl::Duration released = absl::Now() - start;
   EXPECT_LT(released, absl::Milliseconds(100));
-  EXPECT_THAT(ch->Synchronize(),
-              StatusIs(absl::StatusCode::kNotFound,
-                       HasSubstr("channel operation 1 failed: input.region: region 'no-such-region'")));
+  EXPECT_THAT(
+      ch->Synchronize(),
+      StatusIs(absl::StatusCode::kNotFound,
+               HasSubstr("channel operation 1 failed: input.region: region 'no-such-region'")));
   std::printf("{\"test\":\"cuda_channel_failure_release\",\"release_ms\":%.3f}\n",
               absl::ToDoubleMilliseconds(released));
 }
@@ -261,8 +263,8 @@ TEST_F(CudaChannelTest, AllGatherOnAOneRankNcclGroupIsOrderedAndExact) {
   RegionSlice expected[4];
   for (int k = 0; k < 4; ++k) {
     expected[k] = arena_.Take(out_bytes[k]);
-    CUDA_OK(cudaMemcpy(arena_.At(expected[k]), outs[k].data(), out_bytes[k],
-                       cudaMemcpyHostToDevice));
+    CUDA_OK(
+        cudaMemcpy(arena_.At(expected[k]), outs[k].data(), out_bytes[k], cudaMemcpyHostToDevice));
   }
   QuantizeOutputs outputs;
   outputs.rowwise_data = arena_.Take(out_bytes[0]);
@@ -284,9 +286,8 @@ TEST_F(CudaChannelTest, AllGatherOnAOneRankNcclGroupIsOrderedAndExact) {
                                 config, AllGatherMode::kExactFp8, outputs)
                       .status());
     for (int k = 0; k < 4; ++k) {
-      CUDA_OK(qtx::testing::LaunchCountMismatches(arena_.At(*out_slices[k]),
-                                                  arena_.At(expected[k]), out_bytes[k],
-                                                  mismatches_, stream_));
+      CUDA_OK(qtx::testing::LaunchCountMismatches(arena_.At(*out_slices[k]), arena_.At(expected[k]),
+                                                  out_bytes[k], mismatches_, stream_));
     }
   }
   CUDA_OK(cudaStreamSynchronize(stream_));
@@ -294,9 +295,10 @@ TEST_F(CudaChannelTest, AllGatherOnAOneRankNcclGroupIsOrderedAndExact) {
   EXPECT_EQ(Mismatches(), 0u);
   QTX_ASSERT_OK(ch->Close());
   QTX_ASSERT_OK(client_->DestroyGroup("solo"));
-  std::printf("{\"test\":\"cuda_channel_allgather_1rank\",\"iterations\":%d,"
-              "\"mismatched_bytes\":%llu}\n",
-              iters, static_cast<unsigned long long>(Mismatches()));
+  std::printf(
+      "{\"test\":\"cuda_channel_allgather_1rank\",\"iterations\":%d,"
+      "\"mismatched_bytes\":%llu}\n",
+      iters, static_cast<unsigned long long>(Mismatches()));
 }
 
 // The client dies (SIGKILL) while qtxd's channel stream is parked on the
@@ -356,7 +358,8 @@ TEST_F(CudaChannelTest, RegionCacheRegistersEachAllocationOnceAndNoticesReplacem
   }
   kernels::QuantizeParams p;
   const kernels::QuantizedLayout layout = kernels::ComputeLayout(p.scaling, m, n);
-  std::string expected(layout.RowwiseDataBytes(), '\0'), scales(layout.RowwiseScaleCount() * 4, '\0');
+  std::string expected(layout.RowwiseDataBytes(), '\0'),
+      scales(layout.RowwiseScaleCount() * 4, '\0');
   kernels::QuantizedBuffers b;
   b.rowwise_data = reinterpret_cast<uint8_t*>(expected.data());
   b.rowwise_scale_inv = reinterpret_cast<float*>(scales.data());
@@ -389,11 +392,11 @@ TEST_F(CudaChannelTest, RegionCacheRegistersEachAllocationOnceAndNoticesReplacem
   EXPECT_EQ(cache.fast_hits(), hits);  // a new buffer id: the full path, never a stale hit
   EXPECT_NE(s3.region, s1.region);
   std::printf("{\"test\":\"region_cache\",\"address_reused\":%s,\"registrations\":%llu}\n",
-              b2 == a ? "true" : "false",
-              static_cast<unsigned long long>(cache.registrations()));
+              b2 == a ? "true" : "false", static_cast<unsigned long long>(cache.registrations()));
   // The new allocation's bytes are what qtxd reads.
   CUDA_OK(cudaMemcpy(b2 + 4096, input.data(), input.size(), cudaMemcpyHostToDevice));
-  QTX_ASSERT_OK_AND_ASSIGN(q, client_->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, s3), {}));
+  QTX_ASSERT_OK_AND_ASSIGN(q,
+                           client_->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, s3), {}));
   EXPECT_TRUE(q.rowwise_data->data == expected) << "quantize after replacement differs";
   // With the fast path off every lookup takes the full path (same answer).
   cache.set_fast_path(false);
@@ -432,8 +435,8 @@ int ParkChild(const std::string& target) {
   outputs.rowwise_data = RegionSlice{"park-buf", 262144, 256 * 128};
   outputs.rowwise_scale_inv = RegionSlice{"park-buf", 524288, 256 * 4};
   auto op = (*ch)->Quantize(
-      Tensor::InRegion(DType::kBFloat16, {256, 128}, RegionSlice{"park-buf", 0, 256 * 128 * 2}),
-      {}, outputs);
+      Tensor::InRegion(DType::kBFloat16, {256, 128}, RegionSlice{"park-buf", 0, 256 * 128 * 2}), {},
+      outputs);
   if (!op.ok()) return 1;
   std::printf("parked\n");
   std::fflush(stdout);

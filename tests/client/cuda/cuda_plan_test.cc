@@ -4,6 +4,9 @@
 // replayed many times with a new input each time: every replay must see
 // qtxd's outputs for its own input, bit for bit. The same graph without the
 // plan's kernel must see stale bytes (so the check can fail).
+#include "qtx/cuda_plan.h"
+
+#include <cuda_runtime_api.h>
 #include <signal.h>
 
 #include <chrono>
@@ -17,8 +20,6 @@
 #include <thread>
 #include <vector>
 
-#include <cuda_runtime_api.h>
-
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -30,7 +31,6 @@
 #include "qtx/channel.h"
 #include "qtx/client.h"
 #include "qtx/cuda_ipc.h"
-#include "qtx/cuda_plan.h"
 #include "tests/client/cuda/channel_test_kernels.h"
 #include "tests/client/cuda/cuda_test_support.h"
 #include "tests/testing/qtxd_process.h"
@@ -170,8 +170,8 @@ class CudaPlanTest : public ::testing::Test {
     CUDA_OK(qtx::testing::LaunchDelayedCopy(At(input_), staging_in_, in_bytes_, 20000, stream_));
     if (plan != nullptr) QTX_ASSERT_OK(plan->Enqueue(stream_));
     for (int k = 0; k < 4; ++k) {
-      CUDA_OK(qtx::testing::LaunchCountMismatches(At(*outs[k]), staging_expected_[k],
-                                                  out_bytes_[k], mismatches_, stream_));
+      CUDA_OK(qtx::testing::LaunchCountMismatches(At(*outs[k]), staging_expected_[k], out_bytes_[k],
+                                                  mismatches_, stream_));
     }
     CUDA_OK(cudaStreamEndCapture(stream_, &graph));
     CUDA_OK(cudaGraphInstantiate(exec, graph, 0));
@@ -180,8 +180,8 @@ class CudaPlanTest : public ::testing::Test {
 
   // Stages variant v (outside the graph, on the stream), then replays.
   void Replay(cudaGraphExec_t exec, int v) {
-    CUDA_OK(cudaMemcpyAsync(staging_in_, sources_[v], in_bytes_, cudaMemcpyDeviceToDevice,
-                            stream_));
+    CUDA_OK(
+        cudaMemcpyAsync(staging_in_, sources_[v], in_bytes_, cudaMemcpyDeviceToDevice, stream_));
     for (int k = 0; k < 4; ++k) {
       CUDA_OK(cudaMemcpyAsync(staging_expected_[k], expected_[k][v], out_bytes_[k],
                               cudaMemcpyDeviceToDevice, stream_));
@@ -222,10 +222,11 @@ TEST_F(CudaPlanTest, ReplaysOfACapturedGraphSeeEveryOutputOfTheirOwnInput) {
     EXPECT_GE(plan->completed() + 1, static_cast<uint64_t>(replays));  // reports may trail
     QTX_EXPECT_OK(plan->Close());
     CUDA_OK(cudaGraphExecDestroy(exec));
-    std::printf("{\"test\":\"cuda_plan_graph_replays\",\"flags\":\"%s\",\"replays\":%d,"
-                "\"mismatched_bytes\":%llu}\n",
-                memory == qtx::cuda::FlagMemory::kHostShm ? "host" : "device", replays,
-                static_cast<unsigned long long>(Mismatches()));
+    std::printf(
+        "{\"test\":\"cuda_plan_graph_replays\",\"flags\":\"%s\",\"replays\":%d,"
+        "\"mismatched_bytes\":%llu}\n",
+        memory == qtx::cuda::FlagMemory::kHostShm ? "host" : "device", replays,
+        static_cast<unsigned long long>(Mismatches()));
   }
 }
 
@@ -278,9 +279,10 @@ TEST_F(CudaPlanTest, QtxdDyingReleasesReplaysForGood) {
   // Replays captured before still run to the end (their waits pass).
   for (int r = 0; r < 3; ++r) Replay(exec, r);
   const bool drained = StreamDrains(stream_, absl::Seconds(10));
-  std::printf("{\"test\":\"cuda_plan_qtxd_death\",\"status_after_kill_ms\":%.3f,"
-              "\"replays_after_kill_drained\":%s}\n",
-              noticed_ms, drained ? "true" : "false");
+  std::printf(
+      "{\"test\":\"cuda_plan_qtxd_death\",\"status_after_kill_ms\":%.3f,"
+      "\"replays_after_kill_drained\":%s}\n",
+      noticed_ms, drained ? "true" : "false");
   std::fflush(stdout);
   ASSERT_TRUE(drained) << "replays after qtxd died did not finish within 10 s";
   CUDA_OK(cudaGraphExecDestroy(exec));

@@ -12,12 +12,11 @@
 // (no qtx involved) fails -- MPS tears every client down when one is killed
 // with a kernel running (client/README.md) -- so scripts/gpu_vmm.sh runs
 // them one per process there, as an experiment.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <cuda.h>
-#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -55,9 +54,9 @@ using ::testing::HasSubstr;
 std::string g_qtxd_path;
 std::string g_self_path;
 
-#define CU_OK(expr)                                         \
-  do {                                                      \
-    const CUresult r_ = (expr);                             \
+#define CU_OK(expr)                                              \
+  do {                                                           \
+    const CUresult r_ = (expr);                                  \
     ASSERT_EQ(r_, CUDA_SUCCESS) << #expr << ": CUresult " << r_; \
   } while (0)
 
@@ -256,8 +255,8 @@ TEST_F(CudaVmmTest, ChannelQuantizeOnTensorsSpanningChunksMatchesTheCpuReference
     for (int k = 0; k < 4; ++k) {
       CUDA_OK(cudaMemsetAsync(buf.ptr(out_off[k]), 0xCD, c.out_bytes[k], stream_));
     }
-    QTX_ASSERT_OK(ch->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, in), config, outputs)
-                      .status());
+    QTX_ASSERT_OK(
+        ch->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, in), config, outputs).status());
   }
   CUDA_OK(cudaStreamSynchronize(stream_));
   QTX_ASSERT_OK(ch->Synchronize());
@@ -271,18 +270,19 @@ TEST_F(CudaVmmTest, ChannelQuantizeOnTensorsSpanningChunksMatchesTheCpuReference
   }
   QTX_ASSERT_OK(ch->Close());
   // The synchronous call through the same slices gives the same bytes.
-  QTX_ASSERT_OK_AND_ASSIGN(QuantizedTensor q,
-                           client_->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, in),
-                                             config));
+  QTX_ASSERT_OK_AND_ASSIGN(
+      QuantizedTensor q,
+      client_->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, in), config));
   EXPECT_EQ(CountDiffs(q.rowwise_data->data, c.expected[0]), 0u);
   EXPECT_EQ(CountDiffs(q.columnwise_data->data, c.expected[2]), 0u);
-  std::printf("{\"test\":\"cuda_vmm_channel_quantize\",\"chunks_spanned\":%zu,\"iterations\":%d,"
-              "\"mismatched_bytes\":%llu}\n",
-              chunks.size(), iters, static_cast<unsigned long long>(diffs));
+  std::printf(
+      "{\"test\":\"cuda_vmm_channel_quantize\",\"chunks_spanned\":%zu,\"iterations\":%d,"
+      "\"mismatched_bytes\":%llu}\n",
+      chunks.size(), iters, static_cast<unsigned long long>(diffs));
 
   // RegisterDevicePointer from a pointer that is not chunk-aligned.
-  QTX_ASSERT_OK(qtx::cuda::RegisterDevicePointer(*client_, "vmm-direct", buf.ptr(in_off),
-                                                 c.input.size()));
+  QTX_ASSERT_OK(
+      qtx::cuda::RegisterDevicePointer(*client_, "vmm-direct", buf.ptr(in_off), c.input.size()));
   QTX_ASSERT_OK_AND_ASSIGN(
       QuantizedTensor q2,
       client_->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n},
@@ -300,8 +300,8 @@ TEST_F(CudaVmmTest, MemoryThatCannotBePassedFailsNamingWhatToChange) {
   absl::Status s = cache.Slice(plain.ptr(100), 3 * kMiB).status();
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
                           HasSubstr("without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR")));
-  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
-                          HasSubstr("expandable_segments:False")));
+  EXPECT_THAT(s,
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expandable_segments:False")));
   std::printf("{\"test\":\"cuda_vmm_no_fd_type\",\"status\":\"%s\"}\n",
               std::string(s.message()).c_str());
   EXPECT_THAT(qtx::cuda::RegisterDevicePointer(*client_, "bad-direct", plain.ptr(), kMiB),
@@ -348,9 +348,10 @@ TEST_F(CudaVmmTest, MemoryThatCannotBePassedFailsNamingWhatToChange) {
   const CUresult retain = cuMemRetainAllocationHandle(&probe, fd_pooled);
   if (retain == CUDA_SUCCESS) (void)cuMemRelease(probe);
   s = cache.Slice(fd_pooled, 64).status();
-  std::printf("{\"test\":\"cuda_vmm_fd_pool_probe\",\"retain_allocation_handle\":%d,"
-              "\"status\":\"%s\"}\n",
-              static_cast<int>(retain), s.ToString().c_str());
+  std::printf(
+      "{\"test\":\"cuda_vmm_fd_pool_probe\",\"retain_allocation_handle\":%d,"
+      "\"status\":\"%s\"}\n",
+      static_cast<int>(retain), s.ToString().c_str());
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cudaMallocAsync")));
   CUDA_OK(cudaFreeAsync(fd_pooled, stream_));
   CUDA_OK(cudaStreamSynchronize(stream_));
@@ -385,10 +386,11 @@ TEST_F(CudaVmmTest, QtxdHoldsTheMemoryUntilUnregisterAndNoticesReplacedChunks) {
     absl::SleepFor(absl::Milliseconds(20));
     free3 = FreeDeviceBytes();
   }
-  std::printf("{\"test\":\"cuda_vmm_hold\",\"bytes_mib\":%llu,\"free_mib_before\":%zu,"
-              "\"after_register\":%zu,\"after_client_release\":%zu,\"after_unregister\":%zu}\n",
-              static_cast<unsigned long long>(bytes / kMiB), free0 / kMiB, free1 / kMiB,
-              free2 / kMiB, free3 / kMiB);
+  std::printf(
+      "{\"test\":\"cuda_vmm_hold\",\"bytes_mib\":%llu,\"free_mib_before\":%zu,"
+      "\"after_register\":%zu,\"after_client_release\":%zu,\"after_unregister\":%zu}\n",
+      static_cast<unsigned long long>(bytes / kMiB), free0 / kMiB, free1 / kMiB, free2 / kMiB,
+      free3 / kMiB);
   EXPECT_LE(free1 + bytes - 64 * kMiB, free0) << "the buffer should take ~1 GiB";
   EXPECT_LT(free2, free1 + 64 * kMiB) << "released by the client, the memory must stay (qtxd)";
   EXPECT_GE(free3, free2 + bytes - 64 * kMiB) << "unregister must release qtxd's mapping";
@@ -473,9 +475,10 @@ TEST_F(CudaVmmTest, AClientsRegionsGoWithItsSession) {
     absl::SleepFor(absl::Milliseconds(20));
     free1 = FreeDeviceBytes();
   }
-  std::printf("{\"test\":\"cuda_vmm_session_end\",\"region_dropped_ms\":%.1f,"
-              "\"free_mib_before\":%zu,\"free_mib_after\":%zu}\n",
-              absl::ToDoubleMilliseconds(absl::Now() - killed), free0 / kMiB, free1 / kMiB);
+  std::printf(
+      "{\"test\":\"cuda_vmm_session_end\",\"region_dropped_ms\":%.1f,"
+      "\"free_mib_before\":%zu,\"free_mib_after\":%zu}\n",
+      absl::ToDoubleMilliseconds(absl::Now() - killed), free0 / kMiB, free1 / kMiB);
   EXPECT_GE(free1 + 64 * kMiB, free0) << "the dead client's 512 MiB must be freed";
   QTX_ASSERT_OK_AND_ASSIGN(ServingStatus health, client_->Health());
   EXPECT_EQ(health, ServingStatus::kServing);
@@ -525,8 +528,9 @@ TEST_F(CudaVmmTest, AClientKilledWithParkedWorkOnVmmMemoryLeavesQtxdServing) {
   EXPECT_FALSE(HasRegion(*client_, "park-0"));
   QTX_ASSERT_OK_AND_ASSIGN(health, client_->Health());
   EXPECT_EQ(health, ServingStatus::kServing);
-  std::printf("{\"test\":\"cuda_vmm_client_killed\",\"qtxd_serving\":true,\"after_kill_ms\":%.1f}\n",
-              absl::ToDoubleMilliseconds(absl::Now() - killed));
+  std::printf(
+      "{\"test\":\"cuda_vmm_client_killed\",\"qtxd_serving\":true,\"after_kill_ms\":%.1f}\n",
+      absl::ToDoubleMilliseconds(absl::Now() - killed));
 }
 
 // After a child was killed: this process's CUDA context and qtxd still work,
@@ -553,7 +557,8 @@ void CheckAliveAfterKill(Client& client, cudaStream_t stream, const char* what) 
       if (in.ok() && d.ok() && sc.ok() && ch.ok()) {
         outputs.rowwise_data = *d;
         outputs.rowwise_scale_inv = *sc;
-        if ((*ch)->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, *in), {}, outputs)
+        if ((*ch)
+                ->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, *in), {}, outputs)
                 .ok() &&
             (*ch)->Synchronize().ok()) {
           std::string got(c.out_bytes[0], '\0');
@@ -700,7 +705,8 @@ int ParkChild(const std::string& target) {
   cudaStream_t stream;
   if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return 1;
   VmmBuffer buf;
-  if (VmmBuffer::Make(&buf, 2, 2 * kMiB, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != CUDA_SUCCESS) {
+  if (VmmBuffer::Make(&buf, 2, 2 * kMiB, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) !=
+      CUDA_SUCCESS) {
     return 1;
   }
   qtx::cuda::RegionCache cache(**client, "park");

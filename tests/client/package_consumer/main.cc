@@ -7,8 +7,8 @@
 #include "qtx/shm_region.h"
 
 int main() {
-  auto layout = qtx::ComputeQuantizedLayout(qtx::ScalingMode::kBlock1D,
-                                            std::vector<int64_t>{200, 300});
+  auto layout =
+      qtx::ComputeQuantizedLayout(qtx::ScalingMode::kBlock1D, std::vector<int64_t>{200, 300});
   if (!layout.ok() || layout->rowwise_scale_rows != 3 || layout->rowwise_scale_cols != 200) {
     std::fprintf(stderr, "bad layout\n");
     return 1;

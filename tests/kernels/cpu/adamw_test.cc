@@ -246,8 +246,7 @@ std::string FirstDifference(const ParamState& a, const ParamState& b) {
       }
     }
     if (a.quant.columnwise) {
-      if (!(d = cmp(a.col_data.data(), b.col_data.data(), a.col_data.size(), 1,
-                    "columnwise_data"))
+      if (!(d = cmp(a.col_data.data(), b.col_data.data(), a.col_data.size(), 1, "columnwise_data"))
                .empty()) {
         return d;
       }
@@ -259,7 +258,8 @@ std::string FirstDifference(const ParamState& a, const ParamState& b) {
     }
   }
   if (a.bf16) {
-    if (!(d = cmp(a.bf16_out.data(), b.bf16_out.data(), a.bf16_out.size() * 2, 2, "bf16")).empty()) {
+    if (!(d = cmp(a.bf16_out.data(), b.bf16_out.data(), a.bf16_out.size() * 2, 2, "bf16"))
+             .empty()) {
       return d;
     }
   }
@@ -287,14 +287,16 @@ void ExpectFusedEqualsReference(const ParamState& init, const AdamWHyperParams& 
 struct Shape {
   int64_t m, n;
 };
-const Shape kShapes[] = {{1, 1},    {3, 5},     {128, 128}, {130, 130}, {200, 300},
-                         {1, 129},  {129, 1},   {256, 384}, {0, 7},     {7, 0}};
+const Shape kShapes[] = {{1, 1},   {3, 5},   {128, 128}, {130, 130}, {200, 300},
+                         {1, 129}, {129, 1}, {256, 384}, {0, 7},     {7, 0}};
 
 std::string Label(const Shape& sh, MomentDType md, InputDType gd, const QuantizeParams& q,
                   bool bf16, bool fp8) {
   return std::to_string(sh.m) + "x" + std::to_string(sh.n) +
          (md == MomentDType::kFloat32 ? " m=f32" : " m=bf16") +
-         (gd == InputDType::kFloat32 ? " g=f32" : gd == InputDType::kBFloat16 ? " g=bf16" : " g=f16") +
+         (gd == InputDType::kFloat32    ? " g=f32"
+          : gd == InputDType::kBFloat16 ? " g=bf16"
+                                        : " g=f16") +
          (fp8 ? (q.scaling == BlockScaling::kBlock1D ? " 1D" : " 2D") : " noFP8") +
          (q.format == Fp8Format::kE4M3 ? " e4m3" : " e5m2") + (q.rowwise ? " row" : "") +
          (q.columnwise ? " col" : "") + (bf16 ? " +bf16" : "");
@@ -345,9 +347,9 @@ TEST(AdamWStepFused, EqualsReferenceOnWideBandsSplitIntoUnits) {
         const InputDType gd = seed % 2 ? InputDType::kBFloat16 : InputDType::kFloat32;
         ParamState p = MakeParam(sh.m, sh.n, md, gd, q, bf16, Pattern::kRandom, seed++);
         for (int threads : {1, 3}) {
-          ExpectFusedEqualsReference(p, AdamWHyperParams{}, 2, threads, 1.0,
-                                     Label(sh, md, gd, q, bf16, true) + " threads " +
-                                         std::to_string(threads));
+          ExpectFusedEqualsReference(
+              p, AdamWHyperParams{}, 2, threads, 1.0,
+              Label(sh, md, gd, q, bf16, true) + " threads " + std::to_string(threads));
         }
       }
     }
@@ -381,13 +383,11 @@ TEST(AdamWStepFused, EqualsReferenceOnAdversarialInputs) {
               QuantizeParams q;
               q.scaling = sc;
               q.columnwise = true;
-              ParamState p =
-                  MakeParam(130, 257, md, InputDType::kFloat32, q, true, pat, seed++);
-              const std::string label = "pattern " + std::to_string(static_cast<int>(pat)) +
-                                        " wd=" + std::to_string(wd) +
-                                        (bias_correction ? " bc" : " nobc") +
-                                        " eps=" + std::to_string(eps) +
-                                        Label({130, 257}, md, InputDType::kFloat32, q, true, true);
+              ParamState p = MakeParam(130, 257, md, InputDType::kFloat32, q, true, pat, seed++);
+              const std::string label =
+                  "pattern " + std::to_string(static_cast<int>(pat)) + " wd=" + std::to_string(wd) +
+                  (bias_correction ? " bc" : " nobc") + " eps=" + std::to_string(eps) +
+                  Label({130, 257}, md, InputDType::kFloat32, q, true, true);
               ExpectFusedEqualsReference(p, h, 2, 2, 1.0, label);
             }
           }
@@ -481,8 +481,8 @@ TEST(AdamWStepFused, PerParameterScalarsEqualEachParameterSteppedAlone) {
     QuantizeParams q;
     q.scaling = BlockScaling::kBlock2D;
     q.columnwise = true;
-    ParamState p = MakeParam(shapes[k].m, shapes[k].n, MomentDType::kFloat32,
-                             InputDType::kBFloat16, q, true, Pattern::kRandom, 700 + k);
+    ParamState p = MakeParam(shapes[k].m, shapes[k].n, MomentDType::kFloat32, InputDType::kBFloat16,
+                             q, true, Pattern::kRandom, 700 + k);
     fused.push_back(p);
     alone.push_back(p);
     ref_field.push_back(p);
@@ -687,9 +687,9 @@ TEST(AdamWReference, FollowsDocumentedOrderOnOneElement) {
   // Sanity against the textbook formula in double.
   const double md = 0.9 * 0.125 + 0.1 * -0.3;
   const double vd = 0.99 * 0.0625 + 0.01 * 0.09;
-  const double pd = 0.75 * (1 - 0.005) -
-                    0.01 / (1 - std::pow(0.9, 3)) * md /
-                        (std::sqrt(vd) / std::sqrt(1 - std::pow(0.99, 3)) + 1e-6);
+  const double pd =
+      0.75 * (1 - 0.005) - 0.01 / (1 - std::pow(0.9, 3)) * md /
+                               (std::sqrt(vd) / std::sqrt(1 - std::pow(0.99, 3)) + 1e-6);
   EXPECT_NEAR(st.master[0], pd, 1e-6);
 }
 
@@ -718,7 +718,8 @@ TEST(GradSumSquares, MatchesDoubleSumAndIsThreadIndependent) {
 }
 
 TEST(GradSumSquares, DetectsNonFinite) {
-  for (float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+  for (float bad :
+       {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     ParamState p = MakeParam(10, 10, MomentDType::kFloat32, InputDType::kFloat32, {}, false,
                              Pattern::kRandom, 3);
     StoreGrad(p, 57, bad);

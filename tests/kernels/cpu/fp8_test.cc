@@ -61,8 +61,8 @@ TEST(Fp8, KnownEncodings) {
   EXPECT_EQ(EncodeE4M3(-0.0f), 0x80);
   EXPECT_EQ(EncodeE5M2(-0.0f), 0x80);
   EXPECT_EQ(EncodeE4M3(0.0f), 0x00);
-  EXPECT_EQ(EncodeE4M3(std::ldexp(1.0f, -9)), 0x01);   // smallest subnormal
-  EXPECT_EQ(EncodeE4M3(std::ldexp(1.0f, -6)), 0x08);   // smallest normal
+  EXPECT_EQ(EncodeE4M3(std::ldexp(1.0f, -9)), 0x01);  // smallest subnormal
+  EXPECT_EQ(EncodeE4M3(std::ldexp(1.0f, -6)), 0x08);  // smallest normal
   EXPECT_EQ(EncodeE5M2(std::ldexp(1.0f, -16)), 0x01);
   EXPECT_EQ(EncodeE5M2(std::ldexp(1.0f, -14)), 0x04);
 }

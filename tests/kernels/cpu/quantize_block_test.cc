@@ -24,7 +24,7 @@ struct Quantized {
 };
 
 Quantized RunQuantize(const void* input, InputDType dtype, int64_t m, int64_t n, QuantizeParams p,
-              uint8_t data_sentinel = 0xAA, uint32_t scale_sentinel = 0xFFFFFFFFu) {
+                      uint8_t data_sentinel = 0xAA, uint32_t scale_sentinel = 0xFFFFFFFFu) {
   Quantized q;
   q.layout = ComputeLayout(p.scaling, m, n);
   const float s = BitsToFloat(scale_sentinel);
@@ -77,11 +77,30 @@ std::vector<Vector11> Table11() {
       {11, {kBf16Max, 1.0f}, Fp8Format::kE4M3, false, 0, false, 0x7b11b6dbu, {0x7e, 0x00}},
       {12, {1e-40f, -5e-41f}, Fp8Format::kE4M3, true, 0, true, 0x00400000u, {0x09, 0x84}},
       {13, {1e-40f, -5e-41f}, Fp8Format::kE4M3, false, 0, true, 0x00200000u, {0x11, 0x89}},
-      {14, {448.0f, 0.75f, 3.0f}, Fp8Format::kE4M3, true, 0, false, 0x3f800000u, {0x7e, 0x34, 0x44}},
-      {15, {1.0f, 0.1f, -0.3f, 1.0f / 1024}, Fp8Format::kE4M3, true, 0, false, 0x3b800000u,
+      {14,
+       {448.0f, 0.75f, 3.0f},
+       Fp8Format::kE4M3,
+       true,
+       0,
+       false,
+       0x3f800000u,
+       {0x7e, 0x34, 0x44}},
+      {15,
+       {1.0f, 0.1f, -0.3f, 1.0f / 1024},
+       Fp8Format::kE4M3,
+       true,
+       0,
+       false,
+       0x3b800000u,
        {0x78, 0x5d, 0xea, 0x28}},
-      {16, {300.0f, 1.0f, 1.0625f, 1.1875f, -17.0f}, Fp8Format::kE4M3, true, 0, false,
-       0x3f800000u, {0x79, 0x38, 0x38, 0x3a, 0xd8}},
+      {16,
+       {300.0f, 1.0f, 1.0625f, 1.1875f, -17.0f},
+       Fp8Format::kE4M3,
+       true,
+       0,
+       false,
+       0x3f800000u,
+       {0x79, 0x38, 0x38, 0x3a, 0xd8}},
   };
 }
 
@@ -146,9 +165,9 @@ TEST(Numerics11, TwoDTileSharesOneScale) {
   x[128] = 100.0f;  // row 1, column 0
   std::vector<uint16_t> xb = ToBf16(x);
   Quantized q2 = RunQuantize(xb.data(), InputDType::kBFloat16, 128, 128,
-                     {BlockScaling::kBlock2D, Fp8Format::kE4M3, true, false, true, 0});
+                             {BlockScaling::kBlock2D, Fp8Format::kE4M3, true, false, true, 0});
   Quantized q1 = RunQuantize(xb.data(), InputDType::kBFloat16, 128, 128,
-                     {BlockScaling::kBlock1D, Fp8Format::kE4M3, true, false, true, 0});
+                             {BlockScaling::kBlock1D, Fp8Format::kE4M3, true, false, true, 0});
   EXPECT_EQ(q2.row_data[0], 0x48);
   EXPECT_EQ(q1.row_data[0], 0x78);
 }
@@ -228,9 +247,9 @@ TEST(Properties, ColumnwiseIsRowwiseOfTranspose) {
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) xt[j * m + i] = x[i * n + j];
     Quantized a = RunQuantize(x.data(), InputDType::kBFloat16, m, n,
-                      {BlockScaling::kBlock1D, Fp8Format::kE5M2, false, true, false, 0});
+                              {BlockScaling::kBlock1D, Fp8Format::kE5M2, false, true, false, 0});
     Quantized b = RunQuantize(xt.data(), InputDType::kBFloat16, n, m,
-                      {BlockScaling::kBlock1D, Fp8Format::kE5M2, true, false, false, 0});
+                              {BlockScaling::kBlock1D, Fp8Format::kE5M2, true, false, false, 0});
     EXPECT_EQ(a.col_data, b.row_data);
     EXPECT_EQ(a.col_scale.size(), b.row_scale.size());
     for (size_t i = 0; i < a.col_scale.size(); ++i)
@@ -245,7 +264,7 @@ TEST(Properties, TwoDColumnwiseIsTransposeOfRowwise) {
   std::normal_distribution<float> d(0, 10);
   for (auto& e : x) e = d(rng);
   Quantized q = RunQuantize(x.data(), InputDType::kFloat32, m, n,
-                    {BlockScaling::kBlock2D, Fp8Format::kE4M3, true, true, true, 0});
+                            {BlockScaling::kBlock2D, Fp8Format::kE4M3, true, true, true, 0});
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) ASSERT_EQ(q.row_data[i * n + j], q.col_data[j * m + i]);
 }
@@ -281,8 +300,8 @@ void CheckDequantError(Fp8Format f, BlockScaling s, bool pow2) {
         }
         // Half a step of the FP8 grid at |x| (in scaled units), or of the subnormal grid.
         const float scaled = std::fabs(xi) / scale_inv;
-        const int ex = std::max(static_cast<int>(std::floor(std::log2(std::max(scaled, 1e-30f)))),
-                                min_exp);
+        const int ex =
+            std::max(static_cast<int>(std::floor(std::log2(std::max(scaled, 1e-30f)))), min_exp);
         const double half_step = std::ldexp(1.0, ex - mant - 1) * scale_inv;
         ASSERT_LE(std::fabs(static_cast<double>(y[i * n + j]) - xi), half_step * (1 + 1e-6))
             << "at (" << i << "," << j << ") x=" << xi << " y=" << y[i * n + j];
@@ -302,11 +321,12 @@ TEST(Properties, Pow2ScalesUseTopBinade) {
   const int64_t m = 256, n = 512;
   std::vector<uint16_t> x = RandomBf16(m * n, 9, 3.0f);
   Quantized q = RunQuantize(x.data(), InputDType::kBFloat16, m, n,
-                    {BlockScaling::kBlock1D, Fp8Format::kE4M3, true, false, true, 0});
+                            {BlockScaling::kBlock1D, Fp8Format::kE4M3, true, false, true, 0});
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < n / 128; ++b) {
       float amax = 0;
-      for (int64_t k = 0; k < 128; ++k) amax = std::max(amax, std::fabs(Bf16ToFloat(x[r * n + b * 128 + k])));
+      for (int64_t k = 0; k < 128; ++k)
+        amax = std::max(amax, std::fabs(Bf16ToFloat(x[r * n + b * 128 + k])));
       const float inv = q.row_scale[b * q.layout.rowwise_scale_cols + r];
       int e;
       EXPECT_EQ(std::frexp(inv, &e), 0.5f) << "scale_inv not a power of two";
@@ -323,7 +343,7 @@ TEST(EdgeCases, ZeroElementTensorsWriteOnlyPadding) {
   for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {5, 0}, {0, 0}}) {
     for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
       Quantized q = RunQuantize(nullptr, InputDType::kFloat32, m, n,
-                        {s, Fp8Format::kE4M3, true, true, true, 0});
+                                {s, Fp8Format::kE4M3, true, true, true, 0});
       for (float v : q.row_scale) EXPECT_EQ(v, 0.0f);
       for (float v : q.col_scale) EXPECT_EQ(v, 0.0f);
       EXPECT_TRUE(q.row_data.empty());
@@ -337,7 +357,7 @@ TEST(EdgeCases, PartialBlocksIgnoreOutOfRangeAndFp16Input) {
   x[3] = FloatToHalf(-2.0f);
   x[128] = FloatToHalf(0.5f);
   Quantized q = RunQuantize(x.data(), InputDType::kFloat16, 1, 129,
-                    {BlockScaling::kBlock1D, Fp8Format::kE4M3, true, true, true, 0});
+                            {BlockScaling::kBlock1D, Fp8Format::kE4M3, true, true, true, 0});
   ASSERT_EQ(q.layout.rowwise_scale_cols, 4);
   EXPECT_EQ(q.row_scale[0], 1.0f / 128);  // 448/2 = 224 -> 128
   EXPECT_EQ(q.row_scale[4], 1.0f / 512);  // 448/0.5 = 896 -> 512

@@ -1,6 +1,8 @@
 // The exact all-gather building blocks (docs/numerics.md §5) without any network:
 // per-rank boundary amaxes -> combine -> shard quantize -> assemble must equal
 // QuantizeBlock of the concatenated tensor, byte for byte, for any shard sizes.
+#include "kernels/cpu/quantize_shard.h"
+
 #include <cstring>
 #include <random>
 #include <string>
@@ -8,7 +10,6 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/quantize_block.h"
-#include "kernels/cpu/quantize_shard.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cpu {
@@ -26,8 +27,7 @@ std::string Name(const Case& c) {
 }
 
 // Quantizes the shards as the all-gather does and compares with the whole.
-void CheckSplit(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
-                Fp8Format fmt) {
+void CheckSplit(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise, Fp8Format fmt) {
   SCOPED_TRACE(Name(c) + (scaling == BlockScaling::kBlock1D ? " 1D" : " 2D") +
                (rowwise ? " row" : "") + (columnwise ? " col" : ""));
   const int w = static_cast<int>(c.shards.size());
@@ -54,7 +54,8 @@ void CheckSplit(const Case& c, BlockScaling scaling, bool rowwise, bool columnwi
   // Reference: the whole tensor on one device.
   std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
   std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
-  QuantizeBlock(x.data(), InputDType::kBFloat16, m, n, p, {rd.data(), rs.data(), cd.data(), cs.data()});
+  QuantizeBlock(x.data(), InputDType::kBFloat16, m, n, p,
+                {rd.data(), rs.data(), cd.data(), cs.data()});
 
   // Per rank: partial amaxes, combine, quantize the shard.
   std::vector<std::vector<float>> firsts(w), lasts(w);
@@ -112,8 +113,8 @@ TEST_P(ShardSplitTest, BitIdenticalToWholeTensor) {
 std::vector<Case> Cases() {
   std::vector<Case> out;
   const std::vector<std::vector<int64_t>> splits = {
-      {64, 64}, {100, 156, 1}, {0, 300}, {250, 250, 250, 250}, {128, 128},
-      {1, 1, 1, 1}, {129, 127, 256}, {300, 0}, {0, 0}, {5, 200, 3, 60, 0, 129}};
+      {64, 64},        {100, 156, 1}, {0, 300}, {250, 250, 250, 250},   {128, 128}, {1, 1, 1, 1},
+      {129, 127, 256}, {300, 0},      {0, 0},   {5, 200, 3, 60, 0, 129}};
   for (const auto& s : splits)
     for (int64_t n : {1, 100, 128, 300}) out.push_back({s, n});
   return out;

@@ -38,7 +38,7 @@ struct Result {
 // Quantizes with TENSOR through the public entry (QuantizeBlock forwards),
 // sentinel-filled outputs.
 Result RunTensor(const void* in, InputDType dt, int64_t m, int64_t n, Fp8Format f, bool pow2,
-           float eps, bool row = true, bool col = true) {
+                 float eps, bool row = true, bool col = true) {
   Result r;
   r.row.assign(static_cast<size_t>(m * n), 0xAA);
   r.col.assign(static_cast<size_t>(m * n), 0xAA);
@@ -74,34 +74,90 @@ std::vector<HandCase> HandCases() {
   const std::vector<float> a = {1.0f, -3.5f, 0.001f, 100.0f, 0.0f, 0.0f};
   return {
       // 448/100 = 4.48 -> 4; 400 ties 384/416 -> 384 (0x7c); 0.00099945*4 -> 2*2^-9.
-      {"pow2_e4m3", 2, 3, a, Fp8Format::kE4M3, true, 0, 0x3e800000u,
+      {"pow2_e4m3",
+       2,
+       3,
+       a,
+       Fp8Format::kE4M3,
+       true,
+       0,
+       0x3e800000u,
        {0x48, 0xd6, 0x02, 0x7c, 0x00, 0x00}},
       // scale RN(4.48); 4.48 -> 4.5 (0x49), -15.68 -> -16 (0xd8), 448 -> 0x7e.
-      {"fp32scale_e4m3", 2, 3, a, Fp8Format::kE4M3, false, 0, 0x3e649249u,
+      {"fp32scale_e4m3",
+       2,
+       3,
+       a,
+       Fp8Format::kE4M3,
+       false,
+       0,
+       0x3e649249u,
        {0x49, 0xd8, 0x02, 0x7e, 0x00, 0x00}},
       // 57344/100 -> 512; 512 (0x60), -1792 (0xe7), 0.5117 -> 0.5 (0x38), 51200 -> 0x7a.
-      {"pow2_e5m2", 2, 3, a, Fp8Format::kE5M2, true, 0, 0x3b000000u,
+      {"pow2_e5m2",
+       2,
+       3,
+       a,
+       Fp8Format::kE5M2,
+       true,
+       0,
+       0x3b000000u,
        {0x60, 0xe7, 0x38, 0x7a, 0x00, 0x00}},
       {"all_zero", 3, 1, {0, 0, 0}, Fp8Format::kE4M3, true, 0, 0x3f800000u, {0, 0, 0}},
       // eps 1e-4 -> 448e4 -> 2^22; scale_inv 2^-22.
       {"all_zero_eps", 1, 2, {0, 0}, Fp8Format::kE4M3, true, 1e-4f, 0x34800000u, {0, 0}},
       // NaN ignored: amax 2 -> 128; NaN -> 0x7f.
-      {"nan", 2, 2, {kNan, 2.0f, -0.5f, 0}, Fp8Format::kE4M3, true, 0, 0x3c000000u,
+      {"nan",
+       2,
+       2,
+       {kNan, 2.0f, -0.5f, 0},
+       Fp8Format::kE4M3,
+       true,
+       0,
+       0x3c000000u,
        {0x7f, 0x78, 0xe8, 0x00}},
       // Inf: scale 1 for everything; Inf -> max, -600 saturates.
-      {"inf", 2, 2, {kInf, 1.0f, -600.0f, 0}, Fp8Format::kE4M3, true, 0, 0x3f800000u,
+      {"inf",
+       2,
+       2,
+       {kInf, 1.0f, -600.0f, 0},
+       Fp8Format::kE4M3,
+       true,
+       0,
+       0x3f800000u,
        {0x7e, 0x38, 0xfe, 0x00}},
       {"neg_inf_e5m2", 1, 2, {-kInf, 1.0f}, Fp8Format::kE5M2, true, 0, 0x3f800000u, {0xfb, 0x3c}},
       // BF16 2^-133 (bits 0x0001): 448 / amax overflows -> FLT_MAX (for every
       // input dtype, unlike the block modes' BF16 max); x * FLT_MAX rounds to
       // 2^-5 (0x10). Pow2: 2^127, x -> 2^-6 (0x08).
-      {"tiny_bf16_fp32scale", 1, 1, {BitsToFloat(0x00010000u)}, Fp8Format::kE4M3, false, 0,
-       0x00200000u, {0x10}},
-      {"tiny_bf16_pow2", 1, 1, {BitsToFloat(0x00010000u)}, Fp8Format::kE4M3, true, 0,
-       0x00000001u << 22, {0x08}},
+      {"tiny_bf16_fp32scale",
+       1,
+       1,
+       {BitsToFloat(0x00010000u)},
+       Fp8Format::kE4M3,
+       false,
+       0,
+       0x00200000u,
+       {0x10}},
+      {"tiny_bf16_pow2",
+       1,
+       1,
+       {BitsToFloat(0x00010000u)},
+       Fp8Format::kE4M3,
+       true,
+       0,
+       0x00000001u << 22,
+       {0x08}},
       // Ties: 300 -> 288, 1.0625 -> 1.0, 1.1875 -> 1.25, -17 -> -16 (scale 1: amax 300).
-      {"ties", 1, 5, {300.0f, 1.0f, 1.0625f, 1.1875f, -17.0f}, Fp8Format::kE4M3, true, 0,
-       0x3f800000u, {0x79, 0x38, 0x38, 0x3a, 0xd8}},
+      {"ties",
+       1,
+       5,
+       {300.0f, 1.0f, 1.0625f, 1.1875f, -17.0f},
+       Fp8Format::kE4M3,
+       true,
+       0,
+       0x3f800000u,
+       {0x79, 0x38, 0x38, 0x3a, 0xd8}},
   };
 }
 
@@ -169,7 +225,8 @@ TEST(QuantizeTensor, LayoutIsOneScalePerCopy) {
 
 TEST(QuantizeTensor, OnlyTheRequestedCopyIsWritten) {
   const std::vector<float> x = {1.0f, 2.0f, 3.0f, 4.0f};
-  Result r = RunTensor(x.data(), InputDType::kFloat32, 2, 2, Fp8Format::kE4M3, true, 0, false, true);
+  Result r =
+      RunTensor(x.data(), InputDType::kFloat32, 2, 2, Fp8Format::kE4M3, true, 0, false, true);
   EXPECT_EQ(r.row, std::vector<uint8_t>(4, 0xAA));
   EXPECT_EQ(Bits(r.row_scale_inv), 0xFFFFFFFFu);
   EXPECT_NE(r.col, std::vector<uint8_t>(4, 0xAA));
@@ -201,7 +258,8 @@ uint8_t ModelEncode(float v, const std::vector<double>& grid) {
   const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
   const double a = std::fabs(static_cast<double>(v));
   if (a >= grid.back()) return sign | static_cast<uint8_t>(grid.size() - 1);
-  const size_t hi = static_cast<size_t>(std::lower_bound(grid.begin(), grid.end(), a) - grid.begin());
+  const size_t hi =
+      static_cast<size_t>(std::lower_bound(grid.begin(), grid.end(), a) - grid.begin());
   if (grid[hi] == a) return sign | static_cast<uint8_t>(hi);
   const size_t lo = hi - 1;
   const double dl = a - grid[lo], dh = grid[hi] - a;
@@ -284,11 +342,20 @@ std::vector<uint8_t> MakeInput(InputDType t, int64_t count, uint64_t seed, bool 
     float x = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 9) - 4);
     if (adversarial) {
       switch (rng() % 16) {
-        case 0: x = kNan; break;
-        case 1: x = -0.0f; break;
-        case 2: x = 0.0f; break;
-        case 3: x = std::ldexp(1.0f, -20) * (rng() % 7); break;  // tiny / subnormal after scale
-        default: break;
+        case 0:
+          x = kNan;
+          break;
+        case 1:
+          x = -0.0f;
+          break;
+        case 2:
+          x = 0.0f;
+          break;
+        case 3:
+          x = std::ldexp(1.0f, -20) * (rng() % 7);
+          break;  // tiny / subnormal after scale
+        default:
+          break;
       }
     }
     if (t == InputDType::kFloat32) {
@@ -356,10 +423,10 @@ TEST(QuantizeTensor, DequantizeRoundTrip) {
   const Result q = RunTensor(buf.data(), InputDType::kFloat32, 37, 53, Fp8Format::kE4M3, false, 0);
   std::vector<float> from_row(37 * 53), from_col(37 * 53);
   QuantizedConstBuffers in{q.row.data(), &q.row_scale_inv, q.col.data(), &q.col_scale_inv};
-  DequantizeBlock(in, BlockScaling::kTensor, Fp8Format::kE4M3, 37, 53, true,
-                  InputDType::kFloat32, from_row.data());
-  DequantizeBlock(in, BlockScaling::kTensor, Fp8Format::kE4M3, 37, 53, false,
-                  InputDType::kFloat32, from_col.data());
+  DequantizeBlock(in, BlockScaling::kTensor, Fp8Format::kE4M3, 37, 53, true, InputDType::kFloat32,
+                  from_row.data());
+  DequantizeBlock(in, BlockScaling::kTensor, Fp8Format::kE4M3, 37, 53, false, InputDType::kFloat32,
+                  from_col.data());
   const std::vector<double> grid = Fp8Grid(Fp8Format::kE4M3);
   for (int64_t i = 0; i < 37 * 53; ++i) {
     const uint8_t b = q.row[i];

@@ -1,8 +1,7 @@
-#include "tests/kernels/cuda/fp8_cast_check.h"
-
 #include <cuda_runtime.h>
 
 #include "kernels/fp8.h"
+#include "tests/kernels/cuda/fp8_cast_check.h"
 
 namespace qtx::kernels::cuda::testing {
 namespace {

@@ -16,9 +16,9 @@
 namespace qtx::kernels::cuda {
 namespace {
 
-#define QTX_CUDA_ASSERT(expr)                                                   \
-  do {                                                                          \
-    const cudaError_t qtx_err_ = (expr);                                        \
+#define QTX_CUDA_ASSERT(expr)                                                          \
+  do {                                                                                 \
+    const cudaError_t qtx_err_ = (expr);                                               \
     ASSERT_EQ(qtx_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(qtx_err_); \
   } while (0)
 
@@ -32,7 +32,8 @@ TEST(Fp8HardwareCast, DeviceEncodeMatchesHardwareOnAllFp32Patterns) {
   for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     QTX_CUDA_ASSERT(cudaMemset(d_count, 0, sizeof(*d_count)));
     QTX_CUDA_ASSERT(cudaMemset(d_first, 0xFF, sizeof(*d_first)));
-    QTX_CUDA_ASSERT(testing::CountCastMismatches(0, uint64_t{1} << 32, f, d_count, d_first, nullptr));
+    QTX_CUDA_ASSERT(
+        testing::CountCastMismatches(0, uint64_t{1} << 32, f, d_count, d_first, nullptr));
     QTX_CUDA_ASSERT(cudaDeviceSynchronize());
     unsigned long long count = 0;
     unsigned int first = 0;
@@ -63,8 +64,8 @@ void CompareWithHost(const std::vector<uint32_t>& bits, Fp8Format f) {
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t sw = EncodeFp8(BitsToFloat(bits[i]), f);
     if (sw != hw[i] && ++bad <= 5) {
-      ADD_FAILURE() << Name(f) << " bits 0x" << std::hex << bits[i] << ": hardware 0x"
-                    << int{hw[i]} << ", EncodeFp8 0x" << int{sw};
+      ADD_FAILURE() << Name(f) << " bits 0x" << std::hex << bits[i] << ": hardware 0x" << int{hw[i]}
+                    << ", EncodeFp8 0x" << int{sw};
     }
   }
   EXPECT_EQ(bad, 0) << Name(f);
@@ -101,8 +102,8 @@ TEST(Fp8HardwareCast, HostEncodeMatchesHardwareOnSampledFp32Patterns) {
     }
   }
   // NaN payloads of both signs, infinities, zeros, FP32 subnormals.
-  for (uint32_t p : {0x7F800001u, 0x7FC00000u, 0x7FFFFFFFu, 0xFF800001u, 0xFFC00000u,
-                     0xFFFFFFFFu, 0x7F800000u, 0xFF800000u, 0u, 0x80000000u, 1u, 0x807FFFFFu}) {
+  for (uint32_t p : {0x7F800001u, 0x7FC00000u, 0x7FFFFFFFu, 0xFF800001u, 0xFFC00000u, 0xFFFFFFFFu,
+                     0x7F800000u, 0xFF800000u, 0u, 0x80000000u, 1u, 0x807FFFFFu}) {
     bits.push_back(p);
   }
   CompareWithHost(bits, Fp8Format::kE4M3);

@@ -37,9 +37,12 @@ constexpr uint32_t kScaleSentinel = 0xFFFFFFFFu;  // a NaN: never a valid scale_
 int ElemBytes(InputDType t) { return t == InputDType::kFloat32 ? 4 : 2; }
 const char* Name(InputDType t) {
   switch (t) {
-    case InputDType::kBFloat16: return "bf16";
-    case InputDType::kFloat16: return "fp16";
-    default: return "fp32";
+    case InputDType::kBFloat16:
+      return "bf16";
+    case InputDType::kFloat16:
+      return "fp16";
+    default:
+      return "fp32";
   }
 }
 
@@ -59,7 +62,9 @@ class DeviceBuffer {
     if (cudaMalloc(&p_, bytes < 16 ? 16 : bytes) == cudaSuccess) bytes_ = bytes;
   }
   template <typename T = void>
-  T* get() const { return static_cast<T*>(p_); }
+  T* get() const {
+    return static_cast<T*>(p_);
+  }
 
  private:
   void* p_ = nullptr;
@@ -118,8 +123,8 @@ std::vector<uint8_t> MakeInput(InputDType t, int64_t m, int64_t n, DataKind kind
   const float tiny = BitsToFloat(0x00123400u);
   // FP8 ties after a power-of-two scale (docs/numerics.md §6.1, §6.2) and values
   // on the E5M2 grid's halfway points.
-  const float ties[] = {1.0625f, 1.1875f, 300.0f, -17.0f, 0.75f, 3.0f, 448.0f, 100.0f,
-                        -1.125f, 2.5f, 0.0009765625f, 57344.0f, -40960.0f, 1.0f};
+  const float ties[] = {1.0625f, 1.1875f, 300.0f, -17.0f,        0.75f,    3.0f,      448.0f,
+                        100.0f,  -1.125f, 2.5f,   0.0009765625f, 57344.0f, -40960.0f, 1.0f};
   std::uniform_int_distribution<int> pick(0, 999);
   std::uniform_int_distribution<int> tie_pick(0, sizeof(ties) / sizeof(ties[0]) - 1);
   std::uniform_int_distribution<int> tie_exp(-3, 3);
@@ -137,9 +142,10 @@ std::vector<uint8_t> MakeInput(InputDType t, int64_t m, int64_t n, DataKind kind
               Store(buf, t, i, (rng() & 1) ? 0.0f : -0.0f);
               break;
             case 1:  // tiny amax: subnormal inputs
-              Store(buf, t, i, t == InputDType::kFloat16 ? sub * static_cast<float>(rng() % 8)
-                                                         : tiny * static_cast<float>(rng() % 5) *
-                                                               ((rng() & 1) ? 1.0f : -1.0f));
+              Store(buf, t, i,
+                    t == InputDType::kFloat16
+                        ? sub * static_cast<float>(rng() % 8)
+                        : tiny * static_cast<float>(rng() % 5) * ((rng() & 1) ? 1.0f : -1.0f));
               break;
             case 2:  // exact ties on the FP8 grid
               Store(buf, t, i, std::ldexp(ties[tie_pick(rng)], tie_exp(rng)));
@@ -150,20 +156,31 @@ std::vector<uint8_t> MakeInput(InputDType t, int64_t m, int64_t n, DataKind kind
             case 4:  // NaN only in some rows/columns
               if (r % 3 == 0 || c % 5 == 0) {
                 if (t == InputDType::kFloat32) {
-                  Store(buf, t, i, BitsToFloat(0x7F800001u | static_cast<uint32_t>(rng() & 0x7FFFFF) | ((rng() & 1) ? 0x80000000u : 0u)));
+                  Store(buf, t, i,
+                        BitsToFloat(0x7F800001u | static_cast<uint32_t>(rng() & 0x7FFFFF) |
+                                    ((rng() & 1) ? 0x80000000u : 0u)));
                 } else {
-                  StoreBits16(buf, i, static_cast<uint16_t>((t == InputDType::kBFloat16 ? 0x7F81u : 0x7C01u) | (rng() & 0x3Fu) | ((rng() & 1) ? 0x8000u : 0u)));
+                  StoreBits16(
+                      buf, i,
+                      static_cast<uint16_t>((t == InputDType::kBFloat16 ? 0x7F81u : 0x7C01u) |
+                                            (rng() & 0x3Fu) | ((rng() & 1) ? 0x8000u : 0u)));
                 }
               }
               break;
             default: {  // sprinkled specials over normal data
               const int p = pick(rng);
-              if (p < 4) Store(buf, t, i, std::nanf(""));
-              else if (p < 6) Store(buf, t, i, kInf);
-              else if (p < 8) Store(buf, t, i, -kInf);
-              else if (p < 16) Store(buf, t, i, sub * static_cast<float>(1 + rng() % 3));
-              else if (p < 18) Store(buf, t, i, -dtype_max);
-              else if (p < 40) Store(buf, t, i, std::ldexp(ties[tie_pick(rng)], tie_exp(rng)));
+              if (p < 4)
+                Store(buf, t, i, std::nanf(""));
+              else if (p < 6)
+                Store(buf, t, i, kInf);
+              else if (p < 8)
+                Store(buf, t, i, -kInf);
+              else if (p < 16)
+                Store(buf, t, i, sub * static_cast<float>(1 + rng() % 3));
+              else if (p < 18)
+                Store(buf, t, i, -dtype_max);
+              else if (p < 40)
+                Store(buf, t, i, std::ldexp(ties[tie_pick(rng)], tie_exp(rng)));
               break;
             }
           }
@@ -223,8 +240,8 @@ class Runner {
   // Quantizes on both backends and compares every buffer; optionally also
   // dequantizes both copies into every dtype and compares.
   void Check(const Case& c, bool dequantize) {
-    SCOPED_TRACE(std::string(Name(t_)) + " " + std::to_string(m_) + "x" + std::to_string(n_) +
-                 " " + c.Describe());
+    SCOPED_TRACE(std::string(Name(t_)) + " " + std::to_string(m_) + "x" + std::to_string(n_) + " " +
+                 c.Describe());
     QuantizeParams p;
     p.scaling = c.scaling;
     p.format = c.format;
@@ -254,22 +271,24 @@ class Runner {
     QTX_CUDA_ASSERT(cudaMemset(qc_.get(), kDataSentinel, want_qc.size()));
     QTX_CUDA_ASSERT(cudaMemset(sr_.get(), 0xFF, want_sr.size() * 4));
     QTX_CUDA_ASSERT(cudaMemset(sc_.get(), 0xFF, want_sc.size() * 4));
-    QuantizedBuffers gpu_out{c.rowwise ? qr_.get<uint8_t>() : nullptr,
-                             c.rowwise ? sr_.get<float>() : nullptr,
-                             c.columnwise ? qc_.get<uint8_t>() : nullptr,
-                             c.columnwise ? sc_.get<float>() : nullptr};
+    QuantizedBuffers gpu_out{
+        c.rowwise ? qr_.get<uint8_t>() : nullptr, c.rowwise ? sr_.get<float>() : nullptr,
+        c.columnwise ? qc_.get<uint8_t>() : nullptr, c.columnwise ? sc_.get<float>() : nullptr};
     QTX_CUDA_ASSERT(QuantizeBlock(d_in_.get(), t_, m_, n_, p, gpu_out, nullptr));
     QTX_CUDA_ASSERT(cudaDeviceSynchronize());
     std::vector<uint8_t> got_qr(want_qr.size()), got_qc(want_qc.size());
     std::vector<uint32_t> got_sr(want_sr.size()), got_sc(want_sc.size());
     QTX_CUDA_ASSERT(cudaMemcpy(got_qr.data(), qr_.get(), got_qr.size(), cudaMemcpyDeviceToHost));
     QTX_CUDA_ASSERT(cudaMemcpy(got_qc.data(), qc_.get(), got_qc.size(), cudaMemcpyDeviceToHost));
-    QTX_CUDA_ASSERT(cudaMemcpy(got_sr.data(), sr_.get(), got_sr.size() * 4, cudaMemcpyDeviceToHost));
-    QTX_CUDA_ASSERT(cudaMemcpy(got_sc.data(), sc_.get(), got_sc.size() * 4, cudaMemcpyDeviceToHost));
+    QTX_CUDA_ASSERT(
+        cudaMemcpy(got_sr.data(), sr_.get(), got_sr.size() * 4, cudaMemcpyDeviceToHost));
+    QTX_CUDA_ASSERT(
+        cudaMemcpy(got_sc.data(), sc_.get(), got_sc.size() * 4, cudaMemcpyDeviceToHost));
 
     for (const std::string& d :
          {Diff("rowwise data", want_qr, got_qr), Diff("rowwise scale_inv", want_sr, got_sr),
-          Diff("columnwise data", want_qc, got_qc), Diff("columnwise scale_inv", want_sc, got_sc)}) {
+          Diff("columnwise data", want_qc, got_qc),
+          Diff("columnwise scale_inv", want_sc, got_sc)}) {
       if (!d.empty()) ADD_FAILURE() << d;
     }
     // Every scale entry (padding included) must have been written.
@@ -379,15 +398,42 @@ TEST_P(QuantizeBlockCudaLarge, MatchesCpuReference) {
     bool dequantize;
   };
   const Config configs[] = {
-      {InputDType::kBFloat16, DataKind::kNormal, {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, true, true}, true},
-      {InputDType::kBFloat16, DataKind::kNormal, {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock2D, true, true}, true},
-      {InputDType::kBFloat16, DataKind::kNormal, {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, true, false}, false},
-      {InputDType::kBFloat16, DataKind::kNormal, {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, false, true}, false},
-      {InputDType::kBFloat16, DataKind::kAdversarial, {Fp8Format::kE5M2, false, 1e-4f, BlockScaling::kBlock1D, true, true}, false},
-      {InputDType::kBFloat16, DataKind::kAdversarial, {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock2D, true, true}, false},
-      {InputDType::kFloat16, DataKind::kAdversarial, {Fp8Format::kE4M3, false, 0.0f, BlockScaling::kBlock1D, true, true}, false},
-      {InputDType::kFloat32, DataKind::kAdversarial, {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, true, true}, false},
-      {InputDType::kFloat32, DataKind::kNormal, {Fp8Format::kE5M2, true, 0.0f, BlockScaling::kBlock2D, true, true}, false},
+      {InputDType::kBFloat16,
+       DataKind::kNormal,
+       {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, true, true},
+       true},
+      {InputDType::kBFloat16,
+       DataKind::kNormal,
+       {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock2D, true, true},
+       true},
+      {InputDType::kBFloat16,
+       DataKind::kNormal,
+       {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, true, false},
+       false},
+      {InputDType::kBFloat16,
+       DataKind::kNormal,
+       {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, false, true},
+       false},
+      {InputDType::kBFloat16,
+       DataKind::kAdversarial,
+       {Fp8Format::kE5M2, false, 1e-4f, BlockScaling::kBlock1D, true, true},
+       false},
+      {InputDType::kBFloat16,
+       DataKind::kAdversarial,
+       {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock2D, true, true},
+       false},
+      {InputDType::kFloat16,
+       DataKind::kAdversarial,
+       {Fp8Format::kE4M3, false, 0.0f, BlockScaling::kBlock1D, true, true},
+       false},
+      {InputDType::kFloat32,
+       DataKind::kAdversarial,
+       {Fp8Format::kE4M3, true, 0.0f, BlockScaling::kBlock1D, true, true},
+       false},
+      {InputDType::kFloat32,
+       DataKind::kNormal,
+       {Fp8Format::kE5M2, true, 0.0f, BlockScaling::kBlock2D, true, true},
+       false},
   };
   uint64_t seed = 77 + s.m + s.n;
   for (const Config& cfg : configs) {
@@ -399,9 +445,8 @@ TEST_P(QuantizeBlockCudaLarge, MatchesCpuReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
-                         ::testing::Values(Shape{4096, 4096}, Shape{8192, 8192},
-                                           Shape{16384, 7168}, Shape{1000, 4000},
-                                           Shape{8191, 8192}, Shape{8208, 4096},
+                         ::testing::Values(Shape{4096, 4096}, Shape{8192, 8192}, Shape{16384, 7168},
+                                           Shape{1000, 4000}, Shape{8191, 8192}, Shape{8208, 4096},
                                            Shape{4100, 1040}),
                          [](const auto& info) {
                            return std::to_string(info.param.m) + "x" + std::to_string(info.param.n);
@@ -411,7 +456,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
 // plain instead of evict-first stores).
 TEST(QuantizeBlockCuda, TunedLaunchesGiveIdenticalBytes) {
   const int64_t m = 2048, n = 1536;
-  const std::vector<uint8_t> input = MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 5);
+  const std::vector<uint8_t> input =
+      MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 5);
   DeviceBuffer d_in(input.size());
   QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
   for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
@@ -429,11 +475,13 @@ TEST(QuantizeBlockCuda, TunedLaunchesGiveIdenticalBytes) {
       DeviceBuffer out(bytes);
       QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
       uint8_t* base = out.get<uint8_t>();
-      QuantizedBuffers b{base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
-                         base + l.RowwiseDataBytes(),
-                         reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                                                  4 * l.RowwiseScaleCount())};
-      QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p, b, tuning, nullptr));
+      QuantizedBuffers b{
+          base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
+          base + l.RowwiseDataBytes(),
+          reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+                                   4 * l.RowwiseScaleCount())};
+      QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p, b,
+                                                 tuning, nullptr));
       std::vector<uint8_t> got(bytes);
       QTX_CUDA_ASSERT(cudaMemcpy(got.data(), out.get(), bytes, cudaMemcpyDeviceToHost));
       if (ref.empty()) {
@@ -467,15 +515,20 @@ TEST(QuantizeBlockCuda, RejectsInvalidArguments) {
   QuantizeParams p;
   p.rowwise = true;
   QuantizedBuffers b{buf.get<uint8_t>(), buf.get<float>(), nullptr, nullptr};
-  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, -1, 4, p, b, nullptr), cudaErrorInvalidValue);
-  EXPECT_EQ(QuantizeBlock(buf.get(), static_cast<InputDType>(7), 4, 4, p, b, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, -1, 4, p, b, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeBlock(buf.get(), static_cast<InputDType>(7), 4, 4, p, b, nullptr),
+            cudaErrorInvalidValue);
   p.columnwise = true;  // requested without buffers
-  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, 4, 4, p, b, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, 4, 4, p, b, nullptr),
+            cudaErrorInvalidValue);
   p.columnwise = false;
   p.amax_epsilon = -1.0f;
-  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, 4, 4, p, b, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, 4, 4, p, b, nullptr),
+            cudaErrorInvalidValue);
   p.amax_epsilon = std::nanf("");
-  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, 4, 4, p, b, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeBlock(buf.get(), InputDType::kBFloat16, 4, 4, p, b, nullptr),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // kernels/cuda/quantize_shard vs kernels/cpu (ShardBoundaryAmax,
-// CombineBoundaryAmax, QuantizeShard, AssembleShards), byte for byte: the whole exact all-gather pipeline run on
-// one GPU for several ranks' shards, against QuantizeBlock of the whole.
+// CombineBoundaryAmax, QuantizeShard, AssembleShards), byte for byte: the whole exact all-gather
+// pipeline run on one GPU for several ranks' shards, against QuantizeBlock of the whole.
+#include "kernels/cpu/quantize_shard.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -11,7 +13,6 @@
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_block.h"
-#include "kernels/cpu/quantize_shard.h"
 #include "kernels/cuda/quantize_shard.h"
 #include "kernels/fp8.h"
 #include "kernels/shard_geometry.h"
@@ -24,7 +25,10 @@ namespace {
 template <typename T>
 struct Dev {
   T* p = nullptr;
-  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess); }
+  explicit Dev(size_t n) {
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)),
+              cudaSuccess);
+  }
   ~Dev() { cudaFree(p); }
 };
 
@@ -75,7 +79,7 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
     if (geoms[r].m == 0) continue;
     Dev<float> f(len), la(len);
     ASSERT_CUDA(cuda::ShardBoundaryAmax(dx.p + geoms[r].row_offset * n, InputDType::kBFloat16,
-                                  geoms[r], scaling, f.p, la.p, nullptr));
+                                        geoms[r], scaling, f.p, la.p, nullptr));
     ASSERT_CUDA(cudaMemcpy(firsts[r].data(), f.p, 4 * len, cudaMemcpyDeviceToHost));
     ASSERT_CUDA(cudaMemcpy(lasts[r].data(), la.p, 4 * len, cudaMemcpyDeviceToHost));
     ASSERT_EQ(0, std::memcmp(firsts[r].data(), cf.data(), 4 * len)) << "first amax rank " << r;
@@ -93,12 +97,12 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
   for (int r = 0; r < w; ++r) {
     if (geoms[r].m == 0) {  // unwritten on the device: poison it, it must not be read
       std::vector<float> nan(2 * glen, std::nanf(""));
-      ASSERT_CUDA(cudaMemcpy(gathered.p + 2 * r * glen, nan.data(), 8 * glen,
-                             cudaMemcpyHostToDevice));
+      ASSERT_CUDA(
+          cudaMemcpy(gathered.p + 2 * r * glen, nan.data(), 8 * glen, cudaMemcpyHostToDevice));
       continue;
     }
-    ASSERT_CUDA(cudaMemcpy(gathered.p + 2 * r * glen, firsts[r].data(), 4 * glen,
-                           cudaMemcpyHostToDevice));
+    ASSERT_CUDA(
+        cudaMemcpy(gathered.p + 2 * r * glen, firsts[r].data(), 4 * glen, cudaMemcpyHostToDevice));
     ASSERT_CUDA(cudaMemcpy(gathered.p + (2 * r + 1) * glen, lasts[r].data(), 4 * glen,
                            cudaMemcpyHostToDevice));
   }
@@ -127,7 +131,8 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
     }
     auto* d = new Dev<uint8_t>(2 * g.m * n);
     keep.push_back(d);
-    auto* s = new Dev<float>(ShardRowwiseScaleCount(scaling, g) + ShardColumnwiseScaleCount(scaling, g));
+    auto* s =
+        new Dev<float>(ShardRowwiseScaleCount(scaling, g) + ShardColumnwiseScaleCount(scaling, g));
     keepf.push_back(s);
     QuantizedBuffers b;
     if (rowwise) {
@@ -139,15 +144,16 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
       b.columnwise_scale_inv = s->p + ShardRowwiseScaleCount(scaling, g);
     }
     ASSERT_CUDA(cuda::QuantizeShard(dx.p + g.row_offset * n, InputDType::kBFloat16, g, p, df->p,
-                              df->p + len, b, nullptr));
+                                    df->p + len, b, nullptr));
     views[r] = {b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv};
   }
   Dev<uint8_t> ord(rd.size()), ocd(cd.size());
   Dev<float> ors(rs.size()), ocs(cs.size());
-  ASSERT_CUDA(cudaMemset(ors.p, 0xFF, 4 * std::max<size_t>(rs.size(), 1)));  // padding must be zeroed
+  ASSERT_CUDA(
+      cudaMemset(ors.p, 0xFF, 4 * std::max<size_t>(rs.size(), 1)));  // padding must be zeroed
   ASSERT_CUDA(cudaMemset(ocs.p, 0xFF, 4 * std::max<size_t>(cs.size(), 1)));
   ASSERT_CUDA(cuda::AssembleShards(w, geoms.data(), views.data(), p, {ord.p, ors.p, ocd.p, ocs.p},
-                             nullptr));
+                                   nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   if (rowwise) {
     std::vector<uint8_t> a(rd.size());
@@ -170,10 +176,14 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
 }
 
 TEST(QuantizeShardCuda, PipelineMatchesQuantizeOfConcatenation) {
-  const std::vector<Case> cases = {{{64, 64}, 128},       {{0, 300}, 100},
-                                   {{100, 156, 1}, 300},  {{129, 127, 256}, 1},
-                                   {{1, 1, 1, 1}, 129},   {{250, 250, 250, 250}, 300},
-                                   {{4095, 4097}, 256},   {{3, 0, 130}, 257},
+  const std::vector<Case> cases = {{{64, 64}, 128},
+                                   {{0, 300}, 100},
+                                   {{100, 156, 1}, 300},
+                                   {{129, 127, 256}, 1},
+                                   {{1, 1, 1, 1}, 129},
+                                   {{250, 250, 250, 250}, 300},
+                                   {{4095, 4097}, 256},
+                                   {{3, 0, 130}, 257},
                                    // 128 ranks share block row 0: the most
                                    // contributors one block can have.
                                    {std::vector<int64_t>(130, 1), 130}};
@@ -181,9 +191,9 @@ TEST(QuantizeShardCuda, PipelineMatchesQuantizeOfConcatenation) {
     for (auto s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
       for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
         for (int usage = 1; usage <= 3; ++usage) {
-          SCOPED_TRACE(testing::Message() << "ranks=" << c.rows.size() << " rows0=" << c.rows[0]
-                                          << " n=" << c.n << " 2d=" << (s == BlockScaling::kBlock2D)
-                                          << " usage=" << usage);
+          SCOPED_TRACE(testing::Message()
+                       << "ranks=" << c.rows.size() << " rows0=" << c.rows[0] << " n=" << c.n
+                       << " 2d=" << (s == BlockScaling::kBlock2D) << " usage=" << usage);
           RunCase(c, s, usage & 1, usage & 2, fmt);
         }
       }

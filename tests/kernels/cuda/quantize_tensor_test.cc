@@ -39,9 +39,12 @@ constexpr uint32_t kScaleSentinel = 0xFFFFFFFFu;
 int ElemBytes(InputDType t) { return t == InputDType::kFloat32 ? 4 : 2; }
 const char* Name(InputDType t) {
   switch (t) {
-    case InputDType::kBFloat16: return "bf16";
-    case InputDType::kFloat16: return "fp16";
-    default: return "fp32";
+    case InputDType::kBFloat16:
+      return "bf16";
+    case InputDType::kFloat16:
+      return "fp16";
+    default:
+      return "fp32";
   }
 }
 
@@ -71,11 +74,16 @@ void Store(std::vector<uint8_t>& buf, InputDType t, int64_t i, float x) {
 enum class Data { kNormal, kSpecials, kInf, kTiny, kZero };
 const char* Name(Data d) {
   switch (d) {
-    case Data::kNormal: return "normal";
-    case Data::kSpecials: return "specials";
-    case Data::kInf: return "inf";
-    case Data::kTiny: return "tiny";
-    default: return "zero";
+    case Data::kNormal:
+      return "normal";
+    case Data::kSpecials:
+      return "specials";
+    case Data::kInf:
+      return "inf";
+    case Data::kTiny:
+      return "tiny";
+    default:
+      return "zero";
   }
 }
 
@@ -98,23 +106,28 @@ std::vector<uint8_t> MakeInput(InputDType t, int64_t count, Data kind, uint64_t 
   float mag = 1.0f;
   for (int64_t i = 0; i < count; ++i) {
     if (i % 64 == 0) mag = std::ldexp(1.0f, static_cast<int>(rng.Next() % 13) - 6);
-    const float r = std::sqrt(-2.0f * std::log(rng.Uniform())) *
-                    std::cos(6.2831853f * rng.Uniform()) * mag;
+    const float r =
+        std::sqrt(-2.0f * std::log(rng.Uniform())) * std::cos(6.2831853f * rng.Uniform()) * mag;
     float x = r;
     switch (kind) {
       case Data::kNormal:
         break;
       case Data::kSpecials: {
         const uint64_t p = rng.Next() % 1000;
-        if (p < 5) x = std::nanf("");
-        else if (p < 15) x = sub * static_cast<float>(1 + rng.Next() % 3);
-        else if (p < 40) x = std::ldexp(ties[rng.Next() % 9], static_cast<int>(rng.Next() % 7) - 3);
-        else if (p < 50) x = (rng.Next() & 1) ? 0.0f : -0.0f;
+        if (p < 5)
+          x = std::nanf("");
+        else if (p < 15)
+          x = sub * static_cast<float>(1 + rng.Next() % 3);
+        else if (p < 40)
+          x = std::ldexp(ties[rng.Next() % 9], static_cast<int>(rng.Next() % 7) - 3);
+        else if (p < 50)
+          x = (rng.Next() & 1) ? 0.0f : -0.0f;
         break;
       }
       case Data::kInf:
-        if (i == count / 2) x = (seed & 1) ? std::numeric_limits<float>::infinity()
-                                           : -std::numeric_limits<float>::infinity();
+        if (i == count / 2)
+          x = (seed & 1) ? std::numeric_limits<float>::infinity()
+                         : -std::numeric_limits<float>::infinity();
         break;
       case Data::kTiny:  // amax in the subnormal range: 448 / amax overflows FP32 (not FP16)
         x = sub * static_cast<float>(rng.Next() % 5) * ((rng.Next() & 1) ? 1.0f : -1.0f);
@@ -162,9 +175,9 @@ struct Case {
 std::string Describe(const Case& c) {
   std::ostringstream os;
   os << c.m << "x" << c.n << " " << Name(c.dtype) << " "
-     << (c.format == Fp8Format::kE4M3 ? "e4m3" : "e5m2") << " pow2=" << c.pow2
-     << " eps=" << c.eps << " " << (c.row ? "row" : "") << (c.col ? "+col" : "") << " "
-     << Name(c.data) << " misalign=" << c.misalign;
+     << (c.format == Fp8Format::kE4M3 ? "e4m3" : "e5m2") << " pow2=" << c.pow2 << " eps=" << c.eps
+     << " " << (c.row ? "row" : "") << (c.col ? "+col" : "") << " " << Name(c.data)
+     << " misalign=" << c.misalign;
   return os.str();
 }
 
@@ -199,8 +212,8 @@ void Check(const Case& c) {
   QuantizedBuffers out{d_row.get() + off, s, d_col.get() + off, s + 4};
   if (!c.row) out.rowwise_data = nullptr, out.rowwise_scale_inv = nullptr;
   if (!c.col) out.columnwise_data = nullptr, out.columnwise_scale_inv = nullptr;
-  QTX_CUDA_ASSERT(QuantizeBlock(count ? d_in.get() + off : nullptr, c.dtype, c.m, c.n, p, out,
-                                nullptr));
+  QTX_CUDA_ASSERT(
+      QuantizeBlock(count ? d_in.get() + off : nullptr, c.dtype, c.m, c.n, p, out, nullptr));
   QTX_CUDA_ASSERT(cudaDeviceSynchronize());
   std::vector<uint8_t> got_row(count + 64), got_col(count + 64);
   std::vector<float> got_s(16);
@@ -243,9 +256,8 @@ void Check(const Case& c) {
     cpu::DequantizeTensor(hin, c.format, c.m, c.n, use_row, od, want_out.data());
     DeviceMem d_out(ob);
     QuantizedConstBuffers din{d_row.get() + off, s, d_col.get() + off, s + 4};
-    QTX_CUDA_ASSERT(
-        DequantizeBlock(din, BlockScaling::kTensor, c.format, c.m, c.n, use_row, od, d_out.get(),
-                        nullptr));
+    QTX_CUDA_ASSERT(DequantizeBlock(din, BlockScaling::kTensor, c.format, c.m, c.n, use_row, od,
+                                    d_out.get(), nullptr));
     QTX_CUDA_ASSERT(cudaMemcpy(got_out.data(), d_out.get(), ob, cudaMemcpyDeviceToHost));
     d = Diff(use_row ? "dequantized rowwise" : "dequantized columnwise", want_out, got_out);
     EXPECT_TRUE(d.empty()) << d;
@@ -256,11 +268,9 @@ TEST(QuantizeTensorCuda, MatchesCpuOnEdgeShapes) {
   struct Shape {
     int64_t m, n;
   };
-  const Shape shapes[] = {{1, 1},   {1, 1000}, {1000, 1}, {7, 9},      {128, 128},
+  const Shape shapes[] = {{1, 1},     {1, 1000},  {1000, 1},   {7, 9},       {128, 128},
                           {130, 300}, {255, 257}, {256, 1024}, {1000, 1000}, {129, 16}};
-  const struct {
-    bool row, col;
-  } usages[] = {{true, false}, {false, true}, {true, true}};
+  const struct { bool row, col; } usages[] = {{true, false}, {false, true}, {true, true}};
   int n_cases = 0;
   for (const Shape& s : shapes) {
     for (InputDType t : {InputDType::kBFloat16, InputDType::kFloat16, InputDType::kFloat32}) {
@@ -294,10 +304,9 @@ TEST(QuantizeTensorCuda, MatchesCpuForEveryOptionOnAlignedShapes) {
 TEST(QuantizeTensorCuda, EmptyTensorWritesTheScale) {
   for (auto [m, n] : {std::pair<int64_t, int64_t>{0, 7}, {5, 0}, {0, 0}}) {
     for (float eps : {0.0f, 1e-4f}) {
-      Check({m, n, InputDType::kBFloat16, Fp8Format::kE4M3, true, eps, true, true, Data::kZero,
-             0});
-      Check({m, n, InputDType::kFloat32, Fp8Format::kE5M2, false, eps, false, true, Data::kZero,
-             0});
+      Check({m, n, InputDType::kBFloat16, Fp8Format::kE4M3, true, eps, true, true, Data::kZero, 0});
+      Check(
+          {m, n, InputDType::kFloat32, Fp8Format::kE5M2, false, eps, false, true, Data::kZero, 0});
     }
   }
 }
@@ -307,8 +316,8 @@ TEST(QuantizeTensorCuda, MatchesCpuOnLargeShapes) {
          Data::kNormal, 0});
   Check({16384, 7168, InputDType::kBFloat16, Fp8Format::kE4M3, false, 0.0f, true, false,
          Data::kSpecials, 0});
-  Check({8191, 8192, InputDType::kFloat32, Fp8Format::kE5M2, true, 0.0f, true, true,
-         Data::kNormal, 0});
+  Check({8191, 8192, InputDType::kFloat32, Fp8Format::kE5M2, true, 0.0f, true, true, Data::kNormal,
+         0});
   Check({4097, 4100, InputDType::kFloat16, Fp8Format::kE4M3, false, 0.0f, true, true,
          Data::kSpecials, 4});
 }
@@ -344,8 +353,8 @@ TEST(QuantizeTensorCuda, RejectsBadArguments) {
             cudaErrorInvalidValue);
   EXPECT_EQ(QuantizeTensor(nullptr, InputDType::kFloat32, 2, 4, p, out, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(QuantizeTensor(buf.get(), InputDType::kFloat32, int64_t{1} << 40, int64_t{1} << 40,
-                           p, out, nullptr),
+  EXPECT_EQ(QuantizeTensor(buf.get(), InputDType::kFloat32, int64_t{1} << 40, int64_t{1} << 40, p,
+                           out, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

@@ -120,9 +120,9 @@ TEST(ConvertTest, TensorRefRegionSlice) {
 TEST(ConvertTest, TensorRefBadDTypeNamesTheNestedField) {
   v1::TensorRef ref;
   ref.set_dtype(static_cast<v1::DType>(42));
-  EXPECT_THAT(TensorRefFromProto(ref, "input.rowwise_data"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("input.rowwise_data.dtype=42")));
+  EXPECT_THAT(
+      TensorRefFromProto(ref, "input.rowwise_data"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("input.rowwise_data.dtype=42")));
 }
 
 TEST(ConvertTest, QuantizeRequestNeedsAnInput) {

@@ -155,8 +155,8 @@ TEST_F(FdInboxTest, TokensFromTwoConnectionsDoNotMakeOneRegion) {
   MemFile a("a");
   QTX_ASSERT_OK_AND_ASSIGN(std::string t1, c1->Send(std::vector<int>{a.fd}));
   QTX_ASSERT_OK_AND_ASSIGN(std::string t2, c2->Send(std::vector<int>{a.fd}));
-  EXPECT_THAT(inbox->Claim({t1, t2}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("another fd-socket connection")));
+  EXPECT_THAT(inbox->Claim({t1, t2}), StatusIs(absl::StatusCode::kInvalidArgument,
+                                               HasSubstr("another fd-socket connection")));
 }
 
 TEST_F(FdInboxTest, UnclaimedTokensExpireAndTheirDescriptorsClose) {

@@ -5,6 +5,7 @@
 #include "server/metrics/metrics.h"
 
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -12,8 +13,6 @@
 
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -65,7 +64,6 @@ std::string HttpGet(int port, const std::string& path, int timeout_s = 30) {
   ::close(fd);
   return out;
 }
-
 
 // Opens a TCP connection to loopback `port` and sends `bytes` (a partial
 // request); returns the fd (-1 on error).
@@ -162,7 +160,8 @@ TEST(MetricsTest, RendersCountersHistogramAndGauges) {
                            "Quantize\"} 3\n"));
   EXPECT_THAT(t, HasSubstr("qtx_grpc_received_bytes_total{method=\"/qtx.v1.Quantizer/Quantize\"}"
                            " 117\n"));
-  EXPECT_THAT(t, HasSubstr("qtx_grpc_sent_bytes_total{method=\"/qtx.v1.Quantizer/Quantize\"} 55\n"));
+  EXPECT_THAT(t,
+              HasSubstr("qtx_grpc_sent_bytes_total{method=\"/qtx.v1.Quantizer/Quantize\"} 55\n"));
   EXPECT_THAT(t, HasSubstr("# TYPE qtx_test_gauge gauge\nqtx_test_gauge 42\n"));
 }
 
@@ -243,9 +242,9 @@ TEST(MetricsTest, ServerExportsRpcMetricsOverHttp) {
   // A taken port is refused at startup.
   config::ServerConfig second = config;
   second.socket_path = dir + "/second.sock";
-  EXPECT_THAT(QtxServer::Create(second).status(),
-              ::qtx::testing::StatusIs(absl::StatusCode::kUnavailable,
-                                       HasSubstr("--metrics_port")));
+  EXPECT_THAT(
+      QtxServer::Create(second).status(),
+      ::qtx::testing::StatusIs(absl::StatusCode::kUnavailable, HasSubstr("--metrics_port")));
   server->Shutdown(absl::Seconds(2));
   server.reset();
   std::system(("rm -rf " + dir).c_str());

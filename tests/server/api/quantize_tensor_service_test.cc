@@ -2,6 +2,7 @@
 // socket, CPU device: Quantize / Dequantize round trips against the CPU
 // reference (kernels/cpu/quantize_tensor.h), the [1] scale_inv shape, empty
 // tensors, NaN / Inf inputs, shm regions, and the errors a client can act on.
+#include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -12,8 +13,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -98,8 +97,7 @@ Input MakeInput(v1::DType dtype, int64_t count, uint32_t seed, std::vector<float
     if (eb == 4) {
       std::memcpy(&in.bytes[4 * i], &x, 4);
     } else {
-      const uint16_t h =
-          dtype == v1::BFLOAT16 ? kernels::FloatToBf16(x) : kernels::FloatToHalf(x);
+      const uint16_t h = dtype == v1::BFLOAT16 ? kernels::FloatToBf16(x) : kernels::FloatToHalf(x);
       std::memcpy(&in.bytes[2 * i], &h, 2);
     }
   }
@@ -175,10 +173,9 @@ TEST_F(QuantizeTensorServiceTest, RoundTripMatchesTheReferenceForEveryInputDtype
         s = Dequantize(dreq, &dresp);
         ASSERT_TRUE(s.ok()) << s.error_message();
         std::string want(static_cast<size_t>(m * n * 4), '\0');
-        kernels::QuantizedConstBuffers qb{reinterpret_cast<const uint8_t*>(e.row.data()),
-                                          &e.scale_inv[0],
-                                          reinterpret_cast<const uint8_t*>(e.col.data()),
-                                          &e.scale_inv[1]};
+        kernels::QuantizedConstBuffers qb{
+            reinterpret_cast<const uint8_t*>(e.row.data()), &e.scale_inv[0],
+            reinterpret_cast<const uint8_t*>(e.col.data()), &e.scale_inv[1]};
         kernels::cpu::DequantizeTensor(qb, kernels::Fp8Format::kE5M2, m, n, use_row,
                                        kernels::InputDType::kFloat32, want.data());
         EXPECT_THAT(dresp.output().shape(), ElementsAre(3, 70, 130));
@@ -208,8 +205,7 @@ TEST_F(QuantizeTensorServiceTest, NanAndInfInputsFollowTheNumerics) {
   v1::QuantizeResponse resp;
   ASSERT_TRUE(Quantize(TensorRequest(in, {2, 3}, true, true, true), &resp).ok());
   EXPECT_EQ(resp.result().rowwise_scale_inv().inline_data(), FloatBytes(1.0f / 128));
-  EXPECT_EQ(resp.result().rowwise_data().inline_data(),
-            std::string("\x7f\x78\xe8\x00\x00\x00", 6));
+  EXPECT_EQ(resp.result().rowwise_data().inline_data(), std::string("\x7f\x78\xe8\x00\x00\x00", 6));
   // Inf: amax Inf -> scale 1; Inf saturates to max, -600 too.
   in = MakeInput(v1::FLOAT32, 4, 3, {inf, 1.0f, -600.0f, 0.25f});
   ASSERT_TRUE(Quantize(TensorRequest(in, {4}, true, false, true), &resp).ok());

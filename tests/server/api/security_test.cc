@@ -5,6 +5,8 @@
 // openssl command in a temporary directory.
 #include "server/api/security.h"
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,9 +16,6 @@
 #include <future>
 #include <sstream>
 #include <string>
-
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -119,8 +118,7 @@ TEST_F(SecurityTest, TokenOnUnixSocket) {
   EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_THAT(wrong.error_message(), HasSubstr("does not carry this qtxd's bearer token"));
   EXPECT_THAT(wrong.error_message(), ::testing::Not(HasSubstr("tokeN")));
-  EXPECT_EQ(Call(Unix(), "", "Basic s3cret-token").error_code(),
-            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Call(Unix(), "", "Basic s3cret-token").error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(Call(Unix(), "s3cret-token").error_code(), grpc::StatusCode::OK);
 }
 

@@ -2,6 +2,8 @@
 // generated qtx.v1 stubs.
 #include "server/api/server.h"
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -13,15 +15,13 @@
 #include <cmath>
 #include <cstring>
 #include <future>
-#include <span>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
-
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
@@ -29,7 +29,6 @@
 #include "qtx/v1/collective.grpc.pb.h"
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
-#include "absl/synchronization/notification.h"
 #include "server/backend/device_factory.h"
 #include "server/optimizer/optimizer_store.h"
 #include "tests/server/testing/shm_object.h"
@@ -115,14 +114,15 @@ class ServerTest : public ::testing::Test {
     grpc::GenericStub stub(channel_);
     grpc::ClientContext ctx;
     std::promise<grpc::Status> done;
-    stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                   &response, [&done](grpc::Status s) { done.set_value(s); });
+    stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                   [&done](grpc::Status s) { done.set_value(s); });
     grpc::Status s = done.get_future().get();
     if (s.ok()) {
       std::vector<grpc::Slice> slices;
       (void)response.Dump(&slices);
       std::string bytes;
-      for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+      for (const auto& sl : slices)
+        bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
       *serving_status = (bytes.size() == 2 && bytes[0] == 0x08) ? bytes[1] : 0;
     }
     return s;
@@ -184,11 +184,10 @@ TEST_F(ServerTest, QuantizeInlineMatchesTheReferenceAndEchoesDefaults) {
   std::string cd(l.ColumnwiseDataBytes(), '\0'), cs(l.ColumnwiseScaleCount() * 4, '\0');
   kernels::QuantizeParams p;
   p.columnwise = true;
-  kernels::cpu::QuantizeBlock(x.data(), kernels::InputDType::kFloat32, m, n, p,
-                              {reinterpret_cast<uint8_t*>(rd.data()),
-                               reinterpret_cast<float*>(rs.data()),
-                               reinterpret_cast<uint8_t*>(cd.data()),
-                               reinterpret_cast<float*>(cs.data())});
+  kernels::cpu::QuantizeBlock(
+      x.data(), kernels::InputDType::kFloat32, m, n, p,
+      {reinterpret_cast<uint8_t*>(rd.data()), reinterpret_cast<float*>(rs.data()),
+       reinterpret_cast<uint8_t*>(cd.data()), reinterpret_cast<float*>(cs.data())});
   EXPECT_EQ(q.rowwise_data().dtype(), v1::FLOAT8_E4M3);
   EXPECT_THAT(q.rowwise_data().shape(), ::testing::ElementsAre(m, n));
   EXPECT_EQ(q.rowwise_data().inline_data(), rd);
@@ -211,8 +210,8 @@ TEST_F(ServerTest, QuantizeInlineMatchesTheReferenceAndEchoesDefaults) {
   kernels::QuantizedConstBuffers in;
   in.rowwise_data = reinterpret_cast<const uint8_t*>(rd.data());
   in.rowwise_scale_inv = reinterpret_cast<const float*>(rs.data());
-  kernels::cpu::DequantizeBlock(in, kernels::BlockScaling::kBlock1D, kernels::Fp8Format::kE4M3,
-                                m, n, true, kernels::InputDType::kFloat32, expected.data());
+  kernels::cpu::DequantizeBlock(in, kernels::BlockScaling::kBlock1D, kernels::Fp8Format::kE4M3, m,
+                                n, true, kernels::InputDType::kFloat32, expected.data());
   EXPECT_EQ(dresp.output().dtype(), v1::FLOAT32);
   EXPECT_THAT(dresp.output().shape(), ::testing::ElementsAre(m, n));
   EXPECT_EQ(dresp.output().inline_data(), expected);
@@ -272,11 +271,10 @@ TEST_F(ServerTest, QuantizeIntoShmRegions) {
   kernels::QuantizeParams p;
   p.scaling = kernels::BlockScaling::kBlock2D;
   p.columnwise = true;
-  kernels::cpu::QuantizeBlock(x.data(), kernels::InputDType::kFloat32, m, n, p,
-                              {reinterpret_cast<uint8_t*>(rd.data()),
-                               reinterpret_cast<float*>(rs.data()),
-                               reinterpret_cast<uint8_t*>(cd.data()),
-                               reinterpret_cast<float*>(cs.data())});
+  kernels::cpu::QuantizeBlock(
+      x.data(), kernels::InputDType::kFloat32, m, n, p,
+      {reinterpret_cast<uint8_t*>(rd.data()), reinterpret_cast<float*>(rs.data()),
+       reinterpret_cast<uint8_t*>(cd.data()), reinterpret_cast<float*>(cs.data())});
   auto at = [&](const v1::TensorRef& t) {
     EXPECT_EQ(t.data_case(), v1::TensorRef::kRegion);
     EXPECT_EQ(t.region().region(), "out");
@@ -304,8 +302,8 @@ TEST_F(ServerTest, QuantizeIntoShmRegions) {
   kernels::QuantizedConstBuffers qin;
   qin.columnwise_data = reinterpret_cast<const uint8_t*>(cd.data());
   qin.columnwise_scale_inv = reinterpret_cast<const float*>(cs.data());
-  kernels::cpu::DequantizeBlock(qin, kernels::BlockScaling::kBlock2D, kernels::Fp8Format::kE4M3,
-                                m, n, false, kernels::InputDType::kFloat16, expected.data());
+  kernels::cpu::DequantizeBlock(qin, kernels::BlockScaling::kBlock2D, kernels::Fp8Format::kE4M3, m,
+                                n, false, kernels::InputDType::kFloat16, expected.data());
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(out.data()) + off, m * n * 2), expected);
 
   v1::ListRegionsResponse list;
@@ -341,7 +339,8 @@ TEST_F(ServerTest, BadInputsGetPreciseStatuses) {
       {"unknown scaling enum",
        [](auto& r) { r.mutable_config()->set_scaling_mode(static_cast<v1::ScalingMode>(7)); },
        grpc::StatusCode::INVALID_ARGUMENT, "config.scaling_mode=7: unknown ScalingMode"},
-      {"unknown dtype enum", [](auto& r) { r.mutable_input()->set_dtype(static_cast<v1::DType>(99)); },
+      {"unknown dtype enum",
+       [](auto& r) { r.mutable_input()->set_dtype(static_cast<v1::DType>(99)); },
        grpc::StatusCode::INVALID_ARGUMENT, "input.dtype=99: unknown DType"},
       {"no input", [](auto& r) { r.clear_input(); }, grpc::StatusCode::INVALID_ARGUMENT,
        "input: missing"},
@@ -457,8 +456,7 @@ TEST_F(ServerTest, ShutdownRemovesTheSocketAndAStaleSocketIsReplaced) {
   }
   QTX_ASSERT_OK_AND_ASSIGN(server_, QtxServer::Create(config_));
   int status = 0;
-  channel_ = grpc::CreateChannel("unix:" + config_.socket_path,
-                                 grpc::InsecureChannelCredentials());
+  channel_ = grpc::CreateChannel("unix:" + config_.socket_path, grpc::InsecureChannelCredentials());
   EXPECT_TRUE(HealthCheck("", &status).ok());
 }
 
@@ -518,19 +516,20 @@ TEST(ServerShutdownTest, EndsAndCheckpointsWhatItCanWhenACallIsWedged) {
     p.m = 4;
     p.n = 4;
     p.master = master.data();
-    QTX_ASSERT_OK(store.CreateGroup(g, std::span<const optimizer::ParameterInit>(&p, 1), false)
-                      .status());
+    QTX_ASSERT_OK(
+        store.CreateGroup(g, std::span<const optimizer::ParameterInit>(&p, 1), false).status());
   }
   // A Step of "stuck" whose prepare never returns until released: it holds
   // the group's lock and the only worker.
   absl::Notification started, release;
   ASSERT_TRUE(server->executor().Submit([&] {
-    (void)store.Step("stuck", {.step = 1},
-                     [&](const optimizer::GroupInfo&, bool) -> absl::StatusOr<optimizer::StepBuffers> {
-                       started.Notify();
-                       release.WaitForNotification();
-                       return absl::CancelledError("released");
-                     });
+    (void)store.Step(
+        "stuck", {.step = 1},
+        [&](const optimizer::GroupInfo&, bool) -> absl::StatusOr<optimizer::StepBuffers> {
+          started.Notify();
+          release.WaitForNotification();
+          return absl::CancelledError("released");
+        });
   }));
   started.WaitForNotification();
   EXPECT_FALSE(server->Shutdown(absl::ZeroDuration()));  // returns: bounded
@@ -598,8 +597,7 @@ TEST_F(CreateGroupLifetimeTest, ClientCancellationEndsTheJoin) {
   v1::CreateGroupResponse resp;
   std::promise<grpc::Status> done;
   const v1::CreateGroupRequest req = Absent("cancelled");
-  stub->async()->CreateGroup(&ctx, &req, &resp,
-                             [&done](grpc::Status s) { done.set_value(s); });
+  stub->async()->CreateGroup(&ctx, &req, &resp, [&done](grpc::Status s) { done.set_value(s); });
   ASSERT_TRUE(WaitForGroups(1));
   ctx.TryCancel();
   EXPECT_EQ(done.get_future().get().error_code(), grpc::StatusCode::CANCELLED);
@@ -624,21 +622,18 @@ TEST_F(CreateGroupLifetimeTest, ShutdownEndsAJoiningCreateGroup) {
 TEST(ServerConfigTest, RejectsBadConfigs) {
   config::ServerConfig c;
   c.listen_tcp = "0.0.0.0:5000";
-  EXPECT_THAT(QtxServer::Create(c),
-              qtx::testing::StatusIs(absl::StatusCode::kInvalidArgument,
-                                     HasSubstr("is not a loopback address")));
+  EXPECT_THAT(QtxServer::Create(c), qtx::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                                           HasSubstr("is not a loopback address")));
   c = config::ServerConfig();
   c.device = "cuda:0";
   c.socket_path = "/tmp/qtxd-unused-" + std::to_string(::getpid()) + ".sock";
   if (!backend::BuiltWithCuda()) {
-    EXPECT_THAT(QtxServer::Create(c),
-                qtx::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
-                                       HasSubstr("not built with CUDA")));
+    EXPECT_THAT(QtxServer::Create(c), qtx::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                             HasSubstr("not built with CUDA")));
   } else if (!backend::CreateDevice("cuda:0").ok()) {
     // A CUDA build on a host without a usable GPU (CI).
-    EXPECT_THAT(QtxServer::Create(c),
-                qtx::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
-                                       HasSubstr("--device=cuda:0")));
+    EXPECT_THAT(QtxServer::Create(c), qtx::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                             HasSubstr("--device=cuda:0")));
   }
   c.device = "tpu";
   EXPECT_THAT(QtxServer::Create(c), qtx::testing::StatusIs(absl::StatusCode::kInvalidArgument,

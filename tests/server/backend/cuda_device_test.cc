@@ -185,8 +185,7 @@ TEST_F(CudaDeviceTest, BadEventHandlesFailBeforeTheKernel) {
   args.events.signal_event.clear();
   args.events.wait_event.assign(junk.begin(), junk.end());
   EXPECT_THAT(device_->Quantize(args),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("cuda_events.wait_event")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cuda_events.wait_event")));
 }
 
 TEST_F(CudaDeviceTest, StagedShardBuildingBlocksMatchCpuDevice) {

@@ -6,12 +6,11 @@
 // checked too (staged through pinned buffers by the sidecar).
 //
 // The qtxd binary: $QTXD if set, else the one this build made.
-#include <signal.h>
-#include <unistd.h>
-
+#include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <cuda_runtime_api.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -38,10 +37,11 @@ namespace {
 using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
-#define CUDA_ASSERT(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
+#define CUDA_ASSERT(expr) \
+  ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::QtxdPath;
+using ::qtx::testing::QtxdProcess;
 
 // Random input of `dtype` with normal values, some large, some exact zeros.
 std::string RandomInput(kernels::InputDType dtype, int64_t count, uint32_t seed) {
@@ -76,9 +76,12 @@ std::string RandomInput(kernels::InputDType dtype, int64_t count, uint32_t seed)
 
 DType ClientDType(kernels::InputDType d) {
   switch (d) {
-    case kernels::InputDType::kFloat32: return DType::kFloat32;
-    case kernels::InputDType::kBFloat16: return DType::kBFloat16;
-    case kernels::InputDType::kFloat16: return DType::kFloat16;
+    case kernels::InputDType::kFloat32:
+      return DType::kFloat32;
+    case kernels::InputDType::kBFloat16:
+      return DType::kBFloat16;
+    case kernels::InputDType::kFloat16:
+      return DType::kFloat16;
   }
   return DType::kUnspecified;
 }
@@ -127,8 +130,8 @@ kernels::QuantizeParams ParamsOf(const Case& c) {
 
 QuantizeConfig ConfigOf(const Case& c) {
   QuantizeConfig q;
-  q.scaling_mode = c.scaling == kernels::BlockScaling::kBlock2D ? ScalingMode::kBlock2D
-                                                                : ScalingMode::kBlock1D;
+  q.scaling_mode =
+      c.scaling == kernels::BlockScaling::kBlock2D ? ScalingMode::kBlock2D : ScalingMode::kBlock1D;
   q.format = c.format == kernels::Fp8Format::kE5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
   q.rowwise = true;
   q.columnwise = true;
@@ -178,8 +181,8 @@ class CudaE2ETest : public ::testing::Test {
       return;
     }
     gpu_ = true;
-    auto server =
-        QtxdProcess::Start(QtxdPath(), {"--device=cuda:0", "--allow_client_shm"}, absl::Seconds(60));
+    auto server = QtxdProcess::Start(QtxdPath(), {"--device=cuda:0", "--allow_client_shm"},
+                                     absl::Seconds(60));
     if (!server.ok()) {
       start_error_ = server.status().ToString();
       return;
@@ -200,8 +203,8 @@ class CudaE2ETest : public ::testing::Test {
   }
   void SetUp() override {
     ASSERT_TRUE(gpu_) << "gpu-labelled test: needs a visible CUDA device";
-    ASSERT_NE(client_, nullptr) << "qtxd (" << QtxdPath() << ") did not start serving: "
-                                << start_error_;
+    ASSERT_NE(client_, nullptr) << "qtxd (" << QtxdPath()
+                                << ") did not start serving: " << start_error_;
     CUDA_ASSERT(cudaSetDevice(0));
   }
 
@@ -239,8 +242,8 @@ TEST_F(CudaE2ETest, IpcRegionsQuantizeInPlaceByteIdenticalToCpu) {
     QTX_ASSERT_OK(cuda::RegisterDevicePointer(*client_, in_name, d_in, input.size()));
     QTX_ASSERT_OK(cuda::RegisterDevicePointer(*client_, out_name, d_out, p.total));
 
-    const Tensor t = Tensor::InRegion(ClientDType(c.dtype), {c.m, c.n},
-                                      RegionSlice{in_name, 0, input.size()});
+    const Tensor t =
+        Tensor::InRegion(ClientDType(c.dtype), {c.m, c.n}, RegionSlice{in_name, 0, input.size()});
     QTX_ASSERT_OK_AND_ASSIGN(QuantizedTensor q,
                              client_->Quantize(t, ConfigOf(c), OutputsIn(out_name, p)));
     ASSERT_TRUE(q.rowwise_data.has_value() && q.rowwise_data->in_region());

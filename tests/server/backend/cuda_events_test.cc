@@ -98,9 +98,8 @@ TEST_F(CudaEventsTest, WrongHandleLengthsAreInvalidArgument) {
                                                    len))));
     req.events.wait_event.clear();
     req.events.signal_event = std::string(len, 's');
-    EXPECT_THAT(ops::Quantize(req, ctx_),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr("cuda_events.signal_event")));
+    EXPECT_THAT(ops::Quantize(req, ctx_), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   HasSubstr("cuda_events.signal_event")));
   }
   EXPECT_EQ(device.quantize_calls, 0);  // rejected before any work
 }
@@ -132,8 +131,8 @@ TEST_F(CudaEventsTest, ValidEventsReachTheDevice) {
 TEST(CudaIpcRegions, HandleMustBeExactly64Bytes) {
   int opened = 0;
   tensor::RegionTableOptions options;
-  options.cuda_ipc_opener = [&](std::string_view, int32_t, uint64_t)
-      -> absl::StatusOr<tensor::MappedMemory> {
+  options.cuda_ipc_opener = [&](std::string_view, int32_t,
+                                uint64_t) -> absl::StatusOr<tensor::MappedMemory> {
     ++opened;
     return tensor::MappedMemory{};
   };

@@ -37,12 +37,12 @@ TEST(CudaStatus, ErrorIsInternalWithNameStringExpressionAndLocation) {
 }
 
 TEST(CudaStatus, OutOfMemoryIsResourceExhausted) {
-  EXPECT_THAT(CudaErrorToStatus(cudaErrorMemoryAllocation, "cudaMallocAsync(&p, n, s)",
-                                "/a/b/cuda_device.cc", 42),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       AllOf(HasSubstr("cudaErrorMemoryAllocation"),
-                             HasSubstr("cudaMallocAsync(&p, n, s)"),
-                             HasSubstr("cuda_device.cc:42"))));
+  EXPECT_THAT(
+      CudaErrorToStatus(cudaErrorMemoryAllocation, "cudaMallocAsync(&p, n, s)",
+                        "/a/b/cuda_device.cc", 42),
+      StatusIs(absl::StatusCode::kResourceExhausted,
+               AllOf(HasSubstr("cudaErrorMemoryAllocation"), HasSubstr("cudaMallocAsync(&p, n, s)"),
+                     HasSubstr("cuda_device.cc:42"))));
 }
 
 }  // namespace

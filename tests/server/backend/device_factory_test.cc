@@ -87,8 +87,8 @@ TEST(CreateDevice, MissingGpuOrdinalFailsNamingTheCount) {
 }
 #else
 TEST(CreateDevice, CudaInACpuOnlyBuildIsFailedPrecondition) {
-  EXPECT_THAT(CreateDevice("cuda:0"), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                               HasSubstr("not built with CUDA")));
+  EXPECT_THAT(CreateDevice("cuda:0"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not built with CUDA")));
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> d, CreateDevice("auto"));
   EXPECT_EQ(d->name(), "cpu");
 }

@@ -87,7 +87,8 @@ TEST(GlooCommunicator, MissingPeerTimesOutAndBreaksTheCommunicator) {
   const absl::Time start = absl::Now();
   absl::Status s = comms[0]->Barrier({start + absl::Milliseconds(300)});
   const absl::Duration took = absl::Now() - start;
-  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("gloo[group=t rank=0/2]")));
+  EXPECT_THAT(s,
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("gloo[group=t rank=0/2]")));
   EXPECT_LT(took, absl::Seconds(2));
   EXPECT_THAT(comms[0]->Barrier({absl::Now() + absl::Seconds(1)}),
               StatusIs(absl::StatusCode::kAborted, HasSubstr("earlier failure")));

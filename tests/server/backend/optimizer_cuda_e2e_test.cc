@@ -8,12 +8,11 @@
 // any update) and a host gradient mixed in, and on a retried step.
 //
 // The qtxd binary: $QTXD if set, else the one this build made.
-#include <signal.h>
-#include <unistd.h>
-
+#include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <cuda_runtime_api.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -41,8 +40,8 @@ namespace {
 #define CUDA_ASSERT(expr) \
   ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::QtxdPath;
+using ::qtx::testing::QtxdProcess;
 
 uint16_t Bf16Bits(float f) {  // truncation: any BF16 value is a valid gradient
   uint32_t u;
@@ -265,8 +264,8 @@ class OptimizerCudaE2ETest : public ::testing::Test {
         out.push_back({p.name, Tensor::Inline(dt, {p.m, p.n}, grads[i])});
       } else {
         out.push_back(
-            {p.name, Tensor::InRegion(dt, {p.m, p.n}, RegionSlice{"grads", p.grad_offset,
-                                                                   p.grad_bytes})});
+            {p.name,
+             Tensor::InRegion(dt, {p.m, p.n}, RegionSlice{"grads", p.grad_offset, p.grad_bytes})});
       }
     }
     return out;
@@ -276,9 +275,9 @@ class OptimizerCudaE2ETest : public ::testing::Test {
     for (size_t i = 0; i < params_.size(); ++i) {
       auto* dst = static_cast<char*>(grads_dev_) + params_[i].grad_offset;
       if (async) {
-        ASSERT_EQ(cudaMemcpyAsync(dst, grads[i].data(), grads[i].size(), cudaMemcpyHostToDevice,
-                                  stream_),
-                  cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpyAsync(dst, grads[i].data(), grads[i].size(), cudaMemcpyHostToDevice, stream_),
+            cudaSuccess);
       } else {
         ASSERT_EQ(cudaMemcpy(dst, grads[i].data(), grads[i].size(), cudaMemcpyHostToDevice),
                   cudaSuccess);
@@ -345,8 +344,7 @@ TEST_F(OptimizerCudaE2ETest, DeviceStepsEqualTheCpuReferenceByteForByte) {
     EXPECT_EQ(r->stats.grad_norm, norm);
     CUDA_ASSERT(cudaStreamWaitEvent(stream_, done->get(), 0));
     std::vector<uint8_t> got(out_bytes_);
-    CUDA_ASSERT(cudaMemcpyAsync(got.data(), out_dev_, out_bytes_, cudaMemcpyDeviceToHost,
-                                stream_));
+    CUDA_ASSERT(cudaMemcpyAsync(got.data(), out_dev_, out_bytes_, cudaMemcpyDeviceToHost, stream_));
     CUDA_ASSERT(cudaStreamSynchronize(stream_));
     ExpectSame(got, want, "step 2 (wait + signal events)");
     CUDA_ASSERT(cudaFree(big));
@@ -425,11 +423,9 @@ TEST_F(OptimizerCudaE2ETest, MixedHostAndDeviceTensors) {
     const Param& p = params_[i];
     const ParameterOutput& o = r->parameters[i];
     ASSERT_TRUE(o.fp8.has_value() && o.bf16.has_value());
-    const std::string* parts[5] = {&o.fp8->rowwise_data->data,
-                                   &o.fp8->rowwise_scale_inv->data,
+    const std::string* parts[5] = {&o.fp8->rowwise_data->data, &o.fp8->rowwise_scale_inv->data,
                                    &o.fp8->columnwise_data->data,
-                                   &o.fp8->columnwise_scale_inv->data,
-                                   &o.bf16->data};
+                                   &o.fp8->columnwise_scale_inv->data, &o.bf16->data};
     for (int k = 0; k < 5; ++k) {
       ASSERT_EQ(parts[k]->size(), p.size[k]);
       EXPECT_EQ(std::memcmp(parts[k]->data(), want.data() + p.offset[k], p.size[k]), 0)
@@ -443,7 +439,7 @@ TEST_F(OptimizerCudaE2ETest, MixedHostAndDeviceTensors) {
     const Param& p = params_[i];
     inline_grads.push_back(
         {p.name, Tensor::Inline(p.grad_dtype == kernels::InputDType::kFloat32 ? DType::kFloat32
-                                                                               : DType::kBFloat16,
+                                                                              : DType::kBFloat16,
                                 {p.m, p.n}, g2[i])});
   }
   ClearOutputs();

@@ -1,6 +1,7 @@
 // Several qtxd processes on loopback, driven through generated stubs: one
 // thread per rank calls its own sidecar. Bit identity of AllGather with
 // QuantizeBlock(concat(shards)), and the fault cases.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -13,8 +14,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -55,8 +54,8 @@ class Cluster {
       const std::string tcp = absl::StrCat("--listen_tcp=127.0.0.1:", s.port);
       s.pid = fork();
       if (s.pid == 0) {
-        execl(QTXD_PATH, QTXD_PATH, sock.c_str(), tcp.c_str(), "--log_level=warn",
-              "--threads=2", static_cast<char*>(nullptr));
+        execl(QTXD_PATH, QTXD_PATH, sock.c_str(), tcp.c_str(), "--log_level=warn", "--threads=2",
+              static_cast<char*>(nullptr));
         _exit(127);
       }
       s.channel = grpc::CreateChannel("unix:" + s.socket, grpc::InsecureChannelCredentials());
@@ -64,8 +63,8 @@ class Cluster {
       sidecars.push_back(std::move(s));
     }
     for (auto& s : sidecars) {
-      EXPECT_TRUE(s.channel->WaitForConnected(std::chrono::system_clock::now() +
-                                              std::chrono::seconds(20)))
+      EXPECT_TRUE(
+          s.channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(20)))
           << "qtxd on " << s.socket << " did not start";
     }
   }
@@ -148,7 +147,8 @@ Shards MakeShards(std::vector<int64_t> rows, int64_t n) {
   int64_t row = 0;
   for (size_t r = 0; r < s.rows.size(); ++r) {
     const float mag = std::ldexp(1.0f, static_cast<int>((r * 7) % 13) - 6);
-    for (int64_t i = 0; i < s.rows[r] * n; ++i) s.x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
+    for (int64_t i = 0; i < s.rows[r] * n; ++i)
+      s.x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
     row += s.rows[r];
   }
   return s;
@@ -165,8 +165,8 @@ v1::AllGatherRequest Request(const std::string& group, uint64_t seq, const Shard
   in->set_dtype(v1::BFLOAT16);
   in->add_shape(s.rows[rank]);
   in->add_shape(s.n);
-  in->set_inline_data(std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n),
-                                  s.rows[rank] * s.n * 2));
+  in->set_inline_data(
+      std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n), s.rows[rank] * s.n * 2));
   req.mutable_config()->set_scaling_mode(scaling);
   req.mutable_config()->set_rowwise(true);
   req.mutable_config()->set_columnwise(true);
@@ -256,7 +256,8 @@ TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
     auto st = RunAllGather(c, reqs, &resps, absl::Seconds(20));
     for (int r = 0; r < 3; ++r) {
       EXPECT_EQ(st[r].error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st[r].error_message();
-      EXPECT_THAT(st[r].error_message(), HasSubstr("disagree on n: rank 0 has 128, rank 2 has 100"));
+      EXPECT_THAT(st[r].error_message(),
+                  HasSubstr("disagree on n: rank 0 has 128, rank 2 has 100"));
     }
   }
   // Interprocess CUDA events need a CUDA device: refused on the CPU rank that

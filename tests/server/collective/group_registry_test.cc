@@ -49,9 +49,9 @@ struct Sidecar {
       if (i >= all->size()) return absl::UnavailableError("no such sidecar " + coordinator);
       return std::make_unique<ForwardingClient>(&(*all)[i]->store);
     };
-    o.make_communicator = [](const GroupSpec& spec, backend::RendezvousClient& store,
-                             const std::string& prefix, absl::Time deadline)
-        -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
+    o.make_communicator =
+        [](const GroupSpec& spec, backend::RendezvousClient& store, const std::string& prefix,
+           absl::Time deadline) -> absl::StatusOr<std::unique_ptr<backend::Communicator>> {
       backend::GlooCommunicatorOptions g;
       g.group = spec.name;
       g.rank = spec.rank;
@@ -105,8 +105,7 @@ class GroupRegistryTest : public ::testing::Test {
   // Runs one collective on every listed rank: an AllGatherV of `rank+1`
   // bytes of value `rank`, checked on return.
   std::vector<absl::Status> Gather(const std::string& name, std::vector<int> ranks,
-                                   uint64_t sequence, absl::Duration deadline,
-                                   int world = -1) {
+                                   uint64_t sequence, absl::Duration deadline, int world = -1) {
     if (world < 0) world = static_cast<int>(ranks.size());
     std::vector<absl::Status> out(ranks.size());
     std::vector<absl::Notification> done(ranks.size());
@@ -181,15 +180,15 @@ TEST_F(GroupRegistryTest, WrongSequenceIsFailedPreconditionNamingTheExpectedOne)
   c.run = [](backend::Communicator&) { return CollectiveOutcome{}; };
   c.finish = [&](absl::Status st) { s = st; };
   reg(0).Submit("g", std::move(c));
-  EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition,
-                          HasSubstr("expects sequence 1 next")));
+  EXPECT_THAT(
+      s, StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("expects sequence 1 next")));
   Collective far;
   far.sequence = 1000;
   far.run = [](backend::Communicator&) { return CollectiveOutcome{}; };
   far.finish = [&](absl::Status st) { s = st; };
   reg(0).Submit("g", std::move(far));
-  EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition,
-                          HasSubstr("expects sequence 1 next")));
+  EXPECT_THAT(
+      s, StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("expects sequence 1 next")));
   // The group is still fine.
   for (const auto& st : Gather("g", {0, 1}, 1, absl::Seconds(10))) QTX_EXPECT_OK(st);
 }
@@ -216,7 +215,8 @@ TEST_F(GroupRegistryTest, ValidationAndDuplicates) {
   for (auto& c : Create("solo", 1, 1)) QTX_ASSERT_OK(c);
   reg(0).CreateGroup(Spec("solo", 0, 1, absl::Seconds(1)), capture);
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("'solo' already exists")));
-  EXPECT_THAT(reg(0).DestroyGroup("nope"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+  EXPECT_THAT(reg(0).DestroyGroup("nope"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
   Collective c;
   c.finish = [&](absl::Status st) { s = st; };
   reg(0).Submit("nope", std::move(c));
@@ -261,8 +261,7 @@ TEST_F(GroupRegistryTest, MissingPeerBreaksTheGroupOnTimeAndANewGroupWorks) {
   auto results = Gather("g", {0, 1}, 0, absl::Milliseconds(700), 3);  // rank 2 never calls
   const absl::Duration took = absl::Now() - start;
   for (const auto& s : results) {
-    EXPECT_TRUE(absl::IsDeadlineExceeded(s) || absl::IsAborted(s) || absl::IsUnavailable(s))
-        << s;
+    EXPECT_TRUE(absl::IsDeadlineExceeded(s) || absl::IsAborted(s) || absl::IsUnavailable(s)) << s;
   }
   EXPECT_LT(took, absl::Seconds(2)) << took;
   QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, reg(0).GetGroup("g"));
@@ -312,7 +311,6 @@ TEST_F(GroupRegistryTest, ConcurrentGroupsOnOneSidecar) {
   }
   EXPECT_EQ(sidecars_[0]->store.num_keys(), 0u);
 }
-
 
 // Issue 18 item 2: an absurd world_size is refused at once, before any
 // memory is spent on it.

@@ -5,8 +5,8 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -61,8 +61,8 @@ TEST(KvStore, DeadlineNamesTheMissingKeysAndIsOnTime) {
                  });
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(5)));
   const absl::Duration took = absl::Now() - start;
-  EXPECT_THAT(status, StatusIs(absl::StatusCode::kDeadlineExceeded,
-                               HasSubstr("missing/1, missing/2")));
+  EXPECT_THAT(status,
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("missing/1, missing/2")));
   EXPECT_THAT(std::string(status.message()), ::testing::Not(HasSubstr("present")));
   EXPECT_GE(took, absl::Milliseconds(190));
   EXPECT_LT(took, absl::Seconds(2));
@@ -90,8 +90,8 @@ TEST(KvStore, ShorterDeadlineArrivingLaterStillFiresFirst) {
 TEST(KvStore, CancelCompletesWithCancelled) {
   KvStore store;
   absl::Status status;
-  const auto id = store.GetAsync({"never"}, absl::InfiniteFuture(),
-                                 [&](auto r) { status = r.status(); });
+  const auto id =
+      store.GetAsync({"never"}, absl::InfiniteFuture(), [&](auto r) { status = r.status(); });
   store.Cancel(id);
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("cancelled")));
   store.Cancel(id);  // no-op
@@ -118,7 +118,8 @@ TEST(KvStore, RejectsBadKeysAndValues) {
   QTX_ASSERT_OK(store.Put("a", "1"));
   QTX_ASSERT_OK(store.Put("b", "1"));
   QTX_ASSERT_OK(store.Put("b", "2"));  // replacing is fine
-  EXPECT_THAT(store.Put("c", "1"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 keys")));
+  EXPECT_THAT(store.Put("c", "1"),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 keys")));
   absl::Status s;
   store.GetAsync({}, absl::InfiniteFuture(), [&](auto r) { s = r.status(); });
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no keys")));
@@ -132,7 +133,6 @@ TEST(KvStore, DestructorCancelsWaiters) {
   }
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("shutting down")));
 }
-
 
 // Issue 18 item 3: namespaces bound what a group may store, keys outside
 // them are refused when required, and closing a namespace frees its memory.
@@ -172,7 +172,8 @@ TEST(KvStore, ClosedNamespaceIsErasedByTheTimer) {
   store.OpenNamespace("qtx/group/a/", {.max_keys = 10, .max_bytes = 1000});
   QTX_ASSERT_OK(store.Put("qtx/group/a/1", "v"));
   store.CloseNamespace("qtx/group/a/", absl::Now() + absl::Milliseconds(20));
-  for (int i = 0; i < 1000 && store.num_namespaces() > 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  for (int i = 0; i < 1000 && store.num_namespaces() > 0; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(store.num_namespaces(), 0u);
   EXPECT_EQ(store.num_keys(), 0u);
 }

@@ -8,6 +8,8 @@
 // before the header exchange) and interprocess events ordering the call
 // after the client's stream, the bytes are the same. Label gpu: needs two
 // CUDA devices and libnccl on the library path.
+#include <cuda_runtime_api.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -21,9 +23,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <cuda_runtime_api.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -68,10 +67,12 @@ class GpuPair {
       Sidecar s;
       s.port = base + i;
       s.socket = absl::StrFormat("/tmp/qtx_nccl_%d_%d.sock", getpid(), i);
-      const std::string args[] = {
-          "--socket=" + s.socket, absl::StrCat("--listen_tcp=127.0.0.1:", s.port),
-          absl::StrCat("--device=cuda:", i), absl::StrCat("--max_message_mb=", kMaxMessageMb),
-          "--log_level=warn", "--threads=2"};
+      const std::string args[] = {"--socket=" + s.socket,
+                                  absl::StrCat("--listen_tcp=127.0.0.1:", s.port),
+                                  absl::StrCat("--device=cuda:", i),
+                                  absl::StrCat("--max_message_mb=", kMaxMessageMb),
+                                  "--log_level=warn",
+                                  "--threads=2"};
       s.pid = fork();
       if (s.pid == 0) {
         execl(qtxd.c_str(), qtxd.c_str(), args[0].c_str(), args[1].c_str(), args[2].c_str(),
@@ -81,15 +82,15 @@ class GpuPair {
       grpc::ChannelArguments ch;
       ch.SetMaxReceiveMessageSize(kMaxMessageMb << 20);
       ch.SetMaxSendMessageSize(kMaxMessageMb << 20);
-      s.channel = grpc::CreateCustomChannel("unix:" + s.socket, grpc::InsecureChannelCredentials(),
-                                            ch);
+      s.channel =
+          grpc::CreateCustomChannel("unix:" + s.socket, grpc::InsecureChannelCredentials(), ch);
       s.stub = v1::Collective::NewStub(s.channel);
       s.memory = v1::Memory::NewStub(s.channel);
       sidecars.push_back(std::move(s));
     }
     for (auto& s : sidecars) {
-      EXPECT_TRUE(s.channel->WaitForConnected(std::chrono::system_clock::now() +
-                                              std::chrono::seconds(60)))
+      EXPECT_TRUE(
+          s.channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(60)))
           << "qtxd on " << s.socket << " did not start";
     }
   }
@@ -188,8 +189,8 @@ v1::AllGatherRequest Request(const std::string& group, uint64_t seq, const Shard
   in->set_dtype(v1::BFLOAT16);
   in->add_shape(s.rows[rank]);
   in->add_shape(s.n);
-  in->set_inline_data(std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n),
-                                  s.rows[rank] * s.n * 2));
+  in->set_inline_data(
+      std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n), s.rows[rank] * s.n * 2));
   req.mutable_config()->set_scaling_mode(scaling);
   req.mutable_config()->set_rowwise(true);
   req.mutable_config()->set_columnwise(columnwise);
@@ -223,8 +224,8 @@ TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
   for (const auto& s : c.Create("nccl", v1::COMM_BACKEND_UNSPECIFIED)) {
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
-  const std::vector<std::vector<int64_t>> grids = {
-      {64, 64}, {0, 300}, {300, 0}, {128, 128}, {100, 156}, {129, 127}, {1, 255}, {4095, 4097}};
+  const std::vector<std::vector<int64_t>> grids = {{64, 64},   {0, 300},   {300, 0}, {128, 128},
+                                                   {100, 156}, {129, 127}, {1, 255}, {4095, 4097}};
   uint64_t seq = 0;
   int checked = 0;
   for (const auto& rows : grids) {
@@ -234,7 +235,7 @@ TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
         const auto ks = scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
                                                 : kernels::BlockScaling::kBlock2D;
         for (bool columnwise : {true, false}) {
-          const kernels::QuantizeParams p{ks, kernels::Fp8Format::kE4M3, true, columnwise, true,
+          const kernels::QuantizeParams p{ks,  kernels::Fp8Format::kE4M3, true, columnwise, true,
                                           0.0f};
           const auto l = kernels::ComputeLayout(ks, sh.m, n);
           std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
@@ -258,8 +259,7 @@ TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
               ASSERT_EQ(q.rowwise_scale_inv().inline_data(), Bytes(rs.data(), rs.size() * 4));
               if (columnwise) {
                 ASSERT_EQ(q.columnwise_data().inline_data(), Bytes(cd.data(), cd.size()));
-                ASSERT_EQ(q.columnwise_scale_inv().inline_data(),
-                          Bytes(cs.data(), cs.size() * 4));
+                ASSERT_EQ(q.columnwise_scale_inv().inline_data(), Bytes(cs.data(), cs.size() * 4));
               } else {
                 EXPECT_FALSE(q.has_columnwise_data());
               }
@@ -296,8 +296,8 @@ TEST(NcclE2E, MissingRankFailsWithinDeadlineAndNewGroupWorks) {
 
   for (const auto& s : c.Create("g", v1::NCCL)) ASSERT_TRUE(s.ok()) << s.error_message();
   const Shards b = MakeShards({10, 300}, 128);
-  const kernels::QuantizeParams p{kernels::BlockScaling::kBlock2D, kernels::Fp8Format::kE4M3,
-                                  true, true, true, 0.0f};
+  const kernels::QuantizeParams p{
+      kernels::BlockScaling::kBlock2D, kernels::Fp8Format::kE4M3, true, true, true, 0.0f};
   const auto l = kernels::ComputeLayout(p.scaling, b.m, b.n);
   std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
   std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
@@ -315,10 +315,10 @@ TEST(NcclE2E, MissingRankFailsWithinDeadlineAndNewGroupWorks) {
   }
 }
 
-#define ASSERT_CUDA(expr)                                                              \
-  do {                                                                                 \
-    const cudaError_t e_ = (expr);                                                     \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);             \
+#define ASSERT_CUDA(expr)                                                  \
+  do {                                                                     \
+    const cudaError_t e_ = (expr);                                         \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
   } while (0)
 
 // One rank's device memory, registered with its sidecar as a CUDA IPC

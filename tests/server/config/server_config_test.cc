@@ -44,8 +44,9 @@ TEST(ServerConfig, RangesAreChecked) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--threads=0")));
   c = ServerConfig();
   c.inline_max_concurrent = -1;
-  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
-                                          HasSubstr("--inline_max_concurrent=-1: must be 0..1024")));
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--inline_max_concurrent=-1: must be 0..1024")));
   c = ServerConfig();
   c.inline_max_bytes = -5;
   EXPECT_THAT(ValidateConfig(c),
@@ -64,8 +65,9 @@ TEST(ServerConfig, RangesAreChecked) {
 TEST(ServerConfig, OptimizerFlagsAreChecked) {
   ServerConfig c;
   c.optimizer_memory_limit_mb = -1;
-  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
-                                          HasSubstr("--optimizer_memory_limit_mb=-1: must be 0..")));
+  EXPECT_THAT(ValidateConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--optimizer_memory_limit_mb=-1: must be 0..")));
   c.optimizer_memory_limit_mb = kMaxOptimizerMemoryLimitMb + 1;
   EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
                                           HasSubstr("--optimizer_memory_limit_mb=1099511627777")));
@@ -99,7 +101,6 @@ TEST(ServerConfig, SocketPathIsChecked) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("listen nowhere")));
 }
 
-
 // Issue 18 item 10: --peer_host is checked at startup like --listen_tcp: no
 // wildcard, and off loopback only with TLS and authentication.
 TEST(ServerConfig, PeerHostFollowsTheListenerRule) {
@@ -112,9 +113,8 @@ TEST(ServerConfig, PeerHostFollowsTheListenerRule) {
   for (const char* wildcard : {"0.0.0.0", "::", "[::]", "0:0::0"}) {
     c.peer_host = wildcard;
     SCOPED_TRACE(wildcard);
-    EXPECT_THAT(ValidateConfig(c),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr("a wildcard address cannot be advertised")));
+    EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("a wildcard address cannot be advertised")));
   }
   c.peer_host = "";
   EXPECT_THAT(ValidateConfig(c),

@@ -53,7 +53,7 @@ class AllGatherOpTest : public ::testing::Test {
 
   // Runs AllGather on every rank with that rank's spec.
   std::vector<absl::StatusOr<AllGatherResult>> Run(std::vector<AllGatherRequestSpec> specs,
-                                                  std::vector<bool>* broken = nullptr) {
+                                                   std::vector<bool>* broken = nullptr) {
     const int w = static_cast<int>(specs.size());
     std::vector<absl::StatusOr<AllGatherResult>> out(w, absl::UnknownError(""));
     std::vector<bool> br(w);
@@ -91,7 +91,8 @@ TEST_F(AllGatherOpTest, BitIdenticalToQuantizeOfConcatenation) {
       int64_t row = 0;
       for (size_t r = 0; r < shards.size(); ++r) {
         const float mag = std::ldexp(1.0f, static_cast<int>(r) * 5 - 4);
-        for (int64_t i = 0; i < shards[r] * n; ++i) x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
+        for (int64_t i = 0; i < shards[r] * n; ++i)
+          x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
         row += shards[r];
       }
       for (auto scaling : {kernels::BlockScaling::kBlock1D, kernels::BlockScaling::kBlock2D}) {
@@ -113,8 +114,8 @@ TEST_F(AllGatherOpTest, BitIdenticalToQuantizeOfConcatenation) {
             specs[r].params = p;
             specs[r].input.dtype = tensor::DType::kBFloat16;
             specs[r].input.shape = {shards[r], n};
-            specs[r].input.data = std::string_view(reinterpret_cast<const char*>(x.data() + row * n),
-                                                   shards[r] * n * 2);
+            specs[r].input.data = std::string_view(
+                reinterpret_cast<const char*>(x.data() + row * n), shards[r] * n * 2);
             row += shards[r];
           }
           ++seq_;
@@ -200,8 +201,8 @@ TEST_F(AllGatherOpTest, OutputProblemOnOneRankFailsAllRanks) {
   specs[1].outputs.rowwise_data = tensor::RegionSliceSpec{"no_such_region", 0, 128 * 128};
   auto res = Run(specs);
   EXPECT_THAT(res[1], StatusIs(absl::StatusCode::kNotFound, HasSubstr("no_such_region")));
-  EXPECT_THAT(res[0], StatusIs(absl::StatusCode::kNotFound,
-                               HasSubstr("rank 1 could not take part")));
+  EXPECT_THAT(res[0],
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 1 could not take part")));
 }
 
 }  // namespace

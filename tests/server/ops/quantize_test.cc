@@ -22,9 +22,9 @@ namespace {
 
 using ::qtx::testing::ShmObject;
 using ::qtx::testing::StatusIs;
-using ::testing::HasSubstr;
 using tensor::DType;
 using tensor::RegionSliceSpec;
+using ::testing::HasSubstr;
 
 // Random FP32 values of varied magnitude, as raw bytes.
 std::string RandomFloat32(int64_t count, uint32_t seed) {
@@ -48,8 +48,8 @@ struct Reference {
 };
 
 // The expected bytes: kernels::cpu::QuantizeBlock called directly.
-Reference QuantizeDirect(const std::string& input, kernels::InputDType dtype, int64_t m,
-                         int64_t n, const kernels::QuantizeParams& p) {
+Reference QuantizeDirect(const std::string& input, kernels::InputDType dtype, int64_t m, int64_t n,
+                         const kernels::QuantizeParams& p) {
   const kernels::QuantizedLayout l = kernels::ComputeLayout(p.scaling, m, n);
   Reference r;
   r.rowwise_data.assign(l.RowwiseDataBytes(), '\x55');
@@ -229,29 +229,46 @@ TEST_F(QuantizeOpTest, ValidationTable) {
        absl::StatusCode::kInvalidArgument, "config.amax_epsilon=inf"},
       {"negative epsilon", [](auto& r) { r.params.amax_epsilon = -1.0f; },
        absl::StatusCode::kInvalidArgument, "config.amax_epsilon=-1"},
-      {"bad scaling enum", [](auto& r) { r.params.scaling = static_cast<kernels::BlockScaling>(9); },
+      {"bad scaling enum",
+       [](auto& r) { r.params.scaling = static_cast<kernels::BlockScaling>(9); },
        absl::StatusCode::kInvalidArgument, "config.scaling_mode=9"},
       {"bad format enum", [](auto& r) { r.params.format = static_cast<kernels::Fp8Format>(5); },
        absl::StatusCode::kInvalidArgument, "config.format=5"},
-      {"negative dim", [](auto& r) { r.input.shape = {2, -256}; },
+      {"negative dim",
+       [](auto& r) {
+         r.input.shape = {2, -256};
+       },
        absl::StatusCode::kInvalidArgument, "input.shape[1]=-256: dims must be >= 0"},
-      {"byte count", [](auto& r) { r.input.shape = {2, 255}; },
+      {"byte count",
+       [](auto& r) {
+         r.input.shape = {2, 255};
+       },
        absl::StatusCode::kInvalidArgument, "input.inline_data: 2048 bytes, expected 2040"},
       {"output for unrequested copy",
-       [](auto& r) { r.outputs.columnwise_data = RegionSliceSpec{"r", 0, 512}; },
+       [](auto& r) {
+         r.outputs.columnwise_data = RegionSliceSpec{"r", 0, 512};
+       },
        absl::StatusCode::kInvalidArgument,
        "outputs.columnwise_data is set but config.columnwise=false"},
       {"output slice size",
-       [](auto& r) { r.outputs.rowwise_data = RegionSliceSpec{"r", 0, 511}; },
+       [](auto& r) {
+         r.outputs.rowwise_data = RegionSliceSpec{"r", 0, 511};
+       },
        absl::StatusCode::kInvalidArgument, "outputs.rowwise_data.size=511: expected 512"},
       {"output unknown region",
-       [](auto& r) { r.outputs.rowwise_data = RegionSliceSpec{"zz", 0, 512}; },
+       [](auto& r) {
+         r.outputs.rowwise_data = RegionSliceSpec{"zz", 0, 512};
+       },
        absl::StatusCode::kNotFound, "outputs.rowwise_data: region 'zz' is not registered"},
       {"output beyond region",
-       [](auto& r) { r.outputs.rowwise_data = RegionSliceSpec{"r", (1 << 20) - 100, 512}; },
+       [](auto& r) {
+         r.outputs.rowwise_data = RegionSliceSpec{"r", (1 << 20) - 100, 512};
+       },
        absl::StatusCode::kInvalidArgument, "exceeds region size 1048576"},
       {"misaligned scale output",
-       [](auto& r) { r.outputs.rowwise_scale_inv = RegionSliceSpec{"r", 2, 32}; },
+       [](auto& r) {
+         r.outputs.rowwise_scale_inv = RegionSliceSpec{"r", 2, 32};
+       },
        absl::StatusCode::kInvalidArgument, "offset 2 is not aligned to the 4-byte"},
       {"overlapping outputs",
        [](auto& r) {
@@ -279,8 +296,9 @@ TEST_F(QuantizeOpTest, InlineOutputsBeyondTheBudgetAreResourceExhausted) {
   const std::string bytes = RandomFloat32(2 * 256, 5);
   ctx_.max_inline_output_bytes = 511;
   QuantizeRequestSpec req = InlineRequest(DType::kFloat32, {2, 256}, bytes);
-  EXPECT_THAT(Quantize(req, ctx_), StatusIs(absl::StatusCode::kResourceExhausted,
-                                            HasSubstr("write the outputs into a registered region")));
+  EXPECT_THAT(Quantize(req, ctx_),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("write the outputs into a registered region")));
   // Outputs written into a region do not count.
   req.outputs.rowwise_data = RegionSliceSpec{"r", 0, 512};
   QTX_EXPECT_OK(Quantize(req, ctx_));
@@ -373,9 +391,10 @@ TEST_F(QuantizeOpTest, DequantizeValidatesLayoutSizes) {
                        HasSubstr("input.rowwise_scale_inv.dtype=BFLOAT16: must be FLOAT32")));
   d = base();
   d.input.rowwise_data->dtype = DType::kFloat8E5M2;
-  EXPECT_THAT(Dequantize(d, ctx_),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("input.rowwise_data.dtype=FLOAT8_E5M2: must be FLOAT8_E4M3 or UINT8")));
+  EXPECT_THAT(
+      Dequantize(d, ctx_),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("input.rowwise_data.dtype=FLOAT8_E5M2: must be FLOAT8_E4M3 or UINT8")));
   d = base();
   d.input.rowwise_data->dtype = DType::kUInt8;
   QTX_EXPECT_OK(Dequantize(d, ctx_));
@@ -391,9 +410,10 @@ TEST_F(QuantizeOpTest, DequantizeValidatesLayoutSizes) {
                        HasSubstr("neither rowwise_data nor columnwise_data is set")));
   d = base();
   d.output_dtype = DType::kFloat8E4M3;
-  EXPECT_THAT(Dequantize(d, ctx_),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("output_dtype=FLOAT8_E4M3: must be FLOAT32, BFLOAT16 or FLOAT16")));
+  EXPECT_THAT(
+      Dequantize(d, ctx_),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("output_dtype=FLOAT8_E4M3: must be FLOAT32, BFLOAT16 or FLOAT16")));
   d = base();
   d.output = RegionSliceSpec{"r", 0, m * n * 4 - 4};
   EXPECT_THAT(Dequantize(d, ctx_), StatusIs(absl::StatusCode::kInvalidArgument,
@@ -423,11 +443,8 @@ class StagingDevice final : public backend::Device {
     return cpu_.CopyToHost(d, s, b);
   }
   absl::Status Quantize(const backend::QuantizeArgs& a) override { return cpu_.Quantize(a); }
-  absl::Status Dequantize(const backend::DequantizeArgs& a) override {
-    return cpu_.Dequantize(a);
-  }
-  absl::Status ShardBoundaryAmax(const backend::ShardArgs& a, float* first,
-                                 float* last) override {
+  absl::Status Dequantize(const backend::DequantizeArgs& a) override { return cpu_.Dequantize(a); }
+  absl::Status ShardBoundaryAmax(const backend::ShardArgs& a, float* first, float* last) override {
     return cpu_.ShardBoundaryAmax(a, first, last);
   }
   absl::Status QuantizeShard(const backend::ShardArgs& a, const float* first_amax,
@@ -475,8 +492,8 @@ TEST_F(QuantizeOpTest, TensorModeStagesOneScaleOfShapeOne) {
     req.params.columnwise = true;
     req.params.force_pow2_scales = false;
     QTX_ASSERT_OK_AND_ASSIGN(QuantizeResult res, Quantize(req, ctx));
-    const Reference ref = QuantizeDirect(bytes, kernels::InputDType::kFloat32, shape[0],
-                                         shape[1], req.params);
+    const Reference ref =
+        QuantizeDirect(bytes, kernels::InputDType::kFloat32, shape[0], shape[1], req.params);
     EXPECT_EQ(res.rowwise_data->inline_data, ref.rowwise_data);
     EXPECT_EQ(res.columnwise_data->inline_data, ref.columnwise_data);
     EXPECT_THAT(res.rowwise_scale_inv->shape, ::testing::ElementsAre(1));
@@ -517,7 +534,8 @@ TEST_F(QuantizeOpTest, DequantizeRunsShortCountsTheOutputItWrites) {
   ctx_.inline_limits.max_host_bytes = 4096;
   DequantizeRequestSpec r;
   r.input.shape = {4, 128};  // 512 elements: 2 KiB of FP32 output, 512 B of FP8 input
-  r.input.rowwise_data = tensor::TensorRefSpec{DType::kFloat8E4M3, {4, 128}, RegionSliceSpec{"r", 0, 512}};
+  r.input.rowwise_data =
+      tensor::TensorRefSpec{DType::kFloat8E4M3, {4, 128}, RegionSliceSpec{"r", 0, 512}};
   EXPECT_TRUE(DequantizeRunsShort(r, ctx_));
   r.input.shape = {8, 128};  // 4 KiB of FP32 output + 1 KiB of input
   EXPECT_FALSE(DequantizeRunsShort(r, ctx_));
@@ -544,8 +562,7 @@ class FakeDeviceMemoryDevice final : public backend::Device {
     return Unused();
   }
   absl::Status AssembleShards(int, const kernels::ShardGeometry*,
-                              const kernels::QuantizedConstBuffers*,
-                              const kernels::QuantizeParams&,
+                              const kernels::QuantizedConstBuffers*, const kernels::QuantizeParams&,
                               const kernels::QuantizedBuffers&) override {
     return Unused();
   }
@@ -608,8 +625,8 @@ TEST_F(RunsShortOnDeviceTest, DeviceRegionsAreBoundedByTheDeviceByteLimit) {
 TEST_F(RunsShortOnDeviceTest, StagingThroughTheHostIsBoundedByTheHostByteLimit) {
   QuantizeRequestSpec r = DeviceRequest(1);  // 2 KiB input, 1 KiB per FP8 copy
   EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
-  r.outputs.columnwise_data.reset();  // returned inline: staged to the host
-  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));  // 1 KiB staged
+  r.outputs.columnwise_data.reset();                // returned inline: staged to the host
+  EXPECT_TRUE(QuantizeRunsShort(r, ctx_));          // 1 KiB staged
   r.input.data = RegionSliceSpec{"host", 0, 2048};  // + 2 KiB staged in
   EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
   r.outputs.rowwise_data.reset();  // + 1 KiB: 4 KiB, at the limit
@@ -630,7 +647,7 @@ TEST_F(RunsShortOnDeviceTest, AHostWaitOnAClientEventIsNeverShort) {
   EXPECT_FALSE(QuantizeRunsShort(r, ctx_));  // synchronizes: waits for the client's work
   r.events.signal_event = std::string(64, 's');
   EXPECT_TRUE(QuantizeRunsShort(r, ctx_));  // enqueue only
-  r.outputs.rowwise_scale_inv.reset();  // a staged output synchronizes again
+  r.outputs.rowwise_scale_inv.reset();      // a staged output synchronizes again
   EXPECT_FALSE(QuantizeRunsShort(r, ctx_));
 }
 
@@ -641,8 +658,10 @@ TEST_F(RunsShortOnDeviceTest, EnqueueOnlyCallsAreShortAtAnySize) {
   EXPECT_TRUE(QuantizeRunsShort(r, ctx_));
   DequantizeRequestSpec d;
   d.input.shape = {1 << 16, 1024};
-  d.input.rowwise_data = tensor::TensorRefSpec{DType::kFloat8E4M3, {1 << 16, 1024}, RegionSliceSpec{"gpu", 0, 1}};
-  d.input.rowwise_scale_inv = tensor::TensorRefSpec{DType::kFloat32, {1}, RegionSliceSpec{"gpu", 0, 1}};
+  d.input.rowwise_data =
+      tensor::TensorRefSpec{DType::kFloat8E4M3, {1 << 16, 1024}, RegionSliceSpec{"gpu", 0, 1}};
+  d.input.rowwise_scale_inv =
+      tensor::TensorRefSpec{DType::kFloat32, {1}, RegionSliceSpec{"gpu", 0, 1}};
   d.output = RegionSliceSpec{"gpu", 0, 1};
   EXPECT_FALSE(DequantizeRunsShort(d, ctx_));
   d.events.signal_event = std::string(64, 's');

@@ -207,10 +207,10 @@ void ExpectSameOutputs(const Outputs& a, const Outputs& b) {
   for (size_t i = 0; i < a.row.size(); ++i) {
     EXPECT_EQ(a.row[i], b.row[i]) << "param " << i;
     EXPECT_EQ(a.col[i], b.col[i]) << "param " << i;
-    EXPECT_EQ(0, std::memcmp(a.row_scale[i].data(), b.row_scale[i].data(),
-                             a.row_scale[i].size() * 4));
-    EXPECT_EQ(0, std::memcmp(a.col_scale[i].data(), b.col_scale[i].data(),
-                             a.col_scale[i].size() * 4));
+    EXPECT_EQ(0,
+              std::memcmp(a.row_scale[i].data(), b.row_scale[i].data(), a.row_scale[i].size() * 4));
+    EXPECT_EQ(0,
+              std::memcmp(a.col_scale[i].data(), b.col_scale[i].data(), a.col_scale[i].size() * 4));
     EXPECT_EQ(a.bf16[i], b.bf16[i]) << "param " << i;
   }
 }
@@ -221,8 +221,7 @@ std::vector<std::vector<float>> ReadMasters(const OptimizerStore& store, const s
                   .ReadState(g,
                              [&](const GroupInfo&, std::span<const ParameterStateView> views) {
                                for (const auto& v : views) {
-                                 out.emplace_back(v.master,
-                                                  v.master + v.info->m * v.info->n);
+                                 out.emplace_back(v.master, v.master + v.info->m * v.info->n);
                                }
                                return absl::OkStatus();
                              })
@@ -317,8 +316,9 @@ TEST(OptimizerStore, MemoryCapRefusesBeforeAllocating) {
   OptimizerStore::Options o;
   o.memory_limit_bytes = 100 * 100 * 12 - 1;  // one byte short of FP32 master + 2 moments
   auto store = MakeStore(o);
-  EXPECT_THAT(store->CreateGroup(f.config(), f.Inits(), false),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("optimizer_memory_limit_mb")));
+  EXPECT_THAT(
+      store->CreateGroup(f.config(), f.Inits(), false),
+      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("optimizer_memory_limit_mb")));
   EXPECT_EQ(store->memory_used_bytes(), 0u);
   EXPECT_TRUE(store->ListGroups().empty());
   // BF16 moments need 8 bytes per element: fits.
@@ -375,8 +375,8 @@ TEST(OptimizerStore, NonFiniteGradientsAreSkippedAndReported) {
   ReferenceModel ref(f);
   std::vector<float> master = f.masters()[0];
   std::vector<uint8_t> row(master.size());
-  std::vector<float> scale(kernels::ComputeLayout(kernels::BlockScaling::kBlock2D, 130, 130)
-                               .RowwiseScaleCount());
+  std::vector<float> scale(
+      kernels::ComputeLayout(kernels::BlockScaling::kBlock2D, 130, 130).RowwiseScaleCount());
   kernels::QuantizeParams q = f.config().output.quant;
   q.columnwise = false;
   kernels::cpu::QuantizeBlock(master.data(), kernels::InputDType::kFloat32, 130, 130, q,
@@ -397,8 +397,8 @@ TEST(OptimizerStore, ClipsTheGlobalGradientNormLikeTorch) {
   const auto grads = f.Grads();
   Outputs o;
   QTX_ASSERT_OK_AND_ASSIGN(
-      StepStats s, store->Step("g", {.step = 1, .lr = 0.5, .max_grad_norm = 1.0},
-                               f.Prepare(grads, &o)));
+      StepStats s,
+      store->Step("g", {.step = 1, .lr = 0.5, .max_grad_norm = 1.0}, f.Prepare(grads, &o)));
   EXPECT_GT(s.grad_norm, 1.0);
   EXPECT_DOUBLE_EQ(s.clip_coef, 1.0 / (s.grad_norm + 1e-6));
   EXPECT_EQ(s.lr, 0.5);
@@ -406,8 +406,8 @@ TEST(OptimizerStore, ClipsTheGlobalGradientNormLikeTorch) {
   // A max norm above the norm does not clip.
   const auto g2 = f.Grads();
   Outputs o2;
-  QTX_ASSERT_OK_AND_ASSIGN(StepStats s2, store->Step("g", {.step = 2, .max_grad_norm = 1e9},
-                                                     f.Prepare(g2, &o2)));
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats s2,
+                           store->Step("g", {.step = 2, .max_grad_norm = 1e9}, f.Prepare(g2, &o2)));
   EXPECT_EQ(s2.clip_coef, 1.0);
   ExpectSameOutputs(o2, ref.Step(g2, 2, 1.0, f.config().hyper.lr));
 }
@@ -519,8 +519,8 @@ TEST(OptimizerStore, CheckpointsEveryKStepsAndIgnoresTornTempFiles) {
   EXPECT_EQ(info.config.step, 2);  // the last multiple of 2
   OptimizerStore::Options bad = o;
   bad.checkpoint_dir = "";
-  EXPECT_THAT(OptimizerStore::Create(bad), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                    HasSubstr("--checkpoint_dir")));
+  EXPECT_THAT(OptimizerStore::Create(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--checkpoint_dir")));
   auto none = MakeStore();
   EXPECT_THAT(none->SaveCheckpoint("g"),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--checkpoint_dir")));
@@ -553,8 +553,8 @@ TEST(OptimizerStore, CorruptedNewestFallsBackToPreviousOnlyWhenAskedAndKeepsIt) 
   std::filesystem::resize_file(path, std::filesystem::file_size(path) - 1);  // torn newest
   auto b = MakeStore(o);
   // Never a silent fallback: the group is unusable, and says a previous exists.
-  EXPECT_THAT(b->Describe("g"), StatusIs(absl::StatusCode::kDataLoss,
-                                         HasSubstr("previous=true restores it")));
+  EXPECT_THAT(b->Describe("g"),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("previous=true restores it")));
   QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->LoadCheckpoint("g", /*previous=*/true));
   EXPECT_EQ(info.config.step, 1);
   EXPECT_EQ(ReadMasters(*b, "g"), masters_at_1);
@@ -568,8 +568,8 @@ TEST(OptimizerStore, CorruptedNewestFallsBackToPreviousOnlyWhenAskedAndKeepsIt) 
   std::filesystem::remove(prev);
   std::filesystem::resize_file(path, 10);
   auto c = MakeStore(o);
-  EXPECT_THAT(c->Describe("g"), StatusIs(absl::StatusCode::kDataLoss,
-                                         HasSubstr("no previous checkpoint exists")));
+  EXPECT_THAT(c->Describe("g"),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("no previous checkpoint exists")));
   EXPECT_THAT(c->LoadCheckpoint("g", true),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr(".qtxopt.prev")));
 }
@@ -654,10 +654,10 @@ TEST(OptimizerStore, NonRegularCheckpointFilesAreRefusedWithoutBlocking) {
   ASSERT_NE(b, nullptr);
   EXPECT_THAT(b->Describe("fifo"), StatusIs(absl::StatusCode::kFailedPrecondition,
                                             HasSubstr("is a FIFO, not a regular file")));
-  EXPECT_THAT(b->Describe("lnk"), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                           HasSubstr("is a symbolic link")));
-  EXPECT_THAT(b->Describe("dir"), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                           HasSubstr("is a directory")));
+  EXPECT_THAT(b->Describe("lnk"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is a symbolic link")));
+  EXPECT_THAT(b->Describe("dir"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is a directory")));
   EXPECT_THAT(b->LoadCheckpoint("fifo"),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("remove or replace it")));
   EXPECT_THAT(b->LoadCheckpoint("lnk"),
@@ -711,8 +711,8 @@ TEST(OptimizerStore, HandEditedCheckpointWithImpossibleValuesIsRefused) {
   };
   for (size_t i = 0; i < edits.size(); ++i) {
     SCOPED_TRACE(edits[i].what);
-    QTX_ASSERT_OK_AND_ASSIGN(GroupState s, ReadCheckpoint(CheckpointPath(dir.path(), "g"),
-                                                          no_reserve));
+    QTX_ASSERT_OK_AND_ASSIGN(GroupState s,
+                             ReadCheckpoint(CheckpointPath(dir.path(), "g"), no_reserve));
     ASSERT_TRUE(s.last.has_value());
     const std::string name = "e" + std::to_string(i);
     s.config.name = name;
@@ -837,8 +837,8 @@ TEST(OptimizerStoreTwoPhase, StepWithClipFactorEqualsTheOnePhaseStepBitForBit) {
   for (int64_t t = 1; t <= 3; ++t) {
     const auto grads = f.Grads(t == 2 ? 1e-4f : 1.0f);  // step 2 is not clipped
     Outputs o1, o2, scratch;
-    QTX_ASSERT_OK_AND_ASSIGN(StepStats s1, one->Step("g", {.step = t, .max_grad_norm = 5.0},
-                                                     f.Prepare(grads, &o1)));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        StepStats s1, one->Step("g", {.step = t, .max_grad_norm = 5.0}, f.Prepare(grads, &o1)));
     const auto before = ReadFullState(*two, "g");
     QTX_ASSERT_OK_AND_ASSIGN(GradNormStats n,
                              two->GradNorm("g", t, WithSlot(f.Prepare(grads, &scratch))));
@@ -862,8 +862,8 @@ TEST(OptimizerStoreTwoPhase, StepWithClipFactorEqualsTheOnePhaseStepBitForBit) {
     } else {
       EXPECT_LT(clip, 1.0);
     }
-    QTX_ASSERT_OK_AND_ASSIGN(StepStats s2, two->Step("g", {.step = t, .clip_factor = clip},
-                                                     f.Prepare(grads, &o2)));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        StepStats s2, two->Step("g", {.step = t, .clip_factor = clip}, f.Prepare(grads, &o2)));
     EXPECT_EQ(s2.clip_coef, clip);
     EXPECT_EQ(s2.grad_norm, 0.0);  // not measured again
     EXPECT_FALSE(s2.skipped);
@@ -887,8 +887,8 @@ TEST(OptimizerStoreTwoPhase, GroupsClippedByTheirCombinedNormEqualOneGroupOfEver
     const auto grads = f.Grads();
     const std::vector<std::vector<float>> ga = {grads[0], grads[1]}, gb = {grads[2]};
     Outputs o, oa, ob, scratch;
-    QTX_ASSERT_OK_AND_ASSIGN(StepStats s, store->Step("g", {.step = t, .max_grad_norm = 3.0},
-                                                      f.Prepare(grads, &o)));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        StepStats s, store->Step("g", {.step = t, .max_grad_norm = 3.0}, f.Prepare(grads, &o)));
     QTX_ASSERT_OK_AND_ASSIGN(GradNormStats na,
                              store->GradNorm("a", t, WithSlot(f.Prepare(ga, &scratch))));
     QTX_ASSERT_OK_AND_ASSIGN(GradNormStats nb,
@@ -930,8 +930,8 @@ TEST(OptimizerStoreTwoPhase, SkipLeavesTheStateUnchangedAndIsIdempotent) {
   EXPECT_TRUE(n.non_finite);
   // skip: the gradients are not read (none given).
   Outputs o2;
-  QTX_ASSERT_OK_AND_ASSIGN(StepStats s, store->Step("g", {.step = 2, .skip = true},
-                                                    f.Prepare({}, &o2)));
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats s,
+                           store->Step("g", {.step = 2, .skip = true}, f.Prepare({}, &o2)));
   EXPECT_EQ(s.step, 2);
   EXPECT_TRUE(s.skipped);
   EXPECT_FALSE(s.replayed);
@@ -944,14 +944,14 @@ TEST(OptimizerStoreTwoPhase, SkipLeavesTheStateUnchangedAndIsIdempotent) {
   ExpectSameOutputs(o2, o1);
   // Retries of step 2, whatever they carry, replay the skip.
   Outputs o3;
-  QTX_ASSERT_OK_AND_ASSIGN(StepStats r1, store->Step("g", {.step = 2, .skip = true},
-                                                     f.Prepare({}, &o3)));
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r1,
+                           store->Step("g", {.step = 2, .skip = true}, f.Prepare({}, &o3)));
   EXPECT_TRUE(r1.replayed);
   EXPECT_TRUE(r1.skipped);
   ExpectSameOutputs(o3, o1);
   const auto g2 = f.Grads();
-  QTX_ASSERT_OK_AND_ASSIGN(StepStats r2, store->Step("g", {.step = 2, .clip_factor = 0.5},
-                                                     f.Prepare(g2, &o3)));
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r2,
+                           store->Step("g", {.step = 2, .clip_factor = 0.5}, f.Prepare(g2, &o3)));
   EXPECT_TRUE(r2.replayed);
   EXPECT_TRUE(r2.skipped);
   EXPECT_EQ(ReadFullState(*store, "g"), before);
@@ -981,8 +981,8 @@ TEST(OptimizerStoreTwoPhase, GradNormOfAProcessedStepMeasuresAgainAndTheStepRepl
                            store->GradNorm("g", 1, WithSlot(f.Prepare(g, &scratch))));
   EXPECT_TRUE(n2.step_processed);
   EXPECT_EQ(n2.sum_squares, n1.sum_squares);
-  QTX_ASSERT_OK_AND_ASSIGN(StepStats r, store->Step("g", {.step = 1, .clip_factor = 0.5},
-                                                    f.Prepare(g, &o2)));
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r,
+                           store->Step("g", {.step = 1, .clip_factor = 0.5}, f.Prepare(g, &o2)));
   EXPECT_TRUE(r.replayed);
   EXPECT_EQ(r.clip_coef, 0.5);
   ExpectSameOutputs(o2, o1);
@@ -1014,8 +1014,8 @@ TEST(OptimizerStoreTwoPhase, AClipFactorAboveOneIsCheckpointedAndReplayedAfterAR
   QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
   EXPECT_EQ(info.config.step, 1);
   Outputs o2;
-  QTX_ASSERT_OK_AND_ASSIGN(StepStats r, b->Step("g", {.step = 1, .clip_factor = 2.5},
-                                                f.Prepare(g, &o2)));
+  QTX_ASSERT_OK_AND_ASSIGN(StepStats r,
+                           b->Step("g", {.step = 1, .clip_factor = 2.5}, f.Prepare(g, &o2)));
   EXPECT_TRUE(r.replayed);
   EXPECT_EQ(r.clip_coef, 2.5);
   ExpectSameOutputs(o2, o1);
@@ -1035,15 +1035,14 @@ TEST(OptimizerStoreTwoPhase, BadDecisionsFailWithActionableErrorsAndChangeNothin
                                    "multiplied by; to leave the step out, set skip instead)")))
         << c;
   }
-  EXPECT_THAT(store->Step("g", {.step = 1, .max_grad_norm = 1.0, .clip_factor = 0.5},
-                          f.Prepare(g, &o)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("clip_factor with max_grad_norm: clip_factor and skip carry "
-                                 "the caller's decisions")));
-  EXPECT_THAT(store->Step("g", {.step = 1, .skip_if_non_finite = true, .skip = true},
-                          f.Prepare(g, &o)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("skip with skip_if_non_finite")));
+  EXPECT_THAT(
+      store->Step("g", {.step = 1, .max_grad_norm = 1.0, .clip_factor = 0.5}, f.Prepare(g, &o)),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("clip_factor with max_grad_norm: clip_factor and skip carry "
+                         "the caller's decisions")));
+  EXPECT_THAT(
+      store->Step("g", {.step = 1, .skip_if_non_finite = true, .skip = true}, f.Prepare(g, &o)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("skip with skip_if_non_finite")));
   EXPECT_THAT(store->GradNorm("nope", 1, WithSlot(f.Prepare(g, &o))),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope' does not exist")));
   EXPECT_THAT(store->GradNorm("g", kMaxStepNumber + 1, WithSlot(f.Prepare(g, &o))),
@@ -1076,12 +1075,11 @@ TEST(OptimizerStorePerParameter, WeightDecayAndLrScaleEqualAHandComputedAdamW) {
   std::vector<ParameterInit> inits = f.Inits();
   inits[0].hyper.weight_decay = 0.0;  // a norm or bias: no weight decay
   inits[2].hyper.weight_decay = 0.5;
-  inits[2].hyper.lr_scale = 0.25;     // inits[1]: the group's
+  inits[2].hyper.lr_scale = 0.25;  // inits[1]: the group's
   QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, store->CreateGroup(f.config(), inits, false));
   EXPECT_EQ(info.params[0].hyper, (ParameterHyper{0.0, std::nullopt}));
   EXPECT_TRUE(info.params[1].hyper.empty());
-  const double lr[] = {f.config().hyper.lr, f.config().hyper.lr,
-                       f.config().hyper.lr * 0.25};
+  const double lr[] = {f.config().hyper.lr, f.config().hyper.lr, f.config().hyper.lr * 0.25};
   const double wd[] = {0.0, f.config().hyper.weight_decay, 0.5};
   std::vector<std::vector<float>> p = f.masters(), m, v;
   for (const auto& x : p) {
@@ -1198,7 +1196,7 @@ TEST(OptimizerStorePerParameter, CheckpointsKeepTheSettingsAndStayVersion1Withou
   QTX_ASSERT_OK(a->SaveCheckpoint("").status());
   EXPECT_EQ(CheckpointVersion(CheckpointPath(dir.path(), "g")), 2u);
   EXPECT_EQ(CheckpointVersion(CheckpointPath(dir.path(), "plain")), 1u);  // older qtxd read it
-  auto b = MakeStore(o);  // a restart
+  auto b = MakeStore(o);                                                  // a restart
   QTX_ASSERT_OK_AND_ASSIGN(GroupInfo info, b->Describe("g"));
   EXPECT_TRUE(info.params[0].hyper.empty());
   EXPECT_EQ(info.params[1].hyper, (ParameterHyper{0.0, 3.0}));

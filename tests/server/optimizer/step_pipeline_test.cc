@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
 #include "server/optimizer/optimizer_store.h"
-#include "common/status_macros.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx::server::optimizer {
@@ -57,11 +57,16 @@ struct Outputs {
 
 uint64_t PartBytes(const kernels::QuantizedLayout& l, const Shape& s, int k) {
   switch (k) {
-    case 0: return l.RowwiseDataBytes();
-    case 1: return l.RowwiseScaleCount() * 4;
-    case 2: return l.ColumnwiseDataBytes();
-    case 3: return l.ColumnwiseScaleCount() * 4;
-    default: return s.m * s.n * 2;
+    case 0:
+      return l.RowwiseDataBytes();
+    case 1:
+      return l.RowwiseScaleCount() * 4;
+    case 2:
+      return l.ColumnwiseDataBytes();
+    case 3:
+      return l.ColumnwiseScaleCount() * 4;
+    default:
+      return s.m * s.n * 2;
   }
 }
 
@@ -164,10 +169,12 @@ class StepPipelineTest : public ::testing::Test {
                const GroupInfo& info, bool replay,
                StepScratchSlot& slot) -> absl::StatusOr<StepBuffers> {
       if (scratch_bytes > 0 && slot.bytes() < scratch_bytes) {
-        QTX_RETURN_IF_ERROR(slot.Replace(scratch_bytes, [] {
-                                  return absl::StatusOr<std::unique_ptr<StepScratch>>(
-                                      std::make_unique<StepScratch>());
-                                }).status());
+        QTX_RETURN_IF_ERROR(slot.Replace(scratch_bytes,
+                                         [] {
+                                           return absl::StatusOr<std::unique_ptr<StepScratch>>(
+                                               std::make_unique<StepScratch>());
+                                         })
+                                .status());
       }
       auto hooks = std::make_shared<FakeHooks>();
       hooks->log = log;
@@ -291,8 +298,7 @@ TEST_F(StepPipelineTest, TwoPhaseStepsGoThroughTheHooksWithTheSameBits) {
   std::vector<std::string> log;
   // GradNorm: every gradient arrives, nothing is written back.
   QTX_ASSERT_OK_AND_ASSIGN(
-      GradNormStats a,
-      plain->GradNorm("g", 1, [&](const GroupInfo& i, bool r, StepScratchSlot&) {
+      GradNormStats a, plain->GradNorm("g", 1, [&](const GroupInfo& i, bool r, StepScratchSlot&) {
         return Plain(g, &unused)(i, r);
       }));
   QTX_ASSERT_OK_AND_ASSIGN(GradNormStats b, piped->GradNorm("g", 1, Piped(g, &unused, &log)));
@@ -312,8 +318,8 @@ TEST_F(StepPipelineTest, TwoPhaseStepsGoThroughTheHooksWithTheSameBits) {
   const std::vector<std::vector<float>> none;
   Outputs skipped;
   log.clear();
-  QTX_ASSERT_OK_AND_ASSIGN(StepStats k,
-                           piped->Step("g", {.step = 2, .skip = true}, Piped(none, &skipped, &log)));
+  QTX_ASSERT_OK_AND_ASSIGN(
+      StepStats k, piped->Step("g", {.step = 2, .skip = true}, Piped(none, &skipped, &log)));
   EXPECT_TRUE(k.skipped);
   EXPECT_TRUE(skipped == want);
   EXPECT_THAT(log, ElementsAre("Br", "O0", "O1", "O2", "F"));
@@ -346,7 +352,8 @@ TEST_F(StepPipelineTest, FailureAfterAPartialUpdateMarksTheGroupFailed) {
   // Never a silent half-stepped state: every later call says so.
   EXPECT_THAT(piped->Step("g", {.step = 1}, Piped(g, &got, &log)),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("unusable")));
-  EXPECT_THAT(piped->Describe("g"), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("half a step")));
+  EXPECT_THAT(piped->Describe("g"),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("half a step")));
 }
 
 TEST_F(StepPipelineTest, UndeliveredOutputsKeepTheStepAndARetryDeliversThem) {

@@ -9,8 +9,8 @@
 #include <limits>
 #include <memory>
 #include <span>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -182,8 +182,8 @@ struct FakeIpc {
 
 RegionTableOptions WithFakeIpc(FakeIpc* ipc) {
   RegionTableOptions o;
-  o.cuda_ipc_opener = [ipc](std::string_view handle, int32_t, uint64_t size)
-      -> absl::StatusOr<MappedMemory> {
+  o.cuda_ipc_opener = [ipc](std::string_view handle, int32_t,
+                            uint64_t size) -> absl::StatusOr<MappedMemory> {
     if (handle.size() != kCudaIpcHandleBytes || size > sizeof(ipc->buffer)) {
       return absl::InternalError("fake opener misused");
     }
@@ -215,8 +215,8 @@ TEST(RegionTable, CudaIpcByUuidOpensTheGpuTheResolverNames) {
   FakeIpc ipc;
   RegionTableOptions o = WithFakeIpc(&ipc);
   int32_t opened_on = -1;
-  o.cuda_ipc_opener = [&ipc, &opened_on](std::string_view, int32_t device_id, uint64_t)
-      -> absl::StatusOr<MappedMemory> {
+  o.cuda_ipc_opener = [&ipc, &opened_on](std::string_view, int32_t device_id,
+                                         uint64_t) -> absl::StatusOr<MappedMemory> {
     opened_on = device_id;
     return MappedMemory{ipc.buffer, [] {}, {}, {}};
   };
@@ -242,8 +242,9 @@ TEST(RegionTable, CudaIpcByUuidOpensTheGpuTheResolverNames) {
 
 TEST(RegionTable, CudaIpcValidatesBeforeRefusing) {
   RegionTable table{RegionTableOptions{}};
-  EXPECT_THAT(table.RegisterCudaIpc("dev", std::string(63, 'h'), 0, 128),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("63 bytes, must be exactly 64")));
+  EXPECT_THAT(
+      table.RegisterCudaIpc("dev", std::string(63, 'h'), 0, 128),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("63 bytes, must be exactly 64")));
   EXPECT_THAT(table.RegisterCudaIpc("dev", std::string(64, 'h'), -1, 128),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("device_id=-1")));
   EXPECT_THAT(table.RegisterCudaIpc("dev", std::string(64, 'h'), 0, 0),

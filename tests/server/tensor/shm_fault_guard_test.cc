@@ -5,8 +5,8 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -76,8 +76,8 @@ TEST(ShmFaultGuard, TruncatedUnderAPinReadsZerosAndReportsDataLoss) {
   // Even with its size back, the region's mapping is no longer the object:
   // pins are refused until it is registered again.
   ASSERT_TRUE(Truncate(shm.name(), kBytes));
-  EXPECT_THAT(table.Acquire("r"), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                           HasSubstr("register it again")));
+  EXPECT_THAT(table.Acquire("r"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("register it again")));
   pin.reset();
   QTX_ASSERT_OK(table.Unregister("r"));
   QTX_ASSERT_OK(table.RegisterShm("r", shm.name(), 0, kBytes));
@@ -121,7 +121,8 @@ TEST(ShmFaultGuard, ConcurrentReadersSurviveATruncation) {
     }
     stop.store(true);
     for (auto& r : readers) r.join();
-    EXPECT_THAT(pin->Intact(), StatusIs(absl::StatusCode::kDataLoss, ::testing::_)) << "round " << round;
+    EXPECT_THAT(pin->Intact(), StatusIs(absl::StatusCode::kDataLoss, ::testing::_))
+        << "round " << round;
   }
 }
 

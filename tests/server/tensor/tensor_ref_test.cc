@@ -53,9 +53,8 @@ class TensorRefTest : public ::testing::Test {
 
 TEST_F(TensorRefTest, InlineInputResolves) {
   const std::string bytes(24, '\x01');
-  QTX_ASSERT_OK_AND_ASSIGN(TensorView v,
-                           ResolveInput(Inline(DType::kFloat32, {2, 3}, bytes), "input", table_,
-                                        limits_));
+  QTX_ASSERT_OK_AND_ASSIGN(
+      TensorView v, ResolveInput(Inline(DType::kFloat32, {2, 3}, bytes), "input", table_, limits_));
   EXPECT_EQ(v.elements, 6);
   EXPECT_EQ(v.byte_size, 24u);
   EXPECT_EQ(v.memory, MemoryKind::kHost);
@@ -74,22 +73,22 @@ TEST_F(TensorRefTest, ShapeErrorsNameTheFieldAndValue) {
                            table_, limits_),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 9, must be 1..8")));
   const int64_t big = int64_t{1} << 33;
-  EXPECT_THAT(ResolveInput(Inline(DType::kFloat32, {big, big, big}, bytes), "input", table_,
-                           limits_),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than 2^63")));
+  EXPECT_THAT(
+      ResolveInput(Inline(DType::kFloat32, {big, big, big}, bytes), "input", table_, limits_),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than 2^63")));
   EXPECT_THAT(ResolveInput(Inline(DType::kFloat32, {big, 4}, bytes), "input", table_, limits_),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("34359738368 elements, the limit is 17179869184")));
-  EXPECT_THAT(ResolveInput(Inline(DType::kFloat32, {std::numeric_limits<int64_t>::max(), 0},
-                                  bytes),
+  EXPECT_THAT(ResolveInput(Inline(DType::kFloat32, {std::numeric_limits<int64_t>::max(), 0}, bytes),
                            "input", table_, limits_),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("input.shape[0]=")));
 }
 
 TEST_F(TensorRefTest, DtypeAndDataMustBeSet) {
   TensorRefSpec s = Inline(DType::kUnspecified, {1}, "abcd");
-  EXPECT_THAT(ResolveInput(s, "input", table_, limits_),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("input.dtype=DTYPE_UNSPECIFIED")));
+  EXPECT_THAT(
+      ResolveInput(s, "input", table_, limits_),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("input.dtype=DTYPE_UNSPECIFIED")));
   s.dtype = DType::kFloat32;
   s.data = std::monostate{};
   EXPECT_THAT(ResolveInput(s, "input", table_, limits_),
@@ -98,9 +97,10 @@ TEST_F(TensorRefTest, DtypeAndDataMustBeSet) {
 
 TEST_F(TensorRefTest, InlineByteCountMustMatch) {
   const std::string bytes(23, '\0');
-  EXPECT_THAT(ResolveInput(Inline(DType::kFloat32, {2, 3}, bytes), "input", table_, limits_),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("input.inline_data: 23 bytes, expected 24 (6 elements of FLOAT32)")));
+  EXPECT_THAT(
+      ResolveInput(Inline(DType::kFloat32, {2, 3}, bytes), "input", table_, limits_),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("input.inline_data: 23 bytes, expected 24 (6 elements of FLOAT32)")));
 }
 
 TEST_F(TensorRefTest, MisalignedInlineBytesAreCopiedToAlignedMemory) {
@@ -118,9 +118,8 @@ TEST_F(TensorRefTest, MisalignedInlineBytesAreCopiedToAlignedMemory) {
 }
 
 TEST_F(TensorRefTest, EmptyTensorResolves) {
-  QTX_ASSERT_OK_AND_ASSIGN(TensorView v,
-                           ResolveInput(Inline(DType::kBFloat16, {0, 7}, ""), "input", table_,
-                                        limits_));
+  QTX_ASSERT_OK_AND_ASSIGN(
+      TensorView v, ResolveInput(Inline(DType::kBFloat16, {0, 7}, ""), "input", table_, limits_));
   EXPECT_EQ(v.elements, 0);
   EXPECT_EQ(v.byte_size, 0u);
 }
@@ -136,21 +135,20 @@ TEST_F(TensorRefTest, RegionSliceResolvesAndPins) {
 }
 
 TEST_F(TensorRefTest, RegionSliceErrors) {
-  EXPECT_THAT(ResolveInput(Slice(DType::kFloat32, {4}, 0, 15), "input", table_, limits_),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("input.region.size=15: expected 16")));
-  EXPECT_THAT(ResolveInput(Slice(DType::kFloat32, {4}, 0, 16, "missing"), "input", table_,
-                           limits_),
+  EXPECT_THAT(
+      ResolveInput(Slice(DType::kFloat32, {4}, 0, 15), "input", table_, limits_),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("input.region.size=15: expected 16")));
+  EXPECT_THAT(ResolveInput(Slice(DType::kFloat32, {4}, 0, 16, "missing"), "input", table_, limits_),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr("input.region: region 'missing' is not registered")));
-  EXPECT_THAT(ResolveInput(Slice(DType::kFloat32, {4}, (1 << 16) - 8, 16), "input", table_,
-                           limits_),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("offset 65528 + size 16 exceeds region size 65536")));
-  EXPECT_THAT(ResolveInput(Slice(DType::kFloat32, {4}, std::numeric_limits<uint64_t>::max() - 3,
-                                 16),
-                           "input", table_, limits_),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceeds region size")));
+  EXPECT_THAT(
+      ResolveInput(Slice(DType::kFloat32, {4}, (1 << 16) - 8, 16), "input", table_, limits_),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("offset 65528 + size 16 exceeds region size 65536")));
+  EXPECT_THAT(
+      ResolveInput(Slice(DType::kFloat32, {4}, std::numeric_limits<uint64_t>::max() - 3, 16),
+                   "input", table_, limits_),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceeds region size")));
   EXPECT_THAT(ResolveInput(Slice(DType::kFloat32, {4}, 2, 16), "input", table_, limits_),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("offset 2 is not aligned to the 4-byte element size")));
