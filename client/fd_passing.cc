@@ -150,9 +150,24 @@ absl::StatusOr<std::string> FdPassingConnection::SendLocked(std::string_view byt
   if (sent < 0 || static_cast<size_t>(sent) != bytes.size()) {
     const int err = sent < 0 ? errno : EIO;
     broken_ = true;
+    // qtxd answers a connection it refuses (a peer of another user) at once
+    // and closes it, so a send after that fails (EPIPE) with the refusal
+    // already waiting in this socket: report qtxd's reason, not the pipe.
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, 0) > 0) {
+      absl::StatusOr<std::string> refusal = ReadReplyLocked();
+      if (!refusal.ok() && refusal.status().code() != absl::StatusCode::kUnavailable &&
+          refusal.status().code() != absl::StatusCode::kInternal) {
+        return refusal.status();
+      }
+    }
     return absl::UnavailableError(
         absl::StrFormat("sending descriptors to qtxd's fd socket failed: %s", std::strerror(err)));
   }
+  return ReadReplyLocked();
+}
+
+absl::StatusOr<std::string> FdPassingConnection::ReadReplyLocked() {
   char reply[kFdPassingReplyBytes];
   if (!ReadFull(fd_, reply, sizeof(reply))) {
     broken_ = true;

@@ -75,6 +75,8 @@ class FdPassingConnection {
  private:
   explicit FdPassingConnection(int fd) : fd_(fd) {}
   absl::StatusOr<std::string> SendLocked(std::string_view bytes, std::span<const int> fds);
+  // Reads one reply: the token, or qtxd's status for the request.
+  absl::StatusOr<std::string> ReadReplyLocked();
 
   mutable std::mutex mu_;
   int fd_;                       // guarded by mu_

@@ -203,6 +203,22 @@ TEST_F(FdInboxTest, APeerOfAnotherUserIsRefused) {
   EXPECT_EQ(inbox->pending_fds(), 0u);
 }
 
+// qtxd refuses such a peer at once and closes the connection; a Send made
+// after that (the pipe is broken) still reports qtxd's reason, which is
+// waiting in the socket, not the broken pipe.
+TEST_F(FdInboxTest, APeerOfAnotherUserHearsWhyEvenAfterQtxdClosed) {
+  FdInboxOptions o;
+  o.allowed_uid = ::geteuid() + 4242;
+  o.allow_root = false;
+  auto inbox = Start(o);
+  auto conn = Connect();
+  absl::SleepFor(absl::Milliseconds(300));  // qtxd has answered and closed by now
+  MemFile a("a");
+  EXPECT_THAT(conn->Send(std::vector<int>{a.fd}),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("its own user")));
+  EXPECT_EQ(inbox->pending_fds(), 0u);
+}
+
 // Raw request header fields.
 std::string Header(uint32_t magic, uint32_t version, uint32_t count, size_t length = 16) {
   std::string h(length, '\0');
