@@ -49,13 +49,6 @@ uint16_t Bf16Bits(float f) {  // truncation: any BF16 value is a valid gradient
   return static_cast<uint16_t>(u >> 16);
 }
 
-float Bf16ToFloat(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 struct Param {
   std::string name;
   int64_t m, n;
