@@ -1,6 +1,8 @@
 // Kernel benchmark of kernels/cuda QuantizeBlock (1d, 2d and per-tensor
 // current scaling) against a device-to-device copy of the same byte count,
-// measured in the same run. JSON lines on stdout (one object per measurement),
+// measured in the same run; and, for 2d and tensor, the columnwise copy made
+// from the rowwise one (usage "col_from_row", kernels/cuda/columnwise_copy.h).
+// JSON lines on stdout (one object per measurement),
 // a summary table on stderr. See bench/README.md.
 //
 //   quantize_cuda_bench [--iters N] [--quick] [--l2 rotate|flush|both]
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "kernels/block_geometry.h"
+#include "kernels/cuda/columnwise_copy.h"
 #include "kernels/cuda/quantize_block.h"
 #include "kernels/fp8.h"
 
@@ -172,8 +175,15 @@ int main(int argc, char** argv) {
   struct Usage {
     const char* name;
     bool row, col;
+    bool from_rowwise;
   };
-  const Usage usages[] = {{"row+col", true, true}, {"row", true, false}, {"col", false, true}};
+  // "col_from_row": the columnwise copy made from the rowwise one
+  // (kernels/cuda/columnwise_copy.h; 2-D and tensor only); it reads the
+  // rowwise copy instead of the input.
+  const Usage usages[] = {{"row+col", true, true, false},
+                          {"row", true, false, false},
+                          {"col", false, true, false},
+                          {"col_from_row", false, true, true}};
   struct Variant {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
@@ -228,10 +238,13 @@ int main(int argc, char** argv) {
           if (flush) CHECK_CUDA(cudaMemsetAsync(flush_buf, i & 0xFF, kFlushBytes, nullptr));
         };
         for (const Usage& u : usages) {
+          if (u.from_rowwise && mode.scaling == BlockScaling::kBlock1D) continue;
           const int64_t written =
               (u.row ? l.RowwiseDataBytes() + 4 * l.RowwiseScaleCount() : 0) +
               (u.col ? l.ColumnwiseDataBytes() + 4 * l.ColumnwiseScaleCount() : 0);
-          const int64_t total = in_bytes + written;
+          const int64_t read =
+              u.from_rowwise ? l.RowwiseDataBytes() + 4 * l.RowwiseScaleCount() : in_bytes;
+          const int64_t total = read + written;
           // Copy of total / 2 bytes: it reads and writes that many, `total` in all.
           const int64_t copy_bytes = total / 2;
           const double copy_us = MedianUs(10, iters, prepare, [&](int i) {
@@ -243,7 +256,8 @@ int main(int argc, char** argv) {
             const bool is_default =
                 v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 && !v.tuning.l2_outputs;
             // Variants: row+col of the block kernels only (TENSOR has no knobs).
-            if (!is_default && (!(u.row && u.col) || mode.scaling == BlockScaling::kTensor)) {
+            if (!is_default &&
+                (!(u.row && u.col) || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {
               continue;
             }
             QuantizeParams p;
@@ -257,6 +271,12 @@ int main(int argc, char** argv) {
               QuantizedBuffers o = st.out;
               if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;
               if (!u.col) o.columnwise_data = nullptr, o.columnwise_scale_inv = nullptr;
+              if (u.from_rowwise) {
+                CHECK_CUDA(qcuda::ColumnwiseFromRowwise(
+                    mode.scaling, {st.out.rowwise_data, st.out.rowwise_scale_inv}, s.m, s.n, o,
+                    nullptr));
+                return;
+              }
               CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o, v.tuning,
                                                            nullptr));
             });

@@ -5,11 +5,16 @@ whose AdamW lives in qtxd, next to an FP32 baseline trained the same way.
 Both runs use the same data, initialization, hyper-parameters and the same
 optimizer (AdamW in qtxd, bit-exact with torch.optim.AdamW's operation order):
 
-* ``fp8``: the training process holds only the FP8 parameters Step returns
-  (rowwise + columnwise E4M3 data, FP32 128x128-tile scales) and its gradients.
-  The forward pass multiplies with the dequantized *rowwise* copy, the backward
-  pass (dX = dY @ W) with the dequantized *columnwise* copy, as an FP8 GEMM
-  would. FP32 master weights and both moments stay in qtxd.
+* ``fp8``: the training process holds only FP8 parameters from Step (E4M3
+  data, FP32 128x128-tile scales) and its gradients. The forward pass
+  multiplies with the dequantized *rowwise* copy, the backward pass
+  (dX = dY @ W) with the dequantized *columnwise* copy, as an FP8 GEMM would.
+  FP32 master weights and both moments stay in qtxd. With ``--hold=rowwise``
+  (the default) the process keeps only the rowwise copy and makes the
+  columnwise one from it when the backward pass needs it (the byte transpose
+  of docs/numerics.md §4.5, what qtx::cuda::MakeColumnwiseCopy does on a GPU);
+  every step checks that the made copy equals the columnwise copy Step
+  returned, byte for byte. ``--hold=both`` keeps both copies.
 * ``fp32``: the forward and backward use the FP32 master weights (fetched with
   GetState after each step) — a plain FP32 training run with the same AdamW.
 
@@ -73,6 +78,18 @@ def decode_2d(data, scale_inv, rows, cols):
     return q * s_full
 
 
+def columnwise_from_rowwise(data, scale_inv, rows, cols):
+    """The BLOCK_2D columnwise copy made from the rowwise one (docs/numerics.md
+    §4.5): data transposed to [cols, rows], the tile scales transposed to
+    [ceil(cols/128), pad4(ceil(rows/128))] with zero padding."""
+    q = np.frombuffer(data, dtype=np.uint8).reshape(rows, cols).T
+    mb, nb = (rows + 127) // 128, (cols + 127) // 128
+    s = np.frombuffer(scale_inv, dtype=np.float32).reshape(mb, scale_inv_cols(cols))
+    sc = np.zeros((nb, scale_inv_cols(rows)), dtype=np.float32)
+    sc[:, :mb] = s[:, :nb].T
+    return np.ascontiguousarray(q).tobytes(), sc.tobytes()
+
+
 def scale_inv_cols(cols):
     blocks = (cols + 127) // 128
     return (blocks + 3) // 4 * 4
@@ -128,6 +145,8 @@ class OffloadedParams:
         self.stub = qtx.v1.optimizer_pb2_grpc.OptimizerStub(channel)
         self.group = group
         self.fp8 = fp8
+        self.hold = args.hold
+        self.columnwise_checked = 0  # made columnwise copies equal to Step's
         self.shapes = {n: p.shape for n, p in init.items()}
         req = self.o.OffloadOptimizerStateRequest(group=group)
         h = req.hyper_params
@@ -176,11 +195,17 @@ class OffloadedParams:
             shape = self.shapes[n]
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             cols = shape[-1]
-            self.held[n] = {
-                "row": (q.rowwise_data.inline_data, q.rowwise_scale_inv.inline_data),
-                "col": (q.columnwise_data.inline_data, q.columnwise_scale_inv.inline_data),
-                "rows": rows, "cols": cols,
-            }
+            row = (q.rowwise_data.inline_data, q.rowwise_scale_inv.inline_data)
+            col = (q.columnwise_data.inline_data, q.columnwise_scale_inv.inline_data)
+            if self.hold == "rowwise":
+                made = columnwise_from_rowwise(*row, rows, cols)
+                if made != col:
+                    raise RuntimeError("%s: the columnwise copy made from the rowwise one differs "
+                                       "from Step's columnwise copy" % n)
+                self.columnwise_checked += 1
+                self.held[n] = {"row": row, "rows": rows, "cols": cols}  # Step's col dropped
+            else:
+                self.held[n] = {"row": row, "col": col, "rows": rows, "cols": cols}
 
     def weights(self):
         """(forward weights, backward weights) per parameter, FP32 arrays."""
@@ -190,7 +215,9 @@ class OffloadedParams:
         for n, h in self.held.items():
             r, c = h["rows"], h["cols"]
             fwd[n] = decode_2d(*h["row"], r, c).reshape(self.shapes[n])
-            bwd[n] = decode_2d(*h["col"], c, r).T.reshape(self.shapes[n])
+            # --hold=rowwise: the columnwise copy is made here, used, and dropped.
+            col = h["col"] if "col" in h else columnwise_from_rowwise(*h["row"], r, c)
+            bwd[n] = decode_2d(*col, c, r).T.reshape(self.shapes[n])
         return fwd, bwd
 
     def step(self, grads):
@@ -206,8 +233,7 @@ class OffloadedParams:
         """Bytes of parameters the training process holds (no gradients)."""
         if not self.fp8:
             return sum(a.nbytes for a in self.held.values())
-        return sum(len(h["row"][0]) + len(h["row"][1]) + len(h["col"][0]) + len(h["col"][1])
-                   for h in self.held.values())
+        return sum(sum(len(b) for b in h["row"] + h.get("col", ())) for h in self.held.values())
 
 
 # ---------------------------------------------------------------- model
@@ -271,25 +297,34 @@ def train(channel, group, fp8, batch, init, args):
         params.step(grads)
         fwd, bwd = params.weights()
     grad_bytes = sum(g.nbytes for g in grads.values())
+    if fp8 and args.hold == "rowwise":
+        print("made the columnwise copy from the rowwise one %d times, each equal to Step's" %
+              params.columnwise_checked)
     return curve, params.held_bytes(), grad_bytes
 
 
 # ---------------------------------------------------------------- report
 
-def bytes_report(init):
-    """Bytes per parameter held by the training process, from the layouts."""
+def bytes_report(init, hold):
+    """Bytes per parameter held by the training process, from the layouts;
+    the first row is what this run's FP8 process holds (--hold)."""
     n_params = sum(p.size for p in init.values())
-    fp8_data = fp8_scales = 0
+    row_bytes = col_bytes = 0
     for p in init.values():
         rows = int(np.prod(p.shape[:-1])) if p.ndim > 1 else 1
         cols = p.shape[-1]
-        fp8_data += 2 * rows * cols  # rowwise + columnwise E4M3
-        fp8_scales += 4 * ((rows + 127) // 128) * scale_inv_cols(cols)  # rowwise scale_inv
-        fp8_scales += 4 * ((cols + 127) // 128) * scale_inv_cols(rows)  # columnwise scale_inv
-    rows = [
-        ("qtx FP8 params (row+col data + scales), BF16 grads", fp8_data + fp8_scales,
+        row_bytes += rows * cols + 4 * ((rows + 127) // 128) * scale_inv_cols(cols)
+        col_bytes += rows * cols + 4 * ((cols + 127) // 128) * scale_inv_cols(rows)
+    held = [
+        ("qtx FP8 params (rowwise data + scales; columnwise made when needed), BF16 grads",
+         row_bytes, 2 * n_params),
+        ("qtx FP8 params (row+col data + scales), BF16 grads", row_bytes + col_bytes,
          2 * n_params),
-        ("qtx FP8 params (row+col data + scales), FP32 grads", fp8_data + fp8_scales,
+    ]
+    if hold == "both":
+        held.reverse()
+    rows = held + [
+        ("qtx FP8 params (row+col data + scales), FP32 grads", row_bytes + col_bytes,
          4 * n_params),
         ("BF16 mixed precision: BF16 params + FP32 master + 2 FP32 moments, BF16 grads",
          (2 + 4 + 8) * n_params, 2 * n_params),
@@ -334,6 +369,8 @@ def main():
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="qtxd --optimizer_threads")
+    p.add_argument("--hold", choices=("rowwise", "both"), default="rowwise",
+                   help="FP8 copies the training process keeps between steps")
     p.add_argument("--json", help="write the curves and the report here")
     p.add_argument("--markdown", help="write the Markdown tables here")
     p.add_argument("--check", action="store_true")
@@ -364,7 +401,7 @@ def main():
     if code != 0:
         print("qtxd exited with %d" % code, file=sys.stderr)
         return 1
-    n_params, report = bytes_report(init)
+    n_params, report = bytes_report(init, args.hold)
     measured = {"fp8_param_bytes": fp8_bytes, "grad_bytes": grad_bytes}
     print("%6s %12s %12s %12s %12s" % ("step", "fp32_train", "fp8_train", "fp32_eval",
                                         "fp8_eval"))

@@ -1,13 +1,13 @@
-// Device-side element conversions shared by the CUDA quantize kernels
-// (quantize_block.cu, quantize_tensor.cu), so that every kernel casts with
-// the same code: FP32 -> FP8 is the hardware cvt.rn.satfinite, which equals
-// kernels/fp8.h EncodeFp8 bit for bit (tests/kernels/cuda/fp8_cast_test.cc
-// checks every BF16 and every FP32 pattern). Include from .cu files only.
+// Device-side element conversions shared by the CUDA kernels of kernels/cuda,
+// so that every kernel casts with the same code: FP32 -> FP8 is the hardware cvt.rn.satfinite,
+// which equals kernels/fp8.h EncodeFp8 bit for bit (tests/kernels/cuda/fp8_cast_test.cc checks
+// every BF16 and every FP32 pattern). Include from .cu files only.
 #ifndef QTX_KERNELS_CUDA_DEVICE_FP8_CUH_
 #define QTX_KERNELS_CUDA_DEVICE_FP8_CUH_
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/fp8.h"
@@ -97,6 +97,26 @@ cudaError_t WithFormat(Fp8Format f, Fn&& fn) {
       return fn(std::integral_constant<Fp8Format, Fp8Format::kE5M2>{});
   }
   return cudaErrorInvalidValue;  // not one of kE4M3, kE5M2
+}
+
+// Multiprocessors of the current device, cached per device (host code).
+inline cudaError_t CurrentDeviceSmCount(int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c > 0) {
+      *sms = c;
+      return cudaSuccess;
+    }
+  }
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(*sms, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 }  // namespace qtx::kernels::cuda

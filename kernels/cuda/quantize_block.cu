@@ -780,10 +780,8 @@ cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scalin
   a.s_pitch = use_rowwise ? layout.rowwise_scale_cols : layout.columnwise_scale_cols;
   a.two_d = scaling == BlockScaling::kBlock2D;
   a.format = format;
-  int dev = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  int sms = 0;
+  const cudaError_t err = CurrentDeviceSmCount(&sms);
   if (err != cudaSuccess) return err;
   const int64_t max_grid = static_cast<int64_t>(sms) * 8;
   return WithDType(out_dtype, [&](auto dt) {

@@ -312,25 +312,6 @@ __global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) 
 
 constexpr int kMaxDevices = 64;
 
-// Multiprocessors of the current device (cached per device).
-cudaError_t SmCount(int* sms) {
-  static std::atomic<int> cache[kMaxDevices];
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev >= 0 && dev < kMaxDevices) {
-    const int c = cache[dev].load(std::memory_order_relaxed);
-    if (c > 0) {
-      *sms = c;
-      return cudaSuccess;
-    }
-  }
-  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err != cudaSuccess) return err;
-  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(*sms, std::memory_order_relaxed);
-  return cudaSuccess;
-}
-
 // CTAs of `kernel` (kThreads threads, static shared memory only) that fit on
 // the device at once: sms * blocks per SM, cached in `cache` (one array per
 // kernel instantiation, indexed by device). The cast passes launch exactly
@@ -427,7 +408,7 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
   }
   if (count > 0 && input == nullptr) return cudaErrorInvalidValue;
   int sms = 0;
-  cudaError_t err = SmCount(&sms);
+  cudaError_t err = CurrentDeviceSmCount(&sms);
   if (err != cudaSuccess) return err;
 
   CastArgs a{};
@@ -525,7 +506,7 @@ cudaError_t DequantizeTensor(const QuantizedConstBuffers& in, Fp8Format format, 
   a.n = n;
   a.format = format;
   int sms = 0;
-  cudaError_t err = SmCount(&sms);
+  cudaError_t err = CurrentDeviceSmCount(&sms);
   if (err != cudaSuccess) return err;
   const int64_t max_grid = static_cast<int64_t>(sms) * 8;
   return WithDType(out_dtype, [&](auto dt) {

@@ -32,6 +32,7 @@
 #include "kernels/fp8.h"
 #include "qtx/channel.h"
 #include "qtx/client.h"
+#include "qtx/cuda_columnwise.h"
 #include "qtx/cuda_ipc.h"
 #include "tests/client/cuda/channel_test_kernels.h"
 #include "tests/client/cuda/cuda_test_support.h"
@@ -167,6 +168,61 @@ TEST_F(CudaChannelTest, ConsumerSeesEveryOutputByteRightAfterTheWait) {
   QTX_ASSERT_OK(ch->Close());
   std::printf("{\"test\":\"cuda_channel_consumer\",\"iterations\":%d,\"mismatched_bytes\":%llu}\n",
               iters, static_cast<unsigned long long>(Mismatches()));
+}
+
+// qtx::cuda::MakeColumnwiseCopy on the caller's GPU from qtxd's rowwise copy
+// equals the columnwise copy qtxd's CUDA quantizer wrote, byte for byte, for
+// 128x128 tiles and per-tensor scaling, on the vector and the checked path.
+TEST_F(CudaChannelTest, ColumnwiseCopyMadeOnTheGpuEqualsQtxdsColumnwiseCopy) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (ScalingMode mode : {ScalingMode::kBlock2D, ScalingMode::kTensor}) {
+    for (const auto& [m, n] : {std::pair<int64_t, int64_t>{1024, 2048}, {1000, 1030}}) {
+      std::string input(m * n * 2, '\0');
+      for (int64_t i = 0; i < m * n; ++i) {
+        const uint16_t h = kernels::FloatToBf16(normal(rng) * ((i / n) % 128 == 3 ? 40.0f : 1.0f));
+        std::memcpy(input.data() + 2 * i, &h, 2);
+      }
+      const RegionSlice in = arena_.Take(input.size());
+      CUDA_OK(cudaMemcpy(arena_.At(in), input.data(), input.size(), cudaMemcpyHostToDevice));
+      QuantizeConfig config;
+      config.scaling_mode = mode;
+      config.columnwise = true;
+      QTX_ASSERT_OK_AND_ASSIGN(
+          QuantizedTensor q,
+          client_->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, in), config));
+      const std::string& row = q.rowwise_data->data;
+      const std::string& row_scale = q.rowwise_scale_inv->data;
+      const std::string& col = q.columnwise_data->data;
+      const std::string& col_scale = q.columnwise_scale_inv->data;
+      const RegionSlice d_row = arena_.Take(row.size()),
+                        d_row_scale = arena_.Take(row_scale.size());
+      const RegionSlice d_col = arena_.Take(col.size()),
+                        d_col_scale = arena_.Take(col_scale.size());
+      CUDA_OK(cudaMemcpy(arena_.At(d_row), row.data(), row.size(), cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(arena_.At(d_row_scale), row_scale.data(), row_scale.size(),
+                         cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemset(arena_.At(d_col), 0xCD, col.size()));
+      CUDA_OK(cudaMemset(arena_.At(d_col_scale), 0xCD, col_scale.size()));
+      const int64_t shape[2] = {m, n};
+      QTX_ASSERT_OK(qtx::cuda::MakeColumnwiseCopy(
+          mode, shape, {arena_.At(d_row), static_cast<const float*>(arena_.At(d_row_scale))},
+          {arena_.At(d_col), static_cast<float*>(arena_.At(d_col_scale))}, stream_));
+      CUDA_OK(cudaStreamSynchronize(stream_));
+      std::string got(col.size(), '\0'), got_scale(col_scale.size(), '\0');
+      CUDA_OK(cudaMemcpy(got.data(), arena_.At(d_col), got.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(got_scale.data(), arena_.At(d_col_scale), got_scale.size(),
+                         cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(got == col) << ScalingModeName(mode) << " " << m << "x" << n << " data";
+      EXPECT_TRUE(got_scale == col_scale)
+          << ScalingModeName(mode) << " " << m << "x" << n << " scale_inv";
+    }
+  }
+  const int64_t shape[2] = {128, 128};
+  EXPECT_THAT(qtx::cuda::MakeColumnwiseCopy(ScalingMode::kBlock1D, shape, {}, {}, stream_),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("quantize with columnwise")));
+  EXPECT_THAT(qtx::cuda::MakeColumnwiseCopy(ScalingMode::kBlock2D, shape, {}, {}, stream_),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null buffer")));
 }
 
 TEST_F(CudaChannelTest, AFailedOpReleasesTheWaitWithin100Ms) {

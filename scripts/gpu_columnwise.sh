@@ -1,0 +1,19 @@
+#!/bin/bash
+# GPU run of the columnwise-copy kernel (docs/numerics.md §4.5) and the
+# NcclCommunicator unit test. Usage (GPU host): a bundle
+# (deploy/bundle/make_bundle.sh) holding qtxd, kernels_cuda_test,
+# cuda_channel_test, nccl_communicator_test and quantize_cuda_bench, with this
+# script copied into it; OUT= names the log folder.
+B=$(cd "$(dirname "$0")" && pwd)
+NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
+export LD_LIBRARY_PATH=$B/lib:$NCCL:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
+export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+L=$O/columnwise.txt
+step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
+step kernels_columnwise 120 "$B/bin/kernels_cuda_test" --gtest_filter='ColumnwiseFromRowwise*'
+step channel_columnwise 120 "$B/bin/cuda_channel_test" --qtxd="$B/bin/qtxd" --gtest_filter='*Columnwise*'
+step nccl_communicator 120 "$B/bin/nccl_communicator_test"
+step bench_col_from_row 240 "$B/bin/quantize_cuda_bench" --modes 2d,tensor --l2 both --iters 50 \
+  --shapes 4096x4096,8192x8192,16384x7168,32768x4096
+grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED|^[a-z0-9_]+ rc=|col_from_row|row\+col " "$L" | grep -v '"variant":"s' | head -80
