@@ -37,6 +37,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -654,6 +655,23 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
   }
 }
 
+// The scratch of the calling thread, made at its first step and kept (about
+// 160 KiB per thread that ever ran a step: OpenMP's pool threads and callers).
+// Heap, not stack: a caller's thread may have a small stack; kept, not made
+// per call: a fresh block per call and thread costs page faults (it is larger
+// than malloc's mmap threshold until glibc raises it) and its first-touch
+// misses in every step.
+struct PerThread {
+  UnitScratch unit;
+  Deferred deferred;
+};
+
+PerThread& ThreadScratch() {
+  thread_local std::unique_ptr<PerThread> scratch;
+  if (scratch == nullptr) scratch = std::make_unique<PerThread>();
+  return *scratch;
+}
+
 void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
                   const AdamWScalars& call, UnitScratch& sc, Deferred* d) {
   const AdamWScalars& s = plan.b->scalars != nullptr ? *plan.b->scalars : call;
@@ -681,11 +699,11 @@ void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
 
 void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
               const AdamWScalars& s) {
-  // Heap, not stack: a caller's thread may have a small stack.
-  auto* scratch = new UnitScratch;
+  UnitScratch* const scratch = &ThreadScratch().unit;
   Deferred* deferred = nullptr;
 #if defined(__AVX2__)
-  deferred = new Deferred;
+  deferred = &ThreadScratch().deferred;
+  deferred->plan = nullptr;
 #endif
   size_t p = 0;
   for (int64_t u = u0; u < u1; ++u) {
@@ -700,8 +718,6 @@ void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
 #if defined(__AVX2__)
   DeferredRows(*deferred, kBlockLen);
 #endif
-  delete deferred;
-  delete scratch;
 #if defined(__SSE2__)
   _mm_sfence();  // the non-temporal stores are visible before the caller goes on
 #endif
