@@ -49,7 +49,7 @@ QTX_BENCH_CLONES void TrafficSpan(float* __restrict p, float* __restrict m, floa
     const float x = g[i];
     p[i] += x;
     m[i] += x;
-    v[i] += x;
+    v[i] += x * x;  // stays >= 0: the moments remain valid for the steps timed after
   }
 }
 
@@ -134,6 +134,23 @@ double FlatUpdate(float* p, float* m, float* v, const float* g, int64_t count,
     int64_t lo, hi;
     Slice(count, t, nt, &lo, &hi);
     UpdateSpan(p, m, v, g, lo, hi, s);
+  });
+}
+
+double BandTrafficFloor(float* p, float* m, float* v, const float* g, int64_t rows, int64_t cols,
+                        int64_t unit_cols, int threads, int reps) {
+  constexpr int64_t kBand = 128;
+  const int64_t bands = (rows + kBand - 1) / kBand;
+  const int64_t chunks = (cols + unit_cols - 1) / unit_cols;
+  const int64_t units = bands * chunks;
+  return BestOf(threads, reps, [&](int t, int nt) {
+    int64_t u0, u1;
+    Slice(units, t, nt, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r0 = (u / chunks) * kBand, r1 = std::min(rows, r0 + kBand);
+      const int64_t c0 = (u % chunks) * unit_cols, c1 = std::min(cols, c0 + unit_cols);
+      for (int64_t r = r0; r < r1; ++r) TrafficSpan(p, m, v, g, r * cols + c0, r * cols + c1);
+    }
   });
 }
 

@@ -61,6 +61,14 @@ double UpdateTrafficFloor(float* p, float* m, float* v, const float* g, int64_t 
 double FlatUpdate(float* p, float* m, float* v, const float* g, int64_t count,
                   const kernels::AdamWScalars& s, int threads, int reps);
 
+// UpdateTrafficFloor's arithmetic in the band kernel's order (kernels/cpu/
+// adamw_band.cc): [rows, cols] arrays cut into units of 128 rows x
+// `unit_cols` columns, contiguous runs of units per thread, each unit row by
+// row. Its time against UpdateTrafficFloor's is the cost of the access
+// pattern alone.
+double BandTrafficFloor(float* p, float* m, float* v, const float* g, int64_t rows, int64_t cols,
+                        int64_t unit_cols, int threads, int reps);
+
 // Last-level cache size in bytes as the C library reports it (0: unknown).
 int64_t LastLevelCacheBytes();
 

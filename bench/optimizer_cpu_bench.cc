@@ -243,6 +243,10 @@ int main(int argc, char** argv) {
         phase("flat_traffic_floor",
               qtx::bench::UpdateTrafficFloor(master.p, m1.p, m2.p, grad32.p, count, threads, reps),
               update_bytes);
+        phase(
+            "band_traffic_floor",
+            qtx::bench::BandTrafficFloor(master.p, m1.p, m2.p, grad32.p, m, n, 512, threads, reps),
+            update_bytes);
       }
       std::fflush(stdout);
     }
