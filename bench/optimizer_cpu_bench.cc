@@ -16,9 +16,10 @@
 // "avx512" where the CPU has it, else "baseline"; QTX_ADAMW_ISA=baseline
 // forces the baseline AVX2 kernel).
 // Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
-//            [--threads=1,2,4] [--phases] [--triad_mib=N] [--label=NAME]
+//            [--threads=1,2,4] [--phases] [--thp] [--triad_mib=N] [--label=NAME]
 // bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -59,14 +60,22 @@ double MemcpyGbps(size_t bytes, int threads, int reps) {
   return 2.0 * bytes / best / 1e9;  // read + write
 }
 
-// A 64-byte aligned array (as torch's allocator gives), first touched by
+// --thp: the step's arrays 2 MiB aligned and madvise(MADV_HUGEPAGE)d.
+bool g_thp = false;
+
+// A 64-byte aligned array (as torch's allocator gives; with --thp on 2 MiB
+// transparent huge pages where the kernel grants them), first touched by
 // `threads` threads in contiguous slices.
 template <typename T>
 struct Aligned {
   T* p = nullptr;
   Aligned(int64_t count, int threads) {
     void* v = nullptr;
-    if (posix_memalign(&v, 64, std::max<int64_t>(count, 1) * sizeof(T)) != 0) std::abort();
+    constexpr size_t kHuge = size_t{2} << 20;
+    size_t bytes = std::max<int64_t>(count, 1) * sizeof(T);
+    if (g_thp) bytes = (bytes + kHuge - 1) / kHuge * kHuge;
+    if (posix_memalign(&v, g_thp ? kHuge : 64, bytes) != 0) std::abort();
+    if (g_thp) madvise(v, bytes, MADV_HUGEPAGE);  // advice: failure leaves 4 KiB pages
     p = static_cast<T*>(v);
 #pragma omp parallel num_threads(threads)
     {
@@ -115,6 +124,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--threads=", 10) == 0) {
       thread_list = ParseList(argv[i] + 10);
+    } else if (std::strcmp(argv[i], "--thp") == 0) {
+      g_thp = true;
     } else if (std::strcmp(argv[i], "--phases") == 0) {
       phases = true;
     } else if (std::strncmp(argv[i], "--triad_mib=", 12) == 0) {
@@ -214,10 +225,10 @@ int main(int argc, char** argv) {
         "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
         "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
         "\"bytes_per_param\":%.4f,\"bytes_moved_gbps\":%.3f,\"triad_gbps\":%.3f,"
-        "\"fraction_of_triad\":%.3f,\"isa\":\"%s\"%s}\n",
+        "\"fraction_of_triad\":%.3f,\"isa\":\"%s\",\"thp\":%s%s}\n",
         static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
         best * 1e3, count / best, step_bytes, gbps, tr.gbps, gbps / tr.gbps, isa,
-        label_json.c_str());
+        g_thp ? "true" : "false", label_json.c_str());
     std::fflush(stdout);
     if (phases) {
       auto phase = [&](const char* name, double seconds, double bytes_per_param) {
