@@ -18,11 +18,15 @@
 //      intrinsics where built with them) into the rowwise copy, or a scratch
 //      tile when there is none, then the bytes are transposed into the
 //      columnwise [N, M] copy (SSE2 16x16 blocks).
-// B/C re-read the unit's master weights from L2: the unit's whole footprint
-// in A (master, two moments, gradient: 4 x 256 KiB at FP32) is sized to L2
-// (kUnitTiles = 4: 4 tiles are 256 KiB of FP32 master weights, re-read by the
-// encode pass, and 1 MiB streamed through the cache by the update pass with
-// FP32 moments and gradients; 2 tiles: +20% time, 8 tiles: +5% on the CI host).
+// B/C re-read the unit's master weights (deferred: while the next unit is
+// updated). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB per
+// FP32 stream): on the GPU machine's host (Xeon, 2 MiB L2), 1 thread, 4 tiles
+// took 33-35 ms for a 4096^2 step and 16 tiles 28.5-30 ms, in one run
+// (bench/results/optimizer_phases_h200_host_2026-12-02.jsonl): the update's
+// row runs restart 4x less often, so the hardware prefetchers stay ahead
+// while the core is busy with the encode, and the master rows re-read by the
+// deferred encode (1 MiB per unit) come from L3 at the latest. Cost: about
+// 560 KiB of per-thread scratch (Deferred below).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
