@@ -20,13 +20,11 @@
 //      columnwise [N, M] copy (SSE2 16x16 blocks).
 // B/C re-read the unit's master weights (deferred: while the next unit is
 // updated). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB per
-// FP32 stream): on the GPU machine's host (Xeon, 2 MiB L2), 1 thread, 4 tiles
-// took 33-35 ms for a 4096^2 step and 16 tiles 28.5-30 ms, in one run
-// (bench/results/optimizer_phases_h200_host_2026-12-02.jsonl): the update's
-// row runs restart 4x less often, so the hardware prefetchers stay ahead
-// while the core is busy with the encode, and the master rows re-read by the
-// deferred encode (1 MiB per unit) come from L3 at the latest. Cost: about
-// 560 KiB of per-thread scratch (Deferred below).
+// FP32 stream) instead of 4: the update's row runs restart 4x less often.
+// A/B against main's 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md,
+// "Host AdamW at memory speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 /
+// 1.08x at 1 / 2 / 4 / 8 / 16 threads, 4096^2 0.93-1.30x; 32 tiles was slower.
+// Cost: about 560 KiB of per-thread scratch (Deferred below).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
