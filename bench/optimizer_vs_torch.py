@@ -1,18 +1,27 @@
 #!/usr/bin/python3
 """Host AdamW step of qtx (kernels/cpu, FP8 BLOCK_2D row+col output) next to
-torch's CPU AdamW (no FP8 output) and memcpy, in one run, at the same thread
-counts. JSON lines on stdout (formulas in bench/README.md):
+torch's CPU AdamW (no FP8 output) and the host's triad bandwidth, in one run, at
+the same thread counts. JSON lines on stdout (formulas in bench/README.md):
 
-  {"bench":"adamw_cpu",...}      from optimizer_cpu_bench (qtx, and its memcpy lines)
-  {"bench":"torch_adamw",...}    torch.optim.AdamW on one [m, n] FP32 parameter
-  {"bench":"adamw_vs_torch",...} per thread count: qtx / torch params/s
+  {"bench":"host_triad",...}      from optimizer_cpu_bench (triad bandwidth, same process)
+  {"bench":"adamw_cpu",...}       from optimizer_cpu_bench (qtx; fraction_of_triad)
+  {"bench":"adamw_phase",...}     from optimizer_cpu_bench --phases (first round only)
+  {"bench":"torch_adamw",...}     torch.optim.AdamW on one [m, n] FP32 parameter
+  {"bench":"adamw_vs_torch",...}  per binary and thread count, best over the rounds:
+                                  qtx / torch params/s, qtx GB/s / triad GB/s, and
+                                  qtx / the first binary's params/s (A/B)
 
 torch implementations: "fused" (torch.optim.AdamW(fused=True) on CPU: torch >= 2.4),
 "foreach" (multi-tensor, vectorized ops) and "forloop" (single-tensor). Debian's
 torch 1.13 has no fused CPU AdamW; it is reported as unavailable there.
 
+Several binaries (A/B of kernels): --bench=LABEL=PATH, repeated; the first one is
+the baseline of "vs_first". Each round runs every binary (order reversed in odd
+rounds), then torch, so that slow drifts of the host hit every side alike.
+
   /usr/bin/python3 bench/optimizer_vs_torch.py --bench=build/bench/optimizer_cpu_bench \\
-      [--m=4096 --n=4096] [--max_threads=N] [--reps=5] [--grad=fp32]
+      [--m=4096 --n=4096] [--max_threads=N] [--reps=5] [--grad=fp32] [--rounds=1] \\
+      [--torch_impls=fused,foreach,forloop] [--phases]
 """
 
 import argparse
@@ -67,63 +76,108 @@ def thread_counts(max_threads):
     return out
 
 
+def parse_benches(items):
+    out = []
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep:
+            label, path = os.path.basename(item), item
+        out.append((label, path))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bench", required=True, help="path to optimizer_cpu_bench")
+    ap.add_argument("--bench", required=True, action="append",
+                    help="path to optimizer_cpu_bench, or LABEL=PATH; repeat for an A/B")
     ap.add_argument("--m", type=int, default=4096)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--max_threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--grad", choices=["fp32", "bf16"], default="fp32",
                     help="qtx gradient dtype (torch always steps FP32 gradients)")
+    ap.add_argument("--torch_impls", default="fused,foreach,forloop")
+    ap.add_argument("--phases", action="store_true",
+                    help="optimizer_cpu_bench --phases in the first round")
     args = ap.parse_args()
-
-    qtx_rate, memcpy = {}, {}
-    out = subprocess.run([args.bench, str(args.m), str(args.n), str(args.max_threads),
-                          str(args.reps), args.grad], check=True, capture_output=True,
-                         text=True).stdout
-    for line in out.splitlines():
-        print(line)
-        r = json.loads(line)
-        if r["bench"] == "adamw_cpu":
-            qtx_rate[r["threads"]] = r["params_per_s"]
-        elif r["bench"] == "memcpy":
-            memcpy[r["threads"]] = r["gbps"]
-    sys.stdout.flush()
+    benches = parse_benches(args.bench)
+    threads = thread_counts(args.max_threads)
 
     try:
         import torch
     except ImportError:
+        torch = None
         print(json.dumps({"bench": "torch_adamw", "error": "torch is not importable"}))
-        return 0
-    has_fused, why = fused_available(torch)
-    impls = (["fused"] if has_fused else []) + ["foreach", "forloop"]
-    if not has_fused:
-        print(json.dumps({"bench": "torch_adamw", "impl": "fused", "torch": torch.__version__,
-                          "available": False, "reason": why}))
+    impls = []
+    has_fused = False
+    if torch is not None:
+        has_fused, why = fused_available(torch)
+        wanted = args.torch_impls.split(",")
+        impls = [i for i in wanted if i != "fused" or has_fused]
+        if "fused" in wanted and not has_fused:
+            print(json.dumps({"bench": "torch_adamw", "impl": "fused",
+                              "torch": torch.__version__, "available": False, "reason": why}))
+
+    # best over rounds: qtx[label][t] = params/s, gbps[label][t], triad[label][t]
+    qtx = {label: {} for label, _ in benches}
+    qtx_gbps = {label: {} for label, _ in benches}
+    triad = {label: {} for label, _ in benches}
+    best_torch = {}  # t -> (params/s, impl)
     count = args.m * args.n
     torch_bytes = count * (8 + 16 + 4)  # master r+w, 2 moments r+w, FP32 grad read
-    for t in thread_counts(args.max_threads):
-        best_impl, best_rate = None, 0.0
-        for impl in impls:
-            s = torch_adamw(torch, args.m, args.n, t, impl, args.reps)
-            rate = count / s
-            print(json.dumps({"bench": "torch_adamw", "impl": impl, "torch": torch.__version__,
-                              "m": args.m, "n": args.n, "threads": t, "grad": "fp32",
-                              "output": "none", "time_ms": round(s * 1e3, 3),
-                              "params_per_s": float("%.4g" % rate),
-                              "bytes_moved_gbps": round(torch_bytes / s / 1e9, 3)}))
-            if rate > best_rate:
-                best_impl, best_rate = impl, rate
-        if t in qtx_rate:
-            print(json.dumps({"bench": "adamw_vs_torch", "threads": t,
-                              "qtx_params_per_s": qtx_rate[t],
-                              "torch_impl": best_impl, "torch_params_per_s":
-                              float("%.4g" % best_rate),
-                              "ratio": round(qtx_rate[t] / best_rate, 3),
-                              "memcpy_gbps": memcpy.get(t),
-                              "torch_fused_available": has_fused}))
-        sys.stdout.flush()
+    for rnd in range(args.rounds):
+        order = benches if rnd % 2 == 0 else list(reversed(benches))
+        for label, path in order:
+            cmd = [path, str(args.m), str(args.n), str(args.max_threads), str(args.reps),
+                   args.grad, "--label=" + label]
+            if args.phases and rnd == 0:
+                cmd.append("--phases")
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                r = json.loads(line)
+                r["round"] = rnd
+                print(json.dumps(r))
+                t = r.get("threads")
+                if r["bench"] == "adamw_cpu":
+                    qtx[label][t] = max(qtx[label].get(t, 0.0), r["params_per_s"])
+                    qtx_gbps[label][t] = max(qtx_gbps[label].get(t, 0.0), r["bytes_moved_gbps"])
+                elif r["bench"] == "host_triad":
+                    triad[label][t] = max(triad[label].get(t, 0.0), r["gbps"])
+            sys.stdout.flush()
+        for t in threads:
+            for impl in impls:
+                s = torch_adamw(torch, args.m, args.n, t, impl, args.reps)
+                rate = count / s
+                print(json.dumps({"bench": "torch_adamw", "impl": impl, "torch": torch.__version__,
+                                  "m": args.m, "n": args.n, "threads": t, "grad": "fp32",
+                                  "output": "none", "time_ms": round(s * 1e3, 3),
+                                  "params_per_s": float("%.4g" % rate),
+                                  "bytes_moved_gbps": round(torch_bytes / s / 1e9, 3),
+                                  "round": rnd}))
+                if rate > best_torch.get(t, (0.0, None))[0]:
+                    best_torch[t] = (rate, impl)
+            sys.stdout.flush()
+
+    first = benches[0][0]
+    for label, _ in benches:
+        for t in threads:
+            if t not in qtx[label]:
+                continue
+            rec = {"bench": "adamw_vs_torch", "label": label, "threads": t,
+                   "rounds": args.rounds, "qtx_params_per_s": qtx[label][t],
+                   "qtx_gbps": qtx_gbps[label][t], "triad_gbps": triad[label].get(t),
+                   "fraction_of_triad": round(qtx_gbps[label][t] / triad[label][t], 3)
+                   if triad[label].get(t) else None,
+                   "vs_first": round(qtx[label][t] / qtx[first][t], 3)
+                   if t in qtx[first] else None}
+            if t in best_torch:
+                rate, impl = best_torch[t]
+                rec.update({"torch_impl": impl, "torch_params_per_s": float("%.4g" % rate),
+                            "torch_gbps": round(torch_bytes / (count / rate) / 1e9, 3),
+                            "ratio": round(qtx[label][t] / rate, 3),
+                            "torch_fused_available": has_fused})
+            print(json.dumps(rec))
     return 0
 
 

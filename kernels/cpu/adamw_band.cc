@@ -18,11 +18,13 @@
 //      intrinsics where built with them) into the rowwise copy, or a scratch
 //      tile when there is none, then the bytes are transposed into the
 //      columnwise [N, M] copy (SSE2 16x16 blocks).
-// B/C re-read the unit's master weights from L2: the unit's whole footprint
-// in A (master, two moments, gradient: 4 x 256 KiB at FP32) is sized to L2
-// (kUnitTiles = 4: 4 tiles are 256 KiB of FP32 master weights, re-read by the
-// encode pass, and 1 MiB streamed through the cache by the update pass with
-// FP32 moments and gradients; 2 tiles: +20% time, 8 tiles: +5% on the CI host).
+// B/C re-read the unit's master weights (deferred: while the next unit is
+// updated). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB per
+// FP32 stream) instead of 4: the update's row runs restart 4x less often.
+// A/B against main's 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md,
+// "Host AdamW at memory speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 /
+// 1.08x at 1 / 2 / 4 / 8 / 16 threads, 4096^2 0.93-1.30x; 32 tiles was slower.
+// Cost: about 560 KiB of per-thread scratch (Deferred below).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
@@ -37,6 +39,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -654,6 +657,23 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
   }
 }
 
+// The scratch of the calling thread, made at its first step and kept (about
+// 160 KiB per thread that ever ran a step: OpenMP's pool threads and callers).
+// Heap, not stack: a caller's thread may have a small stack; kept, not made
+// per call: a fresh block per call and thread costs page faults (it is larger
+// than malloc's mmap threshold until glibc raises it) and its first-touch
+// misses in every step.
+struct PerThread {
+  UnitScratch unit;
+  Deferred deferred;
+};
+
+PerThread& ThreadScratch() {
+  thread_local std::unique_ptr<PerThread> scratch;
+  if (scratch == nullptr) scratch = std::make_unique<PerThread>();
+  return *scratch;
+}
+
 void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
                   const AdamWScalars& call, UnitScratch& sc, Deferred* d) {
   const AdamWScalars& s = plan.b->scalars != nullptr ? *plan.b->scalars : call;
@@ -681,11 +701,11 @@ void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
 
 void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
               const AdamWScalars& s) {
-  // Heap, not stack: a caller's thread may have a small stack.
-  auto* scratch = new UnitScratch;
+  UnitScratch* const scratch = &ThreadScratch().unit;
   Deferred* deferred = nullptr;
 #if defined(__AVX2__)
-  deferred = new Deferred;
+  deferred = &ThreadScratch().deferred;
+  deferred->plan = nullptr;
 #endif
   size_t p = 0;
   for (int64_t u = u0; u < u1; ++u) {
@@ -700,8 +720,6 @@ void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
 #if defined(__AVX2__)
   DeferredRows(*deferred, kBlockLen);
 #endif
-  delete deferred;
-  delete scratch;
 #if defined(__SSE2__)
   _mm_sfence();  // the non-temporal stores are visible before the caller goes on
 #endif

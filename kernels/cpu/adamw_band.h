@@ -24,7 +24,7 @@ namespace qtx::kernels::cpu::band {
 
 // Tiles per work unit (one 128-row band by up to this many tiles): see
 // adamw_band.cc.
-constexpr int64_t kUnitTiles = 4;
+constexpr int64_t kUnitTiles = 16;
 
 // One non-empty parameter of a call.
 struct ParamPlan {

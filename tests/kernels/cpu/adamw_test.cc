@@ -15,6 +15,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
+#include "kernels/cpu/adamw_band.h"
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/fp8.h"
 
@@ -328,11 +329,19 @@ TEST(AdamWStepFused, EqualsReferenceAcrossShapesDtypesAndLayouts) {
   }
 }
 
-// Parameters wider than one work unit (a 128-row band by up to 4 tiles): the
-// band is split into several units (unevenly when the tile count does not
-// divide), with partial edge tiles, at several thread counts.
+// Parameters wider than one work unit (a 128-row band by up to
+// band::kUnitTiles tiles): the band is split into several units (unevenly
+// when the tile count does not divide), with partial edge tiles, at several
+// thread counts; the widths follow kUnitTiles.
 TEST(AdamWStepFused, EqualsReferenceOnWideBandsSplitIntoUnits) {
-  const Shape shapes[] = {{130, 1100}, {260, 641}, {1, 2049}, {129, 1024}};
+  constexpr int64_t kUnitCols = band::kUnitTiles * kBlockLen;
+  const Shape shapes[] = {{130, 1100},
+                          {260, 641},
+                          {1, 2049},
+                          {129, 1024},
+                          {256, 2 * kUnitCols + 128},
+                          {130, kUnitCols + 77},
+                          {1, 3 * kUnitCols + 1}};
   uint32_t seed = 500;
   for (const Shape& sh : shapes) {
     for (BlockScaling sc : {BlockScaling::kBlock2D, BlockScaling::kBlock1D}) {
