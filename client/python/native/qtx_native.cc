@@ -206,8 +206,9 @@ class NativeSession {
   }
 
   // Submits a dequantization. `bufs`: the four buffers of the quantized
-  // tensor (None when absent), `scale_shapes` their 2-D shapes
-  // ([rows, cols] x 4, ignored for absent ones).
+  // tensor (None when absent), `shapes` their shapes (as qtx.cuda.layout
+  // gives them: [rows, cols], or [1] for a TENSOR scale; ignored for absent
+  // ones).
   uint64_t Dequantize(int device, uintptr_t stream, const std::vector<int64_t>& shape, int mode,
                       int format, const std::vector<Buf>& bufs,
                       const std::vector<std::vector<int64_t>>& shapes, int out_dtype, uintptr_t out,
@@ -725,16 +726,23 @@ PYBIND11_MODULE(_native, m) {
   m.def("event_destroy", &EventDestroy);
   m.def("stream_wait_event", &StreamWaitEvent);
   m.def("pointer_device", &PointerDevice);
+  // {field: shape} of quantizing `shape` with `mode`: 2-D (rows, cols) for
+  // the data and the block scales; TENSOR's scale_inv is (1,), the [1] of
+  // docs/numerics.md §9 (QuantizedLayout counts it as one 1x1 buffer).
   m.def("layout", [](int mode, const std::vector<int64_t>& shape) {
-    const qtx::QuantizedLayout l =
-        Unwrap(qtx::ComputeQuantizedLayout(static_cast<qtx::ScalingMode>(mode), shape));
+    const auto scaling = static_cast<qtx::ScalingMode>(mode);
+    const qtx::QuantizedLayout l = Unwrap(qtx::ComputeQuantizedLayout(scaling, shape));
+    const auto scale_shape = [scaling](int64_t rows, int64_t cols) {
+      return scaling == qtx::ScalingMode::kTensor ? py::make_tuple(rows * cols)
+                                                  : py::make_tuple(rows, cols);
+    };
     py::dict d;
     d["m"] = l.m;
     d["n"] = l.n;
     d["rowwise_data"] = py::make_tuple(l.rowwise_data_rows, l.rowwise_data_cols);
-    d["rowwise_scale_inv"] = py::make_tuple(l.rowwise_scale_rows, l.rowwise_scale_cols);
+    d["rowwise_scale_inv"] = scale_shape(l.rowwise_scale_rows, l.rowwise_scale_cols);
     d["columnwise_data"] = py::make_tuple(l.columnwise_data_rows, l.columnwise_data_cols);
-    d["columnwise_scale_inv"] = py::make_tuple(l.columnwise_scale_rows, l.columnwise_scale_cols);
+    d["columnwise_scale_inv"] = scale_shape(l.columnwise_scale_rows, l.columnwise_scale_cols);
     return d;
   });
 }

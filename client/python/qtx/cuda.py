@@ -105,7 +105,9 @@ DTYPE_NAMES = {FLOAT32: "float32", BFLOAT16: "bfloat16", FLOAT16: "float16",
                FLOAT8_E4M3: "float8_e4m3fn", FLOAT8_E5M2: "float8_e5m2", UINT8: "uint8"}
 _ITEMSIZE = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2, FLOAT8_E4M3: 1, FLOAT8_E5M2: 1, UINT8: 1}
 INPUT_DTYPES = (FLOAT32, BFLOAT16, FLOAT16)
-_MODES = {"1d": 1, "2d": 2}
+# qtx.v1.ScalingMode: 1x128 blocks, 128x128 tiles, per-tensor current scaling
+# (docs/numerics.md §9: one scale_inv of shape [1] per copy).
+_MODES = {"1d": 1, "2d": 2, "tensor": 3}
 _FORMATS = {"e4m3": 1, "e5m2": 2}
 _OUT_DTYPES = {"float32": FLOAT32, "bfloat16": BFLOAT16, "float16": FLOAT16}
 _GATHER_MODES = {"exact_fp8": 1, "gather_high_precision": 2}
@@ -383,9 +385,10 @@ def quantize_config(mode="1d", format="e4m3", rowwise=True, columnwise=False, po
 
 
 def layout(shape, mode="1d"):
-    """The 2-D shapes of the four buffers of quantizing a tensor of `shape`
+    """The shapes of the four buffers of quantizing a tensor of `shape`
     (flattened to [prod(shape[:-1]), shape[-1]]): {field: (rows, cols)} plus
-    'm' and 'n' (the C++ qtx::ComputeQuantizedLayout, docs/numerics.md §4.1)."""
+    'm' and 'n' (the C++ qtx::ComputeQuantizedLayout, docs/numerics.md §4.1);
+    mode 'tensor' has one scale per copy, of shape (1,) (§9)."""
     m = _choice(mode, _MODES, "mode") if isinstance(mode, str) else mode
     shape = [int(d) for d in shape]
     if not shape:
@@ -709,7 +712,8 @@ class QuantizedTensor:
     """A block-scaled FP8 tensor in device memory, with qtx.client's field
     names: shape (logical, of the high-precision tensor), mode, format,
     rowwise_data [M, N] uint8, rowwise_scale_inv float32 2-D, columnwise_data
-    [N, M] uint8, columnwise_scale_inv float32 2-D (absent copies: None).
+    [N, M] uint8, columnwise_scale_inv float32 2-D (absent copies: None); for
+    mode 'tensor' each scale_inv has shape [1] (docs/numerics.md §9).
     The tensors are valid on `stream` after the call (stream order); `op` is
     the channel's operation id (query() tells whether it has finished)."""
 
@@ -955,9 +959,12 @@ class Session:
                  pow2_scales=True, amax_epsilon=0.0, out=None, stream=None):
         """Submits the quantization of `x` (float32 / bfloat16 / float16,
         C-contiguous, [..., N]; leading dims flatten into M) and returns a
-        QuantizedTensor at once. out: a QuantizedTensor or {field: tensor}
-        with every requested buffer (uint8 or the format's float8 data,
-        float32 scales, shapes as qtx.cuda.layout), else pooled outputs."""
+        QuantizedTensor at once. mode: '1d' (1x128 blocks), '2d' (128x128
+        tiles) or 'tensor' (per-tensor current scaling: one scale_inv of
+        shape [1] per copy, docs/numerics.md §9). out: a QuantizedTensor or
+        {field: tensor} with every requested buffer (uint8 or the format's
+        float8 data, float32 scales, shapes as qtx.cuda.layout), else pooled
+        outputs."""
         cfg = _config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         torch = _torch()
         if torch is not None:
@@ -1047,7 +1054,9 @@ class Session:
     def dequantize(self, q, dtype="bfloat16", out=None, stream=None):
         """Submits the dequantization of `q` (its rowwise copy when present,
         else its columnwise copy) into `out` (a tensor of q.shape and
-        `dtype`) or a pooled tensor, returned at once."""
+        `dtype`) or a pooled tensor, returned at once. The buffers have the
+        shapes of qtx.cuda.layout; a mode 'tensor' scale_inv may have any
+        shape of one element (as qtxd's Dequantize takes it)."""
         odt = _choice(dtype, _OUT_DTYPES, "dtype")
         mode = _choice(getattr(q, "mode", None), _MODES, "q.mode")
         fmt = _choice(getattr(q, "format", None), _FORMATS, "q.format")
@@ -1071,12 +1080,17 @@ class Session:
                 bufs.append(None)
                 shapes.append([0, 0])
                 continue
-            p = self._out_tensor(t, "q." + f, lay[f],
+            want = lay[f]
+            if mode == _MODES["tensor"] and f.endswith("scale_inv"):
+                given = tuple(getattr(t, "shape", ()))
+                if given and math.prod(given) == 1:
+                    want = given  # any one-element shape: [1], [1, 1], ...
+            p = self._out_tensor(t, "q." + f, want,
                                  lambda d, f=f: _field_dtype_ok(f, d, fmt), a0.device,
                                  "float32" if f.endswith("scale_inv") else "uint8/float8")
             parsed[f] = p
             bufs.append((p.ptr, p.nbytes))
-            shapes.append(list(lay[f]))
+            shapes.append(list(want))
         blocks = []
         if out is not None:
             o = self._out_tensor(out, "out", shape, lambda d: d == odt, a0.device, dtype)
@@ -1159,7 +1173,8 @@ class Session:
         per (mode, format, rowwise, columnwise). weight_decays / lr_scales:
         per-parameter settings as qtx.Client.offload_optimizer_state takes
         them. Returns the parameter count. Then step() runs with gradients
-        and outputs in device memory."""
+        and outputs in device memory. mode: '2d' or '1d' (qtxd refuses
+        'tensor' for optimizer outputs with InvalidArgumentError)."""
         cfg = quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         params = []
         for name, t in (parameters.items() if hasattr(parameters, "items") else parameters):
