@@ -288,6 +288,13 @@ class TorchCpuInputTest(unittest.TestCase):
         self.assertIn("masters are float32", str(cm.exception))
         with self.assertRaises(qcuda.ArgumentError):
             s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, mode="3d")
+        # Per-parameter settings: qtx.optimizer.per_parameter's checks, as qtx.Client's.
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, weight_decays=[0.1, 0.2])
+        self.assertIn("weight_decays: 2 values for 1 parameters", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, lr_scales={"v": 2.0})
+        self.assertIn("lr_scales: ['v']: not a parameter of the group", str(cm.exception))
         # A known group (as offload would record it): gradient checks.
         cfg = qcuda.quantize_config("2d", "e4m3", True, True)
         s._groups["g"] = ("2d", "e4m3", cfg, {"w": (4, 256)})
@@ -699,8 +706,8 @@ class CommandLineTest(unittest.TestCase):
             "import sys\n"
             "class Block:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'grpc' or name.startswith('grpc.'):\n"
-            "            raise ImportError('no grpc here')\n"
+            "        if name.split('.')[0] == 'grpc' or name.startswith('google.protobuf'):\n"
+            "            raise ImportError('no grpc or protobuf here')\n"
             "sys.meta_path.insert(0, Block())\n"
             "import qtx, qtx.cuda\n"
             "e = qtx.errors.from_status(14, 'gone')\n"
@@ -708,12 +715,15 @@ class CommandLineTest(unittest.TestCase):
             "try:\n"
             "    qtx.Client\n"
             "except ImportError as err:\n"
-            "    print('Client:', err)\n")
+            "    print('Client:', err)\n"
+            "from qtx.optimizer import per_parameter\n"  # what qtx.cuda's offload uses
+            "print('per_parameter:', per_parameter([0.5, None], ['a', 'b'], 'w'))\n")
         r = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True,
                            text=True, timeout=60)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("UnavailableError UNAVAILABLE True", r.stdout)
         self.assertIn("Client: qtx.Client needs grpcio", r.stdout)
+        self.assertIn("per_parameter: {'a': 0.5}", r.stdout)
 
 
 if __name__ == "__main__":

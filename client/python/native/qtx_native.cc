@@ -368,6 +368,30 @@ class NativeSession {
     return Unwrap(client_->OffloadOptimizerState(c, inits)).num_parameters;
   }
 
+  // (name, pointer, dtype, shape) of each gradient in device memory.
+  using DeviceGradients =
+      std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>;
+
+  // What Step and GradNorm share: `grads` as tensors of registered device
+  // memory on `device` (made current), and `call` set to make qtxd wait for
+  // the work queued on `stream` so far (device's ready event, recorded now).
+  // Fails (FAILED_PRECONDITION) on a closed session. REQUIRES: mu_ held.
+  std::vector<qtx::OptimizerGradient> DeviceGradientsLocked(int device, uintptr_t stream,
+                                                            const DeviceGradients& grads,
+                                                            qtx::CallOptions& call) {
+    if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+    UseDevice(device);
+    std::vector<qtx::OptimizerGradient> g;
+    for (const auto& [name, ptr, dtype, shape] : grads) {
+      g.push_back({name, InputTensor(ptr, dtype, shape)});
+    }
+    Events& ev = EventsLocked(device);
+    CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
+              "cudaEventRecord");
+    call.cuda_wait_event = ev.ready->handle();
+    return g;
+  }
+
   // Client::Step with gradients in device memory and FP8 destinations in
   // device memory, ordered on `stream` by interprocess events: qtxd waits
   // for an event recorded on `stream` now (the gradients are written), and
@@ -377,21 +401,18 @@ class NativeSession {
   // lr < 0 / max_grad_norm <= 0: not set; clip_factor / skip: the caller's
   // decisions of a two-phase step (sent as given: qtxd checks them). Returns
   // the statistics as a dict.
-  py::dict Step(
-      int device, uintptr_t stream, const std::string& group, int64_t step,
-      const std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>& grads,
-      const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
-      double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor, bool skip) {
+  py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
+                const DeviceGradients& grads,
+                const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
+                double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor,
+                bool skip) {
     qtx::OptimizerStepResult r;
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> l(mu_);
-      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
-      UseDevice(device);
-      std::vector<qtx::OptimizerGradient> g;
-      for (const auto& [name, ptr, dtype, shape] : grads) {
-        g.push_back({name, InputTensor(ptr, dtype, shape)});
-      }
+      qtx::CallOptions call;
+      const std::vector<qtx::OptimizerGradient> g =
+          DeviceGradientsLocked(device, stream, grads, call);
       qtx::StepOptions o;
       if (lr >= 0) o.lr = lr;
       if (max_grad_norm > 0) o.max_grad_norm = max_grad_norm;
@@ -405,10 +426,6 @@ class NativeSession {
         o.destinations.push_back(std::move(d));
       }
       Events& ev = EventsLocked(device);
-      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
-                "cudaEventRecord");
-      qtx::CallOptions call;
-      call.cuda_wait_event = ev.ready->handle();
       call.cuda_signal_event = ev.done->handle();
       r = Unwrap(client_->Step(group, step, g, o, call));
       CheckCuda(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev.done->get(), 0),
@@ -429,24 +446,15 @@ class NativeSession {
   // qtxd reads them after the work queued on `stream` so far; the host
   // returns with qtxd's answer (every gradient was read by then). Returns
   // {step, sum_squares, non_finite, grad_norm, step_processed}.
-  py::dict GradNorm(
-      int device, uintptr_t stream, const std::string& group, int64_t step,
-      const std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>& grads) {
+  py::dict GradNorm(int device, uintptr_t stream, const std::string& group, int64_t step,
+                    const DeviceGradients& grads) {
     qtx::GradNormResult r;
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> l(mu_);
-      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
-      UseDevice(device);
-      std::vector<qtx::OptimizerGradient> g;
-      for (const auto& [name, ptr, dtype, shape] : grads) {
-        g.push_back({name, InputTensor(ptr, dtype, shape)});
-      }
-      Events& ev = EventsLocked(device);
-      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
-                "cudaEventRecord");
       qtx::CallOptions call;
-      call.cuda_wait_event = ev.ready->handle();
+      const std::vector<qtx::OptimizerGradient> g =
+          DeviceGradientsLocked(device, stream, grads, call);
       r = Unwrap(client_->GradNorm(group, step, g, {}, call));
     }
     py::dict d;

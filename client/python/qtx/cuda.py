@@ -352,25 +352,6 @@ def _choice(value, table, name):
     return table[value]
 
 
-def _per_parameter(values, names, what):
-    """{name: value} from None, a {name: value} dict or one value (or None)
-    per parameter in order (as qtx.optimizer.per_parameter, which needs the
-    generated stubs). ValueError naming `what` otherwise."""
-    if values is None:
-        return {}
-    if hasattr(values, "items"):
-        unknown = sorted(set(values) - set(names))
-        if unknown:
-            raise ValueError("%s: %s: not a parameter of the group (parameters: %s)"
-                             % (what, unknown, list(names)))
-        return {n: v for n, v in values.items() if v is not None}
-    values = list(values)
-    if len(values) != len(names):
-        raise ValueError("%s: %d values for %d parameters; give one per parameter (None for the "
-                         "group's) or a {name: value} dict" % (what, len(values), len(names)))
-    return {n: v for n, v in zip(names, values) if v is not None}
-
-
 def quantize_config(mode="1d", format="e4m3", rowwise=True, columnwise=False, pow2_scales=True,
                     amax_epsilon=0.0):
     """(mode, format, rowwise, columnwise, pow2, eps) numbers, checked."""
@@ -1192,13 +1173,14 @@ class Session:
                                         % (name, a.dtype))
                 shape, data = a.shape, a.tobytes()
             params.append((str(name), data, list(shape)))
+        from qtx.optimizer import per_parameter  # numpy; no grpc needed
         names = [p[0] for p in params]
         own = []
         for what, values in (("weight_decays", weight_decays), ("lr_scales", lr_scales)):
             try:
-                own.append(_per_parameter(values, names, what))
+                own.append(per_parameter(values, names, what))
             except ValueError as e:
-                raise ArgumentError(str(e))
+                raise ArgumentError(str(e)) from None
         hyper = [(own[0].get(n), own[1].get(n)) for n in names]
         n = self._native.offload_optimizer_state(
             group, params, (float(lr), float(betas[0]), float(betas[1]), float(eps),
@@ -1209,28 +1191,22 @@ class Session:
         self._groups[group] = (mode, format, cfg, {p[0]: tuple(p[2]) for p in params})
         return n
 
-    def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
-             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False):
-        """AdamW step `step` of a group offloaded through this session, with
-        the gradients in device memory ({name: CUDA tensor}, float32 /
-        bfloat16 / float16, contiguous, the parameter's shape) and the FP8
-        parameters written into device memory: out={name: QuantizedTensor or
-        {field: tensor}}, else pooled. Stream order: qtxd reads the gradients
-        after the work queued on the stream before the call (an interprocess
-        event), and later work on the stream sees the outputs. The host waits
-        for qtxd's answer (the statistics need the gradients), not for the
-        outputs. clip_factor / skip: the second phase of a two-phase step
-        (see grad_norm), as qtx.Client.step takes them. Returns (stats dict,
-        {name: QuantizedTensor})."""
+    def _gradients(self, group, gradients, stream):
+        """The gradients of step() and grad_norm(), checked before anything
+        is submitted (ArgumentError): {name: CUDA tensor} (or pairs), one or
+        more parameters of a group offloaded through this session, each a
+        contiguous float32/bfloat16/float16 tensor of the parameter's shape,
+        all on one device. Returns (the group's (mode, format, config,
+        {name: shape}), [(name, CudaArray)], device, stream)."""
         known = self._groups.get(group)
         if known is None:
             raise ArgumentError("group %r: not offloaded through this session "
                                 "(offload_optimizer_state)" % group)
-        mode, fmt, cfg, shapes = known
+        shapes = known[3]
         items = list(gradients.items() if hasattr(gradients, "items") else gradients)
         if not items:
             raise ArgumentError("gradients: empty; one per parameter")
-        grads, dests, results, device, s = [], [], {}, None, None
+        parsed, device, s = [], None, None
         for name, g in items:
             a, sg = self._input(g, "gradient %s" % name, stream)
             if s is None:
@@ -1246,6 +1222,25 @@ class Session:
             if tuple(a.shape) != shapes[name]:
                 raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
                                     % (name, list(a.shape), list(shapes[name])))
+            parsed.append((name, a))
+        return known, parsed, device, s
+
+    def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
+             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False):
+        """AdamW step `step` of a group offloaded through this session, with
+        the gradients in device memory ({name: CUDA tensor}, float32 /
+        bfloat16 / float16, contiguous, the parameter's shape) and the FP8
+        parameters written into device memory: out={name: QuantizedTensor or
+        {field: tensor}}, else pooled. Stream order: qtxd reads the gradients
+        after the work queued on the stream before the call (an interprocess
+        event), and later work on the stream sees the outputs. The host waits
+        for qtxd's answer (the statistics need the gradients), not for the
+        outputs. clip_factor / skip: the second phase of a two-phase step
+        (see grad_norm), as qtx.Client.step takes them. Returns (stats dict,
+        {name: QuantizedTensor})."""
+        (mode, fmt, cfg, _), parsed, device, s = self._gradients(group, gradients, stream)
+        grads, dests, results = [], [], {}
+        for name, a in parsed:
             grads.append((name, a.ptr, a.dtype, list(a.shape)))
             lay = layout(a.shape, cfg[0])
             o = None if out is None else out.get(name)
@@ -1271,31 +1266,8 @@ class Session:
         grad_norm, step_processed. Add sum_squares and or non_finite over
         every group of every rank (e.g. a torch.distributed all_reduce), then
         step(..., clip_factor=..., skip=...) on each."""
-        known = self._groups.get(group)
-        if known is None:
-            raise ArgumentError("group %r: not offloaded through this session "
-                                "(offload_optimizer_state)" % group)
-        shapes = known[3]
-        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
-        if not items:
-            raise ArgumentError("gradients: empty; one per parameter")
-        grads, device, s = [], None, None
-        for name, g in items:
-            a, sg = self._input(g, "gradient %s" % name, stream)
-            if s is None:
-                device, s = a.device, sg
-            elif a.device != device:
-                raise ArgumentError("gradient %s: on cuda:%d, the others on cuda:%d"
-                                    % (name, a.device, device))
-            if a.dtype not in INPUT_DTYPES or not a.contiguous:
-                raise ArgumentError("gradient %s: a contiguous float32/bfloat16/float16 tensor"
-                                    % name)
-            if name not in shapes:
-                raise ArgumentError("gradient %s: no such parameter in group %r" % (name, group))
-            if tuple(a.shape) != shapes[name]:
-                raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
-                                    % (name, list(a.shape), list(shapes[name])))
-            grads.append((name, a.ptr, a.dtype, list(a.shape)))
+        _, parsed, device, s = self._gradients(group, gradients, stream)
+        grads = [(name, a.ptr, a.dtype, list(a.shape)) for name, a in parsed]
         return self._native.grad_norm(device, s, group, int(step), grads)
 
     def synchronize(self):

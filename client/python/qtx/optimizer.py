@@ -5,6 +5,10 @@ semantics (AdamW as torch.optim.AdamW in the operation order of
 kernels/adamw.h, idempotent step numbers, atomic checkpoints) are those of
 proto/qtx/v1/optimizer.proto. Every type keeps the message it came from in
 ``proto`` where there is one.
+
+The argument helpers (per_parameter) serve qtx.cuda too, which runs without
+grpcio and protobuf: this module imports without the generated stubs, and
+only the proto conversions need them.
 """
 
 import dataclasses
@@ -12,13 +16,18 @@ import math
 
 import numpy as np
 
-from qtx.v1 import optimizer_pb2, quantizer_pb2, tensor_pb2
+try:  # the generated stubs; absent on a qtx.cuda-only host
+    from qtx.v1 import optimizer_pb2, quantizer_pb2, tensor_pb2
+except ImportError:
+    optimizer_pb2 = quantizer_pb2 = tensor_pb2 = None
 
-MOMENT_DTYPES = {"float32": optimizer_pb2.MOMENT_DTYPE_FLOAT32,
-                 "bfloat16": optimizer_pb2.MOMENT_DTYPE_BFLOAT16}
-OUTPUTS = {"fp8": optimizer_pb2.PARAMETER_FORMAT_FP8, "bf16": optimizer_pb2.PARAMETER_FORMAT_BF16}
-_MODE_NAMES = {quantizer_pb2.BLOCK_1D: "1d", quantizer_pb2.BLOCK_2D: "2d"}
-_FORMAT_NAMES = {quantizer_pb2.E4M3: "e4m3", quantizer_pb2.E5M2: "e5m2"}
+if optimizer_pb2 is not None:
+    MOMENT_DTYPES = {"float32": optimizer_pb2.MOMENT_DTYPE_FLOAT32,
+                     "bfloat16": optimizer_pb2.MOMENT_DTYPE_BFLOAT16}
+    OUTPUTS = {"fp8": optimizer_pb2.PARAMETER_FORMAT_FP8,
+               "bf16": optimizer_pb2.PARAMETER_FORMAT_BF16}
+    _MODE_NAMES = {quantizer_pb2.BLOCK_1D: "1d", quantizer_pb2.BLOCK_2D: "2d"}
+    _FORMAT_NAMES = {quantizer_pb2.E4M3: "e4m3", quantizer_pb2.E5M2: "e5m2"}
 
 
 @dataclasses.dataclass
@@ -240,7 +249,8 @@ def state_tensor_to_proto(x, what, tensor_to_proto, is_torch):
 def per_parameter(values, names, what):
     """{name: value} from a per-parameter argument: None, a {name: value}
     mapping (any subset of the parameters) or a sequence with one value (or
-    None) per parameter, in order. ValueError naming `what` otherwise."""
+    None) per parameter, in order. ValueError naming `what` otherwise. The
+    one check of weight_decays / lr_scales for qtx.Client and qtx.cuda."""
     if values is None:
         return {}
     if hasattr(values, "items"):
@@ -270,3 +280,4 @@ def parameters_from_arg(parameters):
             out.append(dataclasses.replace(value, name=name) if isinstance(value, ParameterInit)
                        else ParameterInit(name, value))
     return out
+
