@@ -337,24 +337,17 @@ class TorchStateTest(unittest.TestCase):
         self.assertIn("bias_correction=False", str(cm.exception))
 
 
-def main():
-    global ARGS, qtx, torch
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--qtxd", required=True)
-    parser.add_argument("--python_dir", required=True)
-    ARGS, rest = parser.parse_known_args()
-    sys.path.insert(0, ARGS.python_dir)
-    import qtx as qtx_pkg
-    qtx = qtx_pkg
-    try:
-        import torch as torch_mod
+if __name__ == "__main__":
+    try:  # module globals, as the tests use them
+        import torch
     except ImportError:
         print("SKIP: torch is not importable (Debian: apt-get install python3-torch)")
         sys.exit(77)
-    torch = torch_mod
     torch.set_num_threads(1)
+    p = argparse.ArgumentParser()
+    for flag in ("--qtxd", "--python_dir"):
+        p.add_argument(flag, required=True)
+    ARGS, rest = p.parse_known_args()
+    sys.path.insert(0, ARGS.python_dir)
+    import qtx
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
-
-
-if __name__ == "__main__":
-    main()
