@@ -101,7 +101,8 @@ def dtype_name(x):
 def reference(x, mode="1d", fmt="e4m3", rowwise=True, columnwise=True, pow2=True, eps=0.0):
     """{field: bytes} from the CPU qtxd for the same input bytes."""
     r = SERVERS["ref"].quantize_host(host_bytes(x), DT[dtype_name(x)], list(x.shape),
-                                     {"1d": 1, "2d": 2}[mode], {"e4m3": 1, "e5m2": 2}[fmt],
+                                     {"1d": 1, "2d": 2, "tensor": 3}[mode],
+                                     {"e4m3": 1, "e5m2": 2}[fmt],
                                      rowwise, columnwise, pow2, eps)
     return {k: bytes(v[0]) for k, v in r.items()}
 
@@ -148,6 +149,9 @@ def numpy_dequantize(q, which):
     lay = qcuda.layout(q.shape, q.mode)
     scale = scale.reshape(lay[which + "_scale_inv"])
     vals = TABLES[q.format][data]
+    if q.mode == "tensor":  # one scale for the whole tensor (docs/numerics.md §9)
+        vals = (vals * scale[0]).astype(np.float32)
+        return vals.reshape(m, n) if which == "rowwise" else vals.reshape(n, m).T.copy()
     if which == "rowwise":
         vals = vals.reshape(m, n)
         i, j = np.meshgrid(np.arange(m), np.arange(n), indexing="ij")
@@ -172,7 +176,9 @@ class TorchQuantizeTest(unittest.TestCase):
         cases = [((256, 1024), torch.bfloat16, "1d", "e4m3"),
                  ((3, 100, 384), torch.float32, "1d", "e5m2"),
                  ((130, 260), torch.float16, "2d", "e4m3"),
-                 ((512, 640), torch.bfloat16, "2d", "e5m2")]
+                 ((512, 640), torch.bfloat16, "2d", "e5m2"),
+                 ((300, 520), torch.bfloat16, "tensor", "e4m3"),
+                 ((3, 100, 384), torch.float32, "tensor", "e5m2")]
         for alloc in ("framework", "pool"):
             self.check_bit_exact(g, cases, alloc)
 
@@ -185,6 +191,9 @@ class TorchQuantizeTest(unittest.TestCase):
                 self.assertIsInstance(q.rowwise_data, torch.Tensor)
                 self.assertEqual(q.rowwise_data.dtype, torch.uint8)
                 self.assertEqual(q.rowwise_scale_inv.dtype, torch.float32)
+                if mode == "tensor":  # the [1] of docs/numerics.md §9, not [1, 1]
+                    self.assertEqual(tuple(q.rowwise_scale_inv.shape), (1,))
+                    self.assertEqual(tuple(q.columnwise_scale_inv.shape), (1,))
                 # Where the outputs came from: the session's pool, or PyTorch's allocator.
                 chunks = [(c.ptr, c.ptr + c.nbytes) for c in s.pool._chunks]
                 in_pool = any(lo <= q.rowwise_data.data_ptr() < hi for lo, hi in chunks)
@@ -204,6 +213,10 @@ class TorchQuantizeTest(unittest.TestCase):
             q = s.quantize(x, pow2_scales=False, amax_epsilon=1e-3)
             assert_matches(self, q, reference(x, "1d", "e4m3", True, False, False, 1e-3),
                            "pow2=False eps=1e-3 " + alloc)
+            # TransformerEngine's current-scaling bytes: scales not rounded to powers of 2.
+            q = s.quantize(x, mode="tensor", pow2_scales=False, columnwise=True)
+            assert_matches(self, q, reference(x, "tensor", "e4m3", True, True, False),
+                           "tensor pow2=False " + alloc)
             # float8 out= views and the stream= argument take the same fast path.
             lay = qcuda.layout((256, 512))
             out = {"rowwise_data": torch.empty(lay["rowwise_data"], dtype=torch.float8_e4m3fn,
@@ -363,7 +376,7 @@ class CupyAndProtocolsTest(unittest.TestCase):
 class DequantizeTest(unittest.TestCase):
     def test_bit_exact(self):
         with session() as s:
-            for mode in ("1d", "2d"):
+            for mode in ("1d", "2d", "tensor"):
                 x = torch.randn(260, 384, device="cuda") * 5
                 q = s.quantize(x, mode=mode, columnwise=True)
                 y32 = s.dequantize(q, dtype="float32")
@@ -379,6 +392,18 @@ class DequantizeTest(unittest.TestCase):
                 np.testing.assert_array_equal(y32.cpu().numpy(), want)
                 self.assertTrue(torch.equal(ybf, torch.from_numpy(want).to("cuda").bfloat16()))
                 np.testing.assert_array_equal(yc.cpu().numpy(), numpy_dequantize(q, "columnwise"))
+                if mode == "tensor":
+                    # A per-tensor scale of any one-element shape; two elements are refused.
+                    q11 = qcuda.QuantizedTensor(q.shape, mode, "e4m3", rowwise_data=q.rowwise_data,
+                                                rowwise_scale_inv=q.rowwise_scale_inv.view(1, 1))
+                    y11 = s.dequantize(q11, dtype="float32")
+                    s.synchronize()
+                    np.testing.assert_array_equal(y11.cpu().numpy(), want)
+                    q2 = qcuda.QuantizedTensor(q.shape, mode, "e4m3", rowwise_data=q.rowwise_data,
+                                               rowwise_scale_inv=torch.ones(2, device="cuda"))
+                    with self.assertRaises(qcuda.ArgumentError) as cm:
+                        s.dequantize(q2)
+                    self.assertIn("expected [1]", str(cm.exception))
 
 
 class StreamOrderTest(unittest.TestCase):

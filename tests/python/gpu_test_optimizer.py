@@ -74,6 +74,14 @@ class OptimizerStepTest(unittest.TestCase):
                 s.step("py-opt", 9, {n: torch.zeros(t.shape, device="cuda")
                                      for n, t in masters.items()})
 
+    def test_per_tensor_output_is_refused(self):
+        # mode='tensor' is a Quantize/Dequantize mode; qtxd's Optimizer refuses it at offload.
+        with base.session() as s:
+            with self.assertRaises(base.qtx.errors.InvalidArgumentError) as cm:
+                s.offload_optimizer_state("py-opt-tensor", {"w": base.torch.zeros(128, 256)},
+                                          mode="tensor")
+            self.assertIn("TENSOR", str(cm.exception))
+
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

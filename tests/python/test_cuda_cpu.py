@@ -109,6 +109,22 @@ class ConfigAndLayoutTest(unittest.TestCase):
         with self.assertRaises(qcuda.ArgumentError):
             qcuda.layout([4, -1], "1d")
 
+    def test_layout_tensor(self):
+        # Per-tensor current scaling: one scale_inv of shape [1] per copy
+        # (docs/numerics.md §9), not the (1, 1) of the C++ QuantizedLayout.
+        lay = qcuda.layout([2, 150, 520], "tensor")
+        self.assertEqual((lay["m"], lay["n"]), (300, 520))
+        self.assertEqual(lay["rowwise_data"], (300, 520))
+        self.assertEqual(lay["columnwise_data"], (520, 300))
+        self.assertEqual(lay["rowwise_scale_inv"], (1,))
+        self.assertEqual(lay["columnwise_scale_inv"], (1,))
+        empty = qcuda.layout([0, 128], "tensor")  # still one scale per copy
+        self.assertEqual((empty["rowwise_data"], empty["rowwise_scale_inv"]), ((0, 128), (1,)))
+        self.assertEqual(qcuda.layout([128, 128], qcuda._MODES["tensor"]), qcuda.layout(
+            [128, 128], "tensor"))
+        self.assertEqual(qcuda.quantize_config("tensor", "e5m2", True, True, False),
+                         (3, 2, True, True, False, 0.0))
+
     def test_field_dtypes(self):
         self.assertTrue(qcuda._field_dtype_ok("rowwise_data", qcuda.UINT8, 1))
         self.assertTrue(qcuda._field_dtype_ok("rowwise_data", qcuda.FLOAT8_E4M3, 1))
@@ -272,6 +288,13 @@ class TorchCpuInputTest(unittest.TestCase):
         self.assertIn("masters are float32", str(cm.exception))
         with self.assertRaises(qcuda.ArgumentError):
             s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, mode="3d")
+        # Per-parameter settings: qtx.optimizer.per_parameter's checks, as qtx.Client's.
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, weight_decays=[0.1, 0.2])
+        self.assertIn("weight_decays: 2 values for 1 parameters", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, lr_scales={"v": 2.0})
+        self.assertIn("lr_scales: ['v']: not a parameter of the group", str(cm.exception))
         # A known group (as offload would record it): gradient checks.
         cfg = qcuda.quantize_config("2d", "e4m3", True, True)
         s._groups["g"] = ("2d", "e4m3", cfg, {"w": (4, 256)})
@@ -323,6 +346,10 @@ class FakeNative:
 
     def __init__(self):
         self.calls = []
+
+    def dequantize(self, *args):
+        self.calls.append(("dequantize", args))
+        return 19
 
     def quantize_into(self, *args):
         self.calls.append(("quantize_into", args))
@@ -434,6 +461,62 @@ class FastPathTest(unittest.TestCase):
             args = self.native.calls[-1][1]
             self.assertEqual(self.native.calls[-1][0], "quantize_into")
             self.assertEqual(args[15:], (0, 0, 0, 0))
+
+    def test_tensor_mode_outputs(self):
+        # mode='tensor': out= scales of shape [1] take the fast path (4 bytes each).
+        x = self.cuda(torch.zeros(3, 100, 384, dtype=torch.float32))
+        out = self.outs((3, 100, 384), "tensor")
+        self.assertEqual(tuple(out["rowwise_scale_inv"].shape), (1,))
+        q = self.s.quantize(x, mode="tensor", format="e5m2", columnwise=True, out=out, stream=5)
+        name, args = self.native.calls[-1]
+        self.assertEqual(name, "quantize_into")
+        self.assertEqual(args[5:11], (3, 2, True, True, True, 0.0))
+        self.assertEqual(list(args[12::2]), [300 * 384, 4, 384 * 300, 4])
+        self.assertEqual(q.mode, "tensor")
+        self.assertIs(q.columnwise_scale_inv, out["columnwise_scale_inv"])
+        # [1, 1] scales are not the layout: the checked path names the expected [1].
+        bad = self.outs((3, 100, 384), "tensor",
+                        rowwise_scale_inv=self.cuda(torch.zeros(1, 1)))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            self.s.quantize(x, mode="tensor", columnwise=True, out=bad, stream=5)
+        self.assertIn("out.rowwise_scale_inv: shape [1, 1], expected [1]", str(cm.exception))
+        # Framework outputs: PyTorch is asked for [1] scales.
+        got = []
+
+        def fake_empty(torch_, specs, device, s, current=False):
+            got.append(specs)
+            return [self.cuda(torch.zeros(shape, dtype=dt)) for shape, dt in specs]
+        self.s._torch_empty = fake_empty
+        q = self.s.quantize(x, mode="tensor", columnwise=True, stream=5)
+        self.assertEqual([shape for shape, _ in got[0]], [(300, 384), (1,), (384, 300), (1,)])
+        self.assertEqual(tuple(q.rowwise_scale_inv.shape), (1,))
+
+    def test_tensor_mode_dequantize_takes_any_one_element_scale(self):
+        data = self.cuda(torch.zeros(256, 512, dtype=torch.uint8))
+        out = self.cuda(torch.zeros(256, 512, dtype=torch.float32))
+        for shape in ((1,), (1, 1), (1, 1, 1)):
+            q = qcuda.QuantizedTensor((256, 512), "tensor", "e4m3", rowwise_data=data,
+                                      rowwise_scale_inv=self.cuda(torch.ones(shape)))
+            self.assertIs(self.s.dequantize(q, dtype="float32", out=out, stream=5), out)
+            name, args = self.native.calls[-1]
+            self.assertEqual(name, "dequantize")
+            # (device, stream, shape, mode, format, bufs, shapes, ...): the scale's own shape.
+            self.assertEqual((args[3], args[6][1]), (3, list(shape)))
+            self.assertEqual(args[5][1][1], 4)
+        n = len(self.native.calls)
+        for bad in ((2,), (1, 2), (0,)):
+            q = qcuda.QuantizedTensor((256, 512), "tensor", "e4m3", rowwise_data=data,
+                                      rowwise_scale_inv=self.cuda(torch.ones(bad)))
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                self.s.dequantize(q, dtype="float32", out=out, stream=5)
+            self.assertIn("rowwise_scale_inv: shape %s, expected [1]" % list(bad),
+                          str(cm.exception))
+        # A block mode still wants its exact 2-D scale shape.
+        q = qcuda.QuantizedTensor((256, 512), "1d", "e4m3", rowwise_data=data,
+                                  rowwise_scale_inv=self.cuda(torch.ones(1)))
+        with self.assertRaises(qcuda.ArgumentError):
+            self.s.dequantize(q, dtype="float32", out=out, stream=5)
+        self.assertEqual(len(self.native.calls), n)
 
     def test_bad_out_tensors_fall_back_to_the_checked_path(self):
         x = self.cuda(torch.zeros(256, 512, dtype=torch.float32))
@@ -623,8 +706,8 @@ class CommandLineTest(unittest.TestCase):
             "import sys\n"
             "class Block:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'grpc' or name.startswith('grpc.'):\n"
-            "            raise ImportError('no grpc here')\n"
+            "        if name.split('.')[0] == 'grpc' or name.startswith('google.protobuf'):\n"
+            "            raise ImportError('no grpc or protobuf here')\n"
             "sys.meta_path.insert(0, Block())\n"
             "import qtx, qtx.cuda\n"
             "e = qtx.errors.from_status(14, 'gone')\n"
@@ -632,12 +715,15 @@ class CommandLineTest(unittest.TestCase):
             "try:\n"
             "    qtx.Client\n"
             "except ImportError as err:\n"
-            "    print('Client:', err)\n")
+            "    print('Client:', err)\n"
+            "from qtx.optimizer import per_parameter\n"  # what qtx.cuda's offload uses
+            "print('per_parameter:', per_parameter([0.5, None], ['a', 'b'], 'w'))\n")
         r = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True,
                            text=True, timeout=60)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("UnavailableError UNAVAILABLE True", r.stdout)
         self.assertIn("Client: qtx.Client needs grpcio", r.stdout)
+        self.assertIn("per_parameter: {'a': 0.5}", r.stdout)
 
 
 if __name__ == "__main__":

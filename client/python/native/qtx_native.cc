@@ -206,8 +206,9 @@ class NativeSession {
   }
 
   // Submits a dequantization. `bufs`: the four buffers of the quantized
-  // tensor (None when absent), `scale_shapes` their 2-D shapes
-  // ([rows, cols] x 4, ignored for absent ones).
+  // tensor (None when absent), `shapes` their shapes (as qtx.cuda.layout
+  // gives them: [rows, cols], or [1] for a TENSOR scale; ignored for absent
+  // ones).
   uint64_t Dequantize(int device, uintptr_t stream, const std::vector<int64_t>& shape, int mode,
                       int format, const std::vector<Buf>& bufs,
                       const std::vector<std::vector<int64_t>>& shapes, int out_dtype, uintptr_t out,
@@ -367,6 +368,30 @@ class NativeSession {
     return Unwrap(client_->OffloadOptimizerState(c, inits)).num_parameters;
   }
 
+  // (name, pointer, dtype, shape) of each gradient in device memory.
+  using DeviceGradients =
+      std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>;
+
+  // What Step and GradNorm share: `grads` as tensors of registered device
+  // memory on `device` (made current), and `call` set to make qtxd wait for
+  // the work queued on `stream` so far (device's ready event, recorded now).
+  // Fails (FAILED_PRECONDITION) on a closed session. REQUIRES: mu_ held.
+  std::vector<qtx::OptimizerGradient> DeviceGradientsLocked(int device, uintptr_t stream,
+                                                            const DeviceGradients& grads,
+                                                            qtx::CallOptions& call) {
+    if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
+    UseDevice(device);
+    std::vector<qtx::OptimizerGradient> g;
+    for (const auto& [name, ptr, dtype, shape] : grads) {
+      g.push_back({name, InputTensor(ptr, dtype, shape)});
+    }
+    Events& ev = EventsLocked(device);
+    CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
+              "cudaEventRecord");
+    call.cuda_wait_event = ev.ready->handle();
+    return g;
+  }
+
   // Client::Step with gradients in device memory and FP8 destinations in
   // device memory, ordered on `stream` by interprocess events: qtxd waits
   // for an event recorded on `stream` now (the gradients are written), and
@@ -376,21 +401,18 @@ class NativeSession {
   // lr < 0 / max_grad_norm <= 0: not set; clip_factor / skip: the caller's
   // decisions of a two-phase step (sent as given: qtxd checks them). Returns
   // the statistics as a dict.
-  py::dict Step(
-      int device, uintptr_t stream, const std::string& group, int64_t step,
-      const std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>& grads,
-      const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
-      double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor, bool skip) {
+  py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
+                const DeviceGradients& grads,
+                const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
+                double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor,
+                bool skip) {
     qtx::OptimizerStepResult r;
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> l(mu_);
-      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
-      UseDevice(device);
-      std::vector<qtx::OptimizerGradient> g;
-      for (const auto& [name, ptr, dtype, shape] : grads) {
-        g.push_back({name, InputTensor(ptr, dtype, shape)});
-      }
+      qtx::CallOptions call;
+      const std::vector<qtx::OptimizerGradient> g =
+          DeviceGradientsLocked(device, stream, grads, call);
       qtx::StepOptions o;
       if (lr >= 0) o.lr = lr;
       if (max_grad_norm > 0) o.max_grad_norm = max_grad_norm;
@@ -404,10 +426,6 @@ class NativeSession {
         o.destinations.push_back(std::move(d));
       }
       Events& ev = EventsLocked(device);
-      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
-                "cudaEventRecord");
-      qtx::CallOptions call;
-      call.cuda_wait_event = ev.ready->handle();
       call.cuda_signal_event = ev.done->handle();
       r = Unwrap(client_->Step(group, step, g, o, call));
       CheckCuda(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev.done->get(), 0),
@@ -428,24 +446,15 @@ class NativeSession {
   // qtxd reads them after the work queued on `stream` so far; the host
   // returns with qtxd's answer (every gradient was read by then). Returns
   // {step, sum_squares, non_finite, grad_norm, step_processed}.
-  py::dict GradNorm(
-      int device, uintptr_t stream, const std::string& group, int64_t step,
-      const std::vector<std::tuple<std::string, uintptr_t, int, std::vector<int64_t>>>& grads) {
+  py::dict GradNorm(int device, uintptr_t stream, const std::string& group, int64_t step,
+                    const DeviceGradients& grads) {
     qtx::GradNormResult r;
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> l(mu_);
-      if (!client_ || !cache_) Throw(absl::FailedPreconditionError("the session is closed"));
-      UseDevice(device);
-      std::vector<qtx::OptimizerGradient> g;
-      for (const auto& [name, ptr, dtype, shape] : grads) {
-        g.push_back({name, InputTensor(ptr, dtype, shape)});
-      }
-      Events& ev = EventsLocked(device);
-      CheckCuda(cudaEventRecord(ev.ready->get(), reinterpret_cast<cudaStream_t>(stream)),
-                "cudaEventRecord");
       qtx::CallOptions call;
-      call.cuda_wait_event = ev.ready->handle();
+      const std::vector<qtx::OptimizerGradient> g =
+          DeviceGradientsLocked(device, stream, grads, call);
       r = Unwrap(client_->GradNorm(group, step, g, {}, call));
     }
     py::dict d;
@@ -725,16 +734,23 @@ PYBIND11_MODULE(_native, m) {
   m.def("event_destroy", &EventDestroy);
   m.def("stream_wait_event", &StreamWaitEvent);
   m.def("pointer_device", &PointerDevice);
+  // {field: shape} of quantizing `shape` with `mode`: 2-D (rows, cols) for
+  // the data and the block scales; TENSOR's scale_inv is (1,), the [1] of
+  // docs/numerics.md §9 (QuantizedLayout counts it as one 1x1 buffer).
   m.def("layout", [](int mode, const std::vector<int64_t>& shape) {
-    const qtx::QuantizedLayout l =
-        Unwrap(qtx::ComputeQuantizedLayout(static_cast<qtx::ScalingMode>(mode), shape));
+    const auto scaling = static_cast<qtx::ScalingMode>(mode);
+    const qtx::QuantizedLayout l = Unwrap(qtx::ComputeQuantizedLayout(scaling, shape));
+    const auto scale_shape = [scaling](int64_t rows, int64_t cols) {
+      return scaling == qtx::ScalingMode::kTensor ? py::make_tuple(rows * cols)
+                                                  : py::make_tuple(rows, cols);
+    };
     py::dict d;
     d["m"] = l.m;
     d["n"] = l.n;
     d["rowwise_data"] = py::make_tuple(l.rowwise_data_rows, l.rowwise_data_cols);
-    d["rowwise_scale_inv"] = py::make_tuple(l.rowwise_scale_rows, l.rowwise_scale_cols);
+    d["rowwise_scale_inv"] = scale_shape(l.rowwise_scale_rows, l.rowwise_scale_cols);
     d["columnwise_data"] = py::make_tuple(l.columnwise_data_rows, l.columnwise_data_cols);
-    d["columnwise_scale_inv"] = py::make_tuple(l.columnwise_scale_rows, l.columnwise_scale_cols);
+    d["columnwise_scale_inv"] = scale_shape(l.columnwise_scale_rows, l.columnwise_scale_cols);
     return d;
   });
 }

@@ -11,7 +11,9 @@ bfloat16, float16) when torch is importable; outputs are numpy arrays, or
 torch tensors when the input was one. Layouts are the C++ client's (README:
 rowwise [M, N] u8, columnwise [N, M] u8, FP32 scale_inv with padded rows).
 The Optimizer calls (offload_optimizer_state, step, get_state, checkpoints,
-release_group, list_optimizer_groups) use the types of ``qtx.optimizer``.
+release_group, list_optimizer_groups) use the types of ``qtx.optimizer``;
+optimizer_state_dict / load_optimizer_state_dict move a group's state in and
+out in torch.optim.AdamW's state_dict form.
 Every failure raises a ``qtx.errors.QtxError`` subclass named after its gRPC
 code. A Client is safe for concurrent use by several threads.
 """
@@ -419,6 +421,44 @@ class Client:
                 st.exp_avg_sq = tensor_from_proto(p.exp_avg_sq)
             params[p.name] = st
         return opt.OptimizerState(opt.group_from_proto(resp.group), params)
+
+    def optimizer_state_dict(self, group, timeout=None):
+        """The group's state in torch.optim.AdamW.state_dict()'s form: a dict
+        that torch.optim.AdamW.load_state_dict takes (state: step, exp_avg,
+        exp_avg_sq per parameter index; param_groups: lr, betas, eps,
+        weight_decay, params, param_names, one per distinct per-parameter
+        weight decay / lr scale), plus "master_weights" {index: float32
+        tensor} and "qtx" {lr, weight_decay}. Needs torch. Layout and rules:
+        client/README.md (PyTorch section); qtx.optimizer.torch_state_dict."""
+        return opt.torch_state_dict(self.get_state(group, include_moments=True,
+                                                   timeout=timeout))
+
+    def load_optimizer_state_dict(self, group, state_dict, parameters=None, replace=True,
+                                  timeout=None, **output):
+        """Offloads `group` from a torch.optim.AdamW-style state_dict (one of
+        optimizer_state_dict, or torch's own; with replace=True, the default,
+        an existing group of that name is replaced, like load_state_dict
+        replaces an optimizer's state) and returns its OptimizerGroupInfo.
+        parameters: the master weights by name ({name: tensor} or (name,
+        tensor) pairs such as model.named_parameters(), in the optimizer's
+        parameter order when state_dict has no "param_names"); default:
+        state_dict["master_weights"]. output: offload_optimizer_state's
+        storage and output arguments (moment_dtype, output, mode, format,
+        rowwise, columnwise, pow2_scales, amax_epsilon, bf16_copy,
+        request_id); the AdamW settings and the step come from state_dict
+        (qtx.optimizer.from_torch_state_dict; rules in client/README.md)."""
+        allowed = {"moment_dtype", "output", "mode", "format", "rowwise", "columnwise",
+                   "pow2_scales", "amax_epsilon", "bf16_copy", "request_id"}
+        extra = sorted(set(output) - allowed)
+        if extra:
+            raise TypeError("load_optimizer_state_dict: unexpected arguments %s (the AdamW "
+                            "settings come from state_dict; allowed: %s)" % (extra, sorted(allowed)))
+        lr, betas, eps, weight_decay, step, params = opt.from_torch_state_dict(state_dict,
+                                                                               parameters)
+        return self.offload_optimizer_state(group, params, lr=lr, betas=betas, eps=eps,
+                                            weight_decay=weight_decay, bias_correction=True,
+                                            step=step, replace=replace, timeout=timeout,
+                                            **output)
 
     def save_checkpoint(self, group="", timeout=None, request_id=None):
         """Checkpoints `group` (empty: every group) into qtxd's

@@ -105,7 +105,9 @@ DTYPE_NAMES = {FLOAT32: "float32", BFLOAT16: "bfloat16", FLOAT16: "float16",
                FLOAT8_E4M3: "float8_e4m3fn", FLOAT8_E5M2: "float8_e5m2", UINT8: "uint8"}
 _ITEMSIZE = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2, FLOAT8_E4M3: 1, FLOAT8_E5M2: 1, UINT8: 1}
 INPUT_DTYPES = (FLOAT32, BFLOAT16, FLOAT16)
-_MODES = {"1d": 1, "2d": 2}
+# qtx.v1.ScalingMode: 1x128 blocks, 128x128 tiles, per-tensor current scaling
+# (docs/numerics.md §9: one scale_inv of shape [1] per copy).
+_MODES = {"1d": 1, "2d": 2, "tensor": 3}
 _FORMATS = {"e4m3": 1, "e5m2": 2}
 _OUT_DTYPES = {"float32": FLOAT32, "bfloat16": BFLOAT16, "float16": FLOAT16}
 _GATHER_MODES = {"exact_fp8": 1, "gather_high_precision": 2}
@@ -350,25 +352,6 @@ def _choice(value, table, name):
     return table[value]
 
 
-def _per_parameter(values, names, what):
-    """{name: value} from None, a {name: value} dict or one value (or None)
-    per parameter in order (as qtx.optimizer.per_parameter, which needs the
-    generated stubs). ValueError naming `what` otherwise."""
-    if values is None:
-        return {}
-    if hasattr(values, "items"):
-        unknown = sorted(set(values) - set(names))
-        if unknown:
-            raise ValueError("%s: %s: not a parameter of the group (parameters: %s)"
-                             % (what, unknown, list(names)))
-        return {n: v for n, v in values.items() if v is not None}
-    values = list(values)
-    if len(values) != len(names):
-        raise ValueError("%s: %d values for %d parameters; give one per parameter (None for the "
-                         "group's) or a {name: value} dict" % (what, len(values), len(names)))
-    return {n: v for n, v in zip(names, values) if v is not None}
-
-
 def quantize_config(mode="1d", format="e4m3", rowwise=True, columnwise=False, pow2_scales=True,
                     amax_epsilon=0.0):
     """(mode, format, rowwise, columnwise, pow2, eps) numbers, checked."""
@@ -383,9 +366,10 @@ def quantize_config(mode="1d", format="e4m3", rowwise=True, columnwise=False, po
 
 
 def layout(shape, mode="1d"):
-    """The 2-D shapes of the four buffers of quantizing a tensor of `shape`
+    """The shapes of the four buffers of quantizing a tensor of `shape`
     (flattened to [prod(shape[:-1]), shape[-1]]): {field: (rows, cols)} plus
-    'm' and 'n' (the C++ qtx::ComputeQuantizedLayout, docs/numerics.md §4.1)."""
+    'm' and 'n' (the C++ qtx::ComputeQuantizedLayout, docs/numerics.md §4.1);
+    mode 'tensor' has one scale per copy, of shape (1,) (§9)."""
     m = _choice(mode, _MODES, "mode") if isinstance(mode, str) else mode
     shape = [int(d) for d in shape]
     if not shape:
@@ -709,7 +693,8 @@ class QuantizedTensor:
     """A block-scaled FP8 tensor in device memory, with qtx.client's field
     names: shape (logical, of the high-precision tensor), mode, format,
     rowwise_data [M, N] uint8, rowwise_scale_inv float32 2-D, columnwise_data
-    [N, M] uint8, columnwise_scale_inv float32 2-D (absent copies: None).
+    [N, M] uint8, columnwise_scale_inv float32 2-D (absent copies: None); for
+    mode 'tensor' each scale_inv has shape [1] (docs/numerics.md §9).
     The tensors are valid on `stream` after the call (stream order); `op` is
     the channel's operation id (query() tells whether it has finished)."""
 
@@ -955,9 +940,12 @@ class Session:
                  pow2_scales=True, amax_epsilon=0.0, out=None, stream=None):
         """Submits the quantization of `x` (float32 / bfloat16 / float16,
         C-contiguous, [..., N]; leading dims flatten into M) and returns a
-        QuantizedTensor at once. out: a QuantizedTensor or {field: tensor}
-        with every requested buffer (uint8 or the format's float8 data,
-        float32 scales, shapes as qtx.cuda.layout), else pooled outputs."""
+        QuantizedTensor at once. mode: '1d' (1x128 blocks), '2d' (128x128
+        tiles) or 'tensor' (per-tensor current scaling: one scale_inv of
+        shape [1] per copy, docs/numerics.md §9). out: a QuantizedTensor or
+        {field: tensor} with every requested buffer (uint8 or the format's
+        float8 data, float32 scales, shapes as qtx.cuda.layout), else pooled
+        outputs."""
         cfg = _config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         torch = _torch()
         if torch is not None:
@@ -1047,7 +1035,9 @@ class Session:
     def dequantize(self, q, dtype="bfloat16", out=None, stream=None):
         """Submits the dequantization of `q` (its rowwise copy when present,
         else its columnwise copy) into `out` (a tensor of q.shape and
-        `dtype`) or a pooled tensor, returned at once."""
+        `dtype`) or a pooled tensor, returned at once. The buffers have the
+        shapes of qtx.cuda.layout; a mode 'tensor' scale_inv may have any
+        shape of one element (as qtxd's Dequantize takes it)."""
         odt = _choice(dtype, _OUT_DTYPES, "dtype")
         mode = _choice(getattr(q, "mode", None), _MODES, "q.mode")
         fmt = _choice(getattr(q, "format", None), _FORMATS, "q.format")
@@ -1071,12 +1061,17 @@ class Session:
                 bufs.append(None)
                 shapes.append([0, 0])
                 continue
-            p = self._out_tensor(t, "q." + f, lay[f],
+            want = lay[f]
+            if mode == _MODES["tensor"] and f.endswith("scale_inv"):
+                given = tuple(getattr(t, "shape", ()))
+                if given and math.prod(given) == 1:
+                    want = given  # any one-element shape: [1], [1, 1], ...
+            p = self._out_tensor(t, "q." + f, want,
                                  lambda d, f=f: _field_dtype_ok(f, d, fmt), a0.device,
                                  "float32" if f.endswith("scale_inv") else "uint8/float8")
             parsed[f] = p
             bufs.append((p.ptr, p.nbytes))
-            shapes.append(list(lay[f]))
+            shapes.append(list(want))
         blocks = []
         if out is not None:
             o = self._out_tensor(out, "out", shape, lambda d: d == odt, a0.device, dtype)
@@ -1159,7 +1154,8 @@ class Session:
         per (mode, format, rowwise, columnwise). weight_decays / lr_scales:
         per-parameter settings as qtx.Client.offload_optimizer_state takes
         them. Returns the parameter count. Then step() runs with gradients
-        and outputs in device memory."""
+        and outputs in device memory. mode: '2d' or '1d' (qtxd refuses
+        'tensor' for optimizer outputs with InvalidArgumentError)."""
         cfg = quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         params = []
         for name, t in (parameters.items() if hasattr(parameters, "items") else parameters):
@@ -1177,13 +1173,14 @@ class Session:
                                         % (name, a.dtype))
                 shape, data = a.shape, a.tobytes()
             params.append((str(name), data, list(shape)))
+        from qtx.optimizer import per_parameter  # numpy; no grpc needed
         names = [p[0] for p in params]
         own = []
         for what, values in (("weight_decays", weight_decays), ("lr_scales", lr_scales)):
             try:
-                own.append(_per_parameter(values, names, what))
+                own.append(per_parameter(values, names, what))
             except ValueError as e:
-                raise ArgumentError(str(e))
+                raise ArgumentError(str(e)) from None
         hyper = [(own[0].get(n), own[1].get(n)) for n in names]
         n = self._native.offload_optimizer_state(
             group, params, (float(lr), float(betas[0]), float(betas[1]), float(eps),
@@ -1194,28 +1191,22 @@ class Session:
         self._groups[group] = (mode, format, cfg, {p[0]: tuple(p[2]) for p in params})
         return n
 
-    def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
-             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False):
-        """AdamW step `step` of a group offloaded through this session, with
-        the gradients in device memory ({name: CUDA tensor}, float32 /
-        bfloat16 / float16, contiguous, the parameter's shape) and the FP8
-        parameters written into device memory: out={name: QuantizedTensor or
-        {field: tensor}}, else pooled. Stream order: qtxd reads the gradients
-        after the work queued on the stream before the call (an interprocess
-        event), and later work on the stream sees the outputs. The host waits
-        for qtxd's answer (the statistics need the gradients), not for the
-        outputs. clip_factor / skip: the second phase of a two-phase step
-        (see grad_norm), as qtx.Client.step takes them. Returns (stats dict,
-        {name: QuantizedTensor})."""
+    def _gradients(self, group, gradients, stream):
+        """The gradients of step() and grad_norm(), checked before anything
+        is submitted (ArgumentError): {name: CUDA tensor} (or pairs), one or
+        more parameters of a group offloaded through this session, each a
+        contiguous float32/bfloat16/float16 tensor of the parameter's shape,
+        all on one device. Returns (the group's (mode, format, config,
+        {name: shape}), [(name, CudaArray)], device, stream)."""
         known = self._groups.get(group)
         if known is None:
             raise ArgumentError("group %r: not offloaded through this session "
                                 "(offload_optimizer_state)" % group)
-        mode, fmt, cfg, shapes = known
+        shapes = known[3]
         items = list(gradients.items() if hasattr(gradients, "items") else gradients)
         if not items:
             raise ArgumentError("gradients: empty; one per parameter")
-        grads, dests, results, device, s = [], [], {}, None, None
+        parsed, device, s = [], None, None
         for name, g in items:
             a, sg = self._input(g, "gradient %s" % name, stream)
             if s is None:
@@ -1231,6 +1222,25 @@ class Session:
             if tuple(a.shape) != shapes[name]:
                 raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
                                     % (name, list(a.shape), list(shapes[name])))
+            parsed.append((name, a))
+        return known, parsed, device, s
+
+    def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
+             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False):
+        """AdamW step `step` of a group offloaded through this session, with
+        the gradients in device memory ({name: CUDA tensor}, float32 /
+        bfloat16 / float16, contiguous, the parameter's shape) and the FP8
+        parameters written into device memory: out={name: QuantizedTensor or
+        {field: tensor}}, else pooled. Stream order: qtxd reads the gradients
+        after the work queued on the stream before the call (an interprocess
+        event), and later work on the stream sees the outputs. The host waits
+        for qtxd's answer (the statistics need the gradients), not for the
+        outputs. clip_factor / skip: the second phase of a two-phase step
+        (see grad_norm), as qtx.Client.step takes them. Returns (stats dict,
+        {name: QuantizedTensor})."""
+        (mode, fmt, cfg, _), parsed, device, s = self._gradients(group, gradients, stream)
+        grads, dests, results = [], [], {}
+        for name, a in parsed:
             grads.append((name, a.ptr, a.dtype, list(a.shape)))
             lay = layout(a.shape, cfg[0])
             o = None if out is None else out.get(name)
@@ -1256,31 +1266,8 @@ class Session:
         grad_norm, step_processed. Add sum_squares and or non_finite over
         every group of every rank (e.g. a torch.distributed all_reduce), then
         step(..., clip_factor=..., skip=...) on each."""
-        known = self._groups.get(group)
-        if known is None:
-            raise ArgumentError("group %r: not offloaded through this session "
-                                "(offload_optimizer_state)" % group)
-        shapes = known[3]
-        items = list(gradients.items() if hasattr(gradients, "items") else gradients)
-        if not items:
-            raise ArgumentError("gradients: empty; one per parameter")
-        grads, device, s = [], None, None
-        for name, g in items:
-            a, sg = self._input(g, "gradient %s" % name, stream)
-            if s is None:
-                device, s = a.device, sg
-            elif a.device != device:
-                raise ArgumentError("gradient %s: on cuda:%d, the others on cuda:%d"
-                                    % (name, a.device, device))
-            if a.dtype not in INPUT_DTYPES or not a.contiguous:
-                raise ArgumentError("gradient %s: a contiguous float32/bfloat16/float16 tensor"
-                                    % name)
-            if name not in shapes:
-                raise ArgumentError("gradient %s: no such parameter in group %r" % (name, group))
-            if tuple(a.shape) != shapes[name]:
-                raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
-                                    % (name, list(a.shape), list(shapes[name])))
-            grads.append((name, a.ptr, a.dtype, list(a.shape)))
+        _, parsed, device, s = self._gradients(group, gradients, stream)
+        grads = [(name, a.ptr, a.dtype, list(a.shape)) for name, a in parsed]
         return self._native.grad_norm(device, s, group, int(step), grads)
 
     def synchronize(self):

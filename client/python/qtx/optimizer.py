@@ -5,6 +5,10 @@ semantics (AdamW as torch.optim.AdamW in the operation order of
 kernels/adamw.h, idempotent step numbers, atomic checkpoints) are those of
 proto/qtx/v1/optimizer.proto. Every type keeps the message it came from in
 ``proto`` where there is one.
+
+The argument helpers (per_parameter) serve qtx.cuda too, which runs without
+grpcio and protobuf: this module imports without the generated stubs, and
+only the proto conversions need them.
 """
 
 import dataclasses
@@ -12,13 +16,18 @@ import math
 
 import numpy as np
 
-from qtx.v1 import optimizer_pb2, quantizer_pb2, tensor_pb2
+try:  # the generated stubs; absent on a qtx.cuda-only host
+    from qtx.v1 import optimizer_pb2, quantizer_pb2, tensor_pb2
+except ImportError:
+    optimizer_pb2 = quantizer_pb2 = tensor_pb2 = None
 
-MOMENT_DTYPES = {"float32": optimizer_pb2.MOMENT_DTYPE_FLOAT32,
-                 "bfloat16": optimizer_pb2.MOMENT_DTYPE_BFLOAT16}
-OUTPUTS = {"fp8": optimizer_pb2.PARAMETER_FORMAT_FP8, "bf16": optimizer_pb2.PARAMETER_FORMAT_BF16}
-_MODE_NAMES = {quantizer_pb2.BLOCK_1D: "1d", quantizer_pb2.BLOCK_2D: "2d"}
-_FORMAT_NAMES = {quantizer_pb2.E4M3: "e4m3", quantizer_pb2.E5M2: "e5m2"}
+if optimizer_pb2 is not None:
+    MOMENT_DTYPES = {"float32": optimizer_pb2.MOMENT_DTYPE_FLOAT32,
+                     "bfloat16": optimizer_pb2.MOMENT_DTYPE_BFLOAT16}
+    OUTPUTS = {"fp8": optimizer_pb2.PARAMETER_FORMAT_FP8,
+               "bf16": optimizer_pb2.PARAMETER_FORMAT_BF16}
+    _MODE_NAMES = {quantizer_pb2.BLOCK_1D: "1d", quantizer_pb2.BLOCK_2D: "2d"}
+    _FORMAT_NAMES = {quantizer_pb2.E4M3: "e4m3", quantizer_pb2.E5M2: "e5m2"}
 
 
 @dataclasses.dataclass
@@ -240,7 +249,8 @@ def state_tensor_to_proto(x, what, tensor_to_proto, is_torch):
 def per_parameter(values, names, what):
     """{name: value} from a per-parameter argument: None, a {name: value}
     mapping (any subset of the parameters) or a sequence with one value (or
-    None) per parameter, in order. ValueError naming `what` otherwise."""
+    None) per parameter, in order. ValueError naming `what` otherwise. The
+    one check of weight_decays / lr_scales for qtx.Client and qtx.cuda."""
     if values is None:
         return {}
     if hasattr(values, "items"):
@@ -270,3 +280,204 @@ def parameters_from_arg(parameters):
             out.append(dataclasses.replace(value, name=name) if isinstance(value, ParameterInit)
                        else ParameterInit(name, value))
     return out
+
+
+# ---- torch.optim.AdamW's state_dict form ------------------------------------------------------
+#
+# A group's state as torch.optim.AdamW.state_dict() writes it (Client.optimizer_state_dict,
+# Client.load_optimizer_state_dict; client/README.md's PyTorch section):
+#   "state":          {index: {"step": float32 scalar tensor (AdamW's t: updates applied),
+#                              "exp_avg": tensor, "exp_avg_sq": tensor}}   (moment dtype)
+#   "param_groups":   one torch param group per distinct (weight_decay, lr_scale) of the
+#                     parameters, in order of first appearance: lr = group lr * lr_scale,
+#                     weight_decay, betas, eps, torch's flags (defaults), "params" (indices),
+#                     "param_names" (as torch >= 2.6 writes them) and "lr_scale" (qtx's);
+#   "master_weights": {index: float32 tensor} (torch keeps these in the model instead);
+#   "qtx":            {"lr", "weight_decay"}: the qtx group's own values.
+# Indices run over the param groups in order (torch's numbering); torch ignores the two
+# extra keys and the extra group keys.
+
+TORCH_GROUP_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                     "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+
+
+def _torch_or_raise():
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("the torch.optim.AdamW state_dict form needs torch (%s)" % e) from None
+    return torch
+
+
+def _to_torch(a, torch):
+    """A torch tensor owning a copy of numpy `a` (uint16: bfloat16 bits)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def torch_state_dict(state):
+    """An OptimizerState (get_state with include_moments) in torch.optim.AdamW's
+    state_dict form (see above). ValueError for a group without bias
+    correction, which torch's AdamW cannot express."""
+    torch = _torch_or_raise()
+    g = state.group
+    hp = g.hyper_params
+    if not hp.bias_correction:
+        raise ValueError("group %r: bias_correction=False; torch.optim.AdamW always corrects the "
+                         "bias, so its state_dict cannot describe this group" % g.name)
+    groups = {}  # (weight_decay, lr_scale) -> [names], in order of first appearance
+    for name in state.parameters:
+        key = g.parameter_hyper_params.get(name, (hp.weight_decay, 1.0))
+        groups.setdefault(tuple(float(v) for v in key), []).append(name)
+    sd = {"state": {}, "param_groups": [], "master_weights": {},
+          "qtx": {"lr": hp.lr, "weight_decay": hp.weight_decay}}
+    index = 0
+    for (wd, scale), names in groups.items():
+        pg = {"lr": hp.lr * scale, "betas": tuple(hp.betas), "eps": hp.eps, "weight_decay": wd}
+        pg.update(TORCH_GROUP_FLAGS)
+        pg.update(params=list(range(index, index + len(names))), param_names=list(names),
+                  lr_scale=scale)
+        sd["param_groups"].append(pg)
+        for name in names:
+            p = state.parameters[name]
+            if p.exp_avg is None or p.exp_avg_sq is None:
+                raise ValueError("parameter %s: no moments (get_state(include_moments=True))"
+                                 % name)
+            sd["state"][index] = {"step": torch.tensor(float(g.update_count)),
+                                  "exp_avg": _to_torch(p.exp_avg, torch),
+                                  "exp_avg_sq": _to_torch(p.exp_avg_sq, torch)}
+            sd["master_weights"][index] = _to_torch(p.master, torch)
+            index += 1
+    return sd
+
+
+def _floats(v):
+    """betas / eps as floats (torch also allows 0-d tensors): a tuple or a float."""
+    if isinstance(v, (tuple, list)):
+        return tuple(float(x) for x in v)
+    return float(v)
+
+
+def _step_number(value, what):
+    if hasattr(value, "item"):
+        value = value.item()
+    t = float(value)
+    if not (t >= 0 and t == int(t)):
+        raise ValueError("%s: step %r is not a whole number >= 0" % (what, value))
+    return int(t)
+
+
+def _named_masters(parameters):
+    """[(name, tensor)] from None, a {name: tensor} mapping or (name, tensor) pairs."""
+    if parameters is None:
+        return None
+    items = list(parameters.items() if hasattr(parameters, "items") else parameters)
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError("parameters: a {name: tensor} dict or (name, tensor) pairs (e.g. "
+                             "model.named_parameters()), got an item %r" % (type(item),))
+    return items
+
+
+def _scales(groups, qtx_lr):
+    """The qtx group's lr and each param group's lr_scale: the groups'
+    "lr_scale" values when a base lr (qtx_lr, else the lr of a group whose
+    lr_scale is 1) times them still gives every group's lr exactly (the
+    groups come from torch_state_dict, and their lrs were not changed since);
+    else lr_scale = group lr / the first group's lr (the largest if that is 0)."""
+    lrs = [float(pg["lr"]) for pg in groups]
+    if all("lr_scale" in pg for pg in groups):
+        scales = [float(pg["lr_scale"]) for pg in groups]
+        bases = [] if qtx_lr is None else [float(qtx_lr)]
+        bases += [lr for lr, s in zip(lrs, scales) if s == 1.0]
+        for base in bases:
+            if all(base * s == lr for s, lr in zip(scales, lrs)):
+                return base, scales
+    base = lrs[0] if lrs[0] > 0 else max(lrs)
+    if base == 0:
+        return 0.0, [1.0] * len(lrs)
+    return base, [lr / base for lr in lrs]
+
+
+def from_torch_state_dict(state_dict, parameters=None):
+    """The inverse of torch_state_dict, for torch.optim.AdamW's own
+    state_dict too: (lr, betas, eps, weight_decay, step, [ParameterInit]) for
+    offload_optimizer_state. Parameter names come from the param groups'
+    "param_names", else from `parameters` ({name: tensor} or (name, tensor)
+    pairs in torch's parameter order: group by group as the optimizer was
+    built); master weights from `parameters` when given (by name), else from
+    state_dict["master_weights"]. Every parameter must have state with one
+    common step, or none may (a fresh optimizer: step 0, zero moments).
+    ValueError naming what cannot be mapped (amsgrad, maximize, Adam's
+    coupled weight decay, betas or eps differing between groups, ...)."""
+    try:
+        state, groups = state_dict["state"], [pg for pg in state_dict["param_groups"]
+                                              if len(pg["params"])]
+    except (KeyError, TypeError):
+        raise ValueError("state_dict: needs 'state' and 'param_groups' (an optimizer's "
+                         "state_dict())") from None
+    if not groups:
+        raise ValueError("state_dict: no parameters in its param_groups")
+    for k, pg in enumerate(groups):
+        for flag, why in (("amsgrad", "qtx has no AMSGrad"),
+                          ("maximize", "qtx minimizes")):
+            if pg.get(flag, False):
+                raise ValueError("param_groups[%d]: %s=True: %s" % (k, flag, why))
+        if pg.get("decoupled_weight_decay", True) is False:
+            raise ValueError("param_groups[%d]: decoupled_weight_decay=False (Adam's L2 "
+                             "penalty): qtx runs AdamW" % k)
+        for key in ("betas", "eps"):
+            if _floats(pg[key]) != _floats(groups[0][key]):
+                raise ValueError("param_groups[%d]: %s=%r differs from param_groups[0]'s %r; a "
+                                 "qtx group has one" % (k, key, pg[key], groups[0][key]))
+    masters = _named_masters(parameters)
+    indices = [i for pg in groups for i in pg["params"]]
+    if all("param_names" in pg for pg in groups):
+        names = [n for pg in groups for n in pg["param_names"]]
+    elif masters is not None:
+        names = [n for n, _ in masters]
+    else:
+        raise ValueError("state_dict: no 'param_names' in its param_groups; pass parameters= "
+                         "(name, tensor) pairs in the optimizer's parameter order")
+    if len(names) != len(indices) or len(set(names)) != len(names):
+        raise ValueError("%d parameter names (%d distinct) for %d parameters"
+                         % (len(names), len(set(names)), len(indices)))
+    by_name = dict(masters) if masters is not None else None
+    saved = state_dict.get("master_weights")
+    qtx_info = state_dict.get("qtx") or {}
+    lr, scales = _scales(groups, qtx_info.get("lr"))
+    weight_decay = float(qtx_info.get("weight_decay", groups[0]["weight_decay"]))
+    with_state = [i for i in indices if state.get(i)]
+    if with_state and len(with_state) != len(indices):
+        missing = [n for n, i in zip(names, indices) if not state.get(i)]
+        raise ValueError("parameters %s have no optimizer state while others have: a qtx group "
+                         "steps every parameter together" % missing)
+    steps = {_step_number(state[i]["step"], "parameter %s" % n)
+             for n, i in zip(names, indices) if state.get(i)}
+    if len(steps) > 1:
+        raise ValueError("the parameters' steps differ (%s); a qtx group has one step"
+                         % sorted(steps))
+    params, k = [], 0
+    for pg, scale in zip(groups, scales):
+        wd = float(pg["weight_decay"])
+        for i in pg["params"]:
+            name = names[k]
+            k += 1
+            if by_name is not None:
+                if name not in by_name:
+                    raise ValueError("parameters: no tensor named %r" % name)
+                master = by_name[name]
+            elif saved is not None and i in saved:
+                master = saved[i]
+            else:
+                raise ValueError("parameter %s: no master weights (pass parameters=, or a "
+                                 "state_dict with 'master_weights')" % name)
+            st = state.get(i) or {}
+            params.append(ParameterInit(
+                name, master, st.get("exp_avg"), st.get("exp_avg_sq"),
+                weight_decay=wd if wd != weight_decay else None,
+                lr_scale=scale if scale != 1.0 else None))
+    return (lr, _floats(groups[0]["betas"]), float(groups[0]["eps"]), weight_decay,
+            steps.pop() if steps else 0, params)
