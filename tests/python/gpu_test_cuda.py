@@ -406,6 +406,49 @@ class DequantizeTest(unittest.TestCase):
                     self.assertIn("expected [1]", str(cm.exception))
 
 
+class MakeColumnwiseTest(unittest.TestCase):
+    """Session.make_columnwise: the columnwise copy made on the GPU from the
+    rowwise one equals the CPU qtxd's columnwise copy, byte for byte (torch
+    with both allocators and out=, CuPy); '1d' is refused."""
+
+    def test_bit_exact_vs_cpu(self):
+        g = torch.Generator(device="cuda").manual_seed(3)
+        cases = [((1024, 2048), "2d"), ((3, 100, 384), "2d"), ((130, 260), "2d"),
+                 ((512, 640), "tensor"), ((300, 520), "tensor")]
+        for alloc in ("framework", "pool"):
+            with session(allocator=alloc) as s:
+                for shape, mode in cases:
+                    x = (torch.randn(shape, device="cuda", generator=g) * 7).to(torch.bfloat16)
+                    ref = reference(x, mode, "e4m3")
+                    q = s.quantize(x, mode=mode, rowwise=True, columnwise=False)
+                    c = s.make_columnwise(q)
+                    self.assertIs(c.rowwise_data, q.rowwise_data)
+                    s.synchronize()
+                    torch.cuda.current_stream().synchronize()
+                    assert_matches(self, c, ref, "%s %s %s" % (alloc, mode, shape))
+                    lay = qcuda.layout(shape, mode)
+                    out = (torch.full(lay["columnwise_data"], 0xCD, dtype=torch.uint8,
+                                      device="cuda"),
+                           torch.full(lay["columnwise_scale_inv"], -1.0, device="cuda"))
+                    c2 = s.make_columnwise(q, out=out)
+                    self.assertIs(c2.columnwise_data, out[0])
+                    torch.cuda.current_stream().synchronize()
+                    assert_matches(self, c2, ref, "out= %s %s" % (mode, shape))
+        with session() as s:
+            x = cupy.asarray(np.random.default_rng(4).standard_normal((256, 384)),
+                             dtype=cupy.float32)
+            ref = reference(x, "2d", "e4m3")
+            q = s.quantize(x, mode="2d")
+            c = s.make_columnwise(q)
+            s.synchronize()
+            cupy.cuda.get_current_stream().synchronize()
+            assert_matches(self, c, ref, "cupy 2d")
+            q1 = s.quantize(x, mode="1d")
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                s.make_columnwise(q1)
+            self.assertIn("columnwise=True", str(cm.exception))
+
+
 class StreamOrderTest(unittest.TestCase):
     ITERS = int(os.environ.get("QTX_PY_ORDER_ITERS", "300"))
 

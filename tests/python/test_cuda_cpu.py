@@ -462,6 +462,46 @@ class FastPathTest(unittest.TestCase):
             self.assertEqual(self.native.calls[-1][0], "quantize_into")
             self.assertEqual(args[15:], (0, 0, 0, 0))
 
+    def test_make_columnwise_checks_then_one_native_call(self):
+        self.native.make_columnwise = lambda *a: self.native.calls.append(("make_columnwise", a))
+        for mode in ("2d", "tensor"):
+            lay = qcuda.layout((3, 100, 384), mode)
+            row = self.cuda(torch.zeros(lay["rowwise_data"], dtype=torch.uint8))
+            scale = self.cuda(torch.zeros(lay["rowwise_scale_inv"], dtype=torch.float32))
+            q = qcuda.QuantizedTensor((3, 100, 384), mode, "e4m3", row, scale)
+            out = (self.cuda(torch.zeros(lay["columnwise_data"], dtype=torch.uint8)),
+                   self.cuda(torch.zeros(lay["columnwise_scale_inv"], dtype=torch.float32)))
+            r = self.s.make_columnwise(q, out=out, stream=5)
+            name, args = self.native.calls[-1]
+            self.assertEqual(name, "make_columnwise")
+            self.assertEqual(args, (0, 5, qcuda._MODES[mode], [3, 100, 384], row.data_ptr(),
+                                    scale.data_ptr(), out[0].data_ptr(), out[1].data_ptr()))
+            self.assertIs(r.rowwise_data, row)
+            self.assertIs(r.columnwise_data, out[0])
+            self.assertIs(r.columnwise_scale_inv, out[1])
+            self.assertEqual((r.stream, r.device, r.mode), (5, 0, mode))
+        calls = len(self.native.calls)
+        lay = qcuda.layout((256, 384), "1d")
+        q1 = qcuda.QuantizedTensor((256, 384), "1d", "e4m3",
+                                   self.cuda(torch.zeros(lay["rowwise_data"], dtype=torch.uint8)),
+                                   self.cuda(torch.zeros(lay["rowwise_scale_inv"])))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            self.s.make_columnwise(q1, stream=5)
+        self.assertIn("quantize with columnwise=True", str(cm.exception))
+        lay = qcuda.layout((256, 384), "2d")
+        q2 = qcuda.QuantizedTensor((256, 384), "2d", "e4m3",
+                                   self.cuda(torch.zeros(lay["rowwise_data"], dtype=torch.uint8)),
+                                   self.cuda(torch.zeros(lay["rowwise_scale_inv"])))
+        bad = (self.cuda(torch.zeros(256, 384, dtype=torch.uint8)),  # not transposed
+               self.cuda(torch.zeros(lay["columnwise_scale_inv"])))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            self.s.make_columnwise(q2, out=bad, stream=5)
+        self.assertIn("out[0]: shape [256, 384], expected [384, 256]", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            self.s.make_columnwise(qcuda.QuantizedTensor((256, 384), "2d", "e4m3"), stream=5)
+        self.assertIn("needs rowwise_data and rowwise_scale_inv", str(cm.exception))
+        self.assertEqual(len(self.native.calls), calls)  # nothing reached the GPU
+
     def test_tensor_mode_outputs(self):
         # mode='tensor': out= scales of shape [1] take the fast path (4 bytes each).
         x = self.cuda(torch.zeros(3, 100, 384, dtype=torch.float32))

@@ -37,6 +37,7 @@
 #include "qtx/client.h"
 #include "qtx/collective_types.h"
 #include "qtx/cuda_channel.h"
+#include "qtx/cuda_columnwise.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/optimizer_types.h"
 #include "qtx/types.h"
@@ -637,6 +638,20 @@ uintptr_t Malloc(int device, uint64_t bytes) {
   CheckCuda(cudaMalloc(&p, bytes), "cudaMalloc");
   return reinterpret_cast<uintptr_t>(p);
 }
+// qtx::cuda::MakeColumnwiseCopy on `stream` (docs/numerics.md §4.5); the
+// pointers are device pointers sized per layout(shape, mode).
+void MakeColumnwise(int device, uintptr_t stream, int mode, const std::vector<int64_t>& shape,
+                    uintptr_t rowwise_data, uintptr_t rowwise_scale_inv, uintptr_t columnwise_data,
+                    uintptr_t columnwise_scale_inv) {
+  UseDevice(device);
+  const absl::Status s = qtx::cuda::MakeColumnwiseCopy(
+      static_cast<qtx::ScalingMode>(mode), shape,
+      {reinterpret_cast<const void*>(rowwise_data),
+       reinterpret_cast<const float*>(rowwise_scale_inv)},
+      {reinterpret_cast<void*>(columnwise_data), reinterpret_cast<float*>(columnwise_scale_inv)},
+      reinterpret_cast<cudaStream_t>(stream));
+  if (!s.ok()) Throw(s);
+}
 void Free(int device, uintptr_t ptr) {
   UseDevice(device);
   CheckCuda(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree");
@@ -711,6 +726,16 @@ PYBIND11_MODULE(_native, m) {
       .def("fast_hits", [](NativeSession& s) { return s.FastHits(); })
       .def("all_gather", &NativeSession::AllGather)
       .def("dequantize", &NativeSession::Dequantize)
+      // No qtxd call: the session only gives qtx.cuda one place to call it
+      // through (and the tests one place to stand in for it).
+      .def("make_columnwise",
+           [](NativeSession&, int device, uintptr_t stream, int mode,
+              const std::vector<int64_t>& shape, uintptr_t rowwise_data,
+              uintptr_t rowwise_scale_inv, uintptr_t columnwise_data,
+              uintptr_t columnwise_scale_inv) {
+             MakeColumnwise(device, stream, mode, shape, rowwise_data, rowwise_scale_inv,
+                            columnwise_data, columnwise_scale_inv);
+           })
       .def("query", &NativeSession::Query)
       .def("synchronize", &NativeSession::Synchronize)
       .def("close", &NativeSession::Close)

@@ -1091,6 +1091,75 @@ class Session:
                                 o.nbytes)
         return result
 
+    def make_columnwise(self, q, out=None, stream=None):
+        """The columnwise copy of `q` made on the GPU from its rowwise copy
+        (docs/numerics.md §4.5), for modes '2d' and 'tensor', whose two
+        copies hold the same bytes transposed and the same scales: the result
+        is byte-identical to the columnwise copy Quantize or the optimizer's
+        Step writes. So a trainer can keep only rowwise FP8 weights and make
+        the transposed copy when a backward GEMM needs it. One kernel on
+        `stream` (default: the framework's current stream), no qtxd call, no
+        host wait. `out`: a (data [N, M] uint8/float8, scale_inv float32)
+        pair to write into; else they are allocated like quantize's outputs.
+        Returns a QuantizedTensor holding q's rowwise tensors and the new
+        columnwise ones. Mode '1d' raises ArgumentError (its columnwise blocks
+        have their own scales: quantize with columnwise=True)."""
+        mode = _choice(getattr(q, "mode", None), _MODES, "q.mode")
+        if mode not in (_MODES["2d"], _MODES["tensor"]):
+            raise ArgumentError("q.mode=%r: only '2d' and 'tensor' have a columnwise copy equal to "
+                                "the transposed rowwise one; quantize with columnwise=True"
+                                % q.mode)
+        fmt = _choice(getattr(q, "format", None), _FORMATS, "q.format")
+        if getattr(q, "rowwise_data", None) is None or getattr(q, "rowwise_scale_inv",
+                                                                   None) is None:
+            raise ArgumentError("q: needs rowwise_data and rowwise_scale_inv")
+        shape = tuple(int(d) for d in q.shape)
+        lay = layout(shape, mode)
+        row = as_cuda_array(q.rowwise_data, "q.rowwise_data")
+        s = stream_handle(stream, row.framework, row.device, row.stream_hint)
+        row = self._out_tensor(q.rowwise_data, "q.rowwise_data", lay["rowwise_data"],
+                               lambda d: _field_dtype_ok("rowwise_data", d, fmt), row.device,
+                               "uint8/float8")
+        scale_shape = lay["rowwise_scale_inv"]
+        if mode == _MODES["tensor"]:
+            given = tuple(getattr(q.rowwise_scale_inv, "shape", ()))
+            if given and math.prod(given) == 1:
+                scale_shape = given
+        scale = self._out_tensor(q.rowwise_scale_inv, "q.rowwise_scale_inv", scale_shape,
+                                 lambda d: d == FLOAT32, row.device, "float32")
+        col_shape, col_scale_shape = lay["columnwise_data"], lay["columnwise_scale_inv"]
+        blocks = []
+        if out is not None:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise ArgumentTypeError("out: expected a (data, scale_inv) pair")
+            col_t, col_scale_t = out
+            col = self._out_tensor(col_t, "out[0]", col_shape,
+                                   lambda d: _field_dtype_ok("columnwise_data", d, fmt),
+                                   row.device, "uint8/float8")
+            col_scale = self._out_tensor(col_scale_t, "out[1]", col_scale_shape,
+                                         lambda d: d == FLOAT32, row.device, "float32")
+            col_ptr, col_scale_ptr = col.ptr, col_scale.ptr
+        elif row.framework == "torch" and self.allocator == "framework":
+            torch = _torch()
+            col_t, col_scale_t = self._torch_empty(
+                torch, [(col_shape, torch.uint8), (col_scale_shape, torch.float32)], row.device,
+                s)
+            col_ptr, col_scale_ptr = col_t.data_ptr(), col_scale_t.data_ptr()
+        else:
+            parts = [(col_shape, UINT8), (col_scale_shape, FLOAT32)]
+            offsets, total = _pack(parts)
+            block = self.pool.alloc(row.device, s, total)
+            blocks.append(block)
+            col_t, col_scale_t = _wrap_many(block, parts, offsets, row.framework)
+            col_ptr, col_scale_ptr = block.ptr + offsets[0], block.ptr + offsets[1]
+        self._native.make_columnwise(row.device, s, mode, list(shape), row.ptr, scale.ptr,
+                                     col_ptr, col_scale_ptr)
+        r = QuantizedTensor(shape, q.mode, q.format, q.rowwise_data, q.rowwise_scale_inv, col_t,
+                            col_scale_t)
+        r.stream, r.device, r._blocks = s, row.device, tuple(blocks)
+        r._framework_alloc = out is None and not blocks
+        return r
+
     def create_group(self, name, rank, world_size, coordinator="", backend="auto",
                      timeout=60.0):
         """Joins collective group `name` through this session's qtxd (as
