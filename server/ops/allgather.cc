@@ -498,10 +498,20 @@ struct AllGatherCall {
                                 const std::vector<SlotLayout>& slots, const uint8_t* gathered,
                                 uint64_t slot_bytes, int64_t esize, bool stream_ordered);
 
-  // Any communicator failure leaves the ranks out of step.
+  // Any communicator failure leaves the ranks out of step, except
+  // INVALID_ARGUMENT (communicator.h: nothing moved, or, for Gloo, ranks
+  // that asked for different sizes found out in step): then only this call
+  // fails, on every rank. Different sizes mean the ranks took different
+  // paths or computed different payloads.
   absl::Status CommFailed(const absl::Status& s) {
-    *group_broken = true;
-    return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+    if (s.code() != absl::StatusCode::kInvalidArgument) {
+      *group_broken = true;
+      return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, s.message(),
+        " (pass shard_rows on every rank of a call or on none; with it, the ranks must agree on "
+        "shard_rows, N, dtype, mode and config)"));
   }
   void Lap(absl::Duration* d) {
     const absl::Time now = absl::Now();

@@ -463,7 +463,7 @@ TEST_F(OneRoundTest, DisagreementFailsEveryRankNamingFieldAndRank) {
   {
     // A bad request (an unknown output region) on one rank fails all ranks.
     auto specs = Specs(c, seq, p, AllGatherMode::kExactFp8, true);
-    specs[2].outputs.columnwise_data = tensor::RegionSliceSpec{"no_such_region", 0, 1};
+    specs[2].outputs.columnwise_data = tensor::RegionSliceSpec{"no_such_region", 0, 384 * 128};
     Outcome o = RunCounted(specs);
     EXPECT_THAT(o.res[2], StatusIs(absl::StatusCode::kNotFound, HasSubstr("no_such_region")));
     for (int r : {0, 1}) {
@@ -491,21 +491,36 @@ TEST_F(OneRoundTest, DisagreementFailsEveryRankNamingFieldAndRank) {
   }
 }
 
-// Ranks that compute different payload sizes (here: one rank without
-// shard_rows, so it runs the header exchange) never report an output as
-// valid: every rank fails, and the group is broken.
-TEST_F(OneRoundTest, MixedPathsFailEveryRank) {
+// Ranks that compute different payload sizes never report an output as
+// valid and never take the process down (Gloo's transport would, for a
+// message longer than the receive posted: gloo_communicator.h): one rank
+// without shard_rows (it runs the header exchange), then a config that
+// changes the payload size. Every rank fails with
+// INVALID_ARGUMENT, and the group stays usable.
+TEST_F(OneRoundTest, DifferentPayloadSizesFailEveryRankAndKeepTheGroup) {
   Connect(2);
   const Concat c = MakeConcat({100, 300}, 128);
   const kernels::QuantizeParams p{
       kernels::BlockScaling::kBlock2D, kernels::Fp8Format::kE4M3, true, true, true, 0.0f};
-  auto specs = Specs(c, 0, p, AllGatherMode::kExactFp8, true);
-  specs[1].shard_rows.clear();
-  Outcome o = RunCounted(specs);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_FALSE(o.res[r].ok()) << "rank " << r << " reported an output as valid";
-    EXPECT_TRUE(o.broken[r]) << o.res[r].status();
+  uint64_t seq = 0;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(variant);
+    auto specs = Specs(c, seq++, p, AllGatherMode::kExactFp8, true);
+    if (variant == 0) specs[1].shard_rows.clear();
+    if (variant == 1) specs[0].shard_rows.clear();
+    if (variant == 2) specs[1].params.columnwise = false;  // one FP8 copy: a smaller slot
+    Outcome o = RunCounted(specs);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_THAT(o.res[r], StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("the ranks passed different sizes")))
+          << "rank " << r;
+      EXPECT_THAT(o.res[r], StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("pass shard_rows on every rank")));
+      EXPECT_FALSE(o.broken[r]);
+    }
   }
+  Outcome o = RunCounted(Specs(c, seq, p, AllGatherMode::kExactFp8, true));
+  for (int r = 0; r < 2; ++r) QTX_EXPECT_OK(o.res[r]);
 }
 
 }  // namespace
