@@ -222,6 +222,8 @@ struct FirstMessageHeader {
   uint64_t world = 0;
 };
 
+static_assert(sizeof(FirstMessageHeader) == GlooCommunicator::kFirstMessageHeaderBytes);
+
 uint64_t SizesDigest(std::span<const uint64_t> sizes) {
   uint64_t h = 0xcbf29ce484222325ULL;
   for (uint64_t v : sizes) {

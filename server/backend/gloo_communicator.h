@@ -67,6 +67,8 @@ class GlooCommunicator final : public Communicator {
  public:
   // The size of the first message of every AllGatherV (see above).
   static constexpr uint64_t kFirstMessageBytes = 8192;
+  // Of which the contribution's first bytes get all but this header.
+  static constexpr uint64_t kFirstMessageHeaderBytes = 32;
 
   // Connects to every other rank. INVALID_ARGUMENT for bad options (rank
   // outside [0, world_size), world_size < 1, no store, empty host);
