@@ -41,9 +41,12 @@
 // every rank naming the rank and the field; no output is written before), then
 // quantizes the straddling block rows itself and assembles the output on the
 // device. Every rank must then pass shard_rows (the choice between the paths
-// is made from it: a group that mixes calls with and without shard_rows
-// issues collectives of different sizes, and fails on every rank with the
-// communicator's error, the group then being broken).
+// is made from it). Ranks that issue all-gathers of different sizes (a mix
+// of calls with and without shard_rows, or lists, N, dtype, mode or config
+// that change the slot size) fail on every rank: over Gloo with
+// INVALID_ARGUMENT, in step, the group usable (GlooCommunicator checks the
+// sizes); over NCCL at the latest at the deadline, or at the slot check
+// (header, slot size), the group then broken.
 //
 // Thread safety: runs on the group's executor; one call per communicator at
 // a time.
