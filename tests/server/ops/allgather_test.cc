@@ -322,7 +322,7 @@ std::string Bytes(const std::optional<OutputTensor>& t) {
   return t.has_value() ? t->inline_data : std::string("<none>");
 }
 
-// The acceptance suite of the one-round path: for 2, 3, 4 and 5 ranks and
+// The acceptance suite of the one-round path: for 1 to 5 ranks and
 // every shard pattern of the other suites plus shards smaller than one block
 // in the middle of the group, 1-D and 2-D, rowwise, columnwise and both, both
 // modes: the one-round result equals the header-exchange path's and
@@ -330,6 +330,7 @@ std::string Bytes(const std::optional<OutputTensor>& t) {
 // one-round call made exactly one collective call.
 TEST_F(OneRoundTest, BitIdenticalToBothOtherPathsOnEveryShardPattern) {
   const std::vector<std::pair<int, std::vector<std::vector<int64_t>>>> worlds = {
+      {1, {{0}, {5}, {300}}},
       {2, {{64, 64}, {0, 300}, {128, 128}, {300, 0}, {5, 300}}},
       {3, {{100, 156, 1}, {0, 300, 0}, {129, 127, 256}, {200, 3, 300}, {250, 5, 250}}},
       {4, {{250, 250, 250, 250}, {1, 1, 1, 1}, {128, 5, 123, 128}}},
