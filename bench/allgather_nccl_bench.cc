@@ -9,6 +9,8 @@
 //   raw_fp8_gather: that NCCL all-gather alone,
 //   bf16_gather_then_quantize: NCCL all-gather of the BF16 shards + a full
 //     QuantizeBlock of [M, N] (the 0.5x target's baseline).
+// exact_fp8_one_round is the op with AllGatherRequestSpec::shard_rows (one
+// collective round, no header exchange; docs/numerics.md §5.3).
 // One JSON object per line on stdout (bench/README.md); a table on stderr.
 //
 //   allgather_nccl_bench [--iters 20] [--n 8192] [--quick]
@@ -261,7 +263,8 @@ int main(int argc, char** argv) {
 
         std::vector<server::ops::AllGatherTiming> exact_timing;
         auto op = [&](server::ops::AllGatherMode mode, uint64_t seq,
-                      std::vector<server::ops::AllGatherTiming>* timing = nullptr) {
+                      std::vector<server::ops::AllGatherTiming>* timing = nullptr,
+                      bool one_round = false) {
           server::ops::AllGatherRequestSpec req;
           req.group = "bench";
           req.sequence = seq;
@@ -270,6 +273,7 @@ int main(int argc, char** argv) {
           req.input.data = server::tensor::RegionSliceSpec{"in", 0, in_bytes};
           req.params = p;
           req.mode = mode;
+          if (one_round) req.shard_rows = {cfg.m0, cfg.m1};  // one collective round
           req.outputs.rowwise_data = server::tensor::RegionSliceSpec{
               "rd", 0, static_cast<uint64_t>(lay.RowwiseDataBytes())};
           req.outputs.rowwise_scale_inv = server::tensor::RegionSliceSpec{
@@ -339,6 +343,8 @@ int main(int argc, char** argv) {
           phases[r] = {med(&T::local), med(&T::header), med(&T::prepare), med(&T::gather),
                        med(&T::assemble)};
         }
+        time_it("exact_fp8_one_round",
+                [&] { op(server::ops::AllGatherMode::kExactFp8, seq_base[r]++, nullptr, true); });
         time_it("gather_high_precision",
                 [&] { op(server::ops::AllGatherMode::kGatherHighPrecision, seq_base[r]++); });
         time_it("raw_fp8_gather_plus_quantize", [&] {
@@ -358,6 +364,11 @@ int main(int argc, char** argv) {
         QTX_BENCH_CHECK_CUDA(cudaMemcpy(b.data(), rd, b.size(), cudaMemcpyDeviceToHost));
         QTX_BENCH_CHECK_CUDA(cudaMemcpy(bs.data(), rs, 4 * bs.size(), cudaMemcpyDeviceToHost));
         if (a != b || std::memcmp(as.data(), bs.data(), 4 * as.size()) != 0) ++errors;
+        // The same for the one-round path.
+        op(server::ops::AllGatherMode::kExactFp8, seq_base[r]++, nullptr, true);
+        QTX_BENCH_CHECK_CUDA(cudaMemcpy(a.data(), rd, a.size(), cudaMemcpyDeviceToHost));
+        QTX_BENCH_CHECK_CUDA(cudaMemcpy(as.data(), rs, 4 * as.size(), cudaMemcpyDeviceToHost));
+        if (a != b || std::memcmp(as.data(), bs.data(), 4 * as.size()) != 0) ++errors;
         k.FreeAll();
       });
     }
@@ -366,8 +377,9 @@ int main(int argc, char** argv) {
     auto t = [&](const std::string& k) { return std::max(times[0][k], times[1][k]); };
     const double raw = t("raw_fp8_gather_plus_quantize");
     const double bf = t("bf16_gather_then_quantize");
-    for (const char* method : {"exact_fp8", "gather_high_precision", "raw_fp8_gather_plus_quantize",
-                               "raw_fp8_gather", "bf16_gather_then_quantize"}) {
+    for (const char* method :
+         {"exact_fp8", "exact_fp8_one_round", "gather_high_precision",
+          "raw_fp8_gather_plus_quantize", "raw_fp8_gather", "bf16_gather_then_quantize"}) {
       const double us = t(method);
       const double out_bytes = static_cast<double>(m_total * cfg.n) * (cfg.columnwise ? 2 : 1);
       std::printf(

@@ -68,7 +68,8 @@ absl::StatusOr<AllGatherResult> Client::AllGather(std::string_view group, uint64
                                                   const Tensor& input, const QuantizeConfig& config,
                                                   AllGatherMode mode,
                                                   const QuantizeOutputs& outputs,
-                                                  const CallOptions& call) {
+                                                  const CallOptions& call,
+                                                  const std::vector<int64_t>& shard_rows) {
   v1::AllGatherRequest request;
   request.set_group(std::string(group));
   request.set_sequence(sequence);
@@ -77,6 +78,7 @@ absl::StatusOr<AllGatherResult> Client::AllGather(std::string_view group, uint64
   request.set_mode(static_cast<v1::AllGatherMode>(mode));
   ToProto(outputs, request.mutable_outputs());
   SetCudaEvents(call, &request);
+  for (int64_t m : shard_rows) request.add_shard_rows(m);
   v1::AllGatherResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);

@@ -8,6 +8,7 @@
 //   qtx allgather --group=G --rank=R --world_size=W [--coordinator=T]
 //                [--shape=MrxN [--seed=S] | --npy=shard.npy] [quantize flags]
 //                [--gather_mode=exact|high_precision] [--sequence=K] [--keep_group]
+//                [--shard_rows=M0,M1,...]
 //   qtx step     --group=G [--shape=MxN] [--steps=K] [--seed=S] [--lr=X] [--checkpoint]
 //                [--max_grad_norm=X] [--two_phase]
 //   qtx groups   [--destroy=G] [--release=G]
@@ -111,6 +112,9 @@ ABSL_FLAG(std::string, gather_mode, "exact", "allgather: exact (FP8) | high_prec
 ABSL_FLAG(uint64_t, sequence, 0, "allgather: the group's call counter (0 for the first call)");
 ABSL_FLAG(bool, keep_group, false,
           "allgather: leave the group on the sidecar (default: destroy a group this call made)");
+ABSL_FLAG(std::vector<std::string>, shard_rows, {},
+          "allgather: every rank's M_r, comma-separated, the same on every rank: one collective "
+          "round, no shape exchange (give it on every rank or on none)");
 ABSL_FLAG(int32_t, steps, 1, "step: number of optimizer steps to run");
 ABSL_FLAG(double, lr, 0.0, "step: learning rate for these steps (0: the group's)");
 ABSL_FLAG(bool, checkpoint, false, "step: SaveCheckpoint after the steps (qtxd --checkpoint_dir)");
@@ -676,9 +680,18 @@ absl::Status RunAllGather() {
     }
   } destroy{client, *group, created && !absl::GetFlag(FLAGS_keep_group)};
 
+  std::vector<int64_t> shard_rows;
+  for (const std::string& v : absl::GetFlag(FLAGS_shard_rows)) {
+    int64_t m = 0;
+    if (!absl::SimpleAtoi(v, &m)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--shard_rows: '", v, "' is not an integer (expected M0,M1,...)"));
+    }
+    shard_rows.push_back(m);
+  }
   const absl::Time start = absl::Now();
-  absl::StatusOr<AllGatherResult> r =
-      client.AllGather(*group, absl::GetFlag(FLAGS_sequence), *shard, *config, mode);
+  absl::StatusOr<AllGatherResult> r = client.AllGather(*group, absl::GetFlag(FLAGS_sequence),
+                                                       *shard, *config, mode, {}, {}, shard_rows);
   if (!r.ok()) return r.status();
   const absl::Duration elapsed = absl::Now() - start;
   std::cout << absl::StrFormat("shard      %s %s (rank %d)\n", DTypeName(shard->dtype),

@@ -310,11 +310,16 @@ class Client {
   // input; FAILED_PRECONDITION for a sequence number already used or too far
   // ahead; NOT_FOUND for an unknown group or region; DEADLINE_EXCEEDED or
   // ABORTED when a peer is missing or dies (the group is then broken).
+  // `shard_rows` (optional): every rank's M_r in rank order, the same list on
+  // every rank; given, the sidecars move everything in one all-gather with
+  // no exchange of shapes first (qtx.v1.AllGatherRequest.shard_rows). Either
+  // every rank of a call passes it or none does.
   absl::StatusOr<AllGatherResult> AllGather(std::string_view group, uint64_t sequence,
                                             const Tensor& input, const QuantizeConfig& config,
                                             AllGatherMode mode = AllGatherMode::kExactFp8,
                                             const QuantizeOutputs& outputs = {},
-                                            const CallOptions& call = {});
+                                            const CallOptions& call = {},
+                                            const std::vector<int64_t>& shard_rows = {});
 
   // Leaves and frees the group `name` on this sidecar. NOT_FOUND if absent.
   absl::Status DestroyGroup(std::string_view name, const CallOptions& call = {});

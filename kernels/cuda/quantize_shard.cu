@@ -376,9 +376,6 @@ cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeomet
     const cudaError_t f = cudaFreeAsync(tmp, stream);
     return e != cudaSuccess ? e : f;
   }
-  if ((p.columnwise || !one_d) && (first_amax == nullptr || last_amax == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
   const int64_t nb = g.nb(), nk = g.num_block_rows();
   if (nb > INT32_MAX || nk > 65535) return cudaErrorInvalidValue;
   ShardKernelArgs a;

@@ -25,11 +25,14 @@ cudaError_t ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGe
                               BlockScaling scaling, float* first, float* last, cudaStream_t stream);
 
 // Quantizes the shard with the combined boundary amaxes (device vectors, as
-// for kernels::cpu::QuantizeShard; ignored by 1-D rowwise). The 1-D
+// for kernels::cpu::QuantizeShard; ignored by 1-D rowwise). A null vector
+// means the shard's own rows are the whole boundary block row (the one-round
+// all-gather's interiors and rebuilt block rows, kernels/one_round_plan.h):
+// its amaxes are the local ones, as in the CPU reference. The 1-D
 // rowwise-only case runs the fused kernels/cuda QuantizeBlock kernel (a
 // rowwise block never straddles ranks).
-// cudaErrorInvalidValue for bad arguments (null requested buffer, missing
-// amax vectors when columnwise or 2-D, unknown enums, too many tiles).
+// cudaErrorInvalidValue for bad arguments (null requested buffer, unknown
+// enums, too many tiles).
 cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
                           const QuantizeParams& params, const float* first_amax,
                           const float* last_amax, const QuantizedBuffers& out, cudaStream_t stream);

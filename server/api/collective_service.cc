@@ -171,6 +171,9 @@ ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
   ops::AllGatherRequestSpec spec;
   spec.group = r.group();
   spec.sequence = r.sequence();
+  // First: the payload layout of the one-round path depends on it even when
+  // the rest of the request is rejected.
+  spec.shard_rows.assign(r.shard_rows().begin(), r.shard_rows().end());
   spec.request_error = [&]() -> absl::Status {
     if (!r.has_input()) return absl::InvalidArgumentError("input: missing");
     QTX_ASSIGN_OR_RETURN(spec.input, TensorRefFromProto(r.input(), "input"));

@@ -23,7 +23,9 @@
 //   UNAVAILABLE        the connection to a peer broke (peer process died);
 //   ABORTED            Abort() was called, or an earlier call failed: the
 //                      communicator is unusable from then on;
-//   INVALID_ARGUMENT   bad arguments (checked before anything moves);
+//   INVALID_ARGUMENT   bad arguments (checked before anything moves), or
+//                      (GlooCommunicator::AllGatherV) ranks that passed
+//                      different sizes, found out in step on every rank;
 //   INTERNAL           the library failed in an unexpected way.
 // After any error other than INVALID_ARGUMENT the communicator is broken and
 // every later call fails with ABORTED: destroy it and create a new one.
@@ -79,7 +81,10 @@ class Communicator {
   // Gathers a variable-size byte buffer from every rank. Rank r contributes
   // `send` (recv_bytes[rank()] bytes); on return `recv` holds every rank's
   // contribution in rank order, rank r's at offset sum(recv_bytes[0..r)).
-  // Every rank must pass the same `recv_bytes`.
+  // Every rank must pass the same `recv_bytes` (GlooCommunicator checks it
+  // and fails every rank with INVALID_ARGUMENT; a device communicator cannot:
+  // its collective may hang until the deadline or deliver other bytes, so
+  // callers carry their own check in the data, as ops::AllGather does).
   // REQUIRES: recv_bytes.size() == world_size(); `recv` holds the total;
   // `send` and `recv` do not overlap, except that `send` may be exactly
   // recv + sum(recv_bytes[0..rank())) (in place: this rank's contribution

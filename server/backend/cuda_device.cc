@@ -512,6 +512,14 @@ absl::Status CudaDevice::CombineBoundaryAmax(int world_size, const kernels::Shar
   return absl::OkStatus();  // stream-ordered (device.h)
 }
 
+absl::Status CudaDevice::CopyOnDevice(void* dst, const void* src, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  QTX_RETURN_IF_ERROR(Activate());
+  QTX_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ThisThreadStream()));
+  return absl::OkStatus();  // stream-ordered (device.h)
+}
+
 absl::Status CudaDevice::SynchronizeThisThread() {
   QTX_RETURN_IF_ERROR(Activate());
   QTX_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ThisThreadStream()));

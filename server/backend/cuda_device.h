@@ -106,6 +106,7 @@ class CudaDevice final : public Device {
                                    const float* gathered, int64_t len, int rank,
                                    kernels::BlockScaling scaling, float* first_out,
                                    float* last_out) override;
+  absl::Status CopyOnDevice(void* dst, const void* src, uint64_t bytes) override;
   absl::Status SynchronizeThisThread() override;
   absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
                               const kernels::QuantizedConstBuffers* shards,

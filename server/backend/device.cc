@@ -1,5 +1,6 @@
 #include "server/backend/device.h"
 
+#include <cstring>
 #include <vector>
 
 #include "common/status_macros.h"
@@ -35,6 +36,15 @@ absl::Status Device::CombineHostBoundaryAmax(int world_size, const kernels::Shar
                                     combined.data(), combined.data() + len);
   QTX_RETURN_IF_ERROR(CopyFromHost(first_out, combined.data(), 4 * static_cast<uint64_t>(len)));
   return CopyFromHost(last_out, combined.data() + len, 4 * static_cast<uint64_t>(len));
+}
+
+absl::Status Device::CopyOnDevice(void* dst, const void* src, uint64_t bytes) {
+  if (memory_kind() != tensor::MemoryKind::kHost) {
+    return absl::FailedPreconditionError("device '" + name() +
+                                         "' cannot copy within its memory (CopyOnDevice)");
+  }
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
 }
 
 }  // namespace qtx::server::backend

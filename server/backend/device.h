@@ -325,6 +325,14 @@ class Device {
                                       const kernels::QuantizeParams& params,
                                       const kernels::QuantizedBuffers& out) = 0;
 
+  // Copies `bytes` between two buffers of this device's memory, ordered like
+  // QuantizeShard on the calling thread's stream (a device with streams may
+  // return once it is enqueued). The default is a plain memcpy on a device
+  // that computes on host memory; FAILED_PRECONDITION on any other device
+  // that does not override it.
+  // REQUIRES: the ranges do not overlap.
+  virtual absl::Status CopyOnDevice(void* dst, const void* src, uint64_t bytes);
+
   // Returns once everything this thread enqueued on its stream is done (a
   // device without streams: at once, the work is already done).
   virtual absl::Status SynchronizeThisThread() { return absl::OkStatus(); }

@@ -212,6 +212,58 @@ absl::Status GlooCommunicator::Fail(absl::Status status) {
   return status;
 }
 
+namespace {
+
+// The start of every rank's first AllGatherV message.
+struct FirstMessageHeader {
+  uint64_t magic = 0x5653474f4c475451ULL;  // "QTGLOGSV"
+  uint64_t sizes_digest = 0;               // FNV-1a 64 of the caller's recv_bytes
+  uint64_t own_bytes = 0;                  // this rank's contribution
+  uint64_t world = 0;
+};
+
+static_assert(sizeof(FirstMessageHeader) == GlooCommunicator::kFirstMessageHeaderBytes);
+
+uint64_t SizesDigest(std::span<const uint64_t> sizes) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (uint64_t v : sizes) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xFF)) * 0x100000001b3ULL;
+  }
+  return h;
+}
+
+}  // namespace
+
+absl::Status GlooCommunicator::Allgatherv(const char* what, const void* in, void* out,
+                                          const std::vector<size_t>& counts, absl::Duration left,
+                                          const CommCall& call) {
+  uint64_t total = 0;
+  for (size_t c : counts) total += c;
+  // Gloo wants real pointers even for empty contributions.
+  char dummy = 0;
+  char* in_ptr = counts[rank_] > 0 ? static_cast<char*>(const_cast<void*>(in)) : &dummy;
+  const uint32_t tag = next_tag_++;
+  absl::Status s = Guard(absl::StrCat(name_, ": ", what), call.deadline, [&] {
+    gloo::AllgathervOptions opts(context_);
+    // Buffers of our own (not made inside Gloo) so that Abort() can wake a
+    // wait on a peer that never comes.
+    std::unique_ptr<gloo::transport::UnboundBuffer> in_buf =
+        context_->createUnboundBuffer(in_ptr, counts[rank_]);
+    std::unique_ptr<gloo::transport::UnboundBuffer> out_buf =
+        context_->createUnboundBuffer(out, total);
+    LiveBuffers live(*this, {in_buf.get(), out_buf.get()});
+    opts.setInput<char>(std::move(in_buf));
+    opts.setOutput<char>(std::move(out_buf), counts);
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(left));
+    gloo::allgatherv(opts);
+  });
+  // A woken wait may let Gloo return as if the bytes had come: never trust
+  // a call that Abort() interrupted.
+  if (s.ok() && aborted_.load()) s = absl::AbortedError("woken by Abort");
+  return s;
+}
+
 absl::Status GlooCommunicator::AllGatherV(const void* send, std::span<const uint64_t> recv_bytes,
                                           void* recv, const CommCall& call) {
   if (recv_bytes.size() != static_cast<size_t>(world_size_)) {
@@ -221,44 +273,77 @@ absl::Status GlooCommunicator::AllGatherV(const void* send, std::span<const uint
   }
   auto left = Begin(call, "AllGatherV");
   if (!left.ok()) return left.status();
-  const uint64_t total = std::accumulate(recv_bytes.begin(), recv_bytes.end(), uint64_t{0});
-  if (total == 0) return absl::OkStatus();  // every rank passes the same sizes
   if (world_size_ == 1) {
-    if (recv_bytes[0] > 0) std::memmove(recv, send, recv_bytes[0]);
+    if (recv_bytes[0] > 0 && send != recv) std::memmove(recv, send, recv_bytes[0]);
     return absl::OkStatus();
   }
-  // Gloo wants real pointers even for empty contributions. An in-place
-  // contribution is copied out first (Gloo copies the input into the output).
-  char dummy = 0;
-  char* in = recv_bytes[rank_] > 0 ? static_cast<char*>(const_cast<void*>(send)) : &dummy;
-  std::vector<char> in_place;
-  const uint64_t my_offset =
-      std::accumulate(recv_bytes.begin(), recv_bytes.begin() + rank_, uint64_t{0});
-  if (recv_bytes[rank_] > 0 && send == static_cast<const char*>(recv) + my_offset) {
-    in_place.assign(in, in + recv_bytes[rank_]);
-    in = in_place.data();
+  std::vector<uint64_t> offsets(world_size_ + 1, 0);
+  for (int r = 0; r < world_size_; ++r) offsets[r + 1] = offsets[r] + recv_bytes[r];
+  const auto* src = static_cast<const char*>(send);
+  auto* dst = static_cast<char*>(recv);
+
+  // 1. The first message: fixed size on every rank whatever it was asked.
+  constexpr uint64_t kRoom = kFirstMessageBytes - sizeof(FirstMessageHeader);
+  auto head_of = [&](uint64_t bytes) { return std::min(bytes, kRoom); };
+  std::vector<char> first(kFirstMessageBytes * (world_size_ + 1), 0);
+  char* mine = first.data() + kFirstMessageBytes * world_size_;  // outside the output
+  FirstMessageHeader h;
+  h.sizes_digest = SizesDigest(recv_bytes);
+  h.own_bytes = recv_bytes[rank_];
+  h.world = static_cast<uint64_t>(world_size_);
+  std::memcpy(mine, &h, sizeof h);
+  if (head_of(recv_bytes[rank_]) > 0) {
+    std::memcpy(mine + sizeof h, src, head_of(recv_bytes[rank_]));
   }
-  const uint32_t tag = next_tag_++;
-  absl::Status s = Guard(absl::StrCat(name_, ": AllGatherV"), call.deadline, [&] {
-    gloo::AllgathervOptions opts(context_);
-    // Buffers of our own (not made inside Gloo) so that Abort() can wake a
-    // wait on a peer that never comes.
-    std::unique_ptr<gloo::transport::UnboundBuffer> in_buf =
-        context_->createUnboundBuffer(in, recv_bytes[rank_]);
-    std::unique_ptr<gloo::transport::UnboundBuffer> out_buf =
-        context_->createUnboundBuffer(recv, total);
-    LiveBuffers live(*this, {in_buf.get(), out_buf.get()});
-    opts.setInput<char>(std::move(in_buf));
-    opts.setOutput<char>(std::move(out_buf),
-                         std::vector<size_t>(recv_bytes.begin(), recv_bytes.end()));
-    opts.setTag(tag);
-    opts.setTimeout(ToMillis(*left));
-    gloo::allgatherv(opts);
-  });
-  // A woken wait may let Gloo return as if the bytes had come: never trust
-  // a call that Abort() interrupted.
-  if (s.ok() && aborted_.load()) s = absl::AbortedError("woken by Abort");
-  return s.ok() ? s : Fail(std::move(s));
+  absl::Status s = Allgatherv("AllGatherV", mine, first.data(),
+                              std::vector<size_t>(world_size_, kFirstMessageBytes), *left, call);
+  if (!s.ok()) return Fail(std::move(s));
+  for (int r = 0; r < world_size_; ++r) {
+    FirstMessageHeader p;
+    std::memcpy(&p, first.data() + kFirstMessageBytes * r, sizeof p);
+    if (p.magic != h.magic || p.world != h.world || p.sizes_digest != h.sizes_digest ||
+        p.own_bytes != recv_bytes[r]) {
+      // Every rank took part in the same fixed-size message: the transport
+      // is in step, only this call fails (on every rank, each seeing the
+      // disagreement).
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: AllGatherV: the ranks passed different sizes (rank %d contributes %d bytes, this "
+          "rank expected %d%s)",
+          name_, r, p.own_bytes, recv_bytes[r],
+          p.sizes_digest != h.sizes_digest ? ", and its list of sizes differs" : ""));
+    }
+  }
+  for (int r = 0; r < world_size_; ++r) {
+    const uint64_t n = head_of(recv_bytes[r]);
+    char* to = dst + offsets[r];
+    const char* from = first.data() + kFirstMessageBytes * r + sizeof h;
+    if (n > 0 && to != from) std::memmove(to, from, n);
+  }
+
+  // 2. The rest of the contributions longer than the first message's room,
+  // in sizes every rank has agreed on.
+  std::vector<size_t> rest(world_size_);
+  uint64_t rest_total = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    rest[r] = recv_bytes[r] - head_of(recv_bytes[r]);
+    rest_total += rest[r];
+  }
+  if (rest_total == 0) return absl::OkStatus();
+  // Gathered contiguously, then moved to their places (each rank's rest
+  // follows its first bytes in `recv`). Our own rest is copied out first:
+  // `send` may lie inside `recv`.
+  std::vector<char> own(src + head_of(recv_bytes[rank_]), src + recv_bytes[rank_]);
+  std::vector<char> gathered(rest_total);
+  left = Begin(call, "AllGatherV");
+  if (!left.ok()) return left.status();
+  s = Allgatherv("AllGatherV", own.data(), gathered.data(), rest, *left, call);
+  if (!s.ok()) return Fail(std::move(s));
+  uint64_t at = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    if (rest[r] > 0) std::memcpy(dst + offsets[r] + kRoom, gathered.data() + at, rest[r]);
+    at += rest[r];
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GlooCommunicator::AllReduceMax(float* data, uint64_t count, const CommCall& call) {

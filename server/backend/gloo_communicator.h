@@ -11,6 +11,17 @@
 // a catch-all at this class's boundary: no exception ever leaves it; each
 // becomes a Status per communicator.h.
 //
+// Mismatched sizes: Gloo's TCP transport terminates the process (an
+// enforce in its event loop thread) when a peer sends more bytes than a
+// receive was posted for, e.g. when ranks pass different recv_bytes to
+// AllGatherV. So AllGatherV first all-gathers one message of a fixed size
+// (kFirstMessageBytes) from every rank: a digest of the caller's recv_bytes,
+// this rank's own size, and the first bytes of its contribution. Ranks that
+// disagree all fail with INVALID_ARGUMENT after that message (the
+// communicator stays in step and usable); only agreed sizes move beyond it,
+// in a second Gloo all-gather for contributions longer than the first
+// message's room.
+//
 // Thread safety: as Communicator (one collective caller at a time).
 #ifndef QTX_SERVER_BACKEND_GLOO_COMMUNICATOR_H_
 #define QTX_SERVER_BACKEND_GLOO_COMMUNICATOR_H_
@@ -54,6 +65,11 @@ struct GlooCommunicatorOptions {
 
 class GlooCommunicator final : public Communicator {
  public:
+  // The size of the first message of every AllGatherV (see above).
+  static constexpr uint64_t kFirstMessageBytes = 8192;
+  // Of which the contribution's first bytes get all but this header.
+  static constexpr uint64_t kFirstMessageHeaderBytes = 32;
+
   // Connects to every other rank. INVALID_ARGUMENT for bad options (rank
   // outside [0, world_size), world_size < 1, no store, empty host);
   // DEADLINE_EXCEEDED when a peer did not publish its address or connect
@@ -87,6 +103,11 @@ class GlooCommunicator final : public Communicator {
   // Records a failure (the communicator is broken from now on), closes the
   // connections so that peers notice at once, and returns the status.
   absl::Status Fail(absl::Status status);
+  // One gloo::allgatherv of `counts` bytes per rank from `in` into `out`
+  // (Guarded; Abort() can wake it). Errors as AllGatherV; does not call Fail.
+  absl::Status Allgatherv(const char* what, const void* in, void* out,
+                          const std::vector<size_t>& counts, absl::Duration left,
+                          const CommCall& call);
 
   // Constant after construction.
   const std::string name_;

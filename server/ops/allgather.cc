@@ -5,6 +5,8 @@
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <span>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "kernels/block_geometry.h"
+#include "kernels/one_round_plan.h"
 #include "kernels/shard_geometry.h"
 #include "server/ops/output_placement.h"
 
@@ -283,6 +286,164 @@ absl::StatusOr<bool> PrepareEarly(const AllGatherRequestSpec& r, const LocalRequ
   return true;
 }
 
+// ---- One round (request.shard_rows set; allgather.h) ----
+
+constexpr uint32_t kOneRoundMagic = 0x32585451;  // "QTX2"
+
+// The start of every rank's slot. Plain bytes like WireHeader (same build,
+// same machine type on every rank; the magic and header_bytes catch a peer
+// that is not).
+struct OneRoundHeader {
+  uint32_t magic = kOneRoundMagic;
+  uint32_t header_bytes = sizeof(OneRoundHeader);
+  uint64_t slot_bytes = 0;  // the slot size this rank computed
+  uint64_t digest = 0;      // AgreementDigest of the fields below
+  // What every rank must agree on, carried in full to name the field that
+  // differs when the digests do.
+  uint64_t sequence = 0;
+  int64_t n = 0;
+  int32_t dtype = 0;
+  int32_t mode = 0;
+  int32_t scaling = 0;
+  int32_t format = 0;
+  int32_t rowwise = 0;
+  int32_t columnwise = 0;
+  int32_t pow2 = 0;
+  uint32_t epsilon_bits = 0;
+  int32_t world = 0;
+  int32_t rank = 0;                // the sender (not agreed: checked against its slot)
+  uint64_t shard_rows_digest = 0;  // Fnv1a64 of the sender's shard_rows list
+  int64_t local_rows = -1;         // rows of the sender's input (-1: unknown)
+  WireStatus status;               // the sender's verdict on its own request
+};
+
+// 64-bit FNV-1a: a fixed function (unlike absl::Hash, which is seeded per
+// process), so every sidecar computes the same digest of the same fields.
+class Fnv1a64 {
+ public:
+  template <typename T>
+  Fnv1a64& Add(const T& v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    unsigned char b[sizeof(T)];
+    std::memcpy(b, &v, sizeof(T));
+    for (unsigned char c : b) h_ = (h_ ^ c) * 0x100000001b3ULL;
+    return *this;
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ULL;
+};
+
+uint64_t ShardRowsDigest(std::span<const int64_t> rows) {
+  Fnv1a64 f;
+  f.Add(static_cast<uint64_t>(rows.size()));
+  for (int64_t m : rows) f.Add(m);
+  return f.value();
+}
+
+uint64_t AgreementDigest(const OneRoundHeader& h) {
+  return Fnv1a64()
+      .Add(h.sequence)
+      .Add(h.n)
+      .Add(h.dtype)
+      .Add(h.mode)
+      .Add(h.scaling)
+      .Add(h.format)
+      .Add(h.rowwise)
+      .Add(h.columnwise)
+      .Add(h.pow2)
+      .Add(h.epsilon_bits)
+      .Add(h.world)
+      .Add(h.shard_rows_digest)
+      .value();
+}
+
+// Byte offsets inside one rank's slot (each section 16-byte aligned).
+struct SlotLayout {
+  uint64_t rw_data = 0, rw_scale = 0, cw_data = 0, cw_scale = 0;  // interior (EXACT_FP8)
+  uint64_t head = 0, tail = 0;  // straddling rows, input precision (EXACT_FP8)
+  uint64_t rows = 0;            // the whole shard, input precision (GATHER_HIGH_PRECISION)
+  uint64_t total = 0;
+};
+
+SlotLayout LayoutSlot(const kernels::OneRoundShard& s, int64_t n, int64_t esize,
+                      const kernels::QuantizeParams& p, bool exact) {
+  SlotLayout l;
+  uint64_t off = Round16(sizeof(OneRoundHeader));
+  const auto bytes = [&](int64_t rows) { return static_cast<uint64_t>(rows * n * esize); };
+  if (!exact) {
+    l.rows = off;
+    off += Round16(bytes(s.m));
+    l.total = off;
+    return l;
+  }
+  const kernels::ShardGeometry& g = s.interior;
+  if (p.rowwise) {
+    l.rw_data = off;
+    off += Round16(static_cast<uint64_t>(g.m * n));
+    l.rw_scale = off;
+    off += Round16(4 * static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(p.scaling, g)));
+  }
+  if (p.columnwise) {
+    l.cw_data = off;
+    off += Round16(static_cast<uint64_t>(g.m * n));
+    l.cw_scale = off;
+    off += Round16(4 * static_cast<uint64_t>(kernels::ShardColumnwiseScaleCount(p.scaling, g)));
+  }
+  l.head = off;
+  off += Round16(bytes(s.head_rows));
+  l.tail = off;
+  off += Round16(bytes(s.tail_rows));
+  l.total = off;
+  return l;
+}
+
+// The first agreed field in which header `b` differs from header `a`, as
+// "name: rank X has A, rank Y has B"; empty when they agree.
+std::string FirstDifference(const OneRoundHeader& a, int ra, const OneRoundHeader& b, int rb) {
+  auto flag = [](int32_t v) { return v ? "true" : "false"; };
+  auto eps = [](uint32_t bits) {
+    float e;
+    std::memcpy(&e, &bits, 4);
+    return absl::StrFormat("%g", e);
+  };
+  auto say = [&](std::string_view field, const std::string& x, const std::string& y) {
+    return absl::StrFormat("%s: rank %d has %s, rank %d has %s", field, ra, x, rb, y);
+  };
+  if (a.sequence != b.sequence)
+    return say("sequence", absl::StrCat(a.sequence), absl::StrCat(b.sequence));
+  if (a.world != b.world) return say("world_size", absl::StrCat(a.world), absl::StrCat(b.world));
+  if (a.n != b.n) return say("n", absl::StrCat(a.n), absl::StrCat(b.n));
+  if (a.dtype != b.dtype) {
+    return say("dtype", std::string(tensor::DTypeName(static_cast<DType>(a.dtype))),
+               std::string(tensor::DTypeName(static_cast<DType>(b.dtype))));
+  }
+  if (a.mode != b.mode) {
+    return say("mode", std::string(AllGatherModeName(static_cast<AllGatherMode>(a.mode))),
+               std::string(AllGatherModeName(static_cast<AllGatherMode>(b.mode))));
+  }
+  if (a.scaling != b.scaling) {
+    return say("config.scaling_mode",
+               std::string(ScalingName(static_cast<kernels::BlockScaling>(a.scaling))),
+               std::string(ScalingName(static_cast<kernels::BlockScaling>(b.scaling))));
+  }
+  if (a.format != b.format) {
+    return say("config.format", std::string(FormatName(static_cast<kernels::Fp8Format>(a.format))),
+               std::string(FormatName(static_cast<kernels::Fp8Format>(b.format))));
+  }
+  if (a.rowwise != b.rowwise) return say("config.rowwise", flag(a.rowwise), flag(b.rowwise));
+  if (a.columnwise != b.columnwise)
+    return say("config.columnwise", flag(a.columnwise), flag(b.columnwise));
+  if (a.pow2 != b.pow2) return say("config.force_pow2_scales", flag(a.pow2), flag(b.pow2));
+  if (a.epsilon_bits != b.epsilon_bits)
+    return say("config.amax_epsilon", eps(a.epsilon_bits), eps(b.epsilon_bits));
+  if (a.shard_rows_digest != b.shard_rows_digest) {
+    return absl::StrFormat("shard_rows: rank %d and rank %d passed different lists", ra, rb);
+  }
+  return "";
+}
+
 // One AllGather call on this rank: the protocol steps of allgather.h, one
 // member function each, and the state they hand on to the next step. Used
 // once, by one thread (the group's executor).
@@ -319,10 +480,38 @@ struct AllGatherCall {
   // Copies staged outputs back, signals the client, builds the result.
   absl::StatusOr<AllGatherResult> Finish();
 
-  // Any communicator failure leaves the ranks out of step.
+  // The one-round path (request.shard_rows set), in place of steps 1-4.
+  absl::StatusOr<AllGatherResult> RunOneRound();
+  // Checks shard_rows against the group and this rank's input.
+  // Sets *usable when the list describes a tensor within the limits (even
+  // if it contradicts this rank's input).
+  absl::Status CheckShardRows(bool* usable) const;
+  // The verdict on the gathered headers: the same on every rank.
+  // `mine` is this rank's own verdict, reported in preference to the peers'
+  // (but after a broken transport, which the group must learn of).
+  absl::Status CheckSlots(const std::vector<OneRoundHeader>& h, uint64_t slot_bytes,
+                          const absl::Status& mine);
+  // Every rank's part, quantized and in the input's precision, into the
+  // output (EXACT_FP8), or the whole tensor quantized from the gathered rows
+  // (GATHER_HIGH_PRECISION).
+  absl::Status AssembleOneRound(const kernels::OneRoundPlan& plan,
+                                const std::vector<SlotLayout>& slots, const uint8_t* gathered,
+                                uint64_t slot_bytes, int64_t esize, bool stream_ordered);
+
+  // Any communicator failure leaves the ranks out of step, except
+  // INVALID_ARGUMENT (communicator.h: nothing moved, or, for Gloo, ranks
+  // that asked for different sizes found out in step): then only this call
+  // fails, on every rank. Different sizes mean the ranks took different
+  // paths or computed different payloads.
   absl::Status CommFailed(const absl::Status& s) {
-    *group_broken = true;
-    return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+    if (s.code() != absl::StatusCode::kInvalidArgument) {
+      *group_broken = true;
+      return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, s.message(),
+        " (pass shard_rows on every rank of a call or on none; with it, the ranks must agree on "
+        "shard_rows, N, dtype, mode and config)"));
   }
   void Lap(absl::Duration* d) {
     const absl::Time now = absl::Now();
@@ -374,6 +563,7 @@ struct AllGatherCall {
 };
 
 absl::StatusOr<AllGatherResult> AllGatherCall::Run() {
+  if (!request.shard_rows.empty()) return RunOneRound();
   ValidateLocally();
   Lap(&timing.local);
   QTX_RETURN_IF_ERROR(ExchangeHeaders());
@@ -802,6 +992,332 @@ absl::Status AllGatherCall::GatherHighPrecision(const backend::CommCall& data_ca
   } else {
     QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
   }
+  return absl::OkStatus();
+}
+
+absl::Status AllGatherCall::CheckShardRows(bool* usable) const {
+  *usable = false;
+  const std::vector<int64_t>& rows = request.shard_rows;
+  if (rows.size() != static_cast<size_t>(world)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("shard_rows has %d entries: the group has %d ranks (one M_r per rank)",
+                        rows.size(), world));
+  }
+  int64_t total = 0, elements = 0;
+  for (int r = 0; r < world; ++r) {
+    if (rows[r] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("shard_rows[%d]=%d: must be >= 0", r, rows[r]));
+    }
+    if (__builtin_add_overflow(total, rows[r], &total)) total = INT64_MAX;
+  }
+  if (total == INT64_MAX || __builtin_mul_overflow(total, n, &elements) ||
+      elements > ctx.limits.max_elements) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the gathered tensor [sum shard_rows, N=%d] exceeds the element limit %d",
+                        n, ctx.limits.max_elements));
+  }
+  *usable = true;
+  if (local.ok() && rows[rank] != local->mn.m) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "shard_rows[%d]=%d but this rank's input has %d rows (input.shape flattened to [M_r, N])",
+        rank, rows[rank], local->mn.m));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AllGatherCall::CheckSlots(const std::vector<OneRoundHeader>& h, uint64_t slot_bytes,
+                                       const absl::Status& mine) {
+  // A slot that does not start with a header of this build, or whose sender
+  // computed another slot size, means the ranks issued all-gathers of
+  // different sizes: the transport may be out of step, so the group is
+  // broken (as after any communicator failure).
+  for (int r = 0; r < world; ++r) {
+    if (h[r].magic != kOneRoundMagic || h[r].header_bytes != sizeof(OneRoundHeader) ||
+        h[r].rank != r || h[r].slot_bytes != slot_bytes) {
+      *group_broken = true;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%srank %d's payload does not match this rank's (%s): the ranks disagree on "
+          "shard_rows, N, dtype, mode or config, or not every rank passed shard_rows; the group "
+          "is now broken",
+          prefix, r,
+          h[r].magic == kOneRoundMagic
+              ? absl::StrFormat("it computed %d bytes per rank, this rank %d", h[r].slot_bytes,
+                                slot_bytes)
+              : std::string("no one-round header")));
+    }
+  }
+  if (!mine.ok()) return mine;
+  for (int r = 0; r < world; ++r) {
+    if (h[r].status.code != 0) {
+      return FromWire(h[r].status, absl::StrFormat("%srank %d rejected its request: ", prefix, r));
+    }
+  }
+  // Every rank compares every header with rank 0's: all reach the same
+  // verdict and the same message.
+  for (int r = 1; r < world; ++r) {
+    if (h[r].digest == h[0].digest && AgreementDigest(h[r]) == h[r].digest) continue;
+    std::string diff = FirstDifference(h[0], 0, h[r], r);
+    if (diff.empty()) diff = absl::StrFormat("digest: rank %d's does not match its fields", r);
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "ranks disagree on ", diff));
+  }
+  for (int r = 0; r < world; ++r) {
+    if (h[r].local_rows != request.shard_rows[r]) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%sshard_rows[%d]=%d but rank %d's input has %d rows", prefix, r,
+                          request.shard_rows[r], r, h[r].local_rows));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
+  const bool stream_ordered = request.events.queue != nullptr;
+  backend::CommCall data_call = call;
+  data_call.enqueue_only = stream_ordered;
+  // Local validation; its verdict travels in this rank's header, so that
+  // every rank fails with it.
+  local = ValidateLocal(request, ctx, comm);
+  if (local.ok()) {
+    if (absl::Status s = ctx.device->OrderAfterClient(request.events); !s.ok()) local = s;
+  }
+  // The slot layout needs N and the element size: the request's claims
+  // when it was rejected (the peers' slots have the size they compute from
+  // theirs; if it differs, CheckSlots or the communicator says so).
+  if (local.ok()) {
+    n = local->mn.n;
+  } else if (!request.input.shape.empty() && request.input.shape.back() > 0) {
+    n = request.input.shape.back();
+  }
+  const int64_t esize = std::max<int64_t>(1, tensor::ElementSize(request.input.dtype));
+  absl::Status mine = local.status();
+  bool rows_usable = false;
+  const absl::Status rows_status = CheckShardRows(&rows_usable);
+  if (mine.ok()) mine = rows_status;
+  // A list that cannot describe a tensor (wrong length, negative, too large)
+  // plans as empty shards (a header-only slot) rather than as sizes that
+  // cannot be allocated; one that only contradicts this rank's input is
+  // still the layout the peers compute.
+  std::vector<int64_t> rows(world, 0);
+  if (rows_usable) rows = request.shard_rows;
+  const bool split = exact && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
+  const kernels::OneRoundPlan plan = kernels::PlanOneRound(rows, n, split);
+  m_total = plan.m_total;
+  shard_rows = rows;
+  geoms.resize(world);
+  for (int r = 0; r < world; ++r) {
+    geoms[r] = kernels::ShardGeometry{plan.shards[r].row_offset, plan.shards[r].m, n};
+  }
+  layout = kernels::ComputeLayout(p.scaling, m_total, n);
+  std::vector<SlotLayout> slots(world);
+  uint64_t slot_bytes = 0;
+  for (int r = 0; r < world; ++r) {
+    slots[r] = LayoutSlot(plan.shards[r], n, esize, p, exact);
+    slot_bytes = std::max(slot_bytes, slots[r].total);
+  }
+  // The outputs (sizes known from shard_rows): a bad slice is this rank's
+  // verdict too.
+  need_amax = false;
+  if (mine.ok()) mine = PlaceOutputs();
+  Lap(&timing.local);
+
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer gathered,
+                       ctx.device->Allocate(slot_bytes * static_cast<uint64_t>(world)));
+  auto* base = static_cast<uint8_t*>(gathered.data());
+  uint8_t* my = base + slot_bytes * rank;
+  OneRoundHeader hdr;
+  hdr.slot_bytes = slot_bytes;
+  hdr.sequence = request.sequence;
+  hdr.n = n;
+  hdr.dtype = static_cast<int32_t>(request.input.dtype);
+  hdr.mode = static_cast<int32_t>(request.mode);
+  hdr.scaling = static_cast<int32_t>(p.scaling);
+  hdr.format = static_cast<int32_t>(p.format);
+  hdr.rowwise = p.rowwise;
+  hdr.columnwise = p.columnwise;
+  hdr.pow2 = p.force_pow2_scales;
+  std::memcpy(&hdr.epsilon_bits, &p.amax_epsilon, 4);
+  hdr.world = world;
+  hdr.rank = rank;
+  hdr.shard_rows_digest = ShardRowsDigest(request.shard_rows);
+  hdr.local_rows = local.ok() ? local->mn.m : -1;
+  hdr.status = ToWire(mine);
+  hdr.digest = AgreementDigest(hdr);
+  QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(my, &hdr, sizeof hdr));
+  if (mine.ok()) {
+    // This rank's part: its interior block rows quantized straight into its
+    // slot, and its rows of straddling block rows as they are.
+    const kernels::OneRoundShard& s = plan.shards[rank];
+    const SlotLayout& sl = slots[rank];
+    const auto* in = static_cast<const uint8_t*>(input_ptr);
+    const uint64_t row_bytes = static_cast<uint64_t>(n * esize);
+    if (!exact) {
+      QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my + sl.rows, in, s.m * row_bytes));
+    } else {
+      if (s.interior.m > 0) {
+        kernels::QuantizedBuffers b;
+        if (p.rowwise) {
+          b.rowwise_data = my + sl.rw_data;
+          b.rowwise_scale_inv = reinterpret_cast<float*>(my + sl.rw_scale);
+        }
+        if (p.columnwise) {
+          b.columnwise_data = my + sl.cw_data;
+          b.columnwise_scale_inv = reinterpret_cast<float*>(my + sl.cw_scale);
+        }
+        QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
+            backend::ShardArgs{in + s.head_rows * row_bytes, local->dtype, s.interior, p}, nullptr,
+            nullptr, b));
+      }
+      QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my + sl.head, in, s.head_rows * row_bytes));
+      QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(
+          my + sl.tail, in + (s.m - s.tail_rows) * row_bytes, s.tail_rows * row_bytes));
+    }
+  }
+  Lap(&timing.prepare);
+  // The one round: equal slots, this rank's already in place.
+  const std::vector<uint64_t> sizes(world, slot_bytes);
+  if (absl::Status s = comm.AllGatherV(my, sizes, base, data_call); !s.ok()) {
+    return CommFailed(s);
+  }
+  Lap(&timing.gather);
+  std::vector<OneRoundHeader> headers_in(world);
+  for (int r = 0; r < world; ++r) {
+    QTX_RETURN_IF_ERROR(
+        ctx.device->CopyToHost(&headers_in[r], base + slot_bytes * r, sizeof(OneRoundHeader)));
+  }
+  QTX_RETURN_IF_ERROR(CheckSlots(headers_in, slot_bytes, mine));
+  QTX_RETURN_IF_ERROR(AssembleOneRound(plan, slots, base, slot_bytes, esize, stream_ordered));
+  QTX_ASSIGN_OR_RETURN(AllGatherResult result, Finish());
+  result.one_round = true;
+  return result;
+}
+
+absl::Status AllGatherCall::AssembleOneRound(const kernels::OneRoundPlan& plan,
+                                             const std::vector<SlotLayout>& slots,
+                                             const uint8_t* gathered, uint64_t slot_bytes,
+                                             int64_t esize, bool stream_ordered) {
+  for (auto& o : outs) AllocateInline(o);
+  if (outs[0]) out_bufs.rowwise_data = static_cast<uint8_t*>(outs[0]->KernelPointer());
+  if (outs[1]) out_bufs.rowwise_scale_inv = static_cast<float*>(outs[1]->KernelPointer());
+  if (outs[2]) out_bufs.columnwise_data = static_cast<uint8_t*>(outs[2]->KernelPointer());
+  if (outs[3]) out_bufs.columnwise_scale_inv = static_cast<float*>(outs[3]->KernelPointer());
+  const uint64_t row_bytes = static_cast<uint64_t>(n * esize);
+  auto slot = [&](int r) { return gathered + slot_bytes * r; };
+  if (!exact) {
+    // The shards' rows, concatenated, then quantized as one tensor.
+    QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer all, ctx.device->Allocate(m_total * row_bytes));
+    auto* dst = static_cast<uint8_t*>(all.data());
+    for (int r = 0; r < world; ++r) {
+      const kernels::OneRoundShard& s = plan.shards[r];
+      QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(dst + s.row_offset * row_bytes,
+                                                   slot(r) + slots[r].rows, s.m * row_bytes));
+    }
+    backend::QuantizeArgs args;
+    args.input = m_total > 0 ? all.data() : nullptr;
+    args.dtype = local->dtype;
+    args.m = m_total;
+    args.n = n;
+    args.params = p;
+    args.out = out_bufs;
+    if (stream_ordered) {
+      // As GatherHighPrecision: the queue after this thread's copies, the
+      // quantize on the queue, this thread's stream (which frees `all`)
+      // after the quantize.
+      QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
+      args.queue = request.events.queue;
+      QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+      return ctx.device->OrderAfterClient(request.events);
+    }
+    return ctx.device->Quantize(args);
+  }
+  // Pieces of the output: every rank's interior rows from its slot, then the
+  // straddling block rows, each rebuilt from the rows its ranks sent and
+  // quantized here (kernels/one_round_plan.h says why this is exact).
+  std::vector<kernels::ShardGeometry> piece_geoms;
+  std::vector<kernels::QuantizedConstBuffers> views;
+  for (int r = 0; r < world; ++r) {
+    const kernels::ShardGeometry& g = plan.shards[r].interior;
+    if (g.m == 0) continue;
+    const uint8_t* b = slot(r);
+    kernels::QuantizedConstBuffers v;
+    if (p.rowwise) {
+      v.rowwise_data = b + slots[r].rw_data;
+      v.rowwise_scale_inv = reinterpret_cast<const float*>(b + slots[r].rw_scale);
+    }
+    if (p.columnwise) {
+      v.columnwise_data = b + slots[r].cw_data;
+      v.columnwise_scale_inv = reinterpret_cast<const float*>(b + slots[r].cw_scale);
+    }
+    piece_geoms.push_back(g);
+    views.push_back(v);
+  }
+  // One scratch buffer for every straddling block row: its rows in the
+  // input's precision, then its quantized copies in the shard layout.
+  struct Scratch {
+    uint64_t rows = 0, rw_data = 0, rw_scale = 0, cw_data = 0, cw_scale = 0;
+  };
+  std::vector<Scratch> scratch(plan.straddles.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < plan.straddles.size(); ++i) {
+    const kernels::ShardGeometry& g = plan.straddles[i].geom;
+    Scratch& sc = scratch[i];
+    sc.rows = total;
+    total += Round16(g.m * row_bytes);
+    sc.rw_data = total;
+    total += Round16(static_cast<uint64_t>(g.m * n));
+    sc.rw_scale = total;
+    total += Round16(4 * static_cast<uint64_t>(kernels::ShardRowwiseScaleCount(p.scaling, g)));
+    sc.cw_data = total;
+    total += Round16(static_cast<uint64_t>(g.m * n));
+    sc.cw_scale = total;
+    total += Round16(4 * static_cast<uint64_t>(kernels::ShardColumnwiseScaleCount(p.scaling, g)));
+  }
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer sbuf, ctx.device->Allocate(total));
+  auto* sb = static_cast<uint8_t*>(sbuf.data());
+  for (size_t i = 0; i < plan.straddles.size(); ++i) {
+    const kernels::StraddleBlock& blk = plan.straddles[i];
+    const Scratch& sc = scratch[i];
+    uint64_t at = sc.rows;
+    for (const kernels::StraddleBlock::Piece& piece : blk.pieces) {
+      const uint8_t* src =
+          slot(piece.rank) + (piece.tail ? slots[piece.rank].tail : slots[piece.rank].head);
+      QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(sb + at, src, piece.rows * row_bytes));
+      at += piece.rows * row_bytes;
+    }
+    kernels::QuantizedBuffers b;
+    if (p.rowwise) {
+      b.rowwise_data = sb + sc.rw_data;
+      b.rowwise_scale_inv = reinterpret_cast<float*>(sb + sc.rw_scale);
+    }
+    if (p.columnwise) {
+      b.columnwise_data = sb + sc.cw_data;
+      b.columnwise_scale_inv = reinterpret_cast<float*>(sb + sc.cw_scale);
+    }
+    QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
+        backend::ShardArgs{sb + sc.rows, local->dtype, blk.geom, p}, nullptr, nullptr, b));
+    piece_geoms.push_back(blk.geom);
+    views.push_back(
+        {b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv});
+  }
+  // In row order (the CUDA assembly wants contiguous pieces in order; they
+  // partition [0, M), so sorting by offset makes them so).
+  std::vector<size_t> order(piece_geoms.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return piece_geoms[a].row_offset < piece_geoms[b].row_offset;
+  });
+  std::vector<kernels::ShardGeometry> sorted_geoms;
+  std::vector<kernels::QuantizedConstBuffers> sorted_views;
+  for (size_t i : order) {
+    sorted_geoms.push_back(piece_geoms[i]);
+    sorted_views.push_back(views[i]);
+  }
+  QTX_RETURN_IF_ERROR(ctx.device->AssembleShards(static_cast<int>(sorted_geoms.size()),
+                                                 sorted_geoms.data(), sorted_views.data(), p,
+                                                 out_bufs));
+  // A synchronous call returns with its outputs written (and `sbuf`, freed
+  // on this thread's stream, outlives the work either way).
+  if (!stream_ordered) QTX_RETURN_IF_ERROR(ctx.device->SynchronizeThisThread());
   return absl::OkStatus();
 }
 

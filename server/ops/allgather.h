@@ -26,6 +26,28 @@
 //     GEMM-ready output. GATHER_HIGH_PRECISION: all-gather the high-precision shards and
 //     quantize the whole tensor.
 //
+// One round (the request carries every rank's row count, shard_rows): steps
+// 2-4 become a single all-gather of equal-size slots, one per rank, whose
+// layout every rank computes from shard_rows alone (kernels/one_round_plan.h
+// says why the bytes are those of Quantize(concat)):
+//   slot r = [header: agreement fields + digest + rank r's own verdict]
+//            [EXACT_FP8: rank r's interior block rows quantized (shard layout)
+//             + the rows of r's shard in block rows it shares with other
+//             ranks, in the input's precision (<= 127 at each end, or the
+//             whole shard when it lies in one block row);
+//             GATHER_HIGH_PRECISION: the whole shard in the input's precision]
+// After the gather every rank checks every header (a bad request of any rank,
+// or any disagreement on sequence, N, dtype, mode, config or shard_rows, fails
+// every rank naming the rank and the field; no output is written before), then
+// quantizes the straddling block rows itself and assembles the output on the
+// device. Every rank must then pass shard_rows (the choice between the paths
+// is made from it). Ranks that issue all-gathers of different sizes (a mix
+// of calls with and without shard_rows, or lists, N, dtype, mode or config
+// that change the slot size) fail on every rank: over Gloo with
+// INVALID_ARGUMENT, in step, the group usable (GlooCommunicator checks the
+// sizes); over NCCL at the latest at the deadline, or at the slot check
+// (header, slot size), the group then broken.
+//
 // Thread safety: runs on the group's executor; one call per communicator at
 // a time.
 #ifndef QTX_SERVER_OPS_ALLGATHER_H_
@@ -62,6 +84,9 @@ struct AllGatherRequestSpec {
   // after the queue and before it, with CommCall::enqueue_only collectives;
   // its tensors must be in the device's memory (FAILED_PRECONDITION).
   backend::CudaEvents events;
+  // Optional: every rank's row count M_r, in rank order (the same list on
+  // every rank). Set: the one-round protocol above (no header exchange).
+  std::vector<int64_t> shard_rows;
   // Set by the caller when the request could not even be parsed; the op then
   // still takes part in the header exchange, so every rank fails with it.
   absl::Status request_error;
@@ -81,6 +106,8 @@ struct AllGatherResult {
   QuantizeResult result;            // shape [M, N]
   std::vector<int64_t> shard_rows;  // M_r of every rank, in rank order
   AllGatherTiming timing;
+  // True when the one-round path ran (request.shard_rows set).
+  bool one_round = false;
 };
 
 // Runs one all-gather. Errors: as Quantize for this rank's own request; the

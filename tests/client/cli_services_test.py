@@ -88,6 +88,14 @@ def check_allgather(a, servers):
                 else:
                     assert "rowwise    scale_inv   float32 [2, 4]" in out, out
                     assert "columnwise scale_inv   float32 [3, 4]" in out, out
+    # --shard_rows on both ranks: the one-round path, the same bytes.
+    outs = both(a, targets,
+                ["allgather", "--group=one", "--world_size=2", "--mode=2d",
+                 "--usages=rowwise,columnwise", "--seed=11", "--shard_rows=100,156"],
+                [["--rank=0", "--shape=100x300"], ["--rank=1", "--shape=156x300"] + coordinator])
+    for out, _ in outs:
+        assert "shard_rows [100, 156]" in out, out
+        assert "identical to Quantize(concat of the shards)" in out, out
     # The groups were destroyed again.
     for t in targets:
         out, _ = run(a, t, "groups")

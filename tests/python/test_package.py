@@ -346,10 +346,13 @@ class CollectiveTest(unittest.TestCase):
                  for r, m in enumerate(rows)]
             for mode in ("1d", "2d"):
                 ref = self.clients[0].quantize(np.concatenate(x), mode=mode, columnwise=True)
-                for gather_mode in ("exact_fp8", "gather_high_precision"):
+                # shard_rows given: the one-round path (same bytes).
+                for gather_mode, shard_rows in (("exact_fp8", None),
+                                                ("gather_high_precision", None),
+                                                ("exact_fp8", list(rows))):
                     res = self.on_every_rank(lambda r, c: c.all_gather(
                         "py-tp", seq, x[r], gather_mode=gather_mode, mode=mode,
-                        columnwise=True))
+                        columnwise=True, shard_rows=shard_rows))
                     seq += 1
                     for r in range(2):
                         self.assertNotIsInstance(res[r], Exception, msg=str(res[r]))

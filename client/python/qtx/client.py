@@ -236,12 +236,15 @@ class Client:
 
     def all_gather(self, group, sequence, x, gather_mode="exact_fp8", mode="1d", format="e4m3",
                    rowwise=True, columnwise=False, pow2_scales=True, amax_epsilon=0.0,
-                   timeout=None, request_id=None):
+                   timeout=None, request_id=None, shard_rows=None):
         """All-gathers this rank's shard `x` ([M_r, N]; any M_r, even 0) and
         returns AllGatherResult: the quantized [sum M_r, N] tensor (bit-identical
         to quantize() of the concatenated shards) and every rank's M_r.
         `sequence` counts the group's calls from 0, the same on every rank.
-        gather_mode: 'exact_fp8' or 'gather_high_precision' (same bytes)."""
+        gather_mode: 'exact_fp8' or 'gather_high_precision' (same bytes).
+        shard_rows: optional list of every rank's M_r (the same on every rank);
+        given, the sidecars need one all-gather and no exchange of shapes first.
+        Pass it on every rank of a call or on none."""
         if gather_mode not in _GATHER_MODES:
             raise ValueError("gather_mode=%r: must be one of %s"
                              % (gather_mode, sorted(_GATHER_MODES)))
@@ -250,7 +253,8 @@ class Client:
             group=group, sequence=sequence, input=tensor_to_proto(x),
             config=_quantize_config(mode, format, rowwise, columnwise, pow2_scales,
                                     amax_epsilon),
-            mode=_GATHER_MODES[gather_mode])
+            mode=_GATHER_MODES[gather_mode],
+            shard_rows=[int(m) for m in (shard_rows or [])])
         resp = self._call(self.collective.AllGather, req, timeout, request_id)
         return AllGatherResult(_quantized_from_proto(resp.result, mode, format, as_torch),
                                list(resp.shard_rows))

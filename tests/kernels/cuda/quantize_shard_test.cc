@@ -5,8 +5,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/cuda/quantize_shard.h"
 #include "kernels/fp8.h"
+#include "kernels/one_round_plan.h"
 #include "kernels/shard_geometry.h"
 
 namespace qtx::kernels {
@@ -221,6 +224,128 @@ TEST(QuantizeShardCuda, LargeRowAndColumnShardsOnEveryDevice) {
     RunCase({{4095, 4097}, 8192}, BlockScaling::kBlock2D, true, true, Fp8Format::kE4M3);
   }
   ASSERT_CUDA(cudaSetDevice(0));
+}
+
+// The one-round all-gather's device work (kernels/one_round_plan.h) on one
+// GPU: each rank's interior block rows quantized with no boundary amaxes (null
+// vectors), each straddling block row rebuilt from the rows its ranks send and
+// quantized likewise, then AssembleShards of the pieces in row order: byte for
+// byte QuantizeBlock of the whole on the CPU.
+void RunOneRound(const std::vector<int64_t>& rows, int64_t n, BlockScaling scaling, bool rowwise,
+                 bool columnwise) {
+  const bool split = columnwise || scaling == BlockScaling::kBlock2D;
+  const OneRoundPlan plan = PlanOneRound(rows, n, split);
+  const int64_t m = plan.m_total;
+  std::vector<uint16_t> x(m * n);
+  std::mt19937 rng(static_cast<uint32_t>(m * 29 + n));
+  std::normal_distribution<float> d(0, 1);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const float mag = std::ldexp(1.0f, static_cast<int>(r * 5) % 11 - 5);
+    const OneRoundShard& s = plan.shards[r];
+    for (int64_t i = s.row_offset * n; i < (s.row_offset + s.m) * n; ++i)
+      x[i] = FloatToBf16(d(rng) * mag);
+  }
+  const QuantizeParams p{scaling, Fp8Format::kE4M3, rowwise, columnwise, true, 0.0f};
+  const QuantizedLayout l = ComputeLayout(scaling, m, n);
+  std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
+  std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
+  cpu::QuantizeBlock(x.data(), InputDType::kBFloat16, m, n, p,
+                     {rd.data(), rs.data(), cd.data(), cs.data()});
+  Dev<uint16_t> dx(m * n);
+  ASSERT_CUDA(cudaMemcpy(dx.p, x.data(), 2 * m * n, cudaMemcpyHostToDevice));
+  struct Piece {
+    ShardGeometry g;
+    QuantizedConstBuffers v;
+  };
+  std::vector<Piece> pieces;
+  std::vector<std::unique_ptr<Dev<uint8_t>>> keep;
+  std::vector<std::unique_ptr<Dev<float>>> keepf;
+  auto quantize = [&](const uint16_t* src, const ShardGeometry& g) {
+    keep.push_back(std::make_unique<Dev<uint8_t>>(2 * g.m * n));
+    keepf.push_back(std::make_unique<Dev<float>>(ShardRowwiseScaleCount(scaling, g) +
+                                                 ShardColumnwiseScaleCount(scaling, g)));
+    QuantizedBuffers b;
+    if (rowwise) {
+      b.rowwise_data = keep.back()->p;
+      b.rowwise_scale_inv = keepf.back()->p;
+    }
+    if (columnwise) {
+      b.columnwise_data = keep.back()->p + g.m * n;
+      b.columnwise_scale_inv = keepf.back()->p + ShardRowwiseScaleCount(scaling, g);
+    }
+    ASSERT_CUDA(
+        cuda::QuantizeShard(src, InputDType::kBFloat16, g, p, nullptr, nullptr, b, nullptr));
+    pieces.push_back(
+        {g, {b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv}});
+  };
+  for (const OneRoundShard& s : plan.shards) {
+    if (s.interior.m > 0) quantize(dx.p + s.interior.row_offset * n, s.interior);
+  }
+  for (const StraddleBlock& b : plan.straddles) {
+    // The block row's rows, gathered from the ranks' head/tail rows (device
+    // to device, as the op copies them out of the gathered slots).
+    Dev<uint16_t> blk(b.geom.m * n);
+    int64_t at = 0;
+    for (const auto& piece : b.pieces) {
+      const OneRoundShard& s = plan.shards[piece.rank];
+      const int64_t first = s.row_offset + (piece.tail ? s.m - s.tail_rows : 0);
+      ASSERT_CUDA(cudaMemcpy(blk.p + at * n, dx.p + first * n, 2 * piece.rows * n,
+                             cudaMemcpyDeviceToDevice));
+      at += piece.rows;
+    }
+    quantize(blk.p, b.geom);
+    ASSERT_CUDA(cudaDeviceSynchronize());  // `blk` is freed at the end of this scope
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.g.row_offset < b.g.row_offset; });
+  std::vector<ShardGeometry> geoms;
+  std::vector<QuantizedConstBuffers> views;
+  for (const Piece& q : pieces) {
+    geoms.push_back(q.g);
+    views.push_back(q.v);
+  }
+  Dev<uint8_t> ord(rd.size()), ocd(cd.size());
+  Dev<float> ors(rs.size()), ocs(cs.size());
+  ASSERT_CUDA(cudaMemset(ors.p, 0xFF, 4 * std::max<size_t>(rs.size(), 1)));
+  ASSERT_CUDA(cudaMemset(ocs.p, 0xFF, 4 * std::max<size_t>(cs.size(), 1)));
+  ASSERT_CUDA(cuda::AssembleShards(static_cast<int>(geoms.size()), geoms.data(), views.data(), p,
+                                   {ord.p, ors.p, ocd.p, ocs.p}, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  if (rowwise) {
+    std::vector<uint8_t> a(rd.size());
+    std::vector<float> as(rs.size());
+    ASSERT_CUDA(cudaMemcpy(a.data(), ord.p, a.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(as.data(), ors.p, 4 * as.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a, rd);
+    EXPECT_EQ(0, std::memcmp(as.data(), rs.data(), 4 * as.size()));
+  }
+  if (columnwise) {
+    std::vector<uint8_t> a(cd.size());
+    std::vector<float> as(cs.size());
+    ASSERT_CUDA(cudaMemcpy(a.data(), ocd.p, a.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(as.data(), ocs.p, 4 * as.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a, cd);
+    EXPECT_EQ(0, std::memcmp(as.data(), cs.data(), 4 * as.size()));
+  }
+}
+
+TEST(QuantizeShardCuda, OneRoundPiecesMatchQuantizeOfConcatenation) {
+  const std::vector<std::vector<int64_t>> splits = {
+      {64, 64},     {0, 300},      {100, 156, 1},       {129, 127, 256},
+      {1, 1, 1, 1}, {200, 3, 300}, {250, 1, 2, 5, 300}, {128, 5, 123, 0, 128},
+      {4095, 4097}};
+  for (const auto& rows : splits) {
+    for (int64_t n : {100, 300}) {
+      for (auto s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+        for (int usage = 1; usage <= 3; ++usage) {
+          SCOPED_TRACE(testing::Message()
+                       << "ranks=" << rows.size() << " rows0=" << rows[0] << " n=" << n
+                       << " 2d=" << (s == BlockScaling::kBlock2D) << " usage=" << usage);
+          RunOneRound(rows, n, s, usage & 1, usage & 2);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

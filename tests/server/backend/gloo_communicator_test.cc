@@ -80,6 +80,69 @@ TEST(GlooCommunicator, AllGatherVWithEmptyAndUnequalContributions) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gloo[group=t rank=0/4]")));
 }
 
+// Contributions longer than the first message (GlooCommunicator::
+// kFirstMessageBytes) take a second Gloo all-gather; in place too.
+TEST(GlooCommunicator, AllGatherVBeyondTheFirstMessageAndInPlace) {
+  collective::KvStore store;
+  const int world = 3;
+  auto comms = Connect(store, world, "l/", absl::Seconds(10));
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  const uint64_t room =
+      GlooCommunicator::kFirstMessageBytes - GlooCommunicator::kFirstMessageHeaderBytes;
+  const std::vector<uint64_t> sizes = {room, room + 1, 3 * room + 5};
+  const uint64_t total = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
+  for (bool in_place : {false, true}) {
+    OnEveryRank(world, [&](int r) {
+      std::vector<uint8_t> recv(total, 0);
+      const uint64_t mine = std::accumulate(sizes.begin(), sizes.begin() + r, uint64_t{0});
+      std::vector<uint8_t> send(sizes[r]);
+      for (size_t i = 0; i < send.size(); ++i) send[i] = static_cast<uint8_t>(r * 7 + i * 13);
+      uint8_t* from = send.data();
+      if (in_place) {
+        std::memcpy(recv.data() + mine, send.data(), send.size());
+        from = recv.data() + mine;
+      }
+      QTX_EXPECT_OK(
+          comms[r]->AllGatherV(from, sizes, recv.data(), {absl::Now() + absl::Seconds(10)}));
+      uint64_t off = 0;
+      for (int q = 0; q < world; ++q) {
+        for (uint64_t i = 0; i < sizes[q]; ++i) {
+          ASSERT_EQ(recv[off + i], static_cast<uint8_t>(q * 7 + i * 13))
+              << "rank " << r << " from " << q << " byte " << i;
+        }
+        off += sizes[q];
+      }
+    });
+  }
+}
+
+// Ranks that pass different sizes (Gloo alone would terminate the process on
+// the receiving side) all fail with INVALID_ARGUMENT, in step: the
+// communicator works afterwards.
+TEST(GlooCommunicator, AllGatherVWithDisagreeingSizesFailsEveryRankInStep) {
+  collective::KvStore store;
+  const int world = 2;
+  auto comms = Connect(store, world, "d/", absl::Seconds(10));
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  const std::vector<std::vector<uint64_t>> views = {{100, 20000}, {100, 200}};
+  OnEveryRank(world, [&](int r) {
+    const std::vector<uint64_t>& sizes = views[r];
+    std::vector<uint8_t> send(sizes[r], 1), recv(sizes[0] + sizes[1]);
+    EXPECT_THAT(
+        comms[r]->AllGatherV(send.data(), sizes, recv.data(), {absl::Now() + absl::Seconds(10)}),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 HasSubstr("the ranks passed different sizes")));
+  });
+  OnEveryRank(world, [&](int r) {
+    const std::vector<uint64_t> sizes = {100, 20000};
+    std::vector<uint8_t> send(sizes[r], static_cast<uint8_t>(r + 1)), recv(20100);
+    QTX_EXPECT_OK(
+        comms[r]->AllGatherV(send.data(), sizes, recv.data(), {absl::Now() + absl::Seconds(10)}));
+    EXPECT_EQ(recv[0], 1);
+    EXPECT_EQ(recv[20099], 2);
+  });
+}
+
 TEST(GlooCommunicator, MissingPeerTimesOutAndBreaksTheCommunicator) {
   collective::KvStore store;
   auto comms = Connect(store, 2, "b/", absl::Seconds(10));

@@ -243,6 +243,157 @@ TEST_P(CollectiveE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CollectiveE2E, ::testing::Values(2, 3, 4));
 
+// One round (AllGatherRequest.shard_rows): qtxd processes on loopback, every
+// shard pattern of the suite above plus shards smaller than a block in the
+// middle of the group; 1-D and 2-D; rowwise, columnwise and both. Every rank's
+// bytes equal QuantizeBlock of the concatenation (and so the header path's,
+// which the suite above holds to the same reference; the op test compares
+// the two paths directly).
+class OneRoundE2E : public ::testing::TestWithParam<int> {};
+
+TEST_P(OneRoundE2E, AllGatherWithShardRowsIsBitIdentical) {
+  const int world = GetParam();
+  std::vector<std::vector<int64_t>> grids;
+  if (world == 2) grids = {{64, 64}, {0, 300}, {128, 128}, {5, 300}};
+  if (world == 3) grids = {{100, 156, 1}, {129, 127, 256}, {200, 3, 300}};
+  if (world == 4) grids = {{250, 250, 250, 250}, {1, 1, 1, 1}, {128, 5, 123, 128}};
+  if (world == 5) grids = {{250, 1, 2, 5, 300}, {128, 5, 123, 0, 128}, {300, 100, 3, 0, 129}};
+  Cluster c(world);
+  for (const auto& s : c.Create("one", world, 20000)) ASSERT_TRUE(s.ok()) << s.error_message();
+  const struct { bool row, col; } copies[] = {{true, false}, {false, true}, {true, true}};
+  uint64_t seq = 0;
+  for (const auto& rows : grids) {
+    for (int64_t n : {100, 300}) {
+      const Shards sh = MakeShards(rows, n);
+      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D}) {
+        const auto ks = scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
+                                                : kernels::BlockScaling::kBlock2D;
+        for (const auto& cp : copies) {
+          const kernels::QuantizeParams p{ks,  kernels::Fp8Format::kE4M3, cp.row, cp.col, true,
+                                          0.0f};
+          const auto l = kernels::ComputeLayout(ks, sh.m, n);
+          std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
+          std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
+          kernels::cpu::QuantizeBlock(sh.x.data(), kernels::InputDType::kBFloat16, sh.m, n, p,
+                                      {rd.data(), rs.data(), cd.data(), cs.data()});
+          for (auto mode : {v1::EXACT_FP8, v1::GATHER_HIGH_PRECISION}) {
+            if (mode == v1::GATHER_HIGH_PRECISION && !(cp.row && cp.col)) continue;
+            SCOPED_TRACE(absl::StrFormat("world=%d m=%d n=%d scaling=%d row=%d col=%d mode=%d",
+                                         world, sh.m, n, scaling, cp.row, cp.col, mode));
+            std::vector<v1::AllGatherRequest> reqs;
+            for (int r = 0; r < world; ++r) {
+              reqs.push_back(Request("one", seq, sh, r, mode, scaling));
+              reqs.back().mutable_config()->set_rowwise(cp.row);
+              reqs.back().mutable_config()->set_columnwise(cp.col);
+              for (int64_t m : rows) reqs.back().add_shard_rows(m);
+            }
+            ++seq;
+            std::vector<v1::AllGatherResponse> resps;
+            auto st = RunAllGather(c, reqs, &resps, absl::Seconds(30));
+            for (int r = 0; r < world; ++r) {
+              ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
+              const auto& q = resps[r].result();
+              if (cp.row) {
+                EXPECT_EQ(q.rowwise_data().inline_data(), Bytes(rd.data(), rd.size()));
+                EXPECT_EQ(q.rowwise_scale_inv().inline_data(), Bytes(rs.data(), rs.size() * 4));
+              }
+              if (cp.col) {
+                EXPECT_EQ(q.columnwise_data().inline_data(), Bytes(cd.data(), cd.size()));
+                EXPECT_EQ(q.columnwise_scale_inv().inline_data(), Bytes(cs.data(), cs.size() * 4));
+              }
+              EXPECT_THAT(resps[r].shard_rows(), ::testing::ElementsAreArray(rows));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, OneRoundE2E, ::testing::Values(2, 3, 4, 5));
+
+// Disagreeing shard_rows and digests across processes fail every rank with
+// a message naming the field and the rank; a rank that dies during a
+// one-round call fails the others within the deadline.
+TEST(OneRoundFaults, MismatchedShardRowsDigestsAndAKilledRank) {
+  Cluster c(3);
+  for (const auto& s : c.Create("of", 3, 20000)) ASSERT_TRUE(s.ok()) << s.error_message();
+  const std::vector<int64_t> rows = {256, 28, 100};
+  const Shards a = MakeShards(rows, 128);
+  auto requests = [&](uint64_t seq) {
+    std::vector<v1::AllGatherRequest> reqs;
+    for (int r = 0; r < 3; ++r) {
+      reqs.push_back(Request("of", seq, a, r, v1::EXACT_FP8, v1::BLOCK_1D));
+      for (int64_t m : rows) reqs.back().add_shard_rows(m);
+    }
+    return reqs;
+  };
+  {
+    // Rank 2 passes another list (its own entry right, the payload size the
+    // same): the digest differs.
+    auto reqs = requests(0);
+    reqs[2].set_shard_rows(1, 27);
+    std::vector<v1::AllGatherResponse> resps;
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(20));
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(st[r].error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st[r].error_message();
+      EXPECT_THAT(st[r].error_message(),
+                  HasSubstr("ranks disagree on shard_rows: rank 0 and rank 2 passed different"));
+      EXPECT_FALSE(resps[r].has_result()) << "rank " << r << " returned an output";
+    }
+  }
+  {
+    // A config field that does not change the payload size.
+    auto reqs = requests(1);
+    reqs[1].mutable_config()->set_format(v1::E5M2);
+    std::vector<v1::AllGatherResponse> resps;
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(20));
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(st[r].error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st[r].error_message();
+      EXPECT_THAT(st[r].error_message(), HasSubstr("ranks disagree on config.format: rank 0 has"));
+    }
+  }
+  {
+    // shard_rows that contradict a rank's input: that rank says so, the
+    // others name it.
+    auto reqs = requests(2);
+    for (auto& q : reqs) q.set_shard_rows(2, 99);
+    std::vector<v1::AllGatherResponse> resps;
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(20));
+    EXPECT_THAT(st[2].error_message(), HasSubstr("shard_rows[2]=99 but this rank's input has 100"));
+    for (int r : {0, 1}) {
+      EXPECT_EQ(st[r].error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_THAT(st[r].error_message(), HasSubstr("rank 2 rejected its request"));
+    }
+  }
+  {
+    // The group still works in one round.
+    std::vector<v1::AllGatherResponse> resps;
+    for (const auto& s : RunAllGather(c, requests(3), &resps, absl::Seconds(20)))
+      EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  {
+    // Rank 2 dies while the others wait in the one-round gather.
+    auto reqs = requests(4);
+    std::vector<v1::AllGatherResponse> resps;
+    std::thread killer([&] {
+      absl::SleepFor(absl::Milliseconds(500));
+      c.Kill(2);
+    });
+    const absl::Time start = absl::Now();
+    auto st = RunAllGather(c, reqs, &resps, absl::Seconds(4), /*skip_rank=*/2);
+    killer.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(4) + absl::Milliseconds(500));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(st[r].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                  st[r].error_code() == grpc::StatusCode::ABORTED)
+          << st[r].error_code() << " " << st[r].error_message();
+      EXPECT_FALSE(resps[r].has_result());
+      EXPECT_TRUE(c.Healthy(r));
+    }
+  }
+}
+
 TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
   Cluster c(3);
   for (const auto& s : c.Create("f", 3, 20000)) ASSERT_TRUE(s.ok()) << s.error_message();

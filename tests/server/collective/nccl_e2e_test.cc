@@ -242,12 +242,19 @@ TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
           std::vector<float> rs(l.RowwiseScaleCount()), cs(l.ColumnwiseScaleCount());
           kernels::cpu::QuantizeBlock(sh.x.data(), kernels::InputDType::kBFloat16, sh.m, n, p,
                                       {rd.data(), rs.data(), cd.data(), cs.data()});
-          for (auto mode : {v1::EXACT_FP8, v1::GATHER_HIGH_PRECISION}) {
-            SCOPED_TRACE(absl::StrFormat("rows=%d+%d n=%d scaling=%d columnwise=%d mode=%d",
-                                         rows[0], rows[1], n, scaling, columnwise, mode));
+          // one_round: the request carries shard_rows (one ncclAllGather).
+          for (int variant = 0; variant < 4; ++variant) {
+            const auto mode = variant % 2 == 0 ? v1::EXACT_FP8 : v1::GATHER_HIGH_PRECISION;
+            const bool one_round = variant >= 2;
+            SCOPED_TRACE(
+                absl::StrFormat("rows=%d+%d n=%d scaling=%d columnwise=%d mode=%d one_round=%d",
+                                rows[0], rows[1], n, scaling, columnwise, mode, one_round));
             std::vector<v1::AllGatherRequest> reqs;
             for (int r = 0; r < kWorld; ++r) {
               reqs.push_back(Request("nccl", seq, sh, r, mode, scaling, columnwise));
+              if (one_round) {
+                for (int64_t m : rows) reqs.back().add_shard_rows(m);
+              }
             }
             ++seq;
             std::vector<v1::AllGatherResponse> resps;
@@ -271,7 +278,7 @@ TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
       }
     }
   }
-  EXPECT_EQ(checked, 8 * 4 * 2 * 2 * 2);
+  EXPECT_EQ(checked, 8 * 4 * 2 * 2 * 4);
   EXPECT_EQ(c.Info(0, "nccl").state(), v1::READY);
 }
 
