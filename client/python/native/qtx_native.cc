@@ -728,14 +728,14 @@ PYBIND11_MODULE(_native, m) {
       .def("dequantize", &NativeSession::Dequantize)
       // No qtxd call: the session only gives qtx.cuda one place to call it
       // through (and the tests one place to stand in for it).
-      .def("make_columnwise",
-           [](NativeSession&, int device, uintptr_t stream, int mode,
-              const std::vector<int64_t>& shape, uintptr_t rowwise_data,
-              uintptr_t rowwise_scale_inv, uintptr_t columnwise_data,
-              uintptr_t columnwise_scale_inv) {
-             MakeColumnwise(device, stream, mode, shape, rowwise_data, rowwise_scale_inv,
-                            columnwise_data, columnwise_scale_inv);
-           })
+      .def(
+          "make_columnwise",
+          [](NativeSession&, int device, uintptr_t stream, int mode,
+             const std::vector<int64_t>& shape, uintptr_t rowwise_data, uintptr_t rowwise_scale_inv,
+             uintptr_t columnwise_data, uintptr_t columnwise_scale_inv) {
+            MakeColumnwise(device, stream, mode, shape, rowwise_data, rowwise_scale_inv,
+                           columnwise_data, columnwise_scale_inv);
+          })
       .def("query", &NativeSession::Query)
       .def("synchronize", &NativeSession::Synchronize)
       .def("close", &NativeSession::Close)
