@@ -175,7 +175,10 @@ int main(int argc, char** argv) {
                               uint64_t) -> absl::StatusOr<server::tensor::MappedMemory> {
         void* p = nullptr;
         std::memcpy(&p, h.data(), sizeof p);
-        return server::tensor::MappedMemory{static_cast<std::byte*>(p), [] {}};
+        server::tensor::MappedMemory mapped;
+        mapped.data = static_cast<std::byte*>(p);
+        mapped.release = [] {};
+        return mapped;
       };
       k.regions = std::make_unique<server::tensor::RegionTable>(ro);
       k.ctx.regions = k.regions.get();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,8 +54,9 @@ inline std::vector<int64_t> IntList(const char* flag, const std::vector<std::str
 }
 
 // The q-quantile (0 <= q <= 1) of `v` by the nearest-rank rule; 0 when empty.
-inline double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
+inline double Percentile(std::span<const double> samples, double q) {
+  if (samples.empty()) return 0;
+  std::vector<double> v(samples.begin(), samples.end());
   const size_t k =
       std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5));
   std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());

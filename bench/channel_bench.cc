@@ -108,9 +108,11 @@ int main(int argc, char** argv) {
   qtx::kernels::QuantizeParams params;
   params.rowwise = params.columnwise = true;
   const qtx::kernels::QuantizedLayout layout = qtx::kernels::ComputeLayout(params.scaling, m, k);
-  const uint64_t sizes[5] = {static_cast<uint64_t>(m * k * 2), layout.RowwiseDataBytes(),
-                             layout.RowwiseScaleCount() * 4, layout.ColumnwiseDataBytes(),
-                             layout.ColumnwiseScaleCount() * 4};
+  const uint64_t sizes[5] = {static_cast<uint64_t>(m * k * 2),
+                             static_cast<uint64_t>(layout.RowwiseDataBytes()),
+                             static_cast<uint64_t>(layout.RowwiseScaleCount() * 4),
+                             static_cast<uint64_t>(layout.ColumnwiseDataBytes()),
+                             static_cast<uint64_t>(layout.ColumnwiseScaleCount() * 4)};
   uint64_t offsets[5], total = 0;
   for (int i = 0; i < 5; ++i) {
     offsets[i] = total;

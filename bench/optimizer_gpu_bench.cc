@@ -88,8 +88,10 @@ int main(int argc, char** argv) {
   const int64_t count = f.m * f.n;
   const uint64_t grad_bytes = static_cast<uint64_t>(count) * 4;
   const k::QuantizedLayout layout = k::ComputeLayout(k::BlockScaling::kBlock2D, f.m, f.n);
-  const uint64_t out_sizes[4] = {layout.RowwiseDataBytes(), layout.RowwiseScaleCount() * 4,
-                                 layout.ColumnwiseDataBytes(), layout.ColumnwiseScaleCount() * 4};
+  const uint64_t out_sizes[4] = {static_cast<uint64_t>(layout.RowwiseDataBytes()),
+                                 static_cast<uint64_t>(layout.RowwiseScaleCount() * 4),
+                                 static_cast<uint64_t>(layout.ColumnwiseDataBytes()),
+                                 static_cast<uint64_t>(layout.ColumnwiseScaleCount() * 4)};
   uint64_t out_bytes_per = 0;
   uint64_t out_off[4];
   for (int i = 0; i < 4; ++i) {

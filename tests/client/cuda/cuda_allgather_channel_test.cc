@@ -266,7 +266,16 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
                                                                    c.config, c.mode, pr.outputs));
     EXPECT_EQ(r.shard_rows, std::vector<int64_t>{c.m});
     ExpectOutputsExact(pr, "synchronous");
-    checked += 2;
+
+    // The one-round path (shard_rows given: one all-gather of slots, the
+    // header and digest carried in it, assembly on the device).
+    ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    QTX_ASSERT_OK_AND_ASSIGN(r, client_->AllGather(kGroup, next_sequence_++, input, c.config,
+                                                   c.mode, pr.outputs, {}, {c.m}));
+    EXPECT_EQ(r.shard_rows, std::vector<int64_t>{c.m});
+    ExpectOutputsExact(pr, "one round");
+    checked += 3;
   }
   QTX_ASSERT_OK(ch->Close());
   std::printf("{\"test\":\"cuda_allgather_1rank_exact\",\"calls_checked\":%d,\"failures\":%d}\n",

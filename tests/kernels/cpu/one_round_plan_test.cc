@@ -31,7 +31,9 @@ void CheckPlanInvariants(const OneRoundPlan& plan, bool split) {
   std::vector<int> cover(plan.m_total, 0);
   for (const OneRoundShard& s : plan.shards) {
     EXPECT_LE(s.head_rows + s.tail_rows, s.m);
-    if (!split) EXPECT_EQ(s.head_rows + s.tail_rows, 0);
+    if (!split) {
+      EXPECT_EQ(s.head_rows + s.tail_rows, 0);
+    }
     const bool one_block =
         s.m > 0 && s.row_offset / kBlockLen == (s.row_offset + s.m - 1) / kBlockLen;
     if (!one_block) {

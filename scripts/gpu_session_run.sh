@@ -1,0 +1,15 @@
+#!/bin/bash
+# A lead's regression run on a GPU host, from a Python GPU bundle (scripts/make_gpu_python_bundle.sh) with kernels_cuda_test and cuda_allgather_channel_test added to bin/: C++ tests of the merged tree (one-round AllGather on a
+# one-rank NCCL group, the one-round CUDA shard pieces, columnwise copy), then
+# the Python GPU tests (qtx.cuda incl. make_columnwise) with and without MPS.
+B=$(cd "$(dirname "$0")" && pwd)
+O=${1:?out}; mkdir -p "$O"; L=$O/cpp.txt
+NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
+export LD_LIBRARY_PATH=$B/lib:$NCCL:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
+export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
+step kernels_shard_columnwise 120 "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeShardCuda.*:ColumnwiseFromRowwise*'
+step allgather_channel 150 "$B/bin/cuda_allgather_channel_test" --qtxd="$B/bin/qtxd"
+grep -hE "^\[  (PASSED|FAILED) |^\{" "$L" | head -20
+QTX_PY_BENCH=0 "$B/gpu_python.sh" "$O/py" > "$O/py_stdout.txt" 2>&1; echo "gpu_python rc=$?"
+grep -E " rc=|^(OK|FAILED)|Ran " "$O/py/log.txt" | head -30
