@@ -1,5 +1,5 @@
 // Data-parallel element ranges of a 128x128-tiled matrix (docs/numerics.md
-// §B): which tiles of the row-major [m, n] matrix a contiguous range
+// §10): which tiles of the row-major [m, n] matrix a contiguous range
 // [begin, end) of its flattened elements touches, and which of them it cuts
 // (touches without owning every element). Pure functions; usable from host
 // and device code.

@@ -1,5 +1,5 @@
 // CPU reference of the data-parallel sharded parameter output
-// (docs/numerics.md §B), the definition of correct for any other backend.
+// (docs/numerics.md §10), the definition of correct for any other backend.
 //
 // An owner holds elements [r.begin, r.end) of the row-major FP32 [m, n]
 // matrix (kernels/element_range.h). The BLOCK_2D (128x128) quantization of

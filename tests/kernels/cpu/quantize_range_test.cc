@@ -1,4 +1,4 @@
-// Data-parallel sharded parameter output (docs/numerics.md §B) without any
+// Data-parallel sharded parameter output (docs/numerics.md §10) without any
 // network: the tile geometry of element ranges against a brute-force count,
 // and per-owner partial amaxes -> max -> QuantizeRange2D against QuantizeBlock
 // of the whole matrix, byte for byte, for ranges at offsets that cut tiles.
