@@ -55,9 +55,9 @@ absl::StatusOr<tensor::TensorView> ResolveHighPrecision(const tensor::TensorRefS
   }
   if (shard_count.has_value()) {
     if (ElementCount(v.shape) != *shard_count) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s.shape=[%s]: must hold the %d elements of the parameter's shard range", field,
-          absl::StrJoin(v.shape, ","), *shard_count));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.shape=[%s]: must hold the %d elements of the parameter's shard range",
+                          field, absl::StrJoin(v.shape, ","), *shard_count));
     }
   } else if (v.shape != shape) {
     return absl::InvalidArgumentError(
@@ -448,8 +448,8 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
               field, g));
         }
         QTX_RETURN_IF_ERROR(AddFp8Output(placed, true, r.fp8->rowwise_data, data, {p.count()},
-                                         static_cast<uint64_t>(p.count()), 1, s.rowwise_data,
-                                         field, "rowwise_data", g, i, kRowwiseData));
+                                         static_cast<uint64_t>(p.count()), 1, s.rowwise_data, field,
+                                         "rowwise_data", g, i, kRowwiseData));
       } else {
         QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_data, data,
                                          {l.rowwise_data_rows, l.rowwise_data_cols},
@@ -472,8 +472,7 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
           s.columnwise_scale_inv, field, "columnwise_scale_inv", g, i, kColumnwiseScaleInv));
     }
     if (out.bf16()) {
-      r.bf16 = MakeTensor(DType::kBFloat16,
-                          sharded ? std::vector<int64_t>{p.count()} : p.shape);
+      r.bf16 = MakeTensor(DType::kBFloat16, sharded ? std::vector<int64_t>{p.count()} : p.shape);
       placed.ps.push_back({&*r.bf16, d != nullptr ? d->bf16 : std::nullopt,
                            static_cast<uint64_t>(p.count()) * 2, 2, field + ".bf16"});
       placed.slots.emplace_back(i, kBf16);
@@ -655,7 +654,9 @@ absl::StatusOr<std::vector<ShardAgreeRecord>> ExchangeAgreement(const ShardAgree
 
 // optimizer::ShardExchange on a communicator: Agree = an all-gather of the
 // records, then of the ranges (checked to partition every parameter);
-// CombineAmax = an all-reduce MAX of [failed flag, tile amaxes...].
+// CombineAmax = an all-gather of [failed flag, tile amaxes...] and a max
+// (host buffers, so that it works on a device communicator too; the vector
+// is one float per 128x128 tile).
 class CommShardExchange final : public optimizer::ShardExchange {
  public:
   CommShardExchange(backend::Communicator* comm, backend::CommCall call, bool* broken)
@@ -713,8 +714,8 @@ class CommShardExchange final : public optimizer::ShardExchange {
       my_ranges[2 * i + 1] = rg.end;
     }
     std::vector<int64_t> all_ranges(2 * np * all.size());
-    if (absl::Status s = comm_->AllGatherHost(my_ranges.data(), my_ranges.size() * 8,
-                                              all_ranges.data(), call_);
+    if (absl::Status s =
+            comm_->AllGatherHost(my_ranges.data(), my_ranges.size() * 8, all_ranges.data(), call_);
         !s.ok()) {
       return CommFailure(s, broken_);
     }
@@ -766,20 +767,27 @@ class CommShardExchange final : public optimizer::ShardExchange {
   }
 
  private:
+  // [failed flag, tile amaxes...] from every rank through AllGatherHost (host
+  // buffers for any communicator, Gloo or NCCL), then the element-wise max.
   absl::Status Reduce(std::span<float> tile_amax, bool failed) {
-    std::vector<float> buf(tile_amax.size() + 1);
-    buf[0] = failed ? 1.0f : 0.0f;
-    std::copy(tile_amax.begin(), tile_amax.end(), buf.begin() + 1);
-    if (absl::Status s = comm_->AllReduceMax(buf.data(), buf.size(), call_); !s.ok()) {
+    const size_t len = tile_amax.size() + 1;
+    std::vector<float> mine(len);
+    mine[0] = failed ? 1.0f : 0.0f;
+    std::copy(tile_amax.begin(), tile_amax.end(), mine.begin() + 1);
+    std::vector<float> all(len * static_cast<size_t>(comm_->world_size()));
+    if (absl::Status s = comm_->AllGatherHost(mine.data(), len * 4, all.data(), call_); !s.ok()) {
       return CommFailure(s, broken_);
     }
-    if (buf[0] != 0.0f) {
-      return absl::AbortedError(absl::StrFormat(
-          "sharded Step over %s: another owner failed after the step was agreed (its own call "
-          "says why); this owner's update is applied: retry the step on every owner",
-          comm_->name()));
+    for (int r = 0; r < comm_->world_size(); ++r) {
+      const float* v = all.data() + len * static_cast<size_t>(r);
+      if (v[0] != 0.0f) {
+        return absl::AbortedError(absl::StrFormat(
+            "sharded Step over %s: rank %d failed after the step was agreed (its own call says "
+            "why); this owner's update is applied: retry the step on every owner",
+            comm_->name(), r));
+      }
+      for (size_t t = 1; t < len; ++t) tile_amax[t - 1] = std::max(tile_amax[t - 1], v[t]);
     }
-    std::copy(buf.begin() + 1, buf.end(), tile_amax.begin());
     return absl::OkStatus();
   }
 
@@ -814,8 +822,7 @@ absl::Status CheckShardPartition(const std::vector<std::string>& names,
     std::sort(owned.begin(), owned.end(), [](const auto& a, const auto& b) {
       return a.first.begin != b.first.begin ? a.first.begin < b.first.begin : a.second < b.second;
     });
-    const std::string what =
-        absl::StrFormat("parameter '%s' (%d elements)", names[i], totals[i]);
+    const std::string what = absl::StrFormat("parameter '%s' (%d elements)", names[i], totals[i]);
     int64_t next = 0;
     for (size_t k = 0; k < owned.size(); ++k) {
       const auto& [rg, r] = owned[k];
@@ -844,8 +851,7 @@ absl::Status CheckShardPartition(const std::vector<std::string>& names,
   return absl::OkStatus();
 }
 
-namespace {
-}  // namespace
+namespace {}  // namespace
 
 absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestSpec& request,
                                                            const OpContext& ctx,
@@ -1120,9 +1126,8 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
           const optimizer::ParameterStateView* v = chosen[i];
           const uint64_t count = static_cast<uint64_t>(v->info->count());
           // A sharded parameter's state is its owned slice, returned 1-D.
-          const std::vector<int64_t> shape = v->info->shard.has_value()
-                                                 ? std::vector<int64_t>{v->info->count()}
-                                                 : v->info->shape;
+          const std::vector<int64_t> shape =
+              v->info->shard.has_value() ? std::vector<int64_t>{v->info->count()} : v->info->shape;
           ParameterStateResult& r = result.params[i];
           r.name = v->info->name;
           const StateDestinationSpec* d = nullptr;
