@@ -101,11 +101,11 @@ struct StepResult {
 // not read). With request.comm, the Step is this rank's part of a sharded
 // collective step: it takes part in the owners' exchange on every path, also
 // when it fails before or after its own update, so that the other owners
-// fail at once instead of at the deadline. INVALID_ARGUMENT: a gradient missing, duplicated, unknown,
-// of the wrong dtype or shape; a destination naming an unknown parameter, a
-// copy the group does not produce, or of the wrong size. RESOURCE_EXHAUSTED:
-// inline outputs above ctx.max_inline_output_bytes. Plus the store's errors
-// (FAILED_PRECONDITION for a wrong step number, ...).
+// fail at once instead of at the deadline. INVALID_ARGUMENT: a gradient missing, duplicated,
+// unknown, of the wrong dtype or shape; a destination naming an unknown parameter, a copy the group
+// does not produce, or of the wrong size. RESOURCE_EXHAUSTED: inline outputs above
+// ctx.max_inline_output_bytes. Plus the store's errors (FAILED_PRECONDITION for a wrong step
+// number, ...).
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
                                          optimizer::OptimizerStore& store);
 

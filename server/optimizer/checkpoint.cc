@@ -280,9 +280,9 @@ absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path, ui
       QTX_RETURN_IF_ERROR(r.Get(&range.begin));
       QTX_RETURN_IF_ERROR(r.Get(&range.end));
       if (has_shard > 1) {
-        return absl::DataLossError(absl::StrFormat(
-            "checkpoint '%s': parameter '%s' has a bad shard flag %d", path, p.info.name,
-            has_shard));
+        return absl::DataLossError(
+            absl::StrFormat("checkpoint '%s': parameter '%s' has a bad shard flag %d", path,
+                            p.info.name, has_shard));
       }
       if (has_shard) p.info.shard = range;
     }

@@ -624,10 +624,10 @@ absl::Status WriteShardedOutputs(const GroupState& s, const StepBuffers& bufs, S
     const ParameterOutputBuffers& b = bufs.outputs[i];
     if (!b.skip) {
       if (out.fp8) {
-        kernels::cpu::QuantizeRange2D(
-            p.master.get(), p.info.m, p.info.n, p.info.range(), amax.data() + offset[i], out.quant,
-            b.fp8.rowwise_data, b.fp8.rowwise_scale_inv,
-            out.quant.columnwise ? b.fp8.columnwise_scale_inv : nullptr);
+        kernels::cpu::QuantizeRange2D(p.master.get(), p.info.m, p.info.n, p.info.range(),
+                                      amax.data() + offset[i], out.quant, b.fp8.rowwise_data,
+                                      b.fp8.rowwise_scale_inv,
+                                      out.quant.columnwise ? b.fp8.columnwise_scale_inv : nullptr);
       }
       if (out.bf16() && b.bf16 != nullptr && !bf16_written) {
         const int64_t count = p.info.count();
