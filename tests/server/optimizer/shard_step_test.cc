@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <string>
@@ -21,6 +22,7 @@
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_range.h"
 #include "server/ops/optimizer.h"
+#include "server/optimizer/checkpoint.h"
 #include "server/optimizer/optimizer_store.h"
 #include "tests/testing/status_matchers.h"
 
@@ -295,7 +297,16 @@ TEST_P(ShardStepTest, OwnersShardsEqualTheUnshardedStep) {
   ASSERT_NO_FATAL_FAILURE(StepAll(owners, ref, opt, 2, hooks));
   // A replay on both sides: outputs from the masters again.
   ASSERT_NO_FATAL_FAILURE(StepAll(owners, ref, opt, 2, hooks, /*expect_replay=*/true));
-  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(owners[r].store->SaveCheckpoint("opt").ok());
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(owners[r].store->SaveCheckpoint("opt").ok());
+    // Format version 3: the one that holds the shard ranges.
+    std::ifstream in(CheckpointPath(dir + "/" + std::to_string(r), "opt"), std::ios::binary);
+    char header[12] = {};
+    in.read(header, sizeof(header));
+    uint32_t version = 0;
+    std::memcpy(&version, header + 8, 4);
+    EXPECT_EQ(version, 3u);
+  }
   opt.step = 3;
   opt.clip_factor.reset();
   opt.skip = true;
