@@ -77,6 +77,9 @@ OptimizerGroupInfo GroupFromProto(const v1::OptimizerGroupInfo& p) {
   for (const v1::ParameterHyperParams& h : p.parameter_hyper_params()) {
     g.parameter_hyper_params.push_back({h.name(), h.weight_decay(), h.lr_scale()});
   }
+  for (const v1::ParameterShard& sh : p.parameter_shards()) {
+    g.parameter_shards.push_back({sh.name(), {sh.range().begin(), sh.range().end()}});
+  }
   return g;
 }
 
@@ -101,6 +104,10 @@ absl::StatusOr<OptimizerGroupInfo> Client::OffloadOptimizerState(
     if (p.exp_avg_sq) ToProto(*p.exp_avg_sq, out->mutable_exp_avg_sq());
     if (p.weight_decay) out->set_weight_decay(*p.weight_decay);
     if (p.lr_scale) out->set_lr_scale(*p.lr_scale);
+    if (p.shard) {
+      out->mutable_shard()->set_begin(p.shard->begin);
+      out->mutable_shard()->set_end(p.shard->end);
+    }
   }
   v1::OffloadOptimizerStateResponse response;
   grpc::ClientContext ctx;
@@ -134,6 +141,8 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
     if (d.bf16) ToProto(*d.bf16, out->mutable_bf16());
   }
   request.set_omit_parameters(options.omit_parameters);
+  request.set_collective_group(options.collective_group);
+  request.set_sequence(options.sequence);
   SetCudaEvents(call, &request);
   v1::StepResponse response;
   grpc::ClientContext ctx;

@@ -11,6 +11,8 @@
 //                [--shard_rows=M0,M1,...]
 //   qtx step     --group=G [--shape=MxN] [--steps=K] [--seed=S] [--lr=X] [--checkpoint]
 //                [--max_grad_norm=X] [--two_phase]
+//                [--shard=BEGIN:END --dp_group=D --rank=R --world_size=W [--coordinator=T]
+//                 [--sequence=K]]
 //   qtx groups   [--destroy=G] [--release=G]
 //
 // `allgather` joins (or reuses) the collective group G on its sidecar and
@@ -109,7 +111,9 @@ ABSL_FLAG(std::string, backend, "auto", "allgather: auto | gloo | nccl");
 ABSL_FLAG(absl::Duration, group_timeout, absl::Seconds(60),
           "allgather: how long CreateGroup waits for every rank to join");
 ABSL_FLAG(std::string, gather_mode, "exact", "allgather: exact (FP8) | high_precision");
-ABSL_FLAG(uint64_t, sequence, 0, "allgather: the group's call counter (0 for the first call)");
+ABSL_FLAG(uint64_t, sequence, 0,
+          "allgather, step --dp_group: the Collective group's call counter (0 for the first "
+          "call)");
 ABSL_FLAG(bool, keep_group, false,
           "allgather: leave the group on the sidecar (default: destroy a group this call made)");
 ABSL_FLAG(std::vector<std::string>, shard_rows, {},
@@ -123,6 +127,14 @@ ABSL_FLAG(double, max_grad_norm, 0.0,
 ABSL_FLAG(bool, two_phase, false,
           "step: GradNorm first, then Step with the clip factor and skip it implies (the "
           "two-phase step of a trainer whose parameters span several groups or ranks)");
+ABSL_FLAG(std::string, shard, "",
+          "step: BEGIN:END, offload the parameter data-parallel sharded: this sidecar owns its "
+          "flattened elements [BEGIN, END) (every rank generates the whole tensors from --seed and "
+          "keeps its slice); needs --dp_group");
+ABSL_FLAG(std::string, dp_group, "",
+          "step: the Collective group of the owners' sidecars a sharded Step runs over (joined "
+          "as --rank of --world_size via --coordinator when absent, and kept); its calls use "
+          "--sequence, --sequence + 1, ...");
 ABSL_FLAG(std::string, destroy, "", "groups: destroy this collective group on the sidecar");
 ABSL_FLAG(std::string, release, "",
           "groups: release this optimizer group (frees its memory, deletes its checkpoints)");
@@ -593,6 +605,38 @@ absl::StatusOr<std::string> GroupFromFlags(absl::string_view command) {
   return group;
 }
 
+// Joins the Collective group `name` as --rank of --world_size (coordinator,
+// timeout from the flags), or reuses it when this sidecar already has it
+// (e.g. from allgather --keep_group). Returns whether it was created.
+absl::StatusOr<bool> JoinCollectiveGroup(Client& client, const std::string& name, int32_t rank,
+                                         CommBackend backend) {
+  absl::StatusOr<std::vector<CollectiveGroupInfo>> groups = client.ListGroups();
+  if (!groups.ok()) return groups.status();
+  const auto existing = std::find_if(groups->begin(), groups->end(),
+                                     [&](const CollectiveGroupInfo& g) { return g.name == name; });
+  if (existing != groups->end()) {
+    std::cout << absl::StrFormat("group      '%s' reused: rank %d of %d, backend %s, state %s\n",
+                                 existing->name, existing->rank, existing->world_size,
+                                 CommBackendName(existing->backend),
+                                 GroupStateName(existing->state));
+    return false;
+  }
+  CollectiveGroupConfig gc;
+  gc.name = name;
+  gc.rank = rank;
+  gc.world_size = absl::GetFlag(FLAGS_world_size);
+  gc.coordinator = absl::GetFlag(FLAGS_coordinator);
+  gc.backend = backend;
+  gc.timeout = absl::GetFlag(FLAGS_group_timeout);
+  CallOptions call;
+  call.timeout = gc.timeout + absl::Seconds(10);
+  absl::StatusOr<CollectiveGroupInfo> info = client.CreateGroup(gc, call);
+  if (!info.ok()) return info.status();
+  std::cout << absl::StrFormat("group      '%s' created: rank %d of %d, backend %s\n", info->name,
+                               info->rank, info->world_size, CommBackendName(info->backend));
+  return true;
+}
+
 absl::Status RunAllGather() {
   absl::StatusOr<std::string> group = GroupFromFlags("allgather");
   if (!group.ok()) return group.status();
@@ -642,34 +686,9 @@ absl::Status RunAllGather() {
   if (!client_or.ok()) return client_or.status();
   Client& client = **client_or;
 
-  // Reuse the group when this sidecar already has it (e.g. from --keep_group).
-  absl::StatusOr<std::vector<CollectiveGroupInfo>> groups = client.ListGroups();
-  if (!groups.ok()) return groups.status();
-  bool created = false;
-  const auto existing =
-      std::find_if(groups->begin(), groups->end(),
-                   [&](const CollectiveGroupInfo& g) { return g.name == *group; });
-  if (existing == groups->end()) {
-    CollectiveGroupConfig gc;
-    gc.name = *group;
-    gc.rank = rank;
-    gc.world_size = absl::GetFlag(FLAGS_world_size);
-    gc.coordinator = absl::GetFlag(FLAGS_coordinator);
-    gc.backend = backend;
-    gc.timeout = absl::GetFlag(FLAGS_group_timeout);
-    CallOptions call;
-    call.timeout = gc.timeout + absl::Seconds(10);
-    absl::StatusOr<CollectiveGroupInfo> info = client.CreateGroup(gc, call);
-    if (!info.ok()) return info.status();
-    created = true;
-    std::cout << absl::StrFormat("group      '%s' created: rank %d of %d, backend %s\n", info->name,
-                                 info->rank, info->world_size, CommBackendName(info->backend));
-  } else {
-    std::cout << absl::StrFormat("group      '%s' reused: rank %d of %d, backend %s, state %s\n",
-                                 existing->name, existing->rank, existing->world_size,
-                                 CommBackendName(existing->backend),
-                                 GroupStateName(existing->state));
-  }
+  absl::StatusOr<bool> created_or = JoinCollectiveGroup(client, *group, rank, backend);
+  if (!created_or.ok()) return created_or.status();
+  const bool created = *created_or;
   // Destroys a group this call created, on every path below, unless kept.
   struct Destroy {
     Client& client;
@@ -747,25 +766,62 @@ absl::Status RunStep() {
   if (!list.ok()) return list.status();
   const auto it = std::find_if(list->groups.begin(), list->groups.end(),
                                [&](const OptimizerGroupInfo& g) { return g.name == *group; });
+  // Data-parallel sharding: this sidecar's range of the whole parameter.
+  std::optional<ShardRange> shard;
+  const std::string dp_group = absl::GetFlag(FLAGS_dp_group);
+  if (const std::string text = absl::GetFlag(FLAGS_shard); !text.empty()) {
+    const std::vector<std::string> parts = absl::StrSplit(text, ':');
+    ShardRange r;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &r.begin) ||
+        !absl::SimpleAtoi(parts[1], &r.end)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--shard=", text, ": must be BEGIN:END (element offsets)"));
+    }
+    if (dp_group.empty()) {
+      return absl::InvalidArgumentError(
+          "--shard needs --dp_group (the Collective group of the owners' sidecars)");
+    }
+    shard = r;
+  }
+  const std::string shape_text =
+      absl::GetFlag(FLAGS_shape).empty() ? "256x512" : absl::GetFlag(FLAGS_shape);
+  absl::StatusOr<std::vector<int64_t>> whole_shape = ParseShape(shape_text);
+  if (!whole_shape.ok()) return whole_shape.status();
+  // A tensor of the whole parameter's shape generated from `s`, or this
+  // sidecar's slice of it when sharded.
+  auto generate = [&](uint64_t s, float stddev) -> absl::StatusOr<Tensor> {
+    absl::StatusOr<Tensor> t = Generate(*whole_shape, s, "float32", stddev);
+    if (!t.ok() || !shard.has_value()) return t;
+    if (shard->begin < 0 || shard->begin > shard->end ||
+        static_cast<size_t>(shard->end) * 4 > t->data.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--shard=%d:%d: outside the parameter's %d elements (--shape=%s)",
+                          shard->begin, shard->end, t->data.size() / 4, shape_text));
+    }
+    return Tensor::Inline(DType::kFloat32, {shard->end - shard->begin},
+                          t->data.substr(4 * shard->begin, 4 * (shard->end - shard->begin)));
+  };
+  if (!dp_group.empty()) {
+    absl::StatusOr<bool> joined =
+        JoinCollectiveGroup(client, dp_group, absl::GetFlag(FLAGS_rank), CommBackend::kUnspecified);
+    if (!joined.ok()) return joined.status();
+  }
   OptimizerGroupInfo info;
   if (it == list->groups.end()) {
-    const std::string shape_text =
-        absl::GetFlag(FLAGS_shape).empty() ? "256x512" : absl::GetFlag(FLAGS_shape);
-    absl::StatusOr<std::vector<int64_t>> shape = ParseShape(shape_text);
-    if (!shape.ok()) return shape.status();
-    absl::StatusOr<Tensor> master = Generate(*shape, seed, "float32", 0.02f);
+    absl::StatusOr<Tensor> master = generate(seed, 0.02f);
     if (!master.ok()) return master.status();
     OptimizerGroupConfig gc;
     gc.group = *group;
     OptimizerParameterInit param;
     param.name = "w";
-    param.shape = *shape;
+    param.shape = *whole_shape;
     param.master = *master;
+    param.shard = shard;
     absl::StatusOr<OptimizerGroupInfo> made = client.OffloadOptimizerState(gc, {param});
     if (!made.ok()) return made.status();
     info = *std::move(made);
     std::cout << absl::StrFormat("group   '%s' offloaded: parameter w %s, AdamW lr=%g\n", info.name,
-                                 ShapeString(*shape), info.hyper_params.lr);
+                                 ShapeString(*whole_shape), info.hyper_params.lr);
   } else {
     info = *it;
     if (!info.error.empty()) {
@@ -790,9 +846,15 @@ absl::Status RunStep() {
     std::vector<OptimizerGradient> grads;
     for (const OptimizerParameterState& p : state->parameters) {
       absl::StatusOr<Tensor> g =
-          Generate(p.master.shape, seed + static_cast<uint64_t>(step), "float32", 0.01f);
+          shard.has_value()
+              ? generate(seed + static_cast<uint64_t>(step), 0.01f)
+              : Generate(p.master.shape, seed + static_cast<uint64_t>(step), "float32", 0.01f);
       if (!g.ok()) return g.status();
       grads.push_back({p.name, *std::move(g)});
+    }
+    if (!dp_group.empty()) {
+      options.collective_group = dp_group;
+      options.sequence = absl::GetFlag(FLAGS_sequence) + static_cast<uint64_t>(k - 1);
     }
     if (two_phase) {
       // One group here; a trainer adds sum_squares (and ors non_finite) over
@@ -806,7 +868,9 @@ absl::Status RunStep() {
       options.clip_factor =
           max_grad_norm != 0.0 ? ClipFactor(norm->sum_squares, max_grad_norm) : 1.0;
     }
-    last = client.Step(*group, step, grads, options);
+    CallOptions step_call;
+    if (!dp_group.empty()) step_call.timeout = absl::GetFlag(FLAGS_group_timeout);
+    last = client.Step(*group, step, grads, options, step_call);
     if (!last.ok()) return last.status();
     const OptimizerStepStats& st = last->stats;
     std::cout << absl::StrFormat(
@@ -819,6 +883,15 @@ absl::Status RunStep() {
   int checked = 0;
   for (const ParameterOutput& out : last->parameters) {
     if (!out.fp8) continue;
+    if (shard.has_value()) {
+      // This sidecar's FP8 shard: its elements' bytes and the whole scales
+      // (checked against the unsharded result by the e2e tests).
+      std::cout << absl::StrFormat("shard   %s [%d, %d) of %s: %d FP8 bytes\n", out.name,
+                                   shard->begin, shard->end, ShapeString(out.fp8->shape),
+                                   out.fp8->rowwise_data ? out.fp8->rowwise_data->data.size() : 0);
+      PrintQuantized(*out.fp8);
+      continue;
+    }
     const auto p =
         std::find_if(after->parameters.begin(), after->parameters.end(),
                      [&](const OptimizerParameterState& s) { return s.name == out.name; });

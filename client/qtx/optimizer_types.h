@@ -66,6 +66,13 @@ struct OptimizerGroupConfig {
   bool replace = false;
 };
 
+// Elements [begin, end) of a parameter's flattened (row-major) [M, N] matrix.
+struct ShardRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  friend bool operator==(const ShardRange&, const ShardRange&) = default;
+};
+
 // One parameter: its [M, N] matrix is `shape` with the leading dims flattened.
 struct OptimizerParameterInit {
   std::string name;  // unique within the group
@@ -79,6 +86,19 @@ struct OptimizerParameterInit {
   // finite and >= 0 (e.g. weight_decay = 0 for norms and biases).
   std::optional<double> weight_decay = std::nullopt;
   std::optional<double> lr_scale = std::nullopt;
+  // Data-parallel sharding: this sidecar owns elements [begin, end) of the
+  // flattened [M, N] parameter (`shape` stays the whole one; master, moments,
+  // gradients and outputs hold end - begin elements). Every owner offloads
+  // the same parameters with its own ranges; their FP8 Steps are collective
+  // (StepOptions::collective_group). See the README's optimizer section.
+  std::optional<ShardRange> shard = std::nullopt;
+};
+
+// A parameter offloaded with a shard range, as the server reports it.
+struct ParameterShard {
+  std::string name;
+  ShardRange range;
+  friend bool operator==(const ParameterShard&, const ParameterShard&) = default;
 };
 
 // A parameter offloaded with its own settings, as the server reports it.
@@ -104,6 +124,8 @@ struct OptimizerGroupInfo {
   std::string error;  // non-empty: the group is unusable (e.g. corrupted checkpoint)
   // The parameters with their own weight_decay / lr_scale (group order).
   std::vector<ParameterHyperParams> parameter_hyper_params;
+  // The parameters offloaded with a shard range (group order).
+  std::vector<ParameterShard> parameter_shards;
 };
 
 struct OptimizerGroupList {
@@ -138,6 +160,13 @@ struct StepOptions {
   bool skip = false;
   std::vector<ParameterDestination> destinations;
   bool omit_parameters = false;  // statistics only
+  // A data-parallel sharded group's FP8 Step is a collective call of this
+  // Collective group over the owners' sidecars, with its next `sequence`
+  // (shared with AllGather and GradNorm); every owner steps the same step
+  // number. Each owner's FP8 output is then its FP8 shard: rowwise_data holds
+  // its elements' bytes (1-D), the scale_inv tensors are whole.
+  std::string collective_group = {};
+  uint64_t sequence = 0;
 };
 
 struct OptimizerStepStats {

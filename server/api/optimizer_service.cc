@@ -97,6 +97,25 @@ void GroupInfoToProto(const optimizer::GroupInfo& g, v1::OptimizerGroupInfo* p) 
     h->set_weight_decay(param.hyper.weight_decay.value_or(g.config.hyper.weight_decay));
     h->set_lr_scale(param.hyper.lr_scale.value_or(1.0));
   }
+  for (const optimizer::ParameterInfo& param : g.params) {
+    if (!param.shard.has_value()) continue;
+    v1::ParameterShard* sh = p->add_parameter_shards();
+    sh->set_name(param.name);
+    sh->mutable_range()->set_begin(param.shard->begin);
+    sh->mutable_range()->set_end(param.shard->end);
+  }
+}
+
+// The deadline of a collective optimizer call: the call's own, and at most
+// the Collective group's timeout from now.
+absl::Time CollectiveDeadline(const grpc::CallbackServerContext* context,
+                              collective::GroupRegistry* groups, const std::string& group) {
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (!group.empty() && groups != nullptr) {
+    absl::StatusOr<collective::GroupInfo> g = groups->GetGroup(group);
+    deadline = std::min(deadline, absl::Now() + (g.ok() ? g->timeout : absl::Seconds(60)));
+  }
+  return deadline;
 }
 
 }  // namespace
@@ -132,6 +151,7 @@ grpc::ServerUnaryReactor* OptimizerService::OffloadOptimizerState(
       ps.shape.assign(p.shape().begin(), p.shape().end());
       if (p.has_weight_decay()) ps.hyper.weight_decay = p.weight_decay();
       if (p.has_lr_scale()) ps.hyper.lr_scale = p.lr_scale();
+      if (p.has_shard()) ps.shard = kernels::ElementRange{p.shard().begin(), p.shard().end()};
       if (!p.has_master()) return absl::InvalidArgumentError(field + ".master: missing");
       QTX_ASSIGN_OR_RETURN(ps.master, TensorRefFromProto(p.master(), field + ".master"));
       if (p.has_exp_avg()) {
@@ -155,7 +175,16 @@ grpc::ServerUnaryReactor* OptimizerService::OffloadOptimizerState(
 grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* context,
                                                  const v1::StepRequest* request,
                                                  v1::StepResponse* response) {
-  return RunOnExecutor(context, "OptimizerStep", executor_, [this, request, response] {
+  const absl::Time deadline = CollectiveDeadline(context, groups_, request->collective_group());
+  return RunOnExecutor(context, "OptimizerStep", executor_, [this, request, response, deadline] {
+    return StepOn(*request, deadline, response);
+  });
+}
+
+absl::Status OptimizerService::StepOn(const v1::StepRequest& req, absl::Time deadline,
+                                      v1::StepResponse* response) {
+  const v1::StepRequest* request = &req;
+  auto read = [&]() -> absl::StatusOr<ops::StepRequestSpec> {
     ops::StepRequestSpec spec;
     spec.group = request->group();
     spec.options.step = request->step();
@@ -181,7 +210,55 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
       if (d.has_bf16()) ds.bf16 = SliceFromProto(d.bf16());
       spec.destinations.push_back(std::move(ds));
     }
-    QTX_ASSIGN_OR_RETURN(ops::StepResult result, ops::OptimizerStep(spec, ctx_, *store_));
+    return spec;
+  };
+  absl::StatusOr<ops::StepRequestSpec> spec = read();
+  absl::StatusOr<ops::StepResult> stepped = absl::UnknownError("Step did not run");
+  if (request->collective_group().empty()) {
+    QTX_RETURN_IF_ERROR(spec.status());
+    stepped = ops::OptimizerStep(*spec, ctx_, *store_);
+  } else {
+    // A sharded group's collective step: it runs on the Collective group's
+    // executor, in sequence order, with the owners' communicator. A rank
+    // whose request cannot be read still takes part, so that the others
+    // fail at once.
+    if (groups_ == nullptr) {
+      return absl::FailedPreconditionError("this server has no Collective groups to step over");
+    }
+    absl::Notification done;
+    absl::Status status;
+    collective::Collective c;
+    c.sequence = request->sequence();
+    c.deadline = deadline;
+    c.run = [&](backend::Communicator& comm) {
+      bool broken = false;
+      const backend::CommCall call{deadline};
+      absl::Status s;
+      if (!spec.ok()) {
+        s = ops::JoinShardedStepAsFailed(comm, call, &broken);
+      } else {
+        spec->comm = &comm;
+        spec->comm_call = call;
+        spec->comm_broken = &broken;
+        stepped = ops::OptimizerStep(*spec, ctx_, *store_);
+        s = stepped.status();
+      }
+      if (broken && s.code() != absl::StatusCode::kDeadlineExceeded) {
+        s = absl::AbortedError(absl::StrFormat("%s (the group is now BROKEN)", s.message()));
+      }
+      return collective::CollectiveOutcome{broken ? s : absl::OkStatus(), broken};
+    };
+    c.finish = [&](absl::Status s) {
+      status = std::move(s);
+      done.Notify();
+    };
+    groups_->Submit(request->collective_group(), std::move(c));
+    done.WaitForNotification();
+    QTX_RETURN_IF_ERROR(spec.status());
+    if (!status.ok()) return status;
+  }
+  QTX_ASSIGN_OR_RETURN(ops::StepResult result, std::move(stepped));
+  {
     v1::StepStats* s = response->mutable_stats();
     s->set_step(result.stats.step);
     s->set_grad_norm(result.stats.grad_norm);
@@ -196,8 +273,8 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* co
       if (p.fp8) QuantizedTensorToProto(std::move(*p.fp8), out->mutable_fp8());
       if (p.bf16) OutputTensorToProto(std::move(*p.bf16), out->mutable_bf16());
     }
-    return absl::OkStatus();
-  });
+  }
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* OptimizerService::GradNorm(grpc::CallbackServerContext* context,

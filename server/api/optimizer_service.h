@@ -53,6 +53,13 @@ class OptimizerService final : public v1::Optimizer::CallbackService {
                                        v1::ListOptimizerGroupsResponse* response) override;
 
  private:
+  // The body of Step, on the executor: a local step, or with
+  // collective_group a sharded group's collective step (run on the
+  // Collective group's executor, waited for here) whose peers wait at most
+  // until `deadline`.
+  absl::Status StepOn(const v1::StepRequest& request, absl::Time deadline,
+                      v1::StepResponse* response);
+
   // Constant after construction.
   const ops::OpContext ctx_;
   optimizer::OptimizerStore* const store_;

@@ -21,6 +21,12 @@ namespace {
 using tensor::DType;
 using tensor::MemoryKind;
 
+int64_t ElementCount(const std::vector<int64_t>& shape) {
+  int64_t c = 1;
+  for (int64_t d : shape) c *= d;  // validated shapes: no overflow
+  return c;
+}
+
 absl::Status RequireHost(MemoryKind kind, std::string_view field) {
   if (kind != MemoryKind::kHost) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -31,10 +37,13 @@ absl::Status RequireHost(MemoryKind kind, std::string_view field) {
   return absl::OkStatus();
 }
 
+// With `shard_count` set (a sharded parameter), any shape of that many
+// elements is accepted instead of `shape`.
 absl::StatusOr<tensor::TensorView> ResolveHighPrecision(const tensor::TensorRefSpec& spec,
                                                         const std::vector<int64_t>& shape,
                                                         std::string_view field,
-                                                        const OpContext& ctx, bool allow_fp16) {
+                                                        const OpContext& ctx, bool allow_fp16,
+                                                        std::optional<int64_t> shard_count = {}) {
   QTX_ASSIGN_OR_RETURN(tensor::TensorView v,
                        tensor::ResolveInput(spec, field, *ctx.regions, ctx.limits));
   const bool ok = v.dtype == DType::kFloat32 || v.dtype == DType::kBFloat16 ||
@@ -44,7 +53,13 @@ absl::StatusOr<tensor::TensorView> ResolveHighPrecision(const tensor::TensorRefS
                                                       field, tensor::DTypeName(v.dtype),
                                                       allow_fp16 ? " (or FLOAT16)" : ""));
   }
-  if (v.shape != shape) {
+  if (shard_count.has_value()) {
+    if (ElementCount(v.shape) != *shard_count) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.shape=[%s]: must hold the %d elements of the parameter's shard range",
+                          field, absl::StrJoin(v.shape, ","), *shard_count));
+    }
+  } else if (v.shape != shape) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s.shape=[%s]: must equal the parameter's shape [%s]", field,
                         absl::StrJoin(v.shape, ","), absl::StrJoin(shape, ",")));
@@ -332,7 +347,14 @@ absl::Status GatherGradients(const optimizer::GroupInfo& info, StepPlan& plan,
           absl::StrFormat("%s.dtype=%s: must be FLOAT32 or BFLOAT16 (or FLOAT16)", field,
                           tensor::DTypeName(v.dtype)));
     }
-    if (v.shape != p.shape) {
+    if (p.shard.has_value()) {
+      if (ElementCount(v.shape) != p.count()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s.shape=[%s]: must hold the %d elements of the parameter's shard [%d, %d) (its "
+            "slice of the flattened gradient)",
+            field, absl::StrJoin(v.shape, ","), p.count(), p.shard->begin, p.shard->end));
+      }
+    } else if (v.shape != p.shape) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s.shape=[%s]: must equal the parameter's shape [%s]", field,
                           absl::StrJoin(v.shape, ","), absl::StrJoin(p.shape, ",")));
@@ -384,6 +406,7 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
                                    optimizer::StepBuffers& bufs) {
   const optimizer::OutputConfig& out = info.config.output;
   const kernels::QuantizeParams& q = out.quant;
+  const bool sharded = optimizer::IsSharded(info.params);
   results.resize(info.params.size());
   OutputPlacements placed;
   for (size_t i = 0; i < info.params.size(); ++i) {
@@ -414,26 +437,44 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
       const QuantizeOutputSpecs none;
       const QuantizeOutputSpecs& s = d != nullptr ? d->fp8 : none;
       const std::string& g = info.config.name;
-      QTX_RETURN_IF_ERROR(AddFp8Output(
-          placed, q.rowwise, r.fp8->rowwise_data, data, {l.rowwise_data_rows, l.rowwise_data_cols},
-          l.RowwiseDataBytes(), 1, s.rowwise_data, field, "rowwise_data", g, i, kRowwiseData));
+      if (sharded) {
+        // The FP8 shard (docs/numerics.md §10): the owned elements of the
+        // rowwise data, and every tile's scale_inv.
+        if (s.columnwise_data.has_value()) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s.fp8.columnwise_data: group '%s' is data-parallel sharded and returns the FP8 "
+              "shard as rowwise_data only (the columnwise copy is the byte transpose of the "
+              "gathered rowwise data)",
+              field, g));
+        }
+        QTX_RETURN_IF_ERROR(AddFp8Output(placed, true, r.fp8->rowwise_data, data, {p.count()},
+                                         static_cast<uint64_t>(p.count()), 1, s.rowwise_data, field,
+                                         "rowwise_data", g, i, kRowwiseData));
+      } else {
+        QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_data, data,
+                                         {l.rowwise_data_rows, l.rowwise_data_cols},
+                                         l.RowwiseDataBytes(), 1, s.rowwise_data, field,
+                                         "rowwise_data", g, i, kRowwiseData));
+      }
       QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_scale_inv, DType::kFloat32,
                                        {l.rowwise_scale_rows, l.rowwise_scale_cols},
                                        4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv, field,
                                        "rowwise_scale_inv", g, i, kRowwiseScaleInv));
-      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.columnwise, r.fp8->columnwise_data, data,
-                                       {l.columnwise_data_rows, l.columnwise_data_cols},
-                                       l.ColumnwiseDataBytes(), 1, s.columnwise_data, field,
-                                       "columnwise_data", g, i, kColumnwiseData));
+      if (!sharded) {
+        QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.columnwise, r.fp8->columnwise_data, data,
+                                         {l.columnwise_data_rows, l.columnwise_data_cols},
+                                         l.ColumnwiseDataBytes(), 1, s.columnwise_data, field,
+                                         "columnwise_data", g, i, kColumnwiseData));
+      }
       QTX_RETURN_IF_ERROR(AddFp8Output(
           placed, q.columnwise, r.fp8->columnwise_scale_inv, DType::kFloat32,
           {l.columnwise_scale_rows, l.columnwise_scale_cols}, 4 * l.ColumnwiseScaleCount(), 4,
           s.columnwise_scale_inv, field, "columnwise_scale_inv", g, i, kColumnwiseScaleInv));
     }
     if (out.bf16()) {
-      r.bf16 = MakeTensor(DType::kBFloat16, p.shape);
+      r.bf16 = MakeTensor(DType::kBFloat16, sharded ? std::vector<int64_t>{p.count()} : p.shape);
       placed.ps.push_back({&*r.bf16, d != nullptr ? d->bf16 : std::nullopt,
-                           static_cast<uint64_t>(p.m * p.n) * 2, 2, field + ".bf16"});
+                           static_cast<uint64_t>(p.count()) * 2, 2, field + ".bf16"});
       placed.slots.emplace_back(i, kBf16);
     }
   }
@@ -547,7 +588,270 @@ absl::Status CheckStepRegionsIntact(const StepPlan& plan, const std::string& gro
   return absl::OkStatus();
 }
 
+// ---- The owners' exchange of a data-parallel sharded step ----
+
+// One rank's agreement record (host bytes, little-endian on every supported
+// host).
+struct ShardAgreeRecord {
+  uint64_t magic = 0;
+  uint32_t flags = 0;  // kAgreeFailed | kAgreeWantFp8
+  uint32_t num_params = 0;
+  int64_t step = 0;
+  uint64_t digest = 0;  // parameter list and output settings
+};
+static_assert(sizeof(ShardAgreeRecord) == 32, "ShardAgreeRecord travels as 32 bytes");
+constexpr uint64_t kAgreeMagic = 0x5148534f58544c51ull;
+constexpr uint32_t kAgreeFailed = 1, kAgreeWantFp8 = 2;
+
+// FNV-1a over what every owner must agree on: the parameters' names, shapes
+// and order, and the FP8 output settings.
+uint64_t AgreementDigest(const optimizer::GroupInfo& info) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  };
+  auto mix64 = [&mix](int64_t v) { mix(&v, sizeof(v)); };
+  for (const optimizer::ParameterInfo& p : info.params) {
+    mix(p.name.data(), p.name.size());
+    mix64(static_cast<int64_t>(p.shape.size()));
+    for (int64_t d : p.shape) mix64(d);
+  }
+  const optimizer::OutputConfig& o = info.config.output;
+  mix64(o.fp8);
+  mix64(static_cast<int64_t>(o.quant.format));
+  mix64(o.quant.force_pow2_scales);
+  mix64(o.quant.columnwise);
+  mix(&o.quant.amax_epsilon, sizeof(float));
+  mix64(o.bf16_copy);
+  return h;
+}
+
+absl::Status CommFailure(const absl::Status& s, bool* broken) {
+  if (s.code() != absl::StatusCode::kInvalidArgument) *broken = true;
+  return s;
+}
+
+// Exchanges the agreement records: every rank's, in rank order.
+absl::StatusOr<std::vector<ShardAgreeRecord>> ExchangeAgreement(const ShardAgreeRecord& mine,
+                                                                backend::Communicator& comm,
+                                                                const backend::CommCall& call,
+                                                                bool* broken) {
+  std::vector<ShardAgreeRecord> all(static_cast<size_t>(comm.world_size()));
+  if (absl::Status s = comm.AllGatherHost(&mine, sizeof(mine), all.data(), call); !s.ok()) {
+    return CommFailure(s, broken);
+  }
+  for (int r = 0; r < comm.world_size(); ++r) {
+    if (all[r].magic != kAgreeMagic) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "sharded Step over %s: rank %d sent no sharded-step agreement (is it calling "
+          "another collective with this sequence number?)",
+          comm.name(), r));
+    }
+  }
+  return all;
+}
+
+// optimizer::ShardExchange on a communicator: Agree = an all-gather of the
+// records, then of the ranges (checked to partition every parameter);
+// CombineAmax = an all-gather of [failed flag, tile amaxes...] and a max
+// (host buffers, so that it works on a device communicator too; the vector
+// is one float per 128x128 tile).
+class CommShardExchange final : public optimizer::ShardExchange {
+ public:
+  CommShardExchange(backend::Communicator* comm, backend::CommCall call, bool* broken)
+      : comm_(comm), call_(call), broken_(broken) {}
+
+  absl::StatusOr<bool> Agree(const optimizer::GroupInfo& group, int64_t step,
+                             bool want_outputs) override {
+    agreed_called_ = true;
+    ShardAgreeRecord mine;
+    mine.magic = kAgreeMagic;
+    mine.flags = want_outputs ? kAgreeWantFp8 : 0;
+    mine.num_params = static_cast<uint32_t>(group.params.size());
+    mine.step = step;
+    mine.digest = AgreementDigest(group);
+    QTX_ASSIGN_OR_RETURN(std::vector<ShardAgreeRecord> all,
+                         ExchangeAgreement(mine, *comm_, call_, broken_));
+    const std::string& name = comm_->name();
+    bool any_fp8 = false;
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r].flags & kAgreeFailed) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "sharded Step over %s: rank %d failed before the step (its own call says why); "
+            "nothing was changed",
+            name, r));
+      }
+      any_fp8 = any_fp8 || (all[r].flags & kAgreeWantFp8) != 0;
+    }
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r].step != all[0].step) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "sharded Step over %s: rank 0 steps to %d but rank %d to %d; every owner must apply "
+            "the same step (nothing was changed)",
+            name, all[0].step, r, all[r].step));
+      }
+      if (all[r].num_params != all[0].num_params) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "sharded Step over %s: rank 0's group has %d parameters but rank %d's has %d; every "
+            "owner offloads every parameter of the sharded buffer (an empty shard range for one "
+            "it owns nothing of); nothing was changed",
+            name, all[0].num_params, r, all[r].num_params));
+      }
+      if (all[r].digest != all[0].digest) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "sharded Step over %s: rank %d's parameters (names, shapes, order) or FP8 output "
+            "settings differ from rank 0's; nothing was changed",
+            name, r));
+      }
+    }
+    // Every rank has the same parameter list: exchange the ranges.
+    const size_t np = group.params.size();
+    std::vector<int64_t> my_ranges(2 * np);
+    for (size_t i = 0; i < np; ++i) {
+      const kernels::ElementRange rg = group.params[i].range();
+      my_ranges[2 * i] = rg.begin;
+      my_ranges[2 * i + 1] = rg.end;
+    }
+    std::vector<int64_t> all_ranges(2 * np * all.size());
+    if (absl::Status s =
+            comm_->AllGatherHost(my_ranges.data(), my_ranges.size() * 8, all_ranges.data(), call_);
+        !s.ok()) {
+      return CommFailure(s, broken_);
+    }
+    std::vector<std::string> names(np);
+    std::vector<int64_t> totals(np);
+    for (size_t i = 0; i < np; ++i) {
+      names[i] = group.params[i].name;
+      totals[i] = group.params[i].m * group.params[i].n;
+    }
+    std::vector<std::vector<kernels::ElementRange>> ranges(all.size(),
+                                                           std::vector<kernels::ElementRange>(np));
+    for (size_t r = 0; r < all.size(); ++r) {
+      for (size_t i = 0; i < np; ++i) {
+        ranges[r][i] = {all_ranges[(r * np + i) * 2], all_ranges[(r * np + i) * 2 + 1]};
+      }
+    }
+    QTX_RETURN_IF_ERROR(CheckShardPartition(names, totals, ranges));
+    agreed_ = true;
+    combine_ = any_fp8;
+    tiles_ = 0;
+    for (const optimizer::ParameterInfo& p : group.params) {
+      tiles_ += static_cast<uint64_t>(kernels::CeilDiv(p.m, kernels::kBlockLen) *
+                                      kernels::CeilDiv(p.n, kernels::kBlockLen));
+    }
+    return any_fp8;
+  }
+
+  absl::Status CombineAmax(std::span<float> tile_amax) override {
+    combined_ = true;
+    if (tile_amax.size() != tiles_) {
+      return absl::InternalError(absl::StrFormat(
+          "sharded Step: %d tile amaxes, the agreement counted %d", tile_amax.size(), tiles_));
+    }
+    return Reduce(tile_amax, /*failed=*/false);
+  }
+
+  // Takes part in whatever the owners still wait for after this rank's Step
+  // ended early (an error before Agree, or after Agree but before
+  // CombineAmax), telling them that this rank failed.
+  void Release() {
+    if (!agreed_called_) {
+      (void)JoinShardedStepAsFailed(*comm_, call_, broken_);
+      return;
+    }
+    if (agreed_ && combine_ && !combined_) {
+      std::vector<float> zeros(tiles_, 0.0f);
+      (void)Reduce(zeros, /*failed=*/true);
+    }
+  }
+
+ private:
+  // [failed flag, tile amaxes...] from every rank through AllGatherHost (host
+  // buffers for any communicator, Gloo or NCCL), then the element-wise max.
+  absl::Status Reduce(std::span<float> tile_amax, bool failed) {
+    const size_t len = tile_amax.size() + 1;
+    std::vector<float> mine(len);
+    mine[0] = failed ? 1.0f : 0.0f;
+    std::copy(tile_amax.begin(), tile_amax.end(), mine.begin() + 1);
+    std::vector<float> all(len * static_cast<size_t>(comm_->world_size()));
+    if (absl::Status s = comm_->AllGatherHost(mine.data(), len * 4, all.data(), call_); !s.ok()) {
+      return CommFailure(s, broken_);
+    }
+    for (int r = 0; r < comm_->world_size(); ++r) {
+      const float* v = all.data() + len * static_cast<size_t>(r);
+      if (v[0] != 0.0f) {
+        return absl::AbortedError(absl::StrFormat(
+            "sharded Step over %s: rank %d failed after the step was agreed (its own call says "
+            "why); this owner's update is applied: retry the step on every owner",
+            comm_->name(), r));
+      }
+      for (size_t t = 1; t < len; ++t) tile_amax[t - 1] = std::max(tile_amax[t - 1], v[t]);
+    }
+    return absl::OkStatus();
+  }
+
+  backend::Communicator* const comm_;
+  const backend::CommCall call_;
+  bool* const broken_;
+  bool agreed_called_ = false;
+  bool agreed_ = false;
+  bool combine_ = false;
+  bool combined_ = false;
+  uint64_t tiles_ = 0;
+};
+
 }  // namespace
+
+absl::Status JoinShardedStepAsFailed(backend::Communicator& comm, const backend::CommCall& call,
+                                     bool* broken) {
+  ShardAgreeRecord mine;
+  mine.magic = kAgreeMagic;
+  mine.flags = kAgreeFailed;
+  return ExchangeAgreement(mine, comm, call, broken).status();
+}
+
+absl::Status CheckShardPartition(const std::vector<std::string>& names,
+                                 const std::vector<int64_t>& totals,
+                                 const std::vector<std::vector<kernels::ElementRange>>& ranges) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::vector<std::pair<kernels::ElementRange, size_t>> owned;  // (range, rank)
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      if (!ranges[r][i].empty()) owned.emplace_back(ranges[r][i], r);
+    }
+    std::sort(owned.begin(), owned.end(), [](const auto& a, const auto& b) {
+      return a.first.begin != b.first.begin ? a.first.begin < b.first.begin : a.second < b.second;
+    });
+    const std::string what = absl::StrFormat("parameter '%s' (%d elements)", names[i], totals[i]);
+    int64_t next = 0;
+    for (size_t k = 0; k < owned.size(); ++k) {
+      const auto& [rg, r] = owned[k];
+      if (rg.begin > next) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: elements [%d, %d) are owned by no rank (rank %d's shard starts at %d); the "
+            "owners' ranges must cover every element exactly once",
+            what, next, rg.begin, r, rg.begin));
+      }
+      if (rg.begin < next) {
+        const auto& [prev, pr] = owned[k - 1];
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: rank %d's shard [%d, %d) and rank %d's shard [%d, %d) overlap; the owners' "
+            "ranges must cover every element exactly once",
+            what, pr, prev.begin, prev.end, r, rg.begin, rg.end));
+      }
+      next = rg.end;
+    }
+    if (next != totals[i]) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: elements [%d, %d) are owned by no rank; the owners' ranges must cover every "
+          "element exactly once",
+          what, next, totals[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {}  // namespace
 
 absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestSpec& request,
                                                            const OpContext& ctx,
@@ -577,8 +881,20 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
     init.m = mn.m;
     init.n = mn.n;
     init.hyper = p.hyper;
-    QTX_ASSIGN_OR_RETURN(tensor::TensorView master,
-                         ResolveHighPrecision(p.master, p.shape, field + ".master", ctx, false));
+    std::optional<int64_t> shard_count;
+    if (p.shard.has_value()) {
+      if (p.shard->begin < 0 || p.shard->begin > p.shard->end || p.shard->end > elements) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s ('%s').shard=[%d, %d): must satisfy 0 <= begin <= end <= %d (the parameter's "
+            "elements, flattened row-major)",
+            field, p.name, p.shard->begin, p.shard->end, elements));
+      }
+      init.shard = p.shard;
+      shard_count = p.shard->count();
+    }
+    QTX_ASSIGN_OR_RETURN(
+        tensor::TensorView master,
+        ResolveHighPrecision(p.master, p.shape, field + ".master", ctx, false, shard_count));
     init.master = master.data;
     init.master_dtype = *tensor::ToInputDType(master.dtype);
     views.push_back(std::move(master));
@@ -589,10 +905,10 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
     if (p.exp_avg.has_value()) {
       QTX_ASSIGN_OR_RETURN(
           tensor::TensorView m1,
-          ResolveHighPrecision(*p.exp_avg, p.shape, field + ".exp_avg", ctx, false));
-      QTX_ASSIGN_OR_RETURN(
-          tensor::TensorView m2,
-          ResolveHighPrecision(*p.exp_avg_sq, p.shape, field + ".exp_avg_sq", ctx, false));
+          ResolveHighPrecision(*p.exp_avg, p.shape, field + ".exp_avg", ctx, false, shard_count));
+      QTX_ASSIGN_OR_RETURN(tensor::TensorView m2,
+                           ResolveHighPrecision(*p.exp_avg_sq, p.shape, field + ".exp_avg_sq", ctx,
+                                                false, shard_count));
       if (m1.dtype != m2.dtype) {
         return absl::InvalidArgumentError(
             absl::StrFormat("%s: exp_avg is %s but exp_avg_sq is %s; give both in one dtype", field,
@@ -622,22 +938,46 @@ absl::StatusOr<optimizer::GroupInfo> OffloadOptimizerState(const OffloadRequestS
 
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
                                          optimizer::OptimizerStore& store) {
-  QTX_RETURN_IF_ERROR(ValidateCudaEvents(request.events, ctx));
+  bool broken_unused = false;
+  std::optional<CommShardExchange> exchange;
+  if (request.comm != nullptr) {
+    exchange.emplace(request.comm, request.comm_call,
+                     request.comm_broken != nullptr ? request.comm_broken : &broken_unused);
+  }
   StepPlan plan;
   // Resolve the gradients before taking the group's lock.
-  QTX_ASSIGN_OR_RETURN(plan.grads, ResolveGradients(request.gradients, ctx));
-  QTX_ASSIGN_OR_RETURN(plan.dests, IndexDestinations(request.destinations));
+  absl::Status resolved = ValidateCudaEvents(request.events, ctx);
+  if (resolved.ok()) {
+    absl::StatusOr<GradientViews> grads = ResolveGradients(request.gradients, ctx);
+    resolved = grads.status();
+    if (grads.ok()) plan.grads = *std::move(grads);
+  }
+  if (resolved.ok()) {
+    absl::StatusOr<DestinationIndex> dests = IndexDestinations(request.destinations);
+    resolved = dests.status();
+    if (dests.ok()) plan.dests = *std::move(dests);
+  }
+  if (!resolved.ok()) {
+    if (exchange.has_value()) exchange->Release();  // the other owners fail at once
+    return resolved;
+  }
   StepResult result;
   auto prepare = [&](const optimizer::GroupInfo& info, bool replay,
-                     optimizer::StepScratchSlot& slot) {
-    return PrepareStepBuffers(info, replay, request.omit_parameters, request.events, ctx, slot,
-                              plan, result.params);
+                     optimizer::StepScratchSlot& slot) -> absl::StatusOr<optimizer::StepBuffers> {
+    QTX_ASSIGN_OR_RETURN(optimizer::StepBuffers bufs,
+                         PrepareStepBuffers(info, replay, request.omit_parameters, request.events,
+                                            ctx, slot, plan, result.params));
+    if (exchange.has_value()) bufs.exchange = &*exchange;
+    return bufs;
   };
-  QTX_ASSIGN_OR_RETURN(result.stats, store.Step(request.group, request.options,
-                                                optimizer::PrepareStepWithScratchFn(prepare)));
+  absl::StatusOr<optimizer::StepStats> stats =
+      store.Step(request.group, request.options, optimizer::PrepareStepWithScratchFn(prepare));
+  if (exchange.has_value()) exchange->Release();
+  QTX_ASSIGN_OR_RETURN(result.stats, std::move(stats));
   QTX_RETURN_IF_ERROR(CheckStepRegionsIntact(plan, request.group, result.stats.step));
   return result;
 }
+
 absl::StatusOr<optimizer::GradNormStats> OptimizerGradNorm(const GradNormRequestSpec& request,
                                                            const OpContext& ctx,
                                                            optimizer::OptimizerStore& store) {
@@ -784,7 +1124,10 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
         uint64_t inline_bytes = 0;
         for (size_t i = 0; i < chosen.size(); ++i) {
           const optimizer::ParameterStateView* v = chosen[i];
-          const uint64_t count = static_cast<uint64_t>(v->info->m * v->info->n);
+          const uint64_t count = static_cast<uint64_t>(v->info->count());
+          // A sharded parameter's state is its owned slice, returned 1-D.
+          const std::vector<int64_t> shape =
+              v->info->shard.has_value() ? std::vector<int64_t>{v->info->count()} : v->info->shape;
           ParameterStateResult& r = result.params[i];
           r.name = v->info->name;
           const StateDestinationSpec* d = nullptr;
@@ -796,12 +1139,12 @@ absl::StatusOr<GetStateResult> GetOptimizerState(
             ps.push_back({t, slice, bytes, align, absl::StrFormat("%s.%s", field, what)});
             sources.push_back(src);
           };
-          r.master = MakeTensor(DType::kFloat32, v->info->shape);
+          r.master = MakeTensor(DType::kFloat32, shape);
           add(&r.master, d != nullptr ? d->master : std::nullopt, count * 4, 4, v->master,
               "master");
           if (include_moments) {
-            r.exp_avg = MakeTensor(mdt, v->info->shape);
-            r.exp_avg_sq = MakeTensor(mdt, v->info->shape);
+            r.exp_avg = MakeTensor(mdt, shape);
+            r.exp_avg_sq = MakeTensor(mdt, shape);
             add(&*r.exp_avg, d != nullptr ? d->exp_avg : std::nullopt, count * mb, mb, v->exp_avg,
                 "exp_avg");
             add(&*r.exp_avg_sq, d != nullptr ? d->exp_avg_sq : std::nullopt, count * mb, mb,

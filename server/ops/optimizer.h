@@ -36,6 +36,10 @@ struct OffloadParameterSpec {
   std::optional<tensor::TensorRefSpec> exp_avg;  // FLOAT32 or BFLOAT16
   std::optional<tensor::TensorRefSpec> exp_avg_sq;
   optimizer::ParameterHyper hyper = {};  // its own weight decay / lr scale, if any
+  // Data-parallel sharding: the elements [begin, end) of the flattened
+  // parameter this sidecar owns; master and moments then hold end - begin
+  // elements (any shape of that many).
+  std::optional<kernels::ElementRange> shard = std::nullopt;
 };
 
 struct OffloadRequestSpec {
@@ -73,6 +77,13 @@ struct StepRequestSpec {
   // wait_event; signal_event is recorded once the device outputs are written
   // and the call then returns before they are.
   backend::CudaEvents events;
+  // A data-parallel sharded group's Step is a collective call over the
+  // owners' communicator (null: a local step; see optimizer::ShardExchange).
+  // *comm_broken (if set) tells whether the ranks may be out of step after a
+  // communicator failure.
+  backend::Communicator* comm = nullptr;
+  backend::CommCall comm_call;
+  bool* comm_broken = nullptr;
 };
 
 struct ParameterResult {
@@ -87,13 +98,31 @@ struct StepResult {
 };
 
 // Runs one Step (with options.skip, the gradients may be omitted: they are
-// not read). INVALID_ARGUMENT: a gradient missing, duplicated, unknown,
-// of the wrong dtype or shape; a destination naming an unknown parameter, a
-// copy the group does not produce, or of the wrong size. RESOURCE_EXHAUSTED:
-// inline outputs above ctx.max_inline_output_bytes. Plus the store's errors
-// (FAILED_PRECONDITION for a wrong step number, ...).
+// not read). With request.comm, the Step is this rank's part of a sharded
+// collective step: it takes part in the owners' exchange on every path, also
+// when it fails before or after its own update, so that the other owners
+// fail at once instead of at the deadline. INVALID_ARGUMENT: a gradient missing, duplicated,
+// unknown, of the wrong dtype or shape; a destination naming an unknown parameter, a copy the group
+// does not produce, or of the wrong size. RESOURCE_EXHAUSTED: inline outputs above
+// ctx.max_inline_output_bytes. Plus the store's errors (FAILED_PRECONDITION for a wrong step
+// number, ...).
 absl::StatusOr<StepResult> OptimizerStep(const StepRequestSpec& request, const OpContext& ctx,
                                          optimizer::OptimizerStore& store);
+
+// This rank's part of a sharded collective step whose request could not even
+// be read: tells the other owners that this rank failed, so that they fail
+// at once (nothing changes anywhere). Returns the communicator's status;
+// *broken as for StepRequestSpec::comm_broken.
+absl::Status JoinShardedStepAsFailed(backend::Communicator& comm, const backend::CommCall& call,
+                                     bool* broken);
+
+// INVALID_ARGUMENT (naming the parameter, the ranks and the elements) unless
+// for every parameter the non-empty ranges of the ranks (ranges[r][i] is
+// rank r's range of parameter i; totals[i] its element count) tile
+// [0, totals[i]) exactly: no gap, no overlap. `names[i]` names parameter i.
+absl::Status CheckShardPartition(const std::vector<std::string>& names,
+                                 const std::vector<int64_t>& totals,
+                                 const std::vector<std::vector<kernels::ElementRange>>& ranges);
 
 struct GradNormRequestSpec {
   std::string group;

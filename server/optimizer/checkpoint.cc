@@ -135,12 +135,15 @@ class MetaReader {
   std::string path_;
 };
 
-// The version `s` is written as: 2 when a parameter has its own settings.
+// The version `s` is written as: 3 when a parameter has a shard range, 2
+// when one has its own settings, else 1 (the oldest that holds it all).
 uint32_t VersionFor(const GroupState& s) {
+  uint32_t v = 1;
   for (const ParamState& p : s.params) {
-    if (!p.info.hyper.empty()) return 2;
+    if (p.info.shard.has_value()) return 3;
+    if (!p.info.hyper.empty()) v = 2;
   }
-  return 1;
+  return v;
 }
 
 std::string BuildMeta(const GroupState& s, uint32_t version) {
@@ -184,6 +187,11 @@ std::string BuildMeta(const GroupState& s, uint32_t version) {
       b.Put<uint8_t>((h.weight_decay.has_value() ? 1 : 0) | (h.lr_scale.has_value() ? 2 : 0));
       b.Put<double>(h.weight_decay.value_or(0.0));
       b.Put<double>(h.lr_scale.value_or(1.0));
+    }
+    if (version >= 3) {
+      b.Put<uint8_t>(p.info.shard.has_value());
+      b.Put<int64_t>(p.info.shard.has_value() ? p.info.shard->begin : 0);
+      b.Put<int64_t>(p.info.shard.has_value() ? p.info.shard->end : 0);
     }
   }
   return b.bytes();
@@ -265,6 +273,19 @@ absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path, ui
       if (flags & 1) p.info.hyper.weight_decay = wd;
       if (flags & 2) p.info.hyper.lr_scale = scale;
     }
+    if (version >= 3) {
+      uint8_t has_shard = 0;
+      kernels::ElementRange range;
+      QTX_RETURN_IF_ERROR(r.Get(&has_shard));
+      QTX_RETURN_IF_ERROR(r.Get(&range.begin));
+      QTX_RETURN_IF_ERROR(r.Get(&range.end));
+      if (has_shard > 1) {
+        return absl::DataLossError(
+            absl::StrFormat("checkpoint '%s': parameter '%s' has a bad shard flag %d", path,
+                            p.info.name, has_shard));
+      }
+      if (has_shard) p.info.shard = range;
+    }
     // The matrix must agree with the shape (overflow-safe).
     int64_t elements = 1;
     for (int64_t d : p.info.shape) {
@@ -331,7 +352,10 @@ absl::Status ValidateLoadedState(const GroupState& s) {
     QTX_RETURN_IF_ERROR(ValidateParameterHyper(s.params[i].info.hyper,
                                                absl::StrFormat("parameters[%d] ('%s')", i, name)));
   }
-  return absl::OkStatus();
+  std::vector<ParameterInfo> infos;
+  infos.reserve(s.params.size());
+  for (const ParamState& p : s.params) infos.push_back(p.info);
+  return ValidateShards(c, infos);
 }
 
 // Reads exactly `size` bytes, updating the CRC.
@@ -461,7 +485,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupStat
   const uint64_t mb = MomentBytes(state.config.moment_dtype);
   uint64_t data_bytes = 0;
   for (const ParamState& p : state.params) {
-    data_bytes += static_cast<uint64_t>(p.info.m * p.info.n) * (4 + 2 * mb);
+    data_bytes += static_cast<uint64_t>(p.info.count()) * (4 + 2 * mb);
   }
   std::string tmp;
   QTX_ASSIGN_OR_RETURN(Fd fd, CreateTempFile(path, &tmp));
@@ -476,7 +500,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupStat
     QTX_RETURN_IF_ERROR(w.Write(&data_bytes, 8));
     QTX_RETURN_IF_ERROR(w.Write(meta.data(), meta.size()));
     for (const ParamState& p : state.params) {
-      const uint64_t count = static_cast<uint64_t>(p.info.m * p.info.n);
+      const uint64_t count = static_cast<uint64_t>(p.info.count());
       QTX_RETURN_IF_ERROR(w.Write(p.master.get(), count * 4));
       QTX_RETURN_IF_ERROR(w.Write(p.exp_avg.get(), count * mb));
       QTX_RETURN_IF_ERROR(w.Write(p.exp_avg_sq.get(), count * mb));
@@ -571,8 +595,8 @@ absl::StatusOr<GroupState> ReadCheckpoint(
   for (const ParamState& p : state.params) {
     // Each parameter's bytes are below 2^44 (ParseMeta), and data_bytes below
     // the file size: stopping once past it keeps the sums from overflowing.
-    elements += p.info.m * p.info.n;
-    expect_data += static_cast<uint64_t>(p.info.m * p.info.n) * (4 + 2 * mb);
+    elements += p.info.count();
+    expect_data += static_cast<uint64_t>(p.info.count()) * (4 + 2 * mb);
     if (expect_data > data_bytes) break;
   }
   if (expect_data != data_bytes) {
@@ -583,7 +607,7 @@ absl::StatusOr<GroupState> ReadCheckpoint(
   QTX_RETURN_IF_ERROR(reserve(StateBytes(elements, state.config.moment_dtype)));
   for (ParamState& p : state.params) {
     QTX_ASSIGN_OR_RETURN(ParamState buffers, AllocateParamState(p.info, state.config.moment_dtype));
-    const uint64_t count = static_cast<uint64_t>(p.info.m * p.info.n);
+    const uint64_t count = static_cast<uint64_t>(p.info.count());
     QTX_RETURN_IF_ERROR(ReadFully(fd.get(), buffers.master.get(), count * 4, &crc, path));
     QTX_RETURN_IF_ERROR(ReadFully(fd.get(), buffers.exp_avg.get(), count * mb, &crc, path));
     QTX_RETURN_IF_ERROR(ReadFully(fd.get(), buffers.exp_avg_sq.get(), count * mb, &crc, path));

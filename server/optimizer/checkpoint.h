@@ -3,15 +3,19 @@
 // "<dir>/<group>.qtxopt.prev" is the checkpoint it replaced (see
 // WriteCheckpoint), for an explicit fallback when the newest is corrupted.
 //
-// Format (little-endian), version 1 or 2:
+// Format (little-endian), version 1, 2 or 3:
 //   "QTXOPTCK" | u32 version | u32 0 | u64 meta_bytes | u64 data_bytes |
 //   meta (group config, counters, last step result, parameter table) |
 //   data (per parameter: master FP32, exp_avg, exp_avg_sq) |
 //   u32 CRC-32 (zlib) of every byte before it.
 // Version 2 adds to each parameter table entry its own settings (u8 flags:
 // bit 0 weight_decay set, bit 1 lr_scale set | f64 weight_decay | f64
-// lr_scale). A group without per-parameter settings is written as version
-// 1, which qtxd builds before version 2 read too; both versions are read.
+// lr_scale). Version 3 adds after them the parameter's data-parallel shard
+// range (u8 has_shard | i64 begin | i64 end); its data then holds the owned
+// elements only. A group is written in the oldest version that holds it (1
+// without per-parameter settings or ranges, which qtxd builds before version
+// 2 read too); every version is read. A sharded group's checkpoint holds this
+// sidecar's slices: it loads back at the same ranges (the same DP size).
 // Writes are atomic: a temp file in the same directory is written, fsync-ed,
 // renamed over the old checkpoint, and the directory is fsync-ed; a crash
 // leaves either the old or the new checkpoint, never a torn one.
@@ -35,7 +39,7 @@
 namespace qtx::server::optimizer {
 
 inline constexpr std::string_view kCheckpointSuffix = ".qtxopt";
-inline constexpr uint32_t kCheckpointVersion = 2;  // the newest version read and written
+inline constexpr uint32_t kCheckpointVersion = 3;  // the newest version read and written
 
 inline constexpr std::string_view kPreviousSuffix = ".prev";
 

@@ -12,7 +12,7 @@ absl::StatusOr<ParamState> AllocateParamState(const ParameterInfo& info,
                                               kernels::MomentDType moment_dtype) {
   ParamState p;
   p.info = info;
-  const uint64_t count = static_cast<uint64_t>(info.m) * static_cast<uint64_t>(info.n);
+  const uint64_t count = static_cast<uint64_t>(info.count());
   const uint64_t mb = MomentBytes(moment_dtype);
   p.master.reset(new (std::nothrow) float[count == 0 ? 1 : count]);
   p.exp_avg.reset(new (std::nothrow) uint8_t[count == 0 ? 1 : count * mb]);

@@ -16,8 +16,8 @@ namespace qtx::server::optimizer {
 
 struct ParamState {
   ParameterInfo info;
-  std::unique_ptr<float[]> master;     // m*n FP32
-  std::unique_ptr<uint8_t[]> exp_avg;  // m*n of the group's moment dtype
+  std::unique_ptr<float[]> master;     // info.count() FP32 (the owned elements)
+  std::unique_ptr<uint8_t[]> exp_avg;  // info.count() of the group's moment dtype
   std::unique_ptr<uint8_t[]> exp_avg_sq;
 };
 

@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/quantize_block.h"
+#include "kernels/cpu/quantize_range.h"
 #include "kernels/fp8.h"
 #include "server/optimizer/checkpoint.h"
 #include "server/optimizer/group_state.h"
@@ -64,7 +65,7 @@ GroupInfo InfoOf(const GroupState& s, int64_t last_checkpoint_step, const absl::
   info.last_checkpoint_step = last_checkpoint_step;
   for (const ParamState& p : s.params) {
     info.params.push_back(p.info);
-    info.num_elements += p.info.m * p.info.n;
+    info.num_elements += p.info.count();
   }
   info.state_bytes = StateBytes(info.num_elements, s.config.moment_dtype);
   if (!error.ok()) info.error = std::string(error.message());
@@ -246,6 +247,40 @@ absl::Status ValidateGroupConfig(const GroupConfig& c) {
   return absl::OkStatus();
 }
 
+bool IsSharded(std::span<const ParameterInfo> params) {
+  return std::any_of(params.begin(), params.end(),
+                     [](const ParameterInfo& p) { return p.shard.has_value(); });
+}
+
+absl::Status ValidateShards(const GroupConfig& config, std::span<const ParameterInfo> params) {
+  if (!IsSharded(params)) return absl::OkStatus();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParameterInfo& p = params[i];
+    if (!p.shard.has_value()) continue;
+    const int64_t total = p.m * p.n;
+    if (p.shard->begin < 0 || p.shard->begin > p.shard->end || p.shard->end > total) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameters[%d] ('%s').shard=[%d, %d): must satisfy 0 <= begin <= end <= %d (the "
+          "parameter's [%d, %d] elements, flattened row-major)",
+          i, p.name, p.shard->begin, p.shard->end, total, p.m, p.n));
+    }
+  }
+  if (config.output.fp8) {
+    if (config.output.quant.scaling != kernels::BlockScaling::kBlock2D) {
+      return absl::InvalidArgumentError(
+          "output.fp8.scaling_mode: a data-parallel sharded group (parameters with a shard range) "
+          "returns FP8 parameters as BLOCK_2D (128x128) only; use BLOCK_2D or BF16 output");
+    }
+    if (!config.output.quant.rowwise) {
+      return absl::InvalidArgumentError(
+          "output.fp8.rowwise=false: a data-parallel sharded group returns each owner's FP8 bytes "
+          "as its elements of the rowwise copy; keep rowwise (the columnwise copy is the byte "
+          "transpose of the gathered rowwise one)");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<OptimizerStore>> OptimizerStore::Create(Options options) {
   if (options.checkpoint_every_steps < 0) {
     return absl::InvalidArgumentError(absl::StrFormat("--checkpoint_every_steps=%d: must be >= 0",
@@ -341,6 +376,8 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
   QTX_RETURN_IF_ERROR(ValidateGroupConfig(config));
   absl::flat_hash_set<std::string_view> names;
   int64_t elements = 0;
+  std::vector<ParameterInfo> infos;
+  infos.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const ParameterInit& p = params[i];
     if (p.name.empty() || p.name.size() > 256) {
@@ -357,8 +394,10 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
     }
     QTX_RETURN_IF_ERROR(
         ValidateParameterHyper(p.hyper, absl::StrFormat("parameters[%d] ('%s')", i, p.name)));
-    elements += p.m * p.n;
+    infos.push_back({p.name, p.shape, p.m, p.n, p.hyper, p.shard});
   }
+  QTX_RETURN_IF_ERROR(ValidateShards(config, infos));
+  for (const ParameterInfo& p : infos) elements += p.count();
   const uint64_t bytes = StateBytes(elements, config.moment_dtype);
 
   std::shared_ptr<Group> existing;
@@ -387,14 +426,14 @@ absl::StatusOr<GroupInfo> OptimizerStore::CreateGroup(const GroupConfig& config,
     GroupState& s = g->state;
     s.config = config;
     s.update_count = config.step;
-    for (const ParameterInit& init : params) {
-      ParameterInfo info{init.name, init.shape, init.m, init.n, init.hyper};
-      absl::StatusOr<ParamState> ps = AllocateParamState(info, config.moment_dtype);
+    for (size_t k = 0; k < params.size(); ++k) {
+      const ParameterInit& init = params[k];
+      absl::StatusOr<ParamState> ps = AllocateParamState(infos[k], config.moment_dtype);
       if (!ps.ok()) {
         unreserve();
         return ps.status();
       }
-      const int64_t count = init.m * init.n;
+      const int64_t count = init.count();
       for (int64_t i = 0; i < count; ++i) {
         ps->master[i] = kernels::LoadAsFloat(init.master, init.master_dtype, i);
       }
@@ -545,6 +584,65 @@ PipelineOutcome RunPipelinedStep(GroupState& s, std::span<kernels::cpu::AdamWPar
   return r;
 }
 
+// The outputs of a sharded group's parameters from their current master
+// weights (docs/numerics.md §10): the partial tile amaxes of every owned
+// slice, combined over the owners by `ex` when `combine` (Agree said some
+// owner wants FP8 parameters), then each slice quantized with the whole
+// tiles' amaxes. `bf16_written`: the update already wrote the BF16 copies.
+// `begun`: the hooks (if any) were begun by the update. Every path ends the
+// hooks (Finish, or Abort on failure).
+absl::Status WriteShardedOutputs(const GroupState& s, const StepBuffers& bufs, ShardExchange* ex,
+                                 bool combine, bool bf16_written, bool begun) {
+  const OutputConfig& out = s.config.output;
+  StepHooks* const hooks = bufs.hooks.get();
+  const size_t np = s.params.size();
+  absl::Status st;
+  std::vector<float> amax;
+  std::vector<int64_t> offset(np + 1, 0);
+  for (size_t i = 0; i < np; ++i) {
+    offset[i + 1] = offset[i] + kernels::cpu::TileCount(s.params[i].info.m, s.params[i].info.n);
+  }
+  if (out.fp8 && combine) {
+    amax.assign(static_cast<size_t>(offset[np]), 0.0f);
+    for (size_t i = 0; i < np; ++i) {
+      const ParamState& p = s.params[i];
+      kernels::cpu::RangeTileAmax(p.master.get(), p.info.m, p.info.n, p.info.range(),
+                                  amax.data() + offset[i]);
+    }
+    st = ex->CombineAmax(amax);
+  }
+  const bool write = !bufs.omit_outputs;
+  if (st.ok() && write && out.fp8 && amax.empty()) {
+    st = absl::InternalError("sharded step: FP8 outputs without combined amaxes");
+  }
+  if (st.ok() && write && hooks != nullptr && !begun) {
+    st = hooks->Begin(/*gradients=*/false);
+    begun = st.ok();
+  }
+  for (size_t i = 0; i < np && st.ok() && write; ++i) {
+    const ParamState& p = s.params[i];
+    const ParameterOutputBuffers& b = bufs.outputs[i];
+    if (!b.skip) {
+      if (out.fp8) {
+        kernels::cpu::QuantizeRange2D(p.master.get(), p.info.m, p.info.n, p.info.range(),
+                                      amax.data() + offset[i], out.quant, b.fp8.rowwise_data,
+                                      b.fp8.rowwise_scale_inv,
+                                      out.quant.columnwise ? b.fp8.columnwise_scale_inv : nullptr);
+      }
+      if (out.bf16() && b.bf16 != nullptr && !bf16_written) {
+        const int64_t count = p.info.count();
+        for (int64_t k = 0; k < count; ++k) b.bf16[k] = kernels::FloatToBf16(p.master[k]);
+      }
+    }
+    if (hooks != nullptr) st = hooks->OutputsWritten(i);
+  }
+  if (hooks != nullptr && begun) {
+    if (st.ok()) st = hooks->Finish();
+    if (!st.ok()) hooks->Abort();
+  }
+  return st;
+}
+
 }  // namespace
 
 std::unique_ptr<StepScratchSlot> OptimizerStore::ScratchSlotOf(const std::shared_ptr<Group>& g,
@@ -660,6 +758,14 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
         options.step));
   }
   const GroupInfo info = InfoOf(s, g->last_checkpoint_step, absl::OkStatus());
+  const bool sharded = IsSharded(info.params);
+  if (sharded && (options.max_grad_norm.has_value() || options.skip_if_non_finite)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: optimizer group '%s' is data-parallel sharded, so its own gradients are only a "
+        "slice of the model's and cannot decide clipping or skipping alone; measure with "
+        "GradNorm (collective_group reduces over the owners) and pass clip_factor / skip",
+        options.max_grad_norm.has_value() ? "max_grad_norm" : "skip_if_non_finite", name));
+  }
   std::unique_ptr<StepScratchSlot> slot = ScratchSlotOf(g, name);
   QTX_ASSIGN_OR_RETURN(StepBuffers bufs, prepare(info, replay || options.skip, *slot));
   StepHooks* const hooks = bufs.hooks.get();
@@ -667,6 +773,14 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   if (!bufs.omit_outputs && bufs.outputs.size() != np) {
     return absl::InternalError(
         absl::StrFormat("step: %d output buffers for %d parameters", bufs.outputs.size(), np));
+  }
+  if (sharded) return StepSharded(*g, name, options, replay, info, bufs);
+  if (bufs.exchange != nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "collective_group: optimizer group '%s' is not data-parallel sharded (no parameter was "
+        "offloaded with a shard range), so its Step is not a collective call; leave "
+        "collective_group empty",
+        name));
   }
   const OutputConfig& out = s.config.output;
   if (replay) {
@@ -779,6 +893,139 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
   return stats;
 }
 
+absl::StatusOr<StepStats> OptimizerStore::StepSharded(Group& g, std::string_view name,
+                                                      const StepOptions& options, bool replay,
+                                                      const GroupInfo& info,
+                                                      const StepBuffers& bufs) {
+  g.mu.AssertHeld();
+  GroupState& s = g.state;
+  const OutputConfig& out = s.config.output;
+  ShardExchange* const ex = bufs.exchange;
+  const bool want_fp8 = out.fp8 && !bufs.omit_outputs;
+  if (ex == nullptr && want_fp8) {
+    const ParameterInfo* cut = nullptr;
+    for (const ParameterInfo& p : info.params) {
+      if (p.shard.has_value()) {
+        cut = &p;
+        break;
+      }
+    }
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "optimizer group '%s' is data-parallel sharded (parameter '%s' owns elements [%d, %d) "
+        "of %d): its FP8 parameters need the tile amaxes of the other owners, so its Step is a "
+        "collective call; give collective_group (a Collective group of the owners' sidecars) and "
+        "its next sequence, or set omit_parameters",
+        name, cut->name, cut->shard->begin, cut->shard->end, cut->m * cut->n));
+  }
+  bool combine = false;
+  if (ex != nullptr) {
+    QTX_ASSIGN_OR_RETURN(combine, ex->Agree(info, options.step, want_fp8));
+  }
+  if (replay || options.skip) {
+    // The outputs from the current master weights; nothing is read or
+    // updated. A failure leaves a skipped step unprocessed, to be retried.
+    QTX_RETURN_IF_ERROR(WriteShardedOutputs(s, bufs, ex, combine, /*bf16_written=*/false,
+                                            /*begun=*/false));
+    if (replay) {
+      StepStats r = *s.last;
+      r.replayed = true;
+      return r;
+    }
+    StepStats stats;
+    stats.step = options.step;
+    stats.lr = options.lr.value_or(s.config.hyper.lr);
+    stats.skipped = true;
+    s.config.step = options.step;
+    s.last = stats;
+    MaybeCheckpointPeriodically(g, name);
+    return stats;
+  }
+  const size_t np = s.params.size();
+  if (bufs.grads.size() != np) {
+    return absl::InternalError(
+        absl::StrFormat("step: %d gradients for %d parameters", bufs.grads.size(), np));
+  }
+  // The update is element-wise: each owned slice is stepped as a [1, count]
+  // matrix with the FP8 output off (it needs the combined amaxes).
+  std::vector<kernels::cpu::AdamWParamBuffers> kb(np);
+  for (size_t i = 0; i < np; ++i) {
+    ParamState& p = s.params[i];
+    kernels::cpu::AdamWParamBuffers& b = kb[i];
+    const int64_t count = p.info.count();
+    b.m = count > 0 ? 1 : 0;
+    b.n = count;
+    b.master = p.master.get();
+    b.exp_avg = p.exp_avg.get();
+    b.exp_avg_sq = p.exp_avg_sq.get();
+    b.moment_dtype = s.config.moment_dtype;
+    b.grad = bufs.grads[i].data;
+    b.grad_dtype = bufs.grads[i].dtype;
+    b.fp8_output = false;
+    b.quant = out.quant;
+    const bool write = !bufs.omit_outputs && !bufs.outputs[i].skip;
+    b.bf16 = write && out.bf16() ? bufs.outputs[i].bf16 : nullptr;
+  }
+  StepStats stats;
+  stats.step = options.step;
+  stats.lr = options.lr.value_or(s.config.hyper.lr);
+  stats.clip_coef = options.clip_factor.value_or(1.0);
+  const bool measure = !options.clip_factor.has_value();
+  kernels::AdamWHyperParams hp = s.config.hyper;
+  hp.lr = stats.lr;
+  const kernels::AdamWScalars scalars =
+      kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
+  std::vector<kernels::AdamWScalars> own;
+  AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
+  StepHooks* const hooks = bufs.hooks.get();
+  if (hooks != nullptr) {
+    if (absl::Status st = hooks->Begin(/*gradients=*/true); !st.ok()) {
+      hooks->Abort();
+      return st;
+    }
+  }
+  double sum = 0.0;
+  for (size_t i = 0; i < np; ++i) {
+    if (hooks != nullptr) {
+      if (absl::Status st = hooks->GradientArrived(i); !st.ok()) {
+        hooks->Abort();
+        if (i == 0) return st;  // nothing changed
+        g.error = absl::DataLossError(absl::StrFormat(
+            "step %d failed after %d of %d parameters were updated (%s), so its state is half a "
+            "step ahead",
+            options.step, i, np, st.message()));
+        spdlog::error(
+            "event=optimizer_step_partial group={} step={} updated={} params={} msg=\"{}\"", name,
+            options.step, i, np, std::string(st.message()));
+        return Unusable(name, g.error);
+      }
+    }
+    if (measure && kb[i].n > 0) {
+      for (double x : kernels::cpu::GradChunkSumSquares(kb[i], options_.num_threads)) sum += x;
+    }
+    if (kb[i].n > 0) {
+      kernels::cpu::AdamWStepFused(std::span(kb).subspan(i, 1), scalars, options_.num_threads);
+    }
+  }
+  if (measure) {
+    stats.grad_norm = std::sqrt(sum);
+    stats.non_finite = !std::isfinite(sum);
+  }
+  ++s.update_count;
+  s.config.step = options.step;
+  s.last = stats;
+  const absl::Status delivery =
+      WriteShardedOutputs(s, bufs, ex, combine, /*bf16_written=*/true, /*begun=*/hooks != nullptr);
+  MaybeCheckpointPeriodically(g, name);
+  if (!delivery.ok()) {
+    return absl::Status(delivery.code(),
+                        absl::StrFormat("step %d was applied, but its parameters were not "
+                                        "delivered: %s; retry step %d on every owner to receive "
+                                        "them",
+                                        options.step, delivery.message(), options.step));
+  }
+  return stats;
+}
+
 absl::StatusOr<GradNormStats> OptimizerStore::GradNorm(std::string_view name, int64_t step,
                                                        const PrepareStepWithScratchFn& prepare) {
   if (step > kMaxStepNumber) {
@@ -811,8 +1058,10 @@ absl::StatusOr<GradNormStats> OptimizerStore::GradNorm(std::string_view name, in
   }
   std::vector<kernels::cpu::AdamWParamBuffers> kb(np);
   for (size_t i = 0; i < np; ++i) {
-    kb[i].m = g->state.params[i].info.m;
-    kb[i].n = g->state.params[i].info.n;
+    // A sharded parameter's gradient is its owned slice, [1, count].
+    const ParameterInfo& pi = g->state.params[i].info;
+    kb[i].m = pi.shard.has_value() ? (pi.count() > 0 ? 1 : 0) : pi.m;
+    kb[i].n = pi.shard.has_value() ? pi.count() : pi.n;
     kb[i].grad = bufs.grads[i].data;
     kb[i].grad_dtype = bufs.grads[i].dtype;
   }

@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/adamw.h"
+#include "kernels/element_range.h"
 #include "kernels/quantize_params.h"
 
 namespace qtx::server::optimizer {
@@ -70,11 +71,16 @@ struct ParameterInit {
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;  // the [M, N] matrix of `shape`
   ParameterHyper hyper = {};
-  const void* master = nullptr;  // m*n of master_dtype (kFloat32 or kBFloat16)
+  // Data-parallel sharding: this sidecar owns only elements [begin, end) of
+  // the flattened [M, N] matrix (its state, gradients and outputs hold
+  // end - begin elements); unset: the whole parameter. See ShardExchange.
+  std::optional<kernels::ElementRange> shard = std::nullopt;
+  const void* master = nullptr;  // count() of master_dtype (kFloat32 or kBFloat16)
   kernels::InputDType master_dtype = kernels::InputDType::kFloat32;
   const void* exp_avg = nullptr;     // optional, m*n of moments_dtype
   const void* exp_avg_sq = nullptr;  // optional (both or neither)
   kernels::InputDType moments_dtype = kernels::InputDType::kFloat32;
+  int64_t count() const { return shard.has_value() ? shard->count() : m * n; }
 };
 
 struct ParameterInfo {
@@ -82,7 +88,17 @@ struct ParameterInfo {
   std::vector<int64_t> shape;
   int64_t m = 0, n = 0;
   ParameterHyper hyper = {};
+  std::optional<kernels::ElementRange> shard = std::nullopt;  // see ParameterInit
+  // The elements this sidecar owns (the whole matrix when not sharded).
+  kernels::ElementRange range() const { return shard.value_or(kernels::ElementRange{0, m * n}); }
+  // How many: the size of its state, gradient and outputs.
+  int64_t count() const { return range().count(); }
 };
+
+// Whether any parameter of `params` was offloaded with a shard range: the
+// group is then data-parallel sharded (every parameter, with or without a
+// range, takes part in the owners' exchange; see ShardExchange).
+bool IsSharded(std::span<const ParameterInfo> params);
 
 struct GroupInfo {
   GroupConfig config;  // config.step = steps processed
@@ -163,11 +179,40 @@ class StepHooks {
   virtual void Abort() = 0;
 };
 
+// The collective half of a data-parallel sharded step (docs/numerics.md §10).
+// Every owner's sidecar holds the same parameter list (names, shapes, order)
+// with its own element range of each; the ranges of one parameter over the
+// owners partition its elements. A Step of such a group is one collective
+// call over the owners: Agree before any state changes, then, after the
+// update, CombineAmax of the per-tile partial amaxes so that every owner
+// quantizes its slice with the whole tiles' amaxes. server/ops implements it
+// on a backend::Communicator; the store calls it under the group's lock, on
+// the Step's thread, at most once each, Agree first.
+class ShardExchange {
+ public:
+  virtual ~ShardExchange() = default;
+  // Agrees with every owner on the step: the same step number, parameter
+  // list and output settings, ranges that partition every parameter. Returns
+  // whether any owner wants FP8 parameters back (then CombineAmax must
+  // follow). INVALID_ARGUMENT (ranges that overlap or leave gaps, different
+  // parameter lists) or FAILED_PRECONDITION (different step numbers, an owner
+  // that failed before agreeing) naming the owners; the communicator's
+  // errors. On error nothing was changed on any owner.
+  virtual absl::StatusOr<bool> Agree(const GroupInfo& group, int64_t step, bool want_outputs) = 0;
+  // Replaces `tile_amax` (every parameter's tile amaxes, concatenated in group
+  // order; this owner's partial maxima) by the element-wise max over the
+  // owners. ABORTED when another owner failed after agreeing.
+  virtual absl::Status CombineAmax(std::span<float> tile_amax) = 0;
+};
+
 struct StepBuffers {
   std::vector<GradientView> grads;  // may be empty on a replay
   std::vector<ParameterOutputBuffers> outputs;
   bool omit_outputs = false;
   std::shared_ptr<StepHooks> hooks;  // null: every buffer is host memory, ready
+  // Required for a sharded group (IsSharded) that returns FP8 parameters;
+  // not owned. Null: the step is local.
+  ShardExchange* exchange = nullptr;
 };
 
 // Called under the group's lock with the group as it is, to resolve the
@@ -343,6 +388,12 @@ class OptimizerStore {
   // checkpoint_every_steps (a failure is logged: the step stands). REQUIRES:
   // g.mu held.
   void MaybeCheckpointPeriodically(Group& g, std::string_view name);
+  // Step of a data-parallel sharded group (IsSharded): agree through
+  // bufs.exchange, update the owned slices, combine the tile amaxes and write
+  // the FP8 shards. REQUIRES: g.mu held; the step number was checked.
+  absl::StatusOr<StepStats> StepSharded(Group& g, std::string_view name, const StepOptions& options,
+                                        bool replay, const GroupInfo& info,
+                                        const StepBuffers& bufs);
   // The scratch slot of group `g` (named `name`) for one call that holds
   // g->mu.
   std::unique_ptr<StepScratchSlot> ScratchSlotOf(const std::shared_ptr<Group>& g,
@@ -394,6 +445,12 @@ inline constexpr int64_t kMaxStepNumber = int64_t{1} << 53;
 // columnwise with a finite amax_epsilon >= 0. INVALID_ARGUMENT naming the
 // field and value.
 absl::Status ValidateGroupConfig(const GroupConfig& config);
+
+// The rules for a sharded group (IsSharded), also applied to checkpoints:
+// every range within its parameter (0 <= begin <= end <= M*N) and, for FP8
+// output, BLOCK_2D scaling with the rowwise copy (the shard's bytes are its
+// elements of the rowwise data). INVALID_ARGUMENT naming the parameter.
+absl::Status ValidateShards(const GroupConfig& config, std::span<const ParameterInfo> params);
 
 }  // namespace qtx::server::optimizer
 

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """The `qtx` CLI's allgather, step and groups commands against qtxd processes
 it starts (CPU, Gloo): two ranks with unaligned shards, a rank disagreement,
-a reused group, optimizer steps across a qtxd restart with checkpoints.
+a reused group, a data-parallel sharded step over two sidecars, optimizer steps across a qtxd
+restart with checkpoints.
 
   /usr/bin/python3 tests/client/cli_services_test.py --qtxd=build/server/qtxd \
       --qtx=build/client/cli/qtx
@@ -139,6 +140,39 @@ def check_allgather(a, servers):
     assert "--gather_mode=fast" in err, err
 
 
+def check_sharded_step(a, servers):
+    """Two sidecars own slices of one 200x130 parameter (the cut at 12345 is
+    mid-row and mid-tile) and step collectively over the Collective group dp."""
+    targets = [s.target for s in servers]
+    coordinator = ["--coordinator=" + targets[0]]
+    common = ["step", "--group=z", "--shape=200x130", "--dp_group=dp", "--world_size=2",
+              "--steps=2"]
+    outs = both(a, targets, common,
+                [["--rank=0", "--shard=0:12345"], ["--rank=1", "--shard=12345:26000"] + coordinator])
+    for r, (out, _) in enumerate(outs):
+        print(out)
+        assert "group      'dp' created: rank %d of 2" % r in out, out
+        assert "offloaded: parameter w [200, 130]" in out, out
+        assert re.search(r"^step    2: grad_norm=\S+ ", out, re.M), out
+        lo, hi = (0, 12345) if r == 0 else (12345, 26000)
+        assert "shard   w [%d, %d) of [200, 130]: %d FP8 bytes" % (lo, hi, hi - lo) in out, out
+        assert re.search(r"^rowwise    data\s+float8_e4m3 \[%d\]$" % (hi - lo), out, re.M), out
+        assert re.search(r"^rowwise    scale_inv\s+float32 \[2, 4\]$", out, re.M), out
+    # Overlapping ranges (a new optimizer group, the Collective group reused
+    # at its next sequence): both ranks fail before anything changes.
+    common = ["step", "--group=z2", "--shape=200x130", "--dp_group=dp", "--world_size=2",
+              "--sequence=2"]
+    outs = both(a, targets, common,
+                [["--rank=0", "--shard=0:13000"], ["--rank=1", "--shard=12345:26000"]],
+                expect_rc=1)
+    for _, err in outs:
+        assert "INVALID_ARGUMENT" in err and "overlap" in err, err
+    _, err = run(a, targets[0], "step", "--group=z3", "--shard=0:10", expect_rc=1)
+    assert "--shard needs --dp_group" in err, err
+    for t in targets:
+        run(a, t, "groups", "--destroy=dp", "--release=z")
+
+
 def check_step(a, tmp):
     ckpt = os.path.join(tmp, "ckpt")
     os.mkdir(ckpt)
@@ -204,6 +238,7 @@ def main():
     try:
         servers = [Qtxd(a, os.path.join(tmp, "rank%d.sock" % r)) for r in range(2)]
         check_allgather(a, servers)
+        check_sharded_step(a, servers)
         check_step(a, tmp)
     finally:
         for s in servers:
