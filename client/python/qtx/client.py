@@ -280,7 +280,7 @@ class Client:
                                 format="e4m3", rowwise=True, columnwise=True,
                                 pow2_scales=True, amax_epsilon=0.0, bf16_copy=False, step=0,
                                 replace=False, timeout=None, request_id=None,
-                                weight_decays=None, lr_scales=None):
+                                weight_decays=None, lr_scales=None, shards=None):
         """Hands a parameter group's master weights (and optionally its AdamW
         moments) to qtxd and returns its OptimizerGroupInfo.
 
@@ -296,7 +296,14 @@ class Client:
         settings (e.g. weight decay 0 for norms and biases; a parameter's lr
         is the step's times its lr_scale), a {name: value} dict or one value
         (or None: the group's) per parameter in order; also
-        ParameterInit.weight_decay / lr_scale."""
+        ParameterInit.weight_decay / lr_scale. shards: data-parallel
+        sharded state, {name: (begin, end)} (or one pair or None per
+        parameter; also ParameterInit.shard): this sidecar owns elements
+        [begin, end) of the flattened whole parameter, ParameterInit.shape
+        gives the whole shape and master / moments hold the end - begin owned
+        elements; every owner offloads the same parameters with its own
+        ranges and steps with collective_group / sequence (client/README.md).
+        ValueError for a range outside the shape or a master of another size."""
         req = optimizer_pb2.OffloadOptimizerStateRequest(
             group=group, moment_dtype=opt.choice(moment_dtype, opt.MOMENT_DTYPES,
                                                   "moment_dtype"),
@@ -310,7 +317,11 @@ class Client:
         names = [p.name for p in params]
         wds = opt.per_parameter(weight_decays, names, "weight_decays")
         scales = opt.per_parameter(lr_scales, names, "lr_scales")
+        ranges = opt.per_parameter(shards, names, "shards")
         for p in params:
+            shard = ranges.get(p.name, p.shard)
+            if shard is not None:
+                shard = opt.check_shard(p, shard)
             master = opt.state_tensor_to_proto(p.master, "%s.master" % p.name, tensor_to_proto,
                                                _is_torch)
             init = req.parameters.add(name=p.name, master=master)
@@ -321,6 +332,8 @@ class Client:
             if scale is not None:
                 init.lr_scale = scale
             init.shape.extend(p.shape if p.shape is not None else master.shape)
+            if shard is not None:
+                init.shard.begin, init.shard.end = shard
             if p.exp_avg is not None:
                 init.exp_avg.CopyFrom(opt.state_tensor_to_proto(
                     p.exp_avg, "%s.exp_avg" % p.name, tensor_to_proto, _is_torch))
@@ -331,7 +344,8 @@ class Client:
         return opt.group_from_proto(resp.group)
 
     def step(self, group, step, gradients, lr=None, max_grad_norm=None, skip_if_non_finite=False,
-             omit_parameters=False, timeout=None, request_id=None, clip_factor=None, skip=False):
+             omit_parameters=False, timeout=None, request_id=None, clip_factor=None, skip=False,
+             collective_group="", sequence=0):
         """Applies AdamW step number `step` (the group's step + 1; the group's
         step again replays the last result without applying it twice, any
         other number raises FailedPreconditionError) and returns a StepResult:
@@ -347,12 +361,22 @@ class Client:
         group of every rank, not combined with max_grad_norm /
         skip_if_non_finite: clip_factor multiplies every gradient (finite,
         > 0; qtx.clip_factor computes clip_grad_norm_'s), skip=True skips the
-        update without reading the gradients (they may be empty)."""
+        update without reading the gradients (they may be empty).
+        collective_group / sequence: required for a data-parallel sharded
+        group (offloaded with shards=) with FP8 output: the step is one call
+        of that Collective group over the owners' sidecars (every owner
+        calls with the same step and sequence, the group's call counter
+        shared with all_gather / grad_norm), gradients are the owned slices,
+        and each parameter's .fp8 is this owner's part: rowwise_data 1-D
+        (the FP8 bytes of elements [begin, end) of the whole rowwise data),
+        whole rowwise/columnwise_scale_inv, no columnwise_data; .bf16 is the
+        owned slice, 1-D."""
         items = list(gradients.items() if hasattr(gradients, "items") else gradients)
         as_torch = bool(items) and all(_is_torch(g) for _, g in items)
         req = optimizer_pb2.StepRequest(group=group, step=step,
                                         skip_if_non_finite=skip_if_non_finite,
-                                        omit_parameters=omit_parameters)
+                                        omit_parameters=omit_parameters,
+                                        collective_group=collective_group, sequence=sequence)
         for name, g in items:
             req.gradients.add(name=name, grad=opt.state_tensor_to_proto(
                 g, "gradient %s" % name, tensor_to_proto, _is_torch))
@@ -410,7 +434,8 @@ class Client:
         """The group's OptimizerGroupInfo and the FP32 master weights (and with
         include_moments the moments, in the moment dtype: uint16 bits for
         bfloat16) of `names` (default: every parameter), as numpy arrays:
-        an OptimizerState with .group and .parameters {name: ParameterState}."""
+        an OptimizerState with .group and .parameters {name: ParameterState}.
+        A sharded parameter's master and moments are its owned slice, 1-D."""
         if isinstance(names, str):
             names = [names]
         req = optimizer_pb2.GetStateRequest(group=group, names=list(names or []),

@@ -38,7 +38,11 @@ class ParameterInit:
     (same dtypes, both or neither) take over a running job; absent: zeros.
     ``shape`` defaults to master's. ``weight_decay`` / ``lr_scale``: this
     parameter's own AdamW settings (its lr is the step's times lr_scale);
-    None: the group's weight decay, scale 1."""
+    None: the group's weight decay, scale 1. ``shard``: (begin, end), a
+    data-parallel sharded parameter of which this sidecar owns elements
+    [begin, end) of the flattened whole parameter; ``shape`` (required then)
+    is the whole parameter's and master / moments hold the end - begin owned
+    elements (e.g. 1-D)."""
     name: str
     master: object
     exp_avg: object = None
@@ -46,6 +50,7 @@ class ParameterInit:
     shape: tuple = None
     weight_decay: float = None
     lr_scale: float = None
+    shard: tuple = None
 
 
 @dataclasses.dataclass
@@ -90,6 +95,9 @@ class OptimizerGroupInfo:
     proto: object = None        # the qtx.v1.OptimizerGroupInfo
     # {name: (weight_decay, lr_scale)} of the parameters with their own settings
     parameter_hyper_params: dict = dataclasses.field(default_factory=dict)
+    # {name: (begin, end)} of the parameters offloaded with a shard range (a
+    # data-parallel sharded group); num_elements / state_bytes count owned elements
+    parameter_shards: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -221,7 +229,8 @@ def group_from_proto(p):
         else "float32",
         hyper_params=hp, output=out, last_checkpoint_step=p.last_checkpoint_step, error=p.error,
         proto=p, parameter_hyper_params={h.name: (h.weight_decay, h.lr_scale)
-                                         for h in p.parameter_hyper_params})
+                                         for h in p.parameter_hyper_params},
+        parameter_shards={s.name: (s.range.begin, s.range.end) for s in p.parameter_shards})
 
 
 def quantized_names(config):
@@ -264,6 +273,36 @@ def per_parameter(values, names, what):
         raise ValueError("%s: %d values for %d parameters; give one per parameter (None for the "
                          "group's) or a {name: value} dict" % (what, len(values), len(names)))
     return {n: v for n, v in zip(names, values) if v is not None}
+
+
+def _element_count(x):
+    """Elements of a master / moment argument: numpy, torch or a TensorRef."""
+    shape = x.shape if hasattr(x, "shape") else np.shape(x)
+    return int(np.prod(tuple(shape), dtype=np.int64)) if len(shape) else 1
+
+
+def check_shard(p, shard):
+    """(begin, end) of a shard range for ParameterInit `p` after checking it
+    against the whole shape and the given master / moments (ValueError
+    naming the parameter otherwise; qtxd checks the same)."""
+    try:
+        begin, end = (int(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ValueError("parameter %s: shard=%r: must be a (begin, end) pair of integers"
+                         % (p.name, shard)) from None
+    if p.shape is None:
+        raise ValueError("parameter %s: shard=(%d, %d) needs shape= (the whole parameter's "
+                         "shape; master holds only the owned elements)" % (p.name, begin, end))
+    total = int(np.prod(tuple(p.shape), dtype=np.int64)) if len(p.shape) else 1
+    if not 0 <= begin <= end <= total:
+        raise ValueError("parameter %s: shard=(%d, %d): must have 0 <= begin <= end <= %d (the "
+                         "elements of shape %s)" % (p.name, begin, end, total, tuple(p.shape)))
+    for what in ("master", "exp_avg", "exp_avg_sq"):
+        x = getattr(p, what)
+        if x is not None and _element_count(x) != end - begin:
+            raise ValueError("parameter %s: %s has %d elements; shard=(%d, %d) owns %d"
+                             % (p.name, what, _element_count(x), begin, end, end - begin))
+    return begin, end
 
 
 def parameters_from_arg(parameters):
@@ -321,9 +360,13 @@ def torch_state_dict(state):
     """An OptimizerState (get_state with include_moments) in torch.optim.AdamW's
     state_dict form (see above). ValueError for a group without bias
     correction, which torch's AdamW cannot express."""
-    torch = _torch_or_raise()
     g = state.group
     hp = g.hyper_params
+    if g.parameter_shards:
+        raise ValueError("group %r: data-parallel sharded (parameter_shards %s): torch's "
+                         "state_dict form has no element ranges; use get_state on every owner"
+                         % (g.name, g.parameter_shards))
+    torch = _torch_or_raise()
     if not hp.bias_correction:
         raise ValueError("group %r: bias_correction=False; torch.optim.AdamW always corrects the "
                          "bias, so its state_dict cannot describe this group" % g.name)
