@@ -22,6 +22,7 @@
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/adamw_band.h"
 #include "kernels/cpu/quantize_block.h"
+#include "kernels/cpu/quantize_tensor.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cpu {
@@ -111,6 +112,25 @@ double ChunkSumSquaresDispatch(const void* g, InputDType t, int64_t begin, int64
 
 void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,
                     int num_threads) {
+  // Per-tensor scaling (TENSOR) needs the amax of the whole updated parameter
+  // before any byte is cast, which one pass over tiles cannot give: such
+  // parameters are stepped with the FP8 output off, then quantized from the
+  // updated master weights (QuantizeTensor, docs/numerics.md §9), the very
+  // definition of their FP8 output.
+  const auto per_tensor = [](const AdamWParamBuffers& b) {
+    return b.fp8_output && b.quant.scaling == BlockScaling::kTensor;
+  };
+  if (std::any_of(params.begin(), params.end(), per_tensor)) {
+    std::vector<AdamWParamBuffers> update_only(params.begin(), params.end());
+    for (AdamWParamBuffers& b : update_only) {
+      if (per_tensor(b)) b.fp8_output = false;
+    }
+    AdamWStepFused(update_only, s, num_threads);
+    for (const AdamWParamBuffers& b : params) {
+      if (per_tensor(b)) QuantizeTensor(b.master, InputDType::kFloat32, b.m, b.n, b.quant, b.fp8);
+    }
+    return;
+  }
   std::vector<band::ParamPlan> plans;  // non-empty parameters only
   plans.reserve(params.size());
   int64_t units = 0;

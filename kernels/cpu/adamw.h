@@ -5,7 +5,8 @@
 // is still in cache. The FP8 bytes and scales are exactly those of
 // QuantizeBlock(updated master, FP32 input) — docs/numerics.md §2-§4 — for both
 // BLOCK_2D and BLOCK_1D (a 1x128 row block and a 128x1 column block each lie
-// inside one 128x128 tile).
+// inside one 128x128 tile). A TENSOR (per-tensor scaling) parameter needs its
+// whole amax first: it is updated, then quantized by QuantizeTensor.
 //
 // AdamWReference is the plain scalar definition (element loop in the order of
 // kernels/adamw.h, then QuantizeBlock); AdamWStepFused must equal it bit for bit.

@@ -60,11 +60,6 @@ absl::StatusOr<optimizer::OutputConfig> OutputFromProto(const v1::ParameterOutpu
     out.quant.scaling = kernels::BlockScaling::kBlock2D;
   }
   if (!o.fp8().has_columnwise()) out.quant.columnwise = true;
-  if (out.fp8 && out.quant.scaling == kernels::BlockScaling::kTensor) {
-    return absl::InvalidArgumentError(
-        "output.fp8.scaling_mode=TENSOR: the Optimizer writes FP8 parameters as BLOCK_2D or "
-        "BLOCK_1D only");
-  }
   out.bf16_copy = o.bf16_copy();
   if (out.fp8) QTX_RETURN_IF_ERROR(ops::ValidateQuantizeParams(out.quant, "output.fp8"));
   return out;

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "kernels/block_geometry.h"
+#include "server/ops/output_placement.h"
 #include "server/optimizer/group_state.h"
 #include "server/tensor/dtype.h"
 
@@ -456,20 +457,22 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
                                          l.RowwiseDataBytes(), 1, s.rowwise_data, field,
                                          "rowwise_data", g, i, kRowwiseData));
       }
-      QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_scale_inv, DType::kFloat32,
-                                       {l.rowwise_scale_rows, l.rowwise_scale_cols},
-                                       4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv, field,
-                                       "rowwise_scale_inv", g, i, kRowwiseScaleInv));
+      QTX_RETURN_IF_ERROR(
+          AddFp8Output(placed, q.rowwise, r.fp8->rowwise_scale_inv, DType::kFloat32,
+                       ScaleShape(q.scaling, l.rowwise_scale_rows, l.rowwise_scale_cols),
+                       4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv, field,
+                       "rowwise_scale_inv", g, i, kRowwiseScaleInv));
       if (!sharded) {
         QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.columnwise, r.fp8->columnwise_data, data,
                                          {l.columnwise_data_rows, l.columnwise_data_cols},
                                          l.ColumnwiseDataBytes(), 1, s.columnwise_data, field,
                                          "columnwise_data", g, i, kColumnwiseData));
       }
-      QTX_RETURN_IF_ERROR(AddFp8Output(
-          placed, q.columnwise, r.fp8->columnwise_scale_inv, DType::kFloat32,
-          {l.columnwise_scale_rows, l.columnwise_scale_cols}, 4 * l.ColumnwiseScaleCount(), 4,
-          s.columnwise_scale_inv, field, "columnwise_scale_inv", g, i, kColumnwiseScaleInv));
+      QTX_RETURN_IF_ERROR(
+          AddFp8Output(placed, q.columnwise, r.fp8->columnwise_scale_inv, DType::kFloat32,
+                       ScaleShape(q.scaling, l.columnwise_scale_rows, l.columnwise_scale_cols),
+                       4 * l.ColumnwiseScaleCount(), 4, s.columnwise_scale_inv, field,
+                       "columnwise_scale_inv", g, i, kColumnwiseScaleInv));
     }
     if (out.bf16()) {
       r.bf16 = MakeTensor(DType::kBFloat16, sharded ? std::vector<int64_t>{p.count()} : p.shape);

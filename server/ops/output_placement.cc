@@ -134,4 +134,9 @@ absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx, std:
   return absl::OkStatus();
 }
 
+std::vector<int64_t> ScaleShape(kernels::BlockScaling scaling, int64_t rows, int64_t cols) {
+  if (scaling == kernels::BlockScaling::kTensor) return {1};
+  return {rows, cols};
+}
+
 }  // namespace qtx::server::ops

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/quantize_params.h"
 #include "server/backend/device.h"
 #include "server/ops/op_context.h"
 #include "server/tensor/dtype.h"
@@ -90,6 +91,11 @@ absl::Status CheckNoOverlap(const std::vector<NamedRange>& ranges);
 // RESOURCE_EXHAUSTED (prefixed with `what`, the op) when the inline outputs
 // exceed ctx.max_inline_output_bytes.
 absl::Status CheckInlineBudget(uint64_t inline_bytes, const OpContext& ctx, std::string_view what);
+
+// The shape reported for a scale_inv buffer of `rows` x `cols` entries
+// (kernels::ComputeLayout's): [1] for the one scale of per-tensor scaling
+// (TransformerEngine's shape, docs/numerics.md §9), else [rows, cols].
+std::vector<int64_t> ScaleShape(kernels::BlockScaling scaling, int64_t rows, int64_t cols);
 
 }  // namespace qtx::server::ops
 

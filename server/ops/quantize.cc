@@ -36,13 +36,6 @@ bool ValidScaling(kernels::BlockScaling s) {
          s == kernels::BlockScaling::kTensor;
 }
 
-// The shape reported for a scale_inv buffer of `rows` x `cols` entries: [1]
-// for the one scale of per-tensor scaling (TransformerEngine's shape).
-std::vector<int64_t> ScaleShape(kernels::BlockScaling s, int64_t rows, int64_t cols) {
-  if (s == kernels::BlockScaling::kTensor) return {1};
-  return {rows, cols};
-}
-
 // Resolves one buffer of a quantized tensor and checks dtype and element count.
 absl::StatusOr<tensor::TensorView> ResolveQuantizedBuffer(
     const std::optional<tensor::TensorRefSpec>& spec, std::string_view field, bool is_data,

@@ -217,7 +217,9 @@ absl::Status ParseMeta(MetaReader& r, GroupState* s, const std::string& path, ui
   QTX_RETURN_IF_ERROR(r.Get(&u8));
   c.output.fp8 = u8 != 0;
   QTX_RETURN_IF_ERROR(r.Get(&u8));
-  if (u8 > 1) return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad scaling", path));
+  if (u8 > static_cast<uint8_t>(kernels::BlockScaling::kTensor)) {
+    return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad scaling", path));
+  }
   c.output.quant.scaling = static_cast<kernels::BlockScaling>(u8);
   QTX_RETURN_IF_ERROR(r.Get(&u8));
   if (u8 > 1) return absl::DataLossError(absl::StrFormat("checkpoint '%s': bad FP8 format", path));

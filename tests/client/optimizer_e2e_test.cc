@@ -27,6 +27,7 @@
 #include "kernels/adamw.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/quantize_tensor.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
 #include "tests/testing/qtxd_process.h"
@@ -493,6 +494,68 @@ TEST_F(OptimizerE2eTest, GetStateIntoAShmRegion) {
   o.names = {"zzz"};
   EXPECT_THAT(client_->GetState("mlp", o), StatusIs(absl::StatusCode::kNotFound, HasSubstr("zzz")));
   QTX_ASSERT_OK(client_->UnregisterRegion("state"));
+}
+
+// Per-tensor current scaling as the parameter format (output.fp8.scaling_mode
+// = TENSOR): after every step each parameter's FP8 copies are QuantizeTensor
+// of its updated master (one [1] scale_inv per copy); the format survives a
+// checkpoint; a data-parallel sharded group would refuse it (§10).
+TEST_F(OptimizerE2eTest, PerTensorScaledParametersAreQuantizeTensorOfTheUpdatedMaster) {
+  OptimizerGroupConfig c;
+  c.group = "cur";
+  c.hyper_params.lr = hyper_.lr;
+  c.output.fp8.scaling_mode = ScalingMode::kTensor;
+  c.output.fp8.force_pow2_scales = false;  // TransformerEngine's current-scaling default
+  std::vector<OptimizerParameterInit> inits;
+  for (const RefParam& p : params_) {
+    inits.push_back({p.name, p.shape, Tensor::FromFloat32(p.shape, p.master), {}, {}});
+  }
+  QTX_ASSERT_OK_AND_ASSIGN(OptimizerGroupInfo info, client_->OffloadOptimizerState(c, inits));
+  EXPECT_EQ(info.output.fp8.scaling_mode, ScalingMode::kTensor);
+  auto check = [&](const OptimizerStepResult& r, int64_t t) {
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerState st, client_->GetState("cur"));
+    ASSERT_EQ(r.parameters.size(), params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const RefParam& p = params_[i];
+      const std::string& master = st.parameters[i].master.data;
+      std::string row(p.m * p.n, '\0'), col(p.m * p.n, '\0');
+      float row_scale = 0, col_scale = 0;
+      kernels::QuantizeParams q;
+      q.scaling = kernels::BlockScaling::kTensor;
+      q.rowwise = q.columnwise = true;
+      q.force_pow2_scales = false;
+      kernels::cpu::QuantizeTensor(master.data(), kernels::InputDType::kFloat32, p.m, p.n, q,
+                                   {reinterpret_cast<uint8_t*>(row.data()), &row_scale,
+                                    reinterpret_cast<uint8_t*>(col.data()), &col_scale});
+      ASSERT_TRUE(r.parameters[i].fp8.has_value()) << p.name;
+      const QuantizedTensor& f = *r.parameters[i].fp8;
+      EXPECT_EQ(f.rowwise_scale_inv->shape, std::vector<int64_t>{1}) << p.name;
+      EXPECT_TRUE(f.rowwise_data->data == row) << p.name << " step " << t;
+      EXPECT_TRUE(f.columnwise_data->data == col) << p.name << " step " << t;
+      EXPECT_TRUE(f.rowwise_scale_inv->data == Bytes(&row_scale, 4)) << p.name << " step " << t;
+      EXPECT_TRUE(f.columnwise_scale_inv->data == Bytes(&col_scale, 4)) << p.name;
+    }
+  };
+  auto step = [&](int64_t t) {
+    std::vector<OptimizerGradient> gs;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      gs.push_back({params_[i].name,
+                    Tensor::FromFloat32(params_[i].shape,
+                                        RandomGrad(params_[i].m * params_[i].n, 300 * t + i))});
+    }
+    QTX_ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, client_->Step("cur", t, gs));
+    ASSERT_NO_FATAL_FAILURE(check(r, t));
+  };
+  ASSERT_NO_FATAL_FAILURE(step(1));
+  ASSERT_NO_FATAL_FAILURE(step(2));
+  // Through a checkpoint and a restart: the format comes back with the state.
+  QTX_ASSERT_OK(client_->SaveCheckpoint("cur").status());
+  StopServer();
+  StartServer();
+  QTX_ASSERT_OK_AND_ASSIGN(info, client_->LoadCheckpoint("cur"));
+  EXPECT_EQ(info.output.fp8.scaling_mode, ScalingMode::kTensor);
+  EXPECT_FALSE(info.output.fp8.force_pow2_scales);
+  ASSERT_NO_FATAL_FAILURE(step(3));
 }
 
 TEST_F(OptimizerE2eTest, CheckpointsReleaseLoadAndList) {

@@ -74,13 +74,36 @@ class OptimizerStepTest(unittest.TestCase):
                 s.step("py-opt", 9, {n: torch.zeros(t.shape, device="cuda")
                                      for n, t in masters.items()})
 
-    def test_per_tensor_output_is_refused(self):
-        # mode='tensor' is a Quantize/Dequantize mode; qtxd's Optimizer refuses it at offload.
+    def test_per_tensor_output_matches_the_cpu_reference(self):
+        # mode='tensor': one scale per parameter, from the amax of its whole
+        # updated master (the step, then QuantizeTensor): bytes as the CPU qtxd's.
+        torch, qcuda = base.torch, base.qcuda
+        g = torch.Generator().manual_seed(5)
+        masters = {"w": torch.randn(300, 260, generator=g), "b": torch.randn(260, generator=g)}
+        ref = base.SERVERS["ref"]
+        ref.offload_optimizer_state("py-opt-tensor", [(n, t.numpy().tobytes(), list(t.shape))
+                                                      for n, t in masters.items()],
+                                    HYPER, 3, 1, True, True, True, 0.0, 0, True,
+                                    [(None, None)] * len(masters))
         with base.session() as s:
-            with self.assertRaises(base.qtx.errors.InvalidArgumentError) as cm:
-                s.offload_optimizer_state("py-opt-tensor", {"w": base.torch.zeros(128, 256)},
-                                          mode="tensor")
-            self.assertIn("TENSOR", str(cm.exception))
+            self.assertEqual(s.offload_optimizer_state(
+                "py-opt-tensor", masters, lr=HYPER[0], betas=HYPER[1:3], eps=HYPER[3],
+                weight_decay=HYPER[4], mode="tensor", replace=True), 2)
+            for k in (1, 2):
+                gh = {n: (torch.randn(t.shape, generator=g) * 0.1).to(torch.bfloat16)
+                      for n, t in masters.items()}
+                want = ref.step_host("py-opt-tensor", k, [
+                    (n, t.view(torch.int16).numpy().tobytes(), 2, list(t.shape))
+                    for n, t in gh.items()])
+                grads = {n: t.to("cuda") for n, t in gh.items()}
+                stats, res = s.step("py-opt-tensor", k, grads)
+                torch.cuda.synchronize()
+                self.assertEqual(stats["step"], k)
+                for n, t in masters.items():
+                    self.assertEqual(tuple(res[n].rowwise_scale_inv.shape), (1,))
+                    got = qcuda.QuantizedTensor(t.shape, "tensor", "e4m3",
+                                                **{f: getattr(res[n], f) for f in qcuda.FIELDS})
+                    base.assert_matches(self, got, want[n], "tensor step %d %s" % (k, n))
 
 
 if __name__ == "__main__":

@@ -298,7 +298,10 @@ std::string Label(const Shape& sh, MomentDType md, InputDType gd, const Quantize
          (gd == InputDType::kFloat32    ? " g=f32"
           : gd == InputDType::kBFloat16 ? " g=bf16"
                                         : " g=f16") +
-         (fp8 ? (q.scaling == BlockScaling::kBlock1D ? " 1D" : " 2D") : " noFP8") +
+         (fp8 ? (q.scaling == BlockScaling::kBlock1D   ? " 1D"
+                 : q.scaling == BlockScaling::kBlock2D ? " 2D"
+                                                       : " TENSOR")
+              : " noFP8") +
          (q.format == Fp8Format::kE4M3 ? " e4m3" : " e5m2") + (q.rowwise ? " row" : "") +
          (q.columnwise ? " col" : "") + (bf16 ? " +bf16" : "");
 }
@@ -311,7 +314,8 @@ TEST(AdamWStepFused, EqualsReferenceAcrossShapesDtypesAndLayouts) {
   for (const Shape& sh : kShapes) {
     for (MomentDType md : {MomentDType::kFloat32, MomentDType::kBFloat16}) {
       for (InputDType gd : {InputDType::kFloat32, InputDType::kBFloat16, InputDType::kFloat16}) {
-        for (BlockScaling sc : {BlockScaling::kBlock2D, BlockScaling::kBlock1D}) {
+        for (BlockScaling sc :
+             {BlockScaling::kBlock2D, BlockScaling::kBlock1D, BlockScaling::kTensor}) {
           for (int usage = 1; usage <= 3; ++usage) {
             QuantizeParams q;
             q.scaling = sc;
