@@ -301,8 +301,14 @@ void EncodeSpanPerColumn(const float* __restrict p, const float* __restrict scal
 }
 
 // Not inlined nor cloned: one call per row costs nothing, and with a constant
-// `len` GCC warns about the (dead) scalar tail.
-[[gnu::noipa]] void EncodeRow(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f) {
+// `len` GCC warns about the (dead) scalar tail. (clang has no noipa and does
+// not warn there: noinline is enough.)
+#if defined(__clang__)
+__attribute__((noinline))
+#else
+[[gnu::noipa]]
+#endif
+void EncodeRow(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f) {
   if (f == Fp8Format::kE4M3) {
     EncodeSpan<4, 3>(p, scale, out, len);
   } else {

@@ -114,10 +114,18 @@ class OptimizerShardCudaE2ETest : public ::testing::Test {
   }
 
   void MakeGroups() {
+    const auto param = [](std::string name, int64_t m, int64_t n, std::vector<int64_t> cuts) {
+      Param p;
+      p.name = std::move(name);
+      p.m = m;
+      p.n = n;
+      p.cuts = std::move(cuts);
+      return p;
+    };
     params_ = {
-        {"w", 300, 260, {0, 128 * 260 + 77, 300 * 260}},  // cut mid-row, mid-tile
-        {"b", 1, 200, {0, 77, 200}},                      // smaller than one tile each
-        {"e", 130, 129, {0, 0, 130 * 129}},               // rank 0 owns nothing of it
+        param("w", 300, 260, {0, 128 * 260 + 77, 300 * 260}),  // cut mid-row, mid-tile
+        param("b", 1, 200, {0, 77, 200}),                      // smaller than one tile each
+        param("e", 130, 129, {0, 0, 130 * 129}),               // rank 0 owns nothing of it
     };
     std::mt19937 rng(11);
     std::normal_distribution<float> dist(0.0f, 0.05f);
