@@ -7,6 +7,7 @@
 //
 //   quantize_cuda_bench [--iters N] [--quick] [--l2 rotate|flush|both]
 //                       [--modes 1d,2d,tensor] [--shapes 8192x8192,...]
+//                       [--variants default,bulk3,...] [--usages row+col,row,...]
 //
 // --l2 rotate (default): inputs and outputs rotate over >= 1 GiB of buffer sets.
 // --l2 flush: one buffer set; a 256 MiB cudaMemsetAsync before every timed
@@ -110,6 +111,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   bool l2_rotate = true, l2_flush = false;
   std::string modes = "1d,2d,tensor";
+  std::string variant_filter, usage_filter;  // empty: all
   const char* shapes_arg = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
@@ -126,12 +128,17 @@ int main(int argc, char** argv) {
       }
     } else if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) {
       modes = argv[++i];
+    } else if (!std::strcmp(argv[i], "--variants") && i + 1 < argc) {
+      variant_filter = argv[++i];
+    } else if (!std::strcmp(argv[i], "--usages") && i + 1 < argc) {
+      usage_filter = argv[++i];
     } else if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) {
       shapes_arg = argv[++i];
     } else {
       std::fprintf(stderr,
                    "unknown argument %s\nusage: quantize_cuda_bench [--iters N] [--quick] "
-                   "[--l2 rotate|flush|both] [--modes 1d,2d,tensor] [--shapes MxN,...]\n",
+                   "[--l2 rotate|flush|both] [--modes 1d,2d,tensor] [--shapes MxN,...] "
+                   "[--variants default,bulk3,...] [--usages row+col,row,...]\n",
                    argv[i]);
       return 2;
     }
@@ -188,8 +195,17 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  const Variant variants[] = {
-      {"default", {}}, {"stages3", {3, 0}}, {"stages2_1cta", {2, 1}}, {"l2_outputs", {0, 0, true}}};
+  // bulk*: tiles loaded by the bulk copy engine (cp.async.bulk + mbarrier);
+  // colmajor: the persistent grid walks the tiles down the columns.
+  const Variant variants[] = {{"default", {}},
+                              {"stages3", {3, 0}},
+                              {"stages2_1cta", {2, 1}},
+                              {"l2_outputs", {0, 0, true}},
+                              {"bulk2", {2, 0, false, true}},
+                              {"bulk3", {3, 0, false, true}},
+                              {"bulk4_1cta", {4, 1, false, true}},
+                              {"colmajor", {0, 0, false, false, true}},
+                              {"bulk3_colmajor", {3, 0, false, true, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -237,8 +253,13 @@ int main(int argc, char** argv) {
         auto prepare = [&](int i) {
           if (flush) CHECK_CUDA(cudaMemsetAsync(flush_buf, i & 0xFF, kFlushBytes, nullptr));
         };
+        auto listed = [](const std::string& list, const char* name) {
+          return list.empty() ||
+                 ("," + list + ",").find(std::string(",") + name + ",") != std::string::npos;
+        };
         for (const Usage& u : usages) {
           if (u.from_rowwise && mode.scaling == BlockScaling::kBlock1D) continue;
+          if (!listed(usage_filter, u.name)) continue;
           const int64_t written =
               (u.row ? l.RowwiseDataBytes() + 4 * l.RowwiseScaleCount() : 0) +
               (u.col ? l.ColumnwiseDataBytes() + 4 * l.ColumnwiseScaleCount() : 0);
@@ -253,8 +274,10 @@ int main(int argc, char** argv) {
           });
           const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
           for (const Variant& v : variants) {
-            const bool is_default =
-                v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 && !v.tuning.l2_outputs;
+            if (!listed(variant_filter, v.name)) continue;
+            const bool is_default = v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 &&
+                                    !v.tuning.l2_outputs && !v.tuning.bulk_loads &&
+                                    !v.tuning.col_major_tiles;
             // Variants: row+col of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
                 (!(u.row && u.col) || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {

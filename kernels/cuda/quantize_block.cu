@@ -44,6 +44,41 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Hopper bulk copy engine (cp.async.bulk, sm_90) completing on an mbarrier.
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Orders this thread's generic-proxy shared-memory accesses before later
+// async-proxy (bulk copy) accesses of the same bytes.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void BulkLoad(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddr(smem_dst)),
+      "l"(gmem_src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+
 // ---- the fused quantize kernel ------------------------------------------------
 
 struct QuantizeArgs {
@@ -60,6 +95,7 @@ struct QuantizeArgs {
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
+  bool col_major_tiles;      // tile t = (t % mb, t / mb) instead of (t / nb, t % nb)
 };
 
 // How a launch loads and stores its tiles.
@@ -77,13 +113,21 @@ struct SmemPlan {
       (S == BlockScaling::kBlock2D) ? kWarps * 4 : (kCol ? kWarps * kTile * 4 : 0);
   static constexpr int kColScaleOffset = kRedOffset + kRedSize;
   static constexpr int kColScaleSize = (S == BlockScaling::kBlock1D && kCol) ? kTile * 4 : 0;
-  static constexpr int kBytes = kColScaleOffset + kColScaleSize;
+  static constexpr int kBarOffset = kColScaleOffset + kColScaleSize;  // 8-byte aligned
+  static constexpr int kBytes = kBarOffset + kStages * 8;  // one mbarrier per stage (bulk loads)
 };
 
-// Row-major tile order. Tile counts fit in 32 bits (checked by the launcher),
-// so this is one 32-bit division.
+// Row-major tile order (column-major with a.col_major_tiles). Tile counts fit
+// in 32 bits (checked by the launcher), so this is one 32-bit division.
 __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
                                            int64_t* tn) {
+  if (a.col_major_tiles) {
+    const uint32_t mb = static_cast<uint32_t>(a.mb);
+    const uint32_t c = tile / mb;
+    *tn = c;
+    *tm = tile - c * mb;
+    return;
+  }
   const uint32_t nb = static_cast<uint32_t>(a.nb);
   const uint32_t r = tile / nb;
   *tm = r;
@@ -125,6 +169,26 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
 #pragma unroll
   for (int k = 0; k < kChunks / kThreads; ++k) {
     CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
+  }
+}
+
+// Aligned path with bulk loads: warp 0 starts the copy of one full input tile
+// into a stage as 128 bulk copies of one 128-element row each (4 per lane),
+// all completing on the stage's mbarrier.
+template <InputDType D>
+__device__ __forceinline__ void IssueTileBulk(uint8_t* stage, uint64_t* bar, const QuantizeArgs& a,
+                                              uint32_t tile, int lane) {
+  constexpr int kRowBytes = kTile * kElemBytes<D>;
+  int64_t tm, tn;
+  TileCoords(a, tile, &tm, &tn);
+  const int64_t pitch = a.n * kElemBytes<D>;
+  const uint8_t* src =
+      static_cast<const uint8_t*>(a.input) + (tm * kTile) * pitch + (tn * kTile) * kElemBytes<D>;
+  if (lane == 0) MbarArriveExpectTx(bar, kTile * kRowBytes);
+  __syncwarp();
+#pragma unroll
+  for (int r = lane; r < kTile; r += 32) {
+    BulkLoad(stage + r * kRowBytes, src + r * pitch, kRowBytes, bar);
   }
 }
 
@@ -196,13 +260,20 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+//
+// kBulk (aligned path only): the tiles stream in through the bulk copy engine
+// (cp.async.bulk, one 256-byte copy per tile row issued by warp 0, completion
+// counted in bytes on one mbarrier per stage) instead of 2048 16-byte cp.async
+// per tile spread over all threads. Same bytes in shared memory, same results.
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
+          bool kBulk = false>
 __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
+  static_assert(!kBulk || kPath == kPathAligned, "bulk loads: aligned path only");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
@@ -210,6 +281,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   extern __shared__ __align__(16) uint8_t smem[];
   float* const red = reinterpret_cast<float*>(smem + Plan::kRedOffset);
   float* const col_scale_sm = reinterpret_cast<float*>(smem + Plan::kColScaleOffset);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + Plan::kBarOffset);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
@@ -229,7 +301,22 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       return tm < a.full_mb && tn < a.full_nb;
     }
   };
-  if constexpr (kPipelined) {
+  if constexpr (kBulk) {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) MbarInit(&bars[s], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (uint32_t s = 0; s < kStages - 1; ++s) {
+        if (s < count)
+          IssueTileBulk<D>(smem + s * Plan::kStageBytes, &bars[s], a, blockIdx.x + s * gridDim.x,
+                           lane);
+      }
+    }
+  } else if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
@@ -246,7 +333,19 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     uint8_t* stage;
     // Uniform across the CTA: vector loads/stores, no bounds checks.
     const bool full = whole(tile);
-    if constexpr (kPipelined) {
+    if constexpr (kBulk) {
+      MbarWait(&bars[k % kStages], (k / kStages) & 1);
+      // This thread's generic accesses of the stage refilled next (tile k-1's,
+      // including the transposed tile) before the copy engine's writes.
+      FenceProxyAsync();
+      __syncthreads();  // tile k visible; every thread is done with tile k-1
+      if (warp == 0 && k + kStages - 1 < count) {
+        const uint32_t s = (k + kStages - 1) % kStages;
+        IssueTileBulk<D>(smem + s * Plan::kStageBytes, &bars[s], a,
+                         tile + (kStages - 1) * gridDim.x, lane);
+      }
+      stage = smem + (k % kStages) * Plan::kStageBytes;
+    } else if constexpr (kPipelined) {
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
       if (k + kStages - 1 < count) {
@@ -521,7 +620,8 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       }
     }
   }
-  if constexpr (kPipelined) CpAsyncWait<0>();  // nothing may stay in flight at exit
+  if constexpr (kPipelined && !kBulk) CpAsyncWait<0>();  // nothing may stay in flight at exit
+  // (Bulk loads: every copy issued was waited for by its tile's iteration.)
 }
 
 // ---- launch helpers -------------------------------------------------------------
@@ -556,9 +656,10 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   return cudaSuccess;
 }
 
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
+          bool kBulk = false>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages>;
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kBulk>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
@@ -652,6 +753,7 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
                      (n * elem) % 16 == 0 &&
                      (!params.rowwise || (Aligned16(out.rowwise_data) && n % 16 == 0));
   args.col_vec = params.columnwise && Aligned16(out.columnwise_data) && m % 16 == 0;
+  args.col_major_tiles = tuning.col_major_tiles;
   const int usage = (params.rowwise ? 1 : 0) | (params.columnwise ? 2 : 0);
 
   return WithDType(dtype, [&](auto dt) {
@@ -669,6 +771,20 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           }
           if (!aligned) {
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
+          }
+          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow && kCol) {
+            if (tuning.bulk_loads) {
+              if (tuning.stages == 3) {
+                return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, true>(
+                    args, tuning.ctas_per_sm, stream);
+              }
+              if (tuning.stages == 4) {
+                return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 4, true>(
+                    args, tuning.ctas_per_sm, stream);
+              }
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, true>(
+                  args, tuning.ctas_per_sm, stream);
+            }
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {

@@ -452,43 +452,56 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
                            return std::to_string(info.param.m) + "x" + std::to_string(info.param.n);
                          });
 
-// The same results whatever the grid: tuned launches (3 stages, 1 CTA per SM,
-// plain instead of evict-first stores).
-TEST(QuantizeBlockCuda, TunedLaunchesGiveIdenticalBytes) {
-  const int64_t m = 2048, n = 1536;
-  const std::vector<uint8_t> input =
-      MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 5);
-  DeviceBuffer d_in(input.size());
-  QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
-  for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
-    QuantizeParams p;
-    p.scaling = s;
-    p.rowwise = p.columnwise = true;
-    const QuantizedLayout l = ComputeLayout(s, m, n);
-    std::vector<uint8_t> ref;
-    for (detail::LaunchTuning tuning :
-         {detail::LaunchTuning{}, detail::LaunchTuning{3, 1}, detail::LaunchTuning{2, 1},
-          detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2}, detail::LaunchTuning{0, 0, true},
-          detail::LaunchTuning{3, 1, true}}) {
+// The same results whatever the launch shape: every tuned launch (3 stages,
+// 1 CTA per SM, plain stores, bulk-copy loads with 2-4 stages, column-major
+// tile order) equals the CPU reference byte for byte. 8192x4096 gives every
+// CTA of the persistent grid many tiles, so the stage ring (and the bulk
+// loads' mbarrier phases) wrap several times.
+TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
+  struct Dims {
+    int64_t m, n;
+  };
+  for (const Dims d : {Dims{2048, 1536}, Dims{8192, 4096}}) {
+    const int64_t m = d.m, n = d.n;
+    const std::vector<uint8_t> input =
+        MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 5);
+    DeviceBuffer d_in(input.size());
+    QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
+    for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+      QuantizeParams p;
+      p.scaling = s;
+      p.rowwise = p.columnwise = true;
+      const QuantizedLayout l = ComputeLayout(s, m, n);
       const size_t bytes = l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
                            4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
-      DeviceBuffer out(bytes);
-      QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
-      uint8_t* base = out.get<uint8_t>();
-      QuantizedBuffers b{
-          base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
-          base + l.RowwiseDataBytes(),
-          reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                                   4 * l.RowwiseScaleCount())};
-      QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p, b,
-                                                 tuning, nullptr));
-      std::vector<uint8_t> got(bytes);
-      QTX_CUDA_ASSERT(cudaMemcpy(got.data(), out.get(), bytes, cudaMemcpyDeviceToHost));
-      if (ref.empty()) {
-        ref = got;
-      } else {
-        EXPECT_TRUE(got == ref) << "stages " << tuning.stages << " ctas/SM " << tuning.ctas_per_sm
-                                << " l2_outputs " << tuning.l2_outputs;
+      // One packed buffer: rowwise data, columnwise data, rowwise scales, columnwise scales.
+      auto pack = [&l](uint8_t* base) {
+        return QuantizedBuffers{
+            base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
+            base + l.RowwiseDataBytes(),
+            reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+                                     4 * l.RowwiseScaleCount())};
+      };
+      std::vector<uint8_t> ref(bytes, 0x55);
+      cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
+      for (detail::LaunchTuning tuning :
+           {detail::LaunchTuning{}, detail::LaunchTuning{3, 1}, detail::LaunchTuning{2, 1},
+            detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
+            detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
+            detail::LaunchTuning{2, 0, false, true}, detail::LaunchTuning{3, 0, false, true},
+            detail::LaunchTuning{4, 1, false, true}, detail::LaunchTuning{2, 1, false, true},
+            detail::LaunchTuning{0, 0, false, false, true},
+            detail::LaunchTuning{3, 0, false, true, true}}) {
+        DeviceBuffer out(bytes);
+        QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
+        QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
+                                                   pack(out.get<uint8_t>()), tuning, nullptr));
+        std::vector<uint8_t> got(bytes);
+        QTX_CUDA_ASSERT(cudaMemcpy(got.data(), out.get(), bytes, cudaMemcpyDeviceToHost));
+        EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
+                                << " stages " << tuning.stages << " ctas/SM " << tuning.ctas_per_sm
+                                << " l2_outputs " << tuning.l2_outputs << " bulk "
+                                << tuning.bulk_loads << " col_major " << tuning.col_major_tiles;
       }
     }
   }
