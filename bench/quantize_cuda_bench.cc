@@ -205,7 +205,8 @@ int main(int argc, char** argv) {
                               {"bulk3", {3, 0, false, true}},
                               {"bulk4_1cta", {4, 1, false, true}},
                               {"colmajor", {0, 0, false, false, true}},
-                              {"bulk3_colmajor", {3, 0, false, true, true}}};
+                              {"bulk3_colmajor", {3, 0, false, true, true}},
+                              {"3cta", {2, 3}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2

@@ -117,6 +117,49 @@ struct SmemPlan {
   static constexpr int kBytes = kBarOffset + kStages * 8;  // one mbarrier per stage (bulk loads)
 };
 
+// Where byte m (along M) of row nl (along N) of the transposed FP8 tile lives
+// in shared memory: the 16-byte unit m / 16 XOR (nl / 8) % 8, and in it the
+// 8-byte half (m / 8) % 2 XOR (nl / 64) % 2.
+__device__ __forceinline__ int TransposedPos(int nl, int m) {
+  return nl * kTile + ((((m >> 4) ^ (nl >> 3)) & 7) << 4) + ((((m >> 3) ^ (nl >> 6)) & 1) << 3) +
+         (m & 7);
+}
+
+// 4x4 byte transpose: byte r of out[k] = byte k of in[r] (bytes in memory
+// order). Eight byte permutes.
+__device__ __forceinline__ void Transpose4x4(const uint32_t (&in)[4], uint32_t (&out)[4]) {
+  const uint32_t t0 = __byte_perm(in[0], in[1], 0x5140);  // in0.b0 in1.b0 in0.b1 in1.b1
+  const uint32_t t1 = __byte_perm(in[0], in[1], 0x7362);  // in0.b2 in1.b2 in0.b3 in1.b3
+  const uint32_t t2 = __byte_perm(in[2], in[3], 0x5140);
+  const uint32_t t3 = __byte_perm(in[2], in[3], 0x7362);
+  out[0] = __byte_perm(t0, t2, 0x5410);
+  out[1] = __byte_perm(t0, t2, 0x7632);
+  out[2] = __byte_perm(t1, t3, 0x5410);
+  out[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+// 8x8 byte transpose: byte i of out[j] = byte j of in[i].
+__device__ __forceinline__ void Transpose8x8(const uint2 (&in)[8], uint2 (&out)[8]) {
+  uint32_t q[4], r[4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // input columns 4*half .. 4*half+3
+#pragma unroll
+    for (int rows = 0; rows < 2; ++rows) {  // input rows 4*rows .. 4*rows+3
+#pragma unroll
+      for (int k = 0; k < 4; ++k) q[k] = half ? in[4 * rows + k].y : in[4 * rows + k].x;
+      Transpose4x4(q, r);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (rows) {
+          out[4 * half + k].y = r[k];
+        } else {
+          out[4 * half + k].x = r[k];
+        }
+      }
+    }
+  }
+}
+
 // Row-major tile order (column-major with a.col_major_tiles). Tile counts fit
 // in 32 bits (checked by the launcher), so this is one 32-bit division.
 __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
@@ -253,9 +296,11 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //   exchanged between lanes l and l^16, then reduced across the 8 warps through
 //   shared memory; threads 0..127 compute one column scale each. Each thread
 //   quantizes its 8x8 sub-tile column by column into 8-byte runs along M, which
-//   go into a 128x128-byte transposed tile in shared memory (16-byte units
-//   XOR-swizzled by (n / 8) % 8: conflict-free both ways), then every warp
-//   stores four whole 128-byte rows of the [N, M] output.
+//   go into a 128x128-byte transposed tile in shared memory (TransposedPos:
+//   16-byte units XOR-swizzled by (n / 8) % 8 and their 8-byte halves by
+//   (n / 64) % 2, so that the 16 lanes of a half warp hit 16 distinct 8-byte
+//   bank groups on the way in and a quarter warp one whole row on the way
+//   out), then every warp stores four whole 128-byte rows of the [N, M] output.
 // * 2-D (128x128 tiles): block-wide amax, one scale; rowwise bytes as above and
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
@@ -265,10 +310,12 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 // (cp.async.bulk, one 256-byte copy per tile row issued by warp 0, completion
 // counted in bytes on one mbarrier per stage) instead of 2048 16-byte cp.async
 // per tile spread over all threads. Same bytes in shared memory, same results.
+//
+// kMinCtas: the resident CTAs per SM the register allocation is built for
+// (2 for 16-bit input; 3 caps registers at 80 a thread, LaunchTuning).
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kBulk = false>
-__global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
-    QuantizeBlockKernel(const QuantizeArgs a) {
+          bool kBulk = false, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
+__global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
@@ -526,6 +573,9 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     }
 
     // ---- rowwise copy: [M, N] ----
+    // 2-D: one scale for the tile, so the columnwise bytes are the rowwise
+    // bytes transposed (the same multiply and cast of each element); kept here.
+    [[maybe_unused]] uint2 row_bytes[8];
     if constexpr (kRow) {
       const int64_t gm0 = m0 + 8 * q;
       const int64_t gn = n0 + 8 * v;
@@ -535,6 +585,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
 #pragma unroll
       for (int i = 0; i < 8; ++i, row_ptr += a.n) {
         const uint2 b = Quantize8<F>(x[i], row_scale[i]);
+        if constexpr (!k1D) row_bytes[i] = b;
         if (row_vec) {
           if (full || gm0 + i < a.m) {
             StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
@@ -556,14 +607,23 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     if constexpr (kCol) {
       uint8_t* const tsm = stage;
       const int unit = q >> 1, half = q & 1;
+      [[maybe_unused]] uint2 col_bytes[8];
+      if constexpr (!k1D && kRow) Transpose8x8(row_bytes, col_bytes);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        float col[8];
+        uint2 b;
+        if constexpr (!k1D && kRow) {
+          b = col_bytes[j];
+        } else {
+          float col[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) col[i] = x[i][j];
-        const uint2 b = Quantize8<F>(col, col_scale[j]);
+          for (int i = 0; i < 8; ++i) col[i] = x[i][j];
+          b = Quantize8<F>(col, col_scale[j]);
+        }
+        // = TransposedPos(8 * v + j, 16 * unit + 8 * half).
         const int nl = 8 * v + j;
-        *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
+        *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) +
+                                  ((half ^ (v >> 3)) << 3)) = b;
       }
       __syncthreads();
       if (kPath == kPathMixed && full && !a.col_vec) {
@@ -576,10 +636,8 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         for (int nl = warp; nl < kTile; nl += kWarps) {
           uint8_t* const seg = a.qc + (n0 + nl) * a.m + m0;
           const int mis = static_cast<int>(reinterpret_cast<uintptr_t>(seg) & 3);
-          const uint8_t* const row = tsm + nl * kTile;
-          const int sw = (nl >> 3) & 7;
           auto word_at = [&](int b) {  // the aligned 4 bytes holding segment byte b
-            return *reinterpret_cast<const uint32_t*>(row + (((b >> 4) ^ sw) << 4) + (b & 12));
+            return *reinterpret_cast<const uint32_t*>(tsm + TransposedPos(nl, b & ~3));
           };
           const int b0 = 4 * lane - mis;
           uint32_t* const dst = reinterpret_cast<uint32_t*>(seg - mis) + lane;
@@ -591,10 +649,8 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
               StoreFp8(dst, __funnelshift_r(lo, hi, 8 * (b0 & 3)), a.stream_stores);
             }
             if (lane == 0) {
-              for (int b = 0; b < 4 - mis; ++b) seg[b] = row[((b >> 4) ^ sw) << 4 | (b & 15)];
-              for (int b = kTile - mis; b < kTile; ++b) {
-                seg[b] = row[(((b >> 4) ^ sw) << 4) + (b & 15)];
-              }
+              for (int b = 0; b < 4 - mis; ++b) seg[b] = tsm[TransposedPos(nl, b)];
+              for (int b = kTile - mis; b < kTile; ++b) seg[b] = tsm[TransposedPos(nl, b)];
             }
           }
         }
@@ -606,8 +662,10 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
 #pragma unroll
       for (int p = 0; p < kTile / 32; ++p, col_ptr += 32 * a.m) {
         const int nl = p * 32 + (tid >> 3);
-        const uint4 val =
-            *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
+        // Bytes 16u..16u+15 of row nl; (nl / 64) % 2 = p / 2 swaps their halves.
+        uint4 val =
+            *reinterpret_cast<const uint4*>(tsm + nl * kTile + (((u ^ (nl >> 3)) & 7) << 4));
+        if (p >= 2) val = make_uint4(val.z, val.w, val.x, val.y);
         if (full && (kPath == kPathAligned || a.col_vec)) {
           StoreFp8(reinterpret_cast<uint4*>(col_ptr), val, a.stream_stores);
         } else if (n0 + nl < a.n) {
@@ -657,9 +715,9 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
 }
 
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kBulk = false>
+          bool kBulk = false, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kBulk>;
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kBulk, kMinCtas>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
@@ -773,6 +831,10 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow && kCol) {
+            if (tuning.ctas_per_sm == 3 && tuning.stages <= 2 && !tuning.bulk_loads) {
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, false, 3>(args, 3,
+                                                                                    stream);
+            }
             if (tuning.bulk_loads) {
               if (tuning.stages == 3) {
                 return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, true>(

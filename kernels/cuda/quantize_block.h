@@ -47,7 +47,9 @@ namespace detail {
 // the stable API.
 // `bulk_loads` = the aligned path's tiles loaded by the bulk copy engine
 // (cp.async.bulk + mbarrier; BF16 -> E4M3 row+col only, `stages` 2-4);
-// `col_major_tiles` = the persistent grid walks the tiles down the columns.
+// `col_major_tiles` = the persistent grid walks the tiles down the columns;
+// `ctas_per_sm` = 3 (BF16 -> E4M3 row+col, 2 stages) launches a build whose
+// registers are capped at 80 a thread so that 3 CTAs fit on an SM.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;

@@ -491,7 +491,8 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
             detail::LaunchTuning{2, 0, false, true}, detail::LaunchTuning{3, 0, false, true},
             detail::LaunchTuning{4, 1, false, true}, detail::LaunchTuning{2, 1, false, true},
             detail::LaunchTuning{0, 0, false, false, true},
-            detail::LaunchTuning{3, 0, false, true, true}}) {
+            detail::LaunchTuning{3, 0, false, true, true}, detail::LaunchTuning{2, 3},
+            detail::LaunchTuning{0, 3}}) {
         DeviceBuffer out(bytes);
         QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
         QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
