@@ -7,7 +7,7 @@
 //
 //   quantize_cuda_bench [--iters N] [--quick] [--l2 rotate|flush|both]
 //                       [--modes 1d,2d,tensor] [--shapes 8192x8192,...]
-//                       [--variants default,bulk3,...] [--usages row+col,row,...]
+//                       [--variants default,stages3,...] [--usages row+col,row,...]
 //
 // --l2 rotate (default): inputs and outputs rotate over >= 1 GiB of buffer sets.
 // --l2 flush: one buffer set; a 256 MiB cudaMemsetAsync before every timed
@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "unknown argument %s\nusage: quantize_cuda_bench [--iters N] [--quick] "
                    "[--l2 rotate|flush|both] [--modes 1d,2d,tensor] [--shapes MxN,...] "
-                   "[--variants default,bulk3,...] [--usages row+col,row,...]\n",
+                   "[--variants default,stages3,...] [--usages row+col,row,...]\n",
                    argv[i]);
       return 2;
     }
@@ -195,18 +195,8 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  // bulk*: tiles loaded by the bulk copy engine (cp.async.bulk + mbarrier);
-  // colmajor: the persistent grid walks the tiles down the columns.
-  const Variant variants[] = {{"default", {}},
-                              {"stages3", {3, 0}},
-                              {"stages2_1cta", {2, 1}},
-                              {"l2_outputs", {0, 0, true}},
-                              {"bulk2", {2, 0, false, true}},
-                              {"bulk3", {3, 0, false, true}},
-                              {"bulk4_1cta", {4, 1, false, true}},
-                              {"colmajor", {0, 0, false, false, true}},
-                              {"bulk3_colmajor", {3, 0, false, true, true}},
-                              {"3cta", {2, 3}}};
+  const Variant variants[] = {
+      {"default", {}}, {"stages3", {3, 0}}, {"stages2_1cta", {2, 1}}, {"l2_outputs", {0, 0, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -276,9 +266,8 @@ int main(int argc, char** argv) {
           const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
-            const bool is_default = v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 &&
-                                    !v.tuning.l2_outputs && !v.tuning.bulk_loads &&
-                                    !v.tuning.col_major_tiles;
+            const bool is_default =
+                v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 && !v.tuning.l2_outputs;
             // Variants: row+col of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
                 (!(u.row && u.col) || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {

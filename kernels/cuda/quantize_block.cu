@@ -44,41 +44,6 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Hopper bulk copy engine (cp.async.bulk, sm_90) completing on an mbarrier.
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemAddr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// Orders this thread's generic-proxy shared-memory accesses before later
-// async-proxy (bulk copy) accesses of the same bytes.
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void BulkLoad(void* smem_dst, const void* gmem_src, uint32_t bytes,
-                                         uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(SmemAddr(smem_dst)),
-      "l"(gmem_src), "r"(bytes), "r"(SmemAddr(bar))
-      : "memory");
-}
-
 // ---- the fused quantize kernel ------------------------------------------------
 
 struct QuantizeArgs {
@@ -95,7 +60,6 @@ struct QuantizeArgs {
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
-  bool col_major_tiles;      // tile t = (t % mb, t / mb) instead of (t / nb, t % nb)
 };
 
 // How a launch loads and stores its tiles.
@@ -113,64 +77,13 @@ struct SmemPlan {
       (S == BlockScaling::kBlock2D) ? kWarps * 4 : (kCol ? kWarps * kTile * 4 : 0);
   static constexpr int kColScaleOffset = kRedOffset + kRedSize;
   static constexpr int kColScaleSize = (S == BlockScaling::kBlock1D && kCol) ? kTile * 4 : 0;
-  static constexpr int kBarOffset = kColScaleOffset + kColScaleSize;  // 8-byte aligned
-  static constexpr int kBytes = kBarOffset + kStages * 8;  // one mbarrier per stage (bulk loads)
+  static constexpr int kBytes = kColScaleOffset + kColScaleSize;
 };
 
-// Where byte m (along M) of row nl (along N) of the transposed FP8 tile lives
-// in shared memory: the 16-byte unit m / 16 XOR (nl / 8) % 8, and in it the
-// 8-byte half (m / 8) % 2 XOR (nl / 64) % 2.
-__device__ __forceinline__ int TransposedPos(int nl, int m) {
-  return nl * kTile + ((((m >> 4) ^ (nl >> 3)) & 7) << 4) + ((((m >> 3) ^ (nl >> 6)) & 1) << 3) +
-         (m & 7);
-}
-
-// 4x4 byte transpose: byte r of out[k] = byte k of in[r] (bytes in memory
-// order). Eight byte permutes.
-__device__ __forceinline__ void Transpose4x4(const uint32_t (&in)[4], uint32_t (&out)[4]) {
-  const uint32_t t0 = __byte_perm(in[0], in[1], 0x5140);  // in0.b0 in1.b0 in0.b1 in1.b1
-  const uint32_t t1 = __byte_perm(in[0], in[1], 0x7362);  // in0.b2 in1.b2 in0.b3 in1.b3
-  const uint32_t t2 = __byte_perm(in[2], in[3], 0x5140);
-  const uint32_t t3 = __byte_perm(in[2], in[3], 0x7362);
-  out[0] = __byte_perm(t0, t2, 0x5410);
-  out[1] = __byte_perm(t0, t2, 0x7632);
-  out[2] = __byte_perm(t1, t3, 0x5410);
-  out[3] = __byte_perm(t1, t3, 0x7632);
-}
-
-// 8x8 byte transpose: byte i of out[j] = byte j of in[i].
-__device__ __forceinline__ void Transpose8x8(const uint2 (&in)[8], uint2 (&out)[8]) {
-  uint32_t q[4], r[4];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {  // input columns 4*half .. 4*half+3
-#pragma unroll
-    for (int rows = 0; rows < 2; ++rows) {  // input rows 4*rows .. 4*rows+3
-#pragma unroll
-      for (int k = 0; k < 4; ++k) q[k] = half ? in[4 * rows + k].y : in[4 * rows + k].x;
-      Transpose4x4(q, r);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (rows) {
-          out[4 * half + k].y = r[k];
-        } else {
-          out[4 * half + k].x = r[k];
-        }
-      }
-    }
-  }
-}
-
-// Row-major tile order (column-major with a.col_major_tiles). Tile counts fit
-// in 32 bits (checked by the launcher), so this is one 32-bit division.
+// Row-major tile order. Tile counts fit in 32 bits (checked by the launcher),
+// so this is one 32-bit division.
 __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
                                            int64_t* tn) {
-  if (a.col_major_tiles) {
-    const uint32_t mb = static_cast<uint32_t>(a.mb);
-    const uint32_t c = tile / mb;
-    *tn = c;
-    *tm = tile - c * mb;
-    return;
-  }
   const uint32_t nb = static_cast<uint32_t>(a.nb);
   const uint32_t r = tile / nb;
   *tm = r;
@@ -212,26 +125,6 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
 #pragma unroll
   for (int k = 0; k < kChunks / kThreads; ++k) {
     CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
-  }
-}
-
-// Aligned path with bulk loads: warp 0 starts the copy of one full input tile
-// into a stage as 128 bulk copies of one 128-element row each (4 per lane),
-// all completing on the stage's mbarrier.
-template <InputDType D>
-__device__ __forceinline__ void IssueTileBulk(uint8_t* stage, uint64_t* bar, const QuantizeArgs& a,
-                                              uint32_t tile, int lane) {
-  constexpr int kRowBytes = kTile * kElemBytes<D>;
-  int64_t tm, tn;
-  TileCoords(a, tile, &tm, &tn);
-  const int64_t pitch = a.n * kElemBytes<D>;
-  const uint8_t* src =
-      static_cast<const uint8_t*>(a.input) + (tm * kTile) * pitch + (tn * kTile) * kElemBytes<D>;
-  if (lane == 0) MbarArriveExpectTx(bar, kTile * kRowBytes);
-  __syncwarp();
-#pragma unroll
-  for (int r = lane; r < kTile; r += 32) {
-    BulkLoad(stage + r * kRowBytes, src + r * pitch, kRowBytes, bar);
   }
 }
 
@@ -296,31 +189,20 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //   exchanged between lanes l and l^16, then reduced across the 8 warps through
 //   shared memory; threads 0..127 compute one column scale each. Each thread
 //   quantizes its 8x8 sub-tile column by column into 8-byte runs along M, which
-//   go into a 128x128-byte transposed tile in shared memory (TransposedPos:
-//   16-byte units XOR-swizzled by (n / 8) % 8 and their 8-byte halves by
-//   (n / 64) % 2, so that the 16 lanes of a half warp hit 16 distinct 8-byte
-//   bank groups on the way in and a quarter warp one whole row on the way
-//   out), then every warp stores four whole 128-byte rows of the [N, M] output.
+//   go into a 128x128-byte transposed tile in shared memory (16-byte units
+//   XOR-swizzled by (n / 8) % 8: conflict-free both ways), then every warp
+//   stores four whole 128-byte rows of the [N, M] output.
 // * 2-D (128x128 tiles): block-wide amax, one scale; rowwise bytes as above and
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
-//
-// kBulk (aligned path only): the tiles stream in through the bulk copy engine
-// (cp.async.bulk, one 256-byte copy per tile row issued by warp 0, completion
-// counted in bytes on one mbarrier per stage) instead of 2048 16-byte cp.async
-// per tile spread over all threads. Same bytes in shared memory, same results.
-//
-// kMinCtas: the resident CTAs per SM the register allocation is built for
-// (2 for 16-bit input; 3 caps registers at 80 a thread, LaunchTuning).
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kBulk = false, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
-__global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const QuantizeArgs a) {
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+__global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
+    QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
-  static_assert(!kBulk || kPath == kPathAligned, "bulk loads: aligned path only");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
@@ -328,7 +210,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
   extern __shared__ __align__(16) uint8_t smem[];
   float* const red = reinterpret_cast<float*>(smem + Plan::kRedOffset);
   float* const col_scale_sm = reinterpret_cast<float*>(smem + Plan::kColScaleOffset);
-  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + Plan::kBarOffset);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
@@ -348,22 +229,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
       return tm < a.full_mb && tn < a.full_nb;
     }
   };
-  if constexpr (kBulk) {
-    if (tid == 0) {
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) MbarInit(&bars[s], 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (uint32_t s = 0; s < kStages - 1; ++s) {
-        if (s < count)
-          IssueTileBulk<D>(smem + s * Plan::kStageBytes, &bars[s], a, blockIdx.x + s * gridDim.x,
-                           lane);
-      }
-    }
-  } else if constexpr (kPipelined) {
+  if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
@@ -380,19 +246,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
     uint8_t* stage;
     // Uniform across the CTA: vector loads/stores, no bounds checks.
     const bool full = whole(tile);
-    if constexpr (kBulk) {
-      MbarWait(&bars[k % kStages], (k / kStages) & 1);
-      // This thread's generic accesses of the stage refilled next (tile k-1's,
-      // including the transposed tile) before the copy engine's writes.
-      FenceProxyAsync();
-      __syncthreads();  // tile k visible; every thread is done with tile k-1
-      if (warp == 0 && k + kStages - 1 < count) {
-        const uint32_t s = (k + kStages - 1) % kStages;
-        IssueTileBulk<D>(smem + s * Plan::kStageBytes, &bars[s], a,
-                         tile + (kStages - 1) * gridDim.x, lane);
-      }
-      stage = smem + (k % kStages) * Plan::kStageBytes;
-    } else if constexpr (kPipelined) {
+    if constexpr (kPipelined) {
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
       if (k + kStages - 1 < count) {
@@ -573,9 +427,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
     }
 
     // ---- rowwise copy: [M, N] ----
-    // 2-D: one scale for the tile, so the columnwise bytes are the rowwise
-    // bytes transposed (the same multiply and cast of each element); kept here.
-    [[maybe_unused]] uint2 row_bytes[8];
     if constexpr (kRow) {
       const int64_t gm0 = m0 + 8 * q;
       const int64_t gn = n0 + 8 * v;
@@ -585,7 +436,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
 #pragma unroll
       for (int i = 0; i < 8; ++i, row_ptr += a.n) {
         const uint2 b = Quantize8<F>(x[i], row_scale[i]);
-        if constexpr (!k1D) row_bytes[i] = b;
         if (row_vec) {
           if (full || gm0 + i < a.m) {
             StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
@@ -607,23 +457,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
     if constexpr (kCol) {
       uint8_t* const tsm = stage;
       const int unit = q >> 1, half = q & 1;
-      [[maybe_unused]] uint2 col_bytes[8];
-      if constexpr (!k1D && kRow) Transpose8x8(row_bytes, col_bytes);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        uint2 b;
-        if constexpr (!k1D && kRow) {
-          b = col_bytes[j];
-        } else {
-          float col[8];
+        float col[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) col[i] = x[i][j];
-          b = Quantize8<F>(col, col_scale[j]);
-        }
-        // = TransposedPos(8 * v + j, 16 * unit + 8 * half).
+        for (int i = 0; i < 8; ++i) col[i] = x[i][j];
+        const uint2 b = Quantize8<F>(col, col_scale[j]);
         const int nl = 8 * v + j;
-        *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) +
-                                  ((half ^ (v >> 3)) << 3)) = b;
+        *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
       }
       __syncthreads();
       if (kPath == kPathMixed && full && !a.col_vec) {
@@ -636,8 +477,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
         for (int nl = warp; nl < kTile; nl += kWarps) {
           uint8_t* const seg = a.qc + (n0 + nl) * a.m + m0;
           const int mis = static_cast<int>(reinterpret_cast<uintptr_t>(seg) & 3);
+          const uint8_t* const row = tsm + nl * kTile;
+          const int sw = (nl >> 3) & 7;
           auto word_at = [&](int b) {  // the aligned 4 bytes holding segment byte b
-            return *reinterpret_cast<const uint32_t*>(tsm + TransposedPos(nl, b & ~3));
+            return *reinterpret_cast<const uint32_t*>(row + (((b >> 4) ^ sw) << 4) + (b & 12));
           };
           const int b0 = 4 * lane - mis;
           uint32_t* const dst = reinterpret_cast<uint32_t*>(seg - mis) + lane;
@@ -649,8 +492,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
               StoreFp8(dst, __funnelshift_r(lo, hi, 8 * (b0 & 3)), a.stream_stores);
             }
             if (lane == 0) {
-              for (int b = 0; b < 4 - mis; ++b) seg[b] = tsm[TransposedPos(nl, b)];
-              for (int b = kTile - mis; b < kTile; ++b) seg[b] = tsm[TransposedPos(nl, b)];
+              for (int b = 0; b < 4 - mis; ++b) seg[b] = row[((b >> 4) ^ sw) << 4 | (b & 15)];
+              for (int b = kTile - mis; b < kTile; ++b) {
+                seg[b] = row[(((b >> 4) ^ sw) << 4) + (b & 15)];
+              }
             }
           }
         }
@@ -662,10 +507,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
 #pragma unroll
       for (int p = 0; p < kTile / 32; ++p, col_ptr += 32 * a.m) {
         const int nl = p * 32 + (tid >> 3);
-        // Bytes 16u..16u+15 of row nl; (nl / 64) % 2 = p / 2 swaps their halves.
-        uint4 val =
-            *reinterpret_cast<const uint4*>(tsm + nl * kTile + (((u ^ (nl >> 3)) & 7) << 4));
-        if (p >= 2) val = make_uint4(val.z, val.w, val.x, val.y);
+        const uint4 val =
+            *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
         if (full && (kPath == kPathAligned || a.col_vec)) {
           StoreFp8(reinterpret_cast<uint4*>(col_ptr), val, a.stream_stores);
         } else if (n0 + nl < a.n) {
@@ -678,8 +521,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) QuantizeBlockKernel(const 
       }
     }
   }
-  if constexpr (kPipelined && !kBulk) CpAsyncWait<0>();  // nothing may stay in flight at exit
-  // (Bulk loads: every copy issued was waited for by its tile's iteration.)
+  if constexpr (kPipelined) CpAsyncWait<0>();  // nothing may stay in flight at exit
 }
 
 // ---- launch helpers -------------------------------------------------------------
@@ -714,10 +556,9 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   return cudaSuccess;
 }
 
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kBulk = false, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kBulk, kMinCtas>;
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
@@ -811,7 +652,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
                      (n * elem) % 16 == 0 &&
                      (!params.rowwise || (Aligned16(out.rowwise_data) && n % 16 == 0));
   args.col_vec = params.columnwise && Aligned16(out.columnwise_data) && m % 16 == 0;
-  args.col_major_tiles = tuning.col_major_tiles;
   const int usage = (params.rowwise ? 1 : 0) | (params.columnwise ? 2 : 0);
 
   return WithDType(dtype, [&](auto dt) {
@@ -829,24 +669,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           }
           if (!aligned) {
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
-          }
-          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow && kCol) {
-            if (tuning.ctas_per_sm == 3 && tuning.stages <= 2 && !tuning.bulk_loads) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, false, 3>(args, 3,
-                                                                                    stream);
-            }
-            if (tuning.bulk_loads) {
-              if (tuning.stages == 3) {
-                return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, true>(
-                    args, tuning.ctas_per_sm, stream);
-              }
-              if (tuning.stages == 4) {
-                return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 4, true>(
-                    args, tuning.ctas_per_sm, stream);
-              }
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, true>(
-                  args, tuning.ctas_per_sm, stream);
-            }
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {

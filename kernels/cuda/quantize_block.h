@@ -45,17 +45,10 @@ namespace detail {
 // of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of
 // the default evict-first (st.global.cs) ones. Results are identical for every setting. Not part of
 // the stable API.
-// `bulk_loads` = the aligned path's tiles loaded by the bulk copy engine
-// (cp.async.bulk + mbarrier; BF16 -> E4M3 row+col only, `stages` 2-4);
-// `col_major_tiles` = the persistent grid walks the tiles down the columns;
-// `ctas_per_sm` = 3 (BF16 -> E4M3 row+col, 2 stages) launches a build whose
-// registers are capped at 80 a thread so that 3 CTAs fit on an SM.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool l2_outputs = false;
-  bool bulk_loads = false;
-  bool col_major_tiles = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,
