@@ -22,7 +22,8 @@
 # QTX_GPU_BUDGET_S (default 370): steps that would start after it are skipped
 # (said in the log). QTX_PY_PREBUILT=1: use the modules built on the build
 # host (no compile here; an A/B against another prebuilt module compares like
-# with like). QTX_PY_MPS0=0: skip the half without MPS.
+# with like). QTX_PY_MPS0=0: skip the half without MPS; QTX_PY_MPS0_BENCH=0:
+# only its tests.
 set -uo pipefail
 B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${1:?output dir}"
@@ -163,7 +164,7 @@ else
   rc_all=1
 fi
 if [ "${QTX_PY_MPS0:-1}" != 0 ]; then
-  benches 0
+  [ "${QTX_PY_MPS0_BENCH:-1}" != 0 ] && benches 0
   tests 0
 fi
 stop_qtxd
