@@ -599,6 +599,32 @@ class FastPathTest(unittest.TestCase):
             self.s.quantize(self.cuda(torch.zeros(4, 128, dtype=torch.float64)), stream=5)
         self.assertEqual(self.native.calls, [])
 
+    def test_one_native_plan_per_config_dtype_and_shape(self):
+        x = self.cuda(torch.zeros(256, 512, dtype=torch.bfloat16))
+        out = self.outs((256, 512))
+        for _ in range(3):
+            self.s.quantize(x, columnwise=True, out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 1)
+        self.assertEqual(self.native.plans[0][:2], (qcuda.BFLOAT16, [256, 512]))
+        # Another dtype, shape or config: a plan of its own.
+        self.s.quantize(self.cuda(torch.zeros(256, 512)), columnwise=True, out=out, stream=5)
+        self.s.quantize(x, columnwise=True, format="e5m2", out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 3)
+        # amax_epsilon -0.0 equals 0.0 but its bits differ: not the 0.0 plan.
+        self.s.quantize(x, columnwise=True, amax_epsilon=-0.0, out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 4)
+        self.assertEqual(str(self.native.calls[-1][1][10]), "-0.0")
+        self.s.quantize(x, columnwise=True, amax_epsilon=0.0, out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 4)
+        self.assertEqual(str(self.native.calls[-1][1][10]), "0.0")
+        # A new Session makes its own plans (plan ids are per native session).
+        s2 = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0)
+        s2._native = FakeNative()
+        s2._submit = s2._native.submit_quantize
+        s2.quantize(x, columnwise=True, out=out, stream=5)
+        self.assertEqual(len(s2._native.plans), 1)
+        s2.close()
+
     def test_framework_outputs(self):
         got = []
 
