@@ -15,9 +15,12 @@
 // on one stream is the order of the calls). Calls that may block for long
 // (Synchronize, synchronous RPCs) release the GIL first; submit_quantize (the
 // fast path) keeps it while the mutex is free (a submission takes a few
-// microseconds and never waits for qtxd: releasing and re-taking the GIL
+// microseconds and does not wait for qtxd: releasing and re-taking the GIL
 // would cost more, and a thread waiting for the GIL could delay the return by
-// its switch interval), and releases it only to wait for the mutex.
+// its switch interval), and releases it to wait for the mutex and to open a
+// stream's channel (first call on it). The first use of an allocation
+// registers it with qtxd (one RPC) with the GIL held, as PyTorch holds it
+// while its caching allocator calls cudaMalloc.
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -216,6 +219,10 @@ class NativeSession {
       Throw(absl::InvalidArgumentError(absl::StrFormat("plan %d: not made by this session", plan)));
     }
     const Plan& p = plans_[plan];
+    // The first call on a stream opens its channel, which waits for qtxd:
+    // without the GIL (releasing it while holding mu_ is fine; only taking
+    // it back waits, after mu_ is released).
+    if (!nogil && channels_.find({device, stream}) == channels_.end()) nogil.emplace();
     qtx::Channel& ch = ChannelLocked(device, stream);
     const qtx::Tensor in =
         qtx::Tensor::InRegion(p.dtype, p.shape, SliceLocked(input, p.input_bytes));

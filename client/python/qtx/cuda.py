@@ -80,9 +80,10 @@ with the native session, and the result's fixed fields),
 ``torch._C._cuda_getCurrentRawStream`` for the current stream, each tensor's
 device, shape, dtype, contiguity and pointer read once, and one native call
 of nine ints (``_native.submit_quantize``, a plain METH_FASTCALL function
-that keeps the GIL unless another thread holds the session); each region
-lookup in C++ is one driver call once the allocation is registered, and the
-channel's socket write happens on its background writer thread. Anything
+that keeps the GIL unless another thread holds the session or the stream's
+channel is opened); each region lookup in C++ is one driver call once the
+allocation is registered, and the channel's socket write happens on its
+background writer thread. Anything
 else (CuPy, CAI, DLPack, bad arguments) takes the general, fully checked path.
 
 Threads: a Session may be used from several threads; calls are serialized.
