@@ -19,19 +19,29 @@ GPU (issue "qtx from Python on the GPU"). Starts qtxd --device=cuda:0
                                 same stream: the fair baseline,
         mode "qtx_preallocated" quantize into out= tensors,
         mode "qtx_pooled"       quantize into outputs qtx.cuda allocates
-                                (dropped each layer);
+                                (dropped each layer),
+        mode "qtx_*_bgw0|1"     the same with Session(background_writer=
+                                False|True), the setting that is not the
+                                package's default (packages that have it);
       ratio_vs_py_in_process: gpu_ms / the py_in_process chain's, measured in
       this run (goal <= 1.15x with MPS). With --in_process_jsonl naming
       channel_bench's output of the same run, also ratio_vs_in_process
       against its C++ "in_process" chain (context: C++ drives cuBLAS directly).
   {"bench":"py_quantize_breakdown", ...}   (--breakdown) where a call's host
-      time goes: the native part (lookup: GIL release, lock, channel and
-      region lookups; submit: the channel's submission) from qtx._native's
-      opt-in counters, the Python rest, and the parts measured alone.
+      time goes: the native part (lookup: lock, channel and region lookups;
+      submit: the channel's submission, split by qtx::ChannelSubmitProfile
+      into check / build (protobuf) / signal (ready write) / enqueue (stream
+      write) / wait (done wait) where the module has it) from qtx._native's
+      opt-in counters, the Python rest, python_only_us_p50 (the call with
+      the native submission replaced by a no-op: Python, argument checks,
+      result object), and the parts measured alone.
   {"bench":"py_quantize_profile", ...}     (--breakdown) cProfile of the
       calls: the top functions by own time per call (cProfile's overhead
       inflates Python functions; use it for shares, not totals).
 
+A/B: run once with the working tree's package and module and once with
+another (e.g. main's package with main's module, --label=main); both print
+the same lines.
 --legacy measures the code before the fast path with the same binary: the
 region cache's fast path off (set_region_fast_path(False)), and with a
 python_dir holding that version's qtx package (see scripts/gpu_python.sh).
@@ -149,13 +159,22 @@ def run(a, torch, qcuda, target, inproc):
                     in_process_ms = d["gpu_ms"]
 
     kw = {}
-    if "allocator" in inspect.signature(qcuda.Session.__init__).parameters:
+    params = inspect.signature(qcuda.Session.__init__).parameters
+    if "allocator" in params:
         kw["allocator"] = "framework"
+    # The package's default session, and (packages with background_writer)
+    # one with the other setting, measured as modes "qtx_*_bgw0" / "_bgw1".
+    s_alt, suffix = None, ""
+    if "background_writer" in params:
+        default_bgw = bool(params["background_writer"].default)
+        base["background_writer_default"] = default_bgw
+        suffix = "_bgw%d" % (not default_bgw)
+        s_alt = qcuda.Session(target, flag_memory=a.flags, label="bench-alt",
+                              background_writer=not default_bgw, **kw)
     with qcuda.Session(target, flag_memory=a.flags, label="bench", **kw) as s:
         native = s._native
         if a.legacy and hasattr(native, "set_region_fast_path"):
             native.set_region_fast_path(False)
-        calls = {"preallocated": [], "pooled": [], "in_process": []}
         raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         ptrs = [outs[f].data_ptr() for f in qcuda.FIELDS]
 
@@ -165,52 +184,56 @@ def run(a, torch, qcuda, target, inproc):
                             raw_stream(0) if raw_stream else
                             torch.cuda.current_stream().cuda_stream)
 
-        nat = {"preallocated": [0, 0, 0], "pooled": [0, 0, 0]}  # calls, lookup ns, submit ns
-
-        def chain(mode, record):
-            # qtx._native's opt-in counters over the recorded chains (three clock reads a call).
-            prof = record and mode.startswith("qtx_") and hasattr(native, "set_profiling")
+        def chain(mode, record, calls, nat):
+            # qtx._native's opt-in counters over the recorded chains (a few clock reads a call).
+            ss = s_alt if suffix and mode.endswith(suffix) else s
+            nv = ss._native
+            prof = record and mode.startswith("qtx_") and hasattr(nv, "set_profiling")
             if prof:
-                native.set_profiling(True)
-                native.profile()  # clear
+                nv.set_profiling(True)
+                nv.profile()  # clear
             stream.synchronize()
             with torch.cuda.stream(stream):
                 t0.record()
                 for _ in range(layers):
                     if mode != "matmul_only":
                         c0 = time.perf_counter_ns()
-                        if mode == "qtx_preallocated":
-                            s.quantize(x, columnwise=True, out=outs)
+                        if mode.startswith("qtx_preallocated"):
+                            ss.quantize(x, columnwise=True, out=outs)
                         elif mode == "py_in_process":
                             inproc_quantize()
                         else:
-                            q = s.quantize(x, columnwise=True)  # noqa: F841 (dropped next layer)
+                            q = ss.quantize(x, columnwise=True)  # noqa: F841 (dropped next layer)
                         c1 = time.perf_counter_ns()
                         if record:
-                            calls[mode.split("_", 1)[1]].append((c1 - c0) / 1000.0)
+                            calls.append((c1 - c0) / 1000.0)
                     torch.matmul(ga, gb, out=gc)
                 t1.record()
             if prof:
-                pr = native.profile()
-                native.set_profiling(False)
-                acc = nat[mode[4:]]
-                acc[0] += pr["calls"]
-                acc[1] += pr["lookup_ns"]
-                acc[2] += pr["submit_ns"]
-            s.synchronize()
+                pr = nv.profile()
+                nv.set_profiling(False)
+                for key, v in pr.items():
+                    nat[key] = nat.get(key, 0) + v
+            ss.synchronize()
             stream.synchronize()
             return t0.elapsed_time(t1)
 
         modes = ["matmul_only"] + (["py_in_process"] if inproc else []) + [
-            "qtx_preallocated", "qtx_pooled"]
-        results = {}
-        for mode in modes:
-            chain(mode, False)  # warm-up: channel, registrations, cuBLAS
-            ms = [chain(mode, True) for _ in range(a.reps)]
-            results[mode] = (statistics.median(ms), ms)
-        py_in = results.get("py_in_process", (None,))[0]
-        for mode in modes:
-            gpu_ms, ms = results[mode]
+            "qtx_preallocated", "qtx_pooled"] + (
+            ["qtx_preallocated" + suffix, "qtx_pooled" + suffix] if s_alt else [])
+        py_in = None
+        for mode in modes:  # each mode's lines as soon as it is measured
+            calls, nat = [], {}
+            try:
+                chain(mode, False, [], {})  # warm-up: channel, registrations, cuBLAS
+                ms = [chain(mode, True, calls, nat) for _ in range(a.reps)]
+            except Exception as e:  # noqa: BLE001 - reported, the other modes still run
+                print(json.dumps(dict(bench="py_channel_chain", mode=mode, error=repr(e),
+                                      **base)), flush=True)
+                continue
+            gpu_ms = statistics.median(ms)
+            if mode == "py_in_process":
+                py_in = gpu_ms
             line = dict(bench="py_channel_chain", mode=mode, layers=layers,
                         gpu_ms=round(gpu_ms, 3), per_layer_us=round(gpu_ms * 1000 / layers, 2),
                         gpu_ms_all=[round(v, 3) for v in ms], **base)
@@ -221,24 +244,76 @@ def run(a, torch, qcuda, target, inproc):
                 line["in_process_gpu_ms"] = in_process_ms
                 line["ratio_vs_in_process"] = round(gpu_ms / in_process_ms, 4)
             print(json.dumps(line), flush=True)
-        for kind, v in calls.items():
-            if v:
-                line = dict(bench="py_quantize_call", out=kind, calls=len(v),
-                            host_us_p50=round(pct(v, 0.5), 2), host_us_p99=round(pct(v, 0.99), 2),
-                            host_us_mean=round(sum(v) / len(v), 2), goal_us_p50=30, **base)
-                n = nat.get(kind, [0])[0]
-                if n:
-                    line.update(native_lookup_us_mean=round(nat[kind][1] / n / 1000, 2),
-                                native_submit_us_mean=round(nat[kind][2] / n / 1000, 2))
+            if calls:
+                kind = mode.split("_", 1)[1]
+                line = dict(bench="py_quantize_call", out=kind, calls=len(calls),
+                            host_us_p50=round(pct(calls, 0.5), 2),
+                            host_us_p99=round(pct(calls, 0.99), 2),
+                            host_us_mean=round(sum(calls) / len(calls), 2), goal_us_p50=30,
+                            **base)
+                line.update(native_fields(nat))
                 print(json.dumps(line), flush=True)
         if a.breakdown:
-            breakdown(a, torch, qcuda, s, x, outs, stream, base)
+            for ss, sfx in ((s, ""), (s_alt, suffix)):
+                if ss is None:
+                    continue
+                try:
+                    breakdown(a, torch, qcuda, ss, x, outs, stream, base, suffix=sfx,
+                              with_parts=not sfx)
+                except Exception as e:  # noqa: BLE001 - reported
+                    print(json.dumps(dict(bench="py_quantize_breakdown", out=sfx,
+                                          error=repr(e), **base)), flush=True)
         st = s.stats()
         print(json.dumps(dict(bench="py_session_stats", registrations=st["registrations"],
                               channels=st["channels"], **st["pool"], **base)), flush=True)
+    if s_alt is not None:
+        s_alt.close()
 
 
-def breakdown(a, torch, qcuda, s, x, outs, stream, base):
+def native_fields(pr):
+    """Per-call means (us) of qtx._native's profile() sums."""
+    n = pr.get("calls", 0)
+    if not n:
+        return {}
+    d = dict(native_lookup_us_mean=round(pr["lookup_ns"] / n / 1000, 2),
+             native_submit_us_mean=round(pr["submit_ns"] / n / 1000, 2))
+    c = pr.get("channel_calls", 0)
+    if c:
+        for part in ("check", "build", "signal", "enqueue", "wait"):
+            d["channel_%s_us_mean" % part] = round(pr["channel_%s_ns" % part] / c / 1000, 2)
+    return d
+
+
+def python_only(s, x, outs, kind, n=2000):
+    """p50 (us) of s.quantize with the native submission replaced by a
+    no-op (the fast path's submit_quantize, or an older module's
+    quantize_into / quantize): what Python costs before and after it."""
+    class Stub:
+        def __getattr__(self, name):
+            return getattr(s._native, name)
+
+        def quantize_into(self, *args):
+            return 1
+
+        def quantize(self, *args):
+            return 1
+
+    saved_native, saved_submit = s._native, getattr(s, "_submit", None)
+    try:
+        if saved_submit is not None:
+            s._submit = lambda *args: 1
+        else:
+            s._native = Stub()
+        if kind == "preallocated":
+            return timed(n, lambda: s.quantize(x, columnwise=True, out=outs))
+        return timed(n, lambda: s.quantize(x, columnwise=True))
+    finally:
+        s._native = saved_native
+        if saved_submit is not None:
+            s._submit = saved_submit
+
+
+def breakdown(a, torch, qcuda, s, x, outs, stream, base, suffix="", with_parts=True):
     """Where a quantize call's host time goes (see the module doc)."""
     import cProfile
     import pstats
@@ -263,22 +338,24 @@ def breakdown(a, torch, qcuda, s, x, outs, stream, base):
                 tot.append(time.perf_counter_ns() - c0)
                 if i % 50 == 49:
                     s.synchronize()  # bound the queue
-            line = dict(bench="py_quantize_breakdown", out=kind, calls=n,
+            line = dict(bench="py_quantize_breakdown", out=kind + suffix, calls=n,
                         host_us_p50=round(pct(tot, 0.5) / 1000, 2),
                         host_us_mean=round(sum(tot) / n / 1000, 2), **base)
             if have_prof:
                 pr = native.profile()
                 native.set_profiling(False)
                 c = max(1, pr["calls"])
-                line.update(native_calls=pr["calls"],
-                            native_lookup_us_mean=round(pr["lookup_ns"] / c / 1000, 2),
-                            native_submit_us_mean=round(pr["submit_ns"] / c / 1000, 2),
-                            python_rest_us_mean=round(
+                line.update(native_calls=pr["calls"], **native_fields(pr))
+                line.update(python_rest_us_mean=round(
                                 (sum(tot) / n - (pr["lookup_ns"] + pr["submit_ns"]) / c) / 1000,
                                 2),
                             region_fast_hits=pr["fast_hits"])
-            print(json.dumps(line), flush=True)
             s.synchronize()
+            line["python_only_us_p50"] = python_only(s, x, outs, kind)
+            s.synchronize()
+            print(json.dumps(line), flush=True)
+            if not with_parts:
+                continue
             # cProfile: own time per call of the top functions.
             prof = cProfile.Profile()
             prof.enable()
@@ -293,11 +370,13 @@ def breakdown(a, torch, qcuda, s, x, outs, stream, base):
             for (fn, ln, name), (cc, nc, tt, ct, _) in st.stats.items():
                 rows.append((tt, ct, nc, "%s:%d(%s)" % (os.path.basename(fn), ln, name)))
             rows.sort(reverse=True)
-            print(json.dumps(dict(bench="py_quantize_profile", out=kind, calls=n,
+            print(json.dumps(dict(bench="py_quantize_profile", out=kind + suffix, calls=n,
                                   top=[dict(fn=r[3], own_us_per_call=round(r[0] / n * 1e6, 2),
                                             cum_us_per_call=round(r[1] / n * 1e6, 2),
                                             ncalls_per_call=round(r[2] / n, 2))
                                        for r in rows[:14]], **base)), flush=True)
+        if not with_parts:
+            return
         # Parts alone (p50 of 2000 each).
         parts = {}
         parts["torch_current_stream_public_us"] = timed(

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <deque>
+#include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -66,18 +68,71 @@ uint64_t HostChannelFlags::done() const {
       .load(std::memory_order_acquire);
 }
 
+// ---- submission profile (ChannelSubmitProfile) ----
+
+namespace {
+
+std::atomic<bool> g_submit_profiling{false};
+thread_local ChannelSubmitProfile t_submit_profile;
+
+// Adds the time since the previous mark to a field of this thread's profile
+// (nothing when profiling is off).
+class SubmitTimer {
+ public:
+  SubmitTimer() : on_(g_submit_profiling.load(std::memory_order_relaxed)) {
+    if (on_) last_ = Clock::now();
+  }
+  void Mark(uint64_t ChannelSubmitProfile::*field) {
+    if (!on_) return;
+    const Clock::time_point now = Clock::now();
+    t_submit_profile.*field +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+    last_ = now;
+  }
+  void Done() {
+    if (on_) ++t_submit_profile.calls;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  const bool on_;
+  Clock::time_point last_;
+};
+
+}  // namespace
+
+void SetChannelSubmitProfiling(bool on) { g_submit_profiling.store(on); }
+
+ChannelSubmitProfile TakeChannelSubmitProfile() {
+  const ChannelSubmitProfile p = t_submit_profile;
+  t_submit_profile = ChannelSubmitProfile();
+  return p;
+}
+
 // ---- Channel::Stream: the bidirectional gRPC stream ----
 
 // Writes go one at a time from a queue (the submitting thread starts a write
 // only when none is in flight; OnWriteDone starts the next); reads run back
 // to back and update the progress. StartWrite and Finish-related calls are
 // made outside mu_, so that a reaction run on another thread never waits on
-// a caller that holds it.
+// a caller that holds it. With a background writer (ChannelOptions), the
+// write that starts when none is in flight is started by writer_ instead of
+// the submitting thread.
 class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest, v1::ChannelReply> {
  public:
   Stream(ChannelFlags* flags) : flags_(flags) {}
 
-  void Start(Client::Impl& impl, v1::ChannelRequest open) {
+  ~Stream() override {
+    if (writer_.joinable()) {
+      {
+        absl::MutexLock lock(&mu_);
+        stop_writer_ = true;
+      }
+      writer_.join();
+    }
+  }
+
+  void Start(Client::Impl& impl, v1::ChannelRequest open, bool background_writer) {
     CallOptions call;
     call.timeout = absl::InfiniteDuration();  // lives as long as the channel
     impl.Prepare(&context_, call);
@@ -85,9 +140,16 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
     StartRead(&in_);
     Enqueue(std::move(open));
     StartCall();
+    if (background_writer) {
+      // After StartCall: from here on every write may start on writer_.
+      writer_ = std::thread([this] { WriterLoop(); });
+      absl::MutexLock lock(&mu_);
+      background_ = true;
+    }
   }
 
-  // Queues a request; starts its write if none is in flight.
+  // Queues a request; starts its write if none is in flight (or has writer_
+  // start it).
   void Enqueue(v1::ChannelRequest request) {
     const v1::ChannelRequest* start = nullptr;
     {
@@ -95,10 +157,33 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
       queue_.push_back(std::move(request));
       if (!writing_) {
         writing_ = true;
-        start = &queue_.front();
+        if (background_) {
+          kick_ = true;  // writer_ wakes when mu_ is released
+        } else {
+          start = &queue_.front();
+        }
       }
     }
     if (start != nullptr) StartWrite(start);
+  }
+
+  // writer_: starts the write of the queue's front each time Enqueue found
+  // none in flight (OnWriteDone starts the ones after it).
+  void WriterLoop() {
+    for (;;) {
+      const v1::ChannelRequest* start = nullptr;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](Stream* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->kick_ || s->stop_writer_; },
+            this));
+        // Stopping happens after OnDone: nothing may be written any more.
+        if (stop_writer_) return;
+        kick_ = false;
+        start = &queue_.front();
+      }
+      StartWrite(start);
+    }
   }
 
   // Ends the request side after the queued writes.
@@ -215,15 +300,20 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
   // `next` moves past seq once the descriptor is queued (even if the wait
   // then fails: qtxd will see seq).
   absl::Status Submit(ChannelFlags& flags, uint64_t seq, v1::ChannelRequest request,
-                      std::atomic<uint64_t>& next) {
+                      std::atomic<uint64_t>& next, SubmitTimer& timer) {
     if (absl::Status s = flags.SignalReady(seq); !s.ok()) return s;
+    timer.Mark(&ChannelSubmitProfile::signal_ns);
     {
       absl::MutexLock lock(&mu_);
       submitted_ = seq;
     }
     Enqueue(std::move(request));
     next.store(seq + 1);
-    return flags.WaitDone(seq);
+    timer.Mark(&ChannelSubmitProfile::enqueue_ns);
+    absl::Status s = flags.WaitDone(seq);
+    timer.Mark(&ChannelSubmitProfile::wait_ns);
+    if (s.ok()) timer.Done();
+    return s;
   }
   void NoteClosing() {
     absl::MutexLock lock(&mu_);
@@ -250,6 +340,10 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status end_status_ ABSL_GUARDED_BY(mu_);
   bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool background_ ABSL_GUARDED_BY(mu_) = false;
+  bool kick_ ABSL_GUARDED_BY(mu_) = false;  // writer_: start the front's write
+  bool stop_writer_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread writer_;  // background writer (ChannelOptions), if any
 };
 
 // ---- Channel ----
@@ -324,7 +418,9 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::OpenWith(Client& client,
   channel->stream_ = std::make_unique<Stream>(channel->flags_.get());
   ToProto(channel->flags_->slice(), open.mutable_open()->mutable_flags());
   open.mutable_open()->set_label(options.label);
-  channel->stream_->Start(*client.impl_, std::move(open));
+  // A plan channel has no submissions to hand off.
+  channel->stream_->Start(*client.impl_, std::move(open),
+                          options.background_writer && plan == nullptr);
   const Stream::Snapshot s =
       channel->stream_->WaitFor([](const Stream::Snapshot& s) { return s.opened || s.ended; },
                                 absl::Now() + options.open_timeout);
@@ -370,7 +466,9 @@ absl::Status Channel::status() const { return CheckUsable(); }
 
 absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeConfig& config,
                                            const QuantizeOutputs& outputs) {
+  SubmitTimer timer;
   if (absl::Status s = CheckSubmit(); !s.ok()) return s;
+  timer.Mark(&ChannelSubmitProfile::check_ns);
   if (!input.in_region()) {
     return absl::InvalidArgumentError(
         "input: inline tensor; channel ops take slices of registered regions only");
@@ -383,7 +481,9 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
   ToProto(input, q->mutable_input());
   ToProto(config, q->mutable_config());
   ToProto(outputs, q->mutable_outputs());
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_); !s.ok()) {
+  timer.Mark(&ChannelSubmitProfile::build_ns);
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_, timer);
+      !s.ok()) {
     return s;
   }
   return seq;
@@ -392,7 +492,9 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
 absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t sequence,
                                             const Tensor& input, const QuantizeConfig& config,
                                             AllGatherMode mode, const QuantizeOutputs& outputs) {
+  SubmitTimer timer;
   if (absl::Status s = CheckSubmit(); !s.ok()) return s;
+  timer.Mark(&ChannelSubmitProfile::check_ns);
   if (!input.in_region()) {
     return absl::InvalidArgumentError(
         "input: inline tensor; channel ops take slices of registered regions only");
@@ -408,7 +510,9 @@ absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t seq
   ToProto(config, a->mutable_config());
   a->set_mode(static_cast<v1::AllGatherMode>(mode));
   ToProto(outputs, a->mutable_outputs());
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_); !s.ok()) {
+  timer.Mark(&ChannelSubmitProfile::build_ns);
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_, timer);
+      !s.ok()) {
     return s;
   }
   return seq;
@@ -416,7 +520,9 @@ absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t seq
 
 absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType output_dtype,
                                              const RegionSlice& output) {
+  SubmitTimer timer;
   if (absl::Status s = CheckSubmit(); !s.ok()) return s;
+  timer.Mark(&ChannelSubmitProfile::check_ns);
   const uint64_t seq = next_seq_.load();
   v1::ChannelRequest request;
   v1::ChannelSubmit* submit = request.mutable_submit();
@@ -425,7 +531,9 @@ absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType
   ToProto(input, d->mutable_input());
   d->set_output_dtype(static_cast<v1::DType>(output_dtype));
   ToProto(output, d->mutable_output());
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_); !s.ok()) {
+  timer.Mark(&ChannelSubmitProfile::build_ns);
+  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_, timer);
+      !s.ok()) {
     return s;
   }
   return seq;

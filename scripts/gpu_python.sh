@@ -7,6 +7,9 @@
 #              RegionCache test runs); B/lib their shared libraries
 #   B/py       the qtx package (client/python/qtx/*.py)
 #   B/py_before  (optional) an older qtx package, benchmarked as "legacy"
+#              (with this bundle's module), or, when it holds its own
+#              qtx/_native*.so (e.g. main's package and module), as an A/B
+#              baseline labelled by QTX_PY_BEFORE_ARGS (e.g. --label=main)
 #   B/tests    tests/python/gpu_test_*.py; B/bench python_channel_bench.py
 #   B/fallback the sources, static libraries and headers to compile both
 #              modules here against this host's Python headers
@@ -17,7 +20,10 @@
 # second (qtxd processes are stopped first); nothing is left running.
 # Order: with MPS health, tests, benches; without MPS benches, then tests.
 # QTX_GPU_BUDGET_S (default 370): steps that would start after it are skipped
-# (said in the log).
+# (said in the log). QTX_PY_PREBUILT=1: use the modules built on the build
+# host (no compile here; an A/B against another prebuilt module compares like
+# with like). QTX_PY_MPS0=0: skip the half without MPS; QTX_PY_MPS0_BENCH=0:
+# only its tests.
 set -uo pipefail
 B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${1:?output dir}"
@@ -75,6 +81,10 @@ try:
 except qtx.errors.UnavailableError as e:
     print('mapped:', repr(e))"
 F="${QTX_PY_FALLBACK:-$B/fallback}"
+if [ "${QTX_PY_PREBUILT:-0}" = 1 ]; then
+  cp -f "$B"/bin/_native*.so "$PY/qtx/" && cp -f "$B"/bin/qtx_bench_inproc*.so "$INPROC/"
+  echo "prebuilt modules: $(ls "$PY"/qtx/_native*.so "$INPROC"/*.so)" >> "$LOG"
+else
 PYINC="$(python3 -c "import sysconfig;print(sysconfig.get_paths()['include'])")"
 SUFFIX="$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")"
 step compile_native 120 g++ -O2 -fPIC -shared -std=c++20 -fvisibility=hidden \
@@ -86,8 +96,9 @@ step compile_inproc 90 g++ -O2 -fPIC -shared -std=c++20 -fvisibility=hidden \
   -I"$F/include" -isystem "$F/include" -isystem "$PYINC" -isystem /usr/local/cuda/include \
   "$F/inproc_quantize.cc" -o "$INPROC/qtx_bench_inproc$SUFFIX" "$F/libqtx_kernels_cuda.a" \
   /usr/local/cuda/lib64/libcudart_static.a -ldl -lrt -lpthread || cp -f "$B"/bin/qtx_bench_inproc*.so "$INPROC/"
+fi
 step import 30 python3 -c "import sys; sys.path[:0] = ['$PY', '$INPROC']; import qtx, qtx.cuda, qtx._native as n, qtx_bench_inproc as b; print('qtx._native', n.__file__, 'inproc', b.__file__, 'grpc part:', qtx._GRPC_MISSING)"
-if [ -d "$B/py_before/qtx" ]; then
+if [ -d "$B/py_before/qtx" ] && ! ls "$B"/py_before/qtx/_native*.so > /dev/null 2>&1; then
   cp -f "$PY"/qtx/_native*.so "$B/py_before/qtx/"
 fi
 
@@ -104,6 +115,9 @@ health() {  # python -m qtx health against a running qtxd
 tests() {
   step "gpu_test_mps$1" "${QTX_TEST_TIMEOUT:-120}" python3 "$B/tests/gpu_test_cuda.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
   step "gpu_test_optimizer_mps$1" 60 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
+  if [ -f "$B/tests/gpu_test_allgather_ranks.py" ]; then  # two ranks, two qtxd, one GPU
+    step "gpu_test_allgather_ranks_mps$1" 150 python3 "$B/tests/gpu_test_allgather_ranks.py" --qtxd="$B/bin/qtxd" --python_dir="$PY"
+  fi
   if [ -x "$B/bin/cuda_channel_test" ]; then  # the C++ RegionCache test (fast path, replacement)
     step "region_cache_test_mps$1" 60 "$B/bin/cuda_channel_test" --qtxd="$B/bin/qtxd" --gtest_filter='*RegionCache*'
   fi
@@ -117,15 +131,20 @@ benches() {  # channel_bench (C++ context), then the Python bench: current, then
     step "channel_bench_mps$mps" 40 "$B/bin/channel_bench" --qtxd="$B/bin/qtxd" --mps="$mps" --flags=host
     sed -n '/^=== channel_bench_mps'"$mps"'$/,/^channel_bench_mps'"$mps"' rc=/p' "$LOG" | grep '^{' > "$cb"
   fi
-  step "py_bench_mps$mps" 60 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" \
-    --python_dir="$PY" --inproc_dir="$INPROC" --mps="$mps" --in_process_jsonl="$cb" --breakdown
-  collect
-  if [ -d "$B/py_before/qtx" ]; then
-    step "py_bench_legacy_mps$mps" 60 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" \
-      --python_dir="$B/py_before" --inproc_dir="$INPROC" --mps="$mps" --in_process_jsonl="$cb" \
-      --breakdown --legacy
+  # QTX_PY_BENCH_ROUNDS (default 1): rounds of (current, before), interleaved.
+  local round
+  for round in $(seq "${QTX_PY_BENCH_ROUNDS:-1}"); do
+    step "py_bench_mps${mps}_r$round" 60 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" \
+      --python_dir="$PY" --inproc_dir="$INPROC" --mps="$mps" --in_process_jsonl="$cb" --breakdown
     collect
-  fi
+    if [ -d "$B/py_before/qtx" ]; then
+      # shellcheck disable=SC2086  # QTX_PY_BEFORE_ARGS: several words
+      step "py_bench_before_mps${mps}_r$round" 60 python3 "$B/bench/python_channel_bench.py" --qtxd="$B/bin/qtxd" \
+        --python_dir="$B/py_before" --inproc_dir="$INPROC" --mps="$mps" --in_process_jsonl="$cb" \
+        --breakdown ${QTX_PY_BEFORE_ARGS:---legacy}
+      collect
+    fi
+  done
   stop_qtxd
 }
 
@@ -144,8 +163,10 @@ else
   echo "MPS did not start: the MPS half is skipped" | tee -a "$LOG"
   rc_all=1
 fi
-benches 0
-tests 0
+if [ "${QTX_PY_MPS0:-1}" != 0 ]; then
+  [ "${QTX_PY_MPS0_BENCH:-1}" != 0 ] && benches 0
+  tests 0
+fi
 stop_qtxd
 collect
 echo "total ${SECONDS}s rc=$rc_all" | tee -a "$LOG"

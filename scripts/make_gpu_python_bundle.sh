@@ -10,6 +10,11 @@
 #   scripts/make_gpu_python_bundle.sh BUILD OUT [BEFORE_REF]
 # BEFORE_REF (a git ref, optional): its client/python/qtx goes to OUT/py_before
 # and is benchmarked as the "legacy" variant next to the working tree's.
+# QTX_BEFORE_NATIVE=FILE (optional, with BEFORE_REF): that ref's own prebuilt
+# cp312 module, put into OUT/py_before/qtx, for an A/B of package + module
+# (e.g. main's build's client/python/native/extra/qtx/_native*.so; run with
+# QTX_PY_PREBUILT=1 QTX_PY_BEFORE_ARGS=--label=main). QTX_NATIVE=FILE: use
+# this module instead of BUILD's (e.g. one linked by hand).
 set -euo pipefail
 BUILD="$(cd "${1:?build dir}" && pwd)"
 OUT="${2:?output dir}"
@@ -17,6 +22,7 @@ REF="${3:-}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 rm -rf "$OUT"
 native=("$BUILD"/client/python/native/extra/qtx/_native.cpython-312-*.so)
+[ -n "${QTX_NATIVE:-}" ] && native=("$QTX_NATIVE")
 inproc=("$BUILD"/bench/python/extra/qtx_bench_inproc.cpython-312-*.so)
 extra=()
 [ -x "$BUILD/tests/client/cuda_channel_test" ] && extra+=("$BUILD/tests/client/cuda_channel_test")
@@ -32,6 +38,10 @@ if [ -n "$REF" ]; then
   mkdir -p "$OUT/py_before"
   git -C "$ROOT" archive "$REF" client/python/qtx | tar -x -C "$OUT/py_before" --strip-components=2
   rm -rf "$OUT/py_before/qtx/v1"
+  if [ -n "${QTX_BEFORE_NATIVE:-}" ]; then
+    cp "$QTX_BEFORE_NATIVE" "$OUT/py_before/qtx/"
+    strip --strip-debug "$OUT"/py_before/qtx/_native*.so
+  fi
 fi
 F="$OUT/fallback"
 cp "$ROOT/client/python/native/qtx_native.cc" "$ROOT/bench/python/inproc_quantize.cc" "$F/"

@@ -117,7 +117,33 @@ struct ChannelOptions {
   absl::Duration open_timeout = absl::Seconds(30);
   // How long Synchronize() waits before DEADLINE_EXCEEDED.
   absl::Duration sync_timeout = absl::Minutes(5);
+  // Where a submission's stream write starts. false: on the calling thread
+  // when no write is in flight (gRPC serializes the descriptor and usually
+  // writes the socket right there, several microseconds). true: a thread of
+  // the channel's own starts it; the call only queues the descriptor and
+  // wakes that thread, so it returns sooner, and qtxd sees the descriptor a
+  // thread wake-up later (the caller's stream waits on the flags anyway).
+  // One more thread per channel, idle between submissions. The order of the
+  // descriptors is the order of the calls either way.
+  bool background_writer = false;
 };
+
+// Diagnostics for benchmarks (bench/python_channel_bench.py --breakdown):
+// where the host time of Quantize / Dequantize / AllGather submissions goes
+// on the calling thread. Off by default (one relaxed atomic load per
+// submission); while on, every submission of this process adds its parts to
+// the calling thread's profile.
+struct ChannelSubmitProfile {
+  uint64_t calls = 0;       // submissions that succeeded
+  uint64_t check_ns = 0;    // the channel's state (closed, failed, qtxd gone)
+  uint64_t build_ns = 0;    // the descriptor (the protobuf request)
+  uint64_t signal_ns = 0;   // flags.SignalReady ("ready = n" on the caller's stream)
+  uint64_t enqueue_ns = 0;  // the descriptor to the stream (a write started, or queued)
+  uint64_t wait_ns = 0;     // flags.WaitDone ("wait done >= n" on the caller's stream)
+};
+void SetChannelSubmitProfiling(bool on);
+// The calling thread's profile since the last call; clears it.
+ChannelSubmitProfile TakeChannelSubmitProfile();
 
 // The operation of a plan channel (Channel::OpenPlan): fixed once, run by
 // qtxd once per execution. Tensors as for Channel::Quantize / Dequantize.

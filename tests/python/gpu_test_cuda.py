@@ -606,6 +606,44 @@ class AllGatherTest(unittest.TestCase):
             s.destroy_group("py-ag")
 
 
+class BackgroundWriterTest(unittest.TestCase):
+    """Session(background_writer=True, the default): the channel's stream
+    writes start on a thread of its own; with False the calling thread
+    writes. The results, and their stream order, are the same."""
+
+    def test_many_calls_bit_exact_in_order(self):
+        for bgw in (True, False):
+            with self.subTest(background_writer=bgw):
+                self.many_calls(bgw)
+
+    def many_calls(self, bgw):
+        g = torch.Generator(device="cpu").manual_seed(5)
+        inputs = [(torch.randn(256, 640, generator=g) * (1 + i)).to(torch.bfloat16)
+                  for i in range(24)]
+        refs = [reference(x, columnwise=True) for x in inputs]
+        lay = qcuda.layout((256, 640))
+        got = []
+        with session(background_writer=bgw) as s:
+            for i, host in enumerate(inputs):
+                x = host.cuda()
+                if i % 2:
+                    q = s.quantize(x, columnwise=True)  # framework outputs
+                else:
+                    out = {f: torch.empty(lay[f], device="cuda", dtype=torch.float32
+                                          if "scale" in f else torch.uint8)
+                           for f in qcuda.FIELDS}
+                    q = s.quantize(x, columnwise=True, out=out)
+                # Stream order: a copy queued right after the call sees the outputs,
+                # and a write queued after it does not change what it read.
+                got.append({f: getattr(q, f).clone() for f in qcuda.FIELDS})
+                x.zero_()
+            s.synchronize()
+            torch.cuda.current_stream().synchronize()
+        for i, snap in enumerate(got):
+            assert_matches(self, qcuda.QuantizedTensor((256, 640), "1d", "e4m3", **snap),
+                           refs[i], "background_writer=%s call %d" % (bgw, i))
+
+
 class FailureTest(unittest.TestCase):
     def test_failed_op_raises_its_class(self):
         x = torch.randn(128, 256, device="cuda")

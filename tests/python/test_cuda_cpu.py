@@ -346,13 +346,26 @@ class FakeNative:
 
     def __init__(self):
         self.calls = []
+        self.plans = []
 
     def dequantize(self, *args):
         self.calls.append(("dequantize", args))
         return 19
 
-    def quantize_into(self, *args):
-        self.calls.append(("quantize_into", args))
+    def quantize_plan(self, *args):
+        self.plans.append(args)
+        return len(self.plans) - 1
+
+    def submit_quantize(self, session, plan, device, stream, x, rd, rs, cd, cs):
+        """Stands in for qtx._native.submit_quantize: records the call with
+        its plan's fields spelled out: (device, stream, x, dtype, shape, mode,
+        format, rowwise, columnwise, pow2, eps, then (pointer, bytes) x 4)."""
+        assert session is self, "submit_quantize got another session"
+        dtype, shape, mode, fmt, row, col, pow2, eps, rdb, rsb, cdb, csb = self.plans[plan]
+        self.calls.append(("submit_quantize", (device, stream, x, dtype, shape, mode, fmt, row,
+                                               col, pow2, eps, rd, rdb if rd else 0, rs,
+                                               rsb if rs else 0, cd, cdb if cd else 0, cs,
+                                               csb if cs else 0)))
         return 17
 
     def quantize(self, *args):
@@ -388,6 +401,7 @@ class FastPathTest(unittest.TestCase):
         self.s = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0)
         self.native = FakeNative()
         self.s._native = self.native
+        self.s._submit = self.native.submit_quantize
 
     def tearDown(self):
         self.s.close()
@@ -437,7 +451,7 @@ class FastPathTest(unittest.TestCase):
         q = self.s.quantize(x, columnwise=True, out=out, stream=5)
         self.assertEqual(len(self.native.calls), 1)
         name, args = self.native.calls[0]
-        self.assertEqual(name, "quantize_into")
+        self.assertEqual(name, "submit_quantize")
         dev, stream, ptr, dtype, shape = args[:5]
         self.assertEqual((dev, stream, ptr, dtype, tuple(shape)),
                          (0, 5, x.data_ptr(), qcuda.BFLOAT16, (256, 512)))
@@ -459,7 +473,7 @@ class FastPathTest(unittest.TestCase):
             del out["columnwise_data"], out["columnwise_scale_inv"]
             self.s.quantize(x, out=out, stream=5)
             args = self.native.calls[-1][1]
-            self.assertEqual(self.native.calls[-1][0], "quantize_into")
+            self.assertEqual(self.native.calls[-1][0], "submit_quantize")
             self.assertEqual(args[15:], (0, 0, 0, 0))
 
     def test_make_columnwise_checks_then_one_native_call(self):
@@ -509,7 +523,7 @@ class FastPathTest(unittest.TestCase):
         self.assertEqual(tuple(out["rowwise_scale_inv"].shape), (1,))
         q = self.s.quantize(x, mode="tensor", format="e5m2", columnwise=True, out=out, stream=5)
         name, args = self.native.calls[-1]
-        self.assertEqual(name, "quantize_into")
+        self.assertEqual(name, "submit_quantize")
         self.assertEqual(args[5:11], (3, 2, True, True, True, 0.0))
         self.assertEqual(list(args[12::2]), [300 * 384, 4, 384 * 300, 4])
         self.assertEqual(q.mode, "tensor")
@@ -585,6 +599,32 @@ class FastPathTest(unittest.TestCase):
             self.s.quantize(self.cuda(torch.zeros(4, 128, dtype=torch.float64)), stream=5)
         self.assertEqual(self.native.calls, [])
 
+    def test_one_native_plan_per_config_dtype_and_shape(self):
+        x = self.cuda(torch.zeros(256, 512, dtype=torch.bfloat16))
+        out = self.outs((256, 512))
+        for _ in range(3):
+            self.s.quantize(x, columnwise=True, out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 1)
+        self.assertEqual(self.native.plans[0][:2], (qcuda.BFLOAT16, [256, 512]))
+        # Another dtype, shape or config: a plan of its own.
+        self.s.quantize(self.cuda(torch.zeros(256, 512)), columnwise=True, out=out, stream=5)
+        self.s.quantize(x, columnwise=True, format="e5m2", out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 3)
+        # amax_epsilon -0.0 equals 0.0 but its bits differ: not the 0.0 plan.
+        self.s.quantize(x, columnwise=True, amax_epsilon=-0.0, out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 4)
+        self.assertEqual(str(self.native.calls[-1][1][10]), "-0.0")
+        self.s.quantize(x, columnwise=True, amax_epsilon=0.0, out=out, stream=5)
+        self.assertEqual(len(self.native.plans), 4)
+        self.assertEqual(str(self.native.calls[-1][1][10]), "0.0")
+        # A new Session makes its own plans (plan ids are per native session).
+        s2 = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0)
+        s2._native = FakeNative()
+        s2._submit = s2._native.submit_quantize
+        s2.quantize(x, columnwise=True, out=out, stream=5)
+        self.assertEqual(len(s2._native.plans), 1)
+        s2.close()
+
     def test_framework_outputs(self):
         got = []
 
@@ -603,6 +643,7 @@ class FastPathTest(unittest.TestCase):
         # allocator='pool': the fast path declines pooled outputs.
         s2 = qcuda.Session("unix:///nonexistent/dir/qtxd.sock", timeout=1.0, allocator="pool")
         s2._native = FakeNative()
+        s2._submit = s2._native.submit_quantize
         cfg = qcuda._config("1d", "e4m3", True, False, True, 0.0)
         self.assertIsNone(s2._quantize_torch(torch, x, cfg, "1d", "e4m3", None, 9))
         s2.close()

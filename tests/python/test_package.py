@@ -381,6 +381,97 @@ class CollectiveTest(unittest.TestCase):
             self.clients[0].all_gather("py-tp", 0, x[0], gather_mode="fast")
 
 
+class ThreeRankCollectiveTest(unittest.TestCase):
+    """all_gather over three CPU qtxd (the module's is rank 0) with uneven
+    shards of 300, 257 and 130 rows (and a rank with none): every rank's
+    gathered bytes equal quantize() of the concatenation. The multi-rank
+    path of a GPU needs one GPU per rank (tests/python/gpu_test_allgather_ranks.py
+    shows why two ranks cannot share one); this covers it in CI."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.procs, cls.targets = [], [SERVER["target"]]
+        for r in (1, 2):
+            sock = os.path.join(SERVER["tmp"], "three-rank%d.sock" % r)
+            cls.procs.append(subprocess.Popen(
+                [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn",
+                 "--auth_token_file=" + SERVER["token_file"]]))
+            cls.targets.append("unix://" + sock)
+        deadline = time.time() + 30
+        for p, t in zip(cls.procs, cls.targets[1:]):
+            while True:
+                if p.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("a qtxd for the three-rank group did not start")
+                try:
+                    with qtx.Client(t, token=TOKEN, timeout=2) as c:
+                        if c.health() == "SERVING":
+                            break
+                except qtx.QtxError:
+                    pass
+                time.sleep(0.05)
+
+    @classmethod
+    def tearDownClass(cls):
+        for p in cls.procs:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=30)
+
+    def setUp(self):
+        self.clients = [qtx.Client(t, token=TOKEN, timeout=30) for t in self.targets]
+
+    def tearDown(self):
+        for c in self.clients:
+            c.close()
+
+    def on_every_rank(self, fn):
+        out = [None] * 3
+
+        def run(r):
+            try:
+                out[r] = fn(r, self.clients[r])
+            except Exception as e:  # noqa: BLE001 - returned to the test
+                out[r] = e
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    def test_uneven_shards_equal_quantize_of_concatenation(self):
+        infos = self.on_every_rank(lambda r, c: c.create_group(
+            "py-3r", r, 3, coordinator="" if r == 0 else self.targets[0], backend="gloo",
+            group_timeout=20))
+        for r, info in enumerate(infos):
+            self.assertNotIsInstance(info, Exception, msg=str(info))
+            self.assertEqual((info.rank, info.world_size), (r, 3))
+        rng = np.random.default_rng(13)
+        seq = 0
+        for rows in ((300, 257, 130), (257, 0, 300)):
+            x = [(rng.standard_normal((m, 384)) * (0.5, 8.0, 0.01)[r]).astype(np.float32)
+                 for r, m in enumerate(rows)]
+            for mode in ("1d", "2d"):
+                ref = self.clients[0].quantize(np.concatenate(x), mode=mode, columnwise=True)
+                for gather_mode, shard_rows in (("exact_fp8", None),
+                                                ("gather_high_precision", list(rows))):
+                    res = self.on_every_rank(lambda r, c: c.all_gather(
+                        "py-3r", seq, x[r], gather_mode=gather_mode, mode=mode,
+                        columnwise=True, shard_rows=shard_rows))
+                    seq += 1
+                    for r in range(3):
+                        self.assertNotIsInstance(res[r], Exception, msg=str(res[r]))
+                        self.assertEqual(res[r].shard_rows, list(rows))
+                        self.assertEqual(res[r].tensor.shape, (sum(rows), 384))
+                        for f in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
+                                  "columnwise_scale_inv"):
+                            np.testing.assert_array_equal(
+                                getattr(res[r].tensor, f), getattr(ref, f),
+                                err_msg="%s %s %s rank %d" % (rows, mode, gather_mode, r))
+        for c in self.clients:
+            c.destroy_group("py-3r")
+
+
 def main():
     global ARGS
     parser = argparse.ArgumentParser()

@@ -10,13 +10,23 @@
 // Errors: a failed absl::Status raises the qtx.errors class of its code
 // (qtx.errors.from_status(code, message)); CUDA failures are INTERNAL.
 //
-// Threads: every NativeSession call takes the session's mutex with the GIL
-// released, so a session may be shared by Python threads; calls are
-// serialized (the submission order on one stream is the order of the calls).
+// Threads: every NativeSession call takes the session's mutex, so a session
+// may be shared by Python threads; calls are serialized (the submission order
+// on one stream is the order of the calls). Calls that may block for long
+// (Synchronize, synchronous RPCs) release the GIL first; submit_quantize (the
+// fast path) keeps it while the mutex is free (a submission takes a few
+// microseconds and does not wait for qtxd: releasing and re-taking the GIL
+// would cost more, and a thread waiting for the GIL could delay the return by
+// its switch interval), and releases it to wait for the mutex and to open a
+// stream's channel (first call on it). The first use of an allocation
+// registers it with qtxd (one RPC) with the GIL held, as PyTorch holds it
+// while its caching allocator calls cudaMalloc.
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -93,8 +103,8 @@ qtx::QuantizeConfig MakeConfig(int mode, int format, bool rowwise, bool columnwi
 class NativeSession {
  public:
   NativeSession(const std::string& target, const std::string& flag_memory, const std::string& label,
-                double timeout_s)
-      : label_(label) {
+                double timeout_s, bool background_writer)
+      : label_(label), background_writer_(background_writer) {
     if (flag_memory == "host") {
       flags_ = qtx::cuda::FlagMemory::kHostShm;
     } else if (flag_memory == "device") {
@@ -106,7 +116,11 @@ class NativeSession {
     qtx::ClientOptions options;
     options.timeout = absl::Seconds(timeout_s);
     client_ = Unwrap(qtx::Client::Connect(target, options));
-    cache_ = std::make_unique<qtx::cuda::RegionCache>(*client_, "qtx-py");
+    // Region names are per qtxd: unique per process and session, so that
+    // several sessions (of one process or of several) can share a qtxd.
+    static std::atomic<uint64_t> sessions{0};
+    cache_ = std::make_unique<qtx::cuda::RegionCache>(
+        *client_, absl::StrFormat("qtx-py-%d-%d", ::getpid(), sessions.fetch_add(1)));
   }
 
   ~NativeSession() {
@@ -166,14 +180,75 @@ class NativeSession {
     return op;
   }
 
+  // A quantization plan: what submit_quantize needs besides the pointers,
+  // for inputs of `dtype` and `shape` quantized with the config, whose
+  // outputs have these byte sizes (0: the copy is not requested). Returns
+  // its id. Plans are never dropped (qtx.cuda makes one per (shape, dtype,
+  // config) it sees, memoized).
+  int QuantizePlan(int dtype, const std::vector<int64_t>& shape, int mode, int format, bool rowwise,
+                   bool columnwise, bool pow2, float eps, uint64_t rdb, uint64_t rsb, uint64_t cdb,
+                   uint64_t csb) {
+    Plan p;
+    p.dtype = static_cast<qtx::DType>(dtype);
+    p.shape = shape;
+    p.input_bytes = static_cast<uint64_t>(Unwrap(qtx::NumElements(shape))) *
+                    static_cast<uint64_t>(qtx::DTypeSize(p.dtype));
+    p.config = MakeConfig(mode, format, rowwise, columnwise, pow2, eps);
+    p.out_bytes = {rdb, rsb, cdb, csb};
+    std::lock_guard<std::mutex> l(mu_);
+    plans_.push_back(std::move(p));
+    return static_cast<int>(plans_.size() - 1);
+  }
+
+  // The fast path's submission (module function submit_quantize): plan
+  // `plan` on (device, stream), input at `input`, outputs at out[i] (0: not
+  // requested). REQUIRES: the GIL is held; returns with it held.
+  uint64_t SubmitQuantize(int plan, int device, uintptr_t stream, uintptr_t input,
+                          const uintptr_t out[4]) {
+    const bool prof = profiling_.load(std::memory_order_relaxed);
+    const Clock::time_point t0 = prof ? Clock::now() : Clock::time_point();
+    // nogil before l: on the way out the mutex is released before the GIL is
+    // taken again (never wait for the GIL while holding mu_).
+    std::optional<py::gil_scoped_release> nogil;
+    std::unique_lock<std::mutex> l(mu_, std::try_to_lock);
+    if (!l.owns_lock()) {
+      nogil.emplace();  // another thread holds the session: wait without the GIL
+      l.lock();
+    }
+    if (plan < 0 || static_cast<size_t>(plan) >= plans_.size()) {
+      Throw(absl::InvalidArgumentError(absl::StrFormat("plan %d: not made by this session", plan)));
+    }
+    const Plan& p = plans_[plan];
+    // The first call on a stream opens its channel, which waits for qtxd:
+    // without the GIL (releasing it while holding mu_ is fine; only taking
+    // it back waits, after mu_ is released).
+    if (!nogil && channels_.find({device, stream}) == channels_.end()) nogil.emplace();
+    qtx::Channel& ch = ChannelLocked(device, stream);
+    const qtx::Tensor in =
+        qtx::Tensor::InRegion(p.dtype, p.shape, SliceLocked(input, p.input_bytes));
+    qtx::QuantizeOutputs o;
+    std::optional<qtx::RegionSlice>* f[4] = {&o.rowwise_data, &o.rowwise_scale_inv,
+                                             &o.columnwise_data, &o.columnwise_scale_inv};
+    for (int i = 0; i < 4; ++i) {
+      if (out[i] != 0) *f[i] = SliceLocked(out[i], p.out_bytes[i]);
+    }
+    const Clock::time_point t1 = prof ? Clock::now() : Clock::time_point();
+    const uint64_t op = Unwrap(ch.Quantize(in, p.config, o));
+    if (prof) Account(t0, t1, Clock::now());
+    return op;
+  }
+
   // Opt-in timing of the native part of quantize calls (for
   // bench/python_channel_bench.py --breakdown): with it on, each call adds
   // its time from entry (GIL held) to the slices resolved ("lookup_ns": GIL
   // release, lock, channel lookup, region lookups) and from there to the
-  // channel's submission done ("submit_ns"). profile() returns and clears.
+  // channel's submission done ("submit_ns"), and the channel's own split of
+  // the submission (qtx::ChannelSubmitProfile, this thread's). profile()
+  // returns and clears.
   void SetProfiling(bool on) {
     std::lock_guard<std::mutex> l(mu_);
     profiling_ = on;
+    qtx::SetChannelSubmitProfiling(on);
   }
   // Benchmarks only: RegionCache::set_fast_path.
   void SetRegionFastPath(bool on) {
@@ -188,6 +263,13 @@ class NativeSession {
     d["submit_ns"] = prof_submit_ns_;
     d["fast_hits"] = cache_ ? cache_->fast_hits() : 0;
     prof_calls_ = prof_lookup_ns_ = prof_submit_ns_ = 0;
+    const qtx::ChannelSubmitProfile c = qtx::TakeChannelSubmitProfile();
+    d["channel_calls"] = c.calls;
+    d["channel_check_ns"] = c.check_ns;
+    d["channel_build_ns"] = c.build_ns;
+    d["channel_signal_ns"] = c.signal_ns;
+    d["channel_enqueue_ns"] = c.enqueue_ns;
+    d["channel_wait_ns"] = c.wait_ns;
     return d;
   }
 
@@ -539,6 +621,7 @@ class NativeSession {
     if (it != channels_.end()) return *it->second;
     qtx::ChannelOptions opts;
     opts.label = absl::StrFormat("%s/cuda:%d/0x%x", label_, device, stream);
+    opts.background_writer = background_writer_;
     std::unique_ptr<qtx::Channel> ch = Unwrap(
         qtx::cuda::OpenChannel(*client_, reinterpret_cast<cudaStream_t>(stream), opts, flags_));
     return *channels_.emplace(std::make_pair(device, stream), std::move(ch)).first->second;
@@ -574,7 +657,17 @@ class NativeSession {
     prof_submit_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t2 - t1).count();
   }
 
+  struct Plan {
+    qtx::DType dtype = qtx::DType::kFloat32;
+    std::vector<int64_t> shape;
+    uint64_t input_bytes = 0;
+    qtx::QuantizeConfig config;
+    std::array<uint64_t, 4> out_bytes{};
+  };
+
   const std::string label_;
+  const bool background_writer_;
+  std::vector<Plan> plans_;  // mu_ (QuantizePlan appends; entries never change)
   std::atomic<bool> profiling_{false};
   uint64_t prof_calls_ = 0, prof_lookup_ns_ = 0, prof_submit_ns_ = 0;  // mu_
   qtx::cuda::FlagMemory flags_ = qtx::cuda::FlagMemory::kHostShm;
@@ -698,6 +791,56 @@ int PointerDevice(uintptr_t ptr) {
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
 }
 
+// The Python exception of a failed status (the class qtx.errors.from_status
+// gives), set as the current error.
+void SetStatusError(const StatusException& e) {
+  py::object errors = py::module_::import("qtx.errors");
+  py::object exc = errors.attr("from_status")(e.code, e.message);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+// submit_quantize(session, plan, device, stream, input, rowwise_data,
+// rowwise_scale_inv, columnwise_data, columnwise_scale_inv) -> op: the
+// fast path's one call per quantize (qtx.cuda checked everything it can
+// beforehand). A plain METH_FASTCALL function: nine ints in, no pybind11
+// overload dispatch, no argument lists built.
+PyObject* SubmitQuantizeFast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 9) {
+    PyErr_Format(PyExc_TypeError, "submit_quantize takes 9 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  NativeSession* session = nullptr;
+  try {
+    session = py::handle(args[0]).cast<NativeSession*>();
+  } catch (const py::cast_error&) {
+    PyErr_SetString(PyExc_TypeError, "submit_quantize: argument 1 must be a qtx._native.Session");
+    return nullptr;
+  }
+  const long plan = PyLong_AsLong(args[1]);
+  const long device = PyLong_AsLong(args[2]);
+  uintptr_t v[6];
+  for (int i = 0; i < 6; ++i) v[i] = PyLong_AsUnsignedLongLong(args[3 + i]);
+  if (PyErr_Occurred()) return nullptr;
+  try {
+    const uint64_t op = session->SubmitQuantize(static_cast<int>(plan), static_cast<int>(device),
+                                                v[0], v[1], v + 2);
+    return PyLong_FromUnsignedLongLong(op);
+  } catch (const StatusException& e) {
+    SetStatusError(e);
+  } catch (const py::error_already_set& e) {
+    py::error_already_set(e).restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef kFastFunctions[] = {
+    {"submit_quantize",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&SubmitQuantizeFast)),
+     METH_FASTCALL, "submit_quantize(session, plan, device, stream, input, rd, rs, cd, cs) -> op"},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -707,16 +850,15 @@ PYBIND11_MODULE(_native, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const StatusException& e) {
-      py::object errors = py::module_::import("qtx.errors");
-      py::object exc = errors.attr("from_status")(e.code, e.message);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      SetStatusError(e);
     }
   });
 
   py::class_<NativeSession>(m, "Session")
-      .def(py::init<const std::string&, const std::string&, const std::string&, double>(),
+      .def(py::init<const std::string&, const std::string&, const std::string&, double, bool>(),
            py::arg("target"), py::arg("flag_memory") = "host", py::arg("label") = "py",
-           py::arg("timeout") = 60.0)
+           py::arg("timeout") = 60.0, py::arg("background_writer") = false)
+      .def("quantize_plan", &NativeSession::QuantizePlan)
       .def("health", &NativeSession::Health)
       .def("quantize", &NativeSession::Quantize)
       .def("quantize_into", &NativeSession::QuantizeInto)
@@ -750,6 +892,7 @@ PYBIND11_MODULE(_native, m) {
       .def("grad_norm", &NativeSession::GradNorm)
       .def("step_host", &NativeSession::StepHost);
 
+  if (PyModule_AddFunctions(m.ptr(), kFastFunctions) != 0) throw py::error_already_set();
   m.def("parse_dlpack", &ParseDlpack, "Fields of an unconsumed 'dltensor' capsule.");
   m.def("malloc", &Malloc);
   m.def("free", &Free);

@@ -74,10 +74,16 @@ into device memory, ordered on the call's stream by interprocess events (the
 host waits for qtxd's answer, whose statistics need the gradients).
 
 Speed: ``quantize`` of a contiguous PyTorch tensor with torch ``out=``
-tensors (or framework-allocated outputs) takes a fast path: memoized config
-and layout, ``torch._C._cuda_getCurrentRawStream`` for the current stream,
-the output checks inline, one native call with flat arguments; each region
-lookup in C++ is one driver call once the allocation is registered. Anything
+tensors (or framework-allocated outputs) takes a fast path: per (config,
+dtype, shape) a memoized plan (the config and buffer sizes, registered once
+with the native session, and the result's fixed fields),
+``torch._C._cuda_getCurrentRawStream`` for the current stream, each tensor's
+device, shape, dtype, contiguity and pointer read once, and one native call
+of nine ints (``_native.submit_quantize``, a plain METH_FASTCALL function
+that keeps the GIL unless another thread holds the session or the stream's
+channel is opened); each region lookup in C++ is one driver call once the
+allocation is registered, and the channel's socket write happens on its
+background writer thread. Anything
 else (CuPy, CAI, DLPack, bad arguments) takes the general, fully checked path.
 
 Threads: a Session may be used from several threads; calls are serialized.
@@ -396,7 +402,9 @@ def _config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon):
     kept: a bad argument is checked (and raises) on every call."""
     key = (mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
     if amax_epsilon == 0 and math.copysign(1.0, amax_epsilon) < 0:
-        return quantize_config(*key)  # -0.0 == 0.0 as a key, but its bits differ
+        # -0.0 == 0.0 as a key, but its bits differ: a 7th entry keeps this
+        # config (and the fast path's plan for it) apart from 0.0's.
+        return quantize_config(*key) + ("-0.0",)
     try:
         cfg = _CONFIGS.get(key)
     except TypeError:  # an unhashable argument: no memo
@@ -689,6 +697,17 @@ def _wrap_many(block, parts, offsets, framework):
 # ---- results ----------------------------------------------------------------------------------
 
 
+class _FastPlan:
+    """Session._quantize_torch's per-(config, dtype, shape) memo: the native
+    plan id, the requested copies ((field, 2-D shape, is_scale, index)), their
+    torch.empty specs, and the result's fields for QuantizedTensor.__dict__
+    (mode/format as the caller spelled them)."""
+    __slots__ = ("plan", "parts", "specs", "base")
+
+    def __init__(self, plan, parts, specs, base):
+        self.plan, self.parts, self.specs, self.base = plan, parts, specs, base
+
+
 class QuantizedTensor:
     """A block-scaled FP8 tensor in device memory, with qtx.client's field
     names: shape (logical, of the high-precision tensor), mode, format,
@@ -821,10 +840,15 @@ class Session:
     allocator: where outputs not passed as out= come from: 'framework'
     (default: for PyTorch inputs, torch.empty from PyTorch's caching
     allocator on the call's stream; other inputs use the DevicePool) or
-    'pool' (always the session's DevicePool)."""
+    'pool' (always the session's DevicePool). background_writer: each
+    channel's stream writes to qtxd start on a thread of the channel's own
+    (qtx::ChannelOptions::background_writer), so that a call returns
+    without writing the socket itself (default True; False: the calling
+    thread writes, one thread fewer per (device, stream) used)."""
 
     def __init__(self, target=DEFAULT_TARGET, device=None, flag_memory="host", timeout=60.0,
-                 label="py", pool_chunk_bytes=64 << 20, allocator="framework"):
+                 label="py", pool_chunk_bytes=64 << 20, allocator="framework",
+                 background_writer=True):
         native = _native_or_raise()
         if flag_memory not in ("host", "device"):
             raise ArgumentError("flag_memory=%r: must be 'host' or 'device'" % flag_memory)
@@ -832,7 +856,10 @@ class Session:
             raise ArgumentError("allocator=%r: must be 'framework' or 'pool'" % (allocator,))
         self.device = _device_index(device)
         self.allocator = allocator
-        self._native = native.Session(target, flag_memory, label, float(timeout))
+        self._native = native.Session(target, flag_memory, label, float(timeout),
+                                      bool(background_writer))
+        self._submit = native.submit_quantize  # the fast path's one native call
+        self._fast_plans = {}  # (cfg, qtx dtype, shape) -> _FastPlan (plan ids: per session)
         self.pool = DevicePool(_NativeCudaBackend(), pool_chunk_bytes)
         self._tdevs = {}        # device index -> torch.device
         self._ext_streams = {}  # (device, cudaStream_t) -> torch.cuda.ExternalStream
@@ -972,60 +999,85 @@ class Session:
         """Session.quantize for the common PyTorch case, with as few Python
         and native steps as possible: a contiguous CUDA input of an input
         dtype, torch out= tensors of the exact dtype/shape/device (or outputs
-        from PyTorch's allocator). Returns None for anything else (the
-        general path then handles it, and raises for bad arguments)."""
+        from PyTorch's allocator). Per (config, dtype, shape) a _FastPlan
+        holds everything that does not change between calls (the native
+        plan: config, shapes and sizes; the result's fixed fields); a call
+        then reads each tensor's device, shape, dtype, contiguity and
+        pointer once and makes one native call of nine ints. Returns None
+        for anything else (the general path then handles it, and raises for
+        bad arguments)."""
         tensor_t, inputs, data_ok, f32, _, current = _torch_fast(torch)
         if not isinstance(x, tensor_t):
             return None
         dtype = inputs.get(x.dtype)
-        if dtype is None or not x.is_cuda or not x.is_contiguous():
+        if dtype is None:
+            return None
+        dev = x.get_device()  # -1 for a CPU tensor
+        if dev < 0 or not x.is_contiguous() or (self.device is not None and dev != self.device):
             return None
         shape = x.shape
-        if not shape or x.numel() == 0:
-            return None
-        dev = x.get_device()
-        if self.device is not None and dev != self.device:
-            return None
+        key = (cfg, dtype, shape)
+        fp = self._fast_plans.get(key)
+        if fp is None:
+            fp = self._make_fast_plan(torch, key, mode, format)
+            if fp is None:
+                return None
         if stream is None:
             s, is_current = current(dev), True
         else:
             s, is_current = stream_handle(stream), False
-        lay, parts = _plan(shape, cfg)
-        ptrs = [0, 0, 0, 0, 0, 0, 0, 0]
-        tensors = {}
-        framework_alloc = False
+        p = [0, 0, 0, 0]
+        d = fp.base.copy()
         if out is not None:
             ok_data = data_ok[cfg[1]]
-            is_dict = isinstance(out, dict)
-            for f, shp, nbytes, scale, i in parts:
-                t = out.get(f) if is_dict else getattr(out, f, None)
-                if (not isinstance(t, tensor_t) or not t.is_cuda or t.shape != shp
-                        or (t.dtype != f32 if scale else t.dtype not in ok_data)
-                        or not t.is_contiguous() or t.get_device() != dev):
+            get = out.get if type(out) is dict else None
+            for f, shp, scale, i in fp.parts:
+                t = get(f) if get is not None else getattr(out, f, None)
+                if (not isinstance(t, tensor_t) or t.get_device() != dev or t.shape != shp
+                        or (t.dtype is not f32 if scale else t.dtype not in ok_data)
+                        or not t.is_contiguous()):
                     return None  # the general path says what is wrong
-                ptrs[2 * i], ptrs[2 * i + 1] = t.data_ptr(), nbytes
-                tensors[f] = t
+                p[i] = t.data_ptr()
+                d[f] = t
         elif self.allocator == "framework":
-            ts = self._torch_empty(torch, [(shp, f32 if scale else torch.uint8)
-                                           for _, shp, _, scale, _ in parts], dev, s, is_current)
-            for (f, _, nbytes, _, i), t in zip(parts, ts):
-                ptrs[2 * i], ptrs[2 * i + 1] = t.data_ptr(), nbytes
-                tensors[f] = t
-            framework_alloc = True
+            ts = self._torch_empty(torch, fp.specs, dev, s, is_current)
+            for (f, _, _, i), t in zip(fp.parts, ts):
+                p[i] = t.data_ptr()
+                d[f] = t
+            d["_framework_alloc"] = True
         else:
             return None
-        op = self._native.quantize_into(dev, s, x.data_ptr(), dtype, shape, cfg[0], cfg[1],
-                                        cfg[2], cfg[3], cfg[4], cfg[5], *ptrs)
+        d["op"] = self._submit(self._native, fp.plan, dev, s, x.data_ptr(), p[0], p[1], p[2],
+                               p[3])
+        d["stream"] = s
+        d["device"] = dev
         q = object.__new__(QuantizedTensor)  # QuantizedTensor.__init__'s fields, set at once
-        q.__dict__.update(
-            shape=tuple(shape), mode=mode, format=format,
-            rowwise_data=tensors.get("rowwise_data"),
-            rowwise_scale_inv=tensors.get("rowwise_scale_inv"),
-            columnwise_data=tensors.get("columnwise_data"),
-            columnwise_scale_inv=tensors.get("columnwise_scale_inv"),
-            stream=s, device=dev, op=op, _session=self, _blocks=(),
-            _framework_alloc=framework_alloc)
+        q.__dict__ = d
         return q
+
+    def _make_fast_plan(self, torch, key, mode, format):
+        """The _FastPlan of key = (cfg, qtx dtype, shape), memoized; None for
+        an empty or 0-d input (the general path)."""
+        cfg, dtype, shape = key
+        if not shape or math.prod(shape) == 0:
+            return None
+        lay, parts = _plan(shape, cfg)
+        nbytes = [0, 0, 0, 0]
+        for _, _, n, _, i in parts:
+            nbytes[i] = n
+        plan = self._native.quantize_plan(dtype, [int(d) for d in shape], cfg[0], cfg[1], cfg[2],
+                                          cfg[3], cfg[4], cfg[5], *nbytes)
+        base = dict(shape=tuple(int(d) for d in shape), mode=mode, format=format,
+                    rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None,
+                    columnwise_scale_inv=None, stream=None, device=None, op=None,
+                    _session=self, _blocks=(), _framework_alloc=False)
+        fp = _FastPlan(plan, tuple((f, shp, scale, i) for f, shp, _, scale, i in parts),
+                       [(shp, torch.float32 if scale else torch.uint8)
+                        for _, shp, _, scale, _ in parts], base)
+        if len(self._fast_plans) > 4096:
+            self._fast_plans.clear()  # native plans stay (small); new ones are made
+        self._fast_plans[key] = fp
+        return fp
 
     def _result(self, shape, mode, format, tensors, device, s, op, blocks):
         q = QuantizedTensor(shape, mode, format, **tensors)
