@@ -737,7 +737,9 @@ TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatena
                            HasSubstr("ranks disagree on config.amax_epsilon: rank 0 has 0, rank 1 "
                                      "has 0.001")))
           << r;
-      EXPECT_THAT(channels[r]->Query(ids[r]), StatusIs(absl::StatusCode::kInvalidArgument)) << r;
+      EXPECT_THAT(channels[r]->Query(ids[r]),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("amax_epsilon")))
+          << r;
       EXPECT_EQ(channels[r]->completed(), ids[r] - 1) << r;
       EXPECT_THAT(
           channels[r]
@@ -747,23 +749,22 @@ TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatena
           << r;
     }
   }
-  // A rank whose own entry contradicts its input: it fails at once, the
-  // other from its slot check ("rank 1 rejected its request"). The group
-  // sequence 4 was never run above (the channels had failed), so it is next.
+  // A rank whose own request is bad (an output in a region qtxd does not
+  // know): it fails at once, the other from its slot check ("rank 1
+  // rejected its request"). The group sequence 4 was never run above (the
+  // channels had failed), so it is next.
   ASSERT_NO_FATAL_FAILURE(reopen("rejected"));
   for (int r = 0; r < kWorld; ++r) {
-    std::vector<int64_t> list = shard_rows;
-    list[1] = rows[1] + 1;
+    QuantizeOutputs o = outs[r];
+    if (r == 1) o.columnwise_data->region = "no-such-region";
     QTX_ASSERT_OK(channels[r]
-                      ->AllGather("tp", 4, ins[r], config, AllGatherMode::kExactFp8, outs[r], list)
+                      ->AllGather("tp", 4, ins[r], config, AllGatherMode::kExactFp8, o, shard_rows)
                       .status());
   }
   EXPECT_THAT(channels[1]->Synchronize(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("shard_rows[1]=158 but this rank's input has 157")));
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no-such-region")));
   EXPECT_THAT(channels[0]->Synchronize(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("rank 1 rejected its request: shard_rows[1]=158")));
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 1 rejected its request")));
   // And the group still works, in one round.
   ASSERT_NO_FATAL_FAILURE(reopen("after"));
   ASSERT_NO_FATAL_FAILURE(one_round_exact(5));

@@ -488,7 +488,8 @@ TEST_F(CudaAllGatherChannelTest, OneRoundChannelRejectsABadListAndRecovers) {
     EXPECT_THAT(ch->Synchronize(),
                 StatusIs(absl::StatusCode::kInvalidArgument,
                          HasSubstr("shard_rows[0]=1001 but this rank's input has 1000")));
-    EXPECT_THAT(ch->Query(op), StatusIs(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(ch->Query(op),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard_rows[0]=1001")));
     EXPECT_EQ(ch->completed(), 0u);
   }
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));

@@ -49,7 +49,7 @@ Slots MakeSlots(int count, uint32_t seed) {
 }
 
 // Runs the kernel; returns the verdict and checks the copies.
-uint32_t Run(const Slots& s, int count, bool mapped) {
+uint32_t RunCheck(const Slots& s, int count, bool mapped) {
   void* slots = nullptr;
   EXPECT_EQ(cudaMalloc(&slots, s.host.size()), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(slots, s.host.data(), s.host.size(), cudaMemcpyHostToDevice), cudaSuccess);
@@ -98,7 +98,7 @@ TEST(SlotCheckCuda, PassesMatchingSlotsAndCopiesEveryHeader) {
   for (int count : {1, 2, 5, 40}) {
     for (bool mapped : {true, false}) {
       const Slots s = MakeSlots(count, 7 + count);
-      EXPECT_EQ(Run(s, count, mapped), 0u) << "count " << count << " mapped " << mapped;
+      EXPECT_EQ(RunCheck(s, count, mapped), 0u) << "count " << count << " mapped " << mapped;
     }
   }
 }
@@ -111,7 +111,7 @@ TEST(SlotCheckCuda, FailsOnAnyCorruptedAgreedByteRankOrStatus) {
     for (uint32_t at : probes) {
       Slots s = MakeSlots(kCount, 100 + victim);
       s.host[kStride * victim + at] ^= 0x10;
-      EXPECT_NE(Run(s, kCount, /*mapped=*/true), 0u)
+      EXPECT_NE(RunCheck(s, kCount, /*mapped=*/true), 0u)
           << "slot " << victim << " byte " << at << " corrupted but passed";
       ++checked;
     }
@@ -119,7 +119,7 @@ TEST(SlotCheckCuda, FailsOnAnyCorruptedAgreedByteRankOrStatus) {
     Slots s = MakeSlots(kCount, 200 + victim);
     s.host[kStride * victim + kAgreed + 9] ^= 0x10;
     s.host[kStride * victim + kStatusAt + 10] ^= 0x10;
-    EXPECT_EQ(Run(s, kCount, /*mapped=*/true), 0u) << "slot " << victim;
+    EXPECT_EQ(RunCheck(s, kCount, /*mapped=*/true), 0u) << "slot " << victim;
   }
   EXPECT_EQ(checked, kCount * 9);
 }
