@@ -374,6 +374,23 @@ uint64_t AgreementDigest(const OneRoundHeader& h) {
       .value();
 }
 
+// The quantized copies `p` requests, at byte offsets of `base` (a slot or
+// scratch in the shard layout).
+kernels::QuantizedBuffers BuffersAt(uint8_t* base, const kernels::QuantizeParams& p,
+                                    uint64_t rw_data, uint64_t rw_scale, uint64_t cw_data,
+                                    uint64_t cw_scale) {
+  kernels::QuantizedBuffers b;
+  if (p.rowwise) {
+    b.rowwise_data = base + rw_data;
+    b.rowwise_scale_inv = reinterpret_cast<float*>(base + rw_scale);
+  }
+  if (p.columnwise) {
+    b.columnwise_data = base + cw_data;
+    b.columnwise_scale_inv = reinterpret_cast<float*>(base + cw_scale);
+  }
+  return b;
+}
+
 // Byte offsets inside one rank's slot (each section 16-byte aligned).
 struct SlotLayout {
   uint64_t rw_data = 0, rw_scale = 0, cw_data = 0, cw_scale = 0;  // interior (EXACT_FP8)
@@ -1188,18 +1205,9 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my + sl.rows, in, s.m * row_bytes));
     } else {
       if (s.interior.m > 0) {
-        kernels::QuantizedBuffers b;
-        if (p.rowwise) {
-          b.rowwise_data = my + sl.rw_data;
-          b.rowwise_scale_inv = reinterpret_cast<float*>(my + sl.rw_scale);
-        }
-        if (p.columnwise) {
-          b.columnwise_data = my + sl.cw_data;
-          b.columnwise_scale_inv = reinterpret_cast<float*>(my + sl.cw_scale);
-        }
         QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
             backend::ShardArgs{in + s.head_rows * row_bytes, local->dtype, s.interior, p}, nullptr,
-            nullptr, b));
+            nullptr, BuffersAt(my, p, sl.rw_data, sl.rw_scale, sl.cw_data, sl.cw_scale)));
       }
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my + sl.head, in, s.head_rows * row_bytes));
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(
@@ -1345,15 +1353,8 @@ absl::Status AllGatherCall::AssembleOneRound(const kernels::OneRoundPlan& plan,
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(sb + at, src, piece.rows * row_bytes));
       at += piece.rows * row_bytes;
     }
-    kernels::QuantizedBuffers b;
-    if (p.rowwise) {
-      b.rowwise_data = sb + sc.rw_data;
-      b.rowwise_scale_inv = reinterpret_cast<float*>(sb + sc.rw_scale);
-    }
-    if (p.columnwise) {
-      b.columnwise_data = sb + sc.cw_data;
-      b.columnwise_scale_inv = reinterpret_cast<float*>(sb + sc.cw_scale);
-    }
+    const kernels::QuantizedBuffers b =
+        BuffersAt(sb, p, sc.rw_data, sc.rw_scale, sc.cw_data, sc.cw_scale);
     QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
         backend::ShardArgs{sb + sc.rows, local->dtype, blk.geom, p}, nullptr, nullptr, b));
     piece_geoms.push_back(blk.geom);
