@@ -1223,18 +1223,17 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
   Lap(&timing.gather);
   // The slot check, on the device after the gather: every header against
   // this rank's (Device::CheckSlotHeaders), every header copied out.
-  backend::SlotHeaderCheck sc;
-  sc.slots = base;
-  sc.slot_stride = slot_bytes;
-  sc.count = world;
-  sc.expected = check;
-  sc.header_bytes = kHeader;
-  sc.agreed_bytes = kAgreedBytes;
-  sc.rank_offset = offsetof(OneRoundHeader, rank);
-  sc.status_offset = kStatusCodeOffset;
-  sc.headers_out = check + copies_at;
-  sc.bad = reinterpret_cast<uint32_t*>(check + verdict_at);
-  QTX_RETURN_IF_ERROR(ctx.device->CheckSlotHeaders(sc));
+  QTX_RETURN_IF_ERROR(ctx.device->CheckSlotHeaders(
+      backend::SlotHeaderCheck{.slots = base,
+                               .slot_stride = slot_bytes,
+                               .count = world,
+                               .expected = check,
+                               .header_bytes = kHeader,
+                               .agreed_bytes = kAgreedBytes,
+                               .rank_offset = offsetof(OneRoundHeader, rank),
+                               .status_offset = kStatusCodeOffset,
+                               .headers_out = check + copies_at,
+                               .bad = reinterpret_cast<uint32_t*>(check + verdict_at)}));
   // The explanation, from the copies, once the check has run: the same
   // verdict and message on every rank (SlotVerdict).
   auto verdict = [check, copies_at, verdict_at, world = world, slot_bytes,
