@@ -227,7 +227,10 @@ class Channel::Stream final : public grpc::ClientBidiReactor<v1::ChannelRequest,
       } else if (in_.has_progress()) {
         const v1::ChannelProgress& p = in_.progress();
         completed_through_ = std::max(completed_through_, p.completed_through());
-        if (failed_seq_ == 0 && p.failed_seq() != 0) {
+        // The earliest failure wins: an operation whose failure is known
+        // only once its device work has completed (a one-round AllGather's
+        // slot check) may be reported after a later one's.
+        if (p.failed_seq() != 0 && (failed_seq_ == 0 || p.failed_seq() < failed_seq_)) {
           failed_seq_ = p.failed_seq();
           failure_ =
               absl::Status(static_cast<absl::StatusCode>(p.failed_code()), p.failed_message());
@@ -491,7 +494,8 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
 
 absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t sequence,
                                             const Tensor& input, const QuantizeConfig& config,
-                                            AllGatherMode mode, const QuantizeOutputs& outputs) {
+                                            AllGatherMode mode, const QuantizeOutputs& outputs,
+                                            const std::vector<int64_t>& shard_rows) {
   SubmitTimer timer;
   if (absl::Status s = CheckSubmit(); !s.ok()) return s;
   timer.Mark(&ChannelSubmitProfile::check_ns);
@@ -510,6 +514,7 @@ absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t seq
   ToProto(config, a->mutable_config());
   a->set_mode(static_cast<v1::AllGatherMode>(mode));
   ToProto(outputs, a->mutable_outputs());
+  for (int64_t m : shard_rows) a->add_shard_rows(m);
   timer.Mark(&ChannelSubmitProfile::build_ns);
   if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_, timer);
       !s.ok()) {

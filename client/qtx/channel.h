@@ -42,6 +42,7 @@
 #include <string>
 #include <string_view>
 #include <variant>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -213,9 +214,17 @@ class Channel {
   // output (sized for the gathered [sum M_r, N]) are region slices. The
   // sidecar reads the shard after the caller's earlier work on the stream,
   // and the caller's later work sees the gathered outputs. As Quantize.
+  // `shard_rows` (optional, as for Client::AllGather): every rank's M_r in
+  // rank order, the same list on every rank; then the sidecars gather in
+  // one round and qtxd never waits for the GPU (the slot check runs on the
+  // device). A check that fails there (a peer's rejected request, ranks
+  // that disagree) fails this operation once its device work has run: it is
+  // never reported done, and Query / Synchronize / the next call return the
+  // error, naming the rank and field (docs/numerics.md §5.3).
   absl::StatusOr<uint64_t> AllGather(std::string_view group, uint64_t sequence, const Tensor& input,
                                      const QuantizeConfig& config, AllGatherMode mode,
-                                     const QuantizeOutputs& outputs);
+                                     const QuantizeOutputs& outputs,
+                                     const std::vector<int64_t>& shard_rows = {});
 
   // Whether operation `op` has finished: true when done, false while pending;
   // the failure when `op` failed or was not run because an earlier one

@@ -196,12 +196,18 @@ class ChannelReactor final : public grpc::ServerBidiReactor<v1::ChannelRequest, 
                           &spec->outputs.columnwise_data, &spec->outputs.columnwise_scale_inv}) {
       if (o->has_value()) add(**o);
     }
-    task.run = [collective, spec](backend::ChannelQueue* queue) -> absl::Status {
+    task.run = [collective, spec](backend::ChannelQueue* queue,
+                                  ops::CompletionCheck* check) -> absl::Status {
       spec->events.queue = queue;
       absl::Notification done;
       absl::Status status;
       collective->SubmitAllGather(spec, absl::Now() + collective->GroupTimeout(spec->group),
-                                  [&](absl::Status s, ops::AllGatherResult*) {
+                                  [&](absl::Status s, ops::AllGatherResult* r) {
+                                    // One round: the slot check's verdict,
+                                    // read when the device work is done.
+                                    if (s.ok() && r != nullptr) {
+                                      *check = std::move(r->completion_check);
+                                    }
                                     status = std::move(s);
                                     done.Notify();
                                   });

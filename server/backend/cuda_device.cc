@@ -22,6 +22,7 @@
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
 #include "kernels/cuda/quantize_shard.h"
+#include "kernels/cuda/slot_check.h"
 #include "kernels/shard_geometry.h"
 #include "server/backend/cuda_status.h"
 #include "spdlog/spdlog.h"
@@ -194,6 +195,8 @@ CudaDevice::~CudaDevice() {
     }
     staging_all_.clear();
     staging_free_.clear();
+    for (auto& [size, p] : host_visible_free_) (void)cudaFreeHost(p);
+    host_visible_free_.clear();
   }
   for (cudaStream_t s : streams_) (void)cudaStreamDestroy(s);
   if (pool_ != nullptr) {
@@ -515,8 +518,64 @@ absl::Status CudaDevice::CombineBoundaryAmax(int world_size, const kernels::Shar
 absl::Status CudaDevice::CopyOnDevice(void* dst, const void* src, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   QTX_RETURN_IF_ERROR(Activate());
-  QTX_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ThisThreadStream()));
+  QTX_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ThisThreadStream()));
+  return absl::OkStatus();  // stream-ordered (device.h); src may be mapped host memory
+}
+
+absl::StatusOr<DeviceBuffer> CudaDevice::AllocateHostVisible(uint64_t bytes) {
+  if (bytes == 0) return DeviceBuffer();
+  QTX_RETURN_IF_ERROR(Activate());
+  uint64_t size = 4096;
+  while (size < bytes) size *= 2;
+  void* p = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = host_visible_free_.find(size);
+    if (it != host_visible_free_.end()) {
+      p = it->second;
+      host_visible_free_.erase(it);
+    }
+  }
+  if (p == nullptr) {
+    QTX_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, size, cudaHostAllocMapped | cudaHostAllocPortable));
+  }
+  std::memset(p, 0, size);
+  struct Returned {
+    CudaDevice* device;
+    void* p;
+    uint64_t size;
+  };
+  cudaStream_t stream = ThisThreadStream();
+  return DeviceBuffer(p, bytes, [this, stream, size](void* q) {
+    // Back to the pool once the work enqueued on `stream` so far has run
+    // (it may still write the block).
+    auto* r = new Returned{this, q, size};
+    auto back = +[](void* arg) {
+      auto* ret = static_cast<Returned*>(arg);
+      {
+        absl::MutexLock lock(&ret->device->mu_);
+        ret->device->host_visible_free_.emplace(ret->size, ret->p);
+      }
+      delete ret;
+    };
+    if (cudaSetDevice(ordinal_) != cudaSuccess ||
+        cudaLaunchHostFunc(stream, back, r) != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (cudaStreamSynchronize(stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        delete r;  // leaked rather than reused while the GPU may write it
+        return;
+      }
+      back(r);
+    }
+  });
+}
+
+absl::Status CudaDevice::CheckSlotHeaders(const SlotHeaderCheck& a) {
+  QTX_RETURN_IF_ERROR(Activate());
+  QTX_CUDA_RETURN_IF_ERROR(kernels::cuda::CheckSlotHeaders(
+      a.slots, a.slot_stride, a.count, a.expected, a.header_bytes, a.agreed_bytes, a.rank_offset,
+      a.status_offset, a.headers_out, a.bad, ThisThreadStream()));
   return absl::OkStatus();  // stream-ordered (device.h)
 }
 

@@ -108,6 +108,12 @@ class CudaDevice final : public Device {
                                    float* last_out) override;
   absl::Status CopyOnDevice(void* dst, const void* src, uint64_t bytes) override;
   absl::Status SynchronizeThisThread() override;
+  // Mapped page-locked memory (cudaHostAlloc, portable and mapped), kept in
+  // a pool of power-of-two blocks: a dead buffer goes back to the pool from
+  // a host function enqueued on this thread's stream (stream order, no wait).
+  absl::StatusOr<DeviceBuffer> AllocateHostVisible(uint64_t bytes) override;
+  // kernels/cuda/slot_check.h on this thread's stream.
+  absl::Status CheckSlotHeaders(const SlotHeaderCheck& args) override;
   absl::Status AssembleShards(int world_size, const kernels::ShardGeometry* geoms,
                               const kernels::QuantizedConstBuffers* shards,
                               const kernels::QuantizeParams& params,
@@ -220,6 +226,8 @@ class CudaDevice final : public Device {
   std::vector<StagingPair*> staging_free_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, SharedEvent, std::less<>> events_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> event_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  // AllocateHostVisible's free blocks by size (cudaFreeHost on destruction).
+  std::multimap<uint64_t, void*> host_visible_free_ ABSL_GUARDED_BY(mu_);
 
   // Streams of live transfer pipelines. Held while synchronizing them, so a
   // pipeline cannot destroy a stream SynchronizeAll is waiting on.

@@ -157,6 +157,28 @@ struct ShardArgs {
   kernels::QuantizeParams params;
 };
 
+// The one-round AllGather's slot check (server/ops/allgather.cc), done by the
+// device in stream order so that a stream-ordered call never waits for it:
+// `count` records of `header_bytes` bytes, record r at slots + r *
+// slot_stride. Record r passes when its first `agreed_bytes` bytes equal
+// `expected`'s, the int32 at `rank_offset` is r and the int32 at
+// `status_offset` is 0. Every record is copied to headers_out + r *
+// header_bytes (for the host to explain a failure), and *bad is set to 0
+// when every record passes, to a nonzero value otherwise. `expected`, `headers_out` and `bad` are
+// host-visible memory (Device::AllocateHostVisible), `slots` device memory.
+struct SlotHeaderCheck {
+  const void* slots = nullptr;
+  uint64_t slot_stride = 0;
+  int count = 0;
+  const void* expected = nullptr;
+  uint32_t header_bytes = 0;
+  uint32_t agreed_bytes = 0;  // <= rank_offset, status_offset; a multiple of 4
+  uint32_t rank_offset = 0;
+  uint32_t status_offset = 0;
+  void* headers_out = nullptr;
+  uint32_t* bad = nullptr;
+};
+
 // Asynchronous copies between device memory and page-locked host staging that
 // the pipeline owns, for an op that overlaps host work with transfers (the
 // optimizer step: parameter i+1's gradient travels to the host while the host
@@ -218,6 +240,15 @@ class Device {
   // Allocates `bytes` of device memory (contents unspecified).
   // RESOURCE_EXHAUSTED when the memory is used up.
   virtual absl::StatusOr<DeviceBuffer> Allocate(uint64_t bytes) = 0;
+
+  // Host memory the device's kernels and copies can also read and write
+  // (CUDA: mapped page-locked memory, the same address on both sides): for
+  // small values the host reads once the device work that wrote them has
+  // completed, without a copy. Zero-filled. Returned to the device in stream
+  // order (a device with streams: after the work enqueued on this thread's
+  // stream when the buffer dies), so a buffer may die before that work ran.
+  // The default is plain host memory (a device that computes on host memory).
+  virtual absl::StatusOr<DeviceBuffer> AllocateHostVisible(uint64_t bytes);
 
   // Copies between host and device memory. Returns when the copy is done.
   // REQUIRES: the ranges do not overlap.
@@ -330,8 +361,16 @@ class Device {
   // return once it is enqueued). The default is a plain memcpy on a device
   // that computes on host memory; FAILED_PRECONDITION on any other device
   // that does not override it.
+  // `src` may also be host-visible memory (AllocateHostVisible).
   // REQUIRES: the ranges do not overlap.
   virtual absl::Status CopyOnDevice(void* dst, const void* src, uint64_t bytes);
+
+  // Enqueues the slot check of `args` (SlotHeaderCheck) on this thread's
+  // stream, after the work enqueued there so far (the gather into the
+  // slots); a device with streams returns at once, the host reads *bad and
+  // the copies once that work has completed. The default runs it on the
+  // host (a device that computes on host memory).
+  virtual absl::Status CheckSlotHeaders(const SlotHeaderCheck& args);
 
   // Returns once everything this thread enqueued on its stream is done (a
   // device without streams: at once, the work is already done).

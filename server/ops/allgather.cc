@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <type_traits>
@@ -292,12 +294,16 @@ constexpr uint32_t kOneRoundMagic = 0x32585451;  // "QTX2"
 
 // The start of every rank's slot. Plain bytes like WireHeader (same build,
 // same machine type on every rank; the magic and header_bytes catch a peer
-// that is not).
+// that is not). The fields every rank must send identically come first, up
+// to `rank` (kAgreedBytes): the slot check compares that prefix with this
+// rank's own bytes (on the device: Device::CheckSlotHeaders), then `rank`
+// and status.code. No padding anywhere (static_assert below), so equal
+// values are equal bytes.
 struct OneRoundHeader {
   uint32_t magic = kOneRoundMagic;
-  uint32_t header_bytes = sizeof(OneRoundHeader);
-  uint64_t slot_bytes = 0;  // the slot size this rank computed
-  uint64_t digest = 0;      // AgreementDigest of the fields below
+  uint32_t header_bytes = 0;  // sizeof(OneRoundHeader), set by MakeHeader
+  uint64_t slot_bytes = 0;    // the slot size this rank computed
+  uint64_t digest = 0;        // AgreementDigest of the fields below
   // What every rank must agree on, carried in full to name the field that
   // differs when the digests do.
   uint64_t sequence = 0;
@@ -311,11 +317,20 @@ struct OneRoundHeader {
   int32_t pow2 = 0;
   uint32_t epsilon_bits = 0;
   int32_t world = 0;
-  int32_t rank = 0;                // the sender (not agreed: checked against its slot)
+  uint32_t reserved0 = 0;
   uint64_t shard_rows_digest = 0;  // Fnv1a64 of the sender's shard_rows list
-  int64_t local_rows = -1;         // rows of the sender's input (-1: unknown)
-  WireStatus status;               // the sender's verdict on its own request
+  // Per rank (not agreed).
+  int32_t rank = 0;  // the sender (checked against its slot)
+  uint32_t reserved1 = 0;
+  int64_t local_rows = -1;  // rows of the sender's input (-1: unknown)
+  WireStatus status;        // the sender's verdict on its own request (code first)
+  uint32_t reserved2 = 0;
 };
+static_assert(std::has_unique_object_representations_v<OneRoundHeader>,
+              "OneRoundHeader must have no padding: the slot check compares bytes");
+static_assert(sizeof(OneRoundHeader) % 4 == 0);
+constexpr uint32_t kAgreedBytes = offsetof(OneRoundHeader, rank);
+constexpr uint32_t kStatusCodeOffset = offsetof(OneRoundHeader, status);
 
 // 64-bit FNV-1a: a fixed function (unlike absl::Hash, which is seeded per
 // process), so every sidecar computes the same digest of the same fields.
@@ -357,6 +372,23 @@ uint64_t AgreementDigest(const OneRoundHeader& h) {
       .Add(h.world)
       .Add(h.shard_rows_digest)
       .value();
+}
+
+// The quantized copies `p` requests, at byte offsets of `base` (a slot or
+// scratch in the shard layout).
+kernels::QuantizedBuffers BuffersAt(uint8_t* base, const kernels::QuantizeParams& p,
+                                    uint64_t rw_data, uint64_t rw_scale, uint64_t cw_data,
+                                    uint64_t cw_scale) {
+  kernels::QuantizedBuffers b;
+  if (p.rowwise) {
+    b.rowwise_data = base + rw_data;
+    b.rowwise_scale_inv = reinterpret_cast<float*>(base + rw_scale);
+  }
+  if (p.columnwise) {
+    b.columnwise_data = base + cw_data;
+    b.columnwise_scale_inv = reinterpret_cast<float*>(base + cw_scale);
+  }
+  return b;
 }
 
 // Byte offsets inside one rank's slot (each section 16-byte aligned).
@@ -486,11 +518,11 @@ struct AllGatherCall {
   // Sets *usable when the list describes a tensor within the limits (even
   // if it contradicts this rank's input).
   absl::Status CheckShardRows(bool* usable) const;
-  // The verdict on the gathered headers: the same on every rank.
-  // `mine` is this rank's own verdict, reported in preference to the peers'
-  // (but after a broken transport, which the group must learn of).
-  absl::Status CheckSlots(const std::vector<OneRoundHeader>& h, uint64_t slot_bytes,
-                          const absl::Status& mine);
+  // GATHER_HIGH_PRECISION's last step, shared by both paths: quantizes the
+  // gathered [m_total, n] high-precision tensor `all` (device memory, freed
+  // by the caller on this thread's stream) into the outputs; on a
+  // stream-ordered call on the channel's queue, this thread's stream after it.
+  absl::Status QuantizeGathered(const void* all, bool stream_ordered);
   // Every rank's part, quantized and in the input's precision, into the
   // output (EXACT_FP8), or the whole tensor quantized from the gathered rows
   // (GATHER_HIGH_PRECISION).
@@ -974,25 +1006,25 @@ absl::Status AllGatherCall::GatherHighPrecision(const backend::CommCall& data_ca
     return CommFailed(s);
   }
   Lap(&timing.gather);
+  return QuantizeGathered(total > 0 ? gathered.data() : nullptr, stream_ordered);
+}
+
+absl::Status AllGatherCall::QuantizeGathered(const void* all, bool stream_ordered) {
   backend::QuantizeArgs args;
-  args.input = total > 0 ? gathered.data() : nullptr;
+  args.input = all;
   args.dtype = local->dtype;
   args.m = m_total;
   args.n = n;
   args.params = p;
   args.out = out_bufs;
-  if (stream_ordered) {
-    // The channel's queue after the gather, the quantize enqueued on the
-    // queue, then this thread's stream after the quantize: `gathered` is
-    // freed on this stream, so only once the quantize has read it.
-    QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
-    args.queue = request.events.queue;
-    QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
-    QTX_RETURN_IF_ERROR(ctx.device->OrderAfterClient(request.events));
-  } else {
-    QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
-  }
-  return absl::OkStatus();
+  if (!stream_ordered) return ctx.device->Quantize(args);
+  // The channel's queue after this thread's gather and copies, the quantize
+  // enqueued on the queue, then this thread's stream after the quantize:
+  // `all` is freed on this stream, so only once the quantize has read it.
+  QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
+  args.queue = request.events.queue;
+  QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
+  return ctx.device->OrderAfterClient(request.events);
 }
 
 absl::Status AllGatherCall::CheckShardRows(bool* usable) const {
@@ -1026,8 +1058,16 @@ absl::Status AllGatherCall::CheckShardRows(bool* usable) const {
   return absl::OkStatus();
 }
 
-absl::Status AllGatherCall::CheckSlots(const std::vector<OneRoundHeader>& h, uint64_t slot_bytes,
-                                       const absl::Status& mine) {
+// The verdict on the gathered one-round headers `h` (world of them), the
+// same on every rank: the one parse and check of the slot headers, used by
+// the synchronous path before assembly and by a stream-ordered call's
+// completion check after the device has compared them (CheckSlotHeaders).
+// `mine` is this rank's own verdict, reported in preference to the peers'
+// (but after a broken transport, which the group must learn of: then
+// *broken is set).
+absl::Status SlotVerdict(const OneRoundHeader* h, int world, uint64_t slot_bytes,
+                         const absl::Status& mine, std::span<const int64_t> shard_rows,
+                         const std::string& prefix, bool* broken) {
   // A slot that does not start with a header of this build, or whose sender
   // computed another slot size, means the ranks issued all-gathers of
   // different sizes: the transport may be out of step, so the group is
@@ -1035,7 +1075,7 @@ absl::Status AllGatherCall::CheckSlots(const std::vector<OneRoundHeader>& h, uin
   for (int r = 0; r < world; ++r) {
     if (h[r].magic != kOneRoundMagic || h[r].header_bytes != sizeof(OneRoundHeader) ||
         h[r].rank != r || h[r].slot_bytes != slot_bytes) {
-      *group_broken = true;
+      *broken = true;
       return absl::InvalidArgumentError(absl::StrFormat(
           "%srank %d's payload does not match this rank's (%s): the ranks disagree on "
           "shard_rows, N, dtype, mode or config, or not every rank passed shard_rows; the group "
@@ -1062,10 +1102,10 @@ absl::Status AllGatherCall::CheckSlots(const std::vector<OneRoundHeader>& h, uin
     return absl::InvalidArgumentError(absl::StrCat(prefix, "ranks disagree on ", diff));
   }
   for (int r = 0; r < world; ++r) {
-    if (h[r].local_rows != request.shard_rows[r]) {
+    if (h[r].local_rows != shard_rows[r]) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%sshard_rows[%d]=%d but rank %d's input has %d rows", prefix, r,
-                          request.shard_rows[r], r, h[r].local_rows));
+                          shard_rows[r], r, h[r].local_rows));
     }
   }
   return absl::OkStatus();
@@ -1083,7 +1123,7 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
   }
   // The slot layout needs N and the element size: the request's claims
   // when it was rejected (the peers' slots have the size they compute from
-  // theirs; if it differs, CheckSlots or the communicator says so).
+  // theirs; if it differs, SlotVerdict or the communicator says so).
   if (local.ok()) {
     n = local->mn.n;
   } else if (!request.input.shape.empty() && request.input.shape.back() > 0) {
@@ -1142,8 +1182,18 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
   hdr.shard_rows_digest = ShardRowsDigest(request.shard_rows);
   hdr.local_rows = local.ok() ? local->mn.m : -1;
   hdr.status = ToWire(mine);
+  hdr.header_bytes = sizeof(OneRoundHeader);
   hdr.digest = AgreementDigest(hdr);
-  QTX_RETURN_IF_ERROR(ctx.device->CopyFromHost(my, &hdr, sizeof hdr));
+  // Host-visible memory for the slot check (no host wait to move it):
+  // [this rank's header | the verdict word | every rank's header as
+  // gathered]. The header goes into the slot by a stream-ordered copy.
+  constexpr uint64_t kHeader = sizeof(OneRoundHeader);
+  const uint64_t verdict_at = Round16(kHeader), copies_at = verdict_at + 16;
+  QTX_ASSIGN_OR_RETURN(backend::DeviceBuffer check_mem,
+                       ctx.device->AllocateHostVisible(copies_at + kHeader * world));
+  auto* check = static_cast<uint8_t*>(check_mem.data());
+  std::memcpy(check, &hdr, kHeader);
+  QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my, check, kHeader));
   if (mine.ok()) {
     // This rank's part: its interior block rows quantized straight into its
     // slot, and its rows of straddling block rows as they are.
@@ -1155,18 +1205,9 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my + sl.rows, in, s.m * row_bytes));
     } else {
       if (s.interior.m > 0) {
-        kernels::QuantizedBuffers b;
-        if (p.rowwise) {
-          b.rowwise_data = my + sl.rw_data;
-          b.rowwise_scale_inv = reinterpret_cast<float*>(my + sl.rw_scale);
-        }
-        if (p.columnwise) {
-          b.columnwise_data = my + sl.cw_data;
-          b.columnwise_scale_inv = reinterpret_cast<float*>(my + sl.cw_scale);
-        }
         QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
             backend::ShardArgs{in + s.head_rows * row_bytes, local->dtype, s.interior, p}, nullptr,
-            nullptr, b));
+            nullptr, BuffersAt(my, p, sl.rw_data, sl.rw_scale, sl.cw_data, sl.cw_scale)));
       }
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my + sl.head, in, s.head_rows * row_bytes));
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(
@@ -1180,15 +1221,58 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
     return CommFailed(s);
   }
   Lap(&timing.gather);
-  std::vector<OneRoundHeader> headers_in(world);
-  for (int r = 0; r < world; ++r) {
-    QTX_RETURN_IF_ERROR(
-        ctx.device->CopyToHost(&headers_in[r], base + slot_bytes * r, sizeof(OneRoundHeader)));
+  // The slot check, on the device after the gather: every header against
+  // this rank's (Device::CheckSlotHeaders), every header copied out.
+  QTX_RETURN_IF_ERROR(ctx.device->CheckSlotHeaders(
+      backend::SlotHeaderCheck{.slots = base,
+                               .slot_stride = slot_bytes,
+                               .count = world,
+                               .expected = check,
+                               .header_bytes = kHeader,
+                               .agreed_bytes = kAgreedBytes,
+                               .rank_offset = offsetof(OneRoundHeader, rank),
+                               .status_offset = kStatusCodeOffset,
+                               .headers_out = check + copies_at,
+                               .bad = reinterpret_cast<uint32_t*>(check + verdict_at)}));
+  // The explanation, from the copies, once the check has run: the same
+  // verdict and message on every rank (SlotVerdict).
+  auto verdict = [check, copies_at, verdict_at, world = world, slot_bytes,
+                  rows = request.shard_rows,
+                  prefix = prefix](const absl::Status& mine, bool* broken) -> absl::Status {
+    std::vector<OneRoundHeader> h(world);
+    std::memcpy(h.data(), check + copies_at, sizeof(OneRoundHeader) * world);
+    uint32_t bad = 0;
+    std::memcpy(&bad, check + verdict_at, 4);
+    absl::Status v = SlotVerdict(h.data(), world, slot_bytes, mine, rows, prefix, broken);
+    if (v.ok() && bad != 0) {
+      v = absl::InternalError(absl::StrCat(
+          prefix, "the device's slot check failed but the headers agree (a corrupted slot?)"));
+    }
+    return v;
+  };
+  if (!stream_ordered) {
+    // A synchronous call: one wait, then no output is written unless every
+    // slot passed.
+    QTX_RETURN_IF_ERROR(ctx.device->SynchronizeThisThread());
+    QTX_RETURN_IF_ERROR(verdict(mine, group_broken));
+  } else if (!mine.ok()) {
+    // This rank's own request was bad: the peers learn it from its slot.
+    return mine;
   }
-  QTX_RETURN_IF_ERROR(CheckSlots(headers_in, slot_bytes, mine));
   QTX_RETURN_IF_ERROR(AssembleOneRound(plan, slots, base, slot_bytes, esize, stream_ordered));
   QTX_ASSIGN_OR_RETURN(AllGatherResult result, Finish());
   result.one_round = true;
+  if (stream_ordered) {
+    // Nothing waited for the check: the channel runs this once the call's
+    // device work has completed (AllGatherResult::completion_check). The
+    // outputs were written either way; a failure here means they are never
+    // reported valid.
+    auto mem = std::make_shared<backend::DeviceBuffer>(std::move(check_mem));
+    result.completion_check = [mem, verdict]() {
+      bool broken = false;
+      return verdict(absl::OkStatus(), &broken);
+    };
+  }
   return result;
 }
 
@@ -1212,23 +1296,7 @@ absl::Status AllGatherCall::AssembleOneRound(const kernels::OneRoundPlan& plan,
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(dst + s.row_offset * row_bytes,
                                                    slot(r) + slots[r].rows, s.m * row_bytes));
     }
-    backend::QuantizeArgs args;
-    args.input = m_total > 0 ? all.data() : nullptr;
-    args.dtype = local->dtype;
-    args.m = m_total;
-    args.n = n;
-    args.params = p;
-    args.out = out_bufs;
-    if (stream_ordered) {
-      // As GatherHighPrecision: the queue after this thread's copies, the
-      // quantize on the queue, this thread's stream (which frees `all`)
-      // after the quantize.
-      QTX_RETURN_IF_ERROR(ctx.device->SignalClient(request.events));
-      args.queue = request.events.queue;
-      QTX_RETURN_IF_ERROR(ctx.device->Quantize(args));
-      return ctx.device->OrderAfterClient(request.events);
-    }
-    return ctx.device->Quantize(args);
+    return QuantizeGathered(m_total > 0 ? all.data() : nullptr, stream_ordered);
   }
   // Pieces of the output: every rank's interior rows from its slot, then the
   // straddling block rows, each rebuilt from the rows its ranks sent and
@@ -1284,15 +1352,8 @@ absl::Status AllGatherCall::AssembleOneRound(const kernels::OneRoundPlan& plan,
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(sb + at, src, piece.rows * row_bytes));
       at += piece.rows * row_bytes;
     }
-    kernels::QuantizedBuffers b;
-    if (p.rowwise) {
-      b.rowwise_data = sb + sc.rw_data;
-      b.rowwise_scale_inv = reinterpret_cast<float*>(sb + sc.rw_scale);
-    }
-    if (p.columnwise) {
-      b.columnwise_data = sb + sc.cw_data;
-      b.columnwise_scale_inv = reinterpret_cast<float*>(sb + sc.cw_scale);
-    }
+    const kernels::QuantizedBuffers b =
+        BuffersAt(sb, p, sc.rw_data, sc.rw_scale, sc.cw_data, sc.cw_scale);
     QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
         backend::ShardArgs{sb + sc.rows, local->dtype, blk.geom, p}, nullptr, nullptr, b));
     piece_geoms.push_back(blk.geom);

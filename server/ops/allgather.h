@@ -40,11 +40,15 @@
 // or any disagreement on sequence, N, dtype, mode, config or shard_rows, fails
 // every rank naming the rank and the field; no output is written before), then
 // quantizes the straddling block rows itself and assembles the output on the
-// device. Every rank must then pass shard_rows (the choice between the paths
-// is made from it). Ranks that issue all-gathers of different sizes (a mix
-// of calls with and without shard_rows, or lists, N, dtype, mode or config
-// that change the slot size) fail on every rank: over Gloo with
-// INVALID_ARGUMENT, in step, the group usable (GlooCommunicator checks the
+// device. On a stream-ordered call (a channel) the host waits for none of
+// it: the header goes to the slot and the check runs on the device (a
+// kernel compares every header with this rank's and copies them to mapped
+// host memory), the straddling block rows are quantized and assembled in
+// stream order, and the verdict is read when the work has completed
+// (AllGatherResult::completion_check). Every rank must then pass shard_rows (the choice between the
+// paths is made from it). Ranks that issue all-gathers of different sizes (a mix of calls with and
+// without shard_rows, or lists, N, dtype, mode or config that change the slot size) fail on every
+// rank: over Gloo with INVALID_ARGUMENT, in step, the group usable (GlooCommunicator checks the
 // sizes); over NCCL at the latest at the deadline, or at the slot check
 // (header, slot size), the group then broken.
 //
@@ -54,6 +58,7 @@
 #define QTX_SERVER_OPS_ALLGATHER_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -108,6 +113,14 @@ struct AllGatherResult {
   AllGatherTiming timing;
   // True when the one-round path ran (request.shard_rows set).
   bool one_round = false;
+  // Set for a stream-ordered one-round call (events.queue set): the slot
+  // check ran on the device, in stream order, and nothing waited for it.
+  // Call it once the call's device work has completed (the channel does,
+  // from its completion path): OK, or the error the synchronous path would
+  // have returned (a peer's rejected request, a disagreement naming field
+  // and rank, a malformed slot). On an error the outputs were overwritten
+  // but must never be reported valid (docs/numerics.md §5.3).
+  std::function<absl::Status()> completion_check;
 };
 
 // Runs one all-gather. Errors: as Quantize for this rank's own request; the

@@ -156,6 +156,21 @@ void Channel::PlanLoop() {
 
 void Channel::Run(Item& item) {
   if (failed_) return;  // the channel failed earlier: nothing more runs
+  bool failed_on_device;
+  {
+    absl::MutexLock lock(&mu_);
+    failed_on_device = progress_.failed_seq != 0;
+  }
+  if (failed_on_device) {
+    // An earlier operation failed its completion check: this one and the
+    // later ones are not run; the failure value releases the client's waits.
+    failed_ = true;
+    if (absl::Status s = queue_->WriteDone(kChannelFailedOffset + item.seq); !s.ok()) {
+      spdlog::error("event=channel_fail_write_failed seq={} msg=\"{}\"", item.seq,
+                    std::string(s.message()));
+    }
+    return;
+  }
   if (item.seq != next_seq_) {
     Fail(item.seq, absl::FailedPreconditionError(absl::StrFormat(
                        "submit.seq=%d: expected %d (sequence numbers start at 1 and grow by one "
@@ -172,6 +187,7 @@ void Channel::Run(Item& item) {
     if (auto pin = ctx_.regions->Acquire(name); pin.ok()) pins.push_back(*std::move(pin));
   }
   absl::Status status = queue_->WaitReady(item.seq);
+  CompletionCheck check;
   if (status.ok()) {
     status = std::visit(
         [&](auto& spec) -> absl::Status {
@@ -185,7 +201,7 @@ void Channel::Run(Item& item) {
           } else if constexpr (std::is_same_v<Spec, DequantizeRequestSpec>) {
             return Dequantize(spec, ctx_).status();
           } else if constexpr (std::is_same_v<Spec, ChannelTask>) {
-            return spec.run(queue_.get());
+            return spec.run(queue_.get(), &check);
           } else {
             return spec;  // the submission could not be parsed
           }
@@ -206,6 +222,7 @@ void Channel::Run(Item& item) {
     absl::MutexLock lock(&mu_);
     burst_over = items_.empty();
     if (!pins.empty()) held_.push_back({item.seq, std::move(pins)});
+    if (check) checks_.emplace_back(item.seq, std::move(check));
   }
   last_ok_seq_ = item.seq;
   if (burst_over || ++ops_since_report_ >= kReportEvery) {
@@ -221,8 +238,31 @@ absl::Status Channel::TrackCompletion() {
   return queue_->OnDrained([this, seq] {
     ChannelProgress p;
     p.completed_through = seq;
+    RunChecks(seq, &p);
     Report(p);
   });
+}
+
+void Channel::RunChecks(uint64_t seq, ChannelProgress* progress) {
+  std::deque<std::pair<uint64_t, CompletionCheck>> due;
+  {
+    absl::MutexLock lock(&mu_);
+    while (!checks_.empty() && checks_.front().first <= seq) {
+      due.push_back(std::move(checks_.front()));
+      checks_.pop_front();
+    }
+  }
+  // Outside mu_ (a check reads mapped memory and builds a message; the
+  // buffers it holds die with it).
+  for (auto& [op, check] : due) {
+    absl::Status s = check();
+    if (!s.ok()) {
+      progress->completed_through = op - 1;
+      progress->failed_seq = op;
+      progress->failure = std::move(s);
+      return;
+    }
+  }
 }
 
 void Channel::Fail(uint64_t seq, absl::Status status) {
@@ -247,16 +287,21 @@ void Channel::Report(const ChannelProgress& update) {
   std::deque<Held> unpinned;  // dropped outside mu_ (a drop may unmap)
   {
     absl::MutexLock lock(&mu_);
-    progress_.completed_through = std::max(progress_.completed_through, update.completed_through);
+    // The earliest failure wins (a completion check may report one after a
+    // later operation's enqueue failure), and nothing from it on is done.
+    if (update.failed_seq != 0 &&
+        (progress_.failed_seq == 0 || update.failed_seq < progress_.failed_seq)) {
+      progress_.failed_seq = update.failed_seq;
+      progress_.failure = update.failure;
+    }
+    uint64_t through = update.completed_through;
+    if (progress_.failed_seq != 0) through = std::min(through, progress_.failed_seq - 1);
+    progress_.completed_through = std::max(progress_.completed_through, through);
     while (!held_.empty() && held_.front().seq <= progress_.completed_through) {
       unpinned.push_back(std::move(held_.front()));
       held_.pop_front();
     }
     if (!reporting_) return;
-    if (progress_.failed_seq == 0 && update.failed_seq != 0) {
-      progress_.failed_seq = update.failed_seq;
-      progress_.failure = update.failure;
-    }
     snapshot = progress_;
   }
   // Outside mu_; the receiver keeps the largest snapshot (channel.h).
@@ -294,12 +339,15 @@ void Channel::Close(absl::Duration grace) {
   if (worker_.joinable()) worker_.join();
   queue_.reset();  // waits for the device work
   std::deque<Held> held;
+  std::deque<std::pair<uint64_t, CompletionCheck>> checks;
   {
     absl::MutexLock lock(&mu_);
     reporting_ = false;
     held.swap(held_);
+    checks.swap(checks_);
   }
   held.clear();
+  checks.clear();
   flags_pin_.reset();
 }
 

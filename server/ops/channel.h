@@ -8,7 +8,11 @@
 // submission order, so the thread that receives submissions (gRPC) never
 // blocks. A failed operation n writes done = kChannelFailedOffset + n (which
 // releases every wait of the client) and fails the channel for good: later
-// operations are not run.
+// operations are not run. An operation whose failure shows only once its
+// device work has run (ChannelTask's completion check) fails the channel
+// from the completion path: it and every later operation are never
+// reported done, and the first operation not yet enqueued then writes the
+// failure value.
 //
 // Progress (ops completed on the device, the first failure) is reported
 // through the callback given to Open, from the channel's threads, as
@@ -56,6 +60,11 @@ inline constexpr uint64_t kChannelFailedOffset = uint64_t{1} << 62;
 // The flag area: ready (uint64) at +0, done (uint64) at +8.
 inline constexpr uint64_t kChannelFlagBytes = 16;
 
+// A check of an operation that can be made only once its device work has
+// completed (ops::AllGatherResult::completion_check: the one-round slot
+// check, which the device runs in stream order): OK, or the op's failure.
+using CompletionCheck = std::function<absl::Status()>;
+
 // An operation the caller of Submit runs itself, ordered by the queue it is
 // given: `run` must order its device work after the work enqueued on the
 // queue so far and the queue after its own (backend::CudaEvents::queue), and
@@ -63,8 +72,12 @@ inline constexpr uint64_t kChannelFlagBytes = 16;
 // on its group's thread and only enqueues on a CUDA device: the channel pins
 // `regions` (the names of the registered regions its device work reads or
 // writes) until the queue has passed it, as for Quantize.
+// `run` may set *check: the channel then calls it from its completion path,
+// once the device has finished the op, and a failure there fails the op as
+// if `run` had returned it (it is never reported done; its done word has
+// moved on already, so the client's stream is released either way).
 struct ChannelTask {
-  std::function<absl::Status(backend::ChannelQueue* queue)> run;
+  std::function<absl::Status(backend::ChannelQueue* queue, CompletionCheck* check)> run;
   std::vector<std::string> regions;
 };
 
@@ -144,8 +157,13 @@ class Channel {
   void PlanLoop();
   void Run(Item& item);
   void Fail(uint64_t seq, absl::Status status);
-  // Reports last_ok_seq_ done once the device has finished it.
+  // Reports last_ok_seq_ done once the device has finished it (after the
+  // completion checks of the operations up to it).
   absl::Status TrackCompletion();
+  // Runs the completion checks of operations <= seq (their device work has
+  // finished); the first failure goes into *progress (completed_through
+  // then stops before it).
+  void RunChecks(uint64_t seq, ChannelProgress* progress);
   void Report(const ChannelProgress& progress);
 
   // Pins of the regions used by enqueued operations, until they complete.
@@ -178,6 +196,8 @@ class Channel {
   uint64_t plan_enqueued_ ABSL_GUARDED_BY(mu_) = 0;  // plan executions enqueued
   ChannelProgress progress_ ABSL_GUARDED_BY(mu_);
   std::deque<Held> held_ ABSL_GUARDED_BY(mu_);  // oldest first
+  // Completion checks of enqueued operations, oldest first.
+  std::deque<std::pair<uint64_t, CompletionCheck>> checks_ ABSL_GUARDED_BY(mu_);
   bool reporting_ ABSL_GUARDED_BY(mu_) = true;  // false once Close finished
 
   std::thread worker_;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -727,6 +728,104 @@ TEST(ChannelCollectiveE2e, AllGatherThroughChannelsMatchesQuantizeOfTheConcatena
                        HasSubstr("all_gather.outputs.columnwise_scale_inv: not set")));
   EXPECT_THAT(channels[0]->Synchronize(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("columnwise_scale_inv")));
+
+  // One round (shard_rows on every rank): the same bytes, through fresh
+  // channels (the ones above failed for good). The outputs are zeroed
+  // first, so bytes left from the call above cannot pass.
+  const std::vector<int64_t> shard_rows = {rows[0], rows[1]};
+  Tensor ins[kWorld];
+  offset = 0;
+  for (int r = 0; r < kWorld; ++r) {
+    QTX_ASSERT_OK_AND_ASSIGN(
+        ins[r], regions[r]->Place(Tensor::Inline(DType::kBFloat16, {rows[r], n},
+                                                 all.substr(offset * n * 2, rows[r] * n * 2))));
+    offset += rows[r];
+  }
+  auto reopen = [&](const std::string& label) {
+    for (int r = 0; r < kWorld; ++r) {
+      channels[r].reset();
+      QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostChannelFlags> flags,
+                               HostChannelFlags::Create(*clients[r], "ag-flags-" + label));
+      QTX_ASSERT_OK_AND_ASSIGN(channels[r], Channel::Open(*clients[r], std::move(flags)));
+    }
+  };
+  // Zeroes the outputs, runs group call `seq` in one round on every rank,
+  // checks every byte.
+  auto one_round_exact = [&](uint64_t seq) {
+    for (int r = 0; r < kWorld; ++r) {
+      for (const auto* o : {&outs[r].rowwise_data, &outs[r].rowwise_scale_inv,
+                            &outs[r].columnwise_data, &outs[r].columnwise_scale_inv}) {
+        QTX_ASSERT_OK_AND_ASSIGN(std::span<std::byte> v, regions[r]->View(**o));
+        std::memset(v.data(), 0, v.size());
+      }
+      QTX_ASSERT_OK(
+          channels[r]
+              ->AllGather("tp", seq, ins[r], config, AllGatherMode::kExactFp8, outs[r], shard_rows)
+              .status());
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      QTX_ASSERT_OK(channels[r]->Synchronize());
+      EXPECT_TRUE(Bytes(*regions[r], *outs[r].rowwise_data) == expected.rowwise_data) << r;
+      EXPECT_TRUE(Bytes(*regions[r], *outs[r].rowwise_scale_inv) == expected.rowwise_scale_inv)
+          << r;
+      EXPECT_TRUE(Bytes(*regions[r], *outs[r].columnwise_data) == expected.columnwise_data) << r;
+      EXPECT_TRUE(Bytes(*regions[r], *outs[r].columnwise_scale_inv) ==
+                  expected.columnwise_scale_inv)
+          << r;
+    }
+  };
+  ASSERT_NO_FATAL_FAILURE(reopen("one-round"));
+  ASSERT_NO_FATAL_FAILURE(one_round_exact(2));
+  // Ranks that disagree (amax_epsilon, which keeps the slot size): the
+  // check runs with the op's device work, not before it returns; the op is
+  // never reported done and both channels fail naming field and rank. The
+  // channel's later operations are not run.
+  {
+    uint64_t ids[kWorld] = {};
+    for (int r = 0; r < kWorld; ++r) {
+      QuantizeConfig c = config;
+      if (r == 1) c.amax_epsilon = 1e-3f;
+      QTX_ASSERT_OK_AND_ASSIGN(
+          ids[r], channels[r]->AllGather("tp", 3, ins[r], c, AllGatherMode::kExactFp8, outs[r],
+                                         shard_rows));
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_THAT(channels[r]->Synchronize(),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           HasSubstr("ranks disagree on config.amax_epsilon: rank 0 has 0, rank 1 "
+                                     "has 0.001")))
+          << r;
+      EXPECT_THAT(channels[r]->Query(ids[r]),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("amax_epsilon")))
+          << r;
+      EXPECT_EQ(channels[r]->completed(), ids[r] - 1) << r;
+      EXPECT_THAT(
+          channels[r]
+              ->AllGather("tp", 4, ins[r], config, AllGatherMode::kExactFp8, outs[r], shard_rows)
+              .status(),
+          StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("amax_epsilon")))
+          << r;
+    }
+  }
+  // A rank whose own request is bad (an output in a region qtxd does not
+  // know): it fails at once, the other from its slot check ("rank 1
+  // rejected its request"). The group sequence 4 was never run above (the
+  // channels had failed), so it is next.
+  ASSERT_NO_FATAL_FAILURE(reopen("rejected"));
+  for (int r = 0; r < kWorld; ++r) {
+    QuantizeOutputs o = outs[r];
+    if (r == 1) o.columnwise_data->region = "no-such-region";
+    QTX_ASSERT_OK(channels[r]
+                      ->AllGather("tp", 4, ins[r], config, AllGatherMode::kExactFp8, o, shard_rows)
+                      .status());
+  }
+  EXPECT_THAT(channels[1]->Synchronize(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no-such-region")));
+  EXPECT_THAT(channels[0]->Synchronize(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 1 rejected its request")));
+  // And the group still works, in one round.
+  ASSERT_NO_FATAL_FAILURE(reopen("after"));
+  ASSERT_NO_FATAL_FAILURE(one_round_exact(5));
 }
 
 }  // namespace

@@ -58,10 +58,15 @@ struct Case {
   int64_t m = 0, n = 0;
   QuantizeConfig config;
   AllGatherMode mode = AllGatherMode::kExactFp8;
+  bool one_round = false;  // pass shard_rows = {m}
+  std::vector<int64_t> ShardRows() const {
+    return one_round ? std::vector<int64_t>{m} : std::vector<int64_t>{};
+  }
   std::string Name() const {
-    return absl::StrFormat("m=%d n=%d %s row=%d col=%d %s", m, n,
+    return absl::StrFormat("m=%d n=%d %s row=%d col=%d %s%s", m, n,
                            ScalingModeName(config.scaling_mode), config.rowwise, config.columnwise,
-                           mode == AllGatherMode::kExactFp8 ? "EXACT_FP8" : "GATHER_HP");
+                           mode == AllGatherMode::kExactFp8 ? "EXACT_FP8" : "GATHER_HP",
+                           one_round ? " one-round" : "");
   }
 };
 
@@ -275,7 +280,17 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
                                                    c.mode, pr.outputs, {}, {c.m}));
     EXPECT_EQ(r.shard_rows, std::vector<int64_t>{c.m});
     ExpectOutputsExact(pr, "one round");
-    checked += 3;
+
+    // The one-round path through the channel: the slot check on the device,
+    // its verdict read on completion.
+    ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
+    QTX_ASSERT_OK(
+        ch->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m})
+            .status());
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    QTX_ASSERT_OK(ch->Synchronize());
+    ExpectOutputsExact(pr, "channel one round");
+    checked += 4;
   }
   QTX_ASSERT_OK(ch->Close());
   std::printf("{\"test\":\"cuda_allgather_1rank_exact\",\"calls_checked\":%d,\"failures\":%d}\n",
@@ -342,7 +357,7 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
     const Tensor input =
         Tensor::InRegion(DType::kBFloat16, {kinds[i].m, kinds[i].n}, prepared[i].input);
     QTX_ASSERT_OK(ch->AllGather(kGroup, next_sequence_++, input, kinds[i].config, kinds[i].mode,
-                                prepared[i].outputs)
+                                prepared[i].outputs, kinds[i].ShardRows())
                       .status());
   }
   CUDA_OK(cudaStreamSynchronize(stream_));
@@ -358,8 +373,9 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
       const Prepared& pr = prepared[i];
       ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
       const Tensor input = Tensor::InRegion(DType::kBFloat16, {kinds[i].m, kinds[i].n}, pr.input);
-      QTX_ASSERT_OK_AND_ASSIGN(last_op, ch->AllGather(kGroup, next_sequence_++, input,
-                                                      kinds[i].config, kinds[i].mode, pr.outputs));
+      QTX_ASSERT_OK_AND_ASSIGN(
+          last_op, ch->AllGather(kGroup, next_sequence_++, input, kinds[i].config, kinds[i].mode,
+                                 pr.outputs, kinds[i].ShardRows()));
       for (int k = 0; k < 4; ++k) {
         if (pr.out[k] == nullptr) continue;
         CUDA_OK(qtx::testing::LaunchCountMismatches(arena_.At(*pr.out[k]),
@@ -426,13 +442,64 @@ TEST_F(CudaAllGatherChannelTest, ExactChannelAllGathersOnlyEnqueueWhileTheCaller
   RunHeldAllGathers(ExactKinds(), "exact");
 }
 
-TEST_F(CudaAllGatherChannelTest, MixedChannelAllGathersOnlyEnqueueWhileTheCallersStreamIsHeld) {
+// ExactKinds and a GATHER_HIGH_PRECISION one.
+std::vector<Case> MixedKinds() {
   std::vector<Case> kinds = ExactKinds();
   Case hp = kinds[0];
   hp.config.scaling_mode = ScalingMode::kBlock1D;
   hp.mode = AllGatherMode::kGatherHighPrecision;
   kinds.push_back(hp);
-  RunHeldAllGathers(kinds, "exact+high_precision");
+  return kinds;
+}
+
+TEST_F(CudaAllGatherChannelTest, MixedChannelAllGathersOnlyEnqueueWhileTheCallersStreamIsHeld) {
+  RunHeldAllGathers(MixedKinds(), "exact+high_precision");
+}
+
+// The one-round path (shard_rows) through the channel: no header exchange,
+// the slot check a kernel whose verdict the channel reads on completion, so
+// nothing of it may wait for the held stream either. Exact kinds (m = 1000:
+// straddling block rows quantized on the device) and a high-precision one.
+TEST_F(CudaAllGatherChannelTest, OneRoundChannelAllGathersOnlyEnqueueWhileTheCallersStreamIsHeld) {
+  std::vector<Case> kinds = MixedKinds();
+  for (Case& c : kinds) c.one_round = true;
+  RunHeldAllGathers(kinds, "one_round");
+}
+
+// A one-round channel AllGather whose own shard_rows entry contradicts its
+// input fails at once (no output reported, the channel failed), and a
+// channel opened after it runs the next one-round call exactly.
+TEST_F(CudaAllGatherChannelTest, OneRoundChannelRejectsABadListAndRecovers) {
+  Case c;
+  c.m = 1000;
+  c.n = 512;
+  c.config.columnwise = true;
+  c.one_round = true;
+  Prepared pr;
+  ASSERT_NO_FATAL_FAILURE(Prepare(c, 42, pr));
+  const Tensor input = Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, pr.input);
+  {
+    QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch,
+                             qtx::cuda::OpenChannel(*client_, stream_));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        const uint64_t op,
+        ch->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m + 1}));
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    EXPECT_THAT(ch->Synchronize(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("shard_rows[0]=1001 but this rank's input has 1000")));
+    EXPECT_THAT(ch->Query(op),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard_rows[0]=1001")));
+    EXPECT_EQ(ch->completed(), 0u);
+  }
+  QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
+  ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
+  QTX_ASSERT_OK(
+      ch->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m}).status());
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  QTX_ASSERT_OK(ch->Synchronize());
+  ExpectOutputsExact(pr, "after a rejected list");
+  QTX_ASSERT_OK(ch->Close());
 }
 
 }  // namespace
