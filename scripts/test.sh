@@ -11,7 +11,8 @@ scripts/format_check.sh
 
 BUILD="${QTX_BUILD_DIR:-build}"
 JOBS="${QTX_JOBS:-$(nproc)}"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+# Warnings are errors in CI (-Wall -Wextra on every target: CMakeLists.txt).
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQTX_WERROR=ON
 cmake --build "$BUILD" -j"$JOBS"
 ctest --test-dir "$BUILD" -LE gpu --output-on-failure -j"$JOBS" --timeout 900
 # The lock annotations, checked by clang's -Wthread-safety (build-tsa; about

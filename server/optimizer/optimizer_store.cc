@@ -135,6 +135,44 @@ void AttachOwnScalars(const GroupState& s, const kernels::AdamWHyperParams& h, i
   }
 }
 
+// The kernel buffers of every parameter of `s` for one AdamW step over the
+// gradients and outputs of `bufs`. `owned_slices` (a data-parallel sharded
+// group): the update is element-wise, so each owned slice is stepped as a
+// [1, count] matrix with the FP8 output off (it needs the owners' combined
+// amaxes); else each parameter is its [m, n] matrix, with the FP8 output when
+// the group makes one and the call takes this parameter's outputs.
+// REQUIRES: bufs.grads has one entry per parameter, and so has bufs.outputs
+// unless bufs.omit_outputs.
+std::vector<kernels::cpu::AdamWParamBuffers> ParamBuffersFor(GroupState& s, const StepBuffers& bufs,
+                                                             bool owned_slices) {
+  const OutputConfig& out = s.config.output;
+  std::vector<kernels::cpu::AdamWParamBuffers> kb(s.params.size());
+  for (size_t i = 0; i < kb.size(); ++i) {
+    ParamState& p = s.params[i];
+    kernels::cpu::AdamWParamBuffers& b = kb[i];
+    if (owned_slices) {
+      const int64_t count = p.info.count();
+      b.m = count > 0 ? 1 : 0;
+      b.n = count;
+    } else {
+      b.m = p.info.m;
+      b.n = p.info.n;
+    }
+    b.master = p.master.get();
+    b.exp_avg = p.exp_avg.get();
+    b.exp_avg_sq = p.exp_avg_sq.get();
+    b.moment_dtype = s.config.moment_dtype;
+    b.grad = bufs.grads[i].data;
+    b.grad_dtype = bufs.grads[i].dtype;
+    const bool write = !bufs.omit_outputs && !bufs.outputs[i].skip;
+    b.fp8_output = !owned_slices && write && out.fp8;
+    b.quant = out.quant;
+    if (b.fp8_output) b.fp8 = bufs.outputs[i].fp8;
+    b.bf16 = write && out.bf16() ? bufs.outputs[i].bf16 : nullptr;
+  }
+  return kb;
+}
+
 // Writes every parameter's outputs from its current master weights (a
 // replayed or skipped step), through the hooks when there are some.
 absl::Status WriteCurrentOutputs(const GroupState& s, const StepBuffers& bufs) {
@@ -807,24 +845,8 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
         absl::StrFormat("step: %d gradients for %d parameters", bufs.grads.size(), np));
   }
 
-  std::vector<kernels::cpu::AdamWParamBuffers> kb(np);
-  for (size_t i = 0; i < np; ++i) {
-    ParamState& p = s.params[i];
-    kernels::cpu::AdamWParamBuffers& b = kb[i];
-    b.m = p.info.m;
-    b.n = p.info.n;
-    b.master = p.master.get();
-    b.exp_avg = p.exp_avg.get();
-    b.exp_avg_sq = p.exp_avg_sq.get();
-    b.moment_dtype = s.config.moment_dtype;
-    b.grad = bufs.grads[i].data;
-    b.grad_dtype = bufs.grads[i].dtype;
-    const bool write = !bufs.omit_outputs && !bufs.outputs[i].skip;
-    b.fp8_output = write && out.fp8;
-    b.quant = out.quant;
-    if (b.fp8_output) b.fp8 = bufs.outputs[i].fp8;
-    b.bf16 = write && out.bf16() ? bufs.outputs[i].bf16 : nullptr;
-  }
+  std::vector<kernels::cpu::AdamWParamBuffers> kb =
+      ParamBuffersFor(s, bufs, /*owned_slices=*/false);
   StepStats stats;
   stats.step = options.step;
   stats.lr = options.lr.value_or(s.config.hyper.lr);
@@ -947,24 +969,7 @@ absl::StatusOr<StepStats> OptimizerStore::StepSharded(Group& g, std::string_view
   }
   // The update is element-wise: each owned slice is stepped as a [1, count]
   // matrix with the FP8 output off (it needs the combined amaxes).
-  std::vector<kernels::cpu::AdamWParamBuffers> kb(np);
-  for (size_t i = 0; i < np; ++i) {
-    ParamState& p = s.params[i];
-    kernels::cpu::AdamWParamBuffers& b = kb[i];
-    const int64_t count = p.info.count();
-    b.m = count > 0 ? 1 : 0;
-    b.n = count;
-    b.master = p.master.get();
-    b.exp_avg = p.exp_avg.get();
-    b.exp_avg_sq = p.exp_avg_sq.get();
-    b.moment_dtype = s.config.moment_dtype;
-    b.grad = bufs.grads[i].data;
-    b.grad_dtype = bufs.grads[i].dtype;
-    b.fp8_output = false;
-    b.quant = out.quant;
-    const bool write = !bufs.omit_outputs && !bufs.outputs[i].skip;
-    b.bf16 = write && out.bf16() ? bufs.outputs[i].bf16 : nullptr;
-  }
+  std::vector<kernels::cpu::AdamWParamBuffers> kb = ParamBuffersFor(s, bufs, /*owned_slices=*/true);
   StepStats stats;
   stats.step = options.step;
   stats.lr = options.lr.value_or(s.config.hyper.lr);

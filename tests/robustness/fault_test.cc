@@ -12,12 +12,9 @@
 // CollectiveFaults.MissingRankMismatchedNAndKilledSidecar.)
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -31,17 +28,23 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "qtx/v1/memory.grpc.pb.h"
 #include "qtx/v1/optimizer.grpc.pb.h"
 #include "qtx/v1/quantizer.grpc.pb.h"
+#include "tests/testing/qtxd_process.h"
+#include "tests/testing/subprocess.h"
 
 namespace qtx::robustness {
 namespace {
 
 namespace v1 = ::qtx::v1;
 namespace fs = std::filesystem;
+using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::Subprocess;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
@@ -49,104 +52,53 @@ std::chrono::system_clock::time_point In(int ms) {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
 }
 
-// A child process (fork + exec), killed and reaped by the destructor.
-class Child {
- public:
-  // `fsize_limit` > 0: RLIMIT_FSIZE of the child (SIGXFSZ ignored, so a write
-  // past it fails with EFBIG instead of killing the process).
-  Child(const std::vector<std::string>& argv, rlim_t fsize_limit = 0) {
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      if (fsize_limit > 0) {
-        ::signal(SIGXFSZ, SIG_IGN);
-        struct rlimit rl = {fsize_limit, fsize_limit};
-        ::setrlimit(RLIMIT_FSIZE, &rl);
-      }
-      const int devnull = ::open("/dev/null", O_WRONLY);
-      if (devnull >= 0 && std::getenv("QTX_FAULT_TEST_VERBOSE") == nullptr) {
-        ::dup2(devnull, 1);
-        ::dup2(devnull, 2);
-      }
-      ::execv(args[0], args.data());
-      ::_exit(127);
-    }
-  }
-  ~Child() { Kill(SIGKILL); }
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
+// Child processes not quiet with QTX_FAULT_TEST_VERBOSE set.
+bool Quiet() { return std::getenv("QTX_FAULT_TEST_VERBOSE") == nullptr; }
 
-  // Sends `sig` and reaps; returns the wait status (-1 if already reaped).
-  int Kill(int sig) {
-    if (pid_ <= 0) return -1;
-    ::kill(pid_, sig);
-    int status = 0;
-    ::waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return status;
-  }
-  // Waits up to `ms` for exit; true if it exited.
-  bool WaitExit(int ms, int* status) {
-    for (int i = 0; i < ms / 10; ++i) {
-      if (::waitpid(pid_, status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return false;
-  }
-  bool alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0; }
-
- private:
-  pid_t pid_ = -1;
-};
-
-// A qtxd on `dir`/qtxd.sock with its checkpoints in `dir`/ckpt.
+// A qtxd (QtxdProcess) with its checkpoints in `dir`/ckpt, and stubs to it.
 class Sidecar {
  public:
-  Sidecar(const std::string& dir, std::vector<std::string> extra, rlim_t fsize_limit = 0)
-      : socket_(dir + "/qtxd.sock") {
-    std::vector<std::string> argv = {QTXD_PATH,
-                                     "--device=cpu",
-                                     "--socket=" + socket_,
-                                     "--checkpoint_dir=" + dir + "/ckpt",
-                                     "--threads=2",
-                                     "--shutdown_grace_s=1",
-                                     "--log_level=warn"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    child_ = std::make_unique<Child>(argv, fsize_limit);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(-1);
-    args.SetMaxSendMessageSize(-1);
+  // `fsize_limit` > 0: RLIMIT_FSIZE of qtxd (a write past it fails with EFBIG).
+  Sidecar(const std::string& dir, std::vector<std::string> extra, rlim_t fsize_limit = 0) {
+    std::vector<std::string> args = {"--device=cpu", "--checkpoint_dir=" + dir + "/ckpt",
+                                     "--threads=2", "--shutdown_grace_s=1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    QtxdProcess::Options options;
+    options.process.quiet = Quiet();
+    options.process.file_size_limit = fsize_limit;
+    absl::StatusOr<std::unique_ptr<QtxdProcess>> process =
+        QtxdProcess::Start(QTXD_PATH, args, options);
+    if (!process.ok()) {
+      start_status_ = process.status();
+      return;
+    }
+    process_ = *std::move(process);
+    grpc::ChannelArguments channel_args;
+    channel_args.SetMaxReceiveMessageSize(-1);
+    channel_args.SetMaxSendMessageSize(-1);
     // A fresh channel per sidecar (no reuse of a dead one's subchannel).
-    args.SetInt("qtx.fault_test.instance", ++instances_);
-    channel_ =
-        grpc::CreateCustomChannel("unix:" + socket_, grpc::InsecureChannelCredentials(), args);
+    channel_args.SetInt("qtx.fault_test.instance", ++instances_);
+    channel_ = grpc::CreateCustomChannel("unix:" + process_->socket_path(),
+                                         grpc::InsecureChannelCredentials(), channel_args);
     quantizer = v1::Quantizer::NewStub(channel_);
     optimizer = v1::Optimizer::NewStub(channel_);
     memory = v1::Memory::NewStub(channel_);
   }
 
-  // Waits until the socket answers a call.
-  bool WaitReady(int ms = 30000) {
-    const auto end = In(ms);
-    while (std::chrono::system_clock::now() < end) {
-      if (!child_->alive()) return false;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(In(500));
-      ctx.set_wait_for_ready(true);
-      v1::ListOptimizerGroupsResponse resp;
-      if (optimizer->ListGroups(&ctx, v1::ListOptimizerGroupsRequest(), &resp).ok()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
+  // kill -9, as a crash would (no shutdown checkpoint).
+  ~Sidecar() {
+    if (process_ != nullptr) process_->Kill();
   }
 
-  Child& process() { return *child_; }
-  const std::string& socket() const { return socket_; }
+  // Whether qtxd started and serves (QtxdProcess::Start waited for it).
+  ::testing::AssertionResult Started() const {
+    if (process_ != nullptr) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << "qtxd did not start: " << start_status_;
+  }
+
+  // REQUIRES: Started().
+  QtxdProcess& process() { return *process_; }
+  const std::string& socket() const { return process_->socket_path(); }
 
   std::unique_ptr<v1::Quantizer::Stub> quantizer;
   std::unique_ptr<v1::Optimizer::Stub> optimizer;
@@ -154,8 +106,8 @@ class Sidecar {
 
  private:
   static inline int instances_ = 0;
-  std::string socket_;
-  std::unique_ptr<Child> child_;
+  absl::Status start_status_;
+  std::unique_ptr<QtxdProcess> process_;
   std::shared_ptr<grpc::Channel> channel_;
 };
 
@@ -249,13 +201,16 @@ std::string StateBytes(Sidecar& s, const std::string& group, int64_t* step, int6
 std::string ReferenceState(int64_t steps) {
   const std::string dir = TempDir();
   Sidecar ref(dir, {});
-  EXPECT_TRUE(ref.WaitReady());
+  if (!ref.Started()) {
+    ADD_FAILURE() << ref.Started().message();
+    return "";
+  }
   EXPECT_TRUE(Offload(ref, "opt").ok());
   for (int64_t i = 1; i <= steps; ++i) EXPECT_TRUE(Step(ref, "opt", i).ok());
   int64_t step = 0, updates = 0;
   std::string bytes = StateBytes(ref, "opt", &step, &updates);
   EXPECT_EQ(step, steps);
-  ref.process().Kill(SIGKILL);
+  ref.process().Kill();
   fs::remove_all(dir);
   return bytes;
 }
@@ -263,13 +218,18 @@ std::string ReferenceState(int64_t steps) {
 TEST(Faults, ClientProcessKilledMidCall) {
   const std::string dir = TempDir();
   Sidecar s(dir, {});
-  ASSERT_TRUE(s.WaitReady());
+  ASSERT_TRUE(s.Started());
   for (int i = 0; i < 5; ++i) {
     // A large inline Quantize from the CLI, killed while it is in flight.
-    Child cli({QTX_CLI_PATH, "--target=unix:" + s.socket(), "quantize", "--shape=2048x4096",
-               "--usages=rowwise,columnwise"});
+    Subprocess::Options quiet;
+    quiet.quiet = Quiet();
+    absl::StatusOr<std::unique_ptr<Subprocess>> cli =
+        Subprocess::Start({QTX_CLI_PATH, "--target=unix:" + s.socket(), "quantize",
+                           "--shape=2048x4096", "--usages=rowwise,columnwise"},
+                          quiet);
+    ASSERT_TRUE(cli.ok()) << cli.status();
     std::this_thread::sleep_for(std::chrono::milliseconds(50 + 40 * i));
-    cli.Kill(SIGKILL);
+    (*cli)->Kill();
   }
   // Still serving, correct size.
   v1::QuantizeRequest req;
@@ -288,17 +248,17 @@ TEST(Faults, QtxdKilledDuringStepRestartsFromLastCheckpoint) {
   const std::string dir = TempDir();
   {
     Sidecar s(dir, {"--checkpoint_every_steps=3"});
-    ASSERT_TRUE(s.WaitReady());
+    ASSERT_TRUE(s.Started());
     ASSERT_TRUE(Offload(s, "opt").ok());
     for (int64_t i = 1; i <= 4; ++i) ASSERT_TRUE(Step(s, "opt", i).ok());
     // Step 5 in flight; SIGKILL.
     std::thread step5([&] { (void)Step(s, "opt", 5); });
     std::this_thread::sleep_for(std::chrono::milliseconds(15));
-    s.process().Kill(SIGKILL);
+    s.process().Kill();
     step5.join();
   }
   Sidecar s(dir, {"--checkpoint_every_steps=3"});
-  ASSERT_TRUE(s.WaitReady());
+  ASSERT_TRUE(s.Started());
   int64_t step = 0, updates = 0;
   const std::string restored = StateBytes(s, "opt", &step, &updates);
   // Step 3 was the last checkpoint: steps 4 and 5 are lost, never half-applied.
@@ -319,7 +279,7 @@ TEST(Faults, QtxdKilledDuringStepRestartsFromLastCheckpoint) {
   EXPECT_EQ(step, 4);
   EXPECT_EQ(updates, 4);
   EXPECT_TRUE(after == ReferenceState(4)) << "state after the retried step 4 differs";
-  s.process().Kill(SIGKILL);
+  s.process().Kill();
   fs::remove_all(dir);
 }
 
@@ -329,7 +289,7 @@ TEST(Faults, QtxdKilledDuringSaveCheckpointKeepsAValidOne) {
     int64_t saved = 0;
     {
       Sidecar s(dir, {});
-      ASSERT_TRUE(s.WaitReady());
+      ASSERT_TRUE(s.Started());
       if (attempt == 0) {
         ASSERT_TRUE(Offload(s, "opt").ok());
       }
@@ -341,11 +301,11 @@ TEST(Faults, QtxdKilledDuringSaveCheckpointKeepsAValidOne) {
       ASSERT_TRUE(Step(s, "opt", saved + 2).ok());
       std::thread save([&] { (void)Save(s, "opt"); });  // checkpoint at saved + 2, killed
       std::this_thread::sleep_for(std::chrono::milliseconds(2 + 3 * attempt));
-      s.process().Kill(SIGKILL);
+      s.process().Kill();
       save.join();
     }
     Sidecar s(dir, {});
-    ASSERT_TRUE(s.WaitReady());
+    ASSERT_TRUE(s.Started());
     v1::GetStateResponse state;
     grpc::Status st = GetState(s, "opt", &state);
     ASSERT_TRUE(st.ok()) << st.error_message();
@@ -353,7 +313,7 @@ TEST(Faults, QtxdKilledDuringSaveCheckpointKeepsAValidOne) {
     EXPECT_THAT(state.group().step(), AnyOf(saved + 1, saved + 2));
     EXPECT_EQ(state.group().update_count(), state.group().step());
     ASSERT_TRUE(Save(s, "opt").ok());
-    s.process().Kill(SIGKILL);
+    s.process().Kill();
   }
   fs::remove_all(dir);
 }
@@ -361,7 +321,7 @@ TEST(Faults, QtxdKilledDuringSaveCheckpointKeepsAValidOne) {
 TEST(Faults, CheckpointDirectoryUnwritable) {
   const std::string dir = TempDir();
   Sidecar s(dir, {});
-  ASSERT_TRUE(s.WaitReady());
+  ASSERT_TRUE(s.Started());
   ASSERT_TRUE(Offload(s, "opt").ok());
   ASSERT_TRUE(Step(s, "opt", 1).ok());
   ASSERT_TRUE(Save(s, "opt").ok());
@@ -406,7 +366,7 @@ TEST(Faults, CheckpointDirectoryUnwritable) {
   grpc::ClientContext ctx;
   ASSERT_TRUE(s.optimizer->LoadCheckpoint(&ctx, load, &loaded).ok());
   EXPECT_EQ(loaded.group().step(), 3);
-  s.process().Kill(SIGKILL);
+  s.process().Kill();
   fs::remove_all(dir);
 }
 
@@ -415,7 +375,7 @@ TEST(Faults, CheckpointDiskFull) {
   // Files written by qtxd may not exceed 1 MiB (a "full" disk for the 6 MiB
   // group, room for the small one).
   Sidecar s(dir, {}, /*fsize_limit=*/1 << 20);
-  ASSERT_TRUE(s.WaitReady());
+  ASSERT_TRUE(s.Started());
   ASSERT_TRUE(Offload(s, "small", 64, 64).ok());
   ASSERT_TRUE(Offload(s, "big").ok());
   ASSERT_TRUE(Step(s, "big", 1).ok());
@@ -435,14 +395,15 @@ TEST(Faults, CheckpointDiskFull) {
   EXPECT_EQ(step, 2);
   // SIGTERM: the shutdown checkpoint of "big" fails too, but qtxd still exits
   // (and says so); the small group's checkpoint survives a restart.
-  int status = s.process().Kill(SIGTERM);
-  EXPECT_TRUE(WIFEXITED(status)) << status;
+  absl::StatusOr<int> exit_status = s.process().Stop();
+  ASSERT_TRUE(exit_status.ok()) << exit_status.status();
+  EXPECT_LT(*exit_status, 128) << "killed by signal " << *exit_status - 128;
   Sidecar again(dir, {});
-  ASSERT_TRUE(again.WaitReady());
+  ASSERT_TRUE(again.Started());
   v1::GetStateResponse small;
   ASSERT_TRUE(GetState(again, "small", &small).ok());
   EXPECT_EQ(small.group().error(), "");
-  again.process().Kill(SIGKILL);
+  again.process().Kill();
   fs::remove_all(dir);
 }
 
@@ -506,7 +467,7 @@ v1::RegionSlice Slice(const std::string& region, uint64_t offset, uint64_t size)
 TEST(Faults, ShmShrunkDuringCallsFailsThoseCallsOnly) {
   const std::string dir = TempDir();
   Sidecar s(dir, {"--allow_client_shm"});
-  ASSERT_TRUE(s.WaitReady());
+  ASSERT_TRUE(s.Started());
   constexpr int64_t kRows = 2048, kCols = 4096;  // 32 MiB of FLOAT32
   constexpr uint64_t kF32 = kRows * kCols * 4;
   constexpr uint64_t kFp8 = kRows * kCols;

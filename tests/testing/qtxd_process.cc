@@ -1,10 +1,5 @@
 #include "tests/testing/qtxd_process.h"
 
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -18,13 +13,20 @@
 #include "absl/time/clock.h"
 #include "qtx/client.h"
 
-extern char** environ;
-
 namespace qtx::testing {
 
 absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
     const std::string& qtxd_path, const std::vector<std::string>& extra_args,
     absl::Duration timeout, const ClientOptions& probe) {
+  Options options;
+  options.timeout = timeout;
+  options.probe = probe;
+  return Start(qtxd_path, extra_args, options);
+}
+
+absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
+    const std::string& qtxd_path, const std::vector<std::string>& extra_args,
+    const Options& options) {
   char dir_template[] = "/tmp/qtx-e2e-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) {
     return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
@@ -33,56 +35,43 @@ absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
   const std::string socket_path = dir + "/qtxd.sock";
   std::vector<std::string> args = {qtxd_path, "--socket=" + socket_path, "--log_level=warn"};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, qtxd_path.c_str(), nullptr, nullptr, argv.data(), environ);
-  if (rc != 0) {
+  absl::StatusOr<std::unique_ptr<Subprocess>> child = Subprocess::Start(args, options.process);
+  if (!child.ok()) {
     std::filesystem::remove_all(dir);
-    return absl::InternalError(absl::StrCat("posix_spawn ", qtxd_path, ": ", std::strerror(rc)));
+    return child.status();
   }
-  std::unique_ptr<QtxdProcess> process(new QtxdProcess(pid, dir, socket_path));
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(process->target(), probe);
+  std::unique_ptr<QtxdProcess> process(new QtxdProcess(*std::move(child), dir, socket_path));
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect(process->target(), options.probe);
   if (!client.ok()) return client.status();
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = absl::Now() + options.timeout;
   absl::Status last;
   while (absl::Now() < deadline) {
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      process->pid_ = -1;
+    if (!process->alive()) {
       return absl::InternalError(absl::StrCat("qtxd exited during startup with status ",
-                                              WIFEXITED(status) ? WEXITSTATUS(status) : -1));
+                                              ExitCode(process->process_->Kill())));
     }
     last = (*client)->WaitUntilServing(absl::Milliseconds(200));
     if (last.ok()) return process;
   }
+  process->Kill();
   return absl::DeadlineExceededError(absl::StrCat(
-      "qtxd not serving after ", absl::FormatDuration(timeout), ": ", last.ToString()));
+      "qtxd not serving after ", absl::FormatDuration(options.timeout), ": ", last.ToString()));
 }
 
-absl::StatusOr<int> QtxdProcess::Stop(absl::Duration grace) {
-  if (pid_ < 0) return absl::FailedPreconditionError("qtxd already stopped");
-  kill(pid_, SIGTERM);
-  const absl::Time deadline = absl::Now() + grace;
-  int status = 0;
-  while (true) {
-    const pid_t r = waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) break;
-    if (absl::Now() > deadline) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, &status, 0);
-      pid_ = -1;
-      return absl::DeadlineExceededError("qtxd ignored SIGTERM; killed");
-    }
-    absl::SleepFor(absl::Milliseconds(10));
+absl::StatusOr<int> QtxdProcess::Stop(absl::Duration grace, int signal) {
+  if (process_->pid() < 0) return absl::FailedPreconditionError("qtxd already stopped");
+  absl::StatusOr<int> status = process_->Signal(signal, grace);
+  if (!status.ok()) {
+    process_->Kill();
+    return absl::DeadlineExceededError(absl::StrCat("qtxd ignored signal ", signal, " for ",
+                                                    absl::FormatDuration(grace), "; killed"));
   }
-  pid_ = -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return ExitCode(*status);
 }
 
 QtxdProcess::~QtxdProcess() {
-  if (pid_ >= 0) Stop().IgnoreError();
+  if (process_->pid() >= 0) Stop().IgnoreError();
   std::error_code ec;
   std::filesystem::remove_all(dir_, ec);
 }

@@ -1,11 +1,13 @@
 // QtxdProcess: a qtxd child process on a private unix socket, for end-to-end
-// tests and benchmarks (the one qtxd launcher of tests/ and bench/). Start() spawns it and waits
-// until its health service says SERVING; the destructor sends SIGTERM and reaps it (SIGKILL after a
-// grace period).
+// tests and benchmarks (the one qtxd launcher of tests/ and bench/; it starts
+// the process through Subprocess). Start() spawns it and waits until its health
+// service says SERVING; the destructor sends SIGTERM and reaps it (SIGKILL
+// after a grace period).
 // One owner thread.
 #ifndef QTX_TESTS_TESTING_QTXD_PROCESS_H_
 #define QTX_TESTS_TESTING_QTXD_PROCESS_H_
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <cstdlib>
@@ -16,15 +18,30 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "qtx/client.h"
+#include "tests/testing/subprocess.h"
 
 namespace qtx::testing {
 
 class QtxdProcess {
  public:
-  // Starts `qtxd_path --socket=<tmpdir>/qtxd.sock <extra_args...>` and waits
-  // up to `timeout` for SERVING, asking over the socket with `probe` options
-  // (e.g. the auth token of a token-protected qtxd). Fails with the spawn
-  // error or DEADLINE_EXCEEDED (the child is killed then).
+  struct Options {
+    // How long to wait for SERVING.
+    absl::Duration timeout = absl::Seconds(30);
+    // Client options of the SERVING probe (e.g. the auth token of a
+    // token-protected qtxd).
+    ClientOptions probe;
+    // How the child is started (quiet, file size limit).
+    Subprocess::Options process;
+  };
+
+  // Starts `qtxd_path --socket=<tmpdir>/qtxd.sock --log_level=warn
+  // <extra_args...>` and waits up to `options.timeout` for SERVING, asking
+  // over the socket. Fails with the spawn error, INTERNAL when qtxd exits
+  // during startup, or DEADLINE_EXCEEDED (the child is killed then).
+  static absl::StatusOr<std::unique_ptr<QtxdProcess>> Start(
+      const std::string& qtxd_path, const std::vector<std::string>& extra_args,
+      const Options& options);
+  // The same with a `timeout` and `probe` options and the default Subprocess options.
   static absl::StatusOr<std::unique_ptr<QtxdProcess>> Start(
       const std::string& qtxd_path, const std::vector<std::string>& extra_args,
       absl::Duration timeout = absl::Seconds(30), const ClientOptions& probe = {});
@@ -40,17 +57,25 @@ class QtxdProcess {
   std::string target() const { return "unix://" + socket_path_; }
   const std::string& socket_path() const { return socket_path_; }
   // The child's process id (e.g. to read its CPU time); -1 once reaped.
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return process_->pid(); }
+  // True while qtxd runs (not stopped, killed or exited).
+  bool alive() { return process_->alive(); }
 
-  // Sends SIGTERM and waits up to `grace` for exit. Returns the exit status
-  // (as from waitpid's WEXITSTATUS; 128+signal when killed by a signal).
-  absl::StatusOr<int> Stop(absl::Duration grace = absl::Seconds(20));
+  // Sends `signal` (SIGTERM or SIGINT: a clean shutdown) and waits up to
+  // `grace` for exit. Returns the exit status (as from waitpid's WEXITSTATUS;
+  // 128+signal when killed by a signal); DEADLINE_EXCEEDED when qtxd ignored
+  // the signal for `grace` (it is killed then); FAILED_PRECONDITION when it was
+  // stopped already.
+  absl::StatusOr<int> Stop(absl::Duration grace = absl::Seconds(20), int signal = SIGTERM);
+  // kill -9: SIGKILL and reap, no shutdown (no shutdown checkpoint, the socket
+  // file stays). Does nothing once stopped.
+  void Kill() { process_->Kill(); }
 
  private:
-  QtxdProcess(pid_t pid, std::string dir, std::string socket_path)
-      : pid_(pid), dir_(std::move(dir)), socket_path_(std::move(socket_path)) {}
+  QtxdProcess(std::unique_ptr<Subprocess> process, std::string dir, std::string socket_path)
+      : process_(std::move(process)), dir_(std::move(dir)), socket_path_(std::move(socket_path)) {}
 
-  pid_t pid_;  // -1 once reaped
+  const std::unique_ptr<Subprocess> process_;
   const std::string dir_;
   const std::string socket_path_;
 };

@@ -38,6 +38,7 @@
 #include "tests/client/cuda/cuda_test_support.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/subprocess.h"
 
 namespace qtx {
 namespace {
@@ -45,6 +46,7 @@ namespace {
 using ::qtx::testing::DeviceArena;
 using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::StatusIs;
+using ::qtx::testing::Subprocess;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;
@@ -361,27 +363,17 @@ TEST_F(CudaChannelTest, AllGatherOnAOneRankNcclGroupIsOrderedAndExact) {
 // client's ready word: qtxd lets the parked work through, keeps serving, and
 // a new channel works. The child is this executable in --park_child mode.
 TEST_F(CudaChannelTest, AClientKilledWithParkedWorkLeavesQtxdServing) {
-  int out[2];
-  ASSERT_EQ(::pipe(out), 0);
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::dup2(out[1], 1);
-    ::close(out[0]);
-    const std::string target = "--park_child=" + server_->target();
-    ::execl(g_self_path.c_str(), g_self_path.c_str(), target.c_str(), nullptr);
-    ::_exit(127);
-  }
-  ::close(out[1]);
+  Subprocess::Options pipe;
+  pipe.pipe_stdout = true;
+  QTX_ASSERT_OK_AND_ASSIGN(
+      const std::unique_ptr<Subprocess> child,
+      Subprocess::Start({g_self_path, "--park_child=" + server_->target()}, pipe));
   char buf[64] = {};
-  const ssize_t n = ::read(out[0], buf, sizeof(buf) - 1);  // "parked\n" once submitted
-  ::close(out[0]);
+  const ssize_t n = ::read(child->stdout_fd(), buf, sizeof(buf) - 1);  // "parked\n" once submitted
   ASSERT_GT(n, 0);
   EXPECT_TRUE(absl::StartsWith(buf, "parked")) << buf;
   std::fprintf(stderr, "test: child parked, killing it\n");
-  ASSERT_EQ(::kill(child, SIGKILL), 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  child->Kill();
   std::fprintf(stderr, "test: child reaped\n");
   // qtxd still serves, and channels work.
   QTX_ASSERT_OK_AND_ASSIGN(ServingStatus health, client_->Health());

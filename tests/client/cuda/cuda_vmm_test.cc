@@ -43,12 +43,14 @@
 #include "tests/client/cuda/cuda_test_support.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/subprocess.h"
 
 namespace qtx {
 namespace {
 
 using ::qtx::testing::QtxdProcess;
 using ::qtx::testing::StatusIs;
+using ::qtx::testing::Subprocess;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;
@@ -422,22 +424,18 @@ TEST_F(CudaVmmTest, QtxdHoldsTheMemoryUntilUnregisterAndNoticesReplacedChunks) {
   EXPECT_FALSE(HasRegion(*client_, s1.region)) << "the stale registration must be dropped";
 }
 
-// Runs this executable in `mode` against `target`; returns its pid and the
-// read end of its stdout.
-pid_t SpawnChild(const std::string& mode, const std::string& target, int* out_fd) {
-  int out[2];
-  if (::pipe(out) != 0) return -1;
-  const pid_t child = ::fork();
-  if (child == 0) {
-    ::dup2(out[1], 1);
-    ::close(out[0]);
-    const std::string arg = "--" + mode + "=" + target;
-    ::execl(g_self_path.c_str(), g_self_path.c_str(), arg.c_str(), nullptr);
-    ::_exit(127);
+// Runs this executable in `mode` against `target`, its stdout in a pipe
+// (Subprocess::stdout_fd); null (and a test failure) if it cannot start.
+std::unique_ptr<Subprocess> SpawnChild(const std::string& mode, const std::string& target) {
+  Subprocess::Options options;
+  options.pipe_stdout = true;
+  absl::StatusOr<std::unique_ptr<Subprocess>> child =
+      Subprocess::Start({g_self_path, "--" + mode + "=" + target}, options);
+  if (!child.ok()) {
+    ADD_FAILURE() << mode << ": " << child.status();
+    return nullptr;
   }
-  ::close(out[1]);
-  *out_fd = out[0];
-  return child;
+  return *std::move(child);
 }
 
 std::string ReadLine(int fd) {
@@ -449,16 +447,12 @@ std::string ReadLine(int fd) {
 
 TEST_F(CudaVmmTest, AClientsRegionsGoWithItsSession) {
   const size_t free0 = FreeDeviceBytes();
-  int out = -1;
-  const pid_t child = SpawnChild("vmm_hold_child", server_->target(), &out);
-  ASSERT_GT(child, 0);
-  const std::string line = ReadLine(out);
-  ::close(out);
+  const std::unique_ptr<Subprocess> child = SpawnChild("vmm_hold_child", server_->target());
+  ASSERT_NE(child, nullptr);
+  const std::string line = ReadLine(child->stdout_fd());
   ASSERT_EQ(line, "registered");
   EXPECT_TRUE(HasRegion(*client_, "child-vmm"));
-  ASSERT_EQ(::kill(child, SIGKILL), 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  child->Kill();
   const absl::Time killed = absl::Now();
   bool gone = false;
   // qtxd drops a dead client's regions after a 5 s grace (fd_inbox.h).
@@ -489,15 +483,11 @@ TEST_F(CudaVmmTest, AClientsRegionsGoWithItsSession) {
 // and qtxd keeps serving. (Under MPS the kill of the child's running spin
 // kernel alone takes every client down: see KillSpinningClient.)
 TEST_F(CudaVmmTest, AClientKilledWithParkedWorkOnVmmMemoryLeavesQtxdServing) {
-  int out = -1;
-  const pid_t child = SpawnChild("vmm_park_child", server_->target(), &out);
-  ASSERT_GT(child, 0);
-  const std::string line = ReadLine(out);
-  ::close(out);
+  const std::unique_ptr<Subprocess> child = SpawnChild("vmm_park_child", server_->target());
+  ASSERT_NE(child, nullptr);
+  const std::string line = ReadLine(child->stdout_fd());
   ASSERT_EQ(line, "parked");
-  ASSERT_EQ(::kill(child, SIGKILL), 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  child->Kill();
   const absl::Time killed = absl::Now();
   QTX_ASSERT_OK_AND_ASSIGN(ServingStatus health, client_->Health());
   EXPECT_EQ(health, ServingStatus::kServing);
@@ -581,14 +571,10 @@ void CheckAliveAfterKill(Client& client, cudaStream_t stream, const char* what) 
 // Control for the MPS question: a client that only runs a long kernel
 // (no qtx at all) is killed.
 TEST_F(CudaVmmTest, KillSpinningClient) {
-  int out = -1;
-  const pid_t child = SpawnChild("spin_child", "x", &out);
-  ASSERT_GT(child, 0);
-  ASSERT_EQ(ReadLine(out), "spinning");
-  ::close(out);
-  ASSERT_EQ(::kill(child, SIGKILL), 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  const std::unique_ptr<Subprocess> child = SpawnChild("spin_child", "x");
+  ASSERT_NE(child, nullptr);
+  ASSERT_EQ(ReadLine(child->stdout_fd()), "spinning");
+  child->Kill();
   absl::SleepFor(absl::Milliseconds(500));
   CheckAliveAfterKill(*client_, stream_, "spinning_client");
 }
@@ -598,15 +584,12 @@ TEST_F(CudaVmmTest, KillSpinningClient) {
 // and writes the client's memory: VMM memory imported by qtxd, or cudaMalloc
 // memory opened by CUDA IPC.
 void KillBusyClient(Client& client, QtxdProcess& server, cudaStream_t stream, const char* kind) {
-  int out = -1;
-  const pid_t child = SpawnChild(std::string("busy_child_") + kind, server.target(), &out);
-  ASSERT_GT(child, 0);
-  const std::string line = ReadLine(out);
-  ::close(out);
+  const std::unique_ptr<Subprocess> child =
+      SpawnChild(std::string("busy_child_") + kind, server.target());
+  ASSERT_NE(child, nullptr);
+  const std::string line = ReadLine(child->stdout_fd());
   ASSERT_EQ(line, "submitted") << line;
-  ASSERT_EQ(::kill(child, SIGKILL), 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  child->Kill();
   absl::SleepFor(absl::Milliseconds(1500));
   CheckAliveAfterKill(client, stream, (std::string("busy_client_") + kind).c_str());
 }

@@ -2,9 +2,6 @@
 // thread per rank calls its own sidecar. Bit identity of AllGather with
 // QuantizeBlock(concat(shards)), and the fault cases.
 #include <grpcpp/grpcpp.h>
-#include <signal.h>
-#include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -23,6 +20,7 @@
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/fp8.h"
 #include "qtx/v1/collective.grpc.pb.h"
+#include "tests/testing/qtxd_process.h"
 
 #ifndef QTXD_PATH
 #error "QTXD_PATH must name the qtxd binary"
@@ -31,16 +29,18 @@
 namespace qtx {
 namespace {
 
+using ::qtx::testing::QtxdProcess;
 using ::testing::HasSubstr;
 
 struct Sidecar {
-  pid_t pid = -1;
+  std::unique_ptr<QtxdProcess> process;  // null if it did not start
   int port = 0;
-  std::string socket;
   std::unique_ptr<v1::Collective::Stub> stub;
   std::shared_ptr<grpc::Channel> channel;
 };
 
+// `n` qtxd (QtxdProcess), each on its unix socket and a loopback TCP port (the
+// coordinator's address for the other ranks).
 class Cluster {
  public:
   explicit Cluster(int n) {
@@ -49,38 +49,28 @@ class Cluster {
     for (int i = 0; i < n; ++i) {
       Sidecar s;
       s.port = base + i;
-      s.socket = absl::StrFormat("/tmp/qtx_coll_%d_%d_%d.sock", getpid(), counter, i);
-      const std::string sock = "--socket=" + s.socket;
-      const std::string tcp = absl::StrCat("--listen_tcp=127.0.0.1:", s.port);
-      s.pid = fork();
-      if (s.pid == 0) {
-        execl(QTXD_PATH, QTXD_PATH, sock.c_str(), tcp.c_str(), "--log_level=warn", "--threads=2",
-              static_cast<char*>(nullptr));
-        _exit(127);
+      absl::StatusOr<std::unique_ptr<QtxdProcess>> process = QtxdProcess::Start(
+          QTXD_PATH, {absl::StrCat("--listen_tcp=127.0.0.1:", s.port), "--threads=2"},
+          absl::Seconds(20));
+      // A rank that did not start fails the test; its calls fail (UNAVAILABLE).
+      EXPECT_TRUE(process.ok()) << "qtxd " << i << " did not start: " << process.status();
+      std::string target = "unix:/nonexistent/qtxd.sock";
+      if (process.ok()) {
+        s.process = *std::move(process);
+        target = s.process->target();
       }
-      s.channel = grpc::CreateChannel("unix:" + s.socket, grpc::InsecureChannelCredentials());
+      s.channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
       s.stub = v1::Collective::NewStub(s.channel);
       sidecars.push_back(std::move(s));
     }
-    for (auto& s : sidecars) {
-      EXPECT_TRUE(
-          s.channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(20)))
-          << "qtxd on " << s.socket << " did not start";
-    }
   }
+  // kill -9 of every rank (no clean shutdown to wait for).
   ~Cluster() {
-    for (auto& s : sidecars) {
-      if (s.pid > 0) {
-        kill(s.pid, SIGKILL);
-        waitpid(s.pid, nullptr, 0);
-        unlink(s.socket.c_str());
-      }
-    }
+    for (auto& s : sidecars) Kill(s);
   }
-  void Kill(int i) {
-    kill(sidecars[i].pid, SIGKILL);
-    waitpid(sidecars[i].pid, nullptr, 0);
-    sidecars[i].pid = -1;
+  void Kill(int i) { Kill(sidecars[i]); }
+  bool Alive(int i) const {
+    return sidecars[i].process != nullptr && sidecars[i].process->pid() >= 0;
   }
   std::string Coordinator() const { return absl::StrCat("127.0.0.1:", sidecars[0].port); }
   bool Healthy(int i) {
@@ -118,7 +108,7 @@ class Cluster {
   std::vector<grpc::Status> Destroy(const std::string& name, int world) {
     std::vector<grpc::Status> out(world);
     for (int r = 0; r < world; ++r) {
-      if (sidecars[r].pid < 0) continue;
+      if (!Alive(r)) continue;
       grpc::ClientContext ctx;
       v1::DestroyGroupRequest req;
       req.set_name(name);
@@ -129,6 +119,11 @@ class Cluster {
   }
 
   std::vector<Sidecar> sidecars;
+
+ private:
+  static void Kill(Sidecar& s) {
+    if (s.process != nullptr) s.process->Kill();
+  }
 };
 
 struct Shards {

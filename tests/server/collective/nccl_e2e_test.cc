@@ -10,9 +10,6 @@
 // CUDA devices and libnccl on the library path.
 #include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
-#include <signal.h>
-#include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -34,6 +31,7 @@
 #include "qtx/cuda_ipc.h"
 #include "qtx/v1/collective.grpc.pb.h"
 #include "qtx/v1/memory.grpc.pb.h"
+#include "tests/testing/qtxd_process.h"
 
 #ifndef QTXD_PATH
 #error "QTXD_PATH must name the qtxd binary"
@@ -42,63 +40,54 @@
 namespace qtx {
 namespace {
 
+using ::qtx::testing::QtxdPath;
+using ::qtx::testing::QtxdProcess;
 using ::testing::HasSubstr;
 
 constexpr int kWorld = 2;
 constexpr int kMaxMessageMb = 256;
 
 struct Sidecar {
-  pid_t pid = -1;
+  std::unique_ptr<QtxdProcess> process;  // null if it did not start
   int port = 0;
-  std::string socket;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Collective::Stub> stub;
   std::unique_ptr<v1::Memory::Stub> memory;
 };
 
-// qtxd on cuda:0 and cuda:1. QTXD may override the binary (a bundle's launcher).
+// qtxd on cuda:0 and cuda:1 (QtxdProcess). QTXD may override the binary (a bundle's launcher).
 class GpuPair {
  public:
   GpuPair() {
-    const char* env = getenv("QTXD");
-    const std::string qtxd = env != nullptr && *env ? env : QTXD_PATH;
     const int base = 21000 + (getpid() * 31) % 20000;
     for (int i = 0; i < kWorld; ++i) {
       Sidecar s;
       s.port = base + i;
-      s.socket = absl::StrFormat("/tmp/qtx_nccl_%d_%d.sock", getpid(), i);
-      const std::string args[] = {"--socket=" + s.socket,
-                                  absl::StrCat("--listen_tcp=127.0.0.1:", s.port),
-                                  absl::StrCat("--device=cuda:", i),
-                                  absl::StrCat("--max_message_mb=", kMaxMessageMb),
-                                  "--log_level=warn",
-                                  "--threads=2"};
-      s.pid = fork();
-      if (s.pid == 0) {
-        execl(qtxd.c_str(), qtxd.c_str(), args[0].c_str(), args[1].c_str(), args[2].c_str(),
-              args[3].c_str(), args[4].c_str(), args[5].c_str(), static_cast<char*>(nullptr));
-        _exit(127);
+      absl::StatusOr<std::unique_ptr<QtxdProcess>> process = QtxdProcess::Start(
+          QtxdPath(),
+          {absl::StrCat("--listen_tcp=127.0.0.1:", s.port), absl::StrCat("--device=cuda:", i),
+           absl::StrCat("--max_message_mb=", kMaxMessageMb), "--threads=2"},
+          absl::Seconds(60));
+      // A rank that did not start fails the test; its calls fail (UNAVAILABLE).
+      EXPECT_TRUE(process.ok()) << "qtxd on cuda:" << i << " did not start: " << process.status();
+      std::string target = "unix:/nonexistent/qtxd.sock";
+      if (process.ok()) {
+        s.process = *std::move(process);
+        target = s.process->target();
       }
       grpc::ChannelArguments ch;
       ch.SetMaxReceiveMessageSize(kMaxMessageMb << 20);
       ch.SetMaxSendMessageSize(kMaxMessageMb << 20);
-      s.channel =
-          grpc::CreateCustomChannel("unix:" + s.socket, grpc::InsecureChannelCredentials(), ch);
+      s.channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), ch);
       s.stub = v1::Collective::NewStub(s.channel);
       s.memory = v1::Memory::NewStub(s.channel);
       sidecars.push_back(std::move(s));
     }
-    for (auto& s : sidecars) {
-      EXPECT_TRUE(
-          s.channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(60)))
-          << "qtxd on " << s.socket << " did not start";
-    }
   }
+  // kill -9 of both ranks (no clean shutdown to wait for).
   ~GpuPair() {
     for (auto& s : sidecars) {
-      kill(s.pid, SIGKILL);
-      waitpid(s.pid, nullptr, 0);
-      unlink(s.socket.c_str());
+      if (s.process != nullptr) s.process->Kill();
     }
   }
   std::string Coordinator() const { return absl::StrCat("127.0.0.1:", sidecars[0].port); }

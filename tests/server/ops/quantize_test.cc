@@ -14,12 +14,16 @@
 #include "kernels/block_geometry.h"
 #include "kernels/cpu/quantize_block.h"
 #include "server/backend/cpu_device.h"
+#include "tests/server/testing/op_test.h"
 #include "tests/server/testing/shm_object.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx::server::ops {
 namespace {
 
+using ::qtx::testing::OpTest;
+using ::qtx::testing::QuantizedBytes;
+using ::qtx::testing::QuantizeReference;
 using ::qtx::testing::ShmObject;
 using ::qtx::testing::StatusIs;
 using tensor::DType;
@@ -43,44 +47,9 @@ std::string ToBf16(const std::string& f32) {
   return out;
 }
 
-struct Reference {
-  std::string rowwise_data, rowwise_scale, columnwise_data, columnwise_scale;
-};
-
-// The expected bytes: kernels::cpu::QuantizeBlock called directly.
-Reference QuantizeDirect(const std::string& input, kernels::InputDType dtype, int64_t m, int64_t n,
-                         const kernels::QuantizeParams& p) {
-  const kernels::QuantizedLayout l = kernels::ComputeLayout(p.scaling, m, n);
-  Reference r;
-  r.rowwise_data.assign(l.RowwiseDataBytes(), '\x55');
-  r.rowwise_scale.assign(l.RowwiseScaleCount() * 4, '\x55');
-  r.columnwise_data.assign(l.ColumnwiseDataBytes(), '\x55');
-  r.columnwise_scale.assign(l.ColumnwiseScaleCount() * 4, '\x55');
-  kernels::QuantizedBuffers out;
-  out.rowwise_data = reinterpret_cast<uint8_t*>(r.rowwise_data.data());
-  out.rowwise_scale_inv = reinterpret_cast<float*>(r.rowwise_scale.data());
-  out.columnwise_data = reinterpret_cast<uint8_t*>(r.columnwise_data.data());
-  out.columnwise_scale_inv = reinterpret_cast<float*>(r.columnwise_scale.data());
-  kernels::cpu::QuantizeBlock(input.data(), dtype, m, n, p, out);
-  if (!p.rowwise) r.rowwise_data.clear(), r.rowwise_scale.clear();
-  if (!p.columnwise) r.columnwise_data.clear(), r.columnwise_scale.clear();
-  return r;
-}
-
-class QuantizeOpTest : public ::testing::Test {
+class QuantizeOpTest : public OpTest {
  protected:
-  QuantizeOpTest() : shm_(1 << 20), regions_(Options()) {}
-  static tensor::RegionTableOptions Options() {
-    tensor::RegionTableOptions o;
-    o.allow_client_shm = true;
-    return o;
-  }
-  void SetUp() override {
-    ASSERT_TRUE(shm_.ok());
-    QTX_ASSERT_OK(regions_.RegisterShm("r", shm_.name(), 0, shm_.size()));
-    ctx_.regions = &regions_;
-    ctx_.device = &device_;
-  }
+  QuantizeOpTest() : OpTest(1 << 20) {}
 
   QuantizeRequestSpec InlineRequest(DType dtype, std::vector<int64_t> shape,
                                     const std::string& bytes) {
@@ -90,11 +59,6 @@ class QuantizeOpTest : public ::testing::Test {
     r.input.data = std::string_view(bytes);
     return r;
   }
-
-  ShmObject shm_;
-  tensor::RegionTable regions_;
-  backend::CpuDevice device_;
-  OpContext ctx_;
 };
 
 struct ShapeCase {
@@ -128,7 +92,8 @@ TEST_F(QuantizeOpTest, InlineOutputsMatchTheReferenceKernel) {
     req.params.rowwise = c.rowwise;
     req.params.columnwise = c.columnwise;
     QTX_ASSERT_OK_AND_ASSIGN(QuantizeResult res, Quantize(req, ctx_));
-    const Reference ref = QuantizeDirect(bytes, *tensor::ToInputDType(c.dtype), m, n, req.params);
+    const QuantizedBytes ref =
+        QuantizeReference(bytes.data(), *tensor::ToInputDType(c.dtype), m, n, req.params);
     const kernels::QuantizedLayout l = kernels::ComputeLayout(c.scaling, m, n);
     EXPECT_EQ(res.shape, c.shape);
     EXPECT_EQ(res.source_dtype, c.dtype);
@@ -158,7 +123,8 @@ TEST_F(QuantizeOpTest, E5M2AndFp32ScalesReachTheKernel) {
   req.params.force_pow2_scales = false;
   req.params.amax_epsilon = 1e-3f;
   QTX_ASSERT_OK_AND_ASSIGN(QuantizeResult res, Quantize(req, ctx_));
-  const Reference ref = QuantizeDirect(bytes, kernels::InputDType::kFloat32, 4, 256, req.params);
+  const QuantizedBytes ref =
+      QuantizeReference(bytes.data(), kernels::InputDType::kFloat32, 4, 256, req.params);
   EXPECT_EQ(res.rowwise_data->dtype, DType::kFloat8E5M2);
   EXPECT_EQ(res.rowwise_data->inline_data, ref.rowwise_data);
   EXPECT_EQ(res.rowwise_scale_inv->inline_data, ref.rowwise_scale);
@@ -185,7 +151,8 @@ TEST_F(QuantizeOpTest, RegionInputAndOutputsMatchInline) {
   req.outputs.columnwise_data = next(l.ColumnwiseDataBytes());
   req.outputs.columnwise_scale_inv = next(l.ColumnwiseScaleCount() * 4);
   QTX_ASSERT_OK_AND_ASSIGN(QuantizeResult res, Quantize(req, ctx_));
-  const Reference ref = QuantizeDirect(bytes, kernels::InputDType::kFloat32, m, n, req.params);
+  const QuantizedBytes ref =
+      QuantizeReference(bytes.data(), kernels::InputDType::kFloat32, m, n, req.params);
   auto region_bytes = [&](const std::optional<OutputTensor>& t) {
     EXPECT_TRUE(t->region.has_value());
     EXPECT_TRUE(t->inline_data.empty());
@@ -475,7 +442,8 @@ TEST_F(QuantizeOpTest, NonHostDeviceStagesThroughDeviceMemory) {
   EXPECT_EQ(staging.allocations, 5);  // input + 4 outputs
   EXPECT_EQ(staging.to_device, 1);
   EXPECT_EQ(staging.to_host, 4);
-  const Reference ref = QuantizeDirect(bytes, kernels::InputDType::kFloat32, 5, 300, req.params);
+  const QuantizedBytes ref =
+      QuantizeReference(bytes.data(), kernels::InputDType::kFloat32, 5, 300, req.params);
   EXPECT_EQ(res.rowwise_data->inline_data, ref.rowwise_data);
   EXPECT_EQ(res.columnwise_scale_inv->inline_data, ref.columnwise_scale);
 }
@@ -492,8 +460,8 @@ TEST_F(QuantizeOpTest, TensorModeStagesOneScaleOfShapeOne) {
     req.params.columnwise = true;
     req.params.force_pow2_scales = false;
     QTX_ASSERT_OK_AND_ASSIGN(QuantizeResult res, Quantize(req, ctx));
-    const Reference ref =
-        QuantizeDirect(bytes, kernels::InputDType::kFloat32, shape[0], shape[1], req.params);
+    const QuantizedBytes ref = QuantizeReference(bytes.data(), kernels::InputDType::kFloat32,
+                                                 shape[0], shape[1], req.params);
     EXPECT_EQ(res.rowwise_data->inline_data, ref.rowwise_data);
     EXPECT_EQ(res.columnwise_data->inline_data, ref.columnwise_data);
     EXPECT_THAT(res.rowwise_scale_inv->shape, ::testing::ElementsAre(1));
