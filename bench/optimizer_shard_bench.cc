@@ -37,6 +37,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -127,9 +128,11 @@ struct OwnerBufs {
   std::vector<qtx::RegionSlice> shard_rowwise;  // per parameter
 };
 
-void Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
-         const std::vector<std::unique_ptr<qtx::Client>>& clients, const std::string& set, int k,
-         int steps, int rounds, bool columnwise, const std::string& label) {
+// Runs one (set, k) and prints its lines; returns the number of mismatching
+// shards (0 when every owner's bytes are its part of the unsharded ones).
+int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
+        const std::vector<std::unique_ptr<qtx::Client>>& clients, const std::string& set, int k,
+        int steps, int rounds, bool columnwise, const std::string& label, uint64_t& sequence) {
   const std::vector<Param> params = SetOf(set);
   int64_t flat_total = 0;
   for (const Param& p : params) flat_total += p.total();
@@ -207,7 +210,7 @@ void Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
     int64_t bytes = 0;
     for (const Piece& pc : pieces[r]) {
       const Param& p = params[pc.param];
-      bytes += pc.count() * 4 + 2 * pc.count() + Pad4(Div128(p.n)) * Div128(p.m) * 4 +
+      bytes += pc.count() * 4 + 2 * pc.count() + Pad4(Div128(p.n)) * Div128(p.m) * 4 + 64 +
                Pad4(Div128(pc.count())) * 4 + 512;
       if (columnwise)
         bytes += Pad4(Div128(p.m)) * Div128(p.n) * 4 + pc.count() + 16 * Div128(pc.count()) + 192;
@@ -270,7 +273,7 @@ void Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
         o.local_grads.push_back({p.name, t2});
         qtx::ParameterDestination dl;
         dl.name = p.name;
-        dl.fp8.rowwise_data = d.fp8.rowwise_data;  // same bytes (cases run one at a time)
+        dl.fp8.rowwise_data = Value(o.shm->Allocate(pc.count()), "alloc");
         dl.fp8.rowwise_scale_inv = Value(o.shm->Allocate(Pad4(Div128(pc.count())) * 4), "alloc");
         if (columnwise) {
           dl.fp8.columnwise_data = Value(o.shm->Allocate(pc.count()), "alloc");
@@ -284,7 +287,6 @@ void Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
   });
   (void)procs;
 
-  uint64_t sequence = 0;  // the Gloo group's; sharded steps only
   int64_t step_ref = 0, step_sharded = 0, step_local = 0;
   auto unsharded_step = [&] {
     const auto t0 = Clock::now();
@@ -369,7 +371,7 @@ void Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
     CHECK_OK(clients[r]->UnregisterRegion(owners[r].shm->name()));
   });
   CHECK_OK(clients[0]->UnregisterRegion(ref_shm->name()));
-  if (errors != 0) std::exit(1);
+  return errors;
 }
 
 }  // namespace
@@ -419,11 +421,13 @@ int main(int argc, char** argv) {
     });
     for (const absl::Status& s : st) CHECK_OK(s);
   }
+  int errors = 0;
+  std::map<int64_t, uint64_t> sequence;  // each Gloo group's next sequence (sharded steps)
   for (const std::string& set : absl::GetFlag(FLAGS_sets)) {
     for (int64_t k : ks) {
-      Run(procs, clients, set, static_cast<int>(k), steps, rounds, absl::GetFlag(FLAGS_columnwise),
-          absl::GetFlag(FLAGS_label));
+      errors += Run(procs, clients, set, static_cast<int>(k), steps, rounds,
+                    absl::GetFlag(FLAGS_columnwise), absl::GetFlag(FLAGS_label), sequence[k]);
     }
   }
-  return 0;
+  return errors == 0 ? 0 : 1;
 }

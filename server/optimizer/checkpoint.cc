@@ -831,7 +831,7 @@ absl::StatusOr<GroupState> ReadResharded(
   for (const auto& [pname, range] : shards) {
     auto it = index.find(pname);
     if (it == index.end()) {
-      std::vector<std::string_view> names;
+      std::vector<std::string> names;
       for (const ParamState& ps : first.params) names.push_back(ps.info.name);
       return absl::InvalidArgumentError(absl::StrFormat(
           "shards names parameter '%s', which the sources do not hold (they hold: %s)", pname,

@@ -639,7 +639,8 @@ TEST(ReshardErrorsE2eTest, SourcesAreCheckedBeforeAnythingChanges) {
               StatusIs(StatusCode::kInvalidArgument, HasSubstr("not a checkpoint file")));
   EXPECT_THAT(c.LoadResharded("opt", {"/tmp/opt.qtxopt"}, mine),
               StatusIs(StatusCode::kPermissionDenied, HasSubstr("--checkpoint_import_dirs")));
-  EXPECT_THAT(c.LoadResharded("opt", {file(0, "missing")}, mine), StatusIs(StatusCode::kNotFound));
+  EXPECT_THAT(c.LoadResharded("opt", {file(0, "missing")}, mine),
+              StatusIs(StatusCode::kNotFound, HasSubstr("no checkpoint at")));
   // A corrupted source: one flipped byte in a part this sidecar would not
   // keep still fails the checksum.
   {

@@ -70,9 +70,13 @@ void CheckCuda(cudaError_t e, const char* what) {
   }
 }
 void UseDevice(int device) {
-  int current = -1;
-  CheckCuda(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != device) CheckCuda(cudaSetDevice(device), "cudaSetDevice");
+  // Always cudaSetDevice: in a thread that never made a CUDA runtime call,
+  // cudaGetDevice reports device 0 without a current context, and the
+  // region cache's driver calls (cuMemGetAddressRange) then fail, which the
+  // H200 run of 2026-12-02 showed for a Session stepped from a new Python
+  // thread. Since CUDA 12 cudaSetDevice makes the primary context current
+  // at once; on the current device it is cheap.
+  CheckCuda(cudaSetDevice(device), "cudaSetDevice");
 }
 
 // (pointer, bytes) of a device buffer, or None.

@@ -1389,8 +1389,7 @@ class Session:
                 b, e = ranges[name]
                 lay, fields = _shard_layout(shapes[name], cfg, e - b)
                 if a is None:
-                    dests.append((name, [None] * 4))  # the scales come back inline
-                    continue
+                    continue  # no destination: its (whole) scales come back inline
                 bufs, tensors, blocks = self._quantize_outputs(o, lay, cfg, a, s, fields)
                 if e == b:
                     bufs[0] = None
