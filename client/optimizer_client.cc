@@ -265,6 +265,27 @@ absl::StatusOr<OptimizerGroupInfo> Client::LoadCheckpoint(std::string_view group
   return GroupFromProto(response.group());
 }
 
+absl::StatusOr<OptimizerGroupInfo> Client::LoadResharded(std::string_view group,
+                                                         const std::vector<std::string>& sources,
+                                                         const std::vector<ParameterShard>& shards,
+                                                         const CallOptions& call) {
+  v1::LoadCheckpointRequest request;
+  request.set_group(std::string(group));
+  for (const std::string& s : sources) request.add_sources(s);
+  for (const ParameterShard& s : shards) {
+    v1::ParameterShard* p = request.add_shards();
+    p->set_name(s.name);
+    p->mutable_range()->set_begin(s.range.begin);
+    p->mutable_range()->set_end(s.range.end);
+  }
+  v1::LoadCheckpointResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  grpc::Status status = impl_->optimizer->LoadCheckpoint(&ctx, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return GroupFromProto(response.group());
+}
+
 absl::Status Client::ReleaseGroup(std::string_view group, const CallOptions& call) {
   v1::ReleaseGroupRequest request;
   request.set_group(std::string(group));

@@ -269,6 +269,24 @@ class Client {
   absl::StatusOr<OptimizerGroupInfo> LoadCheckpoint(std::string_view group, bool previous = false,
                                                     const CallOptions& call = {});
 
+  // Resharding: loads `group` at this sidecar's new data-parallel ranges
+  // from `sources`, every old owner's checkpoint file of the group (absolute
+  // paths this qtxd may read: under its --checkpoint_dir or
+  // --checkpoint_import_dirs), written at any data-parallel size. `shards`:
+  // the new range of each parameter this sidecar takes a range of (empty
+  // ranges for parameters it owns nothing of); parameters not named are
+  // loaded whole. Call it on every new owner with the same sources, then
+  // SaveCheckpoint on each (the loaded state is in memory only).
+  // INVALID_ARGUMENT: sources of different groups, elements in no source or
+  // in two, a bad range; FAILED_PRECONDITION: sources at different steps;
+  // PERMISSION_DENIED: a source outside the allowed directories; NOT_FOUND /
+  // DATA_LOSS: a missing or corrupted source. See LoadCheckpointRequest in
+  // proto/qtx/v1/optimizer.proto.
+  absl::StatusOr<OptimizerGroupInfo> LoadResharded(std::string_view group,
+                                                   const std::vector<std::string>& sources,
+                                                   const std::vector<ParameterShard>& shards,
+                                                   const CallOptions& call = {});
+
   // Frees the group's host memory and deletes its checkpoints (a restarted
   // qtxd does not bring it back). NOT_FOUND if absent.
   absl::Status ReleaseGroup(std::string_view group, const CallOptions& call = {});

@@ -396,8 +396,27 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
                                                            const v1::LoadCheckpointRequest* request,
                                                            v1::LoadCheckpointResponse* response) {
   return RunOnExecutor(context, "LoadCheckpoint", executor_, [this, request, response] {
-    QTX_ASSIGN_OR_RETURN(optimizer::GroupInfo info,
-                         store_->LoadCheckpoint(request->group(), request->previous()));
+    optimizer::GroupInfo info;
+    if (request->sources_size() > 0) {
+      if (request->previous()) {
+        return absl::InvalidArgumentError(
+            "LoadCheckpoint: previous=true with sources: resharding reads the files named in "
+            "sources (name a .qtxopt.prev file there to reshard from a previous checkpoint)");
+      }
+      const std::vector<std::string> sources(request->sources().begin(), request->sources().end());
+      std::vector<std::pair<std::string, kernels::ElementRange>> shards;
+      for (const v1::ParameterShard& s : request->shards()) {
+        shards.push_back({s.name(), kernels::ElementRange{s.range().begin(), s.range().end()}});
+      }
+      QTX_ASSIGN_OR_RETURN(info, store_->LoadResharded(request->group(), sources, shards));
+    } else {
+      if (request->shards_size() > 0) {
+        return absl::InvalidArgumentError(
+            "LoadCheckpoint: shards without sources; new ranges are given when resharding from "
+            "the old owners' checkpoints (sources)");
+      }
+      QTX_ASSIGN_OR_RETURN(info, store_->LoadCheckpoint(request->group(), request->previous()));
+    }
     spdlog::info("event=optimizer_group_restored group={} step={}", info.config.name,
                  info.config.step);
     GroupInfoToProto(info, response->mutable_group());

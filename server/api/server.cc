@@ -143,6 +143,7 @@ absl::Status QtxServer::Start() {
                                          << 20;
   optimizer_options.checkpoint_dir = config_.checkpoint_dir;
   optimizer_options.checkpoint_every_steps = config_.checkpoint_every_steps;
+  optimizer_options.import_dirs = config_.checkpoint_import_dirs;
   optimizer_options.num_threads = config_.optimizer_threads;
   QTX_ASSIGN_OR_RETURN(optimizer_store_, optimizer::OptimizerStore::Create(optimizer_options));
   QTX_ASSIGN_OR_RETURN(ServerSecurity security, MakeServerSecurity(config_));

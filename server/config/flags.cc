@@ -1,6 +1,8 @@
 #include "server/config/flags.h"
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/usage_config.h"
@@ -67,6 +69,10 @@ ABSL_FLAG(int64_t, optimizer_memory_limit_mb, 65536,
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for optimizer checkpoints; loaded at start (regular files only; links, "
           "FIFOs and other files named like a checkpoint are refused). Empty: no checkpoints.");
+ABSL_FLAG(std::vector<std::string>, checkpoint_import_dirs, {},
+          "Comma-separated directories (with their subdirectories) from which LoadCheckpoint may "
+          "read other sidecars' checkpoints to reshard a group (e.g. a shared filesystem with "
+          "every data-parallel owner's --checkpoint_dir); --checkpoint_dir is always allowed.");
 ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
           "Checkpoint each optimizer group every K >= 0 steps (0: only on request and at "
           "shutdown).");
@@ -124,6 +130,7 @@ ServerConfig ServerConfigFromFlags() {
   c.worker_stall_s = absl::GetFlag(FLAGS_worker_stall_s);
   c.optimizer_memory_limit_mb = absl::GetFlag(FLAGS_optimizer_memory_limit_mb);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  c.checkpoint_import_dirs = absl::GetFlag(FLAGS_checkpoint_import_dirs);
   c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
   c.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   return c;

@@ -197,6 +197,12 @@ absl::Status ValidateConfig(const ServerConfig& c) {
         "--checkpoint_every_steps=%d: must be >= 0 (0: only on request and at shutdown)",
         c.checkpoint_every_steps));
   }
+  for (const std::string& d : c.checkpoint_import_dirs) {
+    if (d.empty() || d.front() != '/') {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--checkpoint_import_dirs entry '%s': must be an absolute directory path", d));
+    }
+  }
   if (c.shutdown_grace_s < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--shutdown_grace_s=%d: must be >= 0", c.shutdown_grace_s));

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -90,6 +91,9 @@ struct ServerConfig {
   // default).
   int64_t optimizer_memory_limit_mb = 65536;
   std::string checkpoint_dir;
+  // Directories LoadCheckpoint(sources=...) may read other sidecars'
+  // checkpoints from (resharding), besides checkpoint_dir.
+  std::vector<std::string> checkpoint_import_dirs;
   int64_t checkpoint_every_steps = 0;
   int optimizer_threads = 0;
 };

@@ -15,8 +15,11 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 
 namespace qtx::server::optimizer {
@@ -545,9 +548,21 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupStat
   return kHeaderBytes + meta.size() + data_bytes + 4;
 }
 
-absl::StatusOr<GroupState> ReadCheckpoint(
-    const std::string& path, const std::function<absl::Status(uint64_t bytes)>& reserve) {
-  QTX_ASSIGN_OR_RETURN(Fd fd, OpenRegularFile(path));
+namespace {
+
+// An opened checkpoint whose header and metadata were read and checked: the
+// file position is at the start of the data section, `crc` covers every byte
+// before it, `state` has the parameter table without buffers.
+struct OpenedCheckpoint {
+  Fd fd{-1};
+  uint32_t crc = 0;
+  GroupState state;
+};
+
+absl::StatusOr<OpenedCheckpoint> OpenCheckpoint(const std::string& path) {
+  OpenedCheckpoint out;
+  QTX_ASSIGN_OR_RETURN(out.fd, OpenRegularFile(path));
+  const Fd& fd = out.fd;
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return Errno("stat", path);
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
@@ -582,7 +597,7 @@ absl::StatusOr<GroupState> ReadCheckpoint(
   }
   std::string meta(meta_bytes, '\0');
   QTX_RETURN_IF_ERROR(ReadFully(fd.get(), meta.data(), meta_bytes, &crc, path));
-  GroupState state;
+  GroupState& state = out.state;
   MetaReader r(meta, path);
   QTX_RETURN_IF_ERROR(ParseMeta(r, &state, path, version));
   if (absl::Status v = ValidateLoadedState(state); !v.ok()) {
@@ -593,11 +608,9 @@ absl::StatusOr<GroupState> ReadCheckpoint(
   }
   const uint64_t mb = MomentBytes(state.config.moment_dtype);
   uint64_t expect_data = 0;
-  int64_t elements = 0;
   for (const ParamState& p : state.params) {
     // Each parameter's bytes are below 2^44 (ParseMeta), and data_bytes below
     // the file size: stopping once past it keeps the sums from overflowing.
-    elements += p.info.count();
     expect_data += static_cast<uint64_t>(p.info.count()) * (4 + 2 * mb);
     if (expect_data > data_bytes) break;
   }
@@ -606,6 +619,34 @@ absl::StatusOr<GroupState> ReadCheckpoint(
         "checkpoint '%s': parameter table needs %d data bytes, header says %d (corrupted)", path,
         expect_data, data_bytes));
   }
+  out.crc = crc;
+  return out;
+}
+
+// Reads the trailing checksum and compares it with `crc`.
+absl::Status VerifyChecksum(const Fd& fd, uint32_t crc, const std::string& path) {
+  uint32_t stored = 0;
+  QTX_RETURN_IF_ERROR(ReadFully(fd.get(), &stored, 4, nullptr, path));
+  if (stored != crc) {
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint '%s': checksum mismatch (stored CRC-32 0x%08x, computed 0x%08x): the file "
+        "is corrupted; refusing to load it",
+        path, stored, crc));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<GroupState> ReadCheckpoint(
+    const std::string& path, const std::function<absl::Status(uint64_t bytes)>& reserve) {
+  QTX_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenCheckpoint(path));
+  const Fd& fd = opened.fd;
+  uint32_t crc = opened.crc;
+  GroupState state = std::move(opened.state);
+  const uint64_t mb = MomentBytes(state.config.moment_dtype);
+  int64_t elements = 0;
+  for (const ParamState& p : state.params) elements += p.info.count();
   QTX_RETURN_IF_ERROR(reserve(StateBytes(elements, state.config.moment_dtype)));
   for (ParamState& p : state.params) {
     QTX_ASSIGN_OR_RETURN(ParamState buffers, AllocateParamState(p.info, state.config.moment_dtype));
@@ -615,13 +656,237 @@ absl::StatusOr<GroupState> ReadCheckpoint(
     QTX_RETURN_IF_ERROR(ReadFully(fd.get(), buffers.exp_avg_sq.get(), count * mb, &crc, path));
     p = std::move(buffers);
   }
-  uint32_t stored = 0;
-  QTX_RETURN_IF_ERROR(ReadFully(fd.get(), &stored, 4, nullptr, path));
-  if (stored != crc) {
-    return absl::DataLossError(absl::StrFormat(
-        "checkpoint '%s': checksum mismatch (stored CRC-32 0x%08x, computed 0x%08x): the file "
-        "is corrupted; refusing to load it",
-        path, stored, crc));
+  QTX_RETURN_IF_ERROR(VerifyChecksum(fd, crc, path));
+  return state;
+}
+
+namespace {
+
+// INVALID_ARGUMENT unless sources `a` and `b` hold the same configuration
+// and parameter table (ranges aside); then FAILED_PRECONDITION unless they
+// were written at the same step with the same result.
+absl::Status CheckSameGroup(const std::string& pa, const GroupState& a, const std::string& pb,
+                            const GroupState& b) {
+  auto differ = [&](std::string_view what, const std::string& va, const std::string& vb) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "resharding sources '%s' and '%s' are not checkpoints of one group: %s %s vs %s", pa, pb,
+        what, va, vb));
+  };
+  auto num = [](double v) { return absl::StrFormat("%.17g", v); };
+  const GroupConfig& ca = a.config;
+  const GroupConfig& cb = b.config;
+  const kernels::AdamWHyperParams& ha = ca.hyper;
+  const kernels::AdamWHyperParams& hb = cb.hyper;
+  if (ha.lr != hb.lr) return differ("lr", num(ha.lr), num(hb.lr));
+  if (ha.beta1 != hb.beta1) return differ("beta1", num(ha.beta1), num(hb.beta1));
+  if (ha.beta2 != hb.beta2) return differ("beta2", num(ha.beta2), num(hb.beta2));
+  if (ha.eps != hb.eps) return differ("eps", num(ha.eps), num(hb.eps));
+  if (ha.weight_decay != hb.weight_decay) {
+    return differ("weight_decay", num(ha.weight_decay), num(hb.weight_decay));
+  }
+  if (ha.bias_correction != hb.bias_correction) {
+    return differ("bias_correction", absl::StrCat(ha.bias_correction),
+                  absl::StrCat(hb.bias_correction));
+  }
+  if (ca.moment_dtype != cb.moment_dtype) {
+    return differ("moment dtype", absl::StrCat(static_cast<int>(ca.moment_dtype)),
+                  absl::StrCat(static_cast<int>(cb.moment_dtype)));
+  }
+  const OutputConfig& oa = ca.output;
+  const OutputConfig& ob = cb.output;
+  if (oa.fp8 != ob.fp8 || oa.bf16_copy != ob.bf16_copy || oa.quant.scaling != ob.quant.scaling ||
+      oa.quant.format != ob.quant.format || oa.quant.rowwise != ob.quant.rowwise ||
+      oa.quant.columnwise != ob.quant.columnwise ||
+      oa.quant.force_pow2_scales != ob.quant.force_pow2_scales ||
+      std::bit_cast<uint32_t>(oa.quant.amax_epsilon) !=
+          std::bit_cast<uint32_t>(ob.quant.amax_epsilon)) {
+    return differ("output settings", "", "(format, scaling, usages, pow2, amax_epsilon or bf16)");
+  }
+  if (a.params.size() != b.params.size()) {
+    return differ("parameter count", absl::StrCat(a.params.size()), absl::StrCat(b.params.size()));
+  }
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    const ParameterInfo& x = a.params[i].info;
+    const ParameterInfo& y = b.params[i].info;
+    if (x.name != y.name) {
+      return differ(absl::StrFormat("parameters[%d]", i), "'" + x.name + "'", "'" + y.name + "'");
+    }
+    if (x.shape != y.shape) {
+      return differ(absl::StrFormat("the shape of '%s'", x.name),
+                    absl::StrCat("[", absl::StrJoin(x.shape, ", "), "]"),
+                    absl::StrCat("[", absl::StrJoin(y.shape, ", "), "]"));
+    }
+    if (!(x.hyper == y.hyper)) {
+      return differ(absl::StrFormat("the weight_decay / lr_scale of '%s'", x.name), "", "");
+    }
+  }
+  if (ca.step != cb.step || a.update_count != b.update_count) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "resharding sources '%s' (step %d, %d updates) and '%s' (step %d, %d updates) were "
+        "written at different steps: every old owner must checkpoint the same step "
+        "(SaveCheckpoint on every owner after the same Step)",
+        pa, ca.step, a.update_count, pb, cb.step, b.update_count));
+  }
+  const StepStats la = a.last.value_or(StepStats{});
+  const StepStats lb = b.last.value_or(StepStats{});
+  if (a.last.has_value() != b.last.has_value() || la.skipped != lb.skipped ||
+      la.clip_coef != lb.clip_coef || la.lr != lb.lr) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "resharding sources '%s' and '%s' hold different results of step %d (skipped, clip or "
+        "lr differ): they come from different runs",
+        pa, pb, ca.step));
+  }
+  return absl::OkStatus();
+}
+
+// Reads `count` elements of `elem` bytes into the checksum, keeping those in
+// [keep_begin, keep_end) (element indices relative to the first) at `dst`.
+absl::Status ReadKeeping(const Fd& fd, uint64_t count, uint64_t elem, uint64_t keep_begin,
+                         uint64_t keep_end, uint8_t* dst, std::vector<uint8_t>& scratch,
+                         uint32_t* crc, const std::string& path) {
+  auto skip = [&](uint64_t bytes) -> absl::Status {
+    while (bytes > 0) {
+      const uint64_t n = std::min<uint64_t>(bytes, scratch.size());
+      QTX_RETURN_IF_ERROR(ReadFully(fd.get(), scratch.data(), n, crc, path));
+      bytes -= n;
+    }
+    return absl::OkStatus();
+  };
+  if (keep_begin >= keep_end) return skip(count * elem);
+  QTX_RETURN_IF_ERROR(skip(keep_begin * elem));
+  QTX_RETURN_IF_ERROR(ReadFully(fd.get(), dst, (keep_end - keep_begin) * elem, crc, path));
+  return skip((count - keep_end) * elem);
+}
+
+}  // namespace
+
+absl::StatusOr<GroupState> ReadResharded(
+    std::span<const std::string> sources, const std::string& name,
+    const std::vector<std::pair<std::string, kernels::ElementRange>>& shards,
+    const std::function<absl::Status(uint64_t bytes)>& reserve) {
+  if (sources.empty()) {
+    return absl::InvalidArgumentError(
+        "resharding needs the checkpoint of every old owner in `sources` (none given)");
+  }
+  std::vector<OpenedCheckpoint> opened;
+  opened.reserve(sources.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (sources[i] == sources[j]) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "resharding source '%s' is named twice (sources[%d] and [%d])", sources[i], j, i));
+      }
+    }
+    QTX_ASSIGN_OR_RETURN(OpenedCheckpoint c, OpenCheckpoint(sources[i]));
+    if (i > 0) {
+      QTX_RETURN_IF_ERROR(CheckSameGroup(sources[0], opened[0].state, sources[i], c.state));
+    }
+    opened.push_back(std::move(c));
+  }
+  const GroupState& first = opened[0].state;
+  // Every parameter's elements must be in exactly one source.
+  for (size_t p = 0; p < first.params.size(); ++p) {
+    const ParameterInfo& info = first.params[p].info;
+    std::vector<std::pair<kernels::ElementRange, size_t>> pieces;
+    for (size_t s = 0; s < opened.size(); ++s) {
+      const kernels::ElementRange r = opened[s].state.params[p].info.range();
+      if (r.count() > 0) pieces.push_back({r, s});
+    }
+    std::sort(pieces.begin(), pieces.end(),
+              [](const auto& x, const auto& y) { return x.first.begin < y.first.begin; });
+    int64_t at = 0;
+    size_t prev = 0;
+    for (const auto& [r, s] : pieces) {
+      if (r.begin < at) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "parameter '%s': elements [%d, %d) are in two sources, '%s' and '%s' (each element "
+            "must come from exactly one old owner's checkpoint)",
+            info.name, r.begin, std::min(at, r.end), sources[prev], sources[s]));
+      }
+      if (r.begin > at) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "parameter '%s': elements [%d, %d) of its %d are in no source (is an old owner's "
+            "checkpoint missing from `sources`?)",
+            info.name, at, r.begin, info.m * info.n));
+      }
+      at = r.end;
+      prev = s;
+    }
+    if (at != info.m * info.n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameter '%s': elements [%d, %d) of its %d are in no source (is an old owner's "
+          "checkpoint missing from `sources`?)",
+          info.name, at, info.m * info.n, info.m * info.n));
+    }
+  }
+  // The new state: the sources' group with this sidecar's ranges.
+  GroupState state;
+  state.config = first.config;
+  state.config.name = name;
+  state.update_count = first.update_count;
+  state.last = first.last;
+  absl::flat_hash_map<std::string_view, size_t> index;
+  for (size_t p = 0; p < first.params.size(); ++p) index[first.params[p].info.name] = p;
+  std::vector<std::optional<kernels::ElementRange>> ranges(first.params.size());
+  for (const auto& [pname, range] : shards) {
+    auto it = index.find(pname);
+    if (it == index.end()) {
+      std::vector<std::string> names;
+      for (const ParamState& ps : first.params) names.push_back(ps.info.name);
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "shards names parameter '%s', which the sources do not hold (they hold: %s)", pname,
+          absl::StrJoin(names, ", ")));
+    }
+    if (ranges[it->second].has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("shards names parameter '%s' twice", pname));
+    }
+    ranges[it->second] = range;
+  }
+  int64_t elements = 0;
+  for (size_t p = 0; p < first.params.size(); ++p) {
+    ParamState ps;
+    ps.info = first.params[p].info;
+    ps.info.shard = ranges[p];
+    state.params.push_back(std::move(ps));
+  }
+  {
+    std::vector<ParameterInfo> infos;
+    for (const ParamState& ps : state.params) infos.push_back(ps.info);
+    QTX_RETURN_IF_ERROR(ValidateShards(state.config, infos));
+  }
+  for (const ParamState& ps : state.params) elements += ps.info.count();
+  QTX_RETURN_IF_ERROR(reserve(StateBytes(elements, state.config.moment_dtype)));
+  for (ParamState& ps : state.params) {
+    QTX_ASSIGN_OR_RETURN(ParamState buffers,
+                         AllocateParamState(ps.info, state.config.moment_dtype));
+    ps = std::move(buffers);
+  }
+  // Each source from start to end: the checksum covers every byte, and the
+  // elements of the new ranges are copied where they belong.
+  const uint64_t mb = MomentBytes(state.config.moment_dtype);
+  std::vector<uint8_t> scratch(uint64_t{4} << 20);
+  for (size_t s = 0; s < opened.size(); ++s) {
+    OpenedCheckpoint& c = opened[s];
+    for (size_t p = 0; p < state.params.size(); ++p) {
+      const kernels::ElementRange src = c.state.params[p].info.range();
+      const kernels::ElementRange dst = state.params[p].info.range();
+      const int64_t lo = std::max(src.begin, dst.begin);
+      const int64_t hi = std::min(src.end, dst.end);
+      const uint64_t count = static_cast<uint64_t>(src.count());
+      const uint64_t kb = lo < hi ? static_cast<uint64_t>(lo - src.begin) : 0;
+      const uint64_t ke = lo < hi ? static_cast<uint64_t>(hi - src.begin) : 0;
+      const uint64_t at = lo < hi ? static_cast<uint64_t>(lo - dst.begin) : 0;
+      ParamState& t = state.params[p];
+      QTX_RETURN_IF_ERROR(ReadKeeping(c.fd, count, 4, kb, ke,
+                                      reinterpret_cast<uint8_t*>(t.master.get()) + at * 4, scratch,
+                                      &c.crc, sources[s]));
+      QTX_RETURN_IF_ERROR(ReadKeeping(c.fd, count, mb, kb, ke, t.exp_avg.get() + at * mb, scratch,
+                                      &c.crc, sources[s]));
+      QTX_RETURN_IF_ERROR(ReadKeeping(c.fd, count, mb, kb, ke, t.exp_avg_sq.get() + at * mb,
+                                      scratch, &c.crc, sources[s]));
+    }
+    QTX_RETURN_IF_ERROR(VerifyChecksum(c.fd, c.crc, sources[s]));
   }
   return state;
 }

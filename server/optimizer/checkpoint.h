@@ -28,8 +28,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -63,6 +65,28 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& dir, const GroupStat
 // checksum mismatch; FAILED_PRECONDITION: unsupported version; INTERNAL: I/O.
 absl::StatusOr<GroupState> ReadCheckpoint(
     const std::string& path, const std::function<absl::Status(uint64_t bytes)>& reserve);
+
+// Resharding (docs/numerics.md §10.1): builds group `name`'s state at new
+// data-parallel ranges from `sources`, the checkpoints every old owner wrote
+// (any data-parallel size, sharded or not). `shards` maps a parameter name to
+// this sidecar's new range of it; parameters it does not name are loaded
+// whole. Each source is read once from start to end (its checksum verified);
+// only the elements of the new ranges are kept. The loaded state has the
+// sources' step, counters, last step result, configuration and parameter
+// table, with the new ranges.
+// INVALID_ARGUMENT: no source, a source named twice, sources that are not
+//   checkpoints of one group (configuration, hyper-parameters, parameter
+//   names, shapes or settings differ: the message names both files and the
+//   field), parameters whose elements are in no source or in two sources
+//   (naming the parameter, the elements and the files), a `shards` entry for
+//   a parameter the sources do not hold, a bad new range (ValidateShards);
+// FAILED_PRECONDITION: sources written at different steps (or with different
+//   step results); ReadCheckpoint's errors for each source (NOT_FOUND,
+//   DATA_LOSS, ...); `reserve`'s error.
+absl::StatusOr<GroupState> ReadResharded(
+    std::span<const std::string> sources, const std::string& name,
+    const std::vector<std::pair<std::string, kernels::ElementRange>>& shards,
+    const std::function<absl::Status(uint64_t bytes)>& reserve);
 
 // Group names with a checkpoint in `dir`; removes stale temp files left by a
 // crash. INTERNAL if the directory cannot be read.

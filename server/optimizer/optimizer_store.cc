@@ -6,12 +6,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/quantize_block.h"
@@ -1162,6 +1165,24 @@ absl::StatusOr<std::vector<CheckpointResult>> OptimizerStore::SaveCheckpoint(
 absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::string& name,
                                                                 const std::string& path,
                                                                 bool previous) {
+  return Install(
+      name,
+      [&](const std::function<absl::Status(uint64_t)>& reserve) -> absl::StatusOr<GroupState> {
+        QTX_ASSIGN_OR_RETURN(GroupState state, ReadCheckpoint(path, reserve));
+        if (state.config.name != name) {
+          return absl::DataLossError(absl::StrFormat("checkpoint '%s' holds group '%s', not '%s'",
+                                                     path, state.config.name, name));
+        }
+        return state;
+      },
+      /*checkpointed=*/true, /*rotate_on_write=*/!previous);
+}
+
+absl::StatusOr<GroupInfo> OptimizerStore::Install(
+    const std::string& name,
+    const std::function<
+        absl::StatusOr<GroupState>(const std::function<absl::Status(uint64_t)>& reserve)>& read,
+    bool checkpointed, bool rotate_on_write) {
   std::shared_ptr<Group> existing;
   {
     absl::MutexLock lock(&mu_);
@@ -1174,25 +1195,17 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
     if (existing) freed = existing->HeldBytes();
   }
   uint64_t reserved = 0;
-  absl::StatusOr<GroupState> state = ReadCheckpoint(path, [&](uint64_t bytes) -> absl::Status {
+  absl::StatusOr<GroupState> state = read([&](uint64_t bytes) -> absl::Status {
     absl::MutexLock lock(&mu_);
     QTX_RETURN_IF_ERROR(
         Reserve(bytes, freed, absl::StrFormat("checkpoint of optimizer group '%s'", name)));
     reserved = bytes;
     return absl::OkStatus();
   });
-  auto unreserve = [&] {
+  if (!state.ok()) {
     absl::MutexLock lock(&mu_);
     used_bytes_ -= reserved;
-  };
-  if (!state.ok()) {
-    unreserve();
     return state.status();
-  }
-  if (state->config.name != name) {
-    unreserve();
-    return absl::DataLossError(absl::StrFormat("checkpoint '%s' holds group '%s', not '%s'", path,
-                                               state->config.name, name));
   }
   auto g = std::make_shared<Group>();
   g->bytes = reserved;
@@ -1200,8 +1213,8 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
   {
     absl::MutexLock glock(&g->mu);
     g->state = *std::move(state);
-    g->last_checkpoint_step = g->state.config.step;
-    g->rotate_on_write = !previous;
+    g->last_checkpoint_step = checkpointed ? g->state.config.step : -1;
+    g->rotate_on_write = rotate_on_write;
     info = InfoOf(g->state, g->last_checkpoint_step, absl::OkStatus());
   }
   absl::MutexLock lock(&mu_);
@@ -1210,6 +1223,81 @@ absl::StatusOr<GroupInfo> OptimizerStore::InstallFromCheckpoint(const std::strin
     used_bytes_ -= existing->HeldBytes();
   }
   groups_[name] = std::move(g);
+  return info;
+}
+
+absl::StatusOr<std::string> OptimizerStore::ResolveSource(const std::string& path) const {
+  if (path.empty() || path.front() != '/') {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "resharding source '%s': must be an absolute path to a checkpoint file", path));
+  }
+  const size_t slash = path.rfind('/');
+  const std::string base = path.substr(slash + 1);
+  const std::string suffix(kCheckpointSuffix);
+  if (!(base.size() > suffix.size() &&
+        (base.ends_with(suffix) || base.ends_with(suffix + std::string(kPreviousSuffix))))) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "resharding source '%s': not a checkpoint file (its name must end in %s or %s%s)", path,
+        suffix, suffix, kPreviousSuffix));
+  }
+  std::vector<std::string> roots;
+  if (!options_.checkpoint_dir.empty()) roots.push_back(options_.checkpoint_dir);
+  for (const std::string& d : options_.import_dirs) roots.push_back(d);
+  if (roots.empty()) {
+    return absl::FailedPreconditionError(
+        "loading another sidecar's checkpoints needs --checkpoint_import_dirs (the directories "
+        "qtxd may read them from) or --checkpoint_dir");
+  }
+  // The directory with every link resolved; the file itself is opened
+  // without following a link.
+  const std::string dir = slash == 0 ? "/" : path.substr(0, slash);
+  char buf[PATH_MAX];
+  if (::realpath(dir.c_str(), buf) == nullptr) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return absl::NotFoundError(
+          absl::StrFormat("resharding source '%s': directory '%s' does not exist", path, dir));
+    }
+    return absl::InternalError(absl::StrFormat("resharding source '%s': resolving '%s': %s", path,
+                                               dir, std::strerror(errno)));
+  }
+  const std::string real_dir = buf;
+  for (const std::string& root : roots) {
+    if (::realpath(root.c_str(), buf) == nullptr) continue;
+    const std::string r = buf;
+    if (real_dir == r || (real_dir.size() > r.size() && real_dir.starts_with(r) &&
+                          (r == "/" || real_dir[r.size()] == '/'))) {
+      return real_dir + "/" + base;
+    }
+  }
+  return absl::PermissionDeniedError(absl::StrFormat(
+      "resharding source '%s' is outside the directories this qtxd may read checkpoints from "
+      "(--checkpoint_dir and --checkpoint_import_dirs: %s)",
+      path, absl::StrJoin(roots, ", ")));
+}
+
+absl::StatusOr<GroupInfo> OptimizerStore::LoadResharded(
+    std::string_view name, std::span<const std::string> sources,
+    const std::vector<std::pair<std::string, kernels::ElementRange>>& shards) {
+  QTX_RETURN_IF_ERROR(ValidateGroupName(name));
+  if (sources.empty()) {
+    return absl::InvalidArgumentError(
+        "resharding needs the checkpoint of every old owner in `sources` (none given)");
+  }
+  std::vector<std::string> paths;
+  for (const std::string& s : sources) {
+    QTX_ASSIGN_OR_RETURN(std::string p, ResolveSource(s));
+    paths.push_back(std::move(p));
+  }
+  const std::string n(name);
+  QTX_ASSIGN_OR_RETURN(GroupInfo info,
+                       Install(
+                           n,
+                           [&](const std::function<absl::Status(uint64_t)>& reserve) {
+                             return ReadResharded(paths, n, shards, reserve);
+                           },
+                           /*checkpointed=*/false, /*rotate_on_write=*/true));
+  spdlog::info("event=optimizer_group_resharded group={} step={} sources={} elements={}", n,
+               info.config.step, paths.size(), info.num_elements);
   return info;
 }
 

@@ -24,6 +24,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -37,6 +38,8 @@
 #include "kernels/quantize_params.h"
 
 namespace qtx::server::optimizer {
+
+struct GroupState;  // group_state.h
 
 // How the updated parameters are returned.
 struct OutputConfig {
@@ -271,6 +274,9 @@ class OptimizerStore {
     std::string checkpoint_dir;          // empty: no checkpoints
     int64_t checkpoint_every_steps = 0;  // 0: only on request and at shutdown
     int num_threads = 0;                 // host AdamW threads; 0: OpenMP default
+    // Directories (with their subdirectories) LoadResharded may read other
+    // sidecars' checkpoints from, besides checkpoint_dir.
+    std::vector<std::string> import_dirs;
   };
 
   // Creates the store. With a checkpoint directory, creates it if missing and
@@ -361,6 +367,23 @@ class OptimizerStore {
   // checkpoint; DATA_LOSS: corrupted; RESOURCE_EXHAUSTED: over the cap.
   absl::StatusOr<GroupInfo> LoadCheckpoint(std::string_view group, bool previous = false);
 
+  // Resharding (docs/numerics.md §10.1): replaces (or creates) group
+  // `group` with the state ReadResharded builds from `sources` (every old
+  // owner's checkpoint file of the group, written at any data-parallel size)
+  // at this sidecar's new ranges `shards` (parameters not named: whole). Each
+  // source must be an absolute path to a "*.qtxopt" (or ".qtxopt.prev") file
+  // whose directory, links resolved, lies in checkpoint_dir or an
+  // import_dirs entry. The loaded state is not written to checkpoint_dir
+  // (other owners may still be reading the sources): SaveCheckpoint once
+  // every owner has loaded. INVALID_ARGUMENT: a bad path or group name,
+  // ReadResharded's; PERMISSION_DENIED: a source outside those directories;
+  // FAILED_PRECONDITION: neither directory configured, ReadResharded's;
+  // NOT_FOUND, DATA_LOSS: a missing or corrupted source; RESOURCE_EXHAUSTED:
+  // over the cap. On error the group (if any) is unchanged.
+  absl::StatusOr<GroupInfo> LoadResharded(
+      std::string_view group, std::span<const std::string> sources,
+      const std::vector<std::pair<std::string, kernels::ElementRange>>& shards);
+
   // Checkpoints every usable group (the shutdown path). Returns the first
   // error; tries every group. OK without a checkpoint directory. A group
   // whose lock is not free within `lock_wait` (a call holding it is stuck) is
@@ -403,6 +426,16 @@ class OptimizerStore {
   // `previous`: `path` is the .prev checkpoint (see LoadCheckpoint).
   absl::StatusOr<GroupInfo> InstallFromCheckpoint(const std::string& name, const std::string& path,
                                                   bool previous);
+  // Installs the state `read` returns as group `name` (replacing any);
+  // `read` reserves its bytes through the callback before allocating.
+  // `checkpointed`: the state is the newest checkpoint on disk.
+  absl::StatusOr<GroupInfo> Install(
+      const std::string& name,
+      const std::function<
+          absl::StatusOr<GroupState>(const std::function<absl::Status(uint64_t)>& reserve)>& read,
+      bool checkpointed, bool rotate_on_write);
+  // The real path of resharding source `path` (see LoadResharded).
+  absl::StatusOr<std::string> ResolveSource(const std::string& path) const;
   // Reserves `bytes` against the cap, given that `freed` bytes go away when
   // the new state replaces the old. RESOURCE_EXHAUSTED naming `what`.
   absl::Status Reserve(uint64_t bytes, uint64_t freed, std::string_view what)

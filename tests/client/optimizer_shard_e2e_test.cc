@@ -11,10 +11,13 @@
 // checkpoint round trip. Plus the error cases: ranges that overlap or leave
 // gaps, different step numbers, a rank that fails before the step, a sharded
 // Step without a Collective group, options a sharded group refuses.
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -63,9 +66,10 @@ void StartRanks(int world, Ranks* ranks) {
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
   ranks->dir = tmpl;
   for (int r = 0; r < world; ++r) {
-    auto server = QtxdProcess::Start(
-        g_qtxd_path,
-        {"--device=cpu", "--threads=2", absl::StrCat("--checkpoint_dir=", ranks->dir, "/rank", r)});
+    auto server =
+        QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--threads=2",
+                                         absl::StrCat("--checkpoint_dir=", ranks->dir, "/rank", r),
+                                         absl::StrCat("--checkpoint_import_dirs=", ranks->dir)});
     ASSERT_TRUE(server.ok()) << "rank " << r << ": " << server.status();
     auto client = Client::Connect((*server)->target());
     ASSERT_TRUE(client.ok()) << client.status();
@@ -285,6 +289,388 @@ TEST_P(ShardedStepE2eTest, EveryOwnersShardIsItsPartOfTheWholeQuantizedParameter
 
 INSTANTIATE_TEST_SUITE_P(Owners, ShardedStepE2eTest, ::testing::Values(2, 3),
                          [](const auto& info) { return absl::StrCat(info.param, "owners"); });
+
+// Resharding (docs/numerics.md §10.1): a group checkpointed by `from` owners
+// is loaded by `to` owners at other ranges (every cut inside a tile), stepped
+// on, checkpointed, loaded whole by one sidecar (sharded -> unsharded),
+// stepped, checkpointed, and loaded at the first ranges again (unsharded ->
+// sharded). At every step every owner's FP8 shard, scales and BF16 slice are
+// byte for byte those of an unsharded group that never resharded, stepped
+// with the same gradients; the masters are compared at the end.
+struct ReshardCase {
+  int from, to;
+};
+
+class ReshardE2eTest : public ::testing::TestWithParam<ReshardCase> {};
+
+// Collective group `name` over ranks 0..world-1 of `ranks`.
+void CreateDpGroup(Ranks& ranks, const std::string& name, int world) {
+  std::vector<absl::Status> st(world);
+  OnEveryRank(world, [&](int r) {
+    CollectiveGroupConfig config;
+    config.name = name;
+    config.rank = r;
+    config.world_size = world;
+    config.coordinator = r == 0 ? "" : ranks.servers[0]->target();
+    config.backend = CommBackend::kGloo;
+    config.timeout = kGroupTimeout;
+    st[r] =
+        ranks.clients[r]->CreateGroup(config, Deadline(kGroupTimeout + absl::Seconds(10))).status();
+  });
+  for (int r = 0; r < world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r];
+}
+
+// Every parameter's cuts for `owners` owners: cuts[i][r] .. cuts[i][r + 1].
+using Cuts = std::vector<std::vector<int64_t>>;
+
+TEST_P(ReshardE2eTest, ContinuesByteForByteAfterChangingTheDataParallelSize) {
+  const ReshardCase rc = GetParam();
+  const int world = std::max(rc.from, rc.to);
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks));
+  ASSERT_NO_FATAL_FAILURE(CreateDpGroup(ranks, "dp_from", rc.from));
+  ASSERT_NO_FATAL_FAILURE(CreateDpGroup(ranks, "dp_to", rc.to));
+  struct P {
+    std::string name;
+    std::vector<int64_t> shape;
+    std::optional<double> lr_scale = std::nullopt;
+    int64_t total() const { return shape[0] * shape[1]; }
+  };
+  const std::vector<P> params = {{"w", {300, 260}}, {"b", {1, 200}, 0.5}, {"e", {130, 129}}};
+  // Cuts inside tiles, mid-row, slices smaller than a tile, empty slices.
+  const Cuts cuts2 = {{0, 40000, 78000}, {0, 77, 200}, {0, 0, 130 * 129}};
+  const Cuts cuts3 = {
+      {0, 128 * 260 + 77, 128 * 260 + 127, 78000}, {0, 200, 200, 200}, {0, 5000, 9000, 130 * 129}};
+  const Cuts& from_cuts = rc.from == 2 ? cuts2 : cuts3;
+  const Cuts& to_cuts = rc.to == 2 ? cuts2 : cuts3;
+
+  std::vector<std::vector<float>> master(params.size());
+  for (size_t i = 0; i < params.size(); ++i) master[i] = Values(params[i].total(), 200 + i, 0.1f);
+  auto grad = [&](size_t i, int64_t step) {
+    return Values(params[i].total(), static_cast<uint32_t>(7000 * step + i), 1.0f);
+  };
+  auto config = [](const std::string& name) {
+    OptimizerGroupConfig c = GroupConfig(name);
+    c.moment_dtype = MomentDType::kBFloat16;  // 2-byte moments: pieces at odd offsets
+    return c;
+  };
+  // The reference: unsharded on rank 0, never resharded.
+  {
+    std::vector<OptimizerParameterInit> inits;
+    for (size_t i = 0; i < params.size(); ++i) {
+      inits.push_back({.name = params[i].name,
+                       .shape = params[i].shape,
+                       .master = Tensor::FromFloat32(params[i].shape, master[i]),
+                       .exp_avg = std::nullopt,
+                       .exp_avg_sq = std::nullopt,
+                       .lr_scale = params[i].lr_scale});
+    }
+    QTX_ASSERT_OK(ranks.clients[0]->OffloadOptimizerState(config("ref"), inits).status());
+  }
+  OnEveryRank(rc.from, [&](int r) {
+    std::vector<OptimizerParameterInit> inits;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t b = from_cuts[i][r], e = from_cuts[i][r + 1];
+      inits.push_back({.name = params[i].name,
+                       .shape = params[i].shape,
+                       .master = Slice(master[i], b, e),
+                       .exp_avg = std::nullopt,
+                       .exp_avg_sq = std::nullopt,
+                       .lr_scale = params[i].lr_scale,
+                       .shard = ShardRange{b, e}});
+    }
+    auto info = ranks.clients[r]->OffloadOptimizerState(config("opt"), inits);
+    ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
+  });
+
+  std::map<std::string, uint64_t> sequence;
+  auto reference_step = [&](int64_t step) {
+    std::vector<OptimizerGradient> g;
+    for (size_t i = 0; i < params.size(); ++i) {
+      g.push_back({params[i].name, Tensor::FromFloat32(params[i].shape, grad(i, step))});
+    }
+    StepOptions so;
+    so.clip_factor = step % 2 == 0 ? std::optional<double>(0.5) : std::nullopt;
+    auto ref = ranks.clients[0]->Step("ref", step, g, so);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    return ref.ok() ? *std::move(ref) : OptimizerStepResult{};
+  };
+  // Step `step` of the sharded group "opt" on `owners` owners at `cuts`
+  // through `dp`, each owner's output against `ref`.
+  auto sharded_step = [&](int64_t step, int owners, const Cuts& cuts, const std::string& dp,
+                          const OptimizerStepResult& ref) {
+    SCOPED_TRACE(absl::StrCat("step ", step, " on ", owners, " owners"));
+    const uint64_t seq = sequence[dp]++;
+    std::vector<absl::StatusOr<OptimizerStepResult>> out(owners);
+    OnEveryRank(owners, [&](int r) {
+      std::vector<OptimizerGradient> g;
+      for (size_t i = 0; i < params.size(); ++i) {
+        g.push_back({params[i].name, Slice(grad(i, step), cuts[i][r], cuts[i][r + 1])});
+      }
+      StepOptions so;
+      so.clip_factor = step % 2 == 0 ? std::optional<double>(0.5) : std::nullopt;
+      so.collective_group = dp;
+      so.sequence = seq;
+      out[r] = ranks.clients[r]->Step("opt", step, g, so, Deadline(kGroupTimeout));
+    });
+    for (int r = 0; r < owners; ++r) {
+      ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status();
+      ASSERT_EQ(out[r]->parameters.size(), params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        const int64_t b = cuts[i][r], e = cuts[i][r + 1];
+        SCOPED_TRACE(
+            absl::StrCat("rank ", r, " parameter ", params[i].name, " [", b, ", ", e, ")"));
+        const ParameterOutput& o = out[r]->parameters[i];
+        const ParameterOutput& want = ref.parameters[i];
+        ASSERT_TRUE(o.fp8.has_value() && o.fp8->rowwise_data.has_value());
+        EXPECT_TRUE(o.fp8->rowwise_data->data == want.fp8->rowwise_data->data.substr(b, e - b))
+            << "FP8 bytes differ from the never-resharded group's";
+        EXPECT_EQ(o.fp8->rowwise_scale_inv->data, want.fp8->rowwise_scale_inv->data);
+        EXPECT_EQ(o.fp8->columnwise_scale_inv->data, want.fp8->columnwise_scale_inv->data);
+        ASSERT_TRUE(o.bf16.has_value());
+        EXPECT_TRUE(o.bf16->data == want.bf16->data.substr(2 * b, 2 * (e - b)));
+      }
+    }
+  };
+  auto save = [&](int owners, const std::string& group) {
+    OnEveryRank(owners, [&](int r) {
+      auto saved = ranks.clients[r]->SaveCheckpoint(group);
+      EXPECT_TRUE(saved.ok()) << "rank " << r << ": " << saved.status();
+    });
+  };
+  auto files = [&](int owners, const std::string& group) {
+    std::vector<std::string> f;
+    for (int r = 0; r < owners; ++r) {
+      f.push_back(absl::StrCat(ranks.dir, "/rank", r, "/", group, ".qtxopt"));
+    }
+    return f;
+  };
+  auto shards_of = [&](const Cuts& cuts, int r) {
+    std::vector<ParameterShard> s;
+    for (size_t i = 0; i < params.size(); ++i) {
+      s.push_back({params[i].name, ShardRange{cuts[i][r], cuts[i][r + 1]}});
+    }
+    return s;
+  };
+
+  // Two steps at the old size; every owner checkpoints step 2.
+  ASSERT_NO_FATAL_FAILURE(sharded_step(1, rc.from, from_cuts, "dp_from", reference_step(1)));
+  ASSERT_NO_FATAL_FAILURE(sharded_step(2, rc.from, from_cuts, "dp_from", reference_step(2)));
+  save(rc.from, "opt");
+  // Every new owner loads its ranges from every old owner's file.
+  OnEveryRank(rc.to, [&](int r) {
+    auto info =
+        ranks.clients[r]->LoadResharded("opt", files(rc.from, "opt"), shards_of(to_cuts, r));
+    ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
+    EXPECT_EQ(info->step, 2);
+    EXPECT_EQ(info->update_count, 2);
+    EXPECT_EQ(info->last_checkpoint_step, -1);
+    int64_t owned = 0;
+    for (size_t i = 0; i < params.size(); ++i) owned += to_cuts[i][r + 1] - to_cuts[i][r];
+    EXPECT_EQ(info->num_elements, owned);
+    EXPECT_EQ(info->parameter_shards, shards_of(to_cuts, r));
+  });
+  // A retry of step 2 replays at the new ranges; then steps 3 and 4.
+  ASSERT_NO_FATAL_FAILURE(sharded_step(2, rc.to, to_cuts, "dp_to", reference_step(2)));
+  const OptimizerStepResult ref3 = reference_step(3);
+  ASSERT_NO_FATAL_FAILURE(sharded_step(3, rc.to, to_cuts, "dp_to", ref3));
+  ASSERT_NO_FATAL_FAILURE(sharded_step(4, rc.to, to_cuts, "dp_to", reference_step(4)));
+  save(rc.to, "opt");
+
+  // Sharded -> unsharded: rank 0 loads every parameter whole as "whole".
+  auto whole = ranks.clients[0]->LoadResharded("whole", files(rc.to, "opt"), {});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_TRUE(whole->parameter_shards.empty());
+  {
+    std::vector<OptimizerGradient> g;
+    for (size_t i = 0; i < params.size(); ++i) {
+      g.push_back({params[i].name, Tensor::FromFloat32(params[i].shape, grad(i, 5))});
+    }
+    auto out = ranks.clients[0]->Step("whole", 5, g);
+    ASSERT_TRUE(out.ok()) << out.status();
+    const OptimizerStepResult ref5 = reference_step(5);
+    for (size_t i = 0; i < params.size(); ++i) {
+      SCOPED_TRACE(params[i].name);
+      const ParameterOutput& o = out->parameters[i];
+      const ParameterOutput& want = ref5.parameters[i];
+      EXPECT_TRUE(o.fp8->rowwise_data->data == want.fp8->rowwise_data->data);
+      EXPECT_TRUE(o.fp8->columnwise_data->data == want.fp8->columnwise_data->data);
+      EXPECT_EQ(o.fp8->rowwise_scale_inv->data, want.fp8->rowwise_scale_inv->data);
+      EXPECT_TRUE(o.bf16->data == want.bf16->data);
+    }
+  }
+  save(1, "whole");
+  // Unsharded -> sharded: the old owners load their first ranges from the
+  // one file (the group "opt" they hold is replaced).
+  OnEveryRank(rc.from, [&](int r) {
+    auto info = ranks.clients[r]->LoadResharded("opt", files(1, "whole"), shards_of(from_cuts, r));
+    ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
+    EXPECT_EQ(info->step, 5);
+  });
+  ASSERT_NO_FATAL_FAILURE(sharded_step(6, rc.from, from_cuts, "dp_from", reference_step(6)));
+
+  // The masters and moments: each owner's slice of the reference's.
+  GetStateOptions with_moments;
+  with_moments.include_moments = true;
+  auto ref_state = ranks.clients[0]->GetState("ref", with_moments);
+  ASSERT_TRUE(ref_state.ok()) << ref_state.status();
+  for (int r = 0; r < rc.from; ++r) {
+    auto state = ranks.clients[r]->GetState("opt", with_moments);
+    ASSERT_TRUE(state.ok()) << state.status();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t b = from_cuts[i][r], e = from_cuts[i][r + 1];
+      const OptimizerParameterState& got = state->parameters[i];
+      const OptimizerParameterState& want = ref_state->parameters[i];
+      EXPECT_TRUE(got.master.data == want.master.data.substr(4 * b, 4 * (e - b)));
+      ASSERT_TRUE(got.exp_avg.has_value() && want.exp_avg.has_value());
+      EXPECT_TRUE(got.exp_avg->data == want.exp_avg->data.substr(2 * b, 2 * (e - b)));
+      EXPECT_TRUE(got.exp_avg_sq->data == want.exp_avg_sq->data.substr(2 * b, 2 * (e - b)));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ReshardE2eTest,
+                         ::testing::Values(ReshardCase{2, 3}, ReshardCase{3, 2}),
+                         [](const auto& info) {
+                           return absl::StrCat(info.param.from, "to", info.param.to);
+                         });
+
+// Resharding errors: each names the problem, and the group loaded before
+// stays as it was.
+TEST(ReshardErrorsE2eTest, SourcesAreCheckedBeforeAnythingChanges) {
+  const int world = 2;
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks));
+  const std::vector<int64_t> shape = {200, 130};
+  const int64_t total = 200 * 130;
+  const std::vector<float> master = Values(total, 3, 0.1f);
+  const std::vector<ShardRange> cuts = {{0, 12345}, {12345, total}};
+  auto offload_sharded = [&](const std::string& name, double lr) {
+    OnEveryRank(world, [&](int r) {
+      OptimizerGroupConfig c = GroupConfig(name);
+      c.hyper_params.lr = lr;
+      auto info = ranks.clients[r]->OffloadOptimizerState(
+          c, {{.name = "w",
+               .shape = shape,
+               .master = Slice(master, cuts[r].begin, cuts[r].end),
+               .exp_avg = std::nullopt,
+               .exp_avg_sq = std::nullopt,
+               .shard = cuts[r]}});
+      ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
+    });
+  };
+  uint64_t sequence = 0;
+  auto step_all = [&](const std::string& name, int64_t step) {
+    const uint64_t seq = sequence++;
+    OnEveryRank(world, [&](int r) {
+      StepOptions so;
+      so.collective_group = "dp";
+      so.sequence = seq;
+      auto out = ranks.clients[r]->Step(
+          name, step, {{"w", Slice(Values(total, 11, 1.0f), cuts[r].begin, cuts[r].end)}}, so,
+          Deadline(kGroupTimeout));
+      ASSERT_TRUE(out.ok()) << "rank " << r << ": " << out.status();
+    });
+  };
+  auto file = [&](int r, const std::string& group) {
+    return absl::StrCat(ranks.dir, "/rank", r, "/", group, ".qtxopt");
+  };
+  auto save = [&](int r, const std::string& group) {
+    QTX_ASSERT_OK(ranks.clients[r]->SaveCheckpoint(group).status());
+  };
+  offload_sharded("opt", 1e-2);
+  step_all("opt", 1);
+  save(0, "opt");
+  save(1, "opt");
+  // "other": another lr; "ref": the same group unsharded, at the same step.
+  offload_sharded("other", 2e-2);
+  step_all("other", 1);
+  save(0, "other");
+  QTX_ASSERT_OK(ranks.clients[0]
+                    ->OffloadOptimizerState(GroupConfig("ref"),
+                                            {{.name = "w",
+                                              .shape = shape,
+                                              .master = Tensor::FromFloat32(shape, master),
+                                              .exp_avg = std::nullopt,
+                                              .exp_avg_sq = std::nullopt}})
+                    .status());
+  QTX_ASSERT_OK(ranks.clients[0]
+                    ->Step("ref", 1, {{"w", Tensor::FromFloat32(shape, Values(total, 11, 1.0f))}})
+                    .status());
+  save(0, "ref");
+  Client& c = *ranks.clients[0];
+  const std::vector<ParameterShard> mine = {{"w", ShardRange{0, 100}}};
+  using absl::StatusCode;
+  // An old owner's file missing.
+  EXPECT_THAT(c.LoadResharded("opt", {file(0, "opt")}, mine),
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("parameter 'w': elements [12345, 26000) of its 26000 are in no "
+                                 "source")));
+  // A file named twice.
+  EXPECT_THAT(c.LoadResharded("opt", {file(0, "opt"), file(0, "opt")}, mine),
+              StatusIs(StatusCode::kInvalidArgument, HasSubstr("is named twice")));
+  // Elements in two sources.
+  EXPECT_THAT(c.LoadResharded("opt", {file(0, "opt"), file(1, "opt"), file(0, "ref")}, mine),
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("parameter 'w': elements [0, 12345) are in two sources")));
+  // Another group's file (another lr).
+  EXPECT_THAT(c.LoadResharded("opt", {file(0, "other"), file(1, "opt")}, mine),
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("are not checkpoints of one group: lr 0.02")));
+  // Files of different steps: rank 1 checkpoints step 2.
+  step_all("opt", 2);
+  save(1, "opt");
+  EXPECT_THAT(c.LoadResharded("opt", {file(0, "opt"), file(1, "opt")}, mine),
+              StatusIs(StatusCode::kFailedPrecondition, HasSubstr("written at different steps")));
+  save(0, "opt");
+  // New ranges: an unknown parameter, a range outside the parameter.
+  EXPECT_THAT(
+      c.LoadResharded("opt", {file(0, "opt"), file(1, "opt")}, {{"nope", ShardRange{0, 1}}}),
+      StatusIs(StatusCode::kInvalidArgument,
+               HasSubstr("'nope', which the sources do not hold (they hold: w)")));
+  EXPECT_THAT(
+      c.LoadResharded("opt", {file(0, "opt"), file(1, "opt")}, {{"w", ShardRange{10, total + 1}}}),
+      StatusIs(StatusCode::kInvalidArgument, HasSubstr("0 <= begin <= end <= 26000")));
+  // Paths: relative, not a checkpoint, outside the allowed directories,
+  // missing.
+  EXPECT_THAT(c.LoadResharded("opt", {"rank0/opt.qtxopt"}, mine),
+              StatusIs(StatusCode::kInvalidArgument, HasSubstr("must be an absolute path")));
+  EXPECT_THAT(c.LoadResharded("opt", {"/etc/passwd"}, mine),
+              StatusIs(StatusCode::kInvalidArgument, HasSubstr("not a checkpoint file")));
+  EXPECT_THAT(c.LoadResharded("opt", {"/tmp/opt.qtxopt"}, mine),
+              StatusIs(StatusCode::kPermissionDenied, HasSubstr("--checkpoint_import_dirs")));
+  EXPECT_THAT(c.LoadResharded("opt", {file(0, "missing")}, mine),
+              StatusIs(StatusCode::kNotFound, HasSubstr("no checkpoint at")));
+  // A corrupted source: one flipped byte in a part this sidecar would not
+  // keep still fails the checksum.
+  {
+    const std::string bad = absl::StrCat(ranks.dir, "/rank1/bad.qtxopt");
+    std::FILE* in = std::fopen(file(1, "opt").c_str(), "rb");
+    ASSERT_NE(in, nullptr);
+    std::string bytes;
+    char buf[65536];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), in)) > 0;) bytes.append(buf, n);
+    std::fclose(in);
+    bytes[bytes.size() - 100] ^= 0x40;  // in the last moments: not within [0, 100)
+    std::FILE* out = std::fopen(bad.c_str(), "wb");
+    ASSERT_NE(out, nullptr);
+    ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), out), bytes.size());
+    std::fclose(out);
+    EXPECT_THAT(c.LoadResharded("opt", {file(0, "opt"), bad}, mine),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("checksum mismatch")));
+  }
+  // Nothing changed: "opt" on rank 0 is as it was, at step 2, at its range.
+  auto state = c.GetState("opt");
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->group.step, 2);
+  ASSERT_EQ(state->group.parameter_shards.size(), 1u);
+  EXPECT_EQ(state->group.parameter_shards[0].range, cuts[0]);
+  EXPECT_EQ(state->group.last_checkpoint_step, 2);
+  // And the good call works: rank 0 takes [0, 100).
+  auto good = c.LoadResharded("opt", {file(0, "opt"), file(1, "opt")}, mine);
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_EQ(good->num_elements, 100);
+}
 
 // Errors: every owner fails the same way, nothing changes.
 TEST(ShardedStepErrorsE2eTest, RangesStepNumbersAndOptionsAreChecked) {

@@ -66,7 +66,7 @@ def setUpModule():
 def tearDownModule():
     # Every qtxd the test started (the GPU run of 2026-12-01 kept the GPU one
     # alive: its Popen was overwritten, and MPS then waited for it).
-    for name in ("gpu_proc", "cpu_proc"):
+    for name in [k for k in SERVERS if k.endswith("_proc")]:
         p = SERVERS.pop(name, None)
         if p is not None and p.poll() is None:
             p.terminate()

@@ -13,6 +13,8 @@
   get_state's master / moments are the owned slices (1-D), bit for bit;
 * OptimizerGroupInfo.parameter_shards and num_elements report the ranges;
 * optimizer_state_dict refuses a sharded group;
+* load_checkpoint(sources=, shards=): both owners' checkpoints loaded whole
+  on one sidecar and at other cuts on both (get_state = the whole group's);
 * errors: overlapping ranges (InvalidArgumentError on both ranks), a step
   without collective_group (FailedPreconditionError), and the client's own
   checks of the ranges (ValueError).
@@ -48,7 +50,9 @@ LR, WD = 1e-2, 0.1
 
 def start_qtxd(tmp, name):
     sock = os.path.join(tmp, name + ".sock")
-    proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn"])
+    proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn",
+                             "--checkpoint_dir=" + os.path.join(tmp, name),
+                             "--checkpoint_import_dirs=" + tmp])
     SERVERS["procs"].append(proc)
     target = "unix://" + sock
     deadline = time.time() + 30
@@ -219,6 +223,35 @@ class ShardedStepTest(unittest.TestCase):
                     self.assertEqual(got.tobytes(),
                                      owned(n, r, getattr(whole_state.parameters[n], f)).tobytes(),
                                      msg="rank %d %s.%s" % (r, n, f))
+        # Resharding from both owners' checkpoints: rank 1 alone, unsharded;
+        # both ranks at other cuts. The state is the whole group's, bit for bit.
+        for r, c in enumerate(CLIENTS):
+            c.save_checkpoint("opt")
+        files = [os.path.join(SERVERS["tmp"], "rank%d" % r, "opt.qtxopt") for r in range(2)]
+        info = CLIENTS[1].load_checkpoint("whole", sources=files)
+        self.assertEqual((info.step, info.parameter_shards), (2, {}))
+        st = CLIENTS[1].get_state("whole", include_moments=True)
+        for n in SHAPES:
+            for f in ("master", "exp_avg", "exp_avg_sq"):
+                self.assertEqual(getattr(st.parameters[n], f).tobytes(),
+                                 getattr(whole_state.parameters[n], f).tobytes(), msg=n + f)
+        new_cuts = {"w": (0, 5000, 26000), "b": (0, 0, 200)}
+        infos = on_every_rank(lambda r, c: c.load_checkpoint(
+            "re", sources=files, shards={n: new_cuts[n][r:r + 2] for n in SHAPES}))
+        for r, c in enumerate(CLIENTS):
+            self.assertNotIsInstance(infos[r], Exception, msg=str(infos[r]))
+            st = c.get_state("re")
+            for n in SHAPES:
+                b, e = new_cuts[n][r], new_cuts[n][r + 1]
+                self.assertEqual(st.parameters[n].master.tobytes(),
+                                 whole_state.parameters[n].master.reshape(-1)[b:e].tobytes())
+            c.release_group("re")
+        with self.assertRaises(qtx.errors.InvalidArgumentError) as cm:
+            CLIENTS[0].load_checkpoint("re", sources=files[:1])
+        self.assertIn("are in no source", str(cm.exception))
+        with self.assertRaises(ValueError):
+            CLIENTS[0].load_checkpoint("re", shards={"w": (0, 1)})
+        CLIENTS[1].release_group("whole")
         # torch's state_dict form has no ranges: refused rather than 1-D slices.
         with self.assertRaises(ValueError) as cm:
             CLIENTS[1].optimizer_state_dict("opt")

@@ -295,6 +295,19 @@ class TorchCpuInputTest(unittest.TestCase):
         with self.assertRaises(qcuda.ArgumentError) as cm:
             s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, lr_scales={"v": 2.0})
         self.assertIn("lr_scales: ['v']: not a parameter of the group", str(cm.exception))
+        # Shard ranges: checked against the whole shape and the master.
+        for kw, msg in (
+                (dict(shards={"w": (0, 16)}), "needs shapes[w]"),
+                (dict(shards={"w": (0, 16)}, shapes={"w": (2, 4)}), "0 <= begin <= end <= 8"),
+                (dict(shards={"w": (0, 15)}, shapes={"w": (4, 8)}),
+                 "the master has 16 elements; shards=(0, 15) owns 15"),
+                (dict(shards={"w": (0, 16)}, shapes={"w": (4, 8)}, mode="1d"), "mode='2d'"),
+                (dict(shards={"w": "ab"}, shapes={"w": (4, 8)}), "(begin, end) pair"),
+                (dict(shapes={"w": (4, 8)}), "only for a parameter with a shard range"),
+                (dict(shards={"x": (0, 1)}), "not a parameter of the group")):
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                s.offload_optimizer_state("g", {"w": torch.zeros(4, 4)}, **kw)
+            self.assertIn(msg, str(cm.exception))
         # A known group (as offload would record it): gradient checks.
         cfg = qcuda.quantize_config("2d", "e4m3", True, True)
         s._groups["g"] = ("2d", "e4m3", cfg, {"w": (4, 256)})
@@ -371,6 +384,14 @@ class FakeNative:
     def quantize(self, *args):
         self.calls.append(("quantize", args))
         return 18
+
+    def offload_optimizer_state(self, *args):
+        self.calls.append(("offload_optimizer_state", args))
+        return len(args[1])
+
+    def step(self, *args):
+        self.calls.append(("step", args))
+        return {"step": args[3]}
 
     def close(self):
         pass
@@ -475,6 +496,69 @@ class FastPathTest(unittest.TestCase):
             args = self.native.calls[-1][1]
             self.assertEqual(self.native.calls[-1][0], "submit_quantize")
             self.assertEqual(args[15:], (0, 0, 0, 0))
+
+    def test_sharded_offload_and_step_reach_the_native_session(self):
+        # Data-parallel sharded state: the whole shapes and the ranges at
+        # offload; at the step the slices' gradients (an empty inline one for
+        # a parameter this owner owns nothing of), the FP8 shard buffers
+        # (rowwise [end - begin] bytes, the whole scales, no columnwise data)
+        # and the Collective group with its sequence.
+        masters = {"w": torch.zeros(1000), "b": torch.zeros(0), "v": torch.zeros(3, 128)}
+        n = self.s.offload_optimizer_state(
+            "g", masters, shards={"w": (2000, 3000), "b": (7, 7)},
+            shapes={"w": (20, 260), "b": (1, 200)})
+        self.assertEqual(n, 3)
+        name, args = self.native.calls[-1]
+        self.assertEqual(name, "offload_optimizer_state")
+        self.assertEqual([(p[0], p[2]) for p in args[1]],
+                         [("w", [20, 260]), ("b", [1, 200]), ("v", [3, 128])])
+        self.assertEqual(args[-1], [(2000, 3000), (7, 7), None])
+        lay = qcuda.layout((20, 260), "2d")
+        out = {"w": {"rowwise_data": self.cuda(torch.zeros(1000, dtype=torch.uint8)),
+                     "rowwise_scale_inv": self.cuda(torch.zeros(lay["rowwise_scale_inv"])),
+                     "columnwise_scale_inv": self.cuda(torch.zeros(lay["columnwise_scale_inv"]))},
+               "v": self.outs((3, 128), "2d")}
+        grads = {"w": self.cuda(torch.zeros(1000, dtype=torch.bfloat16)),
+                 "v": self.cuda(torch.zeros(3, 128))}
+        stats, res = self.s.step("g", 4, grads, out=out, stream=5, collective_group="dp",
+                                 sequence=9)
+        self.assertEqual(stats, {"step": 4})
+        name, args = self.native.calls[-1]
+        self.assertEqual(name, "step")
+        self.assertEqual(args[-2:], ("dp", 9))
+        gr = {g[0]: g for g in args[4]}
+        self.assertEqual(gr["w"][3], [1000])
+        self.assertEqual(gr["b"], ("b", 0, qcuda.FLOAT32, [0]))
+        dests = dict(args[5])
+        self.assertEqual(dests["w"][0][1], 1000)  # rowwise_data: the shard's bytes
+        self.assertEqual(dests["w"][1][1], lay["rowwise_scale_inv"][0]
+                         * lay["rowwise_scale_inv"][1] * 4)
+        self.assertIsNone(dests["w"][2])  # no columnwise data
+        self.assertIsNotNone(dests["w"][3])
+        self.assertNotIn("b", dests)  # owns nothing of it: returned inline
+        self.assertIsNotNone(dests["v"][2])  # an unsharded parameter: every buffer
+        self.assertEqual(tuple(res["w"].shape), (20, 260))
+        self.assertIs(res["w"].rowwise_data, out["w"]["rowwise_data"])
+        self.assertNotIn("b", res)
+        # The checks, before any native call.
+        calls = len(self.native.calls)
+        for bad, msg in (
+                (dict(sequence=1), "without collective_group"),
+                (dict(collective_group="dp"), "needs the group's next sequence"),
+                (dict(collective_group="dp", sequence=-1), "an int >= 0"),
+                (dict(collective_group="", sequence=0), "the name of a Collective group")):
+            with self.assertRaises(qcuda.ArgumentError) as cm:
+                self.s.step("g", 5, grads, out=out, stream=5, **bad)
+            self.assertIn(msg, str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            self.s.step("g", 5, {"w": self.cuda(torch.zeros(999))}, stream=5,
+                        collective_group="dp", sequence=1)
+        self.assertIn("999 elements; this owner's shard [2000, 3000)", str(cm.exception))
+        with self.assertRaises(qcuda.ArgumentError) as cm:
+            self.s.step("g", 5, {"w": grads["w"]}, out={"w": out["v"]}, stream=5,
+                        collective_group="dp", sequence=1)
+        self.assertIn("out.rowwise_data: shape [3, 128], expected [1000]", str(cm.exception))
+        self.assertEqual(len(self.native.calls), calls)
 
     def test_make_columnwise_checks_then_one_native_call(self):
         self.native.make_columnwise = lambda *a: self.native.calls.append(("make_columnwise", a))

@@ -80,9 +80,18 @@ void CheckCuda(cudaError_t e, const char* what) {
   }
 }
 void UseDevice(int device) {
+  // In a thread that never made a CUDA runtime call, cudaGetDevice reports
+  // device 0 without a current context, and the region cache's driver calls
+  // (cuMemGetAddressRange) then fail, which the H200 run of 2026-12-02
+  // showed for a Session stepped from a new Python thread. So each thread
+  // calls cudaSetDevice once (since CUDA 12 it makes the primary context
+  // current at once); after that only when the thread's device differs
+  // (a cudaGetDevice, a thread-local read, on the quantize hot path).
+  thread_local bool context_made_current = false;
   int current = -1;
-  CheckCuda(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != device) CheckCuda(cudaSetDevice(device), "cudaSetDevice");
+  if (context_made_current && cudaGetDevice(&current) == cudaSuccess && current == device) return;
+  CheckCuda(cudaSetDevice(device), "cudaSetDevice");
+  context_made_current = true;
 }
 
 // (pointer, bytes) of a device buffer, or None.
@@ -421,14 +430,17 @@ class NativeSession {
   // Client::OffloadOptimizerState with inline masters: params is a list of
   // (name, float32 bytes, shape). hyper: (lr, beta1, beta2, eps,
   // weight_decay, bias_correction). param_hyper: per parameter (in order),
-  // its own (weight_decay, lr_scale), None for the group's. Returns the
-  // group's parameter count.
+  // its own (weight_decay, lr_scale), None for the group's. shards: per
+  // parameter (in order), its data-parallel range (begin, end) or None; a
+  // ranged parameter's shape is the whole one and its bytes the end - begin
+  // owned elements. Returns the group's parameter count.
   int OffloadOptimizerState(
       const std::string& group,
       const std::vector<std::tuple<std::string, py::bytes, std::vector<int64_t>>>& params,
       const std::tuple<double, double, double, double, double, bool>& hyper, int mode, int format,
       bool rowwise, bool columnwise, bool pow2, float eps, int64_t step, bool replace,
-      const std::vector<std::pair<std::optional<double>, std::optional<double>>>& param_hyper) {
+      const std::vector<std::pair<std::optional<double>, std::optional<double>>>& param_hyper,
+      const std::vector<std::optional<std::pair<int64_t, int64_t>>>& shards) {
     qtx::OptimizerGroupConfig c;
     c.group = group;
     std::tie(c.hyper_params.lr, c.hyper_params.beta1, c.hyper_params.beta2, c.hyper_params.eps,
@@ -441,7 +453,15 @@ class NativeSession {
       qtx::OptimizerParameterInit p;
       p.name = name;
       p.shape = shape;
-      p.master = qtx::Tensor::Inline(qtx::DType::kFloat32, shape, std::string(bytes));
+      const std::optional<std::pair<int64_t, int64_t>> range =
+          inits.size() < shards.size() ? shards[inits.size()] : std::nullopt;
+      if (range.has_value()) {
+        p.shard = qtx::ShardRange{range->first, range->second};
+        p.master = qtx::Tensor::Inline(qtx::DType::kFloat32, {range->second - range->first},
+                                       std::string(bytes));
+      } else {
+        p.master = qtx::Tensor::Inline(qtx::DType::kFloat32, shape, std::string(bytes));
+      }
       if (inits.size() < param_hyper.size()) {
         std::tie(p.weight_decay, p.lr_scale) = param_hyper[inits.size()];
       }
@@ -466,6 +486,12 @@ class NativeSession {
     UseDevice(device);
     std::vector<qtx::OptimizerGradient> g;
     for (const auto& [name, ptr, dtype, shape] : grads) {
+      if (ptr == 0 && shape == std::vector<int64_t>{0}) {
+        // A sharded parameter this owner owns nothing of: an empty inline
+        // gradient.
+        g.push_back({name, qtx::Tensor::FromFloat32({0}, std::span<const float>())});
+        continue;
+      }
       g.push_back({name, InputTensor(ptr, dtype, shape)});
     }
     Events& ev = EventsLocked(device);
@@ -482,13 +508,14 @@ class NativeSession {
   // returns when qtxd answers (it has read the gradients: the statistics
   // need them). grads: (name, ptr, dtype, shape); dests: (name, 4 buffers).
   // lr < 0 / max_grad_norm <= 0: not set; clip_factor / skip: the caller's
-  // decisions of a two-phase step (sent as given: qtxd checks them). Returns
-  // the statistics as a dict.
+  // decisions of a two-phase step (sent as given: qtxd checks them).
+  // collective_group (empty: none) / sequence: a data-parallel sharded
+  // group's collective Step. Returns the statistics as a dict.
   py::dict Step(int device, uintptr_t stream, const std::string& group, int64_t step,
                 const DeviceGradients& grads,
                 const std::vector<std::pair<std::string, std::vector<Buf>>>& dests, double lr,
                 double max_grad_norm, bool skip_if_non_finite, std::optional<double> clip_factor,
-                bool skip) {
+                bool skip, const std::string& collective_group, uint64_t sequence) {
     qtx::OptimizerStepResult r;
     {
       py::gil_scoped_release nogil;
@@ -502,6 +529,8 @@ class NativeSession {
       o.skip_if_non_finite = skip_if_non_finite;
       o.clip_factor = clip_factor;
       o.skip = skip;
+      o.collective_group = collective_group;
+      o.sequence = sequence;
       for (const auto& [name, bufs] : dests) {
         qtx::ParameterDestination d;
         d.name = name;

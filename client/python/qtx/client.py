@@ -496,12 +496,31 @@ class Client:
                           optimizer_pb2.SaveCheckpointRequest(group=group), timeout, request_id)
         return [opt.CheckpointInfo(c.group, c.step, c.path, c.bytes) for c in resp.checkpoints]
 
-    def load_checkpoint(self, group, previous=False, timeout=None, request_id=None):
+    def load_checkpoint(self, group, previous=False, timeout=None, request_id=None,
+                        sources=None, shards=None):
         """Replaces the group's state with its checkpoint (previous=True: the
-        one before it, '<group>.qtxopt.prev'); returns its OptimizerGroupInfo."""
-        resp = self._call(self.optimizer.LoadCheckpoint,
-                          optimizer_pb2.LoadCheckpointRequest(group=group, previous=previous),
-                          timeout, request_id)
+        one before it, '<group>.qtxopt.prev'); returns its OptimizerGroupInfo.
+
+        Resharding (another data-parallel size): sources = every old owner's
+        checkpoint file of the group (absolute paths under qtxd's
+        --checkpoint_dir or --checkpoint_import_dirs), shards = {name:
+        (begin, end)}, this sidecar's new ranges (parameters not named are
+        loaded whole; none: an unsharded group). Call it on every new owner
+        with the same sources, then save_checkpoint on each."""
+        req = optimizer_pb2.LoadCheckpointRequest(group=group, previous=previous)
+        if shards and not sources:
+            raise ValueError("shards= needs sources= (the old owners' checkpoint files)")
+        for path in sources or ():
+            req.sources.append(str(path))
+        for name, rng in (shards or {}).items():
+            try:
+                begin, end = (int(v) for v in rng)
+            except (TypeError, ValueError):
+                raise ValueError("shards[%r]=%r: must be a (begin, end) pair of integers"
+                                 % (name, rng)) from None
+            s = req.shards.add(name=str(name))
+            s.range.begin, s.range.end = begin, end
+        resp = self._call(self.optimizer.LoadCheckpoint, req, timeout, request_id)
         return opt.group_from_proto(resp.group)
 
     def release_group(self, group, timeout=None, request_id=None):

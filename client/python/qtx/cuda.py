@@ -924,10 +924,12 @@ class Session:
         with torch.cuda.stream(es):
             return [torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs]
 
-    def _quantize_outputs(self, out, lay, cfg, a, s):
-        """([4 x (ptr, bytes) or None], {field: tensor}, [pool blocks])."""
+    def _quantize_outputs(self, out, lay, cfg, a, s, fields=None):
+        """([4 x (ptr, bytes) or None], {field: tensor}, [pool blocks]).
+        fields: the buffers to make (default: those cfg asks for)."""
         fmt, row, col = cfg[1], cfg[2], cfg[3]
-        fields = [f for f in FIELDS if (row if f.startswith("row") else col)]
+        if fields is None:
+            fields = [f for f in FIELDS if (row if f.startswith("row") else col)]
         tensors, blocks = {}, []
         bufs = {}
         if out is not None:
@@ -1269,14 +1271,23 @@ class Session:
                                 weight_decay=1e-2, bias_correction=True, mode="2d",
                                 format="e4m3", rowwise=True, columnwise=True, pow2_scales=True,
                                 amax_epsilon=0.0, step=0, replace=False, weight_decays=None,
-                                lr_scales=None):
+                                lr_scales=None, shards=None, shapes=None):
         """Hands a parameter group's FP32 master weights to qtxd (once, through
         the host: {name: float32 tensor/array}, any device) with FP8 outputs
         per (mode, format, rowwise, columnwise). weight_decays / lr_scales:
         per-parameter settings as qtx.Client.offload_optimizer_state takes
         them. Returns the parameter count. Then step() runs with gradients
         and outputs in device memory. mode: '2d' or '1d' (qtxd refuses
-        'tensor' for optimizer outputs with InvalidArgumentError)."""
+        'tensor' for optimizer outputs with InvalidArgumentError).
+
+        Data-parallel sharded state (a distributed optimizer; README and
+        docs/numerics.md §10): shards={name: (begin, end)} (or one pair or
+        None per parameter) makes this sidecar own elements [begin, end) of
+        the flattened whole parameter, whose shape shapes={name: shape} gives;
+        the master holds the end - begin owned elements (any shape). Every
+        owner offloads the same parameters with its own ranges and steps with
+        collective_group / sequence (step()). ArgumentError for a range
+        outside the shape, a master of another size, a missing shape."""
         cfg = quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilon)
         params = []
         for name, t in (parameters.items() if hasattr(parameters, "items") else parameters):
@@ -1303,13 +1314,18 @@ class Session:
             except ValueError as e:
                 raise ArgumentError(str(e)) from None
         hyper = [(own[0].get(n), own[1].get(n)) for n in names]
+        ranges, params = _shard_ranges(params, names, shards, shapes)
+        if ranges and (mode != "2d" or not rowwise):
+            raise ArgumentError("shards=: a data-parallel sharded group returns FP8 parameters "
+                                "as mode='2d' with rowwise=True (its shard is its elements of "
+                                "the rowwise data); got mode=%r, rowwise=%r" % (mode, rowwise))
         n = self._native.offload_optimizer_state(
             group, params, (float(lr), float(betas[0]), float(betas[1]), float(eps),
                             float(weight_decay), bool(bias_correction)),
             cfg[0], cfg[1], cfg[2], cfg[3], cfg[4], cfg[5], int(step), bool(replace),
             [(None if w is None else float(w), None if l is None else float(l))
-             for w, l in hyper])
-        self._groups[group] = (mode, format, cfg, {p[0]: tuple(p[2]) for p in params})
+             for w, l in hyper], [ranges.get(n) for n in names])
+        self._groups[group] = (mode, format, cfg, {p[0]: tuple(p[2]) for p in params}, ranges)
         return n
 
     def _gradients(self, group, gradients, stream):
@@ -1324,11 +1340,15 @@ class Session:
             raise ArgumentError("group %r: not offloaded through this session "
                                 "(offload_optimizer_state)" % group)
         shapes = known[3]
+        ranges = known[4] if len(known) > 4 else {}
         items = list(gradients.items() if hasattr(gradients, "items") else gradients)
         if not items:
             raise ArgumentError("gradients: empty; one per parameter")
         parsed, device, s = [], None, None
         for name, g in items:
+            if name in ranges and ranges[name][0] == ranges[name][1]:
+                parsed.append((name, None))  # owns nothing: an empty gradient
+                continue
             a, sg = self._input(g, "gradient %s" % name, stream)
             if s is None:
                 device, s = a.device, sg
@@ -1340,14 +1360,41 @@ class Session:
                                     % name)
             if name not in shapes:
                 raise ArgumentError("gradient %s: no such parameter in group %r" % (name, group))
-            if tuple(a.shape) != shapes[name]:
+            if name in ranges:
+                b, e = ranges[name]
+                if math.prod(a.shape) != e - b:
+                    raise ArgumentError("gradient %s: %d elements; this owner's shard [%d, %d) "
+                                        "of the parameter has %d" % (name, math.prod(a.shape),
+                                                                    b, e, e - b))
+            elif tuple(a.shape) != shapes[name]:
                 raise ArgumentError("gradient %s: shape %s, the parameter's is %s"
                                     % (name, list(a.shape), list(shapes[name])))
             parsed.append((name, a))
+        if s is None:
+            raise ArgumentError("gradients: every one given is of a parameter this owner owns "
+                                "nothing of; pass at least one CUDA gradient (for the stream)")
+        # Parameters this owner owns nothing of need no gradient argument.
+        given = {name for name, _ in parsed}
+        for name, (b, e) in ranges.items():
+            if b == e and name not in given:
+                parsed.append((name, None))
         return known, parsed, device, s
 
+    def _grad_tuples(self, parsed):
+        """(name, pointer, dtype, shape) for the native calls; a sharded
+        parameter's gradient is sent 1-D, an empty one as (name, 0, FLOAT32,
+        [0]) (sent inline)."""
+        out = []
+        for name, a in parsed:
+            if a is None:
+                out.append((name, 0, FLOAT32, [0]))
+            else:
+                out.append((name, a.ptr, a.dtype, list(a.shape)))
+        return out
+
     def step(self, group, step, gradients, out=None, lr=None, max_grad_norm=None,
-             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False):
+             skip_if_non_finite=False, stream=None, clip_factor=None, skip=False,
+             collective_group=None, sequence=None):
         """AdamW step `step` of a group offloaded through this session, with
         the gradients in device memory ({name: CUDA tensor}, float32 /
         bfloat16 / float16, contiguous, the parameter's shape) and the FP8
@@ -1358,26 +1405,67 @@ class Session:
         for qtxd's answer (the statistics need the gradients), not for the
         outputs. clip_factor / skip: the second phase of a two-phase step
         (see grad_norm), as qtx.Client.step takes them. Returns (stats dict,
-        {name: QuantizedTensor})."""
-        (mode, fmt, cfg, _), parsed, device, s = self._gradients(group, gradients, stream)
-        grads, dests, results = [], [], {}
+        {name: QuantizedTensor}).
+
+        A data-parallel sharded group (offloaded with shards=): the gradients
+        are this owner's slices (end - begin elements each; parameters it
+        owns nothing of need none), and the step is one collective call of
+        Collective group `collective_group` (create_group over the owners'
+        sidecars) with its next `sequence`, on every owner with the same
+        step. Each QuantizedTensor is then the owner's FP8 shard: shape the
+        whole parameter's, rowwise_data its [end - begin] bytes of the
+        rowwise data, rowwise_scale_inv (and with columnwise,
+        columnwise_scale_inv) the whole scale tensors, no columnwise_data
+        (the byte transpose of the gathered rowwise data: make_columnwise).
+        out={name: {field: tensor}} takes those shapes. A parameter this
+        owner owns nothing of has no entry in the result."""
+        known = self._groups.get(group)
+        ranges = known[4] if known is not None and len(known) > 4 else {}
+        if collective_group is not None:
+            if not isinstance(collective_group, str) or not collective_group:
+                raise ArgumentError("collective_group=%r: the name of a Collective group"
+                                    % (collective_group,))
+            if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 0:
+                raise ArgumentError("sequence=%r: collective_group needs the group's next "
+                                    "sequence (an int >= 0)" % (sequence,))
+        elif sequence is not None:
+            raise ArgumentError("sequence=%r without collective_group" % (sequence,))
+        (mode, fmt, cfg, shapes), parsed, device, s = self._split(
+            self._gradients(group, gradients, stream))
+        grads, dests, results = self._grad_tuples(parsed), [], {}
         for name, a in parsed:
-            grads.append((name, a.ptr, a.dtype, list(a.shape)))
-            lay = layout(a.shape, cfg[0])
             o = None if out is None else out.get(name)
-            if out is not None and o is None:
+            if out is not None and o is None and a is not None:
                 raise ArgumentError("out: no entry for parameter %s" % name)
-            bufs, tensors, blocks = self._quantize_outputs(o, lay, cfg, a, s)
+            if name in ranges:
+                b, e = ranges[name]
+                lay, fields = _shard_layout(shapes[name], cfg, e - b)
+                if a is None:
+                    continue  # no destination: its (whole) scales come back inline
+                bufs, tensors, blocks = self._quantize_outputs(o, lay, cfg, a, s, fields)
+                if e == b:
+                    bufs[0] = None
+                shape = shapes[name]
+            else:
+                lay = layout(a.shape, cfg[0])
+                bufs, tensors, blocks = self._quantize_outputs(o, lay, cfg, a, s)
+                shape = a.shape
             dests.append((name, bufs))
-            results[name] = self._result(a.shape, mode, fmt, tensors, a.device, s, None, blocks)
+            results[name] = self._result(shape, mode, fmt, tensors, a.device, s, None, blocks)
             results[name]._framework_alloc = o is None and not blocks
         stats = self._native.step(device, s, group, int(step), grads, dests,
                                   -1.0 if lr is None else float(lr),
                                   0.0 if max_grad_norm is None else float(max_grad_norm),
                                   bool(skip_if_non_finite),
                                   None if clip_factor is None else float(clip_factor),
-                                  bool(skip))
+                                  bool(skip), collective_group or "",
+                                  0 if sequence is None else int(sequence))
         return stats, results
+
+    @staticmethod
+    def _split(g):
+        known, parsed, device, s = g
+        return tuple(known[:4]), parsed, device, s
 
     def grad_norm(self, group, step, gradients, stream=None):
         """The first phase of a two-phase step (qtx.Client.grad_norm): this
@@ -1388,8 +1476,7 @@ class Session:
         every group of every rank (e.g. a torch.distributed all_reduce), then
         step(..., clip_factor=..., skip=...) on each."""
         _, parsed, device, s = self._gradients(group, gradients, stream)
-        grads = [(name, a.ptr, a.dtype, list(a.shape)) for name, a in parsed]
-        return self._native.grad_norm(device, s, group, int(step), grads)
+        return self._native.grad_norm(device, s, group, int(step), self._grad_tuples(parsed))
 
     def synchronize(self):
         """Waits (host) for every submitted call on every stream; raises the
@@ -1421,6 +1508,61 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _shard_ranges(params, names, shards, shapes):
+    """Checks offload_optimizer_state's shards= / shapes= (ArgumentError):
+    returns ({name: (begin, end)}, params with each sharded parameter's
+    shape replaced by the whole one from shapes=)."""
+    from qtx.optimizer import per_parameter
+    try:
+        ranges = per_parameter(shards, names, "shards")
+        whole = per_parameter(shapes, names, "shapes")
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    out_ranges, out = {}, []
+    for name, data, shape in params:
+        if name in whole and name not in ranges:
+            raise ArgumentError("shapes[%s]: only for a parameter with a shard range (shards=)"
+                                % name)
+        if name not in ranges:
+            out.append((name, data, shape))
+            continue
+        try:
+            begin, end = (int(v) for v in ranges[name])
+        except (TypeError, ValueError):
+            raise ArgumentError("shards[%s]=%r: must be a (begin, end) pair of integers"
+                                % (name, ranges[name])) from None
+        if name not in whole:
+            raise ArgumentError("parameter %s: shards=(%d, %d) needs shapes[%s], the whole "
+                                "parameter's shape (the master holds only the owned elements)"
+                                % (name, begin, end, name))
+        full = [int(d) for d in whole[name]]
+        if not full or any(d < 0 for d in full):
+            raise ArgumentError("shapes[%s]=%r: a shape of rank >= 1" % (name, whole[name]))
+        total = math.prod(full)
+        if not 0 <= begin <= end <= total:
+            raise ArgumentError("parameter %s: shards=(%d, %d): must have 0 <= begin <= end <= "
+                                "%d (the elements of shape %s)" % (name, begin, end, total,
+                                                                   full))
+        if math.prod(shape) != end - begin:
+            raise ArgumentError("parameter %s: the master has %d elements; shards=(%d, %d) "
+                                "owns %d" % (name, math.prod(shape), begin, end, end - begin))
+        out_ranges[name] = (begin, end)
+        out.append((name, data, full))
+    return out_ranges, out
+
+
+def _shard_layout(whole_shape, cfg, count):
+    """The buffers of an owner's FP8 shard of a [whole_shape] parameter that
+    owns `count` elements (docs/numerics.md §10): (layout with rowwise_data
+    [count], the fields made: rowwise data and scales, columnwise scales)."""
+    lay = dict(layout(whole_shape, cfg[0]))
+    lay["rowwise_data"] = (int(count),)
+    fields = ["rowwise_data", "rowwise_scale_inv"]
+    if cfg[3]:
+        fields.append("columnwise_scale_inv")
+    return lay, fields
 
 
 def _device_index(device):
