@@ -333,8 +333,13 @@ absl::StatusOr<ParamAllGatherResult> AllGatherParameter(const ParamAllGatherRequ
       "AllGatherParameter(group '%s', sequence %d%s): ", request.group, request.sequence,
       request.name.empty() ? std::string() : absl::StrCat(", parameter '", request.name, "'"));
   auto comm_failed = [&](const absl::Status& s) {
-    if (s.code() != absl::StatusCode::kInvalidArgument) *group_broken = true;
-    return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+    if (s.code() != absl::StatusCode::kInvalidArgument) {
+      *group_broken = true;
+      return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+    }
+    // Sizes that differ: another kind of collective call at this sequence.
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, s.message(), " (every rank must call AllGatherParameter with this sequence)"));
   };
   const int world = comm.world_size();
 

@@ -511,6 +511,37 @@ TEST(ParamAllGatherErrorsE2eTest, DisagreementsFailEveryRankNamingTheRankAndFiel
   EXPECT_EQ((*groups)[0].state, GroupState::kReady);
 }
 
+TEST(ParamAllGatherErrorsE2eTest, AnotherCollectiveAtTheSameSequenceFailsBothRanks) {
+  const int world = 2;
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks, absl::Seconds(5)));
+  const QuantizeConfig config = {.scaling_mode = ScalingMode::kBlock2D};
+  const Whole w = QuantizeWhole(200, 130, config, 8);
+  const std::vector<ShardRange> ranges = {{0, 13000}, {13000, w.total()}};
+  // Rank 0 all-gathers a parameter, rank 1 an activation shard: neither may
+  // report a result, and neither may wait past the group's deadline.
+  std::vector<absl::Status> st(world);
+  const absl::Time start = absl::Now();
+  OnEveryRank(world, [&](int r) {
+    if (r == 0) {
+      st[r] = ranks.clients[0]
+                  ->AllGatherParameter("dp", 0, ShardOf(w, ranges[0]), ranges[0], {},
+                                       Deadline(absl::Seconds(30)))
+                  .status();
+    } else {
+      const std::vector<float> x = Values(64 * 130, 3, 1.0f);
+      st[r] = ranks.clients[1]
+                  ->AllGather("dp", 0, Tensor::FromFloat32({64, 130}, x), config,
+                              AllGatherMode::kExactFp8, {}, Deadline(absl::Seconds(30)))
+                  .status();
+    }
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(25));
+  for (int r = 0; r < world; ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r << " got a result";
+  EXPECT_THAT(st[0], StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("AllGatherParameter")))
+      << st[0];
+}
+
 TEST(ParamAllGatherErrorsE2eTest, ARankThatDiesFailsTheOthers) {
   const int world = 3;
   Ranks ranks;
