@@ -538,8 +538,14 @@ TEST(ParamAllGatherErrorsE2eTest, AnotherCollectiveAtTheSameSequenceFailsBothRan
   });
   EXPECT_LT(absl::Now() - start, absl::Seconds(25));
   for (int r = 0; r < world; ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r << " got a result";
-  EXPECT_THAT(st[0], StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("AllGatherParameter")))
+  EXPECT_THAT(st[0], StatusIs(absl::StatusCode::kInvalidArgument,
+                              HasSubstr("every rank must call AllGatherParameter")))
       << st[0];
+  // Found out in step: the group is still usable.
+  ranks.sequence = 1;
+  std::vector<QuantizedTensor> shards;
+  for (int r = 0; r < world; ++r) shards.push_back(ShardOf(w, ranges[r]));
+  ASSERT_NO_FATAL_FAILURE(ExpectWhole(GatherOnEveryRank(ranks, shards, ranges), w, ranges));
 }
 
 TEST(ParamAllGatherErrorsE2eTest, ARankThatDiesFailsTheOthers) {
