@@ -90,6 +90,29 @@ absl::StatusOr<AllGatherResult> Client::AllGather(std::string_view group, uint64
   return result;
 }
 
+absl::StatusOr<ParameterAllGatherResult> Client::AllGatherParameter(
+    std::string_view group, uint64_t sequence, const QuantizedTensor& shard, ShardRange range,
+    const QuantizeOutputs& outputs, const CallOptions& call, std::string_view name) {
+  v1::AllGatherParameterRequest request;
+  request.set_group(std::string(group));
+  request.set_sequence(sequence);
+  request.set_name(std::string(name));
+  ToProto(shard, request.mutable_shard());
+  request.mutable_range()->set_begin(range.begin);
+  request.mutable_range()->set_end(range.end);
+  ToProto(outputs, request.mutable_outputs());
+  SetCudaEvents(call, &request);
+  v1::AllGatherParameterResponse response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  grpc::Status status = impl_->collective->AllGatherParameter(&ctx, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  ParameterAllGatherResult result;
+  result.tensor = FromProto(std::move(*response.mutable_result()));
+  for (const v1::ShardRange& r : response.ranges()) result.ranges.push_back({r.begin(), r.end()});
+  return result;
+}
+
 absl::Status Client::DestroyGroup(std::string_view name, const CallOptions& call) {
   v1::DestroyGroupRequest request;
   request.set_name(std::string(name));

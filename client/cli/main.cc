@@ -12,7 +12,7 @@
 //   qtx step     --group=G [--shape=MxN] [--steps=K] [--seed=S] [--lr=X] [--checkpoint]
 //                [--max_grad_norm=X] [--two_phase]
 //                [--shard=BEGIN:END --dp_group=D --rank=R --world_size=W [--coordinator=T]
-//                 [--sequence=K]]
+//                 [--sequence=K] [--gather]]
 //   qtx groups   [--destroy=G] [--release=G]
 //
 // `allgather` joins (or reuses) the collective group G on its sidecar and
@@ -135,6 +135,10 @@ ABSL_FLAG(std::string, dp_group, "",
           "step: the Collective group of the owners' sidecars a sharded Step runs over (joined "
           "as --rank of --world_size via --coordinator when absent, and kept); its calls use "
           "--sequence, --sequence + 1, ...");
+ABSL_FLAG(bool, gather, false,
+          "step --shard: after the steps, all-gather each parameter's FP8 shards from every "
+          "owner (AllGatherParameter, on --dp_group with the sequence numbers after the steps') "
+          "and print the whole rowwise copy");
 ABSL_FLAG(std::string, destroy, "", "groups: destroy this collective group on the sidecar");
 ABSL_FLAG(std::string, release, "",
           "groups: release this optimizer group (frees its memory, deletes its checkpoints)");
@@ -881,6 +885,7 @@ absl::Status RunStep() {
   absl::StatusOr<OptimizerState> after = client.GetState(*group);
   if (!after.ok()) return after.status();
   int checked = 0;
+  uint64_t gather_sequence = absl::GetFlag(FLAGS_sequence) + static_cast<uint64_t>(steps);
   for (const ParameterOutput& out : last->parameters) {
     if (!out.fp8) continue;
     if (shard.has_value()) {
@@ -890,6 +895,29 @@ absl::Status RunStep() {
                                    shard->begin, shard->end, ShapeString(out.fp8->shape),
                                    out.fp8->rowwise_data ? out.fp8->rowwise_data->data.size() : 0);
       PrintQuantized(*out.fp8);
+      if (absl::GetFlag(FLAGS_gather)) {
+        CallOptions gather_call;
+        gather_call.timeout = absl::GetFlag(FLAGS_group_timeout);
+        absl::StatusOr<ParameterAllGatherResult> g = client.AllGatherParameter(
+            dp_group, gather_sequence++, *out.fp8, *shard, {}, gather_call, out.name);
+        if (!g.ok()) return g.status();
+        std::string ranges;
+        for (const ShardRange& r : g->ranges) {
+          absl::StrAppend(&ranges, ranges.empty() ? "" : " ", "[", r.begin, ",", r.end, ")");
+        }
+        std::cout << absl::StrFormat("gathered %s %s from ranges %s\n", out.name,
+                                     ShapeString(g->tensor.shape), ranges);
+        PrintQuantized(g->tensor);
+        // This owner's bytes must sit at their place, with the same scales.
+        if (!g->tensor.rowwise_data || !out.fp8->rowwise_data ||
+            g->tensor.rowwise_data->data.substr(shard->begin, shard->end - shard->begin) !=
+                out.fp8->rowwise_data->data ||
+            !g->tensor.rowwise_scale_inv || !out.fp8->rowwise_scale_inv ||
+            g->tensor.rowwise_scale_inv->data != out.fp8->rowwise_scale_inv->data) {
+          return absl::InternalError(absl::StrCat(
+              "parameter '", out.name, "': the gathered tensor does not hold this owner's shard"));
+        }
+      }
       continue;
     }
     const auto p =

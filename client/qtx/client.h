@@ -339,6 +339,31 @@ class Client {
                                             const CallOptions& call = {},
                                             const std::vector<int64_t>& shard_rows = {});
 
+  // The FP8 parameter all-gather (qtx.v1.Collective.AllGatherParameter,
+  // docs/numerics.md §10): `shard` is this rank's FP8 shard of a parameter
+  // quantized with 128x128 blocks, e.g. OptimizerStepResult's
+  // ParameterOutput::fp8 of a data-parallel sharded Step as is: shape the
+  // whole parameter's, config BLOCK_2D, rowwise_data the end - begin bytes of
+  // elements `range` of the flattened [M, N] rowwise data, rowwise_scale_inv
+  // the whole parameter's scales (columnwise_scale_inv is not read;
+  // columnwise_data must be absent). Returns, on every rank, the whole
+  // rowwise copy, byte-identical to quantizing the whole parameter, and every
+  // rank's range. Only the rowwise copy is gathered: make the columnwise one
+  // from it where needed (qtx::cuda::MakeColumnwiseCopy). `sequence` is the
+  // group's call counter, shared with AllGather and sharded Steps. Outputs
+  // with a slice in `outputs` (rowwise only) are written there, in place
+  // when this rank's shard already lies at its offset of that slice.
+  // `name` (optional) names the parameter in messages.
+  // Fails on every rank with INVALID_ARGUMENT when the ranks disagree on the
+  // shape, config, scales (compared by digest) or sequence, or their ranges
+  // do not cover the parameter exactly once (naming the field and the rank),
+  // or with the error of a rank whose request was bad; DEADLINE_EXCEEDED or
+  // ABORTED when a peer is missing or dies (the group is then broken).
+  absl::StatusOr<ParameterAllGatherResult> AllGatherParameter(
+      std::string_view group, uint64_t sequence, const QuantizedTensor& shard, ShardRange range,
+      const QuantizeOutputs& outputs = {}, const CallOptions& call = {},
+      std::string_view name = {});
+
   // Leaves and frees the group `name` on this sidecar. NOT_FOUND if absent.
   absl::Status DestroyGroup(std::string_view name, const CallOptions& call = {});
 

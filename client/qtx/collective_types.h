@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "qtx/optimizer_types.h"
 #include "qtx/types.h"
 
 namespace qtx {
@@ -81,6 +82,15 @@ struct CollectiveGroupInfo {
 struct AllGatherResult {
   QuantizedTensor tensor;           // the quantized [sum M_r, N] tensor
   std::vector<int64_t> shard_rows;  // M_r of every rank, in rank order
+};
+
+// What Client::AllGatherParameter returns on every rank.
+struct ParameterAllGatherResult {
+  // The whole parameter's rowwise copy: data [M, N], scale_inv
+  // [ceil(M/128), pad4(ceil(N/128))], byte-identical to quantizing the whole
+  // parameter with BLOCK_2D; config.columnwise false.
+  QuantizedTensor tensor;
+  std::vector<ShardRange> ranges;  // every rank's range, in rank order
 };
 
 }  // namespace qtx

@@ -13,6 +13,7 @@
 #include "server/api/request_context.h"
 #include "server/collective/communicators.h"
 #include "server/ops/allgather.h"
+#include "server/ops/param_allgather.h"
 #include "spdlog/spdlog.h"
 
 namespace qtx::server::api {
@@ -197,6 +198,32 @@ ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r) {
   return spec;
 }
 
+ops::ParamAllGatherRequestSpec AllGatherParameterFromProto(const v1::AllGatherParameterRequest& r) {
+  ops::ParamAllGatherRequestSpec spec;
+  spec.group = r.group();
+  spec.sequence = r.sequence();
+  spec.name = r.name();
+  spec.range = {r.range().begin(), r.range().end()};
+  spec.request_error = [&]() -> absl::Status {
+    if (!r.has_shard()) return absl::InvalidArgumentError("shard: missing");
+    const v1::QuantizedTensor& q = r.shard();
+    spec.shape.assign(q.shape().begin(), q.shape().end());
+    QTX_ASSIGN_OR_RETURN(spec.params, ParamsFromProto(q.config(), "shard.config"));
+    if (q.has_rowwise_data()) {
+      QTX_ASSIGN_OR_RETURN(spec.data, TensorRefFromProto(q.rowwise_data(), "shard.rowwise_data"));
+    }
+    if (q.has_rowwise_scale_inv()) {
+      QTX_ASSIGN_OR_RETURN(spec.scale_inv,
+                           TensorRefFromProto(q.rowwise_scale_inv(), "shard.rowwise_scale_inv"));
+    }
+    spec.has_columnwise_data = q.has_columnwise_data();
+    QuantizeOutputsFromProto(r.outputs(), &spec.outputs);
+    spec.events = CudaEventsFromProto(r.cuda_events());
+    return absl::OkStatus();
+  }();
+  return spec;
+}
+
 grpc::ServerUnaryReactor* CollectiveService::CreateGroup(grpc::CallbackServerContext* context,
                                                          const v1::CreateGroupRequest* request,
                                                          v1::CreateGroupResponse* response) {
@@ -259,6 +286,44 @@ grpc::ServerUnaryReactor* CollectiveService::AllGather(grpc::CallbackServerConte
                     }
                     reactor->Finish(EndRequest(log, s));
                   });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CollectiveService::AllGatherParameter(
+    grpc::CallbackServerContext* context, const v1::AllGatherParameterRequest* request,
+    v1::AllGatherParameterResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestLog log = StartRequest(context, "AllGatherParameter");
+  // The spec borrows inline bytes from the request, which outlives the call.
+  auto spec =
+      std::make_shared<ops::ParamAllGatherRequestSpec>(AllGatherParameterFromProto(*request));
+  const absl::Time deadline = WorkDeadline(*context, GroupTimeout(request->group()));
+  collective::Collective c;
+  c.sequence = spec->sequence;
+  c.deadline = deadline;
+  auto result = std::make_shared<absl::StatusOr<ops::ParamAllGatherResult>>(
+      absl::UnknownError("AllGatherParameter did not run"));
+  c.run = [this, spec, result, deadline](backend::Communicator& comm) {
+    bool broken = false;
+    *result = ops::AllGatherParameter(*spec, ctx_, comm, backend::CommCall{deadline}, &broken);
+    absl::Status s = result->status();
+    if (broken && s.code() != absl::StatusCode::kDeadlineExceeded) {
+      s = absl::AbortedError(absl::StrFormat("%s (the group is now BROKEN)", s.message()));
+    }
+    return collective::CollectiveOutcome{s, broken};
+  };
+  c.finish = [reactor, log, response, result](absl::Status s) {
+    if (s.ok() && result->ok()) {
+      QuantizedTensorToProto(std::move((*result)->result), response->mutable_result());
+      for (const kernels::ElementRange& g : (*result)->ranges) {
+        v1::ShardRange* out = response->add_ranges();
+        out->set_begin(g.begin);
+        out->set_end(g.end);
+      }
+    }
+    reactor->Finish(EndRequest(log, s));
+  };
+  registry_->Submit(request->group(), std::move(c));
   return reactor;
 }
 

@@ -28,12 +28,16 @@
 #include "server/collective/kv_store.h"
 #include "server/ops/allgather.h"
 #include "server/ops/op_context.h"
+#include "server/ops/param_allgather.h"
 
 namespace qtx::server::api {
 
 // The op spec of an AllGather request; a request that cannot be parsed gives
 // a spec whose request_error says why (every rank then fails with it).
 ops::AllGatherRequestSpec AllGatherFromProto(const v1::AllGatherRequest& r);
+
+// The op spec of an AllGatherParameter request (request_error as above).
+ops::ParamAllGatherRequestSpec AllGatherParameterFromProto(const v1::AllGatherParameterRequest& r);
 
 class CollectiveService final : public v1::Collective::CallbackService {
  public:
@@ -46,6 +50,11 @@ class CollectiveService final : public v1::Collective::CallbackService {
   grpc::ServerUnaryReactor* AllGather(grpc::CallbackServerContext* context,
                                       const v1::AllGatherRequest* request,
                                       v1::AllGatherResponse* response) override;
+  // The FP8 parameter all-gather (ops/param_allgather.h), on the group's
+  // executor like AllGather.
+  grpc::ServerUnaryReactor* AllGatherParameter(grpc::CallbackServerContext* context,
+                                               const v1::AllGatherParameterRequest* request,
+                                               v1::AllGatherParameterResponse* response) override;
   grpc::ServerUnaryReactor* DestroyGroup(grpc::CallbackServerContext* context,
                                          const v1::DestroyGroupRequest* request,
                                          v1::DestroyGroupResponse* response) override;

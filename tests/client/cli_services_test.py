@@ -142,11 +142,12 @@ def check_allgather(a, servers):
 
 def check_sharded_step(a, servers):
     """Two sidecars own slices of one 200x130 parameter (the cut at 12345 is
-    mid-row and mid-tile) and step collectively over the Collective group dp."""
+    mid-row and mid-tile) and step collectively over the Collective group dp,
+    then gather the FP8 parameter from both shards (--gather)."""
     targets = [s.target for s in servers]
     coordinator = ["--coordinator=" + targets[0]]
     common = ["step", "--group=z", "--shape=200x130", "--dp_group=dp", "--world_size=2",
-              "--steps=2"]
+              "--steps=2", "--gather"]
     outs = both(a, targets, common,
                 [["--rank=0", "--shard=0:12345"], ["--rank=1", "--shard=12345:26000"] + coordinator])
     for r, (out, _) in enumerate(outs):
@@ -158,10 +159,13 @@ def check_sharded_step(a, servers):
         assert "shard   w [%d, %d) of [200, 130]: %d FP8 bytes" % (lo, hi, hi - lo) in out, out
         assert re.search(r"^rowwise    data\s+float8_e4m3 \[%d\]$" % (hi - lo), out, re.M), out
         assert re.search(r"^rowwise    scale_inv\s+float32 \[2, 4\]$", out, re.M), out
+        # --gather: the whole parameter from both owners' shards (sequence 2).
+        assert "gathered w [200, 130] from ranges [0,12345) [12345,26000)" in out, out
+        assert re.search(r"^rowwise    data\s+float8_e4m3 \[200, 130\]$", out, re.M), out
     # Overlapping ranges (a new optimizer group, the Collective group reused
     # at its next sequence): both ranks fail before anything changes.
     common = ["step", "--group=z2", "--shape=200x130", "--dp_group=dp", "--world_size=2",
-              "--sequence=2"]
+              "--sequence=3"]
     outs = both(a, targets, common,
                 [["--rank=0", "--shard=0:13000"], ["--rank=1", "--shard=12345:26000"]],
                 expect_rc=1)

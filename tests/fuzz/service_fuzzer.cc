@@ -262,7 +262,7 @@ void RunOne(Env& e, uint8_t method, const uint8_t* data, size_t size) {
       break;
   }
 #elif QTX_FUZZ_SERVICE == 3
-  switch (method % 4) {
+  switch (method % 5) {
     case 0:
       QTX_FUZZ_CALL(collective, CreateGroup);
       break;
@@ -274,6 +274,9 @@ void RunOne(Env& e, uint8_t method, const uint8_t* data, size_t size) {
       break;
     case 3:
       QTX_FUZZ_CALL(collective, ListGroups);
+      break;
+    case 4:
+      QTX_FUZZ_CALL(collective, AllGatherParameter);
       break;
   }
 #elif QTX_FUZZ_SERVICE == 4
@@ -380,6 +383,20 @@ std::vector<std::string> Seeds() {
   d.set_name("h");
   s.emplace_back(2, d.SerializeAsString());
   s.emplace_back(3, std::string());
+  v1::AllGatherParameterRequest pg;  // the whole [5, 130] parameter on one rank
+  pg.set_group("h");
+  pg.mutable_shard()->add_shape(5);
+  pg.mutable_shard()->add_shape(130);
+  pg.mutable_shard()->mutable_config()->set_scaling_mode(v1::BLOCK_2D);
+  pg.mutable_shard()->mutable_rowwise_data()->set_dtype(v1::UINT8);
+  pg.mutable_shard()->mutable_rowwise_data()->add_shape(650);
+  pg.mutable_shard()->mutable_rowwise_data()->set_inline_data(std::string(650, '\x38'));
+  pg.mutable_shard()->mutable_rowwise_scale_inv()->set_dtype(v1::FLOAT32);
+  pg.mutable_shard()->mutable_rowwise_scale_inv()->add_shape(1);
+  pg.mutable_shard()->mutable_rowwise_scale_inv()->add_shape(4);
+  pg.mutable_shard()->mutable_rowwise_scale_inv()->set_inline_data(std::string(16, '\0'));
+  pg.mutable_range()->set_end(650);
+  s.emplace_back(4, pg.SerializeAsString());
 #elif QTX_FUZZ_SERVICE == 4
   v1::OffloadOptimizerStateRequest off = FixtureOffload();
   off.set_group("o2");

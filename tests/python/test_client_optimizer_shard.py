@@ -15,6 +15,10 @@
 * optimizer_state_dict refuses a sharded group;
 * load_checkpoint(sources=, shards=): both owners' checkpoints loaded whole
   on one sidecar and at other cuts on both (get_state = the whole group's);
+* all_gather_parameter of each owner's FP8 shard as step() returned it: the
+  whole rowwise copy on both ranks, byte for byte the unsharded group's; of
+  shards cut from quantize()'s output, and its errors (overlapping ranges,
+  different scales: InvalidArgumentError on both ranks);
 * errors: overlapping ranges (InvalidArgumentError on both ranks), a step
   without collective_group (FailedPreconditionError), and the client's own
   checks of the ranges (ValueError).
@@ -199,6 +203,24 @@ class ShardedStepTest(unittest.TestCase):
                 # Concatenated in range order: the whole rowwise data.
                 self.assertEqual(np.concatenate(pieces).tobytes(),
                                  w.fp8.rowwise_data.tobytes())
+                # all_gather_parameter of the shards as step() returned them:
+                # the whole rowwise copy on both ranks.
+                seq = SEQ[0]
+                SEQ[0] += 1
+                gathered = on_every_rank(lambda r, c: c.all_gather_parameter(
+                    "dp", seq, res[r].parameters[n].fp8, CUTS[n][r:r + 2], name=n))
+                for r in range(2):
+                    msg = "step %d rank %d %s gathered" % (step, r, n)
+                    g = gathered[r]
+                    self.assertNotIsInstance(g, Exception, msg="%s: %s" % (msg, g))
+                    self.assertEqual(g.ranges, [CUTS[n][0:2], CUTS[n][1:3]], msg=msg)
+                    self.assertEqual(g.tensor.mode, "2d", msg=msg)
+                    self.assertEqual(g.tensor.rowwise_data.shape, SHAPES[n], msg=msg)
+                    self.assertEqual(g.tensor.rowwise_data.tobytes(),
+                                     w.fp8.rowwise_data.tobytes(), msg=msg)
+                    self.assertEqual(g.tensor.rowwise_scale_inv.tobytes(),
+                                     w.fp8.rowwise_scale_inv.tobytes(), msg=msg)
+                    self.assertIsNone(g.tensor.columnwise_data, msg=msg)
 
         # A retried step replays the same shards.
         grads = {n: whole(n, 200 + k, 1.0) for k, n in enumerate(SHAPES)}
@@ -279,6 +301,36 @@ class ShardErrorsTest(unittest.TestCase):
         for c in CLIENTS:
             self.assertEqual(c.get_state("overlap").group.step, 0)
         on_every_rank(lambda r, c: c.release_group("overlap"))
+
+    def test_all_gather_parameter_checks_ranges_and_scales(self):
+        # Shards cut from one quantization of a [200, 130] tensor (bytes and
+        # scales given directly).
+        with qtx.Client(SERVERS["targets"][0]) as c:
+            q = c.quantize(whole("w", 8, 1.0), mode="2d")
+        data = q.rowwise_data.reshape(-1)
+        cuts = [(0, 13001), (13001, 26000)]
+
+        def gather(ranges, scales):
+            seq = SEQ[0]
+            SEQ[0] += 1
+            return on_every_rank(lambda r, c: c.all_gather_parameter(
+                "dp", seq, data[ranges[r][0]:ranges[r][1]], ranges[r], scale_inv=scales[r],
+                shape=SHAPES["w"]))
+
+        good = gather(cuts, [q.rowwise_scale_inv] * 2)
+        for g in good:
+            self.assertNotIsInstance(g, Exception, msg=str(g))
+            self.assertEqual(g.tensor.rowwise_data.tobytes(), q.rowwise_data.tobytes())
+        overlap = [(0, 13001), (13000, 26000)]
+        for e in gather(overlap, [q.rowwise_scale_inv] * 2):
+            self.assertIsInstance(e, qtx.errors.InvalidArgumentError, msg=str(e))
+            self.assertIn("overlap", e.message)
+        other = q.rowwise_scale_inv.copy()
+        other[0, 0] *= 2
+        for e in gather(cuts, [q.rowwise_scale_inv, other]):
+            self.assertIsInstance(e, qtx.errors.InvalidArgumentError, msg=str(e))
+            self.assertIn("rowwise_scale_inv", e.message)
+            self.assertIn("rank 1", e.message)
 
     def test_step_without_collective_group_is_refused(self):
         m = whole("w", 5, 0.1)

@@ -43,8 +43,8 @@ else:
 
 if _GRPC_MISSING is None:
     from qtx.client import (  # noqa: F401
-        DEFAULT_TARGET, MAX_MESSAGE_BYTES, AllGatherResult, Client, QuantizedTensor, channel,
-        tensor_from_proto, tensor_to_proto)
+        DEFAULT_TARGET, MAX_MESSAGE_BYTES, AllGatherResult, Client, ParameterAllGatherResult,
+        QuantizedTensor, channel, tensor_from_proto, tensor_to_proto)
     from qtx.optimizer import (  # noqa: F401
         AdamWHyperParams, CheckpointInfo, GradNormResult, OptimizerGroupInfo,
         OptimizerGroupList, OptimizerState, ParameterInit, ParameterOutput,
@@ -55,6 +55,7 @@ else:
         "v1", "collective_pb2", "collective_pb2_grpc", "memory_pb2", "memory_pb2_grpc",
         "optimizer_pb2", "optimizer_pb2_grpc", "quantizer_pb2", "quantizer_pb2_grpc",
         "tensor_pb2", "MAX_MESSAGE_BYTES", "AllGatherResult", "Client", "QuantizedTensor",
+        "ParameterAllGatherResult",
         "channel", "tensor_from_proto", "tensor_to_proto", "AdamWHyperParams",
         "CheckpointInfo", "OptimizerGroupInfo", "OptimizerGroupList", "OptimizerState",
         "ParameterInit", "ParameterOutput", "ParameterOutputConfig", "ParameterState",

@@ -76,6 +76,13 @@ class AllGatherResult:
     shard_rows: list         # M_r of every rank, in rank order
 
 
+@dataclasses.dataclass
+class ParameterAllGatherResult:
+    """What Client.all_gather_parameter returns on every rank."""
+    tensor: QuantizedTensor  # the whole parameter's rowwise copy ([M, N] u8 + scale_inv)
+    ranges: list             # every rank's (begin, end), in rank order
+
+
 def normalize_target(target):
     """'unix:///abs', 'unix:path', '/abs/path' (unix) or 'host:port'."""
     if not target:
@@ -258,6 +265,57 @@ class Client:
         resp = self._call(self.collective.AllGather, req, timeout, request_id)
         return AllGatherResult(_quantized_from_proto(resp.result, mode, format, as_torch),
                                list(resp.shard_rows))
+
+    def all_gather_parameter(self, group, sequence, shard, shard_range, scale_inv=None,
+                             shape=None, format="e4m3", pow2_scales=True, amax_epsilon=0.0,
+                             name="", timeout=None, request_id=None):
+        """The FP8 parameter all-gather: every rank passes its FP8 shard of a
+        parameter quantized with 128x128 blocks, the bytes of elements
+        shard_range = (begin, end) of the flattened [M, N] rowwise data, and
+        gets the whole rowwise copy back (ParameterAllGatherResult), byte for
+        byte the quantization of the whole parameter, with every rank's range.
+
+        shard: a sharded step()'s ParameterOutput.fp8 as is (a QuantizedTensor:
+        shape, format and the whole scale_inv come with it), or the FP8 bytes
+        (uint8 numpy array or torch uint8 / float8 tensor, end - begin
+        elements) with scale_inv (float32 [ceil(M/128), pad4(ceil(N/128))], the
+        whole parameter's), shape (the whole parameter's), format, pow2_scales
+        and amax_epsilon as it was quantized with. `sequence` is the group's
+        call counter (shared with all_gather and sharded steps). Only the
+        rowwise copy is gathered (the columnwise one is its byte transpose
+        with the transposed scales, docs/numerics.md §4.5). Disagreements between
+        the ranks (shape, config, scales, ranges that do not cover the
+        parameter exactly once) raise InvalidArgumentError on every rank."""
+        begin, end = (int(v) for v in shard_range)
+        if isinstance(shard, QuantizedTensor):
+            if shard.proto is not None:
+                q = quantizer_pb2.QuantizedTensor()
+                q.CopyFrom(shard.proto)
+                q.ClearField("columnwise_data")
+                q.ClearField("columnwise_scale_inv")
+            else:
+                q = quantizer_pb2.QuantizedTensor(
+                    shape=list(shard.shape),
+                    config=_quantize_config(shard.mode, shard.format, True, False, pow2_scales,
+                                            amax_epsilon),
+                    rowwise_data=_bytes_to_proto(shard.rowwise_data, shard.format),
+                    rowwise_scale_inv=_scale_to_proto(shard.rowwise_scale_inv))
+        else:
+            if scale_inv is None or shape is None:
+                raise ValueError("shard given as bytes: pass scale_inv= and shape= too")
+            q = quantizer_pb2.QuantizedTensor(
+                shape=[int(d) for d in shape],
+                config=_quantize_config("2d", format, True, False, pow2_scales, amax_epsilon),
+                rowwise_data=_bytes_to_proto(shard, format),
+                rowwise_scale_inv=_scale_to_proto(scale_inv))
+        req = collective_pb2.AllGatherParameterRequest(
+            group=group, sequence=sequence, shard=q,
+            range=optimizer_pb2.ShardRange(begin=begin, end=end), name=name)
+        resp = self._call(self.collective.AllGatherParameter, req, timeout, request_id)
+        mode, fmt = opt.quantized_names(resp.result.config)
+        return ParameterAllGatherResult(
+            _quantized_from_proto(resp.result, mode, fmt, False),
+            [(g.begin, g.end) for g in resp.ranges])
 
     def destroy_group(self, name, timeout=None):
         self._call(self.collective.DestroyGroup, collective_pb2.DestroyGroupRequest(name=name),
@@ -545,6 +603,29 @@ def _quantize_config(mode, format, rowwise, columnwise, pow2_scales, amax_epsilo
     return quantizer_pb2.QuantizeConfig(
         scaling_mode=_MODES[mode], format=_FORMATS[format], rowwise=rowwise,
         columnwise=columnwise, force_pow2_scales=pow2_scales, amax_epsilon=amax_epsilon)
+
+
+def _bytes_to_proto(x, format):
+    """An inline FP8 TensorRef of a uint8 array (or torch uint8 / float8 tensor)."""
+    if isinstance(x, tensor_pb2.TensorRef):
+        return x
+    if _is_torch(x):
+        x = x.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+    a = np.ascontiguousarray(x)
+    if a.dtype != np.uint8:
+        raise TypeError("dtype %s: FP8 bytes must be uint8" % a.dtype)
+    dt = tensor_pb2.FLOAT8_E5M2 if format == "e5m2" else tensor_pb2.FLOAT8_E4M3
+    return tensor_pb2.TensorRef(dtype=dt, shape=list(a.shape), inline_data=a.tobytes())
+
+
+def _scale_to_proto(x):
+    if isinstance(x, tensor_pb2.TensorRef):
+        return x
+    if _is_torch(x):
+        x = x.detach().to("cpu").contiguous().numpy()
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    return tensor_pb2.TensorRef(dtype=tensor_pb2.FLOAT32, shape=list(a.shape),
+                                inline_data=a.tobytes())
 
 
 def _quantized_from_proto(r, mode, format, as_torch):
