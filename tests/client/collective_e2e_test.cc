@@ -31,12 +31,16 @@
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
 #include "tests/testing/qtxd_process.h"
+#include "tests/testing/qtxd_ranks.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx {
 namespace {
 
+using ::qtx::testing::CreateGlooGroupOnEveryRank;
+using ::qtx::testing::OnEveryRank;
 using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::StartQtxdRanks;
 using ::qtx::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
@@ -53,45 +57,21 @@ CallOptions Deadline(absl::Duration d) {
 }
 
 // `world` sidecars and one client each.
-struct Ranks {
-  std::vector<std::unique_ptr<QtxdProcess>> servers;
-  std::vector<std::unique_ptr<Client>> clients;
-  int world() const { return static_cast<int>(clients.size()); }
-};
+using Ranks = ::qtx::testing::QtxdRanks;
 
 void StartRanks(int world, Ranks* ranks) {
-  for (int r = 0; r < world; ++r) {
-    auto server =
-        QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--threads=2", "--allow_client_shm"});
-    ASSERT_TRUE(server.ok()) << "rank " << r << ": " << server.status();
-    auto client = Client::Connect((*server)->target());
-    ASSERT_TRUE(client.ok()) << client.status();
-    ranks->servers.push_back(*std::move(server));
-    ranks->clients.push_back(*std::move(client));
-  }
-}
-
-// Runs fn(rank) on one thread per rank and waits for all of them.
-void OnEveryRank(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (std::thread& t : threads) t.join();
+  QTX_ASSERT_OK(StartQtxdRanks(
+      g_qtxd_path, world,
+      [](int) {
+        return std::vector<std::string>{"--device=cpu", "--threads=2", "--allow_client_shm"};
+      },
+      ranks));
 }
 
 // CreateGroup `name` on every rank through the client calls.
 void CreateGroupOnEveryRank(Ranks& ranks, const std::string& name) {
   const int world = ranks.world();
-  std::vector<absl::StatusOr<CollectiveGroupInfo>> infos(world);
-  OnEveryRank(world, [&](int r) {
-    CollectiveGroupConfig config;
-    config.name = name;
-    config.rank = r;
-    config.world_size = world;
-    config.coordinator = r == 0 ? "" : ranks.servers[0]->target();
-    config.backend = CommBackend::kGloo;
-    config.timeout = kGroupTimeout;
-    infos[r] = ranks.clients[r]->CreateGroup(config, Deadline(kGroupTimeout + absl::Seconds(10)));
-  });
+  const auto infos = CreateGlooGroupOnEveryRank(ranks, name, kGroupTimeout);
   for (int r = 0; r < world; ++r) {
     ASSERT_TRUE(infos[r].ok()) << "rank " << r << ": " << infos[r].status();
     EXPECT_EQ(infos[r]->name, name);

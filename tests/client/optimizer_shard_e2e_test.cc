@@ -29,12 +29,16 @@
 #include "gtest/gtest.h"
 #include "qtx/client.h"
 #include "tests/testing/qtxd_process.h"
+#include "tests/testing/qtxd_ranks.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx {
 namespace {
 
+using ::qtx::testing::CreateGlooGroupOnEveryRank;
+using ::qtx::testing::OnEveryRank;
 using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::StartQtxdRanks;
 using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
@@ -48,48 +52,26 @@ CallOptions Deadline(absl::Duration d) {
   return c;
 }
 
-void OnEveryRank(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (std::thread& t : threads) t.join();
-}
-
-struct Ranks {
-  std::string dir;
-  std::vector<std::unique_ptr<QtxdProcess>> servers;
-  std::vector<std::unique_ptr<Client>> clients;
-  int world() const { return static_cast<int>(clients.size()); }
+struct Ranks : ::qtx::testing::QtxdRanks {
+  std::string dir;  // rank r's --checkpoint_dir is dir/rank<r>
 };
 
 void StartRanks(int world, Ranks* ranks) {
   char tmpl[] = "/tmp/qtx_shard_e2e.XXXXXX";
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
   ranks->dir = tmpl;
-  for (int r = 0; r < world; ++r) {
-    auto server =
-        QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--threads=2",
-                                         absl::StrCat("--checkpoint_dir=", ranks->dir, "/rank", r),
-                                         absl::StrCat("--checkpoint_import_dirs=", ranks->dir)});
-    ASSERT_TRUE(server.ok()) << "rank " << r << ": " << server.status();
-    auto client = Client::Connect((*server)->target());
-    ASSERT_TRUE(client.ok()) << client.status();
-    ranks->servers.push_back(*std::move(server));
-    ranks->clients.push_back(*std::move(client));
-  }
-  std::vector<absl::Status> st(world);
-  OnEveryRank(world, [&](int r) {
-    CollectiveGroupConfig config;
-    config.name = "dp";
-    config.rank = r;
-    config.world_size = world;
-    config.coordinator = r == 0 ? "" : ranks->servers[0]->target();
-    config.backend = CommBackend::kGloo;
-    config.timeout = kGroupTimeout;
-    st[r] = ranks->clients[r]
-                ->CreateGroup(config, Deadline(kGroupTimeout + absl::Seconds(10)))
-                .status();
-  });
-  for (int r = 0; r < world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r];
+  const std::string dir = ranks->dir;
+  QTX_ASSERT_OK(StartQtxdRanks(
+      g_qtxd_path, world,
+      [&dir](int r) {
+        return std::vector<std::string>{"--device=cpu", "--threads=2",
+                                        absl::StrCat("--checkpoint_dir=", dir, "/rank", r),
+                                        absl::StrCat("--checkpoint_import_dirs=", dir)};
+      },
+      ranks));
+  const auto infos = CreateGlooGroupOnEveryRank(*ranks, "dp", kGroupTimeout);
+  for (int r = 0; r < world; ++r)
+    ASSERT_TRUE(infos[r].ok()) << "rank " << r << ": " << infos[r].status();
 }
 
 // One parameter of the sharded buffer and every rank's range of it:

@@ -35,12 +35,16 @@
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
 #include "tests/testing/qtxd_process.h"
+#include "tests/testing/qtxd_ranks.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx {
 namespace {
 
+using ::qtx::testing::CreateGlooGroupOnEveryRank;
+using ::qtx::testing::OnEveryRank;
 using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::StartQtxdRanks;
 using ::qtx::testing::StatusIs;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
@@ -55,43 +59,20 @@ CallOptions Deadline(absl::Duration d) {
   return c;
 }
 
-void OnEveryRank(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (std::thread& t : threads) t.join();
-}
-
-struct Ranks {
-  std::vector<std::unique_ptr<QtxdProcess>> servers;
-  std::vector<std::unique_ptr<Client>> clients;
+struct Ranks : ::qtx::testing::QtxdRanks {
   uint64_t sequence = 0;  // the group's next call
-  int world() const { return static_cast<int>(clients.size()); }
 };
 
 void StartRanks(int world, Ranks* ranks, absl::Duration group_timeout = kGroupTimeout) {
-  for (int r = 0; r < world; ++r) {
-    auto server =
-        QtxdProcess::Start(g_qtxd_path, {"--device=cpu", "--threads=2", "--allow_client_shm"});
-    ASSERT_TRUE(server.ok()) << "rank " << r << ": " << server.status();
-    auto client = Client::Connect((*server)->target());
-    ASSERT_TRUE(client.ok()) << client.status();
-    ranks->servers.push_back(*std::move(server));
-    ranks->clients.push_back(*std::move(client));
-  }
-  std::vector<absl::Status> st(world);
-  OnEveryRank(world, [&](int r) {
-    CollectiveGroupConfig config;
-    config.name = "dp";
-    config.rank = r;
-    config.world_size = world;
-    config.coordinator = r == 0 ? "" : ranks->servers[0]->target();
-    config.backend = CommBackend::kGloo;
-    config.timeout = group_timeout;
-    st[r] = ranks->clients[r]
-                ->CreateGroup(config, Deadline(group_timeout + absl::Seconds(10)))
-                .status();
-  });
-  for (int r = 0; r < world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r];
+  QTX_ASSERT_OK(StartQtxdRanks(
+      g_qtxd_path, world,
+      [](int) {
+        return std::vector<std::string>{"--device=cpu", "--threads=2", "--allow_client_shm"};
+      },
+      ranks));
+  const auto infos = CreateGlooGroupOnEveryRank(*ranks, "dp", group_timeout);
+  for (int r = 0; r < world; ++r)
+    ASSERT_TRUE(infos[r].ok()) << "rank " << r << ": " << infos[r].status();
 }
 
 // One AllGatherParameter on every rank with its own shard and range.
