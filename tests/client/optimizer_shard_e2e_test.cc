@@ -287,19 +287,10 @@ class ReshardE2eTest : public ::testing::TestWithParam<ReshardCase> {};
 
 // Collective group `name` over ranks 0..world-1 of `ranks`.
 void CreateDpGroup(Ranks& ranks, const std::string& name, int world) {
-  std::vector<absl::Status> st(world);
-  OnEveryRank(world, [&](int r) {
-    CollectiveGroupConfig config;
-    config.name = name;
-    config.rank = r;
-    config.world_size = world;
-    config.coordinator = r == 0 ? "" : ranks.servers[0]->target();
-    config.backend = CommBackend::kGloo;
-    config.timeout = kGroupTimeout;
-    st[r] =
-        ranks.clients[r]->CreateGroup(config, Deadline(kGroupTimeout + absl::Seconds(10))).status();
-  });
-  for (int r = 0; r < world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r];
+  const auto infos = CreateGlooGroupOnEveryRank(ranks, name, kGroupTimeout, world);
+  for (int r = 0; r < world; ++r) {
+    ASSERT_TRUE(infos[r].ok()) << "rank " << r << ": " << infos[r].status();
+  }
 }
 
 // Every parameter's cuts for `owners` owners: cuts[i][r] .. cuts[i][r + 1].

@@ -34,9 +34,11 @@ void OnEveryRank(int world, const std::function<void(int rank)>& fn) {
   for (std::thread& t : threads) t.join();
 }
 
-std::vector<absl::StatusOr<CollectiveGroupInfo>> CreateGlooGroupOnEveryRank(
-    const QtxdRanks& ranks, const std::string& name, absl::Duration timeout) {
-  const int world = ranks.world();
+std::vector<absl::StatusOr<CollectiveGroupInfo>> CreateGlooGroupOnEveryRank(const QtxdRanks& ranks,
+                                                                            const std::string& name,
+                                                                            absl::Duration timeout,
+                                                                            int world) {
+  if (world < 0) world = ranks.world();
   std::vector<absl::StatusOr<CollectiveGroupInfo>> infos(
       world, absl::UnknownError("CreateGroup did not run"));
   OnEveryRank(world, [&](int r) {

@@ -34,12 +34,13 @@ absl::Status StartQtxdRanks(const std::string& qtxd_path, int world,
 // Runs fn(rank) on one thread per rank and waits for all of them.
 void OnEveryRank(int world, const std::function<void(int rank)>& fn);
 
-// CreateGroup `name` over Gloo on every rank at once (rank 0 coordinates;
-// `timeout` is the group's timeout, the call gets ten seconds more). One
-// result per rank.
+// CreateGroup `name` over Gloo on ranks 0..world-1 at once (every rank when
+// world < 0; rank 0 coordinates; `timeout` is the group's timeout, the call
+// gets ten seconds more). One result per rank.
 std::vector<absl::StatusOr<CollectiveGroupInfo>> CreateGlooGroupOnEveryRank(const QtxdRanks& ranks,
                                                                             const std::string& name,
-                                                                            absl::Duration timeout);
+                                                                            absl::Duration timeout,
+                                                                            int world = -1);
 
 }  // namespace qtx::testing
 
