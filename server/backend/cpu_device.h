@@ -9,7 +9,7 @@
 
 namespace qtx::server::backend {
 
-class CpuDevice final : public Device {
+class CpuDevice : public Device {
  public:
   CpuDevice() = default;
   CpuDevice(const CpuDevice&) = delete;

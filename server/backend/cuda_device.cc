@@ -1050,6 +1050,8 @@ class CudaChannelQueue final : public ChannelQueue {
     // WaitReady compares (int64)(ready - seq) >= 0: a value 2^62 ahead of
     // the sequence numbers in use (< 2^62) releases all of them.
     constexpr uint64_t kReleaseValue = uint64_t{1} << 62;
+    spdlog::debug("event=channel_release device=cuda:{} host_flags={}", ordinal_,
+                  host_flags_ != nullptr);
     if (host_flags_ != nullptr) {
       std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(host_flags_))
           .store(kReleaseValue, std::memory_order_release);

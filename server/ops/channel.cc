@@ -12,7 +12,9 @@ namespace {
 
 // Coalescing: a completion is tracked after the last operation of a burst,
 // and at least every this many operations.
-constexpr uint64_t kReportEvery = 64;
+constexpr uint64_t kReportEvery = 16;
+static_assert(kReportEvery < kMaxEnqueuedAhead,
+              "a tracked operation must lie inside the window, or the worker never wakes");
 
 void AddRegion(const tensor::RegionSliceSpec& slice, std::vector<std::string>& names) {
   if (!slice.region.empty()) names.push_back(slice.region);
@@ -156,6 +158,10 @@ void Channel::PlanLoop() {
 
 void Channel::Run(Item& item) {
   if (failed_) return;  // the channel failed earlier: nothing more runs
+  if (absl::Status room = WaitForRoom(); !room.ok()) {
+    Fail(item.seq, std::move(room));
+    return;
+  }
   bool failed_on_device;
   {
     absl::MutexLock lock(&mu_);
@@ -186,6 +192,7 @@ void Channel::Run(Item& item) {
   for (const std::string& name : RegionsOf(item.op)) {
     if (auto pin = ctx_.regions->Acquire(name); pin.ok()) pins.push_back(*std::move(pin));
   }
+  const absl::Time enqueue_start = absl::Now();
   absl::Status status = queue_->WaitReady(item.seq);
   CompletionCheck check;
   if (status.ok()) {
@@ -217,18 +224,46 @@ void Channel::Run(Item& item) {
     Fail(item.seq, std::move(status));
     return;
   }
+  if (const absl::Duration took = absl::Now() - enqueue_start; took > absl::Milliseconds(100)) {
+    // The device's queue was full (work parked on a ready word that has not
+    // moved): the enqueue blocked.
+    spdlog::debug("event=channel_enqueue_slow seq={} ms={}", item.seq,
+                  absl::ToInt64Milliseconds(took));
+  }
   bool burst_over;
   {
     absl::MutexLock lock(&mu_);
     burst_over = items_.empty();
     if (!pins.empty()) held_.push_back({item.seq, std::move(pins)});
     if (check) checks_.emplace_back(item.seq, std::move(check));
+    enqueued_through_ = item.seq;
   }
   last_ok_seq_ = item.seq;
   if (burst_over || ++ops_since_report_ >= kReportEvery) {
     status = TrackCompletion();
     if (!status.ok()) Fail(item.seq, std::move(status));
   }
+}
+
+absl::Status Channel::WaitForRoom() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (enqueued_through_ - progress_.completed_through < kMaxEnqueuedAhead) {
+      return absl::OkStatus();
+    }
+  }
+  // The last enqueued operation's completion must be reported (it is, unless
+  // the burst goes on: kReportEvery < kMaxEnqueuedAhead keeps one inside).
+  QTX_RETURN_IF_ERROR(TrackCompletion());
+  absl::MutexLock lock(&mu_);
+  // A device-found failure ends the wait too: Run then writes its value.
+  mu_.Await(absl::Condition(
+      +[](Channel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return c->progress_.failed_seq != 0 ||
+               c->enqueued_through_ - c->progress_.completed_through < kMaxEnqueuedAhead;
+      },
+      this));
+  return absl::OkStatus();
 }
 
 absl::Status Channel::TrackCompletion() {
@@ -335,9 +370,13 @@ void Channel::Close(absl::Duration grace) {
   // is gone or stopped, a plan's executions are beyond its last replay, or a
   // failed op's client died. Let it through, so the queue drains (the regions
   // it uses are still pinned).
+  spdlog::debug("event=channel_close_begin all_done={} grace_ms={}", all_done,
+                absl::ToInt64Milliseconds(grace));
   if (!all_done) queue_->Release();
   if (worker_.joinable()) worker_.join();
+  spdlog::debug("event=channel_close_worker_joined next_seq={}", next_seq_);
   queue_.reset();  // waits for the device work
+  spdlog::debug("event=channel_close_drained");
   std::deque<Held> held;
   std::deque<std::pair<uint64_t, CompletionCheck>> checks;
   {

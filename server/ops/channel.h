@@ -54,6 +54,17 @@
 
 namespace qtx::server::ops {
 
+// At most this many operations of a plain channel are enqueued on the
+// device beyond the last one known finished; the worker waits for room
+// before enqueueing more. The client's stream hands over one operation at a
+// time (it writes ready = n + 1 only after done = n), so a longer lead gains
+// nothing, while hundreds of operations parked behind a ready word that does
+// not move fill the device's command queue: the driver then blocks the
+// enqueuing thread inside the launch, and with it other channels' CUDA calls
+// (seen on an H200 with 1000 queued Quantizes of a killed client:
+// tests/client/cuda/cuda_vmm_test.cc, KillBusyClient*).
+inline constexpr uint64_t kMaxEnqueuedAhead = 32;
+
 // done = kChannelFailedOffset + n marks operation n as failed; sequence
 // numbers stay below it (channel.proto).
 inline constexpr uint64_t kChannelFailedOffset = uint64_t{1} << 62;
@@ -157,6 +168,9 @@ class Channel {
   void PlanLoop();
   void Run(Item& item);
   void Fail(uint64_t seq, absl::Status status);
+  // Waits until fewer than kMaxEnqueuedAhead operations are enqueued beyond
+  // the last finished one (or the channel failed on the device).
+  absl::Status WaitForRoom();
   // Reports last_ok_seq_ done once the device has finished it (after the
   // completion checks of the operations up to it).
   absl::Status TrackCompletion();
@@ -191,9 +205,10 @@ class Channel {
   absl::Mutex mu_;
   std::deque<Item> items_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;           // the worker is running an item
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;      // highest seq handed to Submit
-  uint64_t plan_enqueued_ ABSL_GUARDED_BY(mu_) = 0;  // plan executions enqueued
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;              // the worker is running an item
+  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;         // highest seq handed to Submit
+  uint64_t plan_enqueued_ ABSL_GUARDED_BY(mu_) = 0;     // plan executions enqueued
+  uint64_t enqueued_through_ ABSL_GUARDED_BY(mu_) = 0;  // the last op enqueued
   ChannelProgress progress_ ABSL_GUARDED_BY(mu_);
   std::deque<Held> held_ ABSL_GUARDED_BY(mu_);  // oldest first
   // Completion checks of enqueued operations, oldest first.

@@ -33,7 +33,12 @@ absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
   }
   const std::string dir = dir_template;
   const std::string socket_path = dir + "/qtxd.sock";
-  std::vector<std::string> args = {qtxd_path, "--socket=" + socket_path, "--log_level=warn"};
+  // QTX_TEST_QTXD_LOG_LEVEL (e.g. "info") makes the children log more, for
+  // a failure seen only on another machine.
+  const char* level = std::getenv("QTX_TEST_QTXD_LOG_LEVEL");
+  std::vector<std::string> args = {
+      qtxd_path, "--socket=" + socket_path,
+      absl::StrCat("--log_level=", level != nullptr && *level != '\0' ? level : "warn")};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   absl::StatusOr<std::unique_ptr<Subprocess>> child = Subprocess::Start(args, options.process);
   if (!child.ok()) {

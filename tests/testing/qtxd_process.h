@@ -35,9 +35,9 @@ class QtxdProcess {
   };
 
   // Starts `qtxd_path --socket=<tmpdir>/qtxd.sock --log_level=warn
-  // <extra_args...>` and waits up to `options.timeout` for SERVING, asking
-  // over the socket. Fails with the spawn error, INTERNAL when qtxd exits
-  // during startup, or DEADLINE_EXCEEDED (the child is killed then).
+  // <extra_args...>` (the level is $QTX_TEST_QTXD_LOG_LEVEL when set) and waits up to
+  // `options.timeout` for SERVING, asking over the socket. Fails with the spawn error, INTERNAL
+  // when qtxd exits during startup, or DEADLINE_EXCEEDED (the child is killed then).
   static absl::StatusOr<std::unique_ptr<QtxdProcess>> Start(
       const std::string& qtxd_path, const std::vector<std::string>& extra_args,
       const Options& options);

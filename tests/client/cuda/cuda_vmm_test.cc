@@ -28,6 +28,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -524,48 +526,75 @@ TEST_F(CudaVmmTest, AClientKilledWithParkedWorkOnVmmMemoryLeavesQtxdServing) {
 }
 
 // After a child was killed: this process's CUDA context and qtxd still work,
-// and a new channel Quantize on new VMM memory is right. Prints one line.
+// and a new channel Quantize on new VMM memory is right. Prints one line
+// with the time each step took and, on a failure, the step and its status.
 void CheckAliveAfterKill(Client& client, cudaStream_t stream, const char* what) {
+  const absl::Time t0 = absl::Now();
+  std::string timings;
+  std::string failed_step;
+  std::string failure;
+  auto step = [&](const char* name, const absl::Status& s) {
+    absl::StrAppend(&timings, timings.empty() ? "" : ",", "\"", name, "_ms\":",
+                    absl::StrFormat("%.1f", absl::ToDoubleMilliseconds(absl::Now() - t0)));
+    if (!s.ok() && failed_step.empty()) {
+      failed_step = name;
+      failure = s.ToString();
+    }
+    return s.ok();
+  };
+  auto cuda = [](cudaError_t e) {
+    return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(e));
+  };
   const cudaError_t sync = cudaDeviceSynchronize();
   EXPECT_EQ(sync, cudaSuccess) << what << ": this process's context: " << cudaGetErrorString(sync);
+  step("device_sync", cuda(sync));
   auto health = client.Health();
-  EXPECT_TRUE(health.ok() && *health == ServingStatus::kServing) << what << ": qtxd not serving";
+  const bool serving = health.ok() && *health == ServingStatus::kServing;
+  EXPECT_TRUE(serving) << what << ": qtxd not serving";
+  step("health", serving ? absl::OkStatus() : absl::UnavailableError("not serving"));
   uint64_t diffs = UINT64_MAX;
-  if (sync == cudaSuccess && health.ok()) {
-    VmmBuffer buf;
-    const Case c = MakeCase(256, 1024, 9);
-    if (VmmBuffer::Make(&buf, 1, 2 * kMiB, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ==
-            CUDA_SUCCESS &&
-        cudaMemcpy(buf.ptr(), c.input.data(), c.input.size(), cudaMemcpyHostToDevice) ==
-            cudaSuccess) {
-      qtx::cuda::RegionCache cache(client, std::string("alive-") + what);
-      auto in = cache.Slice(buf.ptr(), c.input.size());
-      QuantizeOutputs outputs;
-      auto d = cache.Slice(buf.ptr(kMiB), c.out_bytes[0]);
-      auto sc = cache.Slice(buf.ptr(kMiB + c.out_bytes[0]), c.out_bytes[1]);
+  VmmBuffer buf;
+  const Case c = MakeCase(256, 1024, 9);
+  if (sync == cudaSuccess && serving &&
+      step("vmm_alloc", VmmBuffer::Make(&buf, 1, 2 * kMiB,
+                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == CUDA_SUCCESS
+                            ? absl::OkStatus()
+                            : absl::InternalError("VmmBuffer::Make")) &&
+      step("copy_in",
+           cuda(cudaMemcpy(buf.ptr(), c.input.data(), c.input.size(), cudaMemcpyHostToDevice)))) {
+    qtx::cuda::RegionCache cache(client, std::string("alive-") + what);
+    auto in = cache.Slice(buf.ptr(), c.input.size());
+    auto d = in.ok() ? cache.Slice(buf.ptr(kMiB), c.out_bytes[0]) : in.status();
+    auto sc = d.ok() ? cache.Slice(buf.ptr(kMiB + c.out_bytes[0]), c.out_bytes[1]) : d.status();
+    if (step("register", sc.status())) {
       auto ch = qtx::cuda::OpenChannel(client, stream);
-      if (in.ok() && d.ok() && sc.ok() && ch.ok()) {
+      if (step("open_channel", ch.status())) {
+        QuantizeOutputs outputs;
         outputs.rowwise_data = *d;
         outputs.rowwise_scale_inv = *sc;
-        if ((*ch)
-                ->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, *in), {}, outputs)
-                .ok() &&
-            (*ch)->Synchronize().ok()) {
+        if (step("submit",
+                 (*ch)
+                     ->Quantize(Tensor::InRegion(DType::kBFloat16, {c.m, c.n}, *in), {}, outputs)
+                     .status()) &&
+            step("synchronize", (*ch)->Synchronize())) {
           std::string got(c.out_bytes[0], '\0');
-          if (cudaMemcpy(got.data(), buf.ptr(kMiB), got.size(), cudaMemcpyDeviceToHost) ==
-              cudaSuccess) {
+          if (step("copy_out", cuda(cudaMemcpy(got.data(), buf.ptr(kMiB), got.size(),
+                                               cudaMemcpyDeviceToHost)))) {
             diffs = CountDiffs(got, c.expected[0]);
           }
         }
-        (void)(*ch)->Close();
+        step("close", (*ch)->Close());
       }
     }
   }
-  EXPECT_EQ(diffs, 0u) << what << ": a new channel Quantize after the kill";
-  std::printf("{\"test\":\"kill_%s\",\"context_ok\":%s,\"qtxd_serving\":%s,\"new_op_ok\":%s}\n",
-              what, sync == cudaSuccess ? "true" : "false",
-              health.ok() && *health == ServingStatus::kServing ? "true" : "false",
-              diffs == 0 ? "true" : "false");
+  EXPECT_EQ(diffs, 0u) << what << ": a new channel Quantize after the kill; failed step "
+                       << failed_step << ": " << failure;
+  std::printf(
+      "{\"test\":\"kill_%s\",\"context_ok\":%s,\"qtxd_serving\":%s,\"new_op_ok\":%s,%s,"
+      "\"failed_step\":\"%s\"}\n",
+      what, sync == cudaSuccess ? "true" : "false", serving ? "true" : "false",
+      diffs == 0 ? "true" : "false", timings.c_str(), failed_step.c_str());
+  std::fflush(stdout);
 }
 
 // Control for the MPS question: a client that only runs a long kernel
@@ -587,8 +616,12 @@ void KillBusyClient(Client& client, QtxdProcess& server, cudaStream_t stream, co
   const std::unique_ptr<Subprocess> child =
       SpawnChild(std::string("busy_child_") + kind, server.target());
   ASSERT_NE(child, nullptr);
+  const absl::Time spawned = absl::Now();
   const std::string line = ReadLine(child->stdout_fd());
   ASSERT_EQ(line, "submitted") << line;
+  std::printf("{\"test\":\"busy_child_%s\",\"submitted_after_ms\":%.1f}\n", kind,
+              absl::ToDoubleMilliseconds(absl::Now() - spawned));
+  std::fflush(stdout);
   child->Kill();
   absl::SleepFor(absl::Milliseconds(1500));
   CheckAliveAfterKill(client, stream, (std::string("busy_client_") + kind).c_str());
@@ -648,7 +681,10 @@ int BusyChild(bool vmm, const std::string& target) {
   QuantizeOutputs outputs;
   outputs.rowwise_data = *data;
   outputs.rowwise_scale_inv = *scales;
-  for (int i = 0; i < 1000; ++i) {
+  // QTX_TEST_BUSY_OPS: another number of operations (for diagnosis).
+  const char* ops_env = std::getenv("QTX_TEST_BUSY_OPS");
+  const int ops = ops_env != nullptr ? std::atoi(ops_env) : 1000;
+  for (int i = 0; i < ops; ++i) {
     if (!(*ch)->Quantize(Tensor::InRegion(DType::kBFloat16, {m, n}, *in), {}, outputs).ok()) {
       return 1;
     }

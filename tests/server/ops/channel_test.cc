@@ -1,0 +1,210 @@
+#include "server/ops/channel.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "kernels/block_geometry.h"
+#include "server/backend/cpu_device.h"
+#include "tests/server/testing/op_test.h"
+#include "tests/testing/status_matchers.h"
+
+namespace qtx::server::ops {
+namespace {
+
+using ::qtx::testing::OpTest;
+using tensor::DType;
+using tensor::RegionSliceSpec;
+
+// A channel queue that only records, like a device whose stream is parked on
+// a ready word that does not move: an operation counts as enqueued when its
+// done write is made, and the completions the channel asks for run when the
+// test says so, or at once after Release (the device then drains).
+class RecordingQueue final : public backend::ChannelQueue {
+ public:
+  absl::Status WaitReady(uint64_t) override { return absl::OkStatus(); }
+
+  absl::Status WriteDone(uint64_t value) override {
+    absl::MutexLock lock(&mu_);
+    enqueued_ = value;
+    max_lead_ = std::max(max_lead_, value - completed_);
+    return absl::OkStatus();
+  }
+
+  absl::Status OnDrained(std::function<void()> drained) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!released_) {
+        pending_.push_back({enqueued_, std::move(drained)});
+        return absl::OkStatus();
+      }
+      completed_ = enqueued_;
+    }
+    drained();
+    return absl::OkStatus();
+  }
+
+  void Release() override {
+    {
+      absl::MutexLock lock(&mu_);
+      released_ = true;
+    }
+    CompleteAll();
+  }
+
+  // Runs the completions asked for so far, as a device that finished them.
+  void CompleteAll() {
+    std::vector<std::pair<uint64_t, std::function<void()>>> due;
+    {
+      absl::MutexLock lock(&mu_);
+      due.swap(pending_);
+    }
+    for (auto& [seq, drained] : due) {
+      {
+        absl::MutexLock lock(&mu_);
+        completed_ = std::max(completed_, seq);
+      }
+      drained();
+    }
+  }
+
+  // Waits until `enqueued` has not changed for `quiet` (the worker stopped).
+  uint64_t SettledEnqueued(absl::Duration quiet) {
+    uint64_t last = enqueued();
+    absl::Time since = absl::Now();
+    while (absl::Now() - since < quiet) {
+      absl::SleepFor(absl::Milliseconds(5));
+      const uint64_t now = enqueued();
+      if (now != last) last = now, since = absl::Now();
+    }
+    return last;
+  }
+
+  uint64_t enqueued() {
+    absl::MutexLock lock(&mu_);
+    return enqueued_;
+  }
+  uint64_t max_lead() {
+    absl::MutexLock lock(&mu_);
+    return max_lead_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t max_lead_ ABSL_GUARDED_BY(mu_) = 0;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::pair<uint64_t, std::function<void()>>> pending_ ABSL_GUARDED_BY(mu_);
+};
+
+// The CPU device with a RecordingQueue for its channels (the quantizations
+// themselves run on the CPU when enqueued).
+class RecordingDevice final : public backend::CpuDevice {
+ public:
+  absl::StatusOr<std::unique_ptr<backend::ChannelQueue>> OpenChannelQueue(
+      std::byte*, tensor::MemoryKind) override {
+    auto q = std::make_unique<RecordingQueue>();
+    queue = q.get();
+    return q;
+  }
+  RecordingQueue* queue = nullptr;
+};
+
+class ChannelOpTest : public OpTest {
+ protected:
+  ChannelOpTest() : OpTest(1 << 16) {}
+  void SetUp() override {
+    OpTest::SetUp();
+    ctx_.device = &recording_;
+    const float input[128] = {1.0f, -2.0f, 3.5f};
+    std::memcpy(shm_.data() + 4096, input, sizeof(input));
+  }
+
+  // A Quantize of the [1, 128] FP32 input at offset 4096 into slices after it.
+  static QuantizeRequestSpec Request() {
+    QuantizeRequestSpec r;
+    r.input.dtype = DType::kFloat32;
+    r.input.shape = {1, 128};
+    r.input.data = RegionSliceSpec{"r", 4096, 512};
+    r.params.scaling = kernels::BlockScaling::kBlock1D;
+    r.params.rowwise = true;
+    r.params.columnwise = false;
+    r.outputs.rowwise_data = RegionSliceSpec{"r", 8192, 128};
+    r.outputs.rowwise_scale_inv = RegionSliceSpec{"r", 8192 + 128, 16};
+    return r;
+  }
+
+  std::unique_ptr<Channel> Open() {
+    auto ch = Channel::Open(RegionSliceSpec{"r", 0, kChannelFlagBytes}, ctx_,
+                            [this](const ChannelProgress& p) {
+                              absl::MutexLock lock(&mu_);
+                              completed_ = std::max(completed_, p.completed_through);
+                              if (p.failed_seq != 0) {
+                                failed_seq_ = p.failed_seq;
+                                failure_ = p.failure;
+                              }
+                            });
+    EXPECT_TRUE(ch.ok()) << ch.status();
+    return ch.ok() ? *std::move(ch) : nullptr;
+  }
+
+  uint64_t completed() {
+    absl::MutexLock lock(&mu_);
+    return completed_;
+  }
+
+  RecordingDevice recording_;
+  absl::Mutex mu_;
+  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t failed_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(ChannelOpTest, EnqueuesAtMostTheWindowAheadOfTheDevice) {
+  std::unique_ptr<Channel> ch = Open();
+  ASSERT_NE(ch, nullptr);
+  RecordingQueue* q = recording_.queue;
+  constexpr uint64_t kOps = 200;
+  for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
+  // Nothing has finished on the "device": the worker stops at the window.
+  EXPECT_EQ(q->SettledEnqueued(absl::Milliseconds(100)), kMaxEnqueuedAhead);
+  EXPECT_EQ(completed(), 0u);
+  // Each round of completions lets it go on, never beyond the window.
+  for (int round = 0; round < 100 && q->enqueued() < kOps; ++round) {
+    q->CompleteAll();
+    q->SettledEnqueued(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(q->enqueued(), kOps);
+  EXPECT_LE(q->max_lead(), kMaxEnqueuedAhead);
+  q->CompleteAll();
+  ch->Close(absl::Seconds(5));
+  EXPECT_EQ(completed(), kOps);
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(failed_seq_, 0u) << failure_;
+}
+
+// A client gone with work queued behind a ready word: Close releases the
+// queue, the device drains, and every submitted operation is enqueued.
+TEST_F(ChannelOpTest, CloseReleasesAWorkerWaitingForRoom) {
+  std::unique_ptr<Channel> ch = Open();
+  ASSERT_NE(ch, nullptr);
+  RecordingQueue* q = recording_.queue;
+  constexpr uint64_t kOps = 300;
+  for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
+  ASSERT_EQ(q->SettledEnqueued(absl::Milliseconds(100)), kMaxEnqueuedAhead);
+  ch->Close(absl::ZeroDuration());  // returns: the release drained the queue
+  EXPECT_EQ(q->enqueued(), kOps);
+  EXPECT_EQ(completed(), kOps);
+}
+
+}  // namespace
+}  // namespace qtx::server::ops
