@@ -28,31 +28,19 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "qtx/client.h"
-#include "tests/testing/qtxd_process.h"
 #include "tests/testing/qtxd_ranks.h"
 #include "tests/testing/status_matchers.h"
 
-namespace qtx {
+namespace qtx::testing {
 namespace {
 
-using ::qtx::testing::CreateGlooGroupOnEveryRank;
-using ::qtx::testing::OnEveryRank;
-using ::qtx::testing::QtxdProcess;
-using ::qtx::testing::StartQtxdRanks;
-using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;  // from --qtxd=
 
 constexpr absl::Duration kGroupTimeout = absl::Seconds(20);
 
-CallOptions Deadline(absl::Duration d) {
-  CallOptions c;
-  c.timeout = d;
-  return c;
-}
-
-struct Ranks : ::qtx::testing::QtxdRanks {
+struct Ranks : QtxdRanks {
   std::string dir;  // rank r's --checkpoint_dir is dir/rank<r>
 };
 
@@ -816,10 +804,10 @@ TEST(ShardedStepErrorsE2eTest, RangesStepNumbersAndOptionsAreChecked) {
 }
 
 }  // namespace
-}  // namespace qtx
+}  // namespace qtx::testing
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
+  qtx::testing::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

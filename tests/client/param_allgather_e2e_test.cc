@@ -34,18 +34,12 @@
 #include "kernels/cpu/quantize_block.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
-#include "tests/testing/qtxd_process.h"
 #include "tests/testing/qtxd_ranks.h"
 #include "tests/testing/status_matchers.h"
 
-namespace qtx {
+namespace qtx::testing {
 namespace {
 
-using ::qtx::testing::CreateGlooGroupOnEveryRank;
-using ::qtx::testing::OnEveryRank;
-using ::qtx::testing::QtxdProcess;
-using ::qtx::testing::StartQtxdRanks;
-using ::qtx::testing::StatusIs;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
@@ -53,13 +47,7 @@ std::string g_qtxd_path;  // from --qtxd=
 
 constexpr absl::Duration kGroupTimeout = absl::Seconds(20);
 
-CallOptions Deadline(absl::Duration d) {
-  CallOptions c;
-  c.timeout = d;
-  return c;
-}
-
-struct Ranks : ::qtx::testing::QtxdRanks {
+struct Ranks : QtxdRanks {
   uint64_t sequence = 0;  // the group's next call
 };
 
@@ -566,10 +554,10 @@ TEST(ParamAllGatherErrorsE2eTest, ARankThatDiesFailsTheOthers) {
 }
 
 }  // namespace
-}  // namespace qtx
+}  // namespace qtx::testing
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
+  qtx::testing::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }
