@@ -1,7 +1,17 @@
 // What every benchmark needs: fail-fast checks (a benchmark that cannot do
 // what it measures prints where and why and exits 1, so a broken run never
-// prints numbers) and percentiles. QTX_BENCH_CHECK_CUDA expands to cudaGetErrorString: use it only
-// in files that include the CUDA runtime.
+// prints numbers) and percentiles. QTX_BENCH_CHECK_CUDA expands to
+// cudaGetErrorString: use it only in files that include the CUDA runtime.
+//
+// QTX_BENCH_CHECK_* exit the process (std::exit, which unwinds no stack):
+// use them only on the main thread, and only where nothing has to be undone
+// (child processes, shm regions). Worker threads, and code that owns child
+// processes, hand the error up instead with QTX_BENCH_RETURN_IF_ERROR /
+// QTX_BENCH_ASSIGN_OR_RETURN (the error names the file, line and expression,
+// like a check's message) to where the workers are joined; main then returns
+// non-zero and the destructors stop the children and free the regions.
+// std::exit from a worker races the threads still running (static
+// destructors under live threads: a crash) and leaves the children running.
 #ifndef QTX_BENCH_BENCH_UTIL_H_
 #define QTX_BENCH_BENCH_UTIL_H_
 
@@ -16,8 +26,11 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/status_macros.h"
 
 namespace qtx::bench {
 
@@ -25,6 +38,19 @@ namespace qtx::bench {
                                      const std::string& why) {
   std::fprintf(stderr, "%s:%d %s: %s\n", file, line, expr, why.c_str());
   std::exit(1);
+}
+
+// `status` with "file:line expr: " in front of its message (OK stays OK).
+inline absl::Status AtCheck(const absl::Status& status, const char* file, int line,
+                            const char* expr) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(file, ":", line, " ", expr, ": ", status.message()));
+}
+template <typename T>
+absl::StatusOr<T> AtCheck(absl::StatusOr<T> v, const char* file, int line, const char* expr) {
+  if (v.ok()) return v;
+  return AtCheck(v.status(), file, line, expr);
 }
 
 // Parses the command line into the benchmark's ABSL_FLAGs (`usage` is what
@@ -80,5 +106,13 @@ inline double Percentile(std::span<const double> samples, double q) {
       ::qtx::bench::CheckFailed(__FILE__, __LINE__, #expr, cudaGetErrorString(qtx_bench_e_)); \
     }                                                                                         \
   } while (0)
+
+// Return the error of `expr` (absl::Status, or the status of an
+// absl::StatusOr for the _ASSIGN_ form) from the enclosing function, which
+// returns absl::Status or absl::StatusOr, marked with where it failed.
+#define QTX_BENCH_RETURN_IF_ERROR(expr) \
+  QTX_RETURN_IF_ERROR(::qtx::bench::AtCheck((expr), __FILE__, __LINE__, #expr))
+#define QTX_BENCH_ASSIGN_OR_RETURN(lhs, expr) \
+  QTX_ASSIGN_OR_RETURN(lhs, ::qtx::bench::AtCheck((expr), __FILE__, __LINE__, #expr))
 
 #endif  // QTX_BENCH_BENCH_UTIL_H_

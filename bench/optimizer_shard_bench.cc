@@ -45,10 +45,13 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "common/status_macros.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
 #include "tests/testing/qtxd_process.h"
@@ -69,13 +72,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_OK(expr) QTX_BENCH_CHECK_OK(expr)
-
-template <typename T>
-T Value(absl::StatusOr<T> v, const char* what) {
-  if (!v.ok()) qtx::bench::CheckFailed(__FILE__, __LINE__, what, v.status().ToString());
-  return *std::move(v);
-}
+// A failed call returns its error, marked with where it failed, up to main
+// (bench_util.h: no exit while owner threads run or children live); OnEach
+// and Run hand on their callees' errors as they are (QTX_RETURN_IF_ERROR).
+#define RETURN_IF_ERROR(expr) QTX_BENCH_RETURN_IF_ERROR(expr)
+#define ASSIGN_OR_RETURN(lhs, expr) QTX_BENCH_ASSIGN_OR_RETURN(lhs, expr)
 
 struct Param {
   std::string name;
@@ -108,10 +109,21 @@ double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-void OnEach(int k, const std::function<void(int)>& fn) {
+// Runs fn(r) for r in [0, k) on one thread each and joins them all; the
+// first owner's error (in owner order), naming the owner. An owner whose
+// call failed ends its thread; the others end when their calls return
+// (a collective call fails within its group's timeout once a peer is gone).
+absl::Status OnEach(int k, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> status(k);
   std::vector<std::thread> t;
-  for (int r = 0; r < k; ++r) t.emplace_back(fn, r);
+  for (int r = 0; r < k; ++r) t.emplace_back([&, r] { status[r] = fn(r); });
   for (std::thread& x : t) x.join();
+  for (int r = 0; r < k; ++r) {
+    if (!status[r].ok()) {
+      return absl::Status(status[r].code(), absl::StrCat("owner ", r, ": ", status[r].message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // One owner's piece of one parameter.
@@ -129,10 +141,12 @@ struct OwnerBufs {
 };
 
 // Runs one (set, k) and prints its lines; returns the number of mismatching
-// shards (0 when every owner's bytes are its part of the unsharded ones).
-int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
-        const std::vector<std::unique_ptr<qtx::Client>>& clients, const std::string& set, int k,
-        int steps, int rounds, bool columnwise, const std::string& label, uint64_t& sequence) {
+// shards (0 when every owner's bytes are its part of the unsharded ones), or
+// the first failed call's error.
+absl::StatusOr<int> Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
+                        const std::vector<std::unique_ptr<qtx::Client>>& clients,
+                        const std::string& set, int k, int steps, int rounds, bool columnwise,
+                        const std::string& label, uint64_t& sequence) {
   const std::vector<Param> params = SetOf(set);
   int64_t flat_total = 0;
   for (const Param& p : params) flat_total += p.total();
@@ -170,8 +184,9 @@ int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
     ref_bytes += p.total() * 4 + p.total() + Pad4(Div128(p.n)) * Div128(p.m) * 4 + 256;
     if (columnwise) ref_bytes += p.total() + Pad4(Div128(p.m)) * Div128(p.n) * 4 + 128;
   }
-  auto ref_shm = Value(qtx::ShmRegion::Create("ref_" + tag, ref_bytes), "ref shm");
-  CHECK_OK(clients[0]->RegisterShmRegion(*ref_shm));
+  ASSIGN_OR_RETURN(std::unique_ptr<qtx::ShmRegion> ref_shm,
+                   qtx::ShmRegion::Create("ref_" + tag, ref_bytes));
+  RETURN_IF_ERROR(clients[0]->RegisterShmRegion(*ref_shm));
   std::vector<qtx::OptimizerGradient> ref_grads;
   qtx::StepOptions ref_opts;
   {
@@ -179,8 +194,8 @@ int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
     std::vector<qtx::Tensor> gt;
     for (size_t i = 0; i < params.size(); ++i) {
       const Param& p = params[i];
-      qtx::Tensor t =
-          Value(ref_shm->Place(qtx::Tensor::FromFloat32({p.m, p.n}, master[i])), "place master");
+      ASSIGN_OR_RETURN(qtx::Tensor t,
+                       ref_shm->Place(qtx::Tensor::FromFloat32({p.m, p.n}, master[i])));
       gt.push_back(t);
       inits.push_back({.name = p.name,
                        .shape = {p.m, p.n},
@@ -189,23 +204,22 @@ int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
                        .exp_avg_sq = std::nullopt});
     }
     cfg.group = "unsharded_" + tag;
-    CHECK_OK(clients[0]->OffloadOptimizerState(cfg, inits).status());
+    RETURN_IF_ERROR(clients[0]->OffloadOptimizerState(cfg, inits).status());
     for (size_t i = 0; i < params.size(); ++i) {
-      const auto bytes = Value(ref_shm->View(*gt[i].region), "view");
+      ASSIGN_OR_RETURN(const auto bytes, ref_shm->View(*gt[i].region));
       std::memcpy(bytes.data(), grad[i].data(), grad[i].size() * 4);
       ref_grads.push_back({params[i].name, gt[i]});
       qtx::ParameterDestination d;
       d.name = params[i].name;
-      d.fp8 = Value(ref_shm->AllocateQuantizeOutputs(std::vector<int64_t>{params[i].m, params[i].n},
-                                                     cfg.output.fp8),
-                    "ref outputs");
+      ASSIGN_OR_RETURN(d.fp8, ref_shm->AllocateQuantizeOutputs(
+                                  std::vector<int64_t>{params[i].m, params[i].n}, cfg.output.fp8));
       ref_opts.destinations.push_back(std::move(d));
     }
   }
 
   // Sharded and local groups on every owner.
   std::vector<OwnerBufs> owners(k);
-  OnEach(k, [&](int r) {
+  QTX_RETURN_IF_ERROR(OnEach(k, [&](int r) -> absl::Status {
     OwnerBufs& o = owners[r];
     int64_t bytes = 0;
     for (const Piece& pc : pieces[r]) {
@@ -215,17 +229,17 @@ int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
       if (columnwise)
         bytes += Pad4(Div128(p.m)) * Div128(p.n) * 4 + pc.count() + 16 * Div128(pc.count()) + 192;
     }
-    o.shm = Value(qtx::ShmRegion::Create(absl::StrCat("own", r, "_", tag), bytes), "owner shm");
-    CHECK_OK(clients[r]->RegisterShmRegion(*o.shm));
+    ASSIGN_OR_RETURN(o.shm, qtx::ShmRegion::Create(absl::StrCat("own", r, "_", tag), bytes));
+    RETURN_IF_ERROR(clients[r]->RegisterShmRegion(*o.shm));
     std::vector<qtx::OptimizerParameterInit> sharded, local;
     std::vector<qtx::Tensor> gt;
     for (const Piece& pc : pieces[r]) {
       const Param& p = params[pc.param];
-      qtx::Tensor t =
-          Value(o.shm->Place(qtx::Tensor::FromFloat32(
-                    {pc.count()},
-                    std::span<const float>(master[pc.param]).subspan(pc.begin, pc.count()))),
-                "place slice");
+      ASSIGN_OR_RETURN(
+          qtx::Tensor t,
+          o.shm->Place(qtx::Tensor::FromFloat32(
+              {pc.count()},
+              std::span<const float>(master[pc.param]).subspan(pc.begin, pc.count()))));
       gt.push_back(t);
       sharded.push_back({.name = p.name,
                          .shape = {p.m, p.n},
@@ -245,25 +259,25 @@ int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
     }
     qtx::OptimizerGroupConfig c = cfg;
     c.group = "sharded_" + tag;
-    CHECK_OK(clients[r]->OffloadOptimizerState(c, sharded).status());
+    RETURN_IF_ERROR(clients[r]->OffloadOptimizerState(c, sharded).status());
     c.group = "local_" + tag;
-    if (!local.empty()) CHECK_OK(clients[r]->OffloadOptimizerState(c, local).status());
+    if (!local.empty()) RETURN_IF_ERROR(clients[r]->OffloadOptimizerState(c, local).status());
     for (size_t j = 0; j < pieces[r].size(); ++j) {
       const Piece& pc = pieces[r][j];
       const Param& p = params[pc.param];
-      const auto view = Value(o.shm->View(*gt[j].region), "view");
+      ASSIGN_OR_RETURN(const auto view, o.shm->View(*gt[j].region));
       std::memcpy(view.data(), grad[pc.param].data() + pc.begin, pc.count() * 4);
       o.sharded_grads.push_back({p.name, gt[j]});
       o.shard_rowwise.push_back({});
       if (pc.count() == 0) continue;  // an empty slice: its scales come back inline
       qtx::ParameterDestination d;
       d.name = p.name;
-      d.fp8.rowwise_data = Value(o.shm->Allocate(pc.count()), "alloc");
-      d.fp8.rowwise_scale_inv =
-          Value(o.shm->Allocate(Div128(p.m) * Pad4(Div128(p.n)) * 4), "alloc");
+      ASSIGN_OR_RETURN(d.fp8.rowwise_data, o.shm->Allocate(pc.count()));
+      ASSIGN_OR_RETURN(d.fp8.rowwise_scale_inv,
+                       o.shm->Allocate(Div128(p.m) * Pad4(Div128(p.n)) * 4));
       if (columnwise) {
-        d.fp8.columnwise_scale_inv =
-            Value(o.shm->Allocate(Div128(p.n) * Pad4(Div128(p.m)) * 4), "alloc");
+        ASSIGN_OR_RETURN(d.fp8.columnwise_scale_inv,
+                         o.shm->Allocate(Div128(p.n) * Pad4(Div128(p.m)) * 4));
       }
       o.shard_rowwise.back() = *d.fp8.rowwise_data;
       o.sharded_opts.destinations.push_back(d);
@@ -273,73 +287,90 @@ int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
         o.local_grads.push_back({p.name, t2});
         qtx::ParameterDestination dl;
         dl.name = p.name;
-        dl.fp8.rowwise_data = Value(o.shm->Allocate(pc.count()), "alloc");
-        dl.fp8.rowwise_scale_inv = Value(o.shm->Allocate(Pad4(Div128(pc.count())) * 4), "alloc");
+        ASSIGN_OR_RETURN(dl.fp8.rowwise_data, o.shm->Allocate(pc.count()));
+        ASSIGN_OR_RETURN(dl.fp8.rowwise_scale_inv, o.shm->Allocate(Pad4(Div128(pc.count())) * 4));
         if (columnwise) {
-          dl.fp8.columnwise_data = Value(o.shm->Allocate(pc.count()), "alloc");
-          dl.fp8.columnwise_scale_inv = Value(o.shm->Allocate(Div128(pc.count()) * 4 * 4), "alloc");
+          ASSIGN_OR_RETURN(dl.fp8.columnwise_data, o.shm->Allocate(pc.count()));
+          ASSIGN_OR_RETURN(dl.fp8.columnwise_scale_inv,
+                           o.shm->Allocate(Div128(pc.count()) * 4 * 4));
         }
         o.local_opts.destinations.push_back(dl);
       }
     }
     o.sharded_opts.collective_group = "dp" + std::to_string(k);
     o.local_opts.omit_parameters = false;
-  });
+    return absl::OkStatus();
+  }));
   (void)procs;
 
   int64_t step_ref = 0, step_sharded = 0, step_local = 0;
-  auto unsharded_step = [&] {
+  // Each returns the step's wall time in ms.
+  auto unsharded_step = [&]() -> absl::StatusOr<double> {
     const auto t0 = Clock::now();
-    CHECK_OK(clients[0]->Step("unsharded_" + tag, ++step_ref, ref_grads, ref_opts).status());
+    RETURN_IF_ERROR(clients[0]->Step("unsharded_" + tag, ++step_ref, ref_grads, ref_opts).status());
     return Ms(t0, Clock::now());
   };
-  auto sharded_step = [&] {
+  auto sharded_step = [&]() -> absl::StatusOr<double> {
     const int64_t step = ++step_sharded;
     const uint64_t seq = sequence++;
     const auto t0 = Clock::now();
-    OnEach(k, [&](int r) {
+    QTX_RETURN_IF_ERROR(OnEach(k, [&](int r) -> absl::Status {
       qtx::StepOptions o = owners[r].sharded_opts;
       o.sequence = seq;
-      CHECK_OK(clients[r]->Step("sharded_" + tag, step, owners[r].sharded_grads, o).status());
-    });
+      RETURN_IF_ERROR(
+          clients[r]->Step("sharded_" + tag, step, owners[r].sharded_grads, o).status());
+      return absl::OkStatus();
+    }));
     return Ms(t0, Clock::now());
   };
-  auto local_step = [&] {
+  auto local_step = [&]() -> absl::StatusOr<double> {
     const int64_t step = ++step_local;
     const auto t0 = Clock::now();
-    OnEach(k, [&](int r) {
-      if (owners[r].local_grads.empty()) return;
-      CHECK_OK(clients[r]
-                   ->Step("local_" + tag, step, owners[r].local_grads, owners[r].local_opts)
-                   .status());
-    });
+    QTX_RETURN_IF_ERROR(OnEach(k, [&](int r) -> absl::Status {
+      if (owners[r].local_grads.empty()) return absl::OkStatus();
+      RETURN_IF_ERROR(clients[r]
+                          ->Step("local_" + tag, step, owners[r].local_grads, owners[r].local_opts)
+                          .status());
+      return absl::OkStatus();
+    }));
     return Ms(t0, Clock::now());
   };
   // The sharded bytes against the unsharded ones (same step number).
   int errors = 0;
-  auto compare = [&] {
+  auto compare = [&]() -> absl::Status {
     for (int r = 0; r < k; ++r) {
       for (size_t j = 0; j < pieces[r].size(); ++j) {
         const Piece& pc = pieces[r][j];
         if (pc.count() == 0) continue;
-        const auto got = Value(owners[r].shm->View(owners[r].shard_rowwise[j]), "view");
-        const auto want =
-            Value(ref_shm->View(*ref_opts.destinations[pc.param].fp8.rowwise_data), "view");
+        ASSIGN_OR_RETURN(const auto got, owners[r].shm->View(owners[r].shard_rowwise[j]));
+        ASSIGN_OR_RETURN(const auto want,
+                         ref_shm->View(*ref_opts.destinations[pc.param].fp8.rowwise_data));
         if (std::memcmp(got.data(), want.data() + pc.begin, pc.count()) != 0) ++errors;
       }
     }
+    return absl::OkStatus();
   };
-  unsharded_step();  // warm-up (first touch of the state)
-  sharded_step();
-  compare();
-  local_step();
+  // Warm-up (first touch of the state), checked.
+  RETURN_IF_ERROR(unsharded_step().status());
+  RETURN_IF_ERROR(sharded_step().status());
+  RETURN_IF_ERROR(compare());
+  RETURN_IF_ERROR(local_step().status());
   std::vector<double> tu, ts, tl;
   for (int round = 0; round < rounds; ++round) {
-    for (int s = 0; s < steps; ++s) tu.push_back(unsharded_step());
-    for (int s = 0; s < steps; ++s) ts.push_back(sharded_step());
-    for (int s = 0; s < steps; ++s) tl.push_back(local_step());
+    for (int s = 0; s < steps; ++s) {
+      ASSIGN_OR_RETURN(const double ms, unsharded_step());
+      tu.push_back(ms);
+    }
+    for (int s = 0; s < steps; ++s) {
+      ASSIGN_OR_RETURN(const double ms, sharded_step());
+      ts.push_back(ms);
+    }
+    for (int s = 0; s < steps; ++s) {
+      ASSIGN_OR_RETURN(const double ms, local_step());
+      tl.push_back(ms);
+    }
   }
-  compare();  // both at the same step again
+  RETURN_IF_ERROR(compare());  // both at the same step again
   auto line = [&](const char* c, const std::vector<double>& t) {
     std::printf(
         "{\"bench\":\"optimizer_shard\",\"set\":\"%s\",\"owners\":%d,\"case\":\"%s\","
@@ -364,13 +395,16 @@ int Run(const std::vector<std::unique_ptr<qtx::testing::QtxdProcess>>& procs,
                "  (sharded/local %.2fx)  errors %d\n",
                set.c_str(), k, u, s, s / u, l, s / l, errors);
   // Free the state before the next set.
-  CHECK_OK(clients[0]->ReleaseGroup("unsharded_" + tag));
-  OnEach(k, [&](int r) {
-    CHECK_OK(clients[r]->ReleaseGroup("sharded_" + tag));
-    if (!owners[r].local_grads.empty()) CHECK_OK(clients[r]->ReleaseGroup("local_" + tag));
-    CHECK_OK(clients[r]->UnregisterRegion(owners[r].shm->name()));
-  });
-  CHECK_OK(clients[0]->UnregisterRegion(ref_shm->name()));
+  RETURN_IF_ERROR(clients[0]->ReleaseGroup("unsharded_" + tag));
+  QTX_RETURN_IF_ERROR(OnEach(k, [&](int r) -> absl::Status {
+    RETURN_IF_ERROR(clients[r]->ReleaseGroup("sharded_" + tag));
+    if (!owners[r].local_grads.empty()) {
+      RETURN_IF_ERROR(clients[r]->ReleaseGroup("local_" + tag));
+    }
+    RETURN_IF_ERROR(clients[r]->UnregisterRegion(owners[r].shm->name()));
+    return absl::OkStatus();
+  }));
+  RETURN_IF_ERROR(clients[0]->UnregisterRegion(ref_shm->name()));
   return errors;
 }
 
@@ -398,36 +432,49 @@ int main(int argc, char** argv) {
     }
     max_k = std::max(max_k, k);
   }
+  // On any failure: say where, return 1; procs and clients go out of scope
+  // here (every owner thread joined), which stops and reaps the qtxd children.
   std::vector<std::unique_ptr<qtx::testing::QtxdProcess>> procs;
   std::vector<std::unique_ptr<qtx::Client>> clients;
-  for (int r = 0; r < max_k; ++r) {
-    procs.push_back(Value(
-        qtx::testing::QtxdProcess::Start(qtxd, {"--device=cpu", "--allow_client_shm", "--threads=4",
-                                                absl::StrCat("--optimizer_threads=", threads)}),
-        "start qtxd"));
-    clients.push_back(Value(qtx::Client::Connect(procs.back()->target()), "connect"));
-  }
-  for (int64_t k : ks) {
-    std::vector<absl::Status> st(k);
-    OnEach(static_cast<int>(k), [&](int r) {
-      qtx::CollectiveGroupConfig c;
-      c.name = "dp" + std::to_string(k);
-      c.rank = r;
-      c.world_size = static_cast<int>(k);
-      c.coordinator = r == 0 ? "" : procs[0]->target();
-      c.backend = qtx::CommBackend::kGloo;
-      c.timeout = absl::Seconds(120);
-      st[r] = clients[r]->CreateGroup(c).status();
-    });
-    for (const absl::Status& s : st) CHECK_OK(s);
-  }
-  int errors = 0;
-  std::map<int64_t, uint64_t> sequence;  // each Gloo group's next sequence (sharded steps)
-  for (const std::string& set : absl::GetFlag(FLAGS_sets)) {
-    for (int64_t k : ks) {
-      errors += Run(procs, clients, set, static_cast<int>(k), steps, rounds,
-                    absl::GetFlag(FLAGS_columnwise), absl::GetFlag(FLAGS_label), sequence[k]);
+  const absl::StatusOr<int> errors = [&]() -> absl::StatusOr<int> {
+    for (int r = 0; r < max_k; ++r) {
+      ASSIGN_OR_RETURN(std::unique_ptr<qtx::testing::QtxdProcess> proc,
+                       qtx::testing::QtxdProcess::Start(
+                           qtxd, {"--device=cpu", "--allow_client_shm", "--threads=4",
+                                  absl::StrCat("--optimizer_threads=", threads)}));
+      procs.push_back(std::move(proc));
+      ASSIGN_OR_RETURN(std::unique_ptr<qtx::Client> client,
+                       qtx::Client::Connect(procs.back()->target()));
+      clients.push_back(std::move(client));
     }
+    for (int64_t k : ks) {
+      QTX_RETURN_IF_ERROR(OnEach(static_cast<int>(k), [&](int r) -> absl::Status {
+        qtx::CollectiveGroupConfig c;
+        c.name = "dp" + std::to_string(k);
+        c.rank = r;
+        c.world_size = static_cast<int>(k);
+        c.coordinator = r == 0 ? "" : procs[0]->target();
+        c.backend = qtx::CommBackend::kGloo;
+        c.timeout = absl::Seconds(120);
+        RETURN_IF_ERROR(clients[r]->CreateGroup(c).status());
+        return absl::OkStatus();
+      }));
+    }
+    int mismatches = 0;
+    std::map<int64_t, uint64_t> sequence;  // each Gloo group's next sequence (sharded steps)
+    for (const std::string& set : absl::GetFlag(FLAGS_sets)) {
+      for (int64_t k : ks) {
+        QTX_ASSIGN_OR_RETURN(const int e, Run(procs, clients, set, static_cast<int>(k), steps,
+                                              rounds, absl::GetFlag(FLAGS_columnwise),
+                                              absl::GetFlag(FLAGS_label), sequence[k]));
+        mismatches += e;
+      }
+    }
+    return mismatches;
+  }();
+  if (!errors.ok()) {
+    std::fprintf(stderr, "optimizer_shard_bench: %s\n", errors.status().ToString().c_str());
+    return 1;
   }
-  return errors == 0 ? 0 : 1;
+  return *errors == 0 ? 0 : 1;
 }

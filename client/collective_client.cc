@@ -98,8 +98,7 @@ absl::StatusOr<ParameterAllGatherResult> Client::AllGatherParameter(
   request.set_sequence(sequence);
   request.set_name(std::string(name));
   ToProto(shard, request.mutable_shard());
-  request.mutable_range()->set_begin(range.begin);
-  request.mutable_range()->set_end(range.end);
+  ToProto(range, request.mutable_range());
   ToProto(outputs, request.mutable_outputs());
   SetCudaEvents(call, &request);
   v1::AllGatherParameterResponse response;
@@ -109,7 +108,7 @@ absl::StatusOr<ParameterAllGatherResult> Client::AllGatherParameter(
   if (!status.ok()) return FromGrpcStatus(status);
   ParameterAllGatherResult result;
   result.tensor = FromProto(std::move(*response.mutable_result()));
-  for (const v1::ShardRange& r : response.ranges()) result.ranges.push_back({r.begin(), r.end()});
+  for (const v1::ShardRange& r : response.ranges()) result.ranges.push_back(FromProto(r));
   return result;
 }
 

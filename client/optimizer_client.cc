@@ -78,7 +78,7 @@ OptimizerGroupInfo GroupFromProto(const v1::OptimizerGroupInfo& p) {
     g.parameter_hyper_params.push_back({h.name(), h.weight_decay(), h.lr_scale()});
   }
   for (const v1::ParameterShard& sh : p.parameter_shards()) {
-    g.parameter_shards.push_back({sh.name(), {sh.range().begin(), sh.range().end()}});
+    g.parameter_shards.push_back({sh.name(), FromProto(sh.range())});
   }
   return g;
 }
@@ -104,10 +104,7 @@ absl::StatusOr<OptimizerGroupInfo> Client::OffloadOptimizerState(
     if (p.exp_avg_sq) ToProto(*p.exp_avg_sq, out->mutable_exp_avg_sq());
     if (p.weight_decay) out->set_weight_decay(*p.weight_decay);
     if (p.lr_scale) out->set_lr_scale(*p.lr_scale);
-    if (p.shard) {
-      out->mutable_shard()->set_begin(p.shard->begin);
-      out->mutable_shard()->set_end(p.shard->end);
-    }
+    if (p.shard) ToProto(*p.shard, out->mutable_shard());
   }
   v1::OffloadOptimizerStateResponse response;
   grpc::ClientContext ctx;
@@ -275,8 +272,7 @@ absl::StatusOr<OptimizerGroupInfo> Client::LoadResharded(std::string_view group,
   for (const ParameterShard& s : shards) {
     v1::ParameterShard* p = request.add_shards();
     p->set_name(s.name);
-    p->mutable_range()->set_begin(s.range.begin);
-    p->mutable_range()->set_end(s.range.end);
+    ToProto(s.range, p->mutable_range());
   }
   v1::LoadCheckpointResponse response;
   grpc::ClientContext ctx;

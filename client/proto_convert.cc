@@ -14,6 +14,13 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+void ToProto(const ShardRange& in, v1::ShardRange* out) {
+  out->set_begin(in.begin);
+  out->set_end(in.end);
+}
+
+ShardRange FromProto(const v1::ShardRange& in) { return ShardRange{in.begin(), in.end()}; }
+
 void ToProto(const RegionSlice& in, v1::RegionSlice* out) {
   out->set_region(in.region);
   out->set_offset(in.offset);

@@ -9,9 +9,11 @@
 #include "absl/status/status.h"
 #include "qtx/client.h"
 #include "qtx/collective_types.h"
+#include "qtx/optimizer_types.h"
 #include "qtx/types.h"
 #include "qtx/v1/collective.pb.h"
 #include "qtx/v1/memory.pb.h"
+#include "qtx/v1/optimizer.pb.h"
 #include "qtx/v1/quantizer.pb.h"
 #include "qtx/v1/tensor.pb.h"
 
@@ -19,6 +21,9 @@ namespace qtx::client_internal {
 
 // Keeps the code (gRPC and Abseil codes are the same numbers) and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+void ToProto(const ShardRange& in, v1::ShardRange* out);
+ShardRange FromProto(const v1::ShardRange& in);
 
 void ToProto(const RegionSlice& in, v1::RegionSlice* out);
 RegionSlice FromProto(const v1::RegionSlice& in);

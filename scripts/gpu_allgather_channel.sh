@@ -7,14 +7,15 @@
 #     build/tests/client/cuda_channel_test build/bench/channel_bench
 # (each of the last three is optional: its step runs when it is in the bundle)
 #   scripts/gpu_allgather_channel.sh bundle-ag OUT_DIR
-# NCCL and cuBLAS come from the host (LD_LIBRARY_PATH, or PyTorch's wheels).
+# NCCL and cuBLAS come from the host (gpu_env.sh: PyTorch's wheels).
 # Writes OUT_DIR/log.txt (everything) and OUT_DIR/bench.jsonl.
 set -uo pipefail
 B="$(cd "${1:?bundle dir}" && pwd)"
 OUT="${2:?output dir}"
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 LOG="$OUT/log.txt"
 rc_all=0
 step() {  # step NAME TIMEOUT CMD...
@@ -29,10 +30,8 @@ step() {  # step NAME TIMEOUT CMD...
   return $rc
 }
 nvidia-smi -L >> "$LOG" 2>&1
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 mps=0
-nvidia-cuda-mps-control -d && mps=1
+qtx_mps_start && mps=1
 echo "mps=$mps" >> "$LOG"
 if ! step cuda_allgather_channel_test 75 "$B/bin/cuda_allgather_channel_test" --qtxd="$B/bin/qtxd"; then
   # Diagnosis: the same held tests with 4x larger CUDA launch queues (the
@@ -52,5 +51,5 @@ if [ -x "$B/bin/channel_bench" ]; then
     --allgather=1 ${QTX_BENCH_ARGS:---layers=50}
   grep -h '^{"bench"' "$LOG" > "$OUT/bench.jsonl"
 fi
-[ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
+[ "$mps" = 1 ] && qtx_mps_stop
 exit $rc_all

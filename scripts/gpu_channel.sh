@@ -14,8 +14,9 @@ mkdir -p "$OUT"
 if [ -z "${QTX_CUBLAS_LIB:-}" ]; then
   QTX_CUBLAS_LIB="$(dirname "$(find /opt /usr/local /usr/lib -name 'libcublas.so.13' 2>/dev/null | head -1)" 2>/dev/null)"
 fi
-export LD_LIBRARY_PATH="$B/lib${QTX_CUBLAS_LIB:+:$QTX_CUBLAS_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export CUDA_MODULE_LOADING=EAGER  # the test and bench park their streams on qtxd
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib${QTX_CUBLAS_LIB:+:$QTX_CUBLAS_LIB}"
 QTXD="$B/bin/qtxd"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
 echo "cublas: ${QTX_CUBLAS_LIB:-none}" >> "$OUT/gpu.txt"
@@ -42,14 +43,12 @@ run_all() {  # run_all MPS
   done
 }
 QTX_CHANNEL_TEST_ITERS="${QTX_CHANNEL_TEST_ITERS:-300}" run_all 0
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d; then
+if qtx_mps_start; then
   QTX_CHANNEL_TEST_ITERS="${QTX_CHANNEL_TEST_ITERS_MPS:-2000}" run_all 1
   "$B/bin/cuda_channel_test" --qtxd="$QTXD" --gtest_filter='*ClientKilled*' \
     > "$OUT/cuda_channel_client_killed_mps1.txt" 2>&1
   echo "client_killed_mps1 rc=$? (known limit under MPS when non-zero: see client/README.md)"
-  echo quit | nvidia-cuda-mps-control
+  qtx_mps_stop
 else
   echo "MPS daemon did not start"; rc_all=1
 fi

@@ -22,7 +22,9 @@ case "${1:-}" in
     ;;
   run)
     : "${OUT:?set OUT to the results folder}"
-    export LD_LIBRARY_PATH="$PWD/build-cuda/dist:${LD_LIBRARY_PATH:-}"
+    # shellcheck source=scripts/gpu_env.sh
+    . scripts/gpu_env.sh
+    qtx_gpu_env "$PWD/build-cuda/dist"
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/smi.txt" 2>&1 || true
     timeout 200 build-cuda/dist/quantize_cuda_bench --iters 100 >"$OUT/bench.jsonl" 2>"$OUT/bench.txt"
     echo "bench rc=$?"; cat "$OUT/bench.txt"

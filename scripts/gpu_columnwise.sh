@@ -3,11 +3,11 @@
 # NcclCommunicator unit test. Usage (GPU host): a bundle
 # (deploy/bundle/make_bundle.sh) holding qtxd, kernels_cuda_test,
 # cuda_channel_test, nccl_communicator_test and quantize_cuda_bench, with this
-# script copied into it; OUT= names the log folder.
+# script and gpu_env.sh copied into it; OUT= names the log folder.
 B=$(cd "$(dirname "$0")" && pwd)
-NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
-export LD_LIBRARY_PATH=$B/lib:$NCCL:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 L=$O/columnwise.txt
 step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }

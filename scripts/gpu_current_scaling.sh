@@ -8,7 +8,7 @@
 # Bundle (made here; the script travels inside it):
 #   QTX_BUNDLE_SKIP='libcublas|libcublasLt' deploy/bundle/make_bundle.sh build BUNDLE \
 #     build/tests/kernels/cuda/kernels_cuda_test build/bench/quantize_cuda_bench
-#   cp scripts/gpu_current_scaling.sh BUNDLE/
+#   cp scripts/gpu_current_scaling.sh scripts/gpu_env.sh BUNDLE/
 # Run:
 #   BUNDLE/gpu_current_scaling.sh OUT_DIR [BUNDLE]
 # BUNDLE defaults to the script's own folder when it holds bin/kernels_cuda_test,
@@ -23,6 +23,8 @@
 set -uo pipefail
 OUT="${1:?usage: gpu_current_scaling.sh OUT_DIR [BUNDLE]}"
 script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
 if [ -n "${2:-}" ]; then
   B="$(cd "$2" && pwd)" || { echo "bundle '$2' not found" >&2; exit 2; }
 elif [ -x "$script_dir/bin/kernels_cuda_test" ]; then
@@ -37,7 +39,7 @@ for exe in kernels_cuda_test quantize_cuda_bench; do
   fi
 done
 mkdir -p "$OUT" || exit 2
-export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+qtx_gpu_env "$B/lib"
 iters="${QTX_BENCH_ITERS:-100}"
 shapes="${QTX_BENCH_SHAPES:-4096x4096,8192x8192,16384x7168,32768x4096}"
 

@@ -10,8 +10,9 @@ set -uo pipefail
 B="$(cd "${1:?bundle dir}" && pwd)"
 OUT="${2:?output dir}"
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$B/lib${QTX_NCCL_LIB:+:$QTX_NCCL_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 export QTXD="$B/bin/qtxd"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
 rc_all=0
@@ -32,16 +33,13 @@ step cuda_e2e_test "$B/bin/cuda_e2e_test"
   > "$OUT/overhead_mps0.jsonl" 2> "$OUT/overhead_mps0.txt"
 echo "overhead mps=0 rc=$?"; cat "$OUT/overhead_mps0.txt"
 
-# CUDA MPS: a daemon with writable pipe/log folders; qtxd and the clients
-# started below all connect through it.
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d; then
+# CUDA MPS: qtxd and the clients started below all connect through it.
+if qtx_mps_start; then
   step cuda_e2e_test_mps "$B/bin/cuda_e2e_test"
   "$B/bin/service_overhead_bench" --qtxd="$QTXD" --mps=1 \
     > "$OUT/overhead_mps1.jsonl" 2> "$OUT/overhead_mps1.txt"
   echo "overhead mps=1 rc=$?"; cat "$OUT/overhead_mps1.txt"
-  echo quit | nvidia-cuda-mps-control
+  qtx_mps_stop
   cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" 2>/dev/null
 else
   echo "MPS daemon did not start"

@@ -2,16 +2,16 @@
 # Final GPU regression run of the C++ GPU tests (lead), without and with MPS.
 # Usage (GPU host): a bundle (deploy/bundle/make_bundle.sh) holding qtxd,
 # cuda_plan_test, cuda_allgather_channel_test, cuda_channel_test and
-# cuda_vmm_test, with this script copied into it; OUT= names the log folder.
+# cuda_vmm_test, with this script and gpu_env.sh copied into it; OUT= names
+# the log folder.
 # The tests that kill a process while GPU work is parked run last and only once
 # under MPS: there such a kill may take the GPU's other MPS clients down (see
 # client/README "MPS"), so nothing runs after them.
 B=$(cd "$(dirname "$0")" && pwd)
-NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
-export LD_LIBRARY_PATH=$B/lib:$NCCL:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 L=$O/final.txt
 step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
 suite() {  # suite MPS(0|1) PLAN_FILTER
@@ -21,9 +21,9 @@ suite() {  # suite MPS(0|1) PLAN_FILTER
   step "vmm_mps$1" 60 "$B/bin/cuda_vmm_test" --qtxd="$B/bin/qtxd" --gtest_filter=-*Kill*
 }
 suite 0 '*'
-mkdir -p /tmp/mps /tmp/mpslog; nvidia-cuda-mps-control -d
+qtx_mps_start
 suite 1 '-*QtxdDying*'
 step plan_qtxd_dying_mps1 40 "$B/bin/cuda_plan_test" --qtxd="$B/bin/qtxd" --gtest_filter='*QtxdDying*'
-echo quit | timeout 10 nvidia-cuda-mps-control
+qtx_mps_stop
 pkill -9 -f "$B/bin/qtxd" 2>/dev/null
 grep -hE "^\[  (PASSED|FAILED) |^\{|^[a-z0-9_]+ rc=" "$L" | head -80

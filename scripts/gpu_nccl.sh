@@ -11,12 +11,12 @@ set -uo pipefail
 B="$(cd "${1:?bundle dir}" && pwd)"
 OUT="${2:?output dir}"
 mkdir -p "$OUT"
-NCCL_LIB="${QTX_NCCL_LIB:-$(/opt/torch/.venv/bin/python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)}"
-export LD_LIBRARY_PATH="$B/lib${NCCL_LIB:+:$NCCL_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 export QTXD="$B/bin/qtxd"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
-echo "nccl lib: $NCCL_LIB"
+echo "LD_LIBRARY_PATH: $LD_LIBRARY_PATH"
 rc_all=0
 step() {  # step NAME TIMEOUT CMD...
   local name="$1" to="$2"; shift 2

@@ -10,8 +10,9 @@ set -uo pipefail
 B="$(cd "${1:?bundle dir}" && pwd)"
 OUT="${2:?output dir}"
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$B/lib${QTX_NCCL_LIB:+:$QTX_NCCL_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 export QTXD="$B/bin/qtxd"
 { nvidia-smi -L; nproc; free -g; df -h /dev/shm; } > "$OUT/machine.txt" 2>&1
 rc_all=0

@@ -1,11 +1,12 @@
 #!/bin/bash
-# GPU host: the optimizer's device paths (data-parallel sharded Step, device Step, qtx.cuda step incl. per-tensor scaled parameters), from a bundle of scripts/make_gpu_python_bundle.sh with optimizer_shard_cuda_e2e_test and optimizer_cuda_e2e_test added to bin/. Usage: B/runB.sh OUT.
+# GPU host: the optimizer's device paths (data-parallel sharded Step, device Step, qtx.cuda step incl. per-tensor scaled parameters), from a bundle of scripts/make_gpu_python_bundle.sh with optimizer_shard_cuda_e2e_test and optimizer_cuda_e2e_test added to bin/, this script as B/runB.sh and gpu_env.sh next to it. Usage: B/runB.sh OUT.
 B=$(cd "$(dirname "$0")" && pwd)
 O=${1:?out}; mkdir -p "$O"; L=$O/runB.txt
-rm -f "$B/lib/libstdc++.so.6" "$B/lib/libgcc_s.so.1"
-NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
-export LD_LIBRARY_PATH=$B/lib:$NCCL:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 QTXD=$B/bin/qtxd
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_host_cxx_runtime "$B/lib"
+qtx_gpu_env "$B/lib"
+export PYTHONUNBUFFERED=1 QTXD=$B/bin/qtxd
 step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
 step optimizer_shard_cuda_e2e 150 "$B/bin/optimizer_shard_cuda_e2e_test"
 step optimizer_cuda_e2e 150 "$B/bin/optimizer_cuda_e2e_test"

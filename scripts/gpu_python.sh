@@ -13,7 +13,7 @@
 #   B/tests    tests/python/gpu_test_*.py; B/bench python_channel_bench.py
 #   B/fallback the sources, static libraries and headers to compile both
 #              modules here against this host's Python headers
-#   B/gpu_python.sh (this file)
+#   B/gpu_python.sh (this file) and B/gpu_env.sh
 # Then: B/gpu_python.sh OUT_DIR. Writes OUT_DIR/log.txt (everything, with a
 # "NAME rc=N Ts" line per step) and OUT_DIR/bench.jsonl (every JSON line of
 # the benchmarks). MPS is started for the first half and stopped for the
@@ -30,13 +30,12 @@ OUT="${1:?output dir}"
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 BUDGET="${QTX_GPU_BUDGET_S:-370}"
-# The bundle's libstdc++/libgcc_s (Debian 12) must not shadow the host's newer
-# ones that PyTorch needs; qtxd and qtx._native run with the host's.
-rm -f "$B/lib/libstdc++.so.6" "$B/lib/libgcc_s.so.1"
-NCCL_LIB="$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)"
-CU13="$(python3 -c "import sysconfig,os;print(os.path.join(sysconfig.get_paths()['purelib'],'nvidia','cu13','lib'))")"
-export LD_LIBRARY_PATH="$B/lib:$NCCL_LIB:$CU13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+# qtxd and qtx._native run with the host's libstdc++ (PyTorch needs it).
+qtx_host_cxx_runtime "$B/lib"
+qtx_gpu_env "$B/lib"
+export PYTHONUNBUFFERED=1
 PY="$B/py"
 INPROC="$B/inproc"
 mkdir -p "$INPROC"
@@ -148,16 +147,13 @@ benches() {  # channel_bench (C++ context), then the Python bench: current, then
   stop_qtxd
 }
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d; then
+if qtx_mps_start; then
   echo "MPS on" >> "$LOG"
   health 1
   tests 1
   benches 1
   stop_qtxd
-  echo quit | nvidia-cuda-mps-control
-  for _ in $(seq 30); do pgrep -f "nvidia-cuda-mps-(server|control)" > /dev/null || break; sleep 0.5; done
+  qtx_mps_stop
   echo "MPS off" >> "$LOG"
 else
   echo "MPS did not start: the MPS half is skipped" | tee -a "$LOG"

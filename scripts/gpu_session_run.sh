@@ -4,9 +4,9 @@
 # the Python GPU tests (qtx.cuda incl. make_columnwise) with and without MPS.
 B=$(cd "$(dirname "$0")" && pwd)
 O=${1:?out}; mkdir -p "$O"; L=$O/cpp.txt
-NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
-export LD_LIBRARY_PATH=$B/lib:$NCCL:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
 step kernels_shard_columnwise 120 "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeShardCuda.*:ColumnwiseFromRowwise*'
 step allgather_channel 150 "$B/bin/cuda_allgather_channel_test" --qtxd="$B/bin/qtxd"

@@ -4,12 +4,13 @@
 # optimizer_shard_bench on the host's cores (CPU qtxd over Gloo). The bundle:
 # deploy/bundle/make_bundle.sh with bin/qtxd, bin/optimizer_shard_bench and the
 # CPython 3.12 _native module (qtx_native_extra), plus py/qtx/*.py and
-# tests/gpu_test_{cuda,optimizer}.py. Usage: B/gpu_shard_python.sh OUT.
+# tests/gpu_test_{cuda,optimizer}.py, this script and gpu_env.sh. Usage: B/gpu_shard_python.sh OUT.
 B=$(cd "$(dirname "$0")" && pwd)
 O=${1:?out}; mkdir -p "$O"; L=$O/gpu_shard.txt
-NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
-export LD_LIBRARY_PATH=$B/lib:$NCCL:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
+export PYTHONUNBUFFERED=1
 step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
 cp -f "$B"/bin/_native*.so "$B/py/qtx/" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L" 2>&1

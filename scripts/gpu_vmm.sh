@@ -23,8 +23,9 @@ if [ -z "${QTX_SKIP_TORCH:-}" ] && [ -f "$HERE/torch_vmm_probe.py" ] &&
     echo "torch_probe[$conf] rc=$?"
   done
 fi
-export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export CUDA_MODULE_LOADING=EAGER
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 QTXD="$B/bin/qtxd"
 nvidia-smi -L >> "$LOG" 2>&1
 rc_all=0
@@ -42,9 +43,7 @@ if [ -x "$B/bin/cuda_channel_test" ]; then  # the CUDA IPC path of RegionCache
   step cuda_channel_region_cache_mps0 "$B/bin/cuda_channel_test" --qtxd="$QTXD" \
     --gtest_filter='*RegionCache*'
 fi
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/qtx-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qtx-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d; then
+if qtx_mps_start; then
   step cuda_vmm_test_mps1 "$B/bin/cuda_vmm_test" --qtxd="$QTXD" --gtest_filter='-*Kill*'
   # One killed client per step (a GPU fault under MPS tears down every
   # client, and the MPS server needs a moment to come back); the CUDA IPC
@@ -59,8 +58,7 @@ if nvidia-cuda-mps-control -d; then
     step ipc_parked_client_killed_mps1 "$B/bin/cuda_channel_test" --qtxd="$QTXD" \
       --gtest_filter='*ClientKilled*'
   fi
-  echo quit | nvidia-cuda-mps-control
-  sleep 1
+  qtx_mps_stop
   grep -iE "sticky|fault|teardown|exception|Xid" "$CUDA_MPS_LOG_DIRECTORY/server.log" 2>/dev/null \
     | tail -n 40 >> "$LOG"
 else

@@ -33,7 +33,7 @@ mkdir -p "$OUT/py/qtx" "$OUT/tests" "$OUT/bench" "$OUT/fallback/include/qtx" \
 cp "$ROOT"/client/python/qtx/*.py "$OUT/py/qtx/"
 cp "$ROOT"/tests/python/gpu_test_*.py "$OUT/tests/"
 cp "$ROOT/bench/python_channel_bench.py" "$OUT/bench/"
-cp "$ROOT/scripts/gpu_python.sh" "$OUT/"
+cp "$ROOT/scripts/gpu_python.sh" "$ROOT/scripts/gpu_env.sh" "$OUT/"
 if [ -n "$REF" ]; then
   mkdir -p "$OUT/py_before"
   git -C "$ROOT" archive "$REF" client/python/qtx | tar -x -C "$OUT/py_before" --strip-components=2

@@ -30,18 +30,12 @@
 #include "kernels/fp8.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
-#include "tests/testing/qtxd_process.h"
 #include "tests/testing/qtxd_ranks.h"
 #include "tests/testing/status_matchers.h"
 
-namespace qtx {
+namespace qtx::testing {
 namespace {
 
-using ::qtx::testing::CreateGlooGroupOnEveryRank;
-using ::qtx::testing::OnEveryRank;
-using ::qtx::testing::QtxdProcess;
-using ::qtx::testing::StartQtxdRanks;
-using ::qtx::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
@@ -50,14 +44,8 @@ std::string g_qtxd_path;  // from --qtxd=
 
 constexpr absl::Duration kGroupTimeout = absl::Seconds(20);
 
-CallOptions Deadline(absl::Duration d) {
-  CallOptions c;
-  c.timeout = d;
-  return c;
-}
-
 // `world` sidecars and one client each.
-using Ranks = ::qtx::testing::QtxdRanks;
+using Ranks = QtxdRanks;
 
 void StartRanks(int world, Ranks* ranks) {
   QTX_ASSERT_OK(StartQtxdRanks(
@@ -570,10 +558,10 @@ TEST(ClientCollectiveE2e, CreateGroupErrorsKeepServerCodeAndMessage) {
 }
 
 }  // namespace
-}  // namespace qtx
+}  // namespace qtx::testing
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
+  qtx::testing::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

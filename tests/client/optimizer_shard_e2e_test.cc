@@ -28,31 +28,20 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "qtx/client.h"
-#include "tests/testing/qtxd_process.h"
 #include "tests/testing/qtxd_ranks.h"
+#include "tests/testing/sharded_params.h"
 #include "tests/testing/status_matchers.h"
 
-namespace qtx {
+namespace qtx::testing {
 namespace {
 
-using ::qtx::testing::CreateGlooGroupOnEveryRank;
-using ::qtx::testing::OnEveryRank;
-using ::qtx::testing::QtxdProcess;
-using ::qtx::testing::StartQtxdRanks;
-using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;  // from --qtxd=
 
 constexpr absl::Duration kGroupTimeout = absl::Seconds(20);
 
-CallOptions Deadline(absl::Duration d) {
-  CallOptions c;
-  c.timeout = d;
-  return c;
-}
-
-struct Ranks : ::qtx::testing::QtxdRanks {
+struct Ranks : QtxdRanks {
   std::string dir;  // rank r's --checkpoint_dir is dir/rank<r>
 };
 
@@ -83,23 +72,6 @@ struct Param {
   std::optional<double> lr_scale = std::nullopt;
   int64_t total() const { return shape[0] * shape[1]; }
 };
-
-std::vector<float> Values(int64_t count, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; ++i) {
-    // Magnitudes that change along the flattened index, so that the owners
-    // of a cut tile see different local amaxes.
-    v[i] = d(rng) * scale * std::ldexp(1.0f, static_cast<int>((i / 911) % 9) - 4);
-  }
-  return v;
-}
-
-Tensor Slice(const std::vector<float>& full, int64_t begin, int64_t end) {
-  return Tensor::FromFloat32({end - begin},
-                             std::span<const float>(full).subspan(begin, end - begin));
-}
 
 OptimizerGroupConfig GroupConfig(const std::string& name) {
   OptimizerGroupConfig c;
@@ -133,21 +105,17 @@ TEST_P(ShardedStepE2eTest, EveryOwnersShardIsItsPartOfTheWholeQuantizedParameter
   }
   // Initial masters and per-step gradients of the whole parameters.
   std::vector<std::vector<float>> master(params.size());
-  for (size_t i = 0; i < params.size(); ++i) master[i] = Values(params[i].total(), 100 + i, 0.1f);
+  for (size_t i = 0; i < params.size(); ++i)
+    master[i] = SpreadValues(params[i].total(), 100 + i, 0.1f);
   auto grad = [&](size_t i, int64_t step) {
-    return Values(params[i].total(), static_cast<uint32_t>(1000 * step + i), 1.0f);
+    return SpreadValues(params[i].total(), static_cast<uint32_t>(1000 * step + i), 1.0f);
   };
 
   // The reference: the whole parameters, unsharded, on rank 0's sidecar.
   {
     std::vector<OptimizerParameterInit> inits;
     for (size_t i = 0; i < params.size(); ++i) {
-      inits.push_back({.name = params[i].name,
-                       .shape = params[i].shape,
-                       .master = Tensor::FromFloat32(params[i].shape, master[i]),
-                       .exp_avg = std::nullopt,
-                       .exp_avg_sq = std::nullopt,
-                       .lr_scale = params[i].lr_scale});
+      inits.push_back(WholeInit(params[i].name, params[i].shape, master[i], params[i].lr_scale));
     }
     QTX_ASSERT_OK(ranks.clients[0]->OffloadOptimizerState(GroupConfig("ref"), inits).status());
   }
@@ -156,13 +124,8 @@ TEST_P(ShardedStepE2eTest, EveryOwnersShardIsItsPartOfTheWholeQuantizedParameter
     std::vector<OptimizerParameterInit> inits;
     for (size_t i = 0; i < params.size(); ++i) {
       const Param& p = params[i];
-      inits.push_back({.name = p.name,
-                       .shape = p.shape,
-                       .master = Slice(master[i], p.cuts[r], p.cuts[r + 1]),
-                       .exp_avg = std::nullopt,
-                       .exp_avg_sq = std::nullopt,
-                       .lr_scale = p.lr_scale,
-                       .shard = ShardRange{p.cuts[r], p.cuts[r + 1]}});
+      inits.push_back(
+          ShardInit(p.name, p.shape, master[i], {p.cuts[r], p.cuts[r + 1]}, p.lr_scale));
     }
     auto info = ranks.clients[r]->OffloadOptimizerState(GroupConfig("opt"), inits);
     ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
@@ -318,9 +281,10 @@ TEST_P(ReshardE2eTest, ContinuesByteForByteAfterChangingTheDataParallelSize) {
   const Cuts& to_cuts = rc.to == 2 ? cuts2 : cuts3;
 
   std::vector<std::vector<float>> master(params.size());
-  for (size_t i = 0; i < params.size(); ++i) master[i] = Values(params[i].total(), 200 + i, 0.1f);
+  for (size_t i = 0; i < params.size(); ++i)
+    master[i] = SpreadValues(params[i].total(), 200 + i, 0.1f);
   auto grad = [&](size_t i, int64_t step) {
-    return Values(params[i].total(), static_cast<uint32_t>(7000 * step + i), 1.0f);
+    return SpreadValues(params[i].total(), static_cast<uint32_t>(7000 * step + i), 1.0f);
   };
   auto config = [](const std::string& name) {
     OptimizerGroupConfig c = GroupConfig(name);
@@ -331,12 +295,7 @@ TEST_P(ReshardE2eTest, ContinuesByteForByteAfterChangingTheDataParallelSize) {
   {
     std::vector<OptimizerParameterInit> inits;
     for (size_t i = 0; i < params.size(); ++i) {
-      inits.push_back({.name = params[i].name,
-                       .shape = params[i].shape,
-                       .master = Tensor::FromFloat32(params[i].shape, master[i]),
-                       .exp_avg = std::nullopt,
-                       .exp_avg_sq = std::nullopt,
-                       .lr_scale = params[i].lr_scale});
+      inits.push_back(WholeInit(params[i].name, params[i].shape, master[i], params[i].lr_scale));
     }
     QTX_ASSERT_OK(ranks.clients[0]->OffloadOptimizerState(config("ref"), inits).status());
   }
@@ -344,13 +303,8 @@ TEST_P(ReshardE2eTest, ContinuesByteForByteAfterChangingTheDataParallelSize) {
     std::vector<OptimizerParameterInit> inits;
     for (size_t i = 0; i < params.size(); ++i) {
       const int64_t b = from_cuts[i][r], e = from_cuts[i][r + 1];
-      inits.push_back({.name = params[i].name,
-                       .shape = params[i].shape,
-                       .master = Slice(master[i], b, e),
-                       .exp_avg = std::nullopt,
-                       .exp_avg_sq = std::nullopt,
-                       .lr_scale = params[i].lr_scale,
-                       .shard = ShardRange{b, e}});
+      inits.push_back(
+          ShardInit(params[i].name, params[i].shape, master[i], {b, e}, params[i].lr_scale));
     }
     auto info = ranks.clients[r]->OffloadOptimizerState(config("opt"), inits);
     ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
@@ -516,19 +470,14 @@ TEST(ReshardErrorsE2eTest, SourcesAreCheckedBeforeAnythingChanges) {
   ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks));
   const std::vector<int64_t> shape = {200, 130};
   const int64_t total = 200 * 130;
-  const std::vector<float> master = Values(total, 3, 0.1f);
+  const std::vector<float> master = SpreadValues(total, 3, 0.1f);
   const std::vector<ShardRange> cuts = {{0, 12345}, {12345, total}};
   auto offload_sharded = [&](const std::string& name, double lr) {
     OnEveryRank(world, [&](int r) {
       OptimizerGroupConfig c = GroupConfig(name);
       c.hyper_params.lr = lr;
-      auto info = ranks.clients[r]->OffloadOptimizerState(
-          c, {{.name = "w",
-               .shape = shape,
-               .master = Slice(master, cuts[r].begin, cuts[r].end),
-               .exp_avg = std::nullopt,
-               .exp_avg_sq = std::nullopt,
-               .shard = cuts[r]}});
+      auto info =
+          ranks.clients[r]->OffloadOptimizerState(c, {ShardInit("w", shape, master, cuts[r])});
       ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
     });
   };
@@ -539,9 +488,9 @@ TEST(ReshardErrorsE2eTest, SourcesAreCheckedBeforeAnythingChanges) {
       StepOptions so;
       so.collective_group = "dp";
       so.sequence = seq;
-      auto out = ranks.clients[r]->Step(
-          name, step, {{"w", Slice(Values(total, 11, 1.0f), cuts[r].begin, cuts[r].end)}}, so,
-          Deadline(kGroupTimeout));
+      auto out =
+          ranks.clients[r]->Step(name, step, {{"w", Slice(SpreadValues(total, 11, 1.0f), cuts[r])}},
+                                 so, Deadline(kGroupTimeout));
       ASSERT_TRUE(out.ok()) << "rank " << r << ": " << out.status();
     });
   };
@@ -560,16 +509,12 @@ TEST(ReshardErrorsE2eTest, SourcesAreCheckedBeforeAnythingChanges) {
   step_all("other", 1);
   save(0, "other");
   QTX_ASSERT_OK(ranks.clients[0]
-                    ->OffloadOptimizerState(GroupConfig("ref"),
-                                            {{.name = "w",
-                                              .shape = shape,
-                                              .master = Tensor::FromFloat32(shape, master),
-                                              .exp_avg = std::nullopt,
-                                              .exp_avg_sq = std::nullopt}})
+                    ->OffloadOptimizerState(GroupConfig("ref"), {WholeInit("w", shape, master)})
                     .status());
-  QTX_ASSERT_OK(ranks.clients[0]
-                    ->Step("ref", 1, {{"w", Tensor::FromFloat32(shape, Values(total, 11, 1.0f))}})
-                    .status());
+  QTX_ASSERT_OK(
+      ranks.clients[0]
+          ->Step("ref", 1, {{"w", Tensor::FromFloat32(shape, SpreadValues(total, 11, 1.0f))}})
+          .status());
   save(0, "ref");
   Client& c = *ranks.clients[0];
   const std::vector<ParameterShard> mine = {{"w", ShardRange{0, 100}}};
@@ -652,17 +597,12 @@ TEST(ShardedStepErrorsE2eTest, RangesStepNumbersAndOptionsAreChecked) {
   ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks));
   const std::vector<int64_t> shape = {200, 130};
   const int64_t total = 200 * 130;
-  const std::vector<float> master = Values(total, 1, 0.1f);
+  const std::vector<float> master = SpreadValues(total, 1, 0.1f);
   // Group `name` with rank r's range ranges[r].
   auto offload = [&](const std::string& name, const std::vector<ShardRange>& ranges) {
     OnEveryRank(world, [&](int r) {
       auto info = ranks.clients[r]->OffloadOptimizerState(
-          GroupConfig(name), {{.name = "w",
-                               .shape = shape,
-                               .master = Slice(master, ranges[r].begin, ranges[r].end),
-                               .exp_avg = std::nullopt,
-                               .exp_avg_sq = std::nullopt,
-                               .shard = ranges[r]}});
+          GroupConfig(name), {ShardInit("w", shape, master, ranges[r])});
       ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
     });
   };
@@ -676,10 +616,9 @@ TEST(ShardedStepErrorsE2eTest, RangesStepNumbersAndOptionsAreChecked) {
       StepOptions so;
       so.collective_group = "dp";
       so.sequence = seq;
-      out[r] = ranks.clients[r]->Step(
-          group_of(r), step_of(r),
-          {{"w", Slice(Values(total, 9, 1.0f), ranges[r].begin, ranges[r].end)}}, so,
-          Deadline(kGroupTimeout));
+      out[r] = ranks.clients[r]->Step(group_of(r), step_of(r),
+                                      {{"w", Slice(SpreadValues(total, 9, 1.0f), ranges[r])}}, so,
+                                      Deadline(kGroupTimeout));
     });
     (void)name;
     return out;
@@ -742,7 +681,7 @@ TEST(ShardedStepErrorsE2eTest, RangesStepNumbersAndOptionsAreChecked) {
   }
 
   // A sharded FP8 Step without a Collective group; options it refuses.
-  const std::vector<OptimizerGradient> g0 = {{"w", Slice(Values(total, 9, 1.0f), 0, 12345)}};
+  const std::vector<OptimizerGradient> g0 = {{"w", Slice(SpreadValues(total, 9, 1.0f), 0, 12345)}};
   EXPECT_THAT(ranks.clients[0]->Step("good", 2, g0),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("collective_group")));
   StepOptions clip;
@@ -787,12 +726,7 @@ TEST(ShardedStepErrorsE2eTest, RangesStepNumbersAndOptionsAreChecked) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("BLOCK_2D")));
   // collective_group on a group that is not sharded.
   QTX_ASSERT_OK(ranks.clients[0]
-                    ->OffloadOptimizerState(GroupConfig("plain"),
-                                            {{.name = "w",
-                                              .shape = shape,
-                                              .master = Tensor::FromFloat32(shape, master),
-                                              .exp_avg = std::nullopt,
-                                              .exp_avg_sq = std::nullopt}})
+                    ->OffloadOptimizerState(GroupConfig("plain"), {WholeInit("w", shape, master)})
                     .status());
   const uint64_t seq = sequence++;
   std::vector<absl::StatusOr<OptimizerStepResult>> mixed(world);
@@ -816,10 +750,10 @@ TEST(ShardedStepErrorsE2eTest, RangesStepNumbersAndOptionsAreChecked) {
 }
 
 }  // namespace
-}  // namespace qtx
+}  // namespace qtx::testing
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
+  qtx::testing::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -34,18 +34,13 @@
 #include "kernels/cpu/quantize_block.h"
 #include "qtx/client.h"
 #include "qtx/shm_region.h"
-#include "tests/testing/qtxd_process.h"
 #include "tests/testing/qtxd_ranks.h"
+#include "tests/testing/sharded_params.h"
 #include "tests/testing/status_matchers.h"
 
-namespace qtx {
+namespace qtx::testing {
 namespace {
 
-using ::qtx::testing::CreateGlooGroupOnEveryRank;
-using ::qtx::testing::OnEveryRank;
-using ::qtx::testing::QtxdProcess;
-using ::qtx::testing::StartQtxdRanks;
-using ::qtx::testing::StatusIs;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
@@ -53,13 +48,7 @@ std::string g_qtxd_path;  // from --qtxd=
 
 constexpr absl::Duration kGroupTimeout = absl::Seconds(20);
 
-CallOptions Deadline(absl::Duration d) {
-  CallOptions c;
-  c.timeout = d;
-  return c;
-}
-
-struct Ranks : ::qtx::testing::QtxdRanks {
+struct Ranks : QtxdRanks {
   uint64_t sequence = 0;  // the group's next call
 };
 
@@ -87,23 +76,6 @@ std::vector<absl::StatusOr<ParameterAllGatherResult>> GatherOnEveryRank(
                                                   Deadline(kGroupTimeout), "w");
   });
   return out;
-}
-
-std::vector<float> Values(int64_t count, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; ++i) {
-    // Magnitudes that change along the flattened index, so that tiles have
-    // different scales and the owners of a cut tile different local amaxes.
-    v[i] = d(rng) * scale * std::ldexp(1.0f, static_cast<int>((i / 911) % 9) - 4);
-  }
-  return v;
-}
-
-Tensor Slice(const std::vector<float>& full, ShardRange g) {
-  return Tensor::FromFloat32({g.end - g.begin},
-                             std::span<const float>(full).subspan(g.begin, g.end - g.begin));
 }
 
 // ---- Shards from a sharded Step --------------------------------------------------------------
@@ -147,32 +119,24 @@ TEST_P(ParamAllGatherE2eTest, ShardsOfAShardedStepGatherToTheWholeParameter) {
     };
   }
   std::vector<std::vector<float>> master(params.size());
-  for (size_t i = 0; i < params.size(); ++i) master[i] = Values(params[i].total(), 100 + i, 0.1f);
+  for (size_t i = 0; i < params.size(); ++i)
+    master[i] = SpreadValues(params[i].total(), 100 + i, 0.1f);
   auto grad = [&](size_t i, int64_t step) {
-    return Values(params[i].total(), static_cast<uint32_t>(1000 * step + i), 1.0f);
+    return SpreadValues(params[i].total(), static_cast<uint32_t>(1000 * step + i), 1.0f);
   };
 
   // The reference: the whole parameters, unsharded, on rank 0's sidecar.
   {
     std::vector<OptimizerParameterInit> inits;
     for (size_t i = 0; i < params.size(); ++i) {
-      inits.push_back({.name = params[i].name,
-                       .shape = params[i].shape,
-                       .master = Tensor::FromFloat32(params[i].shape, master[i]),
-                       .exp_avg = std::nullopt,
-                       .exp_avg_sq = std::nullopt});
+      inits.push_back(WholeInit(params[i].name, params[i].shape, master[i]));
     }
     QTX_ASSERT_OK(ranks.clients[0]->OffloadOptimizerState(GroupConfig("ref"), inits).status());
   }
   OnEveryRank(world, [&](int r) {
     std::vector<OptimizerParameterInit> inits;
     for (size_t i = 0; i < params.size(); ++i) {
-      inits.push_back({.name = params[i].name,
-                       .shape = params[i].shape,
-                       .master = Slice(master[i], params[i].ranges[r]),
-                       .exp_avg = std::nullopt,
-                       .exp_avg_sq = std::nullopt,
-                       .shard = params[i].ranges[r]});
+      inits.push_back(ShardInit(params[i].name, params[i].shape, master[i], params[i].ranges[r]));
     }
     auto info = ranks.clients[r]->OffloadOptimizerState(GroupConfig("opt"), inits);
     ASSERT_TRUE(info.ok()) << "rank " << r << ": " << info.status();
@@ -237,47 +201,7 @@ TEST_P(ParamAllGatherE2eTest, ShardsOfAShardedStepGatherToTheWholeParameter) {
 
 // ---- Shards cut from the reference quantization ----------------------------------------------
 
-struct Whole {
-  std::vector<int64_t> shape;
-  QuantizeConfig config;
-  std::string data;   // [M, N] rowwise FP8
-  std::string scale;  // [rows, cols] FP32
-  int64_t scale_rows = 0, scale_cols = 0;
-  int64_t total() const { return shape[0] * shape[1]; }
-};
-
-Whole QuantizeWhole(int64_t m, int64_t n, const QuantizeConfig& config, uint32_t seed) {
-  Whole w;
-  w.shape = {m, n};
-  w.config = config;
-  const std::vector<float> x = Values(m * n, seed, 3.0f);
-  const kernels::QuantizedLayout layout =
-      kernels::ComputeLayout(kernels::BlockScaling::kBlock2D, m, n);
-  w.scale_rows = layout.rowwise_scale_rows;
-  w.scale_cols = layout.rowwise_scale_cols;
-  w.data.assign(static_cast<size_t>(m * n), '\0');
-  std::vector<float> scale(static_cast<size_t>(layout.RowwiseScaleCount()), -1.0f);
-  kernels::QuantizeParams p;
-  p.scaling = kernels::BlockScaling::kBlock2D;
-  p.format =
-      config.format == Fp8Format::kE5M2 ? kernels::Fp8Format::kE5M2 : kernels::Fp8Format::kE4M3;
-  p.rowwise = true;
-  p.columnwise = false;
-  p.force_pow2_scales = config.force_pow2_scales;
-  p.amax_epsilon = config.amax_epsilon;
-  kernels::QuantizedBuffers out;
-  out.rowwise_data = reinterpret_cast<uint8_t*>(w.data.data());
-  out.rowwise_scale_inv = scale.data();
-  kernels::cpu::QuantizeBlock(x.data(), kernels::InputDType::kFloat32, m, n, p, out);
-  w.scale.assign(reinterpret_cast<const char*>(scale.data()), scale.size() * 4);
-  return w;
-}
-
-DType DataDType(const QuantizeConfig& c) {
-  return c.format == Fp8Format::kE5M2 ? DType::kFloat8E5M2 : DType::kFloat8E4M3;
-}
-
-QuantizedTensor ShardOf(const Whole& w, ShardRange g) {
+QuantizedTensor ShardOf(const QuantizedWhole& w, ShardRange g) {
   QuantizedTensor q;
   q.shape = w.shape;
   q.source_dtype = DType::kFloat32;
@@ -288,8 +212,8 @@ QuantizedTensor ShardOf(const Whole& w, ShardRange g) {
   return q;
 }
 
-void ExpectWhole(const std::vector<absl::StatusOr<ParameterAllGatherResult>>& out, const Whole& w,
-                 const std::vector<ShardRange>& ranges) {
+void ExpectWhole(const std::vector<absl::StatusOr<ParameterAllGatherResult>>& out,
+                 const QuantizedWhole& w, const std::vector<ShardRange>& ranges) {
   for (size_t r = 0; r < out.size(); ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));
     ASSERT_TRUE(out[r].ok()) << out[r].status();
@@ -330,7 +254,8 @@ TEST_P(ParamAllGatherE2eTest, ShardsOfTheReferenceQuantizationGatherToIt) {
   }
   for (size_t k = 0; k < cases.size(); ++k) {
     SCOPED_TRACE(absl::StrCat("case ", k));
-    const Whole w = QuantizeWhole(m, n, cases[k].config, 7 + static_cast<uint32_t>(k));
+    const QuantizedWhole w =
+        QuantizeWhole(m, n, cases[k].config, 7 + static_cast<uint32_t>(k), 3.0f);
     std::vector<QuantizedTensor> shards;
     for (int r = 0; r < world; ++r) shards.push_back(ShardOf(w, cases[k].ranges[r]));
     ASSERT_NO_FATAL_FAILURE(
@@ -340,7 +265,7 @@ TEST_P(ParamAllGatherE2eTest, ShardsOfTheReferenceQuantizationGatherToIt) {
   // In place in shared memory: each rank's parameter buffer is a region
   // holding its shard at its offset (the rest garbage); the output is the
   // whole buffer, the scales are passed in the output's own slice.
-  const Whole w = QuantizeWhole(m, n, e4m3, 99);
+  const QuantizedWhole w = QuantizeWhole(m, n, e4m3, 99, 3.0f);
   const std::vector<ShardRange>& ranges = cases[0].ranges;
   const uint64_t scale_off = (static_cast<uint64_t>(total) + 63) / 64 * 64;
   std::vector<std::unique_ptr<ShmRegion>> regions;
@@ -395,7 +320,7 @@ TEST(ParamAllGatherErrorsE2eTest, DisagreementsFailEveryRankNamingTheRankAndFiel
   Ranks ranks;
   ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks));
   const QuantizeConfig config = {.scaling_mode = ScalingMode::kBlock2D};
-  const Whole w = QuantizeWhole(200, 130, config, 5);
+  const QuantizedWhole w = QuantizeWhole(200, 130, config, 5, 3.0f);
   const int64_t total = w.total();
   const std::vector<ShardRange> good = {{0, 10000}, {10000, 20000}, {20000, total}};
   auto shards_of = [&](const std::vector<ShardRange>& ranges) {
@@ -497,7 +422,7 @@ TEST(ParamAllGatherErrorsE2eTest, AnotherCollectiveAtTheSameSequenceFailsBothRan
   Ranks ranks;
   ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks, absl::Seconds(5)));
   const QuantizeConfig config = {.scaling_mode = ScalingMode::kBlock2D};
-  const Whole w = QuantizeWhole(200, 130, config, 8);
+  const QuantizedWhole w = QuantizeWhole(200, 130, config, 8, 3.0f);
   const std::vector<ShardRange> ranges = {{0, 13000}, {13000, w.total()}};
   // Rank 0 all-gathers a parameter, rank 1 an activation shard: neither may
   // report a result, and neither may wait past the group's deadline.
@@ -510,7 +435,7 @@ TEST(ParamAllGatherErrorsE2eTest, AnotherCollectiveAtTheSameSequenceFailsBothRan
                                        Deadline(absl::Seconds(30)))
                   .status();
     } else {
-      const std::vector<float> x = Values(64 * 130, 3, 1.0f);
+      const std::vector<float> x = SpreadValues(64 * 130, 3, 1.0f);
       st[r] = ranks.clients[1]
                   ->AllGather("dp", 0, Tensor::FromFloat32({64, 130}, x), config,
                               AllGatherMode::kExactFp8, {}, Deadline(absl::Seconds(30)))
@@ -534,7 +459,7 @@ TEST(ParamAllGatherErrorsE2eTest, ARankThatDiesFailsTheOthers) {
   Ranks ranks;
   ASSERT_NO_FATAL_FAILURE(StartRanks(world, &ranks, absl::Seconds(5)));
   const QuantizeConfig config = {.scaling_mode = ScalingMode::kBlock2D};
-  const Whole w = QuantizeWhole(200, 130, config, 6);
+  const QuantizedWhole w = QuantizeWhole(200, 130, config, 6, 3.0f);
   const std::vector<ShardRange> ranges = {{0, 100}, {100, 20000}, {20000, w.total()}};
   // One good call first, then rank 2's sidecar dies.
   std::vector<QuantizedTensor> shards;
@@ -566,10 +491,10 @@ TEST(ParamAllGatherErrorsE2eTest, ARankThatDiesFailsTheOthers) {
 }
 
 }  // namespace
-}  // namespace qtx
+}  // namespace qtx::testing
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  qtx::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
+  qtx::testing::g_qtxd_path = qtx::testing::QtxdFlagOrExit(argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -131,6 +131,17 @@ TEST(ProtoConvertTest, OutputsAndRegionInfo) {
   EXPECT_EQ(r.in_use, 2u);
 }
 
+TEST(ProtoConvertTest, ShardRangeRoundTrips) {
+  v1::ShardRange p;
+  ToProto(ShardRange{12345, 1 << 20}, &p);
+  EXPECT_EQ(p.begin(), 12345);
+  EXPECT_EQ(p.end(), 1 << 20);
+  EXPECT_EQ(FromProto(p), (ShardRange{12345, 1 << 20}));
+  p.set_begin(7);
+  p.set_end(7);  // empty ranges are ranges too
+  EXPECT_EQ(FromProto(p), (ShardRange{7, 7}));
+}
+
 TEST(ProtoConvertTest, CollectiveGroupConfigToProto) {
   CollectiveGroupConfig c;
   c.name = "tp";

@@ -27,6 +27,12 @@ absl::Status StartQtxdRanks(const std::string& qtxd_path, int world,
   return absl::OkStatus();
 }
 
+CallOptions Deadline(absl::Duration timeout) {
+  CallOptions call;
+  call.timeout = timeout;
+  return call;
+}
+
 void OnEveryRank(int world, const std::function<void(int rank)>& fn) {
   std::vector<std::thread> threads;
   threads.reserve(world);

@@ -1,7 +1,8 @@
 // QtxdRanks: `world` qtxd processes with one client each, the set-up of the
 // multi-process tests (collectives, sharded optimizer state, parameter
-// gathers), and the Gloo Collective group they form. Rank r's client talks
-// to rank r's qtxd; rank 0's qtxd coordinates the group.
+// gathers), the Gloo Collective group they form, and the per-call deadline
+// their calls carry. Rank r's client talks to rank r's qtxd; rank 0's qtxd
+// coordinates the group.
 // One owner thread; OnEveryRank runs one thread per rank.
 #ifndef QTX_TESTS_TESTING_QTXD_RANKS_H_
 #define QTX_TESTS_TESTING_QTXD_RANKS_H_
@@ -30,6 +31,10 @@ struct QtxdRanks {
 absl::Status StartQtxdRanks(const std::string& qtxd_path, int world,
                             const std::function<std::vector<std::string>(int rank)>& flags,
                             QtxdRanks* ranks);
+
+// CallOptions with only the timeout set: a collective call that waits for its
+// peers fails DEADLINE_EXCEEDED after `timeout` instead of hanging a test.
+CallOptions Deadline(absl::Duration timeout);
 
 // Runs fn(rank) on one thread per rank and waits for all of them.
 void OnEveryRank(int world, const std::function<void(int rank)>& fn);

@@ -45,14 +45,11 @@
 namespace qtx {
 namespace {
 
-using ::qtx::testing::DeviceArena;
-using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::SoloNcclGroupTest;
 using ::qtx::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::string g_qtxd_path;
-
-constexpr char kGroup[] = "solo";
 
 struct Case {
   int64_t m = 0, n = 0;
@@ -92,41 +89,21 @@ struct Prepared {
   const RegionSlice* out[4] = {};  // null where the copy is not requested
 };
 
-class CudaAllGatherChannelTest : public ::testing::Test {
+class CudaAllGatherChannelTest : public SoloNcclGroupTest {
  protected:
   void SetUp() override {
     // Debug logs: qtxd prints each AllGather's host time per step
     // (event=allgather_steps), which shows where a wait would be.
-    QTX_ASSERT_OK_AND_ASSIGN(
-        server_, QtxdProcess::Start(
-                     g_qtxd_path, {"--device=cuda:0", "--allow_client_shm", "--log_level=debug"}));
-    QTX_ASSERT_OK_AND_ASSIGN(client_, Client::Connect(server_->target()));
-    CUDA_OK(cudaSetDevice(0));
-    CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    arena_.size = uint64_t{256} << 20;
-    arena_.name = "agtest-arena";
-    CUDA_OK(cudaMalloc(&arena_.base, arena_.size));
-    QTX_ASSERT_OK(
-        qtx::cuda::RegisterDevicePointer(*client_, arena_.name, arena_.base, arena_.size));
+    ASSERT_NO_FATAL_FAILURE(
+        StartSolo(g_qtxd_path, {"--device=cuda:0", "--allow_client_shm", "--log_level=debug"},
+                  uint64_t{256} << 20, "agtest-arena"));
     CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&mismatches_), sizeof(unsigned long long)));
     CUDA_OK(cudaMemset(mismatches_, 0, sizeof(unsigned long long)));
-    CollectiveGroupConfig group;
-    group.name = kGroup;
-    group.rank = 0;
-    group.world_size = 1;
-    group.backend = CommBackend::kNccl;
-    group.timeout = absl::Seconds(60);
-    QTX_ASSERT_OK(client_->CreateGroup(group).status());
   }
   void TearDown() override {
-    if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
-    if (client_ != nullptr && server_ != nullptr) {
-      (void)client_->DestroyGroup(kGroup);
-      (void)client_->UnregisterRegion(arena_.name);
-    }
-    if (arena_.base != nullptr) (void)cudaFree(arena_.base);
+    SyncStream();
     if (mismatches_ != nullptr) (void)cudaFree(mismatches_);
-    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    SoloNcclGroupTest::TearDown();
   }
 
   // Uploads a random BF16 [m, n] input (row magnitudes spread over 2^-4..2^4,
@@ -210,10 +187,6 @@ class CudaAllGatherChannelTest : public ::testing::Test {
     return n;
   }
 
-  std::unique_ptr<QtxdProcess> server_;
-  std::unique_ptr<Client> client_;
-  cudaStream_t stream_ = nullptr;
-  DeviceArena arena_;
   unsigned long long* mismatches_ = nullptr;
   uint64_t next_sequence_ = 0;  // the group's AllGather counter
 };
@@ -259,7 +232,7 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
     // Through the channel: ordered on the caller's stream.
     ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
     QTX_ASSERT_OK(
-        ch->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs).status());
+        ch->AllGather(kSoloGroup, next_sequence_++, input, c.config, c.mode, pr.outputs).status());
     CUDA_OK(cudaStreamSynchronize(stream_));
     QTX_ASSERT_OK(ch->Synchronize());
     ExpectOutputsExact(pr, "channel");
@@ -267,8 +240,9 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
     // The synchronous call: outputs complete when it returns.
     ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
     CUDA_OK(cudaStreamSynchronize(stream_));
-    QTX_ASSERT_OK_AND_ASSIGN(AllGatherResult r, client_->AllGather(kGroup, next_sequence_++, input,
-                                                                   c.config, c.mode, pr.outputs));
+    QTX_ASSERT_OK_AND_ASSIGN(
+        AllGatherResult r,
+        client_->AllGather(kSoloGroup, next_sequence_++, input, c.config, c.mode, pr.outputs));
     EXPECT_EQ(r.shard_rows, std::vector<int64_t>{c.m});
     ExpectOutputsExact(pr, "synchronous");
 
@@ -276,7 +250,7 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
     // header and digest carried in it, assembly on the device).
     ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
     CUDA_OK(cudaStreamSynchronize(stream_));
-    QTX_ASSERT_OK_AND_ASSIGN(r, client_->AllGather(kGroup, next_sequence_++, input, c.config,
+    QTX_ASSERT_OK_AND_ASSIGN(r, client_->AllGather(kSoloGroup, next_sequence_++, input, c.config,
                                                    c.mode, pr.outputs, {}, {c.m}));
     EXPECT_EQ(r.shard_rows, std::vector<int64_t>{c.m});
     ExpectOutputsExact(pr, "one round");
@@ -285,7 +259,7 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
     // its verdict read on completion.
     ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
     QTX_ASSERT_OK(
-        ch->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m})
+        ch->AllGather(kSoloGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m})
             .status());
     CUDA_OK(cudaStreamSynchronize(stream_));
     QTX_ASSERT_OK(ch->Synchronize());
@@ -356,7 +330,7 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
   for (size_t i = 0; i < kinds.size(); ++i) {
     const Tensor input =
         Tensor::InRegion(DType::kBFloat16, {kinds[i].m, kinds[i].n}, prepared[i].input);
-    QTX_ASSERT_OK(ch->AllGather(kGroup, next_sequence_++, input, kinds[i].config, kinds[i].mode,
+    QTX_ASSERT_OK(ch->AllGather(kSoloGroup, next_sequence_++, input, kinds[i].config, kinds[i].mode,
                                 prepared[i].outputs, kinds[i].ShardRows())
                       .status());
   }
@@ -373,9 +347,9 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
       const Prepared& pr = prepared[i];
       ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
       const Tensor input = Tensor::InRegion(DType::kBFloat16, {kinds[i].m, kinds[i].n}, pr.input);
-      QTX_ASSERT_OK_AND_ASSIGN(
-          last_op, ch->AllGather(kGroup, next_sequence_++, input, kinds[i].config, kinds[i].mode,
-                                 pr.outputs, kinds[i].ShardRows()));
+      QTX_ASSERT_OK_AND_ASSIGN(last_op,
+                               ch->AllGather(kSoloGroup, next_sequence_++, input, kinds[i].config,
+                                             kinds[i].mode, pr.outputs, kinds[i].ShardRows()));
       for (int k = 0; k < 4; ++k) {
         if (pr.out[k] == nullptr) continue;
         CUDA_OK(qtx::testing::LaunchCountMismatches(arena_.At(*pr.out[k]),
@@ -396,7 +370,7 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
   probe_call.timeout = absl::Seconds(10);
   const absl::Time start = absl::Now();
   const absl::StatusOr<AllGatherResult> probe = client_->AllGather(
-      kGroup, next_sequence_++,
+      kSoloGroup, next_sequence_++,
       Tensor::InRegion(DType::kBFloat16, {kinds[0].m, kinds[0].n}, prepared[0].input), none,
       AllGatherMode::kExactFp8, {}, probe_call);
   const absl::Duration probe_time = absl::Now() - start;
@@ -481,9 +455,9 @@ TEST_F(CudaAllGatherChannelTest, OneRoundChannelRejectsABadListAndRecovers) {
   {
     QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch,
                              qtx::cuda::OpenChannel(*client_, stream_));
-    QTX_ASSERT_OK_AND_ASSIGN(
-        const uint64_t op,
-        ch->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m + 1}));
+    QTX_ASSERT_OK_AND_ASSIGN(const uint64_t op,
+                             ch->AllGather(kSoloGroup, next_sequence_++, input, c.config, c.mode,
+                                           pr.outputs, {c.m + 1}));
     CUDA_OK(cudaStreamSynchronize(stream_));
     EXPECT_THAT(ch->Synchronize(),
                 StatusIs(absl::StatusCode::kInvalidArgument,
@@ -495,7 +469,8 @@ TEST_F(CudaAllGatherChannelTest, OneRoundChannelRejectsABadListAndRecovers) {
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Channel> ch, qtx::cuda::OpenChannel(*client_, stream_));
   ASSERT_NO_FATAL_FAILURE(FillOutputs(pr, stream_));
   QTX_ASSERT_OK(
-      ch->AllGather(kGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m}).status());
+      ch->AllGather(kSoloGroup, next_sequence_++, input, c.config, c.mode, pr.outputs, {c.m})
+          .status());
   CUDA_OK(cudaStreamSynchronize(stream_));
   QTX_ASSERT_OK(ch->Synchronize());
   ExpectOutputsExact(pr, "after a rejected list");

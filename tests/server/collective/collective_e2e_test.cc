@@ -20,6 +20,7 @@
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/fp8.h"
 #include "qtx/v1/collective.grpc.pb.h"
+#include "tests/server/collective/allgather_e2e_support.h"
 #include "tests/testing/qtxd_process.h"
 
 #ifndef QTXD_PATH
@@ -29,7 +30,12 @@
 namespace qtx {
 namespace {
 
+using ::qtx::testing::Bytes;
+using ::qtx::testing::MakeShards;
 using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::Request;
+using ::qtx::testing::RunAllGather;
+using ::qtx::testing::Shards;
 using ::testing::HasSubstr;
 
 struct Sidecar {
@@ -125,70 +131,6 @@ class Cluster {
     if (s.process != nullptr) s.process->Kill();
   }
 };
-
-struct Shards {
-  std::vector<int64_t> rows;
-  int64_t n;
-  std::vector<uint16_t> x;  // the concatenation, BF16
-  int64_t m = 0;
-};
-
-Shards MakeShards(std::vector<int64_t> rows, int64_t n) {
-  Shards s{std::move(rows), n, {}};
-  for (int64_t r : s.rows) s.m += r;
-  s.x.resize(s.m * n);
-  std::mt19937 rng(static_cast<uint32_t>(s.m * 131 + n));
-  std::normal_distribution<float> d(0, 1);
-  int64_t row = 0;
-  for (size_t r = 0; r < s.rows.size(); ++r) {
-    const float mag = std::ldexp(1.0f, static_cast<int>((r * 7) % 13) - 6);
-    for (int64_t i = 0; i < s.rows[r] * n; ++i)
-      s.x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
-    row += s.rows[r];
-  }
-  return s;
-}
-
-v1::AllGatherRequest Request(const std::string& group, uint64_t seq, const Shards& s, int rank,
-                             v1::AllGatherMode mode, v1::ScalingMode scaling) {
-  v1::AllGatherRequest req;
-  req.set_group(group);
-  req.set_sequence(seq);
-  int64_t off = 0;
-  for (int r = 0; r < rank; ++r) off += s.rows[r];
-  auto* in = req.mutable_input();
-  in->set_dtype(v1::BFLOAT16);
-  in->add_shape(s.rows[rank]);
-  in->add_shape(s.n);
-  in->set_inline_data(
-      std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n), s.rows[rank] * s.n * 2));
-  req.mutable_config()->set_scaling_mode(scaling);
-  req.mutable_config()->set_rowwise(true);
-  req.mutable_config()->set_columnwise(true);
-  req.set_mode(mode);
-  return req;
-}
-
-std::vector<grpc::Status> RunAllGather(Cluster& c, std::vector<v1::AllGatherRequest> reqs,
-                                       std::vector<v1::AllGatherResponse>* resps,
-                                       absl::Duration deadline, int skip_rank = -1) {
-  const int w = static_cast<int>(reqs.size());
-  std::vector<grpc::Status> out(w);
-  resps->assign(w, {});
-  std::vector<std::thread> t;
-  for (int r = 0; r < w; ++r) {
-    if (r == skip_rank) continue;
-    t.emplace_back([&, r] {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
-      out[r] = c.sidecars[r].stub->AllGather(&ctx, reqs[r], &(*resps)[r]);
-    });
-  }
-  for (auto& th : t) th.join();
-  return out;
-}
-
-std::string Bytes(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
 
 class CollectiveE2E : public ::testing::TestWithParam<int> {};
 

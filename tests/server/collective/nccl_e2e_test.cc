@@ -31,6 +31,7 @@
 #include "qtx/cuda_ipc.h"
 #include "qtx/v1/collective.grpc.pb.h"
 #include "qtx/v1/memory.grpc.pb.h"
+#include "tests/server/collective/allgather_e2e_support.h"
 #include "tests/testing/qtxd_process.h"
 
 #ifndef QTXD_PATH
@@ -40,8 +41,13 @@
 namespace qtx {
 namespace {
 
+using ::qtx::testing::Bytes;
+using ::qtx::testing::MakeShards;
 using ::qtx::testing::QtxdPath;
 using ::qtx::testing::QtxdProcess;
+using ::qtx::testing::Request;
+using ::qtx::testing::RunAllGather;
+using ::qtx::testing::Shards;
 using ::testing::HasSubstr;
 
 constexpr int kWorld = 2;
@@ -138,74 +144,6 @@ class GpuPair {
 
   std::vector<Sidecar> sidecars;
 };
-
-struct Shards {
-  std::vector<int64_t> rows;
-  int64_t n = 0;
-  int64_t m = 0;
-  std::vector<uint16_t> x;  // the concatenation, BF16
-};
-
-Shards MakeShards(std::vector<int64_t> rows, int64_t n) {
-  Shards s;
-  s.rows = std::move(rows);
-  s.n = n;
-  for (int64_t r : s.rows) s.m += r;
-  s.x.resize(s.m * n);
-  std::mt19937 rng(static_cast<uint32_t>(s.m * 131 + n));
-  std::normal_distribution<float> d(0, 1);
-  int64_t row = 0;
-  for (size_t r = 0; r < s.rows.size(); ++r) {
-    // Different magnitudes per rank, so straddling blocks take the max from
-    // the other rank.
-    const float mag = std::ldexp(1.0f, static_cast<int>((r * 7) % 13) - 6);
-    for (int64_t i = 0; i < s.rows[r] * n; ++i) {
-      s.x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
-    }
-    row += s.rows[r];
-  }
-  return s;
-}
-
-v1::AllGatherRequest Request(const std::string& group, uint64_t seq, const Shards& s, int rank,
-                             v1::AllGatherMode mode, v1::ScalingMode scaling, bool columnwise) {
-  v1::AllGatherRequest req;
-  req.set_group(group);
-  req.set_sequence(seq);
-  int64_t off = 0;
-  for (int r = 0; r < rank; ++r) off += s.rows[r];
-  auto* in = req.mutable_input();
-  in->set_dtype(v1::BFLOAT16);
-  in->add_shape(s.rows[rank]);
-  in->add_shape(s.n);
-  in->set_inline_data(
-      std::string(reinterpret_cast<const char*>(s.x.data() + off * s.n), s.rows[rank] * s.n * 2));
-  req.mutable_config()->set_scaling_mode(scaling);
-  req.mutable_config()->set_rowwise(true);
-  req.mutable_config()->set_columnwise(columnwise);
-  req.set_mode(mode);
-  return req;
-}
-
-std::vector<grpc::Status> RunAllGather(GpuPair& c, const std::vector<v1::AllGatherRequest>& reqs,
-                                       std::vector<v1::AllGatherResponse>* resps,
-                                       absl::Duration deadline, int skip_rank = -1) {
-  std::vector<grpc::Status> out(kWorld);
-  resps->assign(kWorld, {});
-  std::vector<std::thread> t;
-  for (int r = 0; r < kWorld; ++r) {
-    if (r == skip_rank) continue;
-    t.emplace_back([&, r] {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
-      out[r] = c.sidecars[r].stub->AllGather(&ctx, reqs[r], &(*resps)[r]);
-    });
-  }
-  for (auto& th : t) th.join();
-  return out;
-}
-
-std::string Bytes(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
 
 TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
   GpuPair c;

@@ -110,7 +110,7 @@ class Fixture {
   }
 
   PrepareStepFn Prepare(const std::vector<std::vector<float>>& grads, Outputs* out) const {
-    return [this, &grads, out](const GroupInfo& info, bool) -> absl::StatusOr<StepBuffers> {
+    return [&grads, out](const GroupInfo& info, bool) -> absl::StatusOr<StepBuffers> {
       StepBuffers b;
       const size_t np = info.params.size();
       out->row.resize(np);

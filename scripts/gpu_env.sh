@@ -1,0 +1,53 @@
+# shellcheck shell=bash
+# The environment of the GPU scripts (scripts/gpu_*.sh) in one place: each
+# sources this file from its own folder, which is scripts/ when it runs from
+# the repository and the bundle folder when it was copied into a bundle (copy
+# gpu_env.sh along with it: scripts/make_gpu_python_bundle.sh does), with the
+# repository's copy as the fallback when the working folder is its root:
+#   . "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+# Only defines functions; safe under `set -euo pipefail`.
+
+# qtx_gpu_env LIB_DIR: LD_LIBRARY_PATH = LIB_DIR (a bundle's lib/), the
+# host's NCCL ($QTX_NCCL_LIB, else the lib folder of the nvidia.nccl wheel of
+# the host's python3), the host's CUDA 13 libraries (cuBLAS: the nvidia cu13
+# wheel next to PyTorch, when there), then what was set before.
+# CUDA_MODULE_LOADING=EAGER: the tests and benches park streams on qtxd, and a
+# module loaded lazily while a stream is parked would wait behind it.
+# NCCL_NVLS_ENABLE=0: no NVLink multicast on the lent GPU hosts.
+qtx_gpu_env() {
+  local lib="${1:?usage: qtx_gpu_env LIB_DIR}" nccl cu13
+  nccl="${QTX_NCCL_LIB:-$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null || true)}"
+  cu13="$(python3 -c "import sysconfig,os;print(os.path.join(sysconfig.get_paths()['purelib'],'nvidia','cu13','lib'))" 2>/dev/null || true)"
+  [ -d "$cu13" ] || cu13=""
+  export LD_LIBRARY_PATH="$lib${nccl:+:$nccl}${cu13:+:$cu13}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+}
+
+# qtx_host_cxx_runtime LIB_DIR: removes a bundle's libstdc++ and libgcc_s
+# (Debian 12's) so that qtxd and qtx._native load the host's newer ones, which
+# PyTorch needs in the same process. For bundles whose tests import torch.
+qtx_host_cxx_runtime() {
+  rm -f "${1:?usage: qtx_host_cxx_runtime LIB_DIR}/libstdc++.so.6" "$1/libgcc_s.so.1"
+}
+
+# qtx_mps_start: starts a CUDA MPS control daemon with writable pipe and log
+# folders ($CUDA_MPS_PIPE_DIRECTORY and $CUDA_MPS_LOG_DIRECTORY, exported;
+# default /tmp/qtx-mps-pipe and /tmp/qtx-mps-log). Processes started after it
+# run through MPS. Returns the daemon's status: non-zero means no MPS.
+qtx_mps_start() {
+  export CUDA_MPS_PIPE_DIRECTORY="${CUDA_MPS_PIPE_DIRECTORY:-/tmp/qtx-mps-pipe}"
+  export CUDA_MPS_LOG_DIRECTORY="${CUDA_MPS_LOG_DIRECTORY:-/tmp/qtx-mps-log}"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d
+}
+
+# qtx_mps_stop: asks the daemon to quit and waits up to 15 s for the MPS
+# server and control processes to be gone.
+qtx_mps_stop() {
+  echo quit | timeout 10 nvidia-cuda-mps-control || true
+  local _
+  for _ in $(seq 30); do
+    pgrep -f "nvidia-cuda-mps-(server|control)" > /dev/null || return 0
+    sleep 0.5
+  done
+}
