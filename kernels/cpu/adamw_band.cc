@@ -17,7 +17,7 @@
 //   C. per tile: encode RN(p * scale) (branch-free encoder, AVX2 or AVX-512
 //      intrinsics where built with them; the AVX-512 one rounds with one FP32
 //      add of a magic number looked up by exponent, EncodeFast16, 11
-//      operations per 16 values instead of 17: 0.22 -> 0.16 ns per value on
+//      operations per 16 values instead of 17: 0.22 -> 0.14-0.16 ns per value on
 //      the GPU machine's host) into the rowwise copy, or a scratch
 //      tile when there is none, then the bytes are transposed into the
 //      columnwise [N, M] copy (SSE2 16x16 blocks).
