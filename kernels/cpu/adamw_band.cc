@@ -22,12 +22,15 @@
 //      tile when there is none, then the bytes are transposed into the
 //      columnwise [N, M] copy (SSE2 16x16 blocks).
 // B/C re-read the unit's master weights (deferred: while the next unit is
-// updated). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB per
-// FP32 stream) instead of 4: the update's row runs restart 4x less often.
-// A/B against main's 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md,
-// "Host AdamW at memory speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 /
-// 1.08x at 1 / 2 / 4 / 8 / 16 threads, 4096^2 0.93-1.30x; 32 tiles was slower.
-// Cost: about 560 KiB of per-thread scratch (Deferred below).
+// updated). Measured on the GPU machine's host at 8192^2, that re-read misses
+// the 2 MiB L2 (a 16-tile unit streams 4 MiB in between) and costs DRAM
+// bandwidth: at 16 threads the rowwise output minus the encoder's arithmetic
+// took what 5 B/param take at the DRAM rate (bench/results/
+// optimizer_host_adam16_2026-12-02.md). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB
+// per FP32 stream) instead of 4: the update's row runs restart 4x less often. A/B against main's
+// 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md, "Host AdamW at memory
+// speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 / 1.08x at 1 / 2 / 4 / 8 / 16 threads, 4096^2
+// 0.93-1.30x; 32 tiles was slower. Cost: about 560 KiB of per-thread scratch (Deferred below).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
