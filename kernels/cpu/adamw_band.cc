@@ -15,16 +15,22 @@
 //   B. per tile: scales from the amaxes (kernels::ComputeScale, the
 //      QuantizeBlock rule);
 //   C. per tile: encode RN(p * scale) (branch-free encoder, AVX2 or AVX-512
-//      intrinsics where built with them) into the rowwise copy, or a scratch
+//      intrinsics where built with them; the AVX-512 one rounds with one FP32
+//      add of a magic number looked up by exponent, EncodeFast16, 11
+//      operations per 16 values instead of 17: 0.22 -> 0.14-0.16 ns per value on
+//      the GPU machine's host) into the rowwise copy, or a scratch
 //      tile when there is none, then the bytes are transposed into the
 //      columnwise [N, M] copy (SSE2 16x16 blocks).
 // B/C re-read the unit's master weights (deferred: while the next unit is
-// updated). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB per
-// FP32 stream) instead of 4: the update's row runs restart 4x less often.
-// A/B against main's 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md,
-// "Host AdamW at memory speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 /
-// 1.08x at 1 / 2 / 4 / 8 / 16 threads, 4096^2 0.93-1.30x; 32 tiles was slower.
-// Cost: about 560 KiB of per-thread scratch (Deferred below).
+// updated). Measured on the GPU machine's host at 8192^2, that re-read misses
+// the 2 MiB L2 (a 16-tile unit streams 4 MiB in between) and costs DRAM
+// bandwidth: at 16 threads the rowwise output minus the encoder's arithmetic
+// took what 5 B/param take at the DRAM rate (bench/results/
+// optimizer_host_adam16_2026-12-02.md). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB
+// per FP32 stream) instead of 4: the update's row runs restart 4x less often. A/B against main's
+// 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md, "Host AdamW at memory
+// speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 / 1.08x at 1 / 2 / 4 / 8 / 16 threads, 4096^2
+// 0.93-1.30x; 32 tiles was slower. Cost: about 560 KiB of per-thread scratch (Deferred below).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
@@ -36,6 +42,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -227,33 +234,62 @@ inline __m256i EncodeFast8(__m256 x) {
 #endif
 
 #if defined(__AVX512BW__)
-// EncodeFast of sixteen floats (the steps of EncodeFast8 with mask
-// selections); the code is in the low byte of each lane.
+// The FP32 bits of the magic addend c(be) of EncodeFast16 for the biased FP32
+// exponent be of max(|x|, smallest FP8 normal): c = 2^(be - 127 + 23 - M)
+// (its ulp, 2^(be - 127 - M), is the FP8 ulp of |x|'s binade, the FP8
+// subnormal step below the normal range) plus (be - be_min) * 2^M ulps (the
+// FP8 code of 2^(be - 127), a multiple of 2^M: the parity of c's low bit is 0).
+// Entry j is c(be) for the one be of [be_min, be_max] with be mod 2^kIdxBits
+// == j (be_max: the exponent of the largest finite FP8 value).
 template <int E, int M>
-inline __m512i EncodeFast16(__m512 x) {
-  constexpr int kBias = (1 << (E - 1)) - 1;
-  constexpr int kMaxCode = E == 4 ? 0x7E : 0x7B;
-  constexpr int kDrop = 23 - M;
-  constexpr int kMinNormalBits = (127 + 1 - kBias) << 23;
-  constexpr int kSubMagicBits = (127 + 23 + 1 - kBias - M) << 23;
+struct EncodeLut {
+  static constexpr int kBias = (1 << (E - 1)) - 1;
+  static constexpr int kBeMin = 127 + 1 - kBias;
+  static constexpr int kBeMax = 127 + (E == 4 ? 8 : 15);  // 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15
+  static constexpr int kIdxBits = E == 4 ? 4 : 5;
+  static_assert(kBeMax - kBeMin < (1 << kIdxBits), "exponents must not collide");
+  static constexpr std::array<uint32_t, 32> Make() {
+    std::array<uint32_t, 32> t{};
+    for (int be = kBeMin; be <= kBeMax; ++be) {
+      t[be & ((1 << kIdxBits) - 1)] =
+          (static_cast<uint32_t>(be + 23 - M) << 23) | (static_cast<uint32_t>(be - kBeMin) << M);
+    }
+    return t;
+  }
+  static constexpr std::array<uint32_t, 32> kTable = Make();
+};
+
+// EncodeFast of sixteen floats; the code is in the low byte of each lane.
+// Not EncodeFast's steps: |x| is clamped to the largest finite FP8 value
+// (saturation, as EncodeFp8), then one FP32 add t = |x| + c(be) (EncodeLut,
+// looked up by exponent with a permute) rounds |x| to the FP8 grid of its
+// binade with ties to even, normal and subnormal alike, and leaves the FP8
+// code in t's low 7 bits: t = c + k ulps, k = RN(|x| / ulp) <= 2^(M+1), and
+// code = (be - be_min) * 2^M + k (k = 2^(M+1) is the carry into the next
+// binade). Then the sign into bit 7 and NaN -> 0x7F. 11 vector operations
+// per 16 values where EncodeFast's steps take 17.
+template <int E, int M>
+inline __m512i EncodeFast16(__m512 x, __m512i lut_lo, __m512i lut_hi) {
+  using L = EncodeLut<E, M>;
+  constexpr int kMaxBits = E == 4 ? 0x43E00000 : 0x47600000;  // 448, 57344
+  constexpr int kMinNormalBits = L::kBeMin << 23;
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i rounded =
-      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((1 << (kDrop - 1)) - 1)),
-                       _mm512_and_si512(_mm512_srli_epi32(a, kDrop), _mm512_set1_epi32(1)));
-  __m512i code =
-      _mm512_sub_epi32(_mm512_srli_epi32(rounded, kDrop), _mm512_set1_epi32((127 - kBias) << M));
-  code = _mm512_min_epu32(code, _mm512_set1_epi32(kMaxCode));
-  const __m512 t =
-      _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32(kSubMagicBits)));
-  const __m512i code_s = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(kSubMagicBits));
-  code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(kMinNormalBits)),
-                               code_s);
-  // | sign bit moved to bit 7 (ternary logic: code | (bits >> 24 & 0x80)).
-  code =
-      _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
-  return _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
-                               _mm512_set1_epi32(0x7F));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+  const __m512i ac = _mm512_min_epu32(a, _mm512_set1_epi32(kMaxBits));
+  const __m512i be = _mm512_srli_epi32(_mm512_max_epu32(ac, _mm512_set1_epi32(kMinNormalBits)), 23);
+  __m512i c;
+  if constexpr (L::kIdxBits == 4) {
+    c = _mm512_permutexvar_epi32(be, lut_lo);
+  } else {
+    c = _mm512_permutex2var_epi32(lut_lo, be, lut_hi);
+  }
+  const __m512i t =
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(ac), _mm512_castsi512_ps(c)));
+  // (t & 0x7F) | ((bits >> 24) & ~0x7F): the code and the sign in bit 7.
+  const __m512i code =
+      _mm512_ternarylogic_epi32(t, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x7F), 0xE4);
+  return _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7F));
 }
 #endif
 
@@ -262,20 +298,22 @@ void EncodeSpan(const float* __restrict p, float scale, uint8_t* __restrict out,
   int64_t j = 0;
 #if defined(__AVX512BW__)
   const __m512 sc = _mm512_set1_ps(scale);
+  const __m512i lo = _mm512_loadu_si512(EncodeLut<E, M>::kTable.data());
+  const __m512i hi = _mm512_loadu_si512(EncodeLut<E, M>::kTable.data() + 16);
   // The packs work per 128-bit lane; the dword permute restores the order.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   for (; j + 64 <= len; j += 64) {
-    const __m512i c0 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j), sc));
-    const __m512i c1 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j + 16), sc));
-    const __m512i c2 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j + 32), sc));
-    const __m512i c3 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j + 48), sc));
+    const __m512i c0 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j), sc), lo, hi);
+    const __m512i c1 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j + 16), sc), lo, hi);
+    const __m512i c2 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j + 32), sc), lo, hi);
+    const __m512i c3 = EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j + 48), sc), lo, hi);
     const __m512i w = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
     _mm512_storeu_si512(out + j, _mm512_permutexvar_epi32(order, w));
   }
   for (; j + 16 <= len; j += 16) {
-    _mm_storeu_si128(
-        reinterpret_cast<__m128i*>(out + j),
-        _mm512_cvtepi32_epi8(EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j), sc))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm512_cvtepi32_epi8(
+                         EncodeFast16<E, M>(_mm512_mul_ps(_mm512_loadu_ps(p + j), sc), lo, hi)));
   }
 #elif defined(__AVX2__)
   const __m256 sc = _mm256_set1_ps(scale);
