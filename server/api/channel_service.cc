@@ -34,8 +34,8 @@ class ChannelReactor final : public grpc::ServerBidiReactor<v1::ChannelRequest, 
       // The client closed its side (clean) or is gone (cancelled).
       spdlog::debug("event=channel_read_end request_id={} cancelled={}", log_.request_id,
                     context_->IsCancelled());
-      BeginClose(context_->IsCancelled() ? absl::ZeroDuration() : service_->close_grace_,
-                 absl::OkStatus());
+      const bool gone = context_->IsCancelled();
+      BeginClose(gone ? absl::ZeroDuration() : service_->close_grace_, absl::OkStatus(), gone);
       return;
     }
     if (channel_ == nullptr) {
@@ -272,9 +272,10 @@ class ChannelReactor final : public grpc::ServerBidiReactor<v1::ChannelRequest, 
   }
 
   // Ends the channel off the reaction thread, then finishes with `status`.
-  void BeginClose(absl::Duration grace, absl::Status status) {
-    auto close = [this, grace, status = std::move(status)]() mutable {
-      if (channel_ != nullptr) channel_->Close(grace);
+  // `client_gone`: the call was cancelled (ops::Channel::Close).
+  void BeginClose(absl::Duration grace, absl::Status status, bool client_gone = false) {
+    auto close = [this, grace, client_gone, status = std::move(status)]() mutable {
+      if (channel_ != nullptr) channel_->Close(grace, client_gone);
       {
         absl::MutexLock lock(&mu_);
         finish_status_ = std::move(status);

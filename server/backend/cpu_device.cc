@@ -55,6 +55,10 @@ class CpuChannelQueue final : public ChannelQueue {
 
   void Release() override { released_.store(true, std::memory_order_release); }
 
+  void ReleaseClientWaits(uint64_t value) override {
+    std::atomic_ref<uint64_t>(*done_).store(value, std::memory_order_release);
+  }
+
  private:
   uint64_t* const ready_;
   uint64_t* const done_;

@@ -1052,20 +1052,12 @@ class CudaChannelQueue final : public ChannelQueue {
     constexpr uint64_t kReleaseValue = uint64_t{1} << 62;
     spdlog::debug("event=channel_release device=cuda:{} host_flags={}", ordinal_,
                   host_flags_ != nullptr);
-    if (host_flags_ != nullptr) {
-      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(host_flags_))
-          .store(kReleaseValue, std::memory_order_release);
-      return;
-    }
-    // Device flags: from a stream of our own (the channel stream may be
-    // parked in its wait).
-    if (cudaSetDevice(ordinal_) != cudaSuccess ||
-        ops_.write(release_stream_, ready_, kReleaseValue, CU_STREAM_WRITE_VALUE_DEFAULT) !=
-            CUDA_SUCCESS ||
-        cudaStreamSynchronize(release_stream_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      spdlog::warn("event=channel_release_failed device=cuda:{}", ordinal_);
-    }
+    StoreFromHost(0, ready_, kReleaseValue);
+  }
+
+  void ReleaseClientWaits(uint64_t value) override {
+    spdlog::debug("event=channel_release_client_waits device=cuda:{} value={}", ordinal_, value);
+    StoreFromHost(8, done_, value);
   }
 
  private:
@@ -1073,6 +1065,23 @@ class CudaChannelQueue final : public ChannelQueue {
     cudaEvent_t event;
     std::function<void()> drained;
   };
+
+  // Stores `value` into the flag word at byte `offset` (device address
+  // `word`), not in the channel stream's order: a host store for host flags,
+  // else a write from a stream of our own (the channel stream may be parked).
+  void StoreFromHost(uint64_t offset, CUdeviceptr word, uint64_t value) {
+    if (host_flags_ != nullptr) {
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(host_flags_ + offset))
+          .store(value, std::memory_order_release);
+      return;
+    }
+    if (cudaSetDevice(ordinal_) != cudaSuccess ||
+        ops_.write(release_stream_, word, value, CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS ||
+        cudaStreamSynchronize(release_stream_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      spdlog::warn("event=channel_flag_store_failed device=cuda:{} offset={}", ordinal_, offset);
+    }
+  }
 
   // Reports completions in order. Polls each event with cudaEventQuery (5 us
   // growing to 1 ms between looks; a blocking-sync wait would hold a lock of

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -343,16 +344,18 @@ void Channel::Report(const ChannelProgress& update) {
   on_progress_(snapshot);
 }
 
-void Channel::Close(absl::Duration grace) {
+void Channel::Close(absl::Duration grace, bool client_gone) {
   if (closed_) return;
   closed_ = true;
   // A plan's executions beyond the caller's last one wait for a ready word
   // that will not move: no grace.
-  const absl::Time deadline = absl::Now() + (plan_.has_value() ? absl::ZeroDuration() : grace);
+  if (plan_.has_value() || client_gone) grace = absl::ZeroDuration();
+  const absl::Time deadline = absl::Now() + grace;
   bool all_done;  // a plain channel all of whose ops finished: nothing waits
   {
     absl::MutexLock lock(&mu_);
     closing_ = true;
+    if (client_gone) items_.clear();  // nobody waits for them any more
     // Everything submitted has finished (or the channel failed), or the
     // grace is over.
     mu_.AwaitWithDeadline(absl::Condition(
@@ -372,9 +375,28 @@ void Channel::Close(absl::Duration grace) {
   // it uses are still pinned).
   spdlog::debug("event=channel_close_begin all_done={} grace_ms={}", all_done,
                 absl::ToInt64Milliseconds(grace));
+  // The client's stream may hold a wait for every operation it submitted:
+  // a value past all of them lets them pass (done words written by the
+  // operations still on the device may move it back; hence once more below).
+  auto release_client = [this] {
+    uint64_t first_unfinished;
+    {
+      absl::MutexLock lock(&mu_);
+      first_unfinished = progress_.completed_through + 1;
+    }
+    queue_->ReleaseClientWaits(kChannelFailedOffset + first_unfinished);
+  };
+  if (client_gone && !all_done) release_client();
   if (!all_done) queue_->Release();
   if (worker_.joinable()) worker_.join();
   spdlog::debug("event=channel_close_worker_joined next_seq={}", next_seq_);
+  if (client_gone && !all_done) {
+    // Once the device work is done (its done writes included), move the done
+    // word past every operation for good.
+    absl::Notification drained;
+    if (queue_->OnDrained([&drained] { drained.Notify(); }).ok()) drained.WaitForNotification();
+    release_client();
+  }
   queue_.reset();  // waits for the device work
   spdlog::debug("event=channel_close_drained");
   std::deque<Held> held;

@@ -133,11 +133,15 @@ class Channel {
 
   // Stops taking submissions and ends the channel: every operation already
   // submitted is enqueued; then, if they have not all finished within
-  // `grace` (0 when the client is gone), the queue is released (its waits on
-  // the client's ready word pass; backend::ChannelQueue::Release) so the
-  // device work drains; returns when it has. No progress callback runs
-  // after it returns.
-  void Close(absl::Duration grace);
+  // `grace`, the queue is released (its waits on the client's ready word
+  // pass; backend::ChannelQueue::Release) so the device work drains; returns
+  // when it has. No progress callback runs after it returns.
+  // `client_gone` (the client's call was cancelled: its process may be dead):
+  // no grace, the operations not yet enqueued are dropped, and the done word
+  // is set to kChannelFailedOffset + (the first unfinished operation) before
+  // and after the drain, so that the waits the client's stream still holds
+  // pass (backend::ChannelQueue::ReleaseClientWaits).
+  void Close(absl::Duration grace, bool client_gone = false);
   // Close(absl::ZeroDuration()) unless Close was called.
   ~Channel();
 

@@ -24,42 +24,21 @@ using ::qtx::testing::OpTest;
 using tensor::DType;
 using tensor::RegionSliceSpec;
 
-// A channel queue that only records, like a device whose stream is parked on
-// a ready word that does not move: an operation counts as enqueued when its
-// done write is made, and the completions the channel asks for run when the
-// test says so, or at once after Release (the device then drains).
-class RecordingQueue final : public backend::ChannelQueue {
+// What a RecordingQueue saw; outlives the queue (which Channel::Close
+// destroys).
+class Record {
  public:
-  absl::Status WaitReady(uint64_t) override { return absl::OkStatus(); }
-
-  absl::Status WriteDone(uint64_t value) override {
-    absl::MutexLock lock(&mu_);
-    enqueued_ = value;
-    max_lead_ = std::max(max_lead_, value - completed_);
-    return absl::OkStatus();
-  }
-
-  absl::Status OnDrained(std::function<void()> drained) override {
-    {
-      absl::MutexLock lock(&mu_);
-      if (!released_) {
-        pending_.push_back({enqueued_, std::move(drained)});
-        return absl::OkStatus();
-      }
-      completed_ = enqueued_;
+  // Waits until `enqueued` has not changed for `quiet` (the worker stopped).
+  uint64_t SettledEnqueued(absl::Duration quiet) {
+    uint64_t last = enqueued();
+    absl::Time since = absl::Now();
+    while (absl::Now() - since < quiet) {
+      absl::SleepFor(absl::Milliseconds(5));
+      const uint64_t now = enqueued();
+      if (now != last) last = now, since = absl::Now();
     }
-    drained();
-    return absl::OkStatus();
+    return last;
   }
-
-  void Release() override {
-    {
-      absl::MutexLock lock(&mu_);
-      released_ = true;
-    }
-    CompleteAll();
-  }
-
   // Runs the completions asked for so far, as a device that finished them.
   void CompleteAll() {
     std::vector<std::pair<uint64_t, std::function<void()>>> due;
@@ -75,19 +54,6 @@ class RecordingQueue final : public backend::ChannelQueue {
       drained();
     }
   }
-
-  // Waits until `enqueued` has not changed for `quiet` (the worker stopped).
-  uint64_t SettledEnqueued(absl::Duration quiet) {
-    uint64_t last = enqueued();
-    absl::Time since = absl::Now();
-    while (absl::Now() - since < quiet) {
-      absl::SleepFor(absl::Milliseconds(5));
-      const uint64_t now = enqueued();
-      if (now != last) last = now, since = absl::Now();
-    }
-    return last;
-  }
-
   uint64_t enqueued() {
     absl::MutexLock lock(&mu_);
     return enqueued_;
@@ -96,14 +62,68 @@ class RecordingQueue final : public backend::ChannelQueue {
     absl::MutexLock lock(&mu_);
     return max_lead_;
   }
+  std::vector<uint64_t> client_released() {
+    absl::MutexLock lock(&mu_);
+    return client_released_;
+  }
 
  private:
+  friend class RecordingQueue;
   absl::Mutex mu_;
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t max_lead_ ABSL_GUARDED_BY(mu_) = 0;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<uint64_t> client_released_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::function<void()>>> pending_ ABSL_GUARDED_BY(mu_);
+};
+
+// A channel queue that only records, like a device whose stream is parked on
+// a ready word that does not move: an operation counts as enqueued when its
+// done write is made, and the completions the channel asks for run when the
+// test says so (Record::CompleteAll), or at once after Release (the device
+// then drains).
+class RecordingQueue final : public backend::ChannelQueue {
+ public:
+  explicit RecordingQueue(Record* r) : r_(r) {}
+
+  absl::Status WaitReady(uint64_t) override { return absl::OkStatus(); }
+
+  absl::Status WriteDone(uint64_t value) override {
+    absl::MutexLock lock(&r_->mu_);
+    r_->enqueued_ = value;
+    r_->max_lead_ = std::max(r_->max_lead_, value - r_->completed_);
+    return absl::OkStatus();
+  }
+
+  absl::Status OnDrained(std::function<void()> drained) override {
+    {
+      absl::MutexLock lock(&r_->mu_);
+      if (!r_->released_) {
+        r_->pending_.push_back({r_->enqueued_, std::move(drained)});
+        return absl::OkStatus();
+      }
+      r_->completed_ = r_->enqueued_;
+    }
+    drained();
+    return absl::OkStatus();
+  }
+
+  void Release() override {
+    {
+      absl::MutexLock lock(&r_->mu_);
+      r_->released_ = true;
+    }
+    r_->CompleteAll();
+  }
+
+  void ReleaseClientWaits(uint64_t value) override {
+    absl::MutexLock lock(&r_->mu_);
+    r_->client_released_.push_back(value);
+  }
+
+ private:
+  Record* const r_;
 };
 
 // The CPU device with a RecordingQueue for its channels (the quantizations
@@ -112,11 +132,9 @@ class RecordingDevice final : public backend::CpuDevice {
  public:
   absl::StatusOr<std::unique_ptr<backend::ChannelQueue>> OpenChannelQueue(
       std::byte*, tensor::MemoryKind) override {
-    auto q = std::make_unique<RecordingQueue>();
-    queue = q.get();
-    return q;
+    return std::make_unique<RecordingQueue>(&record);
   }
-  RecordingQueue* queue = nullptr;
+  Record record;
 };
 
 class ChannelOpTest : public OpTest {
@@ -172,7 +190,7 @@ class ChannelOpTest : public OpTest {
 TEST_F(ChannelOpTest, EnqueuesAtMostTheWindowAheadOfTheDevice) {
   std::unique_ptr<Channel> ch = Open();
   ASSERT_NE(ch, nullptr);
-  RecordingQueue* q = recording_.queue;
+  Record* q = &recording_.record;
   constexpr uint64_t kOps = 200;
   for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
   // Nothing has finished on the "device": the worker stops at the window.
@@ -192,18 +210,39 @@ TEST_F(ChannelOpTest, EnqueuesAtMostTheWindowAheadOfTheDevice) {
   EXPECT_EQ(failed_seq_, 0u) << failure_;
 }
 
-// A client gone with work queued behind a ready word: Close releases the
-// queue, the device drains, and every submitted operation is enqueued.
+// A client that stopped with work queued behind a ready word: Close (no
+// grace) releases the queue, the device drains, and every submitted
+// operation is enqueued; the done word is left to the queue.
 TEST_F(ChannelOpTest, CloseReleasesAWorkerWaitingForRoom) {
   std::unique_ptr<Channel> ch = Open();
   ASSERT_NE(ch, nullptr);
-  RecordingQueue* q = recording_.queue;
+  Record* q = &recording_.record;
   constexpr uint64_t kOps = 300;
   for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
   ASSERT_EQ(q->SettledEnqueued(absl::Milliseconds(100)), kMaxEnqueuedAhead);
   ch->Close(absl::ZeroDuration());  // returns: the release drained the queue
   EXPECT_EQ(q->enqueued(), kOps);
   EXPECT_EQ(completed(), kOps);
+  EXPECT_TRUE(q->client_released().empty());
+}
+
+// A client whose call was cancelled (its process may be dead): the operations
+// not yet enqueued are dropped, and the done word is moved past every
+// operation before and after the drain, releasing the client's own waits.
+TEST_F(ChannelOpTest, CloseForAGoneClientDropsQueuedOpsAndReleasesItsWaits) {
+  std::unique_ptr<Channel> ch = Open();
+  ASSERT_NE(ch, nullptr);
+  Record* q = &recording_.record;
+  constexpr uint64_t kOps = 300;
+  for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
+  ASSERT_EQ(q->SettledEnqueued(absl::Milliseconds(100)), kMaxEnqueuedAhead);
+  ch->Close(absl::Seconds(30), /*client_gone=*/true);  // no grace: returns at once
+  // The op the worker held while it waited for room, then nothing more.
+  EXPECT_EQ(q->enqueued(), kMaxEnqueuedAhead + 1);
+  EXPECT_EQ(completed(), kMaxEnqueuedAhead + 1);
+  EXPECT_EQ(q->client_released(),
+            (std::vector<uint64_t>{kChannelFailedOffset + 1,
+                                   kChannelFailedOffset + kMaxEnqueuedAhead + 2}));
 }
 
 }  // namespace
