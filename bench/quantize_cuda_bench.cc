@@ -195,8 +195,17 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  const Variant variants[] = {
-      {"default", {}}, {"stages3", {3, 0}}, {"stages2_1cta", {2, 1}}, {"l2_outputs", {0, 0, true}}};
+  // dynamic / bulkcol / dyn_bulkcol / dyn_grouped: the issue-16 experiments of
+  // kernels/cuda/quantize_block.h LaunchTuning (atomic tile counter, cp.async.bulk
+  // columnwise stores, banded tile order).
+  const Variant variants[] = {{"default", {}},
+                              {"stages3", {3, 0}},
+                              {"stages2_1cta", {2, 1}},
+                              {"l2_outputs", {0, 0, true}},
+                              {"dynamic", {0, 0, false, true}},
+                              {"bulkcol", {0, 0, false, false, true}},
+                              {"dyn_bulkcol", {0, 0, false, true, true}},
+                              {"dyn_grouped", {0, 0, false, true, false, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -266,11 +275,12 @@ int main(int argc, char** argv) {
           const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
-            const bool is_default =
-                v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 && !v.tuning.l2_outputs;
-            // Variants: row+col of the block kernels only (TENSOR has no knobs).
+            const qcuda::detail::LaunchTuning& t = v.tuning;
+            const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
+                                    !t.dynamic_tiles && !t.bulk_col_stores && !t.grouped_order;
+            // Variants: row+col and row of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
-                (!(u.row && u.col) || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {
+                (!u.row || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {
               continue;
             }
             QuantizeParams p;

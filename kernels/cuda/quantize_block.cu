@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/block_geometry.h"
@@ -60,6 +61,7 @@ struct QuantizeArgs {
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
+  uint32_t* tile_counter;    // kOptDynamic: this stream's tile counter (0 between launches)
 };
 
 // How a launch loads and stores its tiles.
@@ -80,14 +82,63 @@ struct SmemPlan {
   static constexpr int kBytes = kColScaleOffset + kColScaleSize;
 };
 
+// Experiments of the aligned path (LaunchTuning, BF16 -> E4M3, 2 stages): bits of the kernel's
+// kOpt.
+constexpr int kOptDynamic = 1;  // tiles from an atomic counter, not the fixed share per CTA
+constexpr int kOptBulkCol = 2;  // columnwise rows stored by cp.async.bulk from shared memory
+constexpr int kOptGrouped = 4;  // tile order: bands of kGroupRows tile rows, column-major inside
+constexpr int kGroupRows = 8;
+
 // Row-major tile order. Tile counts fit in 32 bits (checked by the launcher),
-// so this is one 32-bit division.
+// so this is one 32-bit division. kGrouped: tile t lies in band t / (kGroupRows * nb) of
+// kGroupRows tile rows (fewer in the last band), and the band's tiles go column by column.
+template <bool kGrouped = false>
 __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
                                            int64_t* tn) {
   const uint32_t nb = static_cast<uint32_t>(a.nb);
-  const uint32_t r = tile / nb;
-  *tm = r;
-  *tn = tile - r * nb;
+  if constexpr (kGrouped) {
+    const uint32_t band = tile / (kGroupRows * nb);
+    const uint32_t r = tile - band * (kGroupRows * nb);
+    const uint32_t rows_left = static_cast<uint32_t>(a.mb) - band * kGroupRows;
+    const uint32_t rows = rows_left < kGroupRows ? rows_left : kGroupRows;
+    const uint32_t c = r / rows;
+    *tn = c;
+    *tm = band * kGroupRows + (r - c * rows);
+  } else {
+    const uint32_t r = tile / nb;
+    *tm = r;
+    *tn = tile - r * nb;
+  }
+}
+
+// Bulk (async-proxy) stores of shared memory to global memory, sm_90.
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void BulkStore128(void* gmem_dst, const void* smem_src,
+                                             bool evict_first) {
+  if (evict_first) {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile(
+        "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], 128, %2;\n" ::"l"(
+            gmem_dst),
+        "r"(SmemAddr(smem_src)), "l"(policy)
+        : "memory");
+  } else {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 128;\n" ::"l"(gmem_dst),
+                 "r"(SmemAddr(smem_src))
+                 : "memory");
+  }
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until this thread's bulk stores have read their shared-memory source.
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Waits until this thread's bulk stores are complete.
+__device__ __forceinline__ void BulkWaitAll() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 template <typename T>
@@ -106,7 +157,7 @@ __device__ __forceinline__ float AbsMax(float amax, float x) { return fmaxf(amax
 // Aligned path: starts the asynchronous copy of one full input tile into a
 // shared-memory stage (row-major, 128 rows of 128 elements; each warp copies two
 // whole rows per step, 16 bytes a lane).
-template <InputDType D>
+template <InputDType D, bool kGrouped = false>
 __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
                                               uint32_t tile) {
   constexpr int kRowBytes = kTile * kElemBytes<D>;
@@ -114,7 +165,7 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
   constexpr int kChunks = kTile * kChunksPerRow;
   static_assert(kChunks % kThreads == 0, "tile copy must divide evenly among threads");
   int64_t tm, tn;
-  TileCoords(a, tile, &tm, &tn);
+  TileCoords<kGrouped>(a, tile, &tm, &tn);
   const int64_t pitch = a.n * kElemBytes<D>;
   constexpr int kRowsPerStep = kThreads / kChunksPerRow;
   const int r = static_cast<int>(threadIdx.x) / kChunksPerRow;
@@ -196,13 +247,35 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+//
+// kOpt (experiments, aligned path at 2 stages only; 0 = the kernel above):
+// * kOptDynamic: CTA b starts with tile b; every further tile is grid + the ticket thread 0 draws
+//   from a.tile_counter (atomicAdd) one tile ahead of its use (the ticket is drawn while the
+//   current tile is processed and published through tile_slot at the next barrier). A CTA stops
+//   after its first ticket past the end, so the launch draws exactly num_tiles tickets; the draw
+//   of ticket num_tiles - 1 is the last and resets the counter to 0 for the next launch on this
+//   stream (the launcher gives each stream its own counter).
+// * kOptBulkCol: the transposed tile is laid out without the XOR swizzle, with rows padded by 16
+//   bytes every 8 rows (row nl at 128 nl + 16 (nl / 8): the same conflict-free stores), so each
+//   [N, M] row segment is 128 contiguous bytes that threads 0..127 send with one
+//   cp.async.bulk each; they wait for the bulk reads of shared memory before the stage is reused.
+// * kOptGrouped: the tile order of TileCoords<true>.
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
+          int kOpt = 0>
 __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
+  constexpr bool kDyn = (kOpt & kOptDynamic) != 0;
+  constexpr bool kBulk = (kOpt & kOptBulkCol) != 0 && kCol;
+  constexpr bool kGrouped = (kOpt & kOptGrouped) != 0;
+  static_assert(
+      !kBulk || SmemPlan<D, S, kRow, kCol, kStages>::kStageBytes >= kTBytes + 16 * (kTile / 8 - 1),
+      "the padded transposed tile must fit in a stage");
+  static_assert(kOpt == 0 || (kPath == kPathAligned && kStages == 2),
+                "the experiments run on the aligned path at 2 stages");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
@@ -216,6 +289,10 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   const int q = tid >> 4, v = tid & 15;
   const uint32_t num_tiles = static_cast<uint32_t>(a.num_tiles);
   const uint32_t count = (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  __shared__ uint32_t tile_slot[2];  // kDyn: tile of iteration k + 1 in slot (k + 1) % 2
+  uint32_t next_tile = 0;            // kDyn: the tile of the next iteration
+  uint32_t ticket = 0;               // kDyn, thread 0: the last ticket drawn ...
+  bool fetched = false;              // ... and not yet published
 
   // Whether a tile lies wholly inside the tensor (constant but for kPathMixed).
   auto whole = [&a](uint32_t t) -> bool {
@@ -233,26 +310,58 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
-      if (s < count && whole(t)) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, t);
+      if (s < count && whole(t)) IssueTileCopy<D, kGrouped>(smem + s * Plan::kStageBytes, a, t);
       CpAsyncCommit();
+    }
+    if constexpr (kDyn) {
+      if (tid == 0) {
+        ticket = atomicAdd(a.tile_counter, 1u);
+        fetched = true;
+      }
     }
   }
 
-  for (uint32_t k = 0; k < count; ++k) {
-    const uint32_t tile = blockIdx.x + k * gridDim.x;
+  uint32_t tile = blockIdx.x;
+  for (uint32_t k = 0; kDyn || k < count; ++k) {
+    if constexpr (kDyn) {
+      if (k > 0) {
+        if (next_tile >= num_tiles) break;  // uniform: read by every thread after a barrier
+        tile = next_tile;
+      }
+      if (tid == 0 && fetched) {
+        tile_slot[(k + 1) & 1] = gridDim.x + ticket;
+        if (ticket == num_tiles - 1) atomicExch(a.tile_counter, 0u);  // the launch's last draw
+        fetched = false;
+      }
+    } else {
+      tile = blockIdx.x + k * gridDim.x;
+    }
     int64_t tm, tn;
-    TileCoords(a, tile, &tm, &tn);
+    TileCoords<kGrouped>(a, tile, &tm, &tn);
     const int64_t m0 = tm * kTile, n0 = tn * kTile;
     uint8_t* stage;
     // Uniform across the CTA: vector loads/stores, no bounds checks.
     const bool full = whole(tile);
     if constexpr (kPipelined) {
+      if constexpr (kBulk) {
+        if (tid < kTile) BulkWaitRead();  // tile k-2's columnwise rows have left stage k % 2
+      }
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
-      if (k + kStages - 1 < count) {
+      if constexpr (kDyn) {
+        next_tile = tile_slot[(k + 1) & 1];
+        if (next_tile < num_tiles) {
+          IssueTileCopy<D, kGrouped>(smem + ((k + 1) & 1) * Plan::kStageBytes, a, next_tile);
+          if (tid == 0) {
+            ticket = atomicAdd(a.tile_counter, 1u);  // used at the top of the next iteration
+            fetched = true;
+          }
+        }
+      } else if (k + kStages - 1 < count) {
         const uint32_t next = tile + (kStages - 1) * gridDim.x;
         if (whole(next)) {
-          IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a, next);
+          IssueTileCopy<D, kGrouped>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a,
+                                     next);
         }
       }
       CpAsyncCommit();
@@ -454,7 +563,25 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     // The tile reuses this iteration's input stage: every thread has read its
     // sub-tile out of it before the barrier above (red / column scales), and
     // the stage is refilled only after the next iteration's first barrier.
-    if constexpr (kCol) {
+    if constexpr (kBulk) {
+      uint8_t* const tsm = stage;
+      const int unit = q >> 1, half = q & 1;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float col[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) col[i] = x[i][j];
+        const uint2 b = Quantize8<F>(col, col_scale[j]);
+        const int nl = 8 * v + j;
+        *reinterpret_cast<uint2*>(tsm + nl * kTile + 16 * v + (unit << 4) + (half << 3)) = b;
+      }
+      FenceProxyAsyncShared();  // the generic-proxy writes above, before the bulk reads
+      __syncthreads();
+      if (tid < kTile) {
+        BulkStore128(a.qc + (n0 + tid) * a.m + m0, tsm + tid * kTile + 16 * (tid >> 3),
+                     a.stream_stores);
+      }
+    } else if constexpr (kCol) {
       uint8_t* const tsm = stage;
       const int unit = q >> 1, half = q & 1;
 #pragma unroll
@@ -522,6 +649,9 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     }
   }
   if constexpr (kPipelined) CpAsyncWait<0>();  // nothing may stay in flight at exit
+  if constexpr (kBulk) {
+    if (tid < kTile) BulkWaitAll();
+  }
 }
 
 // ---- launch helpers -------------------------------------------------------------
@@ -556,9 +686,81 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   return cudaSuccess;
 }
 
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+// kOptDynamic's tile counters: one 4-byte counter per (device, stream), so that launches that may
+// run at the same time never share one (each launch leaves its counter at 0). A stream is known by
+// cudaStreamGetId; kCounterSlots streams per device get a counter, and a launch that finds no
+// free slot, or a stream under graph capture (a graph may be replayed on any stream), gets null
+// and runs the fixed tile share instead.
+constexpr int kCounterSlots = 64;
+struct CounterPool {
+  std::mutex mu;
+  uint32_t* counters = nullptr;  // kCounterSlots device words
+  int used = 0;
+  unsigned long long ids[kCounterSlots] = {};
+};
+
+cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
+  *counter = nullptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return err;
+  if (capture != cudaStreamCaptureStatusNone) return cudaSuccess;
+  int dev = 0;
+  err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= kMaxDevices) return cudaSuccess;
+  unsigned long long id = 0;
+  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a sticky error: no id, no counter
+    return cudaSuccess;
+  }
+  static CounterPool pools[kMaxDevices];
+  CounterPool& pool = pools[dev];
+  std::lock_guard<std::mutex> lock(pool.mu);
+  for (int i = 0; i < pool.used; ++i) {
+    if (pool.ids[i] == id) {
+      *counter = pool.counters + i;
+      return cudaSuccess;
+    }
+  }
+  if (pool.used == kCounterSlots) return cudaSuccess;
+  if (pool.counters == nullptr) {
+    err = cudaMalloc(&pool.counters, kCounterSlots * sizeof(uint32_t));
+    if (err != cudaSuccess) return err;
+  }
+  uint32_t* const c = pool.counters + pool.used;
+  // Zeroed in the stream's own order, before its first launch that uses it.
+  err = cudaMemsetAsync(c, 0, sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  pool.ids[pool.used++] = id;
+  *counter = c;
+  return cudaSuccess;
+}
+
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
+          int kOpt = 0>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages>;
+  if constexpr ((kOpt & kOptDynamic) != 0) {
+    QuantizeArgs dyn = args;
+    cudaError_t err = StreamTileCounter(stream, &dyn.tile_counter);
+    if (err != cudaSuccess) return err;
+    if (dyn.tile_counter == nullptr) {  // no counter for this stream: the fixed share
+      return LaunchQuantize<D, F, S, kRow, kCol, kPath, kStages, kOpt & ~kOptDynamic>(
+          args, ctas_per_sm, stream);
+    }
+    auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kOpt>;
+    constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
+    static std::atomic<int> cache[kMaxDevices];
+    int sms = 0, per_sm = 0;
+    err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
+    if (err != cudaSuccess) return err;
+    if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
+    const int64_t resident = static_cast<int64_t>(sms) * per_sm;
+    const int grid = static_cast<int>(dyn.num_tiles < resident ? dyn.num_tiles : resident);
+    kernel<<<grid, kThreads, smem, stream>>>(dyn);
+    return cudaGetLastError();
+  }
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kOpt>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
@@ -638,6 +840,7 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   // GEMM or all-gather, not by this kernel (about 3% faster at 8192^2 on H200,
   // bench/results/quantize_cuda_h200_variants.jsonl).
   args.stream_stores = !tuning.l2_outputs;
+  args.tile_counter = nullptr;  // set per launch by kOptDynamic's launcher
 
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&
                        (!params.rowwise || Aligned16(out.rowwise_data)) &&
@@ -669,6 +872,24 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           }
           if (!aligned) {
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
+          }
+          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow) {
+            if (tuning.stages != 3 && (tuning.dynamic_tiles || tuning.bulk_col_stores)) {
+              const bool bulk = kCol && tuning.bulk_col_stores;
+              const bool grouped = tuning.dynamic_tiles && tuning.grouped_order;
+              auto launch = [&](auto opt) {
+                return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, decltype(opt)::value>(
+                    args, tuning.ctas_per_sm, stream);
+              };
+              using I = std::integral_constant<int, kOptDynamic>;
+              using IG = std::integral_constant<int, kOptDynamic | kOptGrouped>;
+              if constexpr (kCol) {
+                using B = std::integral_constant<int, kOptBulkCol>;
+                using IB = std::integral_constant<int, kOptDynamic | kOptBulkCol>;
+                if (bulk) return tuning.dynamic_tiles ? launch(IB{}) : launch(B{});
+              }
+              if (tuning.dynamic_tiles) return grouped ? launch(IG{}) : launch(I{});
+            }
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {
