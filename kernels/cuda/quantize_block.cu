@@ -82,64 +82,19 @@ struct SmemPlan {
   static constexpr int kBytes = kColScaleOffset + kColScaleSize;
 };
 
-// Experiments of the aligned path (LaunchTuning, BF16 -> E4M3, 2 stages): bits of the kernel's
-// kOpt.
-constexpr int kOptDynamic = 1;  // tiles from an atomic counter, not the fixed share per CTA
-constexpr int kOptBulkCol = 2;  // columnwise rows stored by cp.async.bulk from shared memory
-constexpr int kOptGrouped = 4;  // tile order: bands of kGroupRows tile rows, column-major inside
-constexpr int kGroupRows = 8;
-
 // Row-major tile order. Tile counts fit in 32 bits (checked by the launcher),
-// so this is one 32-bit division. kGrouped: tile t lies in band t / (kGroupRows * nb) of
-// kGroupRows tile rows (fewer in the last band), and the band's tiles go column by column.
-template <bool kGrouped = false>
+// so this is one 32-bit division.
 __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
                                            int64_t* tn) {
   const uint32_t nb = static_cast<uint32_t>(a.nb);
-  if constexpr (kGrouped) {
-    const uint32_t band = tile / (kGroupRows * nb);
-    const uint32_t r = tile - band * (kGroupRows * nb);
-    const uint32_t rows_left = static_cast<uint32_t>(a.mb) - band * kGroupRows;
-    const uint32_t rows = rows_left < kGroupRows ? rows_left : kGroupRows;
-    const uint32_t c = r / rows;
-    *tn = c;
-    *tm = band * kGroupRows + (r - c * rows);
-  } else {
-    const uint32_t r = tile / nb;
-    *tm = r;
-    *tn = tile - r * nb;
-  }
+  const uint32_t r = tile / nb;
+  *tm = r;
+  *tn = tile - r * nb;
 }
 
-// Bulk (async-proxy) stores of shared memory to global memory, sm_90.
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void BulkStore128(void* gmem_dst, const void* smem_src,
-                                             bool evict_first) {
-  if (evict_first) {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    asm volatile(
-        "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], 128, %2;\n" ::"l"(
-            gmem_dst),
-        "r"(SmemAddr(smem_src)), "l"(policy)
-        : "memory");
-  } else {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 128;\n" ::"l"(gmem_dst),
-                 "r"(SmemAddr(smem_src))
-                 : "memory");
-  }
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-// Waits until this thread's bulk stores have read their shared-memory source.
-__device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-// Waits until this thread's bulk stores are complete.
-__device__ __forceinline__ void BulkWaitAll() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
+// Experiment of the aligned path (LaunchTuning::dynamic_tiles, BF16 -> E4M3, 2 stages): the bit
+// of the kernel's kOpt.
+constexpr int kOptDynamic = 1;  // tiles from an atomic counter, not the fixed share per CTA
 
 template <typename T>
 __device__ __forceinline__ void StoreFp8(T* p, T v, bool streaming) {
@@ -157,7 +112,7 @@ __device__ __forceinline__ float AbsMax(float amax, float x) { return fmaxf(amax
 // Aligned path: starts the asynchronous copy of one full input tile into a
 // shared-memory stage (row-major, 128 rows of 128 elements; each warp copies two
 // whole rows per step, 16 bytes a lane).
-template <InputDType D, bool kGrouped = false>
+template <InputDType D>
 __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
                                               uint32_t tile) {
   constexpr int kRowBytes = kTile * kElemBytes<D>;
@@ -165,7 +120,7 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
   constexpr int kChunks = kTile * kChunksPerRow;
   static_assert(kChunks % kThreads == 0, "tile copy must divide evenly among threads");
   int64_t tm, tn;
-  TileCoords<kGrouped>(a, tile, &tm, &tn);
+  TileCoords(a, tile, &tm, &tn);
   const int64_t pitch = a.n * kElemBytes<D>;
   constexpr int kRowsPerStep = kThreads / kChunksPerRow;
   const int r = static_cast<int>(threadIdx.x) / kChunksPerRow;
@@ -248,18 +203,15 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
 //
-// kOpt (experiments, aligned path at 2 stages only; 0 = the kernel above):
-// * kOptDynamic: CTA b starts with tile b; every further tile is grid + the ticket thread 0 draws
-//   from a.tile_counter (atomicAdd) one tile ahead of its use (the ticket is drawn while the
-//   current tile is processed and published through tile_slot at the next barrier). A CTA stops
-//   after its first ticket past the end, so the launch draws exactly num_tiles tickets; the draw
-//   of ticket num_tiles - 1 is the last and resets the counter to 0 for the next launch on this
-//   stream (the launcher gives each stream its own counter).
-// * kOptBulkCol: the transposed tile is laid out without the XOR swizzle, with rows padded by 16
-//   bytes every 8 rows (row nl at 128 nl + 16 (nl / 8): the same conflict-free stores), so each
-//   [N, M] row segment is 128 contiguous bytes that threads 0..127 send with one
-//   cp.async.bulk each; they wait for the bulk reads of shared memory before the stage is reused.
-// * kOptGrouped: the tile order of TileCoords<true>.
+// kOpt (an experiment, aligned path at 2 stages only; 0 = the kernel above):
+// * kOptDynamic: CTA b starts with tile b; every further tile is grid + a ticket that thread 0
+//   draws from a.tile_counter (atomicAdd). Thread 0 draws the ticket of tile k + 2 at the top of
+//   iteration k, as soon as it knows that tile k + 1 exists, ahead of the iteration's loads, and
+//   publishes it through tile_slot at the top of iteration k + 1, before the barrier that makes it
+//   visible: the atomic has a whole tile's time to return. A CTA stops drawing after its first
+//   ticket past the end, so a launch draws exactly num_tiles tickets; the draw of ticket
+//   num_tiles - 1 is the last one and resets the counter to 0 for the next launch on this stream
+//   (the launcher gives each stream its own counter).
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
           int kOpt = 0>
 __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
@@ -269,11 +221,6 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
   constexpr bool kDyn = (kOpt & kOptDynamic) != 0;
-  constexpr bool kBulk = (kOpt & kOptBulkCol) != 0 && kCol;
-  constexpr bool kGrouped = (kOpt & kOptGrouped) != 0;
-  static_assert(
-      !kBulk || SmemPlan<D, S, kRow, kCol, kStages>::kStageBytes >= kTBytes + 16 * (kTile / 8 - 1),
-      "the padded transposed tile must fit in a stage");
   static_assert(kOpt == 0 || (kPath == kPathAligned && kStages == 2),
                 "the experiments run on the aligned path at 2 stages");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
@@ -292,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   __shared__ uint32_t tile_slot[2];  // kDyn: tile of iteration k + 1 in slot (k + 1) % 2
   uint32_t next_tile = 0;            // kDyn: the tile of the next iteration
   uint32_t ticket = 0;               // kDyn, thread 0: the last ticket drawn ...
-  bool fetched = false;              // ... and not yet published
+  bool fetched = false;              // ... and not yet published (at most one)
 
   // Whether a tile lies wholly inside the tensor (constant but for kPathMixed).
   auto whole = [&a](uint32_t t) -> bool {
@@ -306,18 +253,18 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       return tm < a.full_mb && tn < a.full_nb;
     }
   };
+  if constexpr (kDyn) {
+    if (tid == 0) {  // the ticket of tile 1, ahead of the loads of tile 0
+      ticket = atomicAdd(a.tile_counter, 1u);
+      fetched = true;
+    }
+  }
   if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
-      if (s < count && whole(t)) IssueTileCopy<D, kGrouped>(smem + s * Plan::kStageBytes, a, t);
+      if (s < count && whole(t)) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, t);
       CpAsyncCommit();
-    }
-    if constexpr (kDyn) {
-      if (tid == 0) {
-        ticket = atomicAdd(a.tile_counter, 1u);
-        fetched = true;
-      }
     }
   }
 
@@ -329,39 +276,33 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         tile = next_tile;
       }
       if (tid == 0 && fetched) {
-        tile_slot[(k + 1) & 1] = gridDim.x + ticket;
+        const uint32_t t1 = gridDim.x + ticket;  // tile k + 1
+        tile_slot[(k + 1) & 1] = t1;
         if (ticket == num_tiles - 1) atomicExch(a.tile_counter, 0u);  // the launch's last draw
-        fetched = false;
+        fetched = t1 < num_tiles;
+        if (fetched) ticket = atomicAdd(a.tile_counter, 1u);  // tile k + 2, published at k + 1
       }
     } else {
       tile = blockIdx.x + k * gridDim.x;
     }
     int64_t tm, tn;
-    TileCoords<kGrouped>(a, tile, &tm, &tn);
+    TileCoords(a, tile, &tm, &tn);
     const int64_t m0 = tm * kTile, n0 = tn * kTile;
     uint8_t* stage;
     // Uniform across the CTA: vector loads/stores, no bounds checks.
     const bool full = whole(tile);
     if constexpr (kPipelined) {
-      if constexpr (kBulk) {
-        if (tid < kTile) BulkWaitRead();  // tile k-2's columnwise rows have left stage k % 2
-      }
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
       if constexpr (kDyn) {
         next_tile = tile_slot[(k + 1) & 1];
         if (next_tile < num_tiles) {
-          IssueTileCopy<D, kGrouped>(smem + ((k + 1) & 1) * Plan::kStageBytes, a, next_tile);
-          if (tid == 0) {
-            ticket = atomicAdd(a.tile_counter, 1u);  // used at the top of the next iteration
-            fetched = true;
-          }
+          IssueTileCopy<D>(smem + ((k + 1) & 1) * Plan::kStageBytes, a, next_tile);
         }
       } else if (k + kStages - 1 < count) {
         const uint32_t next = tile + (kStages - 1) * gridDim.x;
         if (whole(next)) {
-          IssueTileCopy<D, kGrouped>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a,
-                                     next);
+          IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a, next);
         }
       }
       CpAsyncCommit();
@@ -563,25 +504,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     // The tile reuses this iteration's input stage: every thread has read its
     // sub-tile out of it before the barrier above (red / column scales), and
     // the stage is refilled only after the next iteration's first barrier.
-    if constexpr (kBulk) {
-      uint8_t* const tsm = stage;
-      const int unit = q >> 1, half = q & 1;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float col[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) col[i] = x[i][j];
-        const uint2 b = Quantize8<F>(col, col_scale[j]);
-        const int nl = 8 * v + j;
-        *reinterpret_cast<uint2*>(tsm + nl * kTile + 16 * v + (unit << 4) + (half << 3)) = b;
-      }
-      FenceProxyAsyncShared();  // the generic-proxy writes above, before the bulk reads
-      __syncthreads();
-      if (tid < kTile) {
-        BulkStore128(a.qc + (n0 + tid) * a.m + m0, tsm + tid * kTile + 16 * (tid >> 3),
-                     a.stream_stores);
-      }
-    } else if constexpr (kCol) {
+    if constexpr (kCol) {
       uint8_t* const tsm = stage;
       const int unit = q >> 1, half = q & 1;
 #pragma unroll
@@ -649,9 +572,6 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     }
   }
   if constexpr (kPipelined) CpAsyncWait<0>();  // nothing may stay in flight at exit
-  if constexpr (kBulk) {
-    if (tid < kTile) BulkWaitAll();
-  }
 }
 
 // ---- launch helpers -------------------------------------------------------------
@@ -874,21 +794,9 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow) {
-            if (tuning.stages != 3 && (tuning.dynamic_tiles || tuning.bulk_col_stores)) {
-              const bool bulk = kCol && tuning.bulk_col_stores;
-              const bool grouped = tuning.dynamic_tiles && tuning.grouped_order;
-              auto launch = [&](auto opt) {
-                return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, decltype(opt)::value>(
-                    args, tuning.ctas_per_sm, stream);
-              };
-              using I = std::integral_constant<int, kOptDynamic>;
-              using IG = std::integral_constant<int, kOptDynamic | kOptGrouped>;
-              if constexpr (kCol) {
-                using B = std::integral_constant<int, kOptBulkCol>;
-                using IB = std::integral_constant<int, kOptDynamic | kOptBulkCol>;
-                if (bulk) return tuning.dynamic_tiles ? launch(IB{}) : launch(B{});
-              }
-              if (tuning.dynamic_tiles) return grouped ? launch(IG{}) : launch(I{});
+            if (tuning.stages != 3 && tuning.dynamic_tiles) {
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptDynamic>(
+                  args, tuning.ctas_per_sm, stream);
             }
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
