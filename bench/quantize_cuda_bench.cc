@@ -5,7 +5,7 @@
 // JSON lines on stdout (one object per measurement),
 // a summary table on stderr. See bench/README.md.
 //
-//   quantize_cuda_bench [--iters N] [--quick] [--l2 rotate|flush|both]
+//   quantize_cuda_bench [--iters N] [--warmup N] [--quick] [--l2 rotate|flush|both]
 //                       [--modes 1d,2d,tensor] [--shapes 8192x8192,...]
 //                       [--variants default,stages3,...] [--usages row+col,row,...]
 //
@@ -108,6 +108,7 @@ bool ParseShapes(const char* arg, std::vector<Shape>* out) {
 
 int main(int argc, char** argv) {
   int iters = 200;
+  int warmup = 10;  // untimed launches before the timed ones (0: e.g. one launch under ncu)
   bool quick = false;
   bool l2_rotate = true, l2_flush = false;
   std::string modes = "1d,2d,tensor";
@@ -116,6 +117,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
       iters = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) {
+      warmup = std::max(0, std::atoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--l2") && i + 1 < argc) {
@@ -135,11 +138,12 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) {
       shapes_arg = argv[++i];
     } else {
-      std::fprintf(stderr,
-                   "unknown argument %s\nusage: quantize_cuda_bench [--iters N] [--quick] "
-                   "[--l2 rotate|flush|both] [--modes 1d,2d,tensor] [--shapes MxN,...] "
-                   "[--variants default,stages3,...] [--usages row+col,row,...]\n",
-                   argv[i]);
+      std::fprintf(
+          stderr,
+          "unknown argument %s\nusage: quantize_cuda_bench [--iters N] [--warmup N] [--quick] "
+          "[--l2 rotate|flush|both] [--modes 1d,2d,tensor] [--shapes MxN,...] "
+          "[--variants default,stages3,...] [--usages row+col,row,...]\n",
+          argv[i]);
       return 2;
     }
   }
@@ -195,8 +199,13 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  const Variant variants[] = {
-      {"default", {}}, {"stages3", {3, 0}}, {"stages2_1cta", {2, 1}}, {"l2_outputs", {0, 0, true}}};
+  // dynamic: issue 16's experiment, kernels/cuda/quantize_block.h LaunchTuning::dynamic_tiles
+  // (tiles from an atomic counter instead of a fixed share per CTA).
+  const Variant variants[] = {{"default", {}},
+                              {"stages3", {3, 0}},
+                              {"stages2_1cta", {2, 1}},
+                              {"l2_outputs", {0, 0, true}},
+                              {"dynamic", {0, 0, false, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -259,18 +268,19 @@ int main(int argc, char** argv) {
           const int64_t total = read + written;
           // Copy of total / 2 bytes: it reads and writes that many, `total` in all.
           const int64_t copy_bytes = total / 2;
-          const double copy_us = MedianUs(10, iters, prepare, [&](int i) {
+          const double copy_us = MedianUs(warmup, iters, prepare, [&](int i) {
             CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % ncopy], copy_ring[i % ncopy], copy_bytes,
                                        cudaMemcpyDeviceToDevice, nullptr));
           });
           const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
+            const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default =
-                v.tuning.stages == 0 && v.tuning.ctas_per_sm == 0 && !v.tuning.l2_outputs;
-            // Variants: row+col of the block kernels only (TENSOR has no knobs).
+                t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs && !t.dynamic_tiles;
+            // Variants: row+col and row of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
-                (!(u.row && u.col) || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {
+                (!u.row || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {
               continue;
             }
             QuantizeParams p;
@@ -279,7 +289,7 @@ int main(int argc, char** argv) {
             p.rowwise = u.row;
             p.columnwise = u.col;
             p.force_pow2_scales = true;
-            const double us = MedianUs(10, iters, prepare, [&](int i) {
+            const double us = MedianUs(warmup, iters, prepare, [&](int i) {
               const Set& st = sets[i % nsets];
               QuantizedBuffers o = st.out;
               if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/block_geometry.h"
@@ -60,6 +61,7 @@ struct QuantizeArgs {
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
+  uint32_t* tile_counter;    // kOptDynamic: this stream's tile counter (0 between launches)
 };
 
 // How a launch loads and stores its tiles.
@@ -89,6 +91,10 @@ __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile,
   *tm = r;
   *tn = tile - r * nb;
 }
+
+// Experiment of the aligned path (LaunchTuning::dynamic_tiles, BF16 -> E4M3, 2 stages): the bit
+// of the kernel's kOpt.
+constexpr int kOptDynamic = 1;  // tiles from an atomic counter, not the fixed share per CTA
 
 template <typename T>
 __device__ __forceinline__ void StoreFp8(T* p, T v, bool streaming) {
@@ -196,13 +202,27 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+//
+// kOpt (an experiment, aligned path at 2 stages only; 0 = the kernel above):
+// * kOptDynamic: CTA b starts with tile b; every further tile is grid + a ticket that thread 0
+//   draws from a.tile_counter (atomicAdd). Thread 0 draws the ticket of tile k + 2 at the top of
+//   iteration k, as soon as it knows that tile k + 1 exists, ahead of the iteration's loads, and
+//   publishes it through tile_slot at the top of iteration k + 1, before the barrier that makes it
+//   visible: the atomic has a whole tile's time to return. A CTA stops drawing after its first
+//   ticket past the end, so a launch draws exactly num_tiles tickets; the draw of ticket
+//   num_tiles - 1 is the last one and resets the counter to 0 for the next launch on this stream
+//   (the launcher gives each stream its own counter).
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
+          int kOpt = 0>
 __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
+  constexpr bool kDyn = (kOpt & kOptDynamic) != 0;
+  static_assert(kOpt == 0 || (kPath == kPathAligned && kStages == 2),
+                "the experiments run on the aligned path at 2 stages");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
@@ -216,6 +236,10 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   const int q = tid >> 4, v = tid & 15;
   const uint32_t num_tiles = static_cast<uint32_t>(a.num_tiles);
   const uint32_t count = (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  __shared__ uint32_t tile_slot[2];  // kDyn: tile of iteration k + 1 in slot (k + 1) % 2
+  uint32_t next_tile = 0;            // kDyn: the tile of the next iteration
+  uint32_t ticket = 0;               // kDyn, thread 0: the last ticket drawn ...
+  bool fetched = false;              // ... and not yet published (at most one)
 
   // Whether a tile lies wholly inside the tensor (constant but for kPathMixed).
   auto whole = [&a](uint32_t t) -> bool {
@@ -229,6 +253,12 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       return tm < a.full_mb && tn < a.full_nb;
     }
   };
+  if constexpr (kDyn) {
+    if (tid == 0) {  // the ticket of tile 1, ahead of the loads of tile 0
+      ticket = atomicAdd(a.tile_counter, 1u);
+      fetched = true;
+    }
+  }
   if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
@@ -238,8 +268,23 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     }
   }
 
-  for (uint32_t k = 0; k < count; ++k) {
-    const uint32_t tile = blockIdx.x + k * gridDim.x;
+  uint32_t tile = blockIdx.x;
+  for (uint32_t k = 0; kDyn || k < count; ++k) {
+    if constexpr (kDyn) {
+      if (k > 0) {
+        if (next_tile >= num_tiles) break;  // uniform: read by every thread after a barrier
+        tile = next_tile;
+      }
+      if (tid == 0 && fetched) {
+        const uint32_t t1 = gridDim.x + ticket;  // tile k + 1
+        tile_slot[(k + 1) & 1] = t1;
+        if (ticket == num_tiles - 1) atomicExch(a.tile_counter, 0u);  // the launch's last draw
+        fetched = t1 < num_tiles;
+        if (fetched) ticket = atomicAdd(a.tile_counter, 1u);  // tile k + 2, published at k + 1
+      }
+    } else {
+      tile = blockIdx.x + k * gridDim.x;
+    }
     int64_t tm, tn;
     TileCoords(a, tile, &tm, &tn);
     const int64_t m0 = tm * kTile, n0 = tn * kTile;
@@ -249,7 +294,12 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     if constexpr (kPipelined) {
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
-      if (k + kStages - 1 < count) {
+      if constexpr (kDyn) {
+        next_tile = tile_slot[(k + 1) & 1];
+        if (next_tile < num_tiles) {
+          IssueTileCopy<D>(smem + ((k + 1) & 1) * Plan::kStageBytes, a, next_tile);
+        }
+      } else if (k + kStages - 1 < count) {
         const uint32_t next = tile + (kStages - 1) * gridDim.x;
         if (whole(next)) {
           IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a, next);
@@ -556,9 +606,81 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   return cudaSuccess;
 }
 
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+// kOptDynamic's tile counters: one 4-byte counter per (device, stream), so that launches that may
+// run at the same time never share one (each launch leaves its counter at 0). A stream is known by
+// cudaStreamGetId; kCounterSlots streams per device get a counter, and a launch that finds no
+// free slot, or a stream under graph capture (a graph may be replayed on any stream), gets null
+// and runs the fixed tile share instead.
+constexpr int kCounterSlots = 64;
+struct CounterPool {
+  std::mutex mu;
+  uint32_t* counters = nullptr;  // kCounterSlots device words
+  int used = 0;
+  unsigned long long ids[kCounterSlots] = {};
+};
+
+cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
+  *counter = nullptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return err;
+  if (capture != cudaStreamCaptureStatusNone) return cudaSuccess;
+  int dev = 0;
+  err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= kMaxDevices) return cudaSuccess;
+  unsigned long long id = 0;
+  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a sticky error: no id, no counter
+    return cudaSuccess;
+  }
+  static CounterPool pools[kMaxDevices];
+  CounterPool& pool = pools[dev];
+  std::lock_guard<std::mutex> lock(pool.mu);
+  for (int i = 0; i < pool.used; ++i) {
+    if (pool.ids[i] == id) {
+      *counter = pool.counters + i;
+      return cudaSuccess;
+    }
+  }
+  if (pool.used == kCounterSlots) return cudaSuccess;
+  if (pool.counters == nullptr) {
+    err = cudaMalloc(&pool.counters, kCounterSlots * sizeof(uint32_t));
+    if (err != cudaSuccess) return err;
+  }
+  uint32_t* const c = pool.counters + pool.used;
+  // Zeroed in the stream's own order, before its first launch that uses it.
+  err = cudaMemsetAsync(c, 0, sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  pool.ids[pool.used++] = id;
+  *counter = c;
+  return cudaSuccess;
+}
+
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
+          int kOpt = 0>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages>;
+  if constexpr ((kOpt & kOptDynamic) != 0) {
+    QuantizeArgs dyn = args;
+    cudaError_t err = StreamTileCounter(stream, &dyn.tile_counter);
+    if (err != cudaSuccess) return err;
+    if (dyn.tile_counter == nullptr) {  // no counter for this stream: the fixed share
+      return LaunchQuantize<D, F, S, kRow, kCol, kPath, kStages, kOpt & ~kOptDynamic>(
+          args, ctas_per_sm, stream);
+    }
+    auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kOpt>;
+    constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
+    static std::atomic<int> cache[kMaxDevices];
+    int sms = 0, per_sm = 0;
+    err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
+    if (err != cudaSuccess) return err;
+    if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
+    const int64_t resident = static_cast<int64_t>(sms) * per_sm;
+    const int grid = static_cast<int>(dyn.num_tiles < resident ? dyn.num_tiles : resident);
+    kernel<<<grid, kThreads, smem, stream>>>(dyn);
+    return cudaGetLastError();
+  }
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kOpt>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
@@ -638,6 +760,7 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   // GEMM or all-gather, not by this kernel (about 3% faster at 8192^2 on H200,
   // bench/results/quantize_cuda_h200_variants.jsonl).
   args.stream_stores = !tuning.l2_outputs;
+  args.tile_counter = nullptr;  // set per launch by kOptDynamic's launcher
 
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&
                        (!params.rowwise || Aligned16(out.rowwise_data)) &&
@@ -669,6 +792,12 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           }
           if (!aligned) {
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
+          }
+          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow) {
+            if (tuning.stages != 3 && tuning.dynamic_tiles) {
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptDynamic>(
+                  args, tuning.ctas_per_sm, stream);
+            }
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {

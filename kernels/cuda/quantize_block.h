@@ -43,12 +43,16 @@ namespace detail {
 // `stages` = shared-memory pipeline depth of the aligned path (2 or 3; only
 // BF16 input with E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
 // of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of
-// the default evict-first (st.global.cs) ones. Results are identical for every setting. Not part of
-// the stable API.
+// the default evict-first (st.global.cs) ones; `dynamic_tiles` (issue 16's experiment; BF16 input,
+// E4M3 output, the rowwise copy requested, the aligned path at 2 stages, ignored otherwise) = CTAs
+// take their next tile from a per-stream atomic counter instead of the fixed share b, b + grid, ...
+// (no tail of unequal finishing times). Results are identical for every setting. Not part of the
+// stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool l2_outputs = false;
+  bool dynamic_tiles = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

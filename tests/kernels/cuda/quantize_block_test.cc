@@ -453,9 +453,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
                          });
 
 // The same results whatever the launch shape: every tuned launch (3 stages,
-// 1 CTA per SM, plain instead of evict-first stores) equals the CPU reference
-// byte for byte. 8192x4096 gives every CTA of the persistent grid many tiles,
-// so the shared-memory stage ring wraps several times.
+// 1 CTA per SM, plain instead of evict-first stores, the atomic tile counter)
+// equals the CPU reference
+// byte for byte, rowwise + columnwise and rowwise only. 8192x4096 gives every
+// CTA of the persistent grid many tiles, so the shared-memory stage ring wraps
+// several times.
 TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
   struct Dims {
     int64_t m, n;
@@ -466,39 +468,115 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
         MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 5);
     DeviceBuffer d_in(input.size());
     QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
-    for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
-      QuantizeParams p;
-      p.scaling = s;
-      p.rowwise = p.columnwise = true;
-      const QuantizedLayout l = ComputeLayout(s, m, n);
-      const size_t bytes = l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                           4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
-      // One packed buffer: rowwise data, columnwise data, rowwise scales, columnwise scales.
-      auto pack = [&l](uint8_t* base) {
-        return QuantizedBuffers{
-            base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
-            base + l.RowwiseDataBytes(),
-            reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                                     4 * l.RowwiseScaleCount())};
-      };
-      std::vector<uint8_t> ref(bytes, 0x55);
-      cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
-      for (detail::LaunchTuning tuning :
-           {detail::LaunchTuning{}, detail::LaunchTuning{3, 1}, detail::LaunchTuning{2, 1},
-            detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
-            detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true}}) {
-        DeviceBuffer out(bytes);
-        QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
-        QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
-                                                   pack(out.get<uint8_t>()), tuning, nullptr));
+    for (const bool col : {true, false})
+      for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+        QuantizeParams p;
+        p.scaling = s;
+        p.rowwise = true;
+        p.columnwise = col;
+        const QuantizedLayout l = ComputeLayout(s, m, n);
+        const size_t bytes = l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+                             4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
+        // One packed buffer: rowwise data, columnwise data, rowwise scales, columnwise scales.
+        auto pack = [&l](uint8_t* base) {
+          return QuantizedBuffers{
+              base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
+              base + l.RowwiseDataBytes(),
+              reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+                                       4 * l.RowwiseScaleCount())};
+        };
+        std::vector<uint8_t> ref(bytes, 0x55);
+        cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
+        for (detail::LaunchTuning tuning :
+             {detail::LaunchTuning{}, detail::LaunchTuning{3, 1}, detail::LaunchTuning{2, 1},
+              detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
+              detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
+              detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
+              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true}}) {
+          DeviceBuffer out(bytes);
+          QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
+          QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
+                                                     pack(out.get<uint8_t>()), tuning, nullptr));
+          std::vector<uint8_t> got(bytes);
+          QTX_CUDA_ASSERT(cudaMemcpy(got.data(), out.get(), bytes, cudaMemcpyDeviceToHost));
+          EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
+                                  << (col ? " row+col" : " row") << " stages " << tuning.stages
+                                  << " ctas/SM " << tuning.ctas_per_sm << " l2_outputs "
+                                  << tuning.l2_outputs << " dynamic " << tuning.dynamic_tiles;
+        }
+      }
+  }
+}
+
+// The atomic tile counter (LaunchTuning::dynamic_tiles) is left at 0 by every
+// launch and is per stream: three launches in a row on each of two streams,
+// enqueued together so that they can overlap, and a launch captured into a graph
+// (which falls back to the fixed tile share) all equal the CPU reference. A
+// counter that was not reset, or shared by the two streams, would skip tiles
+// and leave the 0x55 fill in the output.
+TEST(QuantizeBlockCuda, DynamicTileCounterRepeatsAndStreamsMatchCpuReference) {
+  const int64_t m = 4096, n = 6144;
+  const std::vector<uint8_t> input =
+      MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 11);
+  DeviceBuffer d_in(input.size());
+  QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
+  cudaStream_t streams[2];
+  for (auto& st : streams) QTX_CUDA_ASSERT(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+    QuantizeParams p;
+    p.scaling = s;
+    p.rowwise = p.columnwise = true;
+    const QuantizedLayout l = ComputeLayout(s, m, n);
+    const size_t bytes = l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+                         4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
+    auto pack = [&l](uint8_t* base) {
+      return QuantizedBuffers{
+          base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
+          base + l.RowwiseDataBytes(),
+          reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+                                   4 * l.RowwiseScaleCount())};
+    };
+    std::vector<uint8_t> ref(bytes, 0x55);
+    cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
+    for (const int ctas_per_sm : {0, 1}) {  // 1: twice the tiles per CTA
+      detail::LaunchTuning tuning;
+      tuning.dynamic_tiles = true;
+      tuning.ctas_per_sm = ctas_per_sm;
+      constexpr int kRepeats = 3;
+      std::vector<DeviceBuffer> outs(2 * kRepeats + 1);
+      for (auto& o : outs) {
+        o.Resize(bytes);
+        QTX_CUDA_ASSERT(cudaMemset(o.get(), 0x55, bytes));
+      }
+      for (int r = 0; r < kRepeats; ++r) {
+        for (int k = 0; k < 2; ++k) {
+          QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
+                                                     pack(outs[2 * r + k].get<uint8_t>()), tuning,
+                                                     streams[k]));
+        }
+      }
+      cudaGraph_t graph = nullptr;
+      QTX_CUDA_ASSERT(cudaStreamBeginCapture(streams[0], cudaStreamCaptureModeThreadLocal));
+      QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
+                                                 pack(outs.back().get<uint8_t>()), tuning,
+                                                 streams[0]));
+      QTX_CUDA_ASSERT(cudaStreamEndCapture(streams[0], &graph));
+      cudaGraphExec_t exec = nullptr;
+      QTX_CUDA_ASSERT(cudaGraphInstantiate(&exec, graph, 0));
+      QTX_CUDA_ASSERT(cudaGraphLaunch(exec, streams[1]));
+      QTX_CUDA_ASSERT(cudaDeviceSynchronize());
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      for (size_t i = 0; i < outs.size(); ++i) {
         std::vector<uint8_t> got(bytes);
-        QTX_CUDA_ASSERT(cudaMemcpy(got.data(), out.get(), bytes, cudaMemcpyDeviceToHost));
-        EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
-                                << " stages " << tuning.stages << " ctas/SM " << tuning.ctas_per_sm
-                                << " l2_outputs " << tuning.l2_outputs;
+        QTX_CUDA_ASSERT(cudaMemcpy(got.data(), outs[i].get(), bytes, cudaMemcpyDeviceToHost));
+        EXPECT_TRUE(got == ref) << (s == BlockScaling::kBlock1D ? "1d" : "2d") << " ctas/SM "
+                                << ctas_per_sm << " output " << i
+                                << (i + 1 == outs.size() ? " (graph)" : " (stream launch)");
       }
     }
   }
+  for (auto& st : streams) QTX_CUDA_ASSERT(cudaStreamDestroy(st));
 }
 
 TEST(QuantizeBlockCuda, ZeroElementTensorsLaunchNothingAndSucceed) {
