@@ -8,8 +8,9 @@
 # 4) kernels_cuda_test: the cast tests (all 2^32 FP32 patterns) and every quantize_block test but
 #    the large shapes other than 8192^2
 B=$(cd "$(dirname "$0")" && pwd)
-export LD_LIBRARY_PATH=$B/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export CUDA_MODULE_LOADING=EAGER
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
 LOG=$OUT/run.log
 SH=${SHAPES:-4096x4096,8192x8192,16384x7168,32768x4096}
 V=${VARIANTS:-default,dynamic}

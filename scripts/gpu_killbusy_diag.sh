@@ -5,7 +5,10 @@
 # Diagnose CudaVmmTest.KillBusyClient*: info-level qtxd logs, and stacks of
 # every process 12 s after the kill if gdb exists.
 B=$(cd "$(dirname "$0")" && pwd); O=${1:?out}; mkdir -p "$O"; L=$O/log.txt
-export LD_LIBRARY_PATH=$B/lib CUDA_MODULE_LOADING=EAGER QTX_TEST_QTXD_LOG_LEVEL=info
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
+qtx_gpu_env "$B/lib"
+export QTX_TEST_QTXD_LOG_LEVEL=info
 nvidia-smi -L >> "$L"; which gdb eu-stack >> "$L" 2>&1
 for t in KillBusyClientVmm KillBusyClientIpc; do
   echo "##### $t" >> "$L"; s=$SECONDS
