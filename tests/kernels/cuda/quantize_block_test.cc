@@ -452,6 +452,22 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
                            return std::to_string(info.param.m) + "x" + std::to_string(info.param.n);
                          });
 
+// One buffer holding every output of a layout: rowwise data, columnwise
+// data, rowwise scales, columnwise scales.
+struct PackedOutputs {
+  explicit PackedOutputs(const QuantizedLayout& layout)
+      : l(layout),
+        bytes(l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
+              4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount())) {}
+  QuantizedBuffers At(uint8_t* base) const {
+    uint8_t* scales = base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes();
+    return QuantizedBuffers{base, reinterpret_cast<float*>(scales), base + l.RowwiseDataBytes(),
+                            reinterpret_cast<float*>(scales + 4 * l.RowwiseScaleCount())};
+  }
+  const QuantizedLayout l;
+  const size_t bytes;
+};
+
 // The same results whatever the launch shape: every tuned launch (3 stages,
 // 1 CTA per SM, plain instead of evict-first stores, the atomic tile counter)
 // equals the CPU reference
@@ -474,17 +490,9 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
         p.scaling = s;
         p.rowwise = true;
         p.columnwise = col;
-        const QuantizedLayout l = ComputeLayout(s, m, n);
-        const size_t bytes = l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                             4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
-        // One packed buffer: rowwise data, columnwise data, rowwise scales, columnwise scales.
-        auto pack = [&l](uint8_t* base) {
-          return QuantizedBuffers{
-              base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
-              base + l.RowwiseDataBytes(),
-              reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                                       4 * l.RowwiseScaleCount())};
-        };
+        const PackedOutputs packed(ComputeLayout(s, m, n));
+        const size_t bytes = packed.bytes;
+        auto pack = [&packed](uint8_t* base) { return packed.At(base); };
         std::vector<uint8_t> ref(bytes, 0x55);
         cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
         for (detail::LaunchTuning tuning :
@@ -526,16 +534,9 @@ TEST(QuantizeBlockCuda, DynamicTileCounterRepeatsAndStreamsMatchCpuReference) {
     QuantizeParams p;
     p.scaling = s;
     p.rowwise = p.columnwise = true;
-    const QuantizedLayout l = ComputeLayout(s, m, n);
-    const size_t bytes = l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                         4 * (l.RowwiseScaleCount() + l.ColumnwiseScaleCount());
-    auto pack = [&l](uint8_t* base) {
-      return QuantizedBuffers{
-          base, reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes()),
-          base + l.RowwiseDataBytes(),
-          reinterpret_cast<float*>(base + l.RowwiseDataBytes() + l.ColumnwiseDataBytes() +
-                                   4 * l.RowwiseScaleCount())};
-    };
+    const PackedOutputs packed(ComputeLayout(s, m, n));
+    const size_t bytes = packed.bytes;
+    auto pack = [&packed](uint8_t* base) { return packed.At(base); };
     std::vector<uint8_t> ref(bytes, 0x55);
     cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
     for (const int ctas_per_sm : {0, 1}) {  // 1: twice the tiles per CTA

@@ -175,6 +175,20 @@ class ChannelOpTest : public OpTest {
     return ch.ok() ? *std::move(ch) : nullptr;
   }
 
+  // Opens a channel and submits operations 1..ops, which the worker enqueues
+  // up to the window (nothing finishes on the recording "device"); null on a
+  // failure, reported.
+  std::unique_ptr<Channel> OpenWithBacklog(uint64_t ops) {
+    std::unique_ptr<Channel> ch = Open();
+    if (ch == nullptr) return nullptr;
+    for (uint64_t seq = 1; seq <= ops; ++seq) ch->Submit(seq, Request(), nullptr);
+    const uint64_t enqueued = record().SettledEnqueued(absl::Milliseconds(100));
+    EXPECT_EQ(enqueued, kMaxEnqueuedAhead) << "the worker stops at the window";
+    return enqueued == kMaxEnqueuedAhead ? std::move(ch) : nullptr;
+  }
+
+  Record& record() { return recording_.record; }
+
   uint64_t completed() {
     absl::MutexLock lock(&mu_);
     return completed_;
@@ -188,13 +202,10 @@ class ChannelOpTest : public OpTest {
 };
 
 TEST_F(ChannelOpTest, EnqueuesAtMostTheWindowAheadOfTheDevice) {
-  std::unique_ptr<Channel> ch = Open();
-  ASSERT_NE(ch, nullptr);
-  Record* q = &recording_.record;
   constexpr uint64_t kOps = 200;
-  for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
-  // Nothing has finished on the "device": the worker stops at the window.
-  EXPECT_EQ(q->SettledEnqueued(absl::Milliseconds(100)), kMaxEnqueuedAhead);
+  std::unique_ptr<Channel> ch = OpenWithBacklog(kOps);
+  ASSERT_NE(ch, nullptr);
+  Record* q = &record();
   EXPECT_EQ(completed(), 0u);
   // Each round of completions lets it go on, never beyond the window.
   for (int round = 0; round < 100 && q->enqueued() < kOps; ++round) {
@@ -214,12 +225,10 @@ TEST_F(ChannelOpTest, EnqueuesAtMostTheWindowAheadOfTheDevice) {
 // grace) releases the queue, the device drains, and every submitted
 // operation is enqueued; the done word is left to the queue.
 TEST_F(ChannelOpTest, CloseReleasesAWorkerWaitingForRoom) {
-  std::unique_ptr<Channel> ch = Open();
-  ASSERT_NE(ch, nullptr);
-  Record* q = &recording_.record;
   constexpr uint64_t kOps = 300;
-  for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
-  ASSERT_EQ(q->SettledEnqueued(absl::Milliseconds(100)), kMaxEnqueuedAhead);
+  std::unique_ptr<Channel> ch = OpenWithBacklog(kOps);
+  ASSERT_NE(ch, nullptr);
+  Record* q = &record();
   ch->Close(absl::ZeroDuration());  // returns: the release drained the queue
   EXPECT_EQ(q->enqueued(), kOps);
   EXPECT_EQ(completed(), kOps);
@@ -230,12 +239,10 @@ TEST_F(ChannelOpTest, CloseReleasesAWorkerWaitingForRoom) {
 // not yet enqueued are dropped, and the done word is moved past every
 // operation before and after the drain, releasing the client's own waits.
 TEST_F(ChannelOpTest, CloseForAGoneClientDropsQueuedOpsAndReleasesItsWaits) {
-  std::unique_ptr<Channel> ch = Open();
-  ASSERT_NE(ch, nullptr);
-  Record* q = &recording_.record;
   constexpr uint64_t kOps = 300;
-  for (uint64_t seq = 1; seq <= kOps; ++seq) ch->Submit(seq, Request(), nullptr);
-  ASSERT_EQ(q->SettledEnqueued(absl::Milliseconds(100)), kMaxEnqueuedAhead);
+  std::unique_ptr<Channel> ch = OpenWithBacklog(kOps);
+  ASSERT_NE(ch, nullptr);
+  Record* q = &record();
   ch->Close(absl::Seconds(30), /*client_gone=*/true);  // no grace: returns at once
   // The op the worker held while it waited for room, then nothing more.
   EXPECT_EQ(q->enqueued(), kMaxEnqueuedAhead + 1);
