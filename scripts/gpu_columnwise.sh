@@ -10,7 +10,7 @@ B=$(cd "$(dirname "$0")" && pwd)
 qtx_gpu_env "$B/lib"
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 L=$O/columnwise.txt
-step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
+step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
 step kernels_columnwise 120 "$B/bin/kernels_cuda_test" --gtest_filter='ColumnwiseFromRowwise*'
 step channel_columnwise 120 "$B/bin/cuda_channel_test" --qtxd="$B/bin/qtxd" --gtest_filter='*Columnwise*'
 step nccl_communicator 120 "$B/bin/nccl_communicator_test"

@@ -51,3 +51,14 @@ qtx_mps_stop() {
     sleep 0.5
   done
 }
+
+# qtx_step LOG NAME SECONDS CMD...: runs CMD under `timeout SECONDS`,
+# appending "##### NAME" and its output to LOG, then prints (and appends)
+# "NAME rc=RC Ns". The step of the one-log run scripts (scripts/gpu_*_run.sh).
+qtx_step() {
+  local log="$1" n="$2" t="$3" s=$SECONDS
+  shift 3
+  echo "##### $n" >> "$log"
+  timeout "$t" "$@" >> "$log" 2>&1
+  echo "$n rc=$? $((SECONDS - s))s" | tee -a "$log"
+}

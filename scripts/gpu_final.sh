@@ -13,7 +13,7 @@ B=$(cd "$(dirname "$0")" && pwd)
 qtx_gpu_env "$B/lib"
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 L=$O/final.txt
-step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
+step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
 suite() {  # suite MPS(0|1) PLAN_FILTER
   step "plan_mps$1" 60 "$B/bin/cuda_plan_test" --qtxd="$B/bin/qtxd" --gtest_filter="$2"
   step "allgather_mps$1" 90 "$B/bin/cuda_allgather_channel_test" --qtxd="$B/bin/qtxd"

@@ -7,7 +7,7 @@ O=${1:?out}; mkdir -p "$O"; L=$O/runB.txt
 qtx_host_cxx_runtime "$B/lib"
 qtx_gpu_env "$B/lib"
 export PYTHONUNBUFFERED=1 QTXD=$B/bin/qtxd
-step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
+step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
 step optimizer_shard_cuda_e2e 150 "$B/bin/optimizer_shard_cuda_e2e_test"
 step optimizer_cuda_e2e 150 "$B/bin/optimizer_cuda_e2e_test"
 cp -f "$B"/bin/_native*.so "$B/py/qtx/"

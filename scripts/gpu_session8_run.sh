@@ -12,7 +12,7 @@ O=${1:?out}; mkdir -p "$O"; L=$O/log.txt
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
 qtx_gpu_env "$B/lib"
 export PYTHONUNBUFFERED=1
-step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
+step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
 cp -f "$B"/bin/_native*.so "$B/py/qtx/" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L" 2>&1
 step gpu_test_optimizer 90 python3 "$B/tests/gpu_test_optimizer.py" --qtxd="$B/bin/qtxd" --python_dir="$B/py"

@@ -7,7 +7,7 @@ O=${1:?out}; mkdir -p "$O"; L=$O/cpp.txt
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" 2>/dev/null || . scripts/gpu_env.sh || exit 2
 qtx_gpu_env "$B/lib"
-step() { local n=$1 t=$2; shift 2; echo "##### $n" >> "$L"; local s=$SECONDS; timeout "$t" "$@" >> "$L" 2>&1; echo "$n rc=$? $((SECONDS-s))s" | tee -a "$L"; }
+step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
 step kernels_shard_columnwise 120 "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeShardCuda.*:ColumnwiseFromRowwise*'
 step allgather_channel 150 "$B/bin/cuda_allgather_channel_test" --qtxd="$B/bin/qtxd"
 grep -hE "^\[  (PASSED|FAILED) |^\{" "$L" | head -20
