@@ -32,9 +32,8 @@ class ChannelReactor final : public grpc::ServerBidiReactor<v1::ChannelRequest, 
   void OnReadDone(bool ok) override {
     if (!ok) {
       // The client closed its side (clean) or is gone (cancelled).
-      spdlog::debug("event=channel_read_end request_id={} cancelled={}", log_.request_id,
-                    context_->IsCancelled());
       const bool gone = context_->IsCancelled();
+      spdlog::debug("event=channel_read_end request_id={} cancelled={}", log_.request_id, gone);
       BeginClose(gone ? absl::ZeroDuration() : service_->close_grace_, absl::OkStatus(), gone);
       return;
     }

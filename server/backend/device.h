@@ -121,10 +121,10 @@ class ChannelQueue {
   virtual void Release() = 0;
   // The client's process is gone: stores `value` into the done word from the
   // host, at once (not in queue order), so that the waits for "done" its
-  // dead process left queued on its own stream pass. A dead process's stream
-  // that stays parked on hundreds of such waits was seen to stall the GPU
-  // for every process (H200, no MPS: tests/client/cuda/cuda_vmm_test.cc,
-  // KillBusyClient*). Safe to call from any thread.
+  // dead process left queued on its own stream pass. (Suspected, not yet
+  // shown, to be what stalls the GPU after a client with hundreds of queued
+  // operations is killed: tests/client/cuda/cuda_vmm_test.cc,
+  // KillBusyClient*.) Safe to call from any thread.
   virtual void ReleaseClientWaits(uint64_t value) = 0;
 };
 

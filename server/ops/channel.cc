@@ -193,7 +193,6 @@ void Channel::Run(Item& item) {
   for (const std::string& name : RegionsOf(item.op)) {
     if (auto pin = ctx_.regions->Acquire(name); pin.ok()) pins.push_back(*std::move(pin));
   }
-  const absl::Time enqueue_start = absl::Now();
   absl::Status status = queue_->WaitReady(item.seq);
   CompletionCheck check;
   if (status.ok()) {
@@ -224,12 +223,6 @@ void Channel::Run(Item& item) {
   if (!status.ok()) {
     Fail(item.seq, std::move(status));
     return;
-  }
-  if (const absl::Duration took = absl::Now() - enqueue_start; took > absl::Milliseconds(100)) {
-    // The device's queue was full (work parked on a ready word that has not
-    // moved): the enqueue blocked.
-    spdlog::debug("event=channel_enqueue_slow seq={} ms={}", item.seq,
-                  absl::ToInt64Milliseconds(took));
   }
   bool burst_over;
   {

@@ -59,10 +59,9 @@ namespace qtx::server::ops {
 // before enqueueing more. The client's stream hands over one operation at a
 // time (it writes ready = n + 1 only after done = n), so a longer lead gains
 // nothing, while hundreds of operations parked behind a ready word that does
-// not move fill the device's command queue: the driver then blocks the
-// enqueuing thread inside the launch, and with it other channels' CUDA calls
-// (seen on an H200 with 1000 queued Quantizes of a killed client:
-// tests/client/cuda/cuda_vmm_test.cc, KillBusyClient*).
+// not move would sit in the device's command queue, where they cannot be
+// taken back. (It did not cure the stall of tests/client/cuda/cuda_vmm_test.cc
+// KillBusyClient*, whose cause is still open: client/README.md.)
 inline constexpr uint64_t kMaxEnqueuedAhead = 32;
 
 // done = kChannelFailedOffset + n marks operation n as failed; sequence
