@@ -59,6 +59,13 @@ class CpuChannelQueue final : public ChannelQueue {
     std::atomic_ref<uint64_t>(*done_).store(value, std::memory_order_release);
   }
 
+  std::string DescribeState() override {
+    return absl::StrFormat("ready=%d done=%d released=%s",
+                           std::atomic_ref<uint64_t>(*ready_).load(std::memory_order_acquire),
+                           std::atomic_ref<uint64_t>(*done_).load(std::memory_order_acquire),
+                           released_.load(std::memory_order_acquire) ? "yes" : "no");
+  }
+
  private:
   uint64_t* const ready_;
   uint64_t* const done_;

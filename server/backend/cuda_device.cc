@@ -1045,19 +1045,40 @@ class CudaChannelQueue final : public ChannelQueue {
   }
 
   void Release() override {
-    bool expected = false;
-    if (!released_.compare_exchange_strong(expected, true)) return;
+    if (!released_.exchange(true)) {
+      spdlog::debug("event=channel_release device=cuda:{} host_flags={}", ordinal_,
+                    host_flags_ != nullptr);
+    }
     // WaitReady compares (int64)(ready - seq) >= 0: a value 2^62 ahead of
     // the sequence numbers in use (< 2^62) releases all of them.
     constexpr uint64_t kReleaseValue = uint64_t{1} << 62;
-    spdlog::debug("event=channel_release device=cuda:{} host_flags={}", ordinal_,
-                  host_flags_ != nullptr);
     StoreFromHost(0, ready_, kReleaseValue);
   }
 
   void ReleaseClientWaits(uint64_t value) override {
-    spdlog::debug("event=channel_release_client_waits device=cuda:{} value={}", ordinal_, value);
+    if (value != last_client_release_.exchange(value)) {
+      spdlog::debug("event=channel_release_client_waits device=cuda:{} value={}", ordinal_, value);
+    }
     StoreFromHost(8, done_, value);
+  }
+
+  std::string DescribeState() override {
+    size_t pending;
+    {
+      absl::MutexLock lock(&mu_);
+      pending = pending_.size();
+    }
+    std::string words = "flags=device";
+    if (host_flags_ != nullptr) {
+      words =
+          absl::StrFormat("ready=%d done=%d",
+                          std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(host_flags_))
+                              .load(std::memory_order_acquire),
+                          std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(host_flags_ + 8))
+                              .load(std::memory_order_acquire));
+    }
+    return absl::StrFormat("%s released=%s completions_awaited=%d", words,
+                           released_.load() ? "yes" : "no", pending + (polling_.load() ? 1 : 0));
   }
 
  private:
@@ -1100,6 +1121,7 @@ class CudaChannelQueue final : public ChannelQueue {
         p = std::move(pending_.front());
         pending_.pop_front();
       }
+      polling_.store(true);
       absl::Duration nap = absl::Microseconds(5);
       cudaError_t q;
       while ((q = cudaEventQuery(p.event)) == cudaErrorNotReady) {
@@ -1107,6 +1129,7 @@ class CudaChannelQueue final : public ChannelQueue {
         nap = std::min(nap * 2, absl::Milliseconds(1));
       }
       if (q != cudaSuccess) (void)cudaGetLastError();
+      polling_.store(false);
       p.drained();
       absl::MutexLock lock(&mu_);
       free_events_.push_back(p.event);
@@ -1124,6 +1147,8 @@ class CudaChannelQueue final : public ChannelQueue {
   cudaStream_t release_stream_ = nullptr;
   std::thread completion_;
   std::atomic<bool> released_{false};
+  std::atomic<bool> polling_{false};              // the completion thread awaits an event
+  std::atomic<uint64_t> last_client_release_{0};  // for the log
 
   // State below is protected by mu_.
   absl::Mutex mu_;

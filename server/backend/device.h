@@ -116,16 +116,23 @@ class ChannelQueue {
   // behind them runs and the queue drains (its regions are still mapped: the
   // channel pins them until the work completes). A streamed device cannot
   // take back enqueued work, and leaving a stream parked for good would hang
-  // every later device-wide synchronization of the process. Idempotent;
-  // safe to call from any thread.
+  // every later device-wide synchronization of the process. Stores the
+  // release value at every call (a client stream still running may write its
+  // own ready values over it: call again until the queue has drained). Safe
+  // to call from any thread.
   virtual void Release() = 0;
   // The client's process is gone: stores `value` into the done word from the
   // host, at once (not in queue order), so that the waits for "done" its
-  // dead process left queued on its own stream pass. (Suspected, not yet
-  // shown, to be what stalls the GPU after a client with hundreds of queued
-  // operations is killed: tests/client/cuda/cuda_vmm_test.cc,
-  // KillBusyClient*.) Safe to call from any thread.
+  // dead process left queued on its own stream pass. A killed process whose
+  // stream is parked on hundreds of such waits kept the queues of qtxd from
+  // running until they passed (H200, driver 580, no MPS;
+  // tests/client/cuda/cuda_vmm_test.cc, KillBusyClient*). Safe to call from
+  // any thread.
   virtual void ReleaseClientWaits(uint64_t value) = 0;
+  // One line for a log when the queue does not drain: what the host can see
+  // of it without touching the device (the flag words when they are host
+  // memory, the completions still awaited). Safe to call from any thread.
+  virtual std::string DescribeState() = 0;
 };
 
 // One quantization of a row-major [m, n] tensor (docs/numerics.md §2-§4).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
@@ -93,6 +94,9 @@ Channel::Channel(const OpContext& ctx, std::shared_ptr<const tensor::Region> fla
     } else {
       WorkerLoop();
     }
+    phase_.store(Phase::kExited);
+    absl::MutexLock lock(&mu_);
+    worker_done_ = true;
   });
 }
 
@@ -158,7 +162,9 @@ void Channel::PlanLoop() {
 }
 
 void Channel::Run(Item& item) {
+  absl::Cleanup back_to_idle = [this] { phase_.store(Phase::kIdle, std::memory_order_relaxed); };
   if (failed_) return;  // the channel failed earlier: nothing more runs
+  phase_.store(Phase::kWaitForRoom, std::memory_order_relaxed);
   if (absl::Status room = WaitForRoom(); !room.ok()) {
     Fail(item.seq, std::move(room));
     return;
@@ -193,9 +199,11 @@ void Channel::Run(Item& item) {
   for (const std::string& name : RegionsOf(item.op)) {
     if (auto pin = ctx_.regions->Acquire(name); pin.ok()) pins.push_back(*std::move(pin));
   }
+  phase_.store(Phase::kWaitReady, std::memory_order_relaxed);
   absl::Status status = queue_->WaitReady(item.seq);
   CompletionCheck check;
   if (status.ok()) {
+    phase_.store(Phase::kEnqueueOp, std::memory_order_relaxed);
     status = std::visit(
         [&](auto& spec) -> absl::Status {
           using Spec = std::decay_t<decltype(spec)>;
@@ -219,6 +227,7 @@ void Channel::Run(Item& item) {
     Fail(item.seq, std::move(status));
     return;
   }
+  phase_.store(Phase::kWriteDone, std::memory_order_relaxed);
   status = queue_->WriteDone(item.seq);
   if (!status.ok()) {
     Fail(item.seq, std::move(status));
@@ -234,6 +243,7 @@ void Channel::Run(Item& item) {
   }
   last_ok_seq_ = item.seq;
   if (burst_over || ++ops_since_report_ >= kReportEvery) {
+    phase_.store(Phase::kTrackCompletion, std::memory_order_relaxed);
     status = TrackCompletion();
     if (!status.ok()) Fail(item.seq, std::move(status));
   }
@@ -337,6 +347,55 @@ void Channel::Report(const ChannelProgress& update) {
   on_progress_(snapshot);
 }
 
+const char* Channel::PhaseName(Phase phase) {
+  switch (phase) {
+    case Phase::kIdle:
+      return "idle";
+    case Phase::kWaitForRoom:
+      return "wait_for_room";
+    case Phase::kWaitReady:
+      return "enqueue_wait_ready";
+    case Phase::kEnqueueOp:
+      return "enqueue_op";
+    case Phase::kWriteDone:
+      return "enqueue_write_done";
+    case Phase::kTrackCompletion:
+      return "track_completion";
+    case Phase::kExited:
+      return "exited";
+  }
+  return "unknown";
+}
+
+void Channel::JoinWorker(const std::function<void()>& every_slice) {
+  if (!worker_.joinable()) return;
+  const absl::Time start = absl::Now();
+  absl::Time next_report = start + kCloseReportEvery;
+  for (;;) {
+    uint64_t enqueued, completed, submitted;
+    size_t waiting;
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&worker_done_), kCloseReleaseEvery)) break;
+      enqueued = enqueued_through_;
+      completed = progress_.completed_through;
+      submitted = submitted_;
+      waiting = items_.size();
+    }
+    if (every_slice) every_slice();
+    if (absl::Now() < next_report) continue;
+    next_report += kCloseReportEvery;
+    // Reads of host words and counters only: a device call might block
+    // behind whatever holds the worker.
+    spdlog::warn(
+        "event=channel_close_slow device={} waited_s={:.1f} worker={} submitted={} "
+        "enqueued_through={} completed_through={} not_enqueued={} queue=\"{}\"",
+        device_name_, absl::ToDoubleSeconds(absl::Now() - start), PhaseName(phase_.load()),
+        submitted, enqueued, completed, waiting, queue_->DescribeState());
+  }
+  worker_.join();
+}
+
 void Channel::Close(absl::Duration grace, bool client_gone) {
   if (closed_) return;
   closed_ = true;
@@ -369,8 +428,7 @@ void Channel::Close(absl::Duration grace, bool client_gone) {
   spdlog::debug("event=channel_close_begin all_done={} grace_ms={}", all_done,
                 absl::ToInt64Milliseconds(grace));
   // The client's stream may hold a wait for every operation it submitted:
-  // a value past all of them lets them pass (done words written by the
-  // operations still on the device may move it back; hence once more below).
+  // a value past all of them lets them pass.
   auto release_client = [this] {
     uint64_t first_unfinished;
     {
@@ -379,16 +437,29 @@ void Channel::Close(absl::Duration grace, bool client_gone) {
     }
     queue_->ReleaseClientWaits(kChannelFailedOffset + first_unfinished);
   };
-  if (client_gone && !all_done) release_client();
-  if (!all_done) queue_->Release();
-  if (worker_.joinable()) worker_.join();
+  // Until the device work has drained, both release values are stored again
+  // every kCloseReleaseEvery: a client stream that still runs (a killed
+  // process's stream lives on until its waits pass) writes its own ready
+  // values over ours, and the done writes of our operations move the done
+  // word back below the client's waits; either alone could park both
+  // streams for good.
+  std::function<void()> keep_released;
+  if (!all_done) {
+    keep_released = [this, client_gone, release_client] {
+      if (client_gone) release_client();
+      queue_->Release();
+    };
+    keep_released();
+  }
+  JoinWorker(keep_released);
   spdlog::debug("event=channel_close_worker_joined next_seq={}", next_seq_);
-  if (client_gone && !all_done) {
-    // Once the device work is done (its done writes included), move the done
-    // word past every operation for good.
+  if (!all_done) {
     absl::Notification drained;
-    if (queue_->OnDrained([&drained] { drained.Notify(); }).ok()) drained.WaitForNotification();
-    release_client();
+    if (queue_->OnDrained([&drained] { drained.Notify(); }).ok()) {
+      while (!drained.WaitForNotificationWithTimeout(kCloseReleaseEvery)) keep_released();
+    }
+    // No done write of ours is left: this value stays.
+    if (client_gone) release_client();
   }
   queue_.reset();  // waits for the device work
   spdlog::debug("event=channel_close_drained");

@@ -32,6 +32,7 @@
 #ifndef QTX_SERVER_OPS_CHANNEL_H_
 #define QTX_SERVER_OPS_CHANNEL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -60,9 +61,16 @@ namespace qtx::server::ops {
 // time (it writes ready = n + 1 only after done = n), so a longer lead gains
 // nothing, while hundreds of operations parked behind a ready word that does
 // not move would sit in the device's command queue, where they cannot be
-// taken back. (It did not cure the stall of tests/client/cuda/cuda_vmm_test.cc
-// KillBusyClient*, whose cause is still open: client/README.md.)
+// taken back (and after a client is gone, at most this many run before the
+// channel closes: Close).
 inline constexpr uint64_t kMaxEnqueuedAhead = 32;
+
+// While Close waits for a worker that does not return, it logs what the
+// worker and the device queue wait on this often.
+inline constexpr absl::Duration kCloseReportEvery = absl::Seconds(2);
+// While Close waits for released work to drain, it stores the release values
+// again this often (Channel::Close).
+inline constexpr absl::Duration kCloseReleaseEvery = absl::Milliseconds(1);
 
 // done = kChannelFailedOffset + n marks operation n as failed; sequence
 // numbers stay below it (channel.proto).
@@ -137,9 +145,14 @@ class Channel {
   // when it has. No progress callback runs after it returns.
   // `client_gone` (the client's call was cancelled: its process may be dead):
   // no grace, the operations not yet enqueued are dropped, and the done word
-  // is set to kChannelFailedOffset + (the first unfinished operation) before
-  // and after the drain, so that the waits the client's stream still holds
-  // pass (backend::ChannelQueue::ReleaseClientWaits).
+  // is set to kChannelFailedOffset + (the first unfinished operation), so
+  // that the waits the client's stream still holds pass
+  // (backend::ChannelQueue::ReleaseClientWaits): a killed process's stream
+  // parked on hundreds of those waits kept our queue from running, the GPU
+  // idle, until they passed (H200, driver 580, no MPS:
+  // tests/client/cuda/cuda_vmm_test.cc KillBusyClient*). Until the drain,
+  // the release values are stored again every kCloseReleaseEvery (both
+  // streams write over them).
   void Close(absl::Duration grace, bool client_gone = false);
   // Close(absl::ZeroDuration()) unless Close was called.
   ~Channel();
@@ -182,6 +195,22 @@ class Channel {
   // then stops before it).
   void RunChecks(uint64_t seq, ChannelProgress* progress);
   void Report(const ChannelProgress& progress);
+  // Joins the worker; while it has not returned, calls `every_slice` (if
+  // set) every kCloseReleaseEvery and logs every kCloseReportEvery what the
+  // worker and the queue are waiting on (event=channel_close_slow).
+  void JoinWorker(const std::function<void()>& every_slice);
+
+  // What the worker is doing, for JoinWorker's log.
+  enum class Phase : int {
+    kIdle,
+    kWaitForRoom,
+    kWaitReady,
+    kEnqueueOp,
+    kWriteDone,
+    kTrackCompletion,
+    kExited
+  };
+  static const char* PhaseName(Phase phase);
 
   // Pins of the regions used by enqueued operations, until they complete.
   struct Held {
@@ -216,9 +245,11 @@ class Channel {
   std::deque<Held> held_ ABSL_GUARDED_BY(mu_);  // oldest first
   // Completion checks of enqueued operations, oldest first.
   std::deque<std::pair<uint64_t, CompletionCheck>> checks_ ABSL_GUARDED_BY(mu_);
-  bool reporting_ ABSL_GUARDED_BY(mu_) = true;  // false once Close finished
+  bool reporting_ ABSL_GUARDED_BY(mu_) = true;     // false once Close finished
+  bool worker_done_ ABSL_GUARDED_BY(mu_) = false;  // the worker thread returned
 
   std::thread worker_;
+  std::atomic<Phase> phase_{Phase::kIdle};
   bool closed_ = false;  // Close has run (owner thread only)
 };
 

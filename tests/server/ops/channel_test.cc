@@ -5,15 +5,22 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/block_geometry.h"
 #include "server/backend/cpu_device.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/server/testing/op_test.h"
 #include "tests/testing/status_matchers.h"
 
@@ -66,6 +73,22 @@ class Record {
     absl::MutexLock lock(&mu_);
     return client_released_;
   }
+  // From now on, a Release no longer drains the queue: a device that does
+  // not move even after the client's waits were let through.
+  void StallDevice() {
+    absl::MutexLock lock(&mu_);
+    stalled_ = true;
+  }
+  // The next `n` Releases are lost: a client stream that still runs writes
+  // its own ready values over them.
+  void LoseReleases(int n) {
+    absl::MutexLock lock(&mu_);
+    lost_releases_ = n;
+  }
+  int releases() {
+    absl::MutexLock lock(&mu_);
+    return releases_;
+  }
 
  private:
   friend class RecordingQueue;
@@ -74,6 +97,9 @@ class Record {
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t max_lead_ ABSL_GUARDED_BY(mu_) = 0;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  bool stalled_ ABSL_GUARDED_BY(mu_) = false;
+  int lost_releases_ ABSL_GUARDED_BY(mu_) = 0;
+  int releases_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint64_t> client_released_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::function<void()>>> pending_ ABSL_GUARDED_BY(mu_);
 };
@@ -112,6 +138,12 @@ class RecordingQueue final : public backend::ChannelQueue {
   void Release() override {
     {
       absl::MutexLock lock(&r_->mu_);
+      ++r_->releases_;
+      if (r_->stalled_) return;
+      if (r_->lost_releases_ > 0) {
+        --r_->lost_releases_;
+        return;
+      }
       r_->released_ = true;
     }
     r_->CompleteAll();
@@ -120,6 +152,12 @@ class RecordingQueue final : public backend::ChannelQueue {
   void ReleaseClientWaits(uint64_t value) override {
     absl::MutexLock lock(&r_->mu_);
     r_->client_released_.push_back(value);
+  }
+
+  std::string DescribeState() override {
+    absl::MutexLock lock(&r_->mu_);
+    return absl::StrFormat("recorded_enqueued=%d recorded_completed=%d", r_->enqueued_,
+                           r_->completed_);
   }
 
  private:
@@ -247,9 +285,78 @@ TEST_F(ChannelOpTest, CloseForAGoneClientDropsQueuedOpsAndReleasesItsWaits) {
   // The op the worker held while it waited for room, then nothing more.
   EXPECT_EQ(q->enqueued(), kMaxEnqueuedAhead + 1);
   EXPECT_EQ(completed(), kMaxEnqueuedAhead + 1);
-  EXPECT_EQ(q->client_released(),
-            (std::vector<uint64_t>{kChannelFailedOffset + 1,
-                                   kChannelFailedOffset + kMaxEnqueuedAhead + 2}));
+  // First past the unfinished ones, last past all (stored again meanwhile,
+  // never lower).
+  const std::vector<uint64_t> values = q->client_released();
+  ASSERT_GE(values.size(), 2u);
+  EXPECT_EQ(values.front(), kChannelFailedOffset + 1);
+  EXPECT_EQ(values.back(), kChannelFailedOffset + kMaxEnqueuedAhead + 2);
+  EXPECT_TRUE(std::is_sorted(values.begin(), values.end()));
+}
+
+// The first releases are written over (the killed client's stream still
+// runs): Close stores the release again until the queue drains, instead of
+// waiting for good.
+TEST_F(ChannelOpTest, CloseReleasesAgainWhatTheClientWroteOver) {
+  constexpr uint64_t kOps = 300;
+  std::unique_ptr<Channel> ch = OpenWithBacklog(kOps);
+  ASSERT_NE(ch, nullptr);
+  Record* q = &record();
+  q->LoseReleases(3);
+  absl::Notification closed;
+  std::thread closer([&] {
+    ch->Close(absl::ZeroDuration(), /*client_gone=*/true);
+    closed.Notify();
+  });
+  const bool returned = closed.WaitForNotificationWithTimeout(absl::Seconds(10));
+  EXPECT_TRUE(returned) << "Close waits for good after " << q->releases() << " releases";
+  if (!returned) {
+    q->LoseReleases(0);
+    while (!closed.WaitForNotificationWithTimeout(absl::Milliseconds(5))) q->CompleteAll();
+  }
+  closer.join();
+  EXPECT_GE(q->releases(), 4);
+  EXPECT_EQ(q->enqueued(), kMaxEnqueuedAhead + 1);
+  EXPECT_EQ(completed(), kMaxEnqueuedAhead + 1);
+}
+
+// A device that does not drain even once released: Close keeps waiting for
+// the worker, and says every kCloseReportEvery what the worker and the queue
+// wait on, from counters and host words alone.
+TEST_F(ChannelOpTest, CloseReportsAWorkerThatDoesNotReturn) {
+  constexpr uint64_t kOps = 300;
+  std::unique_ptr<Channel> ch = OpenWithBacklog(kOps);
+  ASSERT_NE(ch, nullptr);
+  Record* q = &record();
+  q->StallDevice();
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+  sink->set_pattern("%v");
+  spdlog::default_logger()->sinks().push_back(sink);
+  absl::Notification closed;
+  std::thread closer([&] {
+    ch->Close(absl::ZeroDuration(), /*client_gone=*/true);
+    closed.Notify();
+  });
+  std::string report;
+  for (const absl::Time deadline = absl::Now() + kCloseReportEvery * 5;
+       report.empty() && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(20));
+    for (const std::string& line : sink->last_formatted()) {
+      if (absl::StrContains(line, "event=channel_close_slow")) report = line;
+    }
+  }
+  EXPECT_FALSE(closed.HasBeenNotified()) << "Close returned although nothing drained";
+  // The device finishes: the worker returns and Close with it.
+  while (!closed.WaitForNotificationWithTimeout(absl::Milliseconds(5))) q->CompleteAll();
+  closer.join();
+  auto& sinks = spdlog::default_logger()->sinks();
+  sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
+  EXPECT_TRUE(absl::StrContains(report, "worker=wait_for_room")) << report;
+  EXPECT_TRUE(absl::StrContains(report, "submitted=300 enqueued_through=32 completed_through=0"))
+      << report;
+  EXPECT_TRUE(absl::StrContains(report, "queue=\"recorded_enqueued=32 recorded_completed=0\""))
+      << report;
+  EXPECT_EQ(q->enqueued(), kMaxEnqueuedAhead + 1);
 }
 
 }  // namespace
