@@ -145,7 +145,26 @@ class GpuPair {
   std::vector<Sidecar> sidecars;
 };
 
-TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
+#define ASSERT_CUDA(expr)                                                  \
+  do {                                                                     \
+    const cudaError_t e_ = (expr);                                         \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
+  } while (0)
+
+// Every test needs kWorld GPUs: on fewer it fails at once, saying so (not
+// after the ranks' start-up and collective deadlines).
+class NcclE2E : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int devices = 0;
+    ASSERT_CUDA(cudaGetDeviceCount(&devices));
+    ASSERT_GE(devices, kWorld) << "NcclE2E needs " << kWorld
+                               << " CUDA devices (one qtxd per GPU: NCCL refuses two ranks "
+                                  "on one device)";
+  }
+};
+
+TEST_F(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
   GpuPair c;
   // Unspecified backend on a CUDA device means NCCL (checked in Create).
   for (const auto& s : c.Create("nccl", v1::COMM_BACKEND_UNSPECIFIED)) {
@@ -209,7 +228,7 @@ TEST(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
   EXPECT_EQ(c.Info(0, "nccl").state(), v1::READY);
 }
 
-TEST(NcclE2E, MissingRankFailsWithinDeadlineAndNewGroupWorks) {
+TEST_F(NcclE2E, MissingRankFailsWithinDeadlineAndNewGroupWorks) {
   GpuPair c;
   for (const auto& s : c.Create("f", v1::NCCL)) ASSERT_TRUE(s.ok()) << s.error_message();
   const Shards a = MakeShards({4095, 4097}, 300);
@@ -249,12 +268,6 @@ TEST(NcclE2E, MissingRankFailsWithinDeadlineAndNewGroupWorks) {
   }
 }
 
-#define ASSERT_CUDA(expr)                                                  \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
-  } while (0)
-
 // One rank's device memory, registered with its sidecar as a CUDA IPC
 // region: [input | rowwise data | rowwise scales | columnwise data |
 // columnwise scales], each part 256-byte aligned.
@@ -281,10 +294,7 @@ v1::RegionSlice Slice(const std::string& region, uint64_t offset, uint64_t size)
 // wait for the client's event would read the stale shard.
 void CUDART_CB SleepOnStream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(60)); }
 
-TEST(NcclE2E, CudaIpcRegionsAndEventsGiveTheSameBytes) {
-  int devices = 0;
-  ASSERT_CUDA(cudaGetDeviceCount(&devices));
-  ASSERT_GE(devices, kWorld);
+TEST_F(NcclE2E, CudaIpcRegionsAndEventsGiveTheSameBytes) {
   GpuPair c;
   for (const auto& s : c.Create("ipc", v1::NCCL)) ASSERT_TRUE(s.ok()) << s.error_message();
   // Enough room for the largest case below: 8192 x 300 gathered.
