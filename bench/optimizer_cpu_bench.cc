@@ -17,6 +17,10 @@
 // forces the baseline AVX2 kernel).
 // Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
 //            [--threads=1,2,4] [--phases] [--thp] [--triad_mib=N] [--label=NAME]
+//            [--no_tile_scales]
+// --no_tile_scales: the step keeps no tile scales between steps
+// (AdamWParamBuffers::tile_scales; qtxd's optimizer keeps them), so every
+// tile is encoded from a re-read of its updated master.
 // bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
 #include <sys/mman.h>
@@ -119,6 +123,7 @@ int main(int argc, char** argv) {
   std::vector<const char*> pos;
   std::vector<int> thread_list;
   bool phases = false;
+  bool tile_scales = true;
   int64_t triad_mib = 0;  // 0: 4 x last-level cache per array, within [256 MiB, 2 GiB]
   std::string label;
   for (int i = 1; i < argc; ++i) {
@@ -128,6 +133,8 @@ int main(int argc, char** argv) {
       g_thp = true;
     } else if (std::strcmp(argv[i], "--phases") == 0) {
       phases = true;
+    } else if (std::strcmp(argv[i], "--no_tile_scales") == 0) {
+      tile_scales = false;
     } else if (std::strncmp(argv[i], "--triad_mib=", 12) == 0) {
       triad_mib = std::atoll(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--label=", 8) == 0) {
@@ -186,6 +193,9 @@ int main(int argc, char** argv) {
   b.grad_dtype = grad_fp32 ? InputDType::kFloat32 : InputDType::kBFloat16;
   b.quant = q;
   b.fp8 = {row.p, rs.p, col.p, cs.p};
+  std::vector<float> scales_kept(
+      static_cast<size_t>(CeilDiv(m, kBlockLen) * CeilDiv(n, kBlockLen)));
+  if (tile_scales) b.tile_scales = scales_kept.data();
   const double grad_bytes = grad_fp32 ? 4.0 : 2.0;
   const double update_bytes = 8.0 + 2 * 8.0 + grad_bytes;  // per parameter
   const double scale_bytes =
@@ -225,10 +235,10 @@ int main(int argc, char** argv) {
         "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
         "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
         "\"bytes_per_param\":%.4f,\"bytes_moved_gbps\":%.3f,\"triad_gbps\":%.3f,"
-        "\"fraction_of_triad\":%.3f,\"isa\":\"%s\",\"thp\":%s%s}\n",
+        "\"fraction_of_triad\":%.3f,\"isa\":\"%s\",\"thp\":%s,\"tile_scales\":%s%s}\n",
         static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
         best * 1e3, count / best, step_bytes, gbps, tr.gbps, gbps / tr.gbps, isa,
-        g_thp ? "true" : "false", label_json.c_str());
+        g_thp ? "true" : "false", tile_scales ? "true" : "false", label_json.c_str());
     std::fflush(stdout);
     if (phases) {
       auto phase = [&](const char* name, double seconds, double bytes_per_param) {

@@ -14,7 +14,7 @@
 // Functions are reentrant; OpenMP parallelism is internal (tiles are
 // independent, so results do not depend on the thread count). Buffers of one
 // call must not overlap each other. Every thread that runs part of an
-// AdamWStepFused keeps about 560 KiB of scratch until it exits (made at its
+// AdamWStepFused keeps about 820 KiB of scratch until it exits (made at its
 // first step; kernels/cpu/adamw_band.cc).
 #ifndef QTX_KERNELS_CPU_ADAMW_H_
 #define QTX_KERNELS_CPU_ADAMW_H_
@@ -48,6 +48,15 @@ struct AdamWParamBuffers {
   // This parameter's own step constants (its own weight decay or learning
   // rate within a group); null: the call's. Must outlive the call.
   const AdamWScalars* scalars = nullptr;
+  // Optional, BLOCK_2D with force_pow2_scales only (ignored otherwise):
+  // [ceil(m/128) * ceil(n/128)] floats, row-major over the tiles, read and
+  // written: each tile's FP8 scale of the previous step (0: unknown). The
+  // fused kernel encodes a tile while updating it with that scale, and keeps
+  // the bytes when the tile's new scale equals it (a power-of-two scale
+  // rarely moves between steps), instead of re-reading the updated master to
+  // encode it afterwards; it then stores the new scales. Never changes the
+  // results: a tile whose scale moved is encoded again with its new scale.
+  float* tile_scales = nullptr;
 };
 
 // Applies one AdamW step to every parameter and writes its outputs, with

@@ -26,11 +26,17 @@
 // the 2 MiB L2 (a 16-tile unit streams 4 MiB in between) and costs DRAM
 // bandwidth: at 16 threads the rowwise output minus the encoder's arithmetic
 // took what 5 B/param take at the DRAM rate (bench/results/
-// optimizer_host_adam16_2026-12-02.md). Unit width, kUnitTiles = 16 (rows of 2048 elements, 8 KiB
-// per FP32 stream) instead of 4: the update's row runs restart 4x less often. A/B against main's
-// 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md, "Host AdamW at memory
-// speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 / 1.08x at 1 / 2 / 4 / 8 / 16 threads, 4096^2
-// 0.93-1.30x; 32 tiles was slower. Cost: about 560 KiB of per-thread scratch (Deferred below).
+// optimizer_host_adam16_2026-12-02.md). So a 2-D unit whose tiles' scales of
+// the previous step are kept (AdamWParamBuffers::tile_scales; power-of-two
+// scales rarely move) is encoded during A instead, row by row from L1 with
+// those scales, into the buffer (Deferred::bytes or ::spec) that the pending
+// unit does not use; a tile whose scale moved is encoded again after A, and
+// the deferred part is then only the stores. Unit width, kUnitTiles = 16 (rows of 2048 elements, 8
+// KiB per FP32 stream) instead of 4: the update's row runs restart 4x less often. A/B against
+// main's 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md, "Host AdamW at
+// memory speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 / 1.08x at 1 / 2 / 4 / 8 / 16 threads,
+// 4096^2 0.93-1.30x; 32 tiles was slower. Cost: about 820 KiB of per-thread scratch (Deferred
+// below).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
@@ -453,11 +459,17 @@ struct alignas(64) UnitScratch {
 // encode phase). The bytes are stored to the rowwise copy as they are made and
 // kept in `bytes`; each 16-row strip is transposed into `transposed`, which is
 // stored to the columnwise copy after row 127.
+// A unit encoded during its own update (AdamWParamBuffers::tile_scales) has
+// its bytes made in whichever of `bytes` and `spec` the pending unit does not
+// use; only the stores are left for DeferredRow.
 struct alignas(64) Deferred {
   uint8_t bytes[kUnitTiles][kBlockLen * kBlockLen];
+  uint8_t spec[kUnitTiles][kBlockLen * kBlockLen];
   uint8_t transposed[kUnitTiles][kBlockLen * kBlockLen];
   float scale[kUnitTiles];
-  const ParamPlan* plan = nullptr;  // null: nothing deferred
+  uint8_t (*src)[kBlockLen * kBlockLen] = bytes;  // the unit's bytes: bytes or spec
+  bool encoded = false;                           // src holds them already
+  const ParamPlan* plan = nullptr;                // null: nothing deferred
   int64_t k = 0, tj0 = 0, tiles = 0;
   int64_t next_row = 0;  // rows [0, next_row) are done
 };
@@ -506,6 +518,9 @@ void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* ro
   if (q.scaling != BlockScaling::kBlock1D) {
     const float scale = scale_of(tile_max);
     const float scale_inv = ScaleInv(scale);
+    if (b.tile_scales != nullptr && q.force_pow2_scales && q.scaling == BlockScaling::kBlock2D) {
+      b.tile_scales[k * plan.nb + tj] = scale;
+    }
     if (q.rowwise) b.fp8.rowwise_scale_inv[k * l.rowwise_scale_cols + tj] = scale_inv;
     if (q.columnwise) b.fp8.columnwise_scale_inv[tj * l.columnwise_scale_cols + k] = scale_inv;
 #if defined(__AVX2__)
@@ -565,8 +580,8 @@ void DeferredRow(Deferred& d, int64_t i) {
   const int64_t n = b.n, r = d.k * kBlockLen + i;
   for (int64_t t = 0; t < d.tiles; ++t) {
     const int64_t c0 = (d.tj0 + t) * kBlockLen;
-    uint8_t* const bytes = d.bytes[t] + i * kBlockLen;
-    EncodeRow(b.master + r * n + c0, d.scale[t], bytes, kBlockLen, q.format);
+    uint8_t* const bytes = d.src[t] + i * kBlockLen;
+    if (!d.encoded) EncodeRow(b.master + r * n + c0, d.scale[t], bytes, kBlockLen, q.format);
     if (q.rowwise) {
       uint8_t* const dst = b.fp8.rowwise_data + r * n + c0;
       const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0;
@@ -582,7 +597,7 @@ void DeferredRow(Deferred& d, int64_t i) {
     if (q.columnwise && i % 16 == 15) {
       const int64_t i0 = i - 15;
       for (int64_t jb = 0; jb < kBlockLen; jb += 16) {
-        Transpose16x16(d.bytes[t] + i0 * kBlockLen + jb, kBlockLen,
+        Transpose16x16(d.src[t] + i0 * kBlockLen + jb, kBlockLen,
                        d.transposed[t] + jb * kBlockLen + i0, kBlockLen);
       }
       if (i == kBlockLen - 1) {
@@ -627,6 +642,24 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
   const bool fp8 = b.fp8_output;
   const bool col1d = fp8 && b.quant.scaling == BlockScaling::kBlock1D && b.quant.columnwise;
 
+#if defined(__AVX2__)
+  // A unit of full 2-D tiles whose scales of the last step are all known is
+  // encoded as it is updated, with those scales (AdamWParamBuffers::
+  // tile_scales): the bytes of a tile whose scale did not move are then made
+  // from L1, not from a re-read of the master.
+  uint8_t(*spec)[kBlockLen * kBlockLen] = nullptr;
+  float spec_scale[kUnitTiles];
+  if (d != nullptr && b.tile_scales != nullptr && b.quant.force_pow2_scales &&
+      b.quant.scaling == BlockScaling::kBlock2D && Deferrable(plan, k, tj1)) {
+    bool known = true;
+    for (int64_t t = 0; t < tiles; ++t) {
+      spec_scale[t] = b.tile_scales[k * plan.nb + tj0 + t];
+      known = known && spec_scale[t] != 0.0f;
+    }
+    if (known) spec = (d->plan != nullptr && d->src == d->bytes) ? d->spec : d->bytes;
+  }
+#endif
+
   // A. update (+ BF16 copy) row by row over the band, amaxes per tile segment.
   std::fill(sc.tile_max, sc.tile_max + tiles, 0u);
   if (col1d) std::fill(sc.col_max, sc.col_max + (c1 - c0), 0u);
@@ -657,6 +690,12 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
       const uint32_t rm = RowMagnitudeMax(b.master + off, len);
       sc.row_max[t][i] = rm;
       sc.tile_max[t] = std::max(sc.tile_max[t], rm);
+#if defined(__AVX2__)
+      if (spec != nullptr) {
+        EncodeRow(b.master + off, spec_scale[t], spec[t] + i * kBlockLen, kBlockLen,
+                  b.quant.format);
+      }
+#endif
     }
 #if defined(__AVX2__)
     if (d != nullptr && d->plan != nullptr) DeferredRow(*d, i);
@@ -684,8 +723,21 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
       if (b.quant.columnwise) {
         b.fp8.columnwise_scale_inv[(tj0 + t) * l.columnwise_scale_cols + k] = scale_inv;
       }
+      if (spec != nullptr && scale != spec_scale[t]) {
+        // The scale moved: encode the tile again with the new one.
+        const float* const p = b.master + r0 * n + c0 + t * kBlockLen;
+        for (int64_t i = 0; i < kBlockLen; ++i) {
+          EncodeRow(p + i * n, scale, spec[t] + i * kBlockLen, kBlockLen, b.quant.format);
+        }
+      }
+      if (b.tile_scales != nullptr && b.quant.force_pow2_scales &&
+          b.quant.scaling == BlockScaling::kBlock2D) {
+        b.tile_scales[k * plan.nb + tj0 + t] = scale;
+      }
       d->scale[t] = scale;
     }
+    d->src = spec != nullptr ? spec : d->bytes;
+    d->encoded = spec != nullptr;
     d->plan = &plan;
     d->k = k;
     d->tj0 = tj0;
@@ -702,7 +754,7 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
 }
 
 // The scratch of the calling thread, made at its first step and kept (about
-// 160 KiB per thread that ever ran a step: OpenMP's pool threads and callers).
+// 820 KiB per thread that ever ran a step: OpenMP's pool threads and callers).
 // Heap, not stack: a caller's thread may have a small stack; kept, not made
 // per call: a fresh block per call and thread costs page faults (it is larger
 // than malloc's mmap threshold until glibc raises it) and its first-touch

@@ -19,6 +19,11 @@ struct ParamState {
   std::unique_ptr<float[]> master;     // info.count() FP32 (the owned elements)
   std::unique_ptr<uint8_t[]> exp_avg;  // info.count() of the group's moment dtype
   std::unique_ptr<uint8_t[]> exp_avg_sq;
+  // The FP8 scale of each 128x128 tile at the last fused step
+  // (kernels::cpu::AdamWParamBuffers::tile_scales: the next step encodes a
+  // tile whose scale did not move while updating it). A cache: not saved, and
+  // never changes a result.
+  std::vector<float> tile_scales;
 };
 
 struct GroupState {

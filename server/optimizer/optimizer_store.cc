@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "kernels/block_geometry.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/quantize_block.h"
 #include "kernels/cpu/quantize_range.h"
@@ -170,7 +171,14 @@ std::vector<kernels::cpu::AdamWParamBuffers> ParamBuffersFor(GroupState& s, cons
     const bool write = !bufs.omit_outputs && !bufs.outputs[i].skip;
     b.fp8_output = !owned_slices && write && out.fp8;
     b.quant = out.quant;
-    if (b.fp8_output) b.fp8 = bufs.outputs[i].fp8;
+    if (b.fp8_output) {
+      b.fp8 = bufs.outputs[i].fp8;
+      if (b.quant.scaling == kernels::BlockScaling::kBlock2D && b.quant.force_pow2_scales) {
+        p.tile_scales.resize(static_cast<size_t>(kernels::CeilDiv(b.m, kernels::kBlockLen) *
+                                                 kernels::CeilDiv(b.n, kernels::kBlockLen)));
+        b.tile_scales = p.tile_scales.data();
+      }
+    }
     b.bf16 = write && out.bf16() ? bufs.outputs[i].bf16 : nullptr;
   }
   return kb;

@@ -93,6 +93,9 @@ struct ParamState {
   std::vector<uint8_t> row_data, col_data;
   std::vector<float> row_scale, col_scale;
   std::vector<uint16_t> bf16_out;
+  // AdamWParamBuffers::tile_scales, kept from step to step when set.
+  bool keep_tile_scales = false;
+  std::vector<float> tile_scales;
 
   void FillOutputs(uint8_t sentinel) {
     const QuantizedLayout l = ComputeLayout(quant.scaling, m, n);
@@ -119,6 +122,10 @@ struct ParamState {
              quant.columnwise ? col_data.data() : nullptr,
              quant.columnwise ? col_scale.data() : nullptr};
     b.bf16 = bf16 ? bf16_out.data() : nullptr;
+    if (keep_tile_scales) {
+      tile_scales.resize(static_cast<size_t>(CeilDiv(m, kBlockLen) * CeilDiv(n, kBlockLen)));
+      b.tile_scales = tile_scales.data();
+    }
     return b;
   }
 };
@@ -268,20 +275,24 @@ std::string FirstDifference(const ParamState& a, const ParamState& b) {
 }
 
 // Runs `steps` steps on copies of `init` with the fused kernel (at
-// `threads`) and the reference; expects identical state and outputs after
-// every step.
+// `threads`), once keeping no tile scales and once keeping them from step to
+// step (as qtxd's optimizer does: AdamWParamBuffers::tile_scales), and with
+// the reference; expects identical state and outputs after every step.
 void ExpectFusedEqualsReference(const ParamState& init, const AdamWHyperParams& h, int steps,
                                 int threads, double grad_scale, const std::string& label) {
-  ParamState fused = init, ref = init;
+  ParamState fused = init, kept = init, ref = init;
+  kept.keep_tile_scales = true;
   for (int t = 1; t <= steps; ++t) {
     fused.FillOutputs(0xAA);
+    kept.FillOutputs(0x77);
     ref.FillOutputs(0x55);
     const AdamWScalars s = MakeAdamWScalars(h, t, grad_scale);
-    AdamWParamBuffers fb = fused.Buffers(), rb = ref.Buffers();
+    AdamWParamBuffers fb = fused.Buffers(), kb = kept.Buffers(), rb = ref.Buffers();
     AdamWStepFused({&fb, 1}, s, threads);
+    AdamWStepFused({&kb, 1}, s, threads);
     AdamWReference({&rb, 1}, s);
-    const std::string d = FirstDifference(fused, ref);
-    ASSERT_EQ(d, "") << label << " step " << t;
+    ASSERT_EQ(FirstDifference(fused, ref), "") << label << " step " << t;
+    ASSERT_EQ(FirstDifference(kept, ref), "") << label << " step " << t << " (tile scales kept)";
   }
 }
 
@@ -627,6 +638,60 @@ TEST(BandIsa, EveryAvailableIsaEqualsReference) {
   if (!avx512_tested) {
     GTEST_SKIP() << "AVX-512 band kernel NOT exercised (not compiled in, or this CPU lacks "
                     "AVX-512); the baseline kernel passed";
+  }
+}
+
+// Kept tile scales (AdamWParamBuffers::tile_scales) never change the result:
+// a step stores every tile's scale there (BLOCK_2D, power-of-two scales), and
+// a kept scale that is wrong (here every other tile's doubled) only means
+// that tile is encoded again, and an unknown one (0) that its unit is
+// encoded after its update; with non-power-of-two scales they are
+// neither used nor written. Shapes of several full units (the only ones
+// encoded during the update) and units with edge tiles, at 1 and 3 threads.
+TEST(AdamWStepFused, KeptTileScalesAreStoredAndNeverChangeTheResult) {
+  constexpr int64_t kUnitCols = band::kUnitTiles * kBlockLen;
+  const Shape shapes[] = {{256, 2 * kUnitCols}, {384, kUnitCols + 256}, {260, kUnitCols + 77}};
+  uint32_t seed = 900;
+  for (const Shape& sh : shapes) {
+    for (bool pow2 : {true, false}) {
+      for (int threads : {1, 3}) {
+        QuantizeParams q;
+        q.scaling = BlockScaling::kBlock2D;
+        q.force_pow2_scales = pow2;
+        ParamState kept = MakeParam(sh.m, sh.n, MomentDType::kFloat32, InputDType::kFloat32, q,
+                                    false, Pattern::kRandom, seed++);
+        kept.keep_tile_scales = true;
+        ParamState ref = kept;
+        const std::string label = std::to_string(sh.m) + "x" + std::to_string(sh.n) +
+                                  (pow2 ? " pow2" : " not pow2") + " threads " +
+                                  std::to_string(threads);
+        for (int t = 1; t <= 3; ++t) {
+          kept.FillOutputs(0x77);
+          ref.FillOutputs(0x55);
+          const AdamWScalars s = MakeAdamWScalars(AdamWHyperParams{}, t, 1.0);
+          AdamWParamBuffers kb = kept.Buffers(), rb = ref.Buffers();
+          AdamWStepFused({&kb, 1}, s, threads);
+          AdamWReference({&rb, 1}, s);
+          ASSERT_EQ(FirstDifference(kept, ref), "") << label << " step " << t;
+          const QuantizedLayout l = ComputeLayout(q.scaling, sh.m, sh.n);
+          const int64_t nb = CeilDiv(sh.n, kBlockLen);
+          for (int64_t i = 0; i < static_cast<int64_t>(kept.tile_scales.size()); ++i) {
+            const int64_t k = i / nb, tj = i % nb;
+            if (!pow2) {
+              ASSERT_EQ(kept.tile_scales[i], 0.0f) << label << ": written without pow2";
+            } else {
+              // The scale of a power-of-two scale_inv is its exact reciprocal.
+              ASSERT_EQ(kept.tile_scales[i] * kept.row_scale[k * l.rowwise_scale_cols + tj], 1.0f)
+                  << label << " step " << t << " tile " << i;
+            }
+            // Wrong for the next step: every other tile doubled; the last band's
+            // tiles unknown (its units are then encoded after their update).
+            if (i % 2 == 1) kept.tile_scales[i] *= 2.0f;
+            if (k == CeilDiv(sh.m, kBlockLen) - 1) kept.tile_scales[i] = 0.0f;
+          }
+        }
+      }
+    }
   }
 }
 
