@@ -469,19 +469,23 @@ struct alignas(64) Deferred {
   float scale[kUnitTiles];
   uint8_t (*src)[kBlockLen * kBlockLen] = bytes;  // the unit's bytes: bytes or spec
   bool encoded = false;                           // src holds them already
-  const ParamPlan* plan = nullptr;                // null: nothing deferred
+  // An encoded unit's columnwise copy leaves in strips of 16 columns of a
+  // tile (16 whole rows of the copy), spread over the 128 deferred rows
+  // instead of all at row 127: this is one strip, transposed.
+  alignas(64) uint8_t strip[16 * kBlockLen];
+  const ParamPlan* plan = nullptr;  // null: nothing deferred
   int64_t k = 0, tj0 = 0, tiles = 0;
   int64_t next_row = 0;  // rows [0, next_row) are done
 };
 
 #if defined(__AVX2__)
-// Copies 128 rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
+// Copies `rows` rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
 // `pitch`), with non-temporal stores when every row is 32-byte aligned: the
 // FP8 copies are not read again by this step, so they need not be read into
 // the cache first (write-allocate) nor stay there.
-void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch) {
+void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch, int64_t rows = kBlockLen) {
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0 && pitch % 32 == 0;
-  for (int64_t i = 0; i < kBlockLen; ++i) {
+  for (int64_t i = 0; i < rows; ++i) {
     const auto* in = reinterpret_cast<const __m256i*>(src + i * kBlockLen);
     auto* out = reinterpret_cast<__m256i*>(dst + i * pitch);
     for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
@@ -594,7 +598,7 @@ void DeferredRow(Deferred& d, int64_t i) {
         }
       }
     }
-    if (q.columnwise && i % 16 == 15) {
+    if (q.columnwise && !d.encoded && i % 16 == 15) {
       const int64_t i0 = i - 15;
       for (int64_t jb = 0; jb < kBlockLen; jb += 16) {
         Transpose16x16(d.src[t] + i0 * kBlockLen + jb, kBlockLen,
@@ -603,6 +607,18 @@ void DeferredRow(Deferred& d, int64_t i) {
       if (i == kBlockLen - 1) {
         StoreTileRows(d.transposed[t], b.fp8.columnwise_data + c0 * b.m + d.k * kBlockLen, b.m);
       }
+    }
+  }
+  if (q.columnwise && d.encoded) {
+    // Strips [i * S / 128, (i + 1) * S / 128) of the unit's S = 8 * tiles.
+    const int64_t strips = 8 * d.tiles;
+    for (int64_t sp = i * strips / kBlockLen; sp < (i + 1) * strips / kBlockLen; ++sp) {
+      const int64_t t = sp / 8, jb = (sp % 8) * 16;
+      for (int64_t ib = 0; ib < kBlockLen; ib += 16) {
+        Transpose16x16(d.src[t] + ib * kBlockLen + jb, kBlockLen, d.strip + ib, kBlockLen);
+      }
+      const int64_t c = (d.tj0 + t) * kBlockLen + jb;
+      StoreTileRows(d.strip, b.fp8.columnwise_data + c * b.m + d.k * kBlockLen, b.m, 16);
     }
   }
   d.next_row = i + 1;
