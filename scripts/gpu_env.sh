@@ -62,3 +62,16 @@ qtx_step() {
   timeout "$t" "$@" >> "$log" 2>&1
   echo "$n rc=$? $((SECONDS - s))s" | tee -a "$log"
 }
+
+# qtx_run_begin BUNDLE OUT: the start of a one-log run script from a bundle:
+# O=OUT (made), L=OUT/log.txt, the bundle's environment (qtx_gpu_env
+# BUNDLE/lib), unbuffered Python, and `step NAME SECONDS CMD...` (qtx_step
+# into L).
+qtx_run_begin() {
+  O="${2:?usage: qtx_run_begin BUNDLE OUT}"
+  L="$O/log.txt"
+  mkdir -p "$O"
+  qtx_gpu_env "${1:?usage: qtx_run_begin BUNDLE OUT}/lib"
+  export PYTHONUNBUFFERED=1
+  step() { qtx_step "$L" "$@"; }
+}

@@ -13,10 +13,8 @@
 #    kernels_cuda_test.
 # 3. KillBusyClientVmm under MPS (only when 1 failed).
 B=$(cd "$(dirname "$0")" && pwd)
-O=${1:?out}; mkdir -p "$O"; L=$O/log.txt
 . "$B/gpu_env.sh" || exit 2
-qtx_gpu_env "$B/lib"
-step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
+qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L" 2>&1
 (dmesg | tail -5) > "$O/dmesg_before.txt" 2>&1
 

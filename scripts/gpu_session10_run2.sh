@@ -9,11 +9,9 @@
 # nccl_e2e_test needs two GPUs: it runs to show what it does on one.
 # Then the SASS of the quantize kernels, where the host has cuobjdump.
 B=$(cd "$(dirname "$0")" && pwd)
-O=${1:?out}; mkdir -p "$O"; L=$O/log.txt
 . "$B/gpu_env.sh" || exit 2
-qtx_gpu_env "$B/lib"
-export QTXD="$B/bin/qtxd" PYTHONUNBUFFERED=1
-step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
+qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
+export QTXD="$B/bin/qtxd"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L" 2>&1
 for t in cuda_vmm_test cuda_channel_test cuda_plan_test cuda_allgather_channel_test \
          cuda_param_allgather_test; do

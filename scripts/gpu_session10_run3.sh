@@ -4,11 +4,8 @@
 # bundle could not import, and the killed-busy-client tests three times over.
 #   B/gpu_session10_run3.sh OUT
 B=$(cd "$(dirname "$0")" && pwd)
-O=${1:?out}; mkdir -p "$O"; L=$O/log.txt
 . "$B/gpu_env.sh" || exit 2
-qtx_gpu_env "$B/lib"
-export PYTHONUNBUFFERED=1
-step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
+qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
 step killbusy_x3 200 "$B/bin/cuda_vmm_test" --qtxd="$B/bin/qtxd" \
   --gtest_filter='*KillBusy*' --gtest_repeat=3
 qtx_host_cxx_runtime "$B/lib"

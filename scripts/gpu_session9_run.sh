@@ -7,11 +7,8 @@
 # qtx.cuda tests, then the channel chain benchmark under MPS.
 # Usage: B/gpu_session9_run.sh OUT. One log, written as it goes.
 B=$(cd "$(dirname "$0")" && pwd)
-O=${1:?out}; mkdir -p "$O"; L=$O/log.txt
 . "$B/gpu_env.sh" || exit 2
-qtx_gpu_env "$B/lib"
-export PYTHONUNBUFFERED=1
-step() { qtx_step "$L" "$@"; }  # step NAME SECONDS CMD... (gpu_env.sh)
+qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
 cp -f "$B"/bin/_native*.so "$B/py/qtx/" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$L" 2>&1
 step cuda_vmm_test 90 "$B/bin/cuda_vmm_test" --qtxd="$B/bin/qtxd"
