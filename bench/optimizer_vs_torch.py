@@ -9,7 +9,9 @@ the same thread counts. JSON lines on stdout (formulas in bench/README.md):
   {"bench":"torch_adamw",...}     torch.optim.AdamW on one [m, n] FP32 parameter
   {"bench":"adamw_vs_torch",...}  per binary and thread count, best over the rounds:
                                   qtx / torch params/s, qtx GB/s / triad GB/s, and
-                                  qtx / the first binary's params/s (A/B)
+                                  qtx / the first binary's params/s (A/B); and the
+                                  same two ratios of the median rounds
+                                  (ratio_median, vs_first_median)
 
 torch implementations: "fused" (torch.optim.AdamW(fused=True) on CPU: torch >= 2.4),
 "foreach" (multi-tensor, vectorized ops) and "forloop" (single-tensor). Debian's
@@ -76,6 +78,12 @@ def thread_counts(max_threads):
     return out
 
 
+def median(values):
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
 def parse_benches(items):
     out = []
     for item in items:
@@ -124,6 +132,8 @@ def main():
     qtx_gbps = {label: {} for label, _ in benches}
     triad = {label: {} for label, _ in benches}
     best_torch = {}  # t -> (params/s, impl)
+    qtx_rounds = {label: {} for label, _ in benches}  # t -> params/s of every round
+    torch_rounds = {}  # (t, impl) -> params/s of every round
     count = args.m * args.n
     torch_bytes = count * (8 + 16 + 4)  # master r+w, 2 moments r+w, FP32 grad read
     for rnd in range(args.rounds):
@@ -141,6 +151,7 @@ def main():
                 t = r.get("threads")
                 if r["bench"] == "adamw_cpu":
                     qtx[label][t] = max(qtx[label].get(t, 0.0), r["params_per_s"])
+                    qtx_rounds[label].setdefault(t, []).append(r["params_per_s"])
                     qtx_gbps[label][t] = max(qtx_gbps[label].get(t, 0.0), r["bytes_moved_gbps"])
                 elif r["bench"] == "host_triad":
                     triad[label][t] = max(triad[label].get(t, 0.0), r["gbps"])
@@ -155,6 +166,7 @@ def main():
                                   "params_per_s": float("%.4g" % rate),
                                   "bytes_moved_gbps": round(torch_bytes / s / 1e9, 3),
                                   "round": rnd}))
+                torch_rounds.setdefault((t, impl), []).append(rate)
                 if rate > best_torch.get(t, (0.0, None))[0]:
                     best_torch[t] = (rate, impl)
             sys.stdout.flush()
@@ -170,12 +182,20 @@ def main():
                    "fraction_of_triad": round(qtx_gbps[label][t] / triad[label][t], 3)
                    if triad[label].get(t) else None,
                    "vs_first": round(qtx[label][t] / qtx[first][t], 3)
-                   if t in qtx[first] else None}
+                   if t in qtx[first] else None,
+                   # The same from the median round (a noisy host: the best
+                   # round alone can be an outlier).
+                   "qtx_median_params_per_s": float("%.4g" % median(qtx_rounds[label][t])),
+                   "vs_first_median": round(median(qtx_rounds[label][t]) /
+                                            median(qtx_rounds[first][t]), 3)
+                   if t in qtx_rounds[first] else None}
             if t in best_torch:
                 rate, impl = best_torch[t]
                 rec.update({"torch_impl": impl, "torch_params_per_s": float("%.4g" % rate),
                             "torch_gbps": round(torch_bytes / (count / rate) / 1e9, 3),
                             "ratio": round(qtx[label][t] / rate, 3),
+                            "ratio_median": round(median(qtx_rounds[label][t]) /
+                                                  median(torch_rounds[(t, impl)]), 3),
                             "torch_fused_available": has_fused})
             print(json.dumps(rec))
     return 0
