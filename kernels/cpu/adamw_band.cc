@@ -428,6 +428,13 @@ void StoreTransposed(const uint8_t* tile, int64_t pitch, int64_t rows, int64_t c
   }
 }
 
+// b.tile_scales where the kernel uses and keeps them (BLOCK_2D with
+// power-of-two scales: AdamWParamBuffers::tile_scales), else null.
+inline float* KeptTileScales(const AdamWParamBuffers& b) {
+  return b.quant.scaling == BlockScaling::kBlock2D && b.quant.force_pow2_scales ? b.tile_scales
+                                                                                : nullptr;
+}
+
 // Rows ahead whose lines ProcessUnit prefetches.
 constexpr int64_t kPrefetchRows = 2;
 
@@ -522,9 +529,7 @@ void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* ro
   if (q.scaling != BlockScaling::kBlock1D) {
     const float scale = scale_of(tile_max);
     const float scale_inv = ScaleInv(scale);
-    if (b.tile_scales != nullptr && q.force_pow2_scales && q.scaling == BlockScaling::kBlock2D) {
-      b.tile_scales[k * plan.nb + tj] = scale;
-    }
+    if (float* const kept = KeptTileScales(b)) kept[k * plan.nb + tj] = scale;
     if (q.rowwise) b.fp8.rowwise_scale_inv[k * l.rowwise_scale_cols + tj] = scale_inv;
     if (q.columnwise) b.fp8.columnwise_scale_inv[tj * l.columnwise_scale_cols + k] = scale_inv;
 #if defined(__AVX2__)
@@ -663,13 +668,13 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
   // encoded as it is updated, with those scales (AdamWParamBuffers::
   // tile_scales): the bytes of a tile whose scale did not move are then made
   // from L1, not from a re-read of the master.
+  float* const kept = KeptTileScales(b);
   uint8_t(*spec)[kBlockLen * kBlockLen] = nullptr;
   float spec_scale[kUnitTiles];
-  if (d != nullptr && b.tile_scales != nullptr && b.quant.force_pow2_scales &&
-      b.quant.scaling == BlockScaling::kBlock2D && Deferrable(plan, k, tj1)) {
+  if (d != nullptr && kept != nullptr && Deferrable(plan, k, tj1)) {
     bool known = true;
     for (int64_t t = 0; t < tiles; ++t) {
-      spec_scale[t] = b.tile_scales[k * plan.nb + tj0 + t];
+      spec_scale[t] = kept[k * plan.nb + tj0 + t];
       known = known && spec_scale[t] != 0.0f;
     }
     if (known) spec = (d->plan != nullptr && d->src == d->bytes) ? d->spec : d->bytes;
@@ -746,10 +751,7 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
           EncodeRow(p + i * n, scale, spec[t] + i * kBlockLen, kBlockLen, b.quant.format);
         }
       }
-      if (b.tile_scales != nullptr && b.quant.force_pow2_scales &&
-          b.quant.scaling == BlockScaling::kBlock2D) {
-        b.tile_scales[k * plan.nb + tj0 + t] = scale;
-      }
+      if (kept != nullptr) kept[k * plan.nb + tj0 + t] = scale;
       d->scale[t] = scale;
     }
     d->src = spec != nullptr ? spec : d->bytes;

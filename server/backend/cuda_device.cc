@@ -1063,10 +1063,10 @@ class CudaChannelQueue final : public ChannelQueue {
   }
 
   std::string DescribeState() override {
-    size_t pending;
+    size_t awaited;
     {
       absl::MutexLock lock(&mu_);
-      pending = pending_.size();
+      awaited = pending_.size() + (polling_ ? 1 : 0);
     }
     std::string words = "flags=device";
     if (host_flags_ != nullptr) {
@@ -1078,7 +1078,7 @@ class CudaChannelQueue final : public ChannelQueue {
                               .load(std::memory_order_acquire));
     }
     return absl::StrFormat("%s released=%s completions_awaited=%d", words,
-                           released_.load() ? "yes" : "no", pending + (polling_.load() ? 1 : 0));
+                           released_.load() ? "yes" : "no", awaited);
   }
 
  private:
@@ -1120,8 +1120,8 @@ class CudaChannelQueue final : public ChannelQueue {
         if (pending_.empty()) return;  // stopping, nothing left
         p = std::move(pending_.front());
         pending_.pop_front();
+        polling_ = true;
       }
-      polling_.store(true);
       absl::Duration nap = absl::Microseconds(5);
       cudaError_t q;
       while ((q = cudaEventQuery(p.event)) == cudaErrorNotReady) {
@@ -1129,9 +1129,9 @@ class CudaChannelQueue final : public ChannelQueue {
         nap = std::min(nap * 2, absl::Milliseconds(1));
       }
       if (q != cudaSuccess) (void)cudaGetLastError();
-      polling_.store(false);
       p.drained();
       absl::MutexLock lock(&mu_);
+      polling_ = false;
       free_events_.push_back(p.event);
     }
   }
@@ -1147,7 +1147,6 @@ class CudaChannelQueue final : public ChannelQueue {
   cudaStream_t release_stream_ = nullptr;
   std::thread completion_;
   std::atomic<bool> released_{false};
-  std::atomic<bool> polling_{false};              // the completion thread awaits an event
   std::atomic<uint64_t> last_client_release_{0};  // for the log
 
   // State below is protected by mu_.
@@ -1155,6 +1154,7 @@ class CudaChannelQueue final : public ChannelQueue {
   std::deque<Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<cudaEvent_t> free_events_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool polling_ ABSL_GUARDED_BY(mu_) = false;  // an event taken from pending_ is not done yet
 };
 
 }  // namespace
