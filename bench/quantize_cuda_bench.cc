@@ -199,13 +199,17 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  // dynamic: issue 16's experiment, kernels/cuda/quantize_block.h LaunchTuning::dynamic_tiles
-  // (tiles from an atomic counter instead of a fixed share per CTA).
+  // dynamic, balanced, bulk: issue 16's experiments, kernels/cuda/quantize_block.h LaunchTuning
+  // (dynamic_tiles: tiles from an atomic counter instead of a fixed share per CTA; balanced_grid:
+  // the same number of tiles for every CTA; bulk_loads: tile loads by the bulk copy engine).
   const Variant variants[] = {{"default", {}},
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
                               {"l2_outputs", {0, 0, true}},
-                              {"dynamic", {0, 0, false, true}}};
+                              {"dynamic", {0, 0, false, true}},
+                              {"balanced", {0, 0, false, false, true}},
+                              {"bulk", {0, 0, false, false, false, true}},
+                              {"bulk_balanced", {0, 0, false, false, true, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -276,8 +280,8 @@ int main(int argc, char** argv) {
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
-            const bool is_default =
-                t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs && !t.dynamic_tiles;
+            const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
+                                    !t.dynamic_tiles && !t.balanced_grid && !t.bulk_loads;
             // Variants: row+col and row of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
                 (!u.row || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {

@@ -40,6 +40,44 @@ __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src) 
                "l"(gmem_src));
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Hopper's bulk copy engine (kOptBulkLoad): a shared-memory mbarrier counts
+// the bytes that cp.async.bulk copies deliver (complete_tx) against the count
+// announced by one arrive.expect_tx; its phase completes when both are done.
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(arrivals)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+          SmemAddr(bar)),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(SmemAddr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Shared memory that generic-proxy code used (read, or wrote the transposed
+// tile into) is next written by the async proxy: order the two.
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void BulkCopyG2S(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddr(smem_dst)),
+      "l"(gmem_src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -94,7 +132,8 @@ __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile,
 
 // Experiment of the aligned path (LaunchTuning::dynamic_tiles, BF16 -> E4M3, 2 stages): the bit
 // of the kernel's kOpt.
-constexpr int kOptDynamic = 1;  // tiles from an atomic counter, not the fixed share per CTA
+constexpr int kOptDynamic = 1;   // tiles from an atomic counter, not the fixed share per CTA
+constexpr int kOptBulkLoad = 2;  // tile loads by the bulk copy engine, not cp.async per thread
 
 template <typename T>
 __device__ __forceinline__ void StoreFp8(T* p, T v, bool streaming) {
@@ -131,6 +170,29 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
 #pragma unroll
   for (int k = 0; k < kChunks / kThreads; ++k) {
     CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
+  }
+}
+
+// kOptBulkLoad: warp 0 starts the copy of one full input tile into a stage
+// (the same row-major layout as IssueTileCopy) as 128 row copies of the bulk
+// copy engine, lane l rows l, l + 32, ...; `bar` completes when all have
+// landed. Called by warp 0 only, after the barrier that frees the stage.
+template <InputDType D>
+__device__ __forceinline__ void IssueTileBulk(uint8_t* stage, uint64_t* bar, const QuantizeArgs& a,
+                                              uint32_t tile) {
+  constexpr int kRowBytes = kTile * kElemBytes<D>;
+  const int lane = static_cast<int>(threadIdx.x);
+  FenceProxyAsyncShared();
+  if (lane == 0) MbarArriveExpectTx(bar, kTile * kRowBytes);
+  __syncwarp();
+  int64_t tm, tn;
+  TileCoords(a, tile, &tm, &tn);
+  const int64_t pitch = a.n * kElemBytes<D>;
+  const uint8_t* src = static_cast<const uint8_t*>(a.input) + (tm * kTile + lane) * pitch +
+                       (tn * kTile) * kElemBytes<D>;
+#pragma unroll
+  for (int k = 0; k < kTile / 32; ++k) {
+    BulkCopyG2S(stage + (lane + 32 * k) * kRowBytes, src + 32 * k * pitch, kRowBytes, bar);
   }
 }
 
@@ -221,8 +283,10 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
   constexpr bool kDyn = (kOpt & kOptDynamic) != 0;
+  constexpr bool kBulk = (kOpt & kOptBulkLoad) != 0;
   static_assert(kOpt == 0 || (kPath == kPathAligned && kStages == 2),
                 "the experiments run on the aligned path at 2 stages");
+  static_assert(!(kDyn && kBulk), "the experiments run one at a time");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
@@ -259,7 +323,15 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       fetched = true;
     }
   }
-  if constexpr (kPipelined) {
+  __shared__ __align__(8) uint64_t full_bar[2];  // kBulk: stage s's tile has landed
+  if constexpr (kBulk) {
+    if (tid == 0) {
+      MbarInit(&full_bar[0], 1);
+      MbarInit(&full_bar[1], 1);
+    }
+    __syncthreads();  // initialized before any thread waits or any copy completes
+    if (warp == 0 && count > 0) IssueTileBulk<D>(smem, &full_bar[0], a, blockIdx.x);
+  } else if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
@@ -291,7 +363,17 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     uint8_t* stage;
     // Uniform across the CTA: vector loads/stores, no bounds checks.
     const bool full = whole(tile);
-    if constexpr (kPipelined) {
+    if constexpr (kBulk) {
+      // Tile k's stage is k % 2 and its barrier's phase parity (k / 2) % 2.
+      __syncthreads();  // every thread is done with tile k-1, whose stage is refilled now
+      if (warp == 0 && k + 1 < count) {
+        IssueTileBulk<D>(smem + ((k + 1) & 1) * Plan::kStageBytes, &full_bar[(k + 1) & 1], a,
+                         tile + gridDim.x);
+      }
+      while (!MbarTryWait(&full_bar[k & 1], (k >> 1) & 1)) {
+      }
+      stage = smem + (k & 1) * Plan::kStageBytes;
+    } else if constexpr (kPipelined) {
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
       if constexpr (kDyn) {
@@ -571,7 +653,8 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       }
     }
   }
-  if constexpr (kPipelined) CpAsyncWait<0>();  // nothing may stay in flight at exit
+  // Nothing may stay in flight at exit (kBulk: the last tile's copy was awaited).
+  if constexpr (kPipelined && !kBulk) CpAsyncWait<0>();
 }
 
 // ---- launch helpers -------------------------------------------------------------
@@ -657,16 +740,29 @@ cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
   return cudaSuccess;
 }
 
+// The persistent grid: one CTA per resident slot, or fewer. `balanced`
+// (LaunchTuning::balanced_grid): as few CTAs as give every CTA the same
+// number of tiles, ceil(tiles / resident), so that the last round of tiles
+// is not run by part of the grid only (4096 tiles on 264 slots: 256 CTAs of
+// 16 tiles instead of 136 of 16 and 128 of 15).
+int PersistentGrid(int64_t num_tiles, int64_t resident, bool balanced) {
+  if (num_tiles <= resident) return static_cast<int>(num_tiles);
+  if (!balanced) return static_cast<int>(resident);
+  const int64_t per_cta = (num_tiles + resident - 1) / resident;
+  return static_cast<int>((num_tiles + per_cta - 1) / per_cta);
+}
+
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
           int kOpt = 0>
-cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream) {
+cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream,
+                           bool balanced = false) {
   if constexpr ((kOpt & kOptDynamic) != 0) {
     QuantizeArgs dyn = args;
     cudaError_t err = StreamTileCounter(stream, &dyn.tile_counter);
     if (err != cudaSuccess) return err;
     if (dyn.tile_counter == nullptr) {  // no counter for this stream: the fixed share
       return LaunchQuantize<D, F, S, kRow, kCol, kPath, kStages, kOpt & ~kOptDynamic>(
-          args, ctas_per_sm, stream);
+          args, ctas_per_sm, stream, balanced);
     }
     auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kOpt>;
     constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
@@ -675,8 +771,7 @@ cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream
     err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
     if (err != cudaSuccess) return err;
     if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
-    const int64_t resident = static_cast<int64_t>(sms) * per_sm;
-    const int grid = static_cast<int>(dyn.num_tiles < resident ? dyn.num_tiles : resident);
+    const int grid = PersistentGrid(dyn.num_tiles, static_cast<int64_t>(sms) * per_sm, balanced);
     kernel<<<grid, kThreads, smem, stream>>>(dyn);
     return cudaGetLastError();
   }
@@ -687,8 +782,7 @@ cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream
   cudaError_t err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
   if (err != cudaSuccess) return err;
   if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
-  const int64_t resident = static_cast<int64_t>(sms) * per_sm;
-  const int grid = static_cast<int>(args.num_tiles < resident ? args.num_tiles : resident);
+  const int grid = PersistentGrid(args.num_tiles, static_cast<int64_t>(sms) * per_sm, balanced);
   kernel<<<grid, kThreads, smem, stream>>>(args);
   return cudaGetLastError();
 }
@@ -786,27 +880,31 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
         auto by_path = [&](auto row, auto col) -> cudaError_t {
           constexpr bool kRow = decltype(row)::value;
           constexpr bool kCol = decltype(col)::value;
+          const int per_sm = tuning.ctas_per_sm;
+          const bool bal = tuning.balanced_grid;
           if (mixed) {
-            return LaunchQuantize<D, F, S, kRow, kCol, kPathMixed, 2>(args, tuning.ctas_per_sm,
-                                                                      stream);
+            return LaunchQuantize<D, F, S, kRow, kCol, kPathMixed, 2>(args, per_sm, stream, bal);
           }
           if (!aligned) {
-            return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream);
+            return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream, bal);
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow) {
             if (tuning.stages != 3 && tuning.dynamic_tiles) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptDynamic>(
-                  args, tuning.ctas_per_sm, stream);
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptDynamic>(args, per_sm,
+                                                                                       stream, bal);
+            }
+            if (tuning.stages != 3 && tuning.bulk_loads) {
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptBulkLoad>(
+                  args, per_sm, stream, bal);
             }
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, tuning.ctas_per_sm,
-                                                                          stream);
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, per_sm, stream,
+                                                                          bal);
             }
           }
-          return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2>(args, tuning.ctas_per_sm,
-                                                                      stream);
+          return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2>(args, per_sm, stream, bal);
         };
         switch (usage) {
           case 1:

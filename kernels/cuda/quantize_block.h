@@ -46,13 +46,19 @@ namespace detail {
 // the default evict-first (st.global.cs) ones; `dynamic_tiles` (issue 16's experiment; BF16 input,
 // E4M3 output, the rowwise copy requested, the aligned path at 2 stages, ignored otherwise) = CTAs
 // take their next tile from a per-stream atomic counter instead of the fixed share b, b + grid, ...
-// (no tail of unequal finishing times). Results are identical for every setting. Not part of the
-// stable API.
+// (no tail of unequal finishing times); `balanced_grid` = the persistent grid shrunk to as few
+// CTAs as give each the same number of tiles (every path); `bulk_loads` (issue 16's experiment,
+// the same cases as dynamic_tiles, which wins when both are set) = the aligned path loads each
+// input tile with Hopper's bulk copy engine (cp.async.bulk, one copy per tile row, completion on
+// a shared-memory mbarrier) instead of 16-byte cp.async per thread. Results are identical for
+// every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool l2_outputs = false;
   bool dynamic_tiles = false;
+  bool balanced_grid = false;
+  bool bulk_loads = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

@@ -469,7 +469,8 @@ struct PackedOutputs {
 };
 
 // The same results whatever the launch shape: every tuned launch (3 stages,
-// 1 CTA per SM, plain instead of evict-first stores, the atomic tile counter)
+// 1 CTA per SM, plain instead of evict-first stores, the atomic tile counter,
+// the balanced grid, the bulk copy engine's loads)
 // equals the CPU reference
 // byte for byte, rowwise + columnwise and rowwise only. 8192x4096 gives every
 // CTA of the persistent grid many tiles, so the shared-memory stage ring wraps
@@ -500,7 +501,11 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
               detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
               detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
-              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true}}) {
+              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true},
+              detail::LaunchTuning{0, 0, false, false, true},
+              detail::LaunchTuning{0, 0, false, false, false, true},
+              detail::LaunchTuning{0, 1, false, false, false, true},
+              detail::LaunchTuning{0, 0, true, false, true, true}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -510,7 +515,9 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
           EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
                                   << (col ? " row+col" : " row") << " stages " << tuning.stages
                                   << " ctas/SM " << tuning.ctas_per_sm << " l2_outputs "
-                                  << tuning.l2_outputs << " dynamic " << tuning.dynamic_tiles;
+                                  << tuning.l2_outputs << " dynamic " << tuning.dynamic_tiles
+                                  << " balanced " << tuning.balanced_grid << " bulk "
+                                  << tuning.bulk_loads;
         }
       }
   }
