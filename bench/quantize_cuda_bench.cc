@@ -209,7 +209,8 @@ int main(int argc, char** argv) {
                               {"dynamic", {0, 0, false, true}},
                               {"balanced", {0, 0, false, false, true}},
                               {"bulk", {0, 0, false, false, false, true}},
-                              {"bulk_balanced", {0, 0, false, false, true, true}}};
+                              {"bulk_balanced", {0, 0, false, false, true, true}},
+                              {"ctas3", {0, 0, false, false, false, false, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -281,7 +282,8 @@ int main(int argc, char** argv) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
-                                    !t.dynamic_tiles && !t.balanced_grid && !t.bulk_loads;
+                                    !t.dynamic_tiles && !t.balanced_grid && !t.bulk_loads &&
+                                    !t.three_ctas;
             // Variants: row+col and row of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
                 (!u.row || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {

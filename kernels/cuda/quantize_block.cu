@@ -3,6 +3,7 @@
 // (ComputeScale / ScaleInv: IEEE division, never fast-math); the FP32 -> FP8
 // cast is the hardware cvt.rn.satfinite, which equals EncodeFp8 bit for bit
 // (tests/kernels/cuda prove it over every BF16 and every FP32 pattern).
+#include <cuda.h>  // CUtensorMap and its enums (types only: no driver library is linked)
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -70,14 +71,17 @@ __device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void FenceProxyAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-__device__ __forceinline__ void BulkCopyG2S(void* smem_dst, const void* gmem_src, uint32_t bytes,
-                                            uint64_t* bar) {
+// One 2-D box of the tensor map `tmap` (a __grid_constant__ kernel parameter)
+// at element coordinates (x = column, y = row) into shared memory.
+__device__ __forceinline__ void TensorCopyG2S(void* smem_dst, const void* tmap, int32_t x,
+                                              int32_t y, uint64_t* bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(SmemAddr(smem_dst)),
-      "l"(gmem_src), "r"(bytes), "r"(SmemAddr(bar))
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(SmemAddr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(x), "r"(y), "r"(SmemAddr(bar))
       : "memory");
 }
+
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -100,6 +104,7 @@ struct QuantizeArgs {
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
   uint32_t* tile_counter;    // kOptDynamic: this stream's tile counter (0 between launches)
+  CUtensorMap tmap;          // kOptBulkLoad: the input as a 2-D tensor of 128 x 128 boxes
 };
 
 // How a launch loads and stores its tiles.
@@ -132,8 +137,13 @@ __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile,
 
 // Experiment of the aligned path (LaunchTuning::dynamic_tiles, BF16 -> E4M3, 2 stages): the bit
 // of the kernel's kOpt.
-constexpr int kOptDynamic = 1;   // tiles from an atomic counter, not the fixed share per CTA
-constexpr int kOptBulkLoad = 2;  // tile loads by the bulk copy engine, not cp.async per thread
+constexpr int kOptDynamic = 1;    // tiles from an atomic counter, not the fixed share per CTA
+constexpr int kOptBulkLoad = 2;   // tile loads by the bulk copy engine, not cp.async per thread
+constexpr int kOptThreeCtas = 4;  // registers capped for 3 resident CTAs per SM, not 2
+
+// Resident CTAs per SM that a kernel's registers are capped for.
+template <InputDType D, int kOpt>
+constexpr int kMinCtas = (kOpt & kOptThreeCtas) != 0 ? 3 : (kElemBytes<D> == 2 ? 2 : 1);
 
 template <typename T>
 __device__ __forceinline__ void StoreFp8(T* p, T v, bool streaming) {
@@ -173,27 +183,20 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
   }
 }
 
-// kOptBulkLoad: warp 0 starts the copy of one full input tile into a stage
-// (the same row-major layout as IssueTileCopy) as 128 row copies of the bulk
-// copy engine, lane l rows l, l + 32, ...; `bar` completes when all have
-// landed. Called by warp 0 only, after the barrier that frees the stage.
+// kOptBulkLoad: thread 0 starts the copy of one full input tile into a stage
+// (the same row-major layout as IssueTileCopy, 128 rows of 128 elements) as
+// one box of the tensor engine (a.tmap: the input as a 2-D tensor, 128 x 128
+// boxes, no swizzle); `bar` completes when it has landed. Called after the
+// barrier that frees the stage.
 template <InputDType D>
 __device__ __forceinline__ void IssueTileBulk(uint8_t* stage, uint64_t* bar, const QuantizeArgs& a,
                                               uint32_t tile) {
-  constexpr int kRowBytes = kTile * kElemBytes<D>;
-  const int lane = static_cast<int>(threadIdx.x);
-  FenceProxyAsyncShared();
-  if (lane == 0) MbarArriveExpectTx(bar, kTile * kRowBytes);
-  __syncwarp();
   int64_t tm, tn;
   TileCoords(a, tile, &tm, &tn);
-  const int64_t pitch = a.n * kElemBytes<D>;
-  const uint8_t* src = static_cast<const uint8_t*>(a.input) + (tm * kTile + lane) * pitch +
-                       (tn * kTile) * kElemBytes<D>;
-#pragma unroll
-  for (int k = 0; k < kTile / 32; ++k) {
-    BulkCopyG2S(stage + (lane + 32 * k) * kRowBytes, src + 32 * k * pitch, kRowBytes, bar);
-  }
+  FenceProxyAsyncShared();
+  MbarArriveExpectTx(bar, kTile * kTile * kElemBytes<D>);
+  TensorCopyG2S(stage, &a.tmap, static_cast<int32_t>(tn * kTile), static_cast<int32_t>(tm * kTile),
+                bar);
 }
 
 // Tail path: loads one tile synchronously, element by element, zero-filling
@@ -276,8 +279,8 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //   (the launcher gives each stream its own counter).
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
           int kOpt = 0>
-__global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
-    QuantizeBlockKernel(const QuantizeArgs a) {
+__global__ void __launch_bounds__(kThreads, kMinCtas<D, kOpt>)
+    QuantizeBlockKernel(const __grid_constant__ QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
@@ -286,12 +289,13 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   constexpr bool kBulk = (kOpt & kOptBulkLoad) != 0;
   static_assert(kOpt == 0 || (kPath == kPathAligned && kStages == 2),
                 "the experiments run on the aligned path at 2 stages");
-  static_assert(!(kDyn && kBulk), "the experiments run one at a time");
+  static_assert(!(kDyn && kBulk) && !(kOpt & kOptThreeCtas && kOpt != kOptThreeCtas),
+                "the experiments run one at a time");
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
 
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem[];  // 128: the tensor engine's stage alignment
   float* const red = reinterpret_cast<float*>(smem + Plan::kRedOffset);
   float* const col_scale_sm = reinterpret_cast<float*>(smem + Plan::kColScaleOffset);
 
@@ -330,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       MbarInit(&full_bar[1], 1);
     }
     __syncthreads();  // initialized before any thread waits or any copy completes
-    if (warp == 0 && count > 0) IssueTileBulk<D>(smem, &full_bar[0], a, blockIdx.x);
+    if (tid == 0 && count > 0) IssueTileBulk<D>(smem, &full_bar[0], a, blockIdx.x);
   } else if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
@@ -366,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     if constexpr (kBulk) {
       // Tile k's stage is k % 2 and its barrier's phase parity (k / 2) % 2.
       __syncthreads();  // every thread is done with tile k-1, whose stage is refilled now
-      if (warp == 0 && k + 1 < count) {
+      if (tid == 0 && k + 1 < count) {
         IssueTileBulk<D>(smem + ((k + 1) & 1) * Plan::kStageBytes, &full_bar[(k + 1) & 1], a,
                          tile + gridDim.x);
       }
@@ -787,6 +791,37 @@ cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream
   return cudaGetLastError();
 }
 
+// kOptBulkLoad: a->tmap = the BF16 input [m, n] as a 2-D tensor map of
+// 128 x 128 boxes (no swizzle, no interleave), encoded by the driver's
+// cuTensorMapEncodeTiled, found through the runtime (no link to libcuda).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+cudaError_t EncodeBf16InputMap(QuantizeArgs* a) {
+  static const EncodeTiledFn encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<EncodeTiledFn>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a->n), static_cast<cuuint64_t>(a->m)};
+  const cuuint64_t pitch[1] = {static_cast<cuuint64_t>(a->n) * 2};
+  const cuuint32_t box[2] = {kTile, kTile};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r =
+      encode(&a->tmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a->input), dims,
+             pitch, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <typename Fn>
 cudaError_t WithScaling(BlockScaling s, Fn&& fn) {
   switch (s) {
@@ -893,9 +928,16 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
               return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptDynamic>(args, per_sm,
                                                                                        stream, bal);
             }
-            if (tuning.stages != 3 && tuning.bulk_loads) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptBulkLoad>(
+            if (tuning.stages != 3 && tuning.three_ctas) {
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptThreeCtas>(
                   args, per_sm, stream, bal);
+            }
+            if (tuning.stages != 3 && tuning.bulk_loads) {
+              QuantizeArgs bulk = args;
+              const cudaError_t err = EncodeBf16InputMap(&bulk);
+              if (err != cudaSuccess) return err;
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptBulkLoad>(
+                  bulk, per_sm, stream, bal);
             }
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {

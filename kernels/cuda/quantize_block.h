@@ -49,9 +49,11 @@ namespace detail {
 // (no tail of unequal finishing times); `balanced_grid` = the persistent grid shrunk to as few
 // CTAs as give each the same number of tiles (every path); `bulk_loads` (issue 16's experiment,
 // the same cases as dynamic_tiles, which wins when both are set) = the aligned path loads each
-// input tile with Hopper's bulk copy engine (cp.async.bulk, one copy per tile row, completion on
-// a shared-memory mbarrier) instead of 16-byte cp.async per thread. Results are identical for
-// every setting. Not part of the stable API.
+// input tile with Hopper's tensor copy engine (one cp.async.bulk.tensor of a 128 x 128 box per
+// tile, completion on a shared-memory mbarrier) instead of 16-byte cp.async per thread;
+// `three_ctas` (the same cases; after dynamic_tiles, before bulk_loads) = the kernel compiled
+// for 3 resident CTAs per SM (at most 80 registers a thread) instead of 2. Results are
+// identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
@@ -59,6 +61,7 @@ struct LaunchTuning {
   bool dynamic_tiles = false;
   bool balanced_grid = false;
   bool bulk_loads = false;
+  bool three_ctas = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

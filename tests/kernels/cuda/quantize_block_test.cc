@@ -505,7 +505,8 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{0, 0, false, false, true},
               detail::LaunchTuning{0, 0, false, false, false, true},
               detail::LaunchTuning{0, 1, false, false, false, true},
-              detail::LaunchTuning{0, 0, true, false, true, true}}) {
+              detail::LaunchTuning{0, 0, true, false, true, true},
+              detail::LaunchTuning{0, 0, false, false, false, false, true}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -517,7 +518,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
                                   << " ctas/SM " << tuning.ctas_per_sm << " l2_outputs "
                                   << tuning.l2_outputs << " dynamic " << tuning.dynamic_tiles
                                   << " balanced " << tuning.balanced_grid << " bulk "
-                                  << tuning.bulk_loads;
+                                  << tuning.bulk_loads << " 3 CTAs " << tuning.three_ctas;
         }
       }
   }
