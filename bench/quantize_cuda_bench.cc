@@ -210,7 +210,9 @@ int main(int argc, char** argv) {
                               {"balanced", {0, 0, false, false, true}},
                               {"bulk", {0, 0, false, false, false, true}},
                               {"bulk_balanced", {0, 0, false, false, true, true}},
-                              {"ctas3", {0, 0, false, false, false, false, true}}};
+                              {"ctas3", {0, 0, false, false, false, false, true}},
+                              {"dyn_tail", {0, 0, false, true, false, false, false, 85}},
+                              {"dyn_tail70", {0, 0, false, true, false, false, false, 70}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2

@@ -52,7 +52,10 @@ namespace detail {
 // input tile with Hopper's tensor copy engine (one cp.async.bulk.tensor of a 128 x 128 box per
 // tile, completion on a shared-memory mbarrier) instead of 16-byte cp.async per thread;
 // `three_ctas` (the same cases; after dynamic_tiles, before bulk_loads) = the kernel compiled
-// for 3 resident CTAs per SM (at most 80 registers a thread) instead of 2. Results are
+// for 3 resident CTAs per SM (at most 80 registers a thread) instead of 2; `dynamic_static_pct`
+// (with dynamic_tiles) = the share of the tiles, in percent, that CTAs take in the fixed order
+// b, b + grid, ... (whole rounds, at least the first) before they draw the rest from the counter.
+// Results are
 // identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
@@ -62,6 +65,7 @@ struct LaunchTuning {
   bool balanced_grid = false;
   bool bulk_loads = false;
   bool three_ctas = false;
+  int dynamic_static_pct = 0;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

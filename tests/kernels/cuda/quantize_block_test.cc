@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -506,7 +507,10 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{0, 0, false, false, false, true},
               detail::LaunchTuning{0, 1, false, false, false, true},
               detail::LaunchTuning{0, 0, true, false, true, true},
-              detail::LaunchTuning{0, 0, false, false, false, false, true}}) {
+              detail::LaunchTuning{0, 0, false, false, false, false, true},
+              detail::LaunchTuning{0, 0, false, true, false, false, false, 85},
+              detail::LaunchTuning{0, 1, false, true, false, false, false, 50},
+              detail::LaunchTuning{0, 0, false, true, true, false, false, 100}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -518,7 +522,8 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
                                   << " ctas/SM " << tuning.ctas_per_sm << " l2_outputs "
                                   << tuning.l2_outputs << " dynamic " << tuning.dynamic_tiles
                                   << " balanced " << tuning.balanced_grid << " bulk "
-                                  << tuning.bulk_loads << " 3 CTAs " << tuning.three_ctas;
+                                  << tuning.bulk_loads << " 3 CTAs " << tuning.three_ctas
+                                  << " static % " << tuning.dynamic_static_pct;
         }
       }
   }
@@ -547,10 +552,14 @@ TEST(QuantizeBlockCuda, DynamicTileCounterRepeatsAndStreamsMatchCpuReference) {
     auto pack = [&packed](uint8_t* base) { return packed.At(base); };
     std::vector<uint8_t> ref(bytes, 0x55);
     cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
-    for (const int ctas_per_sm : {0, 1}) {  // 1: twice the tiles per CTA
+    // ctas_per_sm 1: twice the tiles per CTA; static_pct 85: most tiles in the fixed order, the
+    // rest drawn (the counter's last ticket is then another one).
+    for (const auto& [ctas_per_sm, static_pct] :
+         {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 85}, std::pair{1, 60}}) {
       detail::LaunchTuning tuning;
       tuning.dynamic_tiles = true;
       tuning.ctas_per_sm = ctas_per_sm;
+      tuning.dynamic_static_pct = static_pct;
       constexpr int kRepeats = 3;
       std::vector<DeviceBuffer> outs(2 * kRepeats + 1);
       for (auto& o : outs) {
@@ -580,7 +589,7 @@ TEST(QuantizeBlockCuda, DynamicTileCounterRepeatsAndStreamsMatchCpuReference) {
         std::vector<uint8_t> got(bytes);
         QTX_CUDA_ASSERT(cudaMemcpy(got.data(), outs[i].get(), bytes, cudaMemcpyDeviceToHost));
         EXPECT_TRUE(got == ref) << (s == BlockScaling::kBlock1D ? "1d" : "2d") << " ctas/SM "
-                                << ctas_per_sm << " output " << i
+                                << ctas_per_sm << " static % " << static_pct << " output " << i
                                 << (i + 1 == outs.size() ? " (graph)" : " (stream launch)");
       }
     }
