@@ -199,20 +199,13 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
   };
-  // dynamic, balanced, bulk: issue 16's experiments, kernels/cuda/quantize_block.h LaunchTuning
-  // (dynamic_tiles: tiles from an atomic counter instead of a fixed share per CTA; balanced_grid:
-  // the same number of tiles for every CTA; bulk_loads: tile loads by the bulk copy engine).
+  // fixed: kernels/cuda/quantize_block.h LaunchTuning::fixed_tiles (CTA b takes tiles b,
+  // b + grid, ... instead of drawing them from the stream's tile counter).
   const Variant variants[] = {{"default", {}},
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
                               {"l2_outputs", {0, 0, true}},
-                              {"dynamic", {0, 0, false, true}},
-                              {"balanced", {0, 0, false, false, true}},
-                              {"bulk", {0, 0, false, false, false, true}},
-                              {"bulk_balanced", {0, 0, false, false, true, true}},
-                              {"ctas3", {0, 0, false, false, false, false, true}},
-                              {"dyn_tail", {0, 0, false, true, false, false, false, 85}},
-                              {"dyn_tail70", {0, 0, false, true, false, false, false, 70}}};
+                              {"fixed", {0, 0, false, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -283,9 +276,8 @@ int main(int argc, char** argv) {
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
-            const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
-                                    !t.dynamic_tiles && !t.balanced_grid && !t.bulk_loads &&
-                                    !t.three_ctas;
+            const bool is_default =
+                t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs && !t.fixed_tiles;
             // Variants: row+col and row of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
                 (!u.row || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {

@@ -3,7 +3,6 @@
 // (ComputeScale / ScaleInv: IEEE division, never fast-math); the FP32 -> FP8
 // cast is the hardware cvt.rn.satfinite, which equals EncodeFp8 bit for bit
 // (tests/kernels/cuda prove it over every BF16 and every FP32 pattern).
-#include <cuda.h>  // CUtensorMap and its enums (types only: no driver library is linked)
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -11,6 +10,8 @@
 #include <cstdint>
 #include <mutex>
 #include <type_traits>
+#include <unordered_map>
+#include <vector>
 
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/device_fp8.cuh"
@@ -41,47 +42,6 @@ __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src) 
                "l"(gmem_src));
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Hopper's bulk copy engine (kOptBulkLoad): a shared-memory mbarrier counts
-// the bytes that cp.async.bulk copies deliver (complete_tx) against the count
-// announced by one arrive.expect_tx; its phase completes when both are done.
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(arrivals)
-               : "memory");
-}
-__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile(
-      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
-          SmemAddr(bar)),
-      "r"(bytes)
-      : "memory");
-}
-__device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(SmemAddr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// Shared memory that generic-proxy code used (read, or wrote the transposed
-// tile into) is next written by the async proxy: order the two.
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// One 2-D box of the tensor map `tmap` (a __grid_constant__ kernel parameter)
-// at element coordinates (x = column, y = row) into shared memory.
-__device__ __forceinline__ void TensorCopyG2S(void* smem_dst, const void* tmap, int32_t x,
-                                              int32_t y, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(SmemAddr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(x), "r"(y), "r"(SmemAddr(bar))
-      : "memory");
-}
-
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -103,8 +63,7 @@ struct QuantizeArgs {
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
-  uint32_t* tile_counter;    // kOptDynamic: this stream's tile counter (0 between launches)
-  CUtensorMap tmap;          // kOptBulkLoad: the input as a 2-D tensor of 128 x 128 boxes
+  uint32_t* tile_counter;    // this stream's tile counter (0 between launches), or null
 };
 
 // How a launch loads and stores its tiles.
@@ -134,16 +93,6 @@ __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile,
   *tm = r;
   *tn = tile - r * nb;
 }
-
-// Experiment of the aligned path (LaunchTuning::dynamic_tiles, BF16 -> E4M3, 2 stages): the bit
-// of the kernel's kOpt.
-constexpr int kOptDynamic = 1;    // tiles from an atomic counter, not the fixed share per CTA
-constexpr int kOptBulkLoad = 2;   // tile loads by the bulk copy engine, not cp.async per thread
-constexpr int kOptThreeCtas = 4;  // registers capped for 3 resident CTAs per SM, not 2
-
-// Resident CTAs per SM that a kernel's registers are capped for.
-template <InputDType D, int kOpt>
-constexpr int kMinCtas = (kOpt & kOptThreeCtas) != 0 ? 3 : (kElemBytes<D> == 2 ? 2 : 1);
 
 template <typename T>
 __device__ __forceinline__ void StoreFp8(T* p, T v, bool streaming) {
@@ -181,22 +130,6 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
   for (int k = 0; k < kChunks / kThreads; ++k) {
     CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
   }
-}
-
-// kOptBulkLoad: thread 0 starts the copy of one full input tile into a stage
-// (the same row-major layout as IssueTileCopy, 128 rows of 128 elements) as
-// one box of the tensor engine (a.tmap: the input as a 2-D tensor, 128 x 128
-// boxes, no swizzle); `bar` completes when it has landed. Called after the
-// barrier that frees the stage.
-template <InputDType D>
-__device__ __forceinline__ void IssueTileBulk(uint8_t* stage, uint64_t* bar, const QuantizeArgs& a,
-                                              uint32_t tile) {
-  int64_t tm, tn;
-  TileCoords(a, tile, &tm, &tn);
-  FenceProxyAsyncShared();
-  MbarArriveExpectTx(bar, kTile * kTile * kElemBytes<D>);
-  TensorCopyG2S(stage, &a.tmap, static_cast<int32_t>(tn * kTile), static_cast<int32_t>(tm * kTile),
-                bar);
 }
 
 // Tail path: loads one tile synchronously, element by element, zero-filling
@@ -268,34 +201,40 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
 // real entry of that scale row.
 //
-// kOpt (an experiment, aligned path at 2 stages only; 0 = the kernel above):
-// * kOptDynamic: CTA b starts with tile b; every further tile is grid + a ticket that thread 0
-//   draws from a.tile_counter (atomicAdd). Thread 0 draws the ticket of tile k + 2 at the top of
-//   iteration k, as soon as it knows that tile k + 1 exists, ahead of the iteration's loads, and
-//   publishes it through tile_slot at the top of iteration k + 1, before the barrier that makes it
-//   visible: the atomic has a whole tile's time to return. A CTA stops drawing after its first
-//   ticket past the end, so a launch draws exactly num_tiles tickets; the draw of ticket
-//   num_tiles - 1 is the last one and resets the counter to 0 for the next launch on this stream
-//   (the launcher gives each stream its own counter).
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          int kOpt = 0>
-__global__ void __launch_bounds__(kThreads, kMinCtas<D, kOpt>)
-    QuantizeBlockKernel(const __grid_constant__ QuantizeArgs a) {
+// Tile order. The persistent grid's CTAs share the tiles one of two ways:
+// * the fixed share: CTA b takes tiles b, b + grid, b + 2 grid, ...;
+// * drawn tiles (a.tile_counter set; the pipelined paths at 2 stages): CTA b
+//   starts with tile b; every further tile is grid + a ticket that thread 0
+//   draws from the counter (atomicAdd), so that a CTA on an SM that runs
+//   faster (nearer its data's half of the L2, say) takes more tiles and all
+//   finish together. Thread 0 draws the ticket of tile k + 2 at the top of
+//   iteration k, as soon as it knows that tile k + 1 exists, ahead of the
+//   iteration's loads, and publishes it through tile_slot at the top of
+//   iteration k + 1, before the barrier that makes it visible: the atomic has
+//   a whole tile's time to return. A CTA stops drawing after its first ticket
+//   past the end, so a launch draws exactly num_tiles tickets; the draw of
+//   ticket num_tiles - 1 is the last one and resets the counter to 0 for the
+//   next launch on this stream (the launcher gives each stream its own
+//   counter).
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+__global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
+    QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
-  constexpr bool kDyn = (kOpt & kOptDynamic) != 0;
-  constexpr bool kBulk = (kOpt & kOptBulkLoad) != 0;
-  static_assert(kOpt == 0 || (kPath == kPathAligned && kStages == 2),
-                "the experiments run on the aligned path at 2 stages");
-  static_assert(!(kDyn && kBulk) && !(kOpt & kOptThreeCtas && kOpt != kOptThreeCtas),
-                "the experiments run one at a time");
+  // Drawn tiles (uniform across the grid): their stage of tile k is k % 2.
+  const bool dyn = kPipelined && kStages == 2 && a.tile_counter != nullptr;
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
 
-  extern __shared__ __align__(128) uint8_t smem[];  // 128: the tensor engine's stage alignment
+  // 128-byte aligned stages: the static tile_slot below would otherwise put
+  // the dynamic shared memory 16 bytes past a 128-byte boundary, and then the
+  // L2 sees each 128-byte line of a warp's cp.async loads as three requests
+  // for twice its sectors (ncu, 8192^2: 8.4 M read sectors instead of the
+  // input's 4.2 M; bench/results/quantize_cuda_h200_session11_2026-12-02.md).
+  extern __shared__ __align__(128) uint8_t smem[];
   float* const red = reinterpret_cast<float*>(smem + Plan::kRedOffset);
   float* const col_scale_sm = reinterpret_cast<float*>(smem + Plan::kColScaleOffset);
 
@@ -304,9 +243,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D, kOpt>)
   const int q = tid >> 4, v = tid & 15;
   const uint32_t num_tiles = static_cast<uint32_t>(a.num_tiles);
   const uint32_t count = (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
-  __shared__ uint32_t tile_slot[2];  // kDyn: tile of iteration k + 1 in slot (k + 1) % 2
-  uint32_t next_tile = 0;            // kDyn: the tile of the next iteration
-  uint32_t ticket = 0;               // kDyn, thread 0: the last ticket drawn ...
+  __shared__ uint32_t tile_slot[2];  // dyn: tile of iteration k + 1 in slot (k + 1) % 2
+  uint32_t next_tile = 0;            // dyn: the tile of the next iteration
+  uint32_t ticket = 0;               // dyn, thread 0: the last ticket drawn ...
   bool fetched = false;              // ... and not yet published (at most one)
 
   // Whether a tile lies wholly inside the tensor (constant but for kPathMixed).
@@ -321,21 +260,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D, kOpt>)
       return tm < a.full_mb && tn < a.full_nb;
     }
   };
-  if constexpr (kDyn) {
-    if (tid == 0) {  // the ticket of tile 1, ahead of the loads of tile 0
-      ticket = atomicAdd(a.tile_counter, 1u);
-      fetched = true;
-    }
+  if (dyn && tid == 0) {  // the ticket of tile 1, ahead of the loads of tile 0
+    ticket = atomicAdd(a.tile_counter, 1u);
+    fetched = true;
   }
-  __shared__ __align__(8) uint64_t full_bar[2];  // kBulk: stage s's tile has landed
-  if constexpr (kBulk) {
-    if (tid == 0) {
-      MbarInit(&full_bar[0], 1);
-      MbarInit(&full_bar[1], 1);
-    }
-    __syncthreads();  // initialized before any thread waits or any copy completes
-    if (tid == 0 && count > 0) IssueTileBulk<D>(smem, &full_bar[0], a, blockIdx.x);
-  } else if constexpr (kPipelined) {
+  if constexpr (kPipelined) {
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
@@ -345,8 +274,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D, kOpt>)
   }
 
   uint32_t tile = blockIdx.x;
-  for (uint32_t k = 0; kDyn || k < count; ++k) {
-    if constexpr (kDyn) {
+  for (uint32_t k = 0; dyn || k < count; ++k) {
+    if (dyn) {
       if (k > 0) {
         if (next_tile >= num_tiles) break;  // uniform: read by every thread after a barrier
         tile = next_tile;
@@ -367,22 +296,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D, kOpt>)
     uint8_t* stage;
     // Uniform across the CTA: vector loads/stores, no bounds checks.
     const bool full = whole(tile);
-    if constexpr (kBulk) {
-      // Tile k's stage is k % 2 and its barrier's phase parity (k / 2) % 2.
-      __syncthreads();  // every thread is done with tile k-1, whose stage is refilled now
-      if (tid == 0 && k + 1 < count) {
-        IssueTileBulk<D>(smem + ((k + 1) & 1) * Plan::kStageBytes, &full_bar[(k + 1) & 1], a,
-                         tile + gridDim.x);
-      }
-      while (!MbarTryWait(&full_bar[k & 1], (k >> 1) & 1)) {
-      }
-      stage = smem + (k & 1) * Plan::kStageBytes;
-    } else if constexpr (kPipelined) {
+    if constexpr (kPipelined) {
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
-      if constexpr (kDyn) {
+      if (dyn) {
         next_tile = tile_slot[(k + 1) & 1];
-        if (next_tile < num_tiles) {
+        if (next_tile < num_tiles && whole(next_tile)) {
           IssueTileCopy<D>(smem + ((k + 1) & 1) * Plan::kStageBytes, a, next_tile);
         }
       } else if (k + kStages - 1 < count) {
@@ -657,8 +576,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D, kOpt>)
       }
     }
   }
-  // Nothing may stay in flight at exit (kBulk: the last tile's copy was awaited).
-  if constexpr (kPipelined && !kBulk) CpAsyncWait<0>();
+  if constexpr (kPipelined) CpAsyncWait<0>();  // nothing may stay in flight at exit
 }
 
 // ---- launch helpers -------------------------------------------------------------
@@ -693,18 +611,27 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   return cudaSuccess;
 }
 
-// kOptDynamic's tile counters: one 4-byte counter per (device, stream), so that launches that may
-// run at the same time never share one (each launch leaves its counter at 0). A stream is known by
-// cudaStreamGetId; kCounterSlots streams per device get a counter, and a launch that finds no
-// free slot, or a stream under graph capture (a graph may be replayed on any stream), gets null
-// and runs the fixed tile share instead.
-constexpr int kCounterSlots = 64;
+// The tile counters of drawn tiles: one 4-byte device word per (device,
+// stream), so that launches that may run at the same time never share one
+// (each launch leaves its counter at 0). A stream is known by cudaStreamGetId;
+// kCounterSlots streams per device hold a counter at a time, and
+// ForgetStreamTileCounter frees a stream's. A launch that finds no free slot,
+// or a stream under graph capture (a graph may be replayed on any stream),
+// gets null and runs the fixed tile share instead: the same bytes, a few
+// percent slower on large tensors.
+constexpr int kCounterSlots = 1024;
 struct CounterPool {
   std::mutex mu;
-  uint32_t* counters = nullptr;  // kCounterSlots device words
-  int used = 0;
-  unsigned long long ids[kCounterSlots] = {};
+  uint32_t* counters = nullptr;                         // kCounterSlots device words
+  std::unordered_map<unsigned long long, int> slot_of;  // stream id -> slot
+  std::vector<int> free_slots;                          // freed slots, reused first
+  int used = 0;                                         // slots handed out ever
 };
+
+CounterPool* DevicePool(int dev) {
+  static CounterPool pools[kMaxDevices];
+  return dev >= 0 && dev < kMaxDevices ? &pools[dev] : nullptr;
+}
 
 cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
   *counter = nullptr;
@@ -715,111 +642,64 @@ cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
   int dev = 0;
   err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= kMaxDevices) return cudaSuccess;
+  CounterPool* const pool = DevicePool(dev);
+  if (pool == nullptr) return cudaSuccess;
   unsigned long long id = 0;
   if (cudaStreamGetId(stream, &id) != cudaSuccess) {
     (void)cudaGetLastError();  // not a sticky error: no id, no counter
     return cudaSuccess;
   }
-  static CounterPool pools[kMaxDevices];
-  CounterPool& pool = pools[dev];
-  std::lock_guard<std::mutex> lock(pool.mu);
-  for (int i = 0; i < pool.used; ++i) {
-    if (pool.ids[i] == id) {
-      *counter = pool.counters + i;
-      return cudaSuccess;
-    }
+  std::lock_guard<std::mutex> lock(pool->mu);
+  if (const auto it = pool->slot_of.find(id); it != pool->slot_of.end()) {
+    *counter = pool->counters + it->second;
+    return cudaSuccess;
   }
-  if (pool.used == kCounterSlots) return cudaSuccess;
-  if (pool.counters == nullptr) {
-    err = cudaMalloc(&pool.counters, kCounterSlots * sizeof(uint32_t));
+  if (pool->free_slots.empty() && pool->used == kCounterSlots) return cudaSuccess;
+  if (pool->counters == nullptr) {
+    err = cudaMalloc(&pool->counters, kCounterSlots * sizeof(uint32_t));
     if (err != cudaSuccess) return err;
   }
-  uint32_t* const c = pool.counters + pool.used;
+  int slot;
+  if (!pool->free_slots.empty()) {
+    slot = pool->free_slots.back();
+  } else {
+    slot = pool->used;
+  }
+  uint32_t* const c = pool->counters + slot;
   // Zeroed in the stream's own order, before its first launch that uses it.
   err = cudaMemsetAsync(c, 0, sizeof(uint32_t), stream);
   if (err != cudaSuccess) return err;
-  pool.ids[pool.used++] = id;
+  if (!pool->free_slots.empty()) {
+    pool->free_slots.pop_back();
+  } else {
+    ++pool->used;
+  }
+  pool->slot_of.emplace(id, slot);
   *counter = c;
   return cudaSuccess;
 }
 
-// The persistent grid: one CTA per resident slot, or fewer. `balanced`
-// (LaunchTuning::balanced_grid): as few CTAs as give every CTA the same
-// number of tiles, ceil(tiles / resident), so that the last round of tiles
-// is not run by part of the grid only (4096 tiles on 264 slots: 256 CTAs of
-// 16 tiles instead of 136 of 16 and 128 of 15).
-int PersistentGrid(int64_t num_tiles, int64_t resident, bool balanced) {
-  if (num_tiles <= resident) return static_cast<int>(num_tiles);
-  if (!balanced) return static_cast<int>(resident);
-  const int64_t per_cta = (num_tiles + resident - 1) / resident;
-  return static_cast<int>((num_tiles + per_cta - 1) / per_cta);
-}
-
-template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          int kOpt = 0>
-cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, cudaStream_t stream,
-                           bool balanced = false) {
-  if constexpr ((kOpt & kOptDynamic) != 0) {
-    QuantizeArgs dyn = args;
-    cudaError_t err = StreamTileCounter(stream, &dyn.tile_counter);
-    if (err != cudaSuccess) return err;
-    if (dyn.tile_counter == nullptr) {  // no counter for this stream: the fixed share
-      return LaunchQuantize<D, F, S, kRow, kCol, kPath, kStages, kOpt & ~kOptDynamic>(
-          args, ctas_per_sm, stream, balanced);
-    }
-    auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kOpt>;
-    constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
-    static std::atomic<int> cache[kMaxDevices];
-    int sms = 0, per_sm = 0;
-    err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
-    if (err != cudaSuccess) return err;
-    if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
-    const int grid = PersistentGrid(dyn.num_tiles, static_cast<int64_t>(sms) * per_sm, balanced);
-    kernel<<<grid, kThreads, smem, stream>>>(dyn);
-    return cudaGetLastError();
-  }
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kOpt>;
+template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
+cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_tiles,
+                           cudaStream_t stream) {
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
   cudaError_t err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
   if (err != cudaSuccess) return err;
   if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
-  const int grid = PersistentGrid(args.num_tiles, static_cast<int64_t>(sms) * per_sm, balanced);
-  kernel<<<grid, kThreads, smem, stream>>>(args);
+  const int64_t resident = static_cast<int64_t>(sms) * per_sm;
+  const int grid = static_cast<int>(args.num_tiles < resident ? args.num_tiles : resident);
+  QuantizeArgs a = args;
+  a.tile_counter = nullptr;
+  // Drawn tiles where the kernel supports them and a CTA has more than one.
+  if (draw_tiles && kPath != kPathTail && kStages == 2 && a.num_tiles > resident) {
+    err = StreamTileCounter(stream, &a.tile_counter);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, kThreads, smem, stream>>>(a);
   return cudaGetLastError();
-}
-
-// kOptBulkLoad: a->tmap = the BF16 input [m, n] as a 2-D tensor map of
-// 128 x 128 boxes (no swizzle, no interleave), encoded by the driver's
-// cuTensorMapEncodeTiled, found through the runtime (no link to libcuda).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-cudaError_t EncodeBf16InputMap(QuantizeArgs* a) {
-  static const EncodeTiledFn encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return static_cast<EncodeTiledFn>(nullptr);
-    }
-    return reinterpret_cast<EncodeTiledFn>(fn);
-  }();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a->n), static_cast<cuuint64_t>(a->m)};
-  const cuuint64_t pitch[1] = {static_cast<cuuint64_t>(a->n) * 2};
-  const cuuint32_t box[2] = {kTile, kTile};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r =
-      encode(&a->tmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a->input), dims,
-             pitch, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 template <typename Fn>
@@ -889,7 +769,7 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   // GEMM or all-gather, not by this kernel (about 3% faster at 8192^2 on H200,
   // bench/results/quantize_cuda_h200_variants.jsonl).
   args.stream_stores = !tuning.l2_outputs;
-  args.tile_counter = nullptr;  // set per launch by kOptDynamic's launcher
+  args.tile_counter = nullptr;  // set per launch by LaunchQuantize
 
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&
                        (!params.rowwise || Aligned16(out.rowwise_data)) &&
@@ -916,37 +796,20 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           constexpr bool kRow = decltype(row)::value;
           constexpr bool kCol = decltype(col)::value;
           const int per_sm = tuning.ctas_per_sm;
-          const bool bal = tuning.balanced_grid;
+          const bool draw = !tuning.fixed_tiles;
           if (mixed) {
-            return LaunchQuantize<D, F, S, kRow, kCol, kPathMixed, 2>(args, per_sm, stream, bal);
+            return LaunchQuantize<D, F, S, kRow, kCol, kPathMixed, 2>(args, per_sm, draw, stream);
           }
           if (!aligned) {
-            return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, stream, bal);
-          }
-          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 && kRow) {
-            if (tuning.stages != 3 && tuning.dynamic_tiles) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptDynamic>(args, per_sm,
-                                                                                       stream, bal);
-            }
-            if (tuning.stages != 3 && tuning.three_ctas) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptThreeCtas>(
-                  args, per_sm, stream, bal);
-            }
-            if (tuning.stages != 3 && tuning.bulk_loads) {
-              QuantizeArgs bulk = args;
-              const cudaError_t err = EncodeBf16InputMap(&bulk);
-              if (err != cudaSuccess) return err;
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, kOptBulkLoad>(
-                  bulk, per_sm, stream, bal);
-            }
+            return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, false, stream);
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, per_sm, stream,
-                                                                          bal);
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, per_sm, false,
+                                                                          stream);
             }
           }
-          return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2>(args, per_sm, stream, bal);
+          return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2>(args, per_sm, draw, stream);
         };
         switch (usage) {
           case 1:
@@ -1017,6 +880,24 @@ __global__ void __launch_bounds__(256) DequantizeColumnwiseKernel(const DequantA
 }
 
 }  // namespace
+
+cudaError_t ForgetStreamTileCounter(cudaStream_t stream) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  CounterPool* const pool = DevicePool(dev);
+  unsigned long long id = 0;
+  if (pool == nullptr || cudaStreamGetId(stream, &id) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a sticky error: a stream without an id has no counter
+    return cudaSuccess;
+  }
+  std::lock_guard<std::mutex> lock(pool->mu);
+  if (const auto it = pool->slot_of.find(id); it != pool->slot_of.end()) {
+    pool->free_slots.push_back(it->second);
+    pool->slot_of.erase(it);
+  }
+  return cudaSuccess;
+}
 
 cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
                           const QuantizeParams& params, const QuantizedBuffers& out,

@@ -25,9 +25,24 @@ namespace qtx::kernels::cuda {
 // an unknown enum value, a
 // null buffer of a requested copy, or a negative / non-finite amax_epsilon;
 // otherwise the launch error, if any.
+//
+// Tensors of more 128x128 tiles than the GPU holds CTAs at once are spread
+// over the CTAs through a tile counter of `stream`'s own (4 bytes of device
+// memory, zeroed in the stream's order on its first use): a CTA that finishes
+// early takes the next tile. Up to 1024 streams per device hold a counter at a
+// time; later streams, and launches captured into a CUDA graph, share the
+// tiles in a fixed order instead (the same bytes, a few percent slower).
 cudaError_t QuantizeBlock(const void* input, InputDType dtype, int64_t m, int64_t n,
                           const QuantizeParams& params, const QuantizedBuffers& out,
                           cudaStream_t stream);
+
+// Frees `stream`'s tile counter (see QuantizeBlock) for another stream, on the
+// current device. Call it before destroying a stream that QuantizeBlock (or a
+// call built on it) used, once the stream's work has completed (e.g. after
+// cudaStreamSynchronize): a launch still queued on it would share the counter
+// with the next stream's and could skip tiles. A stream without a counter is
+// left alone.
+cudaError_t ForgetStreamTileCounter(cudaStream_t stream);
 
 // Dequantizes [m, n]: x = decode(q) * scale_inv in FP32, narrowed to
 // `out_dtype` (round to nearest even). Reads the rowwise copy when
@@ -43,29 +58,14 @@ namespace detail {
 // `stages` = shared-memory pipeline depth of the aligned path (2 or 3; only
 // BF16 input with E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
 // of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of
-// the default evict-first (st.global.cs) ones; `dynamic_tiles` (issue 16's experiment; BF16 input,
-// E4M3 output, the rowwise copy requested, the aligned path at 2 stages, ignored otherwise) = CTAs
-// take their next tile from a per-stream atomic counter instead of the fixed share b, b + grid, ...
-// (no tail of unequal finishing times); `balanced_grid` = the persistent grid shrunk to as few
-// CTAs as give each the same number of tiles (every path); `bulk_loads` (issue 16's experiment,
-// the same cases as dynamic_tiles, which wins when both are set) = the aligned path loads each
-// input tile with Hopper's tensor copy engine (one cp.async.bulk.tensor of a 128 x 128 box per
-// tile, completion on a shared-memory mbarrier) instead of 16-byte cp.async per thread;
-// `three_ctas` (the same cases; after dynamic_tiles, before bulk_loads) = the kernel compiled
-// for 3 resident CTAs per SM (at most 80 registers a thread) instead of 2; `dynamic_static_pct`
-// (with dynamic_tiles) = the share of the tiles, in percent, that CTAs take in the fixed order
-// b, b + grid, ... (whole rounds, at least the first) before they draw the rest from the counter.
-// Results are
-// identical for every setting. Not part of the stable API.
+// the default evict-first (st.global.cs) ones; `fixed_tiles` = CTA b takes tiles b, b + grid, ...
+// instead of drawing them from the stream's tile counter (the default; 3 stages always use the
+// fixed share). Results are identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool l2_outputs = false;
-  bool dynamic_tiles = false;
-  bool balanced_grid = false;
-  bool bulk_loads = false;
-  bool three_ctas = false;
-  int dynamic_static_pct = 0;
+  bool fixed_tiles = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

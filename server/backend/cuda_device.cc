@@ -198,7 +198,11 @@ CudaDevice::~CudaDevice() {
     for (auto& [size, p] : host_visible_free_) (void)cudaFreeHost(p);
     host_visible_free_.clear();
   }
-  for (cudaStream_t s : streams_) (void)cudaStreamDestroy(s);
+  for (cudaStream_t s : streams_) {
+    // Synchronized above: the quantize kernel's tile counter can serve another stream.
+    (void)kernels::cuda::ForgetStreamTileCounter(s);
+    (void)cudaStreamDestroy(s);
+  }
   if (pool_ != nullptr) {
     cudaMemPool_t current = nullptr, fallback = nullptr;
     if (cudaDeviceGetMemPool(&current, ordinal_) == cudaSuccess && current == pool_ &&
@@ -1003,7 +1007,10 @@ class CudaChannelQueue final : public ChannelQueue {
     }
     if (completion_.joinable()) completion_.join();
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
-    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    if (stream_ != nullptr) {
+      (void)kernels::cuda::ForgetStreamTileCounter(stream_);  // drained above
+      (void)cudaStreamDestroy(stream_);
+    }
     if (release_stream_ != nullptr) (void)cudaStreamDestroy(release_stream_);
     if (host_base_ != nullptr) (void)cudaHostUnregister(host_base_);
     (void)cudaGetLastError();
@@ -1233,7 +1240,9 @@ class CudaTransferPipeline final : public TransferPipeline {
     for (cudaEvent_t e : inbound_done_) (void)cudaEventDestroy(e);
     if (staging_ != nullptr) (void)cudaFreeHost(staging_);
     for (cudaStream_t s : {inbound_, outbound_}) {
-      if (s != nullptr) (void)cudaStreamDestroy(s);
+      if (s == nullptr) continue;
+      (void)kernels::cuda::ForgetStreamTileCounter(s);  // synchronized above
+      (void)cudaStreamDestroy(s);
     }
     (void)cudaGetLastError();
   }

@@ -15,7 +15,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -470,8 +469,7 @@ struct PackedOutputs {
 };
 
 // The same results whatever the launch shape: every tuned launch (3 stages,
-// 1 CTA per SM, plain instead of evict-first stores, the atomic tile counter,
-// the balanced grid, the bulk copy engine's loads)
+// 1 CTA per SM, plain instead of evict-first stores, the fixed tile share)
 // equals the CPU reference
 // byte for byte, rowwise + columnwise and rowwise only. 8192x4096 gives every
 // CTA of the persistent grid many tiles, so the shared-memory stage ring wraps
@@ -502,15 +500,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
               detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
               detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
-              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true},
-              detail::LaunchTuning{0, 0, false, false, true},
-              detail::LaunchTuning{0, 0, false, false, false, true},
-              detail::LaunchTuning{0, 1, false, false, false, true},
-              detail::LaunchTuning{0, 0, true, false, true, true},
-              detail::LaunchTuning{0, 0, false, false, false, false, true},
-              detail::LaunchTuning{0, 0, false, true, false, false, false, 85},
-              detail::LaunchTuning{0, 1, false, true, false, false, false, 50},
-              detail::LaunchTuning{0, 0, false, true, true, false, false, 100}}) {
+              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -520,81 +510,124 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
           EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
                                   << (col ? " row+col" : " row") << " stages " << tuning.stages
                                   << " ctas/SM " << tuning.ctas_per_sm << " l2_outputs "
-                                  << tuning.l2_outputs << " dynamic " << tuning.dynamic_tiles
-                                  << " balanced " << tuning.balanced_grid << " bulk "
-                                  << tuning.bulk_loads << " 3 CTAs " << tuning.three_ctas
-                                  << " static % " << tuning.dynamic_static_pct;
+                                  << tuning.l2_outputs << " fixed tiles " << tuning.fixed_tiles;
         }
       }
   }
 }
 
-// The atomic tile counter (LaunchTuning::dynamic_tiles) is left at 0 by every
+// The stream's tile counter (drawn tiles, the default) is left at 0 by every
 // launch and is per stream: three launches in a row on each of two streams,
 // enqueued together so that they can overlap, and a launch captured into a graph
-// (which falls back to the fixed tile share) all equal the CPU reference. A
-// counter that was not reset, or shared by the two streams, would skip tiles
-// and leave the 0x55 fill in the output.
-TEST(QuantizeBlockCuda, DynamicTileCounterRepeatsAndStreamsMatchCpuReference) {
-  const int64_t m = 4096, n = 6144;
-  const std::vector<uint8_t> input =
-      MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 11);
-  DeviceBuffer d_in(input.size());
-  QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
+// (which falls back to the fixed tile share) all equal the CPU reference, on the
+// aligned path and on the mixed one (edge tiles: 4001 x 6096). A counter that
+// was not reset, or shared by the two streams, would skip tiles and leave the
+// 0x55 fill in the output.
+TEST(QuantizeBlockCuda, TileCounterRepeatsStreamsAndGraphsMatchCpuReference) {
+  struct Dims {
+    int64_t m, n;
+  };
   cudaStream_t streams[2];
   for (auto& st : streams) QTX_CUDA_ASSERT(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
-    QuantizeParams p;
-    p.scaling = s;
-    p.rowwise = p.columnwise = true;
-    const PackedOutputs packed(ComputeLayout(s, m, n));
-    const size_t bytes = packed.bytes;
-    auto pack = [&packed](uint8_t* base) { return packed.At(base); };
-    std::vector<uint8_t> ref(bytes, 0x55);
-    cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
-    // ctas_per_sm 1: twice the tiles per CTA; static_pct 85: most tiles in the fixed order, the
-    // rest drawn (the counter's last ticket is then another one).
-    for (const auto& [ctas_per_sm, static_pct] :
-         {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 85}, std::pair{1, 60}}) {
-      detail::LaunchTuning tuning;
-      tuning.dynamic_tiles = true;
-      tuning.ctas_per_sm = ctas_per_sm;
-      tuning.dynamic_static_pct = static_pct;
-      constexpr int kRepeats = 3;
-      std::vector<DeviceBuffer> outs(2 * kRepeats + 1);
-      for (auto& o : outs) {
-        o.Resize(bytes);
-        QTX_CUDA_ASSERT(cudaMemset(o.get(), 0x55, bytes));
-      }
-      for (int r = 0; r < kRepeats; ++r) {
-        for (int k = 0; k < 2; ++k) {
-          QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
-                                                     pack(outs[2 * r + k].get<uint8_t>()), tuning,
-                                                     streams[k]));
+  for (const Dims d : {Dims{4096, 6144}, Dims{4001, 6096}}) {
+    const int64_t m = d.m, n = d.n;
+    const std::vector<uint8_t> input =
+        MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 11);
+    DeviceBuffer d_in(input.size());
+    QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
+    for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+      QuantizeParams p;
+      p.scaling = s;
+      p.rowwise = p.columnwise = true;
+      const PackedOutputs packed(ComputeLayout(s, m, n));
+      const size_t bytes = packed.bytes;
+      auto pack = [&packed](uint8_t* base) { return packed.At(base); };
+      std::vector<uint8_t> ref(bytes, 0x55);
+      cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
+      for (const int ctas_per_sm : {0, 1}) {  // 1: twice the tiles per CTA
+        detail::LaunchTuning tuning;
+        tuning.ctas_per_sm = ctas_per_sm;
+        constexpr int kRepeats = 3;
+        std::vector<DeviceBuffer> outs(2 * kRepeats + 1);
+        for (auto& o : outs) {
+          o.Resize(bytes);
+          QTX_CUDA_ASSERT(cudaMemset(o.get(), 0x55, bytes));
         }
-      }
-      cudaGraph_t graph = nullptr;
-      QTX_CUDA_ASSERT(cudaStreamBeginCapture(streams[0], cudaStreamCaptureModeThreadLocal));
-      QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
-                                                 pack(outs.back().get<uint8_t>()), tuning,
-                                                 streams[0]));
-      QTX_CUDA_ASSERT(cudaStreamEndCapture(streams[0], &graph));
-      cudaGraphExec_t exec = nullptr;
-      QTX_CUDA_ASSERT(cudaGraphInstantiate(&exec, graph, 0));
-      QTX_CUDA_ASSERT(cudaGraphLaunch(exec, streams[1]));
-      QTX_CUDA_ASSERT(cudaDeviceSynchronize());
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      for (size_t i = 0; i < outs.size(); ++i) {
-        std::vector<uint8_t> got(bytes);
-        QTX_CUDA_ASSERT(cudaMemcpy(got.data(), outs[i].get(), bytes, cudaMemcpyDeviceToHost));
-        EXPECT_TRUE(got == ref) << (s == BlockScaling::kBlock1D ? "1d" : "2d") << " ctas/SM "
-                                << ctas_per_sm << " static % " << static_pct << " output " << i
-                                << (i + 1 == outs.size() ? " (graph)" : " (stream launch)");
+        for (int r = 0; r < kRepeats; ++r) {
+          for (int k = 0; k < 2; ++k) {
+            QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
+                                                       pack(outs[2 * r + k].get<uint8_t>()), tuning,
+                                                       streams[k]));
+          }
+        }
+        cudaGraph_t graph = nullptr;
+        QTX_CUDA_ASSERT(cudaStreamBeginCapture(streams[0], cudaStreamCaptureModeThreadLocal));
+        QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
+                                                   pack(outs.back().get<uint8_t>()), tuning,
+                                                   streams[0]));
+        QTX_CUDA_ASSERT(cudaStreamEndCapture(streams[0], &graph));
+        cudaGraphExec_t exec = nullptr;
+        QTX_CUDA_ASSERT(cudaGraphInstantiate(&exec, graph, 0));
+        QTX_CUDA_ASSERT(cudaGraphLaunch(exec, streams[1]));
+        QTX_CUDA_ASSERT(cudaDeviceSynchronize());
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        for (size_t i = 0; i < outs.size(); ++i) {
+          std::vector<uint8_t> got(bytes);
+          QTX_CUDA_ASSERT(cudaMemcpy(got.data(), outs[i].get(), bytes, cudaMemcpyDeviceToHost));
+          EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
+                                  << " ctas/SM " << ctas_per_sm << " output " << i
+                                  << (i + 1 == outs.size() ? " (graph)" : " (stream launch)");
+        }
       }
     }
   }
-  for (auto& st : streams) QTX_CUDA_ASSERT(cudaStreamDestroy(st));
+  for (auto& st : streams) {
+    QTX_CUDA_ASSERT(ForgetStreamTileCounter(st));
+    QTX_CUDA_ASSERT(cudaStreamDestroy(st));
+  }
+}
+
+// More streams than there are tile counters (1024 per device): the streams
+// past the last free counter share their tiles in the fixed order, with the
+// same bytes; once forgotten, the counters serve new streams, again with the
+// same bytes. 2304 x 2048 has 288 tiles, more than the GPU holds CTAs at once
+// (132 SMs x 2), so every launch would draw tiles where it has a counter.
+TEST(QuantizeBlockCuda, MoreStreamsThanTileCountersAndForgottenCountersMatchCpuReference) {
+  const int64_t m = 2304, n = 2048;
+  const std::vector<uint8_t> input =
+      MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 17);
+  DeviceBuffer d_in(input.size());
+  QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
+  QuantizeParams p;
+  p.scaling = BlockScaling::kBlock1D;
+  p.rowwise = true;
+  p.columnwise = false;
+  const PackedOutputs packed(ComputeLayout(p.scaling, m, n));
+  const size_t bytes = packed.bytes;
+  auto pack = [&packed](uint8_t* base) { return packed.At(base); };
+  std::vector<uint8_t> ref(bytes, 0x55);
+  cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
+  DeviceBuffer out(bytes);
+  std::vector<uint8_t> got(bytes);
+  constexpr int kStreams = 1100;
+  std::vector<cudaStream_t> streams(kStreams);
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < kStreams; ++i) {
+      QTX_CUDA_ASSERT(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+      QTX_CUDA_ASSERT(cudaMemsetAsync(out.get(), 0x55, bytes, streams[i]));
+      QTX_CUDA_ASSERT(QuantizeBlock(d_in.get(), InputDType::kBFloat16, m, n, p,
+                                    pack(out.get<uint8_t>()), streams[i]));
+      QTX_CUDA_ASSERT(
+          cudaMemcpyAsync(got.data(), out.get(), bytes, cudaMemcpyDeviceToHost, streams[i]));
+      QTX_CUDA_ASSERT(cudaStreamSynchronize(streams[i]));
+      ASSERT_TRUE(got == ref) << "round " << round << " stream " << i;
+    }
+    for (cudaStream_t st : streams) {
+      QTX_CUDA_ASSERT(ForgetStreamTileCounter(st));
+      QTX_CUDA_ASSERT(cudaStreamDestroy(st));
+    }
+  }
 }
 
 TEST(QuantizeBlockCuda, ZeroElementTensorsLaunchNothingAndSucceed) {
