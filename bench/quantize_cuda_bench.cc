@@ -205,10 +205,7 @@ int main(int argc, char** argv) {
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
                               {"l2_outputs", {0, 0, true}},
-                              {"fixed", {0, 0, false, true}},
-                              {"band4", {0, 0, false, false, 4}},
-                              {"band8", {0, 0, false, false, 8}},
-                              {"band16", {0, 0, false, false, 16}}};
+                              {"fixed", {0, 0, false, true}}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -279,8 +276,8 @@ int main(int argc, char** argv) {
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
-            const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
-                                    !t.fixed_tiles && t.band_rows == 0;
+            const bool is_default =
+                t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs && !t.fixed_tiles;
             // Variants: row+col and row of the block kernels only (TENSOR has no knobs).
             if (!is_default &&
                 (!u.row || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {

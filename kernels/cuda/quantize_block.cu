@@ -64,7 +64,6 @@ struct QuantizeArgs {
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
   uint32_t* tile_counter;    // this stream's tile counter (0 between launches), or null
-  uint32_t band_rows;        // tile order (TileCoords): 0 or 1 row-major, else bands
 };
 
 // How a launch loads and stores its tiles.
@@ -85,26 +84,14 @@ struct SmemPlan {
   static constexpr int kBytes = kColScaleOffset + kColScaleSize;
 };
 
-// Tile order: row-major, or (a.band_rows > 1) bands of band_rows tile rows,
-// column by column inside a band (the last band may be shorter). Tile counts
-// fit in 32 bits (checked by the launcher): 32-bit divisions.
+// Row-major tile order. Tile counts fit in 32 bits (checked by the launcher),
+// so this is one 32-bit division.
 __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile, int64_t* tm,
                                            int64_t* tn) {
   const uint32_t nb = static_cast<uint32_t>(a.nb);
-  const uint32_t band = a.band_rows;
-  if (band <= 1) {
-    const uint32_t r = tile / nb;
-    *tm = r;
-    *tn = tile - r * nb;
-    return;
-  }
-  const uint32_t b = tile / (band * nb);
-  const uint32_t r0 = b * band;
-  const uint32_t rows = min(band, static_cast<uint32_t>(a.mb) - r0);
-  const uint32_t in = tile - r0 * nb;
-  const uint32_t c = in / rows;
-  *tm = r0 + (in - c * rows);
-  *tn = c;
+  const uint32_t r = tile / nb;
+  *tm = r;
+  *tn = tile - r * nb;
 }
 
 template <typename T>
@@ -783,7 +770,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   // bench/results/quantize_cuda_h200_variants.jsonl).
   args.stream_stores = !tuning.l2_outputs;
   args.tile_counter = nullptr;  // set per launch by LaunchQuantize
-  args.band_rows = tuning.band_rows > 1 ? static_cast<uint32_t>(tuning.band_rows) : 0;
 
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&
                        (!params.rowwise || Aligned16(out.rowwise_data)) &&

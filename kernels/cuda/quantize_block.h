@@ -60,15 +60,12 @@ namespace detail {
 // of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of
 // the default evict-first (st.global.cs) ones; `fixed_tiles` = CTA b takes tiles b, b + grid, ...
 // instead of drawing them from the stream's tile counter (the default; 3 stages always use the
-// fixed share); `band_rows` > 1 (issue 16's experiment) = tiles in bands of that many tile rows,
-// column by column inside a band, instead of row-major. Results are identical for every setting.
-// Not part of the stable API.
+// fixed share). Results are identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool l2_outputs = false;
   bool fixed_tiles = false;
-  int band_rows = 0;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

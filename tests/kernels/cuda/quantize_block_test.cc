@@ -500,10 +500,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
               detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
               detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
-              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true},
-              detail::LaunchTuning{0, 0, false, false, 8},
-              detail::LaunchTuning{0, 0, false, true, 3},
-              detail::LaunchTuning{0, 1, false, false, 5}}) {
+              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -513,8 +510,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
           EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
                                   << (col ? " row+col" : " row") << " stages " << tuning.stages
                                   << " ctas/SM " << tuning.ctas_per_sm << " l2_outputs "
-                                  << tuning.l2_outputs << " fixed tiles " << tuning.fixed_tiles
-                                  << " band rows " << tuning.band_rows;
+                                  << tuning.l2_outputs << " fixed tiles " << tuning.fixed_tiles;
         }
       }
   }
