@@ -17,10 +17,13 @@
 // forces the baseline AVX2 kernel).
 // Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
 //            [--threads=1,2,4] [--phases] [--thp] [--triad_mib=N] [--label=NAME]
-//            [--no_tile_scales]
+//            [--no_tile_scales] [--output=row+col|row]
 // --no_tile_scales: the step keeps no tile scales between steps
 // (AdamWParamBuffers::tile_scales; qtxd's optimizer keeps them), so every
 // tile is encoded from a re-read of its updated master.
+// --output=row: the step writes the rowwise FP8 copy only (the columnwise one
+// is then made on the GPU from it: qtx::cuda::MakeColumnwiseCopy); row+col,
+// the default, writes both.
 // bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
 #include <sys/mman.h>
@@ -124,6 +127,7 @@ int main(int argc, char** argv) {
   std::vector<int> thread_list;
   bool phases = false;
   bool tile_scales = true;
+  bool columnwise_out = true;
   int64_t triad_mib = 0;  // 0: 4 x last-level cache per array, within [256 MiB, 2 GiB]
   std::string label;
   for (int i = 1; i < argc; ++i) {
@@ -135,6 +139,10 @@ int main(int argc, char** argv) {
       phases = true;
     } else if (std::strcmp(argv[i], "--no_tile_scales") == 0) {
       tile_scales = false;
+    } else if (std::strcmp(argv[i], "--output=row") == 0) {
+      columnwise_out = false;
+    } else if (std::strcmp(argv[i], "--output=row+col") == 0) {
+      columnwise_out = true;
     } else if (std::strncmp(argv[i], "--triad_mib=", 12) == 0) {
       triad_mib = std::atoll(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--label=", 8) == 0) {
@@ -178,7 +186,7 @@ int main(int argc, char** argv) {
   QuantizeParams q;
   q.scaling = BlockScaling::kBlock2D;
   q.rowwise = true;
-  q.columnwise = true;
+  q.columnwise = columnwise_out;
   const QuantizedLayout l = ComputeLayout(q.scaling, m, n);
   Aligned<uint8_t> row(l.RowwiseDataBytes(), touch_threads),
       col(l.ColumnwiseDataBytes(), touch_threads);
@@ -199,8 +207,10 @@ int main(int argc, char** argv) {
   const double grad_bytes = grad_fp32 ? 4.0 : 2.0;
   const double update_bytes = 8.0 + 2 * 8.0 + grad_bytes;  // per parameter
   const double scale_bytes =
-      4.0 * static_cast<double>(l.RowwiseScaleCount() + l.ColumnwiseScaleCount()) / count;
-  const double step_bytes = update_bytes + 2.0 + scale_bytes;
+      4.0 *
+      static_cast<double>(l.RowwiseScaleCount() + (columnwise_out ? l.ColumnwiseScaleCount() : 0)) /
+      count;
+  const double step_bytes = update_bytes + (columnwise_out ? 2.0 : 1.0) + scale_bytes;
 
   // Triad arrays: far beyond the last-level cache.
   const int64_t llc = qtx::bench::LastLevelCacheBytes();
@@ -233,12 +243,13 @@ int main(int argc, char** argv) {
     const double gbps = step_bytes * count / best / 1e9;
     std::printf(
         "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
-        "\"grad\":\"%s\",\"output\":\"fp8_2d_row_col\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
+        "\"grad\":\"%s\",\"output\":\"%s\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
         "\"bytes_per_param\":%.4f,\"bytes_moved_gbps\":%.3f,\"triad_gbps\":%.3f,"
         "\"fraction_of_triad\":%.3f,\"isa\":\"%s\",\"thp\":%s,\"tile_scales\":%s%s}\n",
         static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
-        best * 1e3, count / best, step_bytes, gbps, tr.gbps, gbps / tr.gbps, isa,
-        g_thp ? "true" : "false", tile_scales ? "true" : "false", label_json.c_str());
+        columnwise_out ? "fp8_2d_row_col" : "fp8_2d_row", best * 1e3, count / best, step_bytes,
+        gbps, tr.gbps, gbps / tr.gbps, isa, g_thp ? "true" : "false",
+        tile_scales ? "true" : "false", label_json.c_str());
     std::fflush(stdout);
     if (phases) {
       auto phase = [&](const char* name, double seconds, double bytes_per_param) {

@@ -20,10 +20,13 @@ torch 1.13 has no fused CPU AdamW; it is reported as unavailable there.
 Several binaries (A/B of kernels): --bench=LABEL=PATH, repeated; the first one is
 the baseline of "vs_first". Each round runs every binary (order reversed in odd
 rounds), then torch, so that slow drifts of the host hit every side alike.
+--bench_flag=LABEL=FLAG gives one bench more flags, so that one binary under two
+labels compares two settings, e.g. the FP8 output written with and without the
+columnwise copy: --bench=rowcol=PATH --bench=row=PATH --bench_flag=row=--output=row.
 
   /usr/bin/python3 bench/optimizer_vs_torch.py --bench=build/bench/optimizer_cpu_bench \\
       [--m=4096 --n=4096] [--max_threads=N] [--reps=5] [--grad=fp32] [--rounds=1] \\
-      [--torch_impls=fused,foreach,forloop] [--phases]
+      [--torch_impls=fused,foreach,forloop] [--phases] [--bench_flag=LABEL=FLAG]
 """
 
 import argparse
@@ -98,6 +101,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench", required=True, action="append",
                     help="path to optimizer_cpu_bench, or LABEL=PATH; repeat for an A/B")
+    ap.add_argument("--bench_flag", action="append", default=[],
+                    help="LABEL=FLAG: one more flag for that bench, e.g. row=--output=row "
+                         "(the same binary under two labels compares two settings); repeatable")
     ap.add_argument("--m", type=int, default=4096)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--max_threads", type=int, default=os.cpu_count())
@@ -110,6 +116,12 @@ def main():
                     help="optimizer_cpu_bench --phases in the first round")
     args = ap.parse_args()
     benches = parse_benches(args.bench)
+    extra = {}  # label -> flags
+    for item in args.bench_flag:
+        label, sep, flag = item.partition("=")
+        if not sep or label not in dict(benches):
+            ap.error("--bench_flag=%s: LABEL=FLAG with the LABEL of a --bench" % item)
+        extra.setdefault(label, []).append(flag)
     threads = thread_counts(args.max_threads)
 
     try:
@@ -141,6 +153,7 @@ def main():
         for label, path in order:
             cmd = [path, str(args.m), str(args.n), str(args.max_threads), str(args.reps),
                    args.grad, "--label=" + label]
+            cmd += extra.get(label, [])
             if args.phases and rnd == 0:
                 cmd.append("--phases")
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
