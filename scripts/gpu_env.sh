@@ -75,3 +75,40 @@ qtx_run_begin() {
   export PYTHONUNBUFFERED=1
   step() { qtx_step "$L" "$@"; }
 }
+
+# The quantize kernel experiments' steps (scripts/gpu_session11_run*.sh), for
+# run scripts that called qtx_run_begin (they use `step`, B/bin/quantize_cuda_bench
+# and write under O):
+# qtx_quantize_round N VARIANTS [SHAPES]: round N of quantize_cuda_bench (both
+# L2 methods, 1-D and 2-D, row+col and row, 100 launches each) over VARIANTS,
+# appended to O/quantize_cuda_bench.jsonl with "round":N.
+qtx_quantize_round() {
+  local n="$1" v="$2" sh="${3:-4096x4096,8192x8192,16384x7168,32768x4096}"
+  step "bench_round$n" 120 bash -c "\"$B/bin/quantize_cuda_bench\" --iters 100 --l2 both \
+    --modes 1d,2d --usages row+col,row --variants $v --shapes $sh | \
+    sed 's/^{/{\"round\":$n,/' >> \"$O/quantize_cuda_bench.jsonl\""
+}
+
+# qtx_quantize_ncu NAME VARIANTS METRICS: Nsight Compute's METRICS (a comma
+# list, or regex:...) of one launch of each variant at 8192^2 (1-D and 2-D,
+# row+col and row, L2 flushed by ncu), as CSV in O/NAME.csv.
+qtx_quantize_ncu() {
+  local ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  step "$1" 120 bash -c 'o=$1; shift; "$@" > "$o"' _ "$O/$1.csv" "$ncu" --csv \
+    --clock-control none -k regex:QuantizeBlockKernel --metrics "$3" \
+    "$B/bin/quantize_cuda_bench" --iters 1 --warmup 0 --l2 flush --modes 1d,2d \
+    --usages row+col,row --variants "$2" --shapes 8192x8192
+}
+
+# The counters of qtx_quantize_ncu that the session 11 runs collected: time,
+# SM activity (the tail), DRAM and L2 traffic and throughput, launch shape.
+QTX_NCU_COUNTERS=gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_active.min,\
+sm__cycles_active.max,sm__cycles_elapsed.avg,dram__bytes_read.sum,dram__bytes_write.sum,\
+lts__t_bytes.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,\
+lts__t_sectors_srcunit_tex_op_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+lts__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,launch__grid_size
+# ... and the warp stall reasons per issued instruction with the instruction counts.
+QTX_NCU_STALLS='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio',\
+smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
+sm__warps_active.avg.per_cycle_active

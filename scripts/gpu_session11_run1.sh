@@ -1,7 +1,9 @@
 #!/bin/bash
 # The lead's first GPU run of session 11, from one bundle (B/bin: qtxd and the
-# binaries below; B/py, B/tests as in gpu_session10_run4.sh):
+# binaries below; B/py: the qtx package, B/tests: tests/python/gpu_test_optimizer.py):
 #   B/gpu_session11_run1.sh OUT
+# It ran on the binaries of commit 409d2d0: its variants exist in that tree only
+# (bench/results/quantize_cuda_h200_session11_2026-12-02.md).
 # 1) issue 16's kernel experiments (balanced grid, bulk-copy-engine loads):
 #    their bit-exactness tests, quantize_cuda_bench round 1, ncu of one
 #    launch per variant at 8192^2, round 2;
@@ -17,22 +19,9 @@ SH=${SHAPES:-4096x4096,8192x8192,16384x7168,32768x4096}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv >> "$L" 2>&1
 step tuned_exact 200 "$B/bin/kernels_cuda_test" \
   --gtest_filter='QuantizeBlockCuda.Tuned*:QuantizeBlockCuda.Dynamic*'
-bench() {
-  step "bench_round$1" 120 bash -c "\"$B/bin/quantize_cuda_bench\" --iters 100 --l2 both \
-    --modes 1d,2d --usages row+col,row --variants $V --shapes $SH | \
-    sed 's/^{/{\"round\":$1,/' >> \"$O/quantize_cuda_bench.jsonl\""
-}
-bench 1
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-step ncu 90 bash -c 'o=$1; shift; "$@" > "$o"' _ "$O/ncu.csv" "$NCU" --csv --clock-control none -k regex:QuantizeBlockKernel --metrics \
-gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_active.min,sm__cycles_active.max,\
-sm__cycles_elapsed.avg,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,\
-lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,\
-dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,\
-launch__registers_per_thread,launch__grid_size \
-  "$B/bin/quantize_cuda_bench" --iters 1 --warmup 0 --l2 flush --modes 1d,2d \
-  --usages row+col,row --variants "$V" --shapes 8192x8192
-bench 2
+qtx_quantize_round 1 "$V" "$SH"
+qtx_quantize_ncu ncu "$V" "$QTX_NCU_COUNTERS"
+qtx_quantize_round 2 "$V" "$SH"
 if command -v cuobjdump > /dev/null; then
   # Per QuantizeBlockKernel instantiation: its name, then each memory opcode and its count.
   cuobjdump -sass "$B/bin/quantize_cuda_bench" 2> /dev/null | awk '
