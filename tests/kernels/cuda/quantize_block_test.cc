@@ -591,10 +591,15 @@ TEST(QuantizeBlockCuda, TileCounterRepeatsStreamsAndGraphsMatchCpuReference) {
 // More streams than there are tile counters (1024 per device): the streams
 // past the last free counter share their tiles in the fixed order, with the
 // same bytes; once forgotten, the counters serve new streams, again with the
-// same bytes. 2304 x 2048 has 288 tiles, more than the GPU holds CTAs at once
-// (132 SMs x 2), so every launch would draw tiles where it has a counter.
+// same bytes. M x 2048 with one tile row more than 2 tiles per SM is more tiles
+// than the GPU holds CTAs at once (2 per SM), so every launch draws tiles where
+// it has a counter (on an H200: 2176 x 2048, 272 tiles for 264 CTAs).
 TEST(QuantizeBlockCuda, MoreStreamsThanTileCountersAndForgottenCountersMatchCpuReference) {
-  const int64_t m = 2304, n = 2048;
+  int dev = 0, sms = 0;
+  QTX_CUDA_ASSERT(cudaGetDevice(&dev));
+  QTX_CUDA_ASSERT(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t n = 2048;                      // 16 tile columns
+  const int64_t m = 128 * (2 * sms / 16 + 1);  // 16 tiles a row: > 2 tiles per SM
   const std::vector<uint8_t> input =
       MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 17);
   DeviceBuffer d_in(input.size());
