@@ -48,7 +48,7 @@ struct AdamWParamBuffers {
   // This parameter's own step constants (its own weight decay or learning
   // rate within a group); null: the call's. Must outlive the call.
   const AdamWScalars* scalars = nullptr;
-  // Optional, BLOCK_2D with force_pow2_scales only (ignored otherwise):
+  // Optional, where UsesTileScales(quant) (ignored otherwise):
   // [ceil(m/128) * ceil(n/128)] floats, row-major over the tiles, read and
   // written: each tile's FP8 scale of the previous step (0: unknown). The
   // fused kernel encodes a tile while updating it with that scale, and keeps
@@ -58,6 +58,12 @@ struct AdamWParamBuffers {
   // results: a tile whose scale moved is encoded again with its new scale.
   float* tile_scales = nullptr;
 };
+
+// Whether the fused step reads and keeps AdamWParamBuffers::tile_scales for
+// output `quant`: BLOCK_2D with power-of-two scales.
+inline bool UsesTileScales(const QuantizeParams& quant) {
+  return quant.scaling == BlockScaling::kBlock2D && quant.force_pow2_scales;
+}
 
 // Applies one AdamW step to every parameter and writes its outputs, with
 // the constants `s`, or params[i].scalars where set. `num_threads` <= 0 uses

@@ -428,11 +428,9 @@ void StoreTransposed(const uint8_t* tile, int64_t pitch, int64_t rows, int64_t c
   }
 }
 
-// b.tile_scales where the kernel uses and keeps them (BLOCK_2D with
-// power-of-two scales: AdamWParamBuffers::tile_scales), else null.
+// b.tile_scales where the kernel uses and keeps them (UsesTileScales), else null.
 inline float* KeptTileScales(const AdamWParamBuffers& b) {
-  return b.quant.scaling == BlockScaling::kBlock2D && b.quant.force_pow2_scales ? b.tile_scales
-                                                                                : nullptr;
+  return UsesTileScales(b.quant) ? b.tile_scales : nullptr;
 }
 
 // Rows ahead whose lines ProcessUnit prefetches.

@@ -659,17 +659,13 @@ cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
     err = cudaMalloc(&pool->counters, kCounterSlots * sizeof(uint32_t));
     if (err != cudaSuccess) return err;
   }
-  int slot;
-  if (!pool->free_slots.empty()) {
-    slot = pool->free_slots.back();
-  } else {
-    slot = pool->used;
-  }
+  const bool reuse = !pool->free_slots.empty();
+  const int slot = reuse ? pool->free_slots.back() : pool->used;
   uint32_t* const c = pool->counters + slot;
   // Zeroed in the stream's own order, before its first launch that uses it.
   err = cudaMemsetAsync(c, 0, sizeof(uint32_t), stream);
   if (err != cudaSuccess) return err;
-  if (!pool->free_slots.empty()) {
+  if (reuse) {
     pool->free_slots.pop_back();
   } else {
     ++pool->used;
@@ -954,6 +950,15 @@ cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, i
                                const QuantizeParams& params, const QuantizedBuffers& out,
                                const LaunchTuning& tuning, cudaStream_t stream) {
   return QuantizeImpl(input, dtype, m, n, params, out, tuning, stream);
+}
+
+int TileCountersHeld() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  CounterPool* const pool = DevicePool(dev);
+  if (pool == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(pool->mu);
+  return static_cast<int>(pool->slot_of.size());
 }
 }  // namespace detail
 

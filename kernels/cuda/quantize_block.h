@@ -71,6 +71,9 @@ cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, i
                                const QuantizeParams& params, const QuantizedBuffers& out,
                                const LaunchTuning& tuning, cudaStream_t stream);
 
+// How many streams of the current device hold a tile counter (see QuantizeBlock), for tests.
+int TileCountersHeld();
+
 }  // namespace detail
 
 }  // namespace qtx::kernels::cuda

@@ -173,7 +173,7 @@ std::vector<kernels::cpu::AdamWParamBuffers> ParamBuffersFor(GroupState& s, cons
     b.quant = out.quant;
     if (b.fp8_output) {
       b.fp8 = bufs.outputs[i].fp8;
-      if (b.quant.scaling == kernels::BlockScaling::kBlock2D && b.quant.force_pow2_scales) {
+      if (kernels::cpu::UsesTileScales(b.quant)) {
         p.tile_scales.resize(static_cast<size_t>(kernels::CeilDiv(b.m, kernels::kBlockLen) *
                                                  kernels::CeilDiv(b.n, kernels::kBlockLen)));
         b.tile_scales = p.tile_scales.data();

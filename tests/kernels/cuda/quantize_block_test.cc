@@ -591,7 +591,8 @@ TEST(QuantizeBlockCuda, TileCounterRepeatsStreamsAndGraphsMatchCpuReference) {
 // More streams than there are tile counters (1024 per device): the streams
 // past the last free counter share their tiles in the fixed order, with the
 // same bytes; once forgotten, the counters serve new streams, again with the
-// same bytes. M x 2048 with one tile row more than 2 tiles per SM is more tiles
+// same bytes, and the number of streams holding a counter says which did.
+// M x 2048 with one tile row more than 2 tiles per SM is more tiles
 // than the GPU holds CTAs at once (2 per SM), so every launch draws tiles where
 // it has a counter (on an H200: 2176 x 2048, 272 tiles for 264 CTAs).
 TEST(QuantizeBlockCuda, MoreStreamsThanTileCountersAndForgottenCountersMatchCpuReference) {
@@ -617,6 +618,7 @@ TEST(QuantizeBlockCuda, MoreStreamsThanTileCountersAndForgottenCountersMatchCpuR
   std::vector<uint8_t> got(bytes);
   constexpr int kStreams = 1100;
   std::vector<cudaStream_t> streams(kStreams);
+  const int held_before = detail::TileCountersHeld();  // other tests' streams (stream 0)
   for (int round = 0; round < 2; ++round) {
     for (int i = 0; i < kStreams; ++i) {
       QTX_CUDA_ASSERT(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
@@ -628,10 +630,13 @@ TEST(QuantizeBlockCuda, MoreStreamsThanTileCountersAndForgottenCountersMatchCpuR
       QTX_CUDA_ASSERT(cudaStreamSynchronize(streams[i]));
       ASSERT_TRUE(got == ref) << "round " << round << " stream " << i;
     }
+    // Every counter is held (by the first streams), none twice; forgetting frees them all.
+    EXPECT_EQ(detail::TileCountersHeld(), 1024) << "round " << round;
     for (cudaStream_t st : streams) {
       QTX_CUDA_ASSERT(ForgetStreamTileCounter(st));
       QTX_CUDA_ASSERT(cudaStreamDestroy(st));
     }
+    EXPECT_EQ(detail::TileCountersHeld(), held_before) << "round " << round;
   }
 }
 
