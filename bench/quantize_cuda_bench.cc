@@ -27,6 +27,7 @@
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/columnwise_copy.h"
 #include "kernels/cuda/quantize_block.h"
+#include "kernels/cuda/quantize_tensor.h"
 #include "kernels/fp8.h"
 
 namespace {
@@ -198,14 +199,18 @@ int main(int argc, char** argv) {
   struct Variant {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
+    bool tensor_two_pass = false;  // tensor mode only
   };
   // fixed: kernels/cuda/quantize_block.h LaunchTuning::fixed_tiles (CTA b takes tiles b,
   // b + grid, ... instead of drawing them from the stream's tile counter).
+  // two_pass: kernels/cuda/quantize_tensor.h TensorTuning::two_pass (the amax launch, then
+  // the cast launch, instead of the one cooperative launch).
   const Variant variants[] = {{"default", {}},
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
                               {"l2_outputs", {0, 0, true}},
-                              {"fixed", {0, 0, false, true}}};
+                              {"fixed", {0, 0, false, true}},
+                              {"two_pass", {}, true}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -276,11 +281,12 @@ int main(int argc, char** argv) {
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
-            const bool is_default =
-                t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs && !t.fixed_tiles;
-            // Variants: row+col and row of the block kernels only (TENSOR has no knobs).
-            if (!is_default &&
-                (!u.row || mode.scaling == BlockScaling::kTensor || u.from_rowwise)) {
+            const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
+                                    !t.fixed_tiles && !v.tensor_two_pass;
+            // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
+            // for tensor.
+            const bool tensor = mode.scaling == BlockScaling::kTensor;
+            if (!is_default && (!u.row || u.from_rowwise || tensor != v.tensor_two_pass)) {
               continue;
             }
             QuantizeParams p;
@@ -298,6 +304,11 @@ int main(int argc, char** argv) {
                 CHECK_CUDA(qcuda::ColumnwiseFromRowwise(
                     mode.scaling, {st.out.rowwise_data, st.out.rowwise_scale_inv}, s.m, s.n, o,
                     nullptr));
+                return;
+              }
+              if (v.tensor_two_pass) {
+                CHECK_CUDA(qcuda::detail::QuantizeTensorTuned(st.in, dtype, s.m, s.n, p, o,
+                                                              {.two_pass = true}, nullptr));
                 return;
               }
               CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o, v.tuning,

@@ -16,6 +16,7 @@
 // The cast pass walks the tensor from its end to its start while the amax pass
 // walks it from the start, so the cast first reads what the amax pass left in
 // L2 most recently.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -216,65 +217,40 @@ __global__ void __launch_bounds__(kThreads) RowCastKernel(const CastArgs a) {
   }
 }
 
-// With the columnwise copy (and the rowwise one when kRow): persistent CTAs
-// over 128x128 tiles, tile t = T-1-blockIdx.x, T-1-blockIdx.x-gridDim.x, ...
-// (from the end). Thread (q, v) = (tid / 16, tid % 16) owns rows 8q..8q+7 and
-// columns 8v..8v+7 of the tile: a half warp reads a contiguous 128-element row
-// segment, and writes its 128 rowwise bytes contiguously. The columnwise bytes
-// of the thread's 8 columns go into a 128x128-byte transposed tile in shared
-// memory (16-byte units XOR-swizzled by (column / 8) % 8), from which every
-// warp stores whole 128-byte rows of the [N, M] copy.
-// Whole tiles use vector loads and stores where the rows are aligned for them
-// (vec_in / vec_row / vec_col); edge tiles load and store element by element
+// The copies of one 128x128 tile at (m0, n0) from its elements `x` (thread
+// (q, v) = (tid / 16, tid % 16) holds rows 8q..8q+7, columns 8v..8v+7): the
+// rowwise bytes when kRow (each half warp writes its row's 128 bytes
+// contiguously) and the columnwise bytes when kCol. Those go into a
+// 128x128-byte transposed tile in shared memory `tsm` (16-byte units
+// XOR-swizzled by (column / 8) % 8), from which every warp stores whole
+// 128-byte rows of the [N, M] copy; the CTA synchronizes twice, so `tsm` is
+// free again on return. `full`: the tile lies wholly inside the tensor (vector
+// stores where vec_row / vec_col allow); edge tiles store element by element
 // with bounds checks.
-template <InputDType D, Fp8Format F, bool kRow>
-__global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) {
-  __shared__ float red[kWarps];
-  __shared__ __align__(16) uint8_t tsm[kTile * kTile];
-  const float scale = TensorScaleFromPartials<F>(a, red);
+template <Fp8Format F, bool kRow, bool kCol>
+__device__ __forceinline__ void StoreTileCopies(const CastArgs& a, const float (&x)[8][8],
+                                                int64_t m0, int64_t n0, bool full, float scale,
+                                                uint8_t* tsm) {
   const int tid = threadIdx.x;
   const int q = tid >> 4, v = tid & 15;
-  const int64_t num_tiles = a.mb * a.nb;
-  const uint8_t* in = static_cast<const uint8_t*>(a.input);
-  for (int64_t k = blockIdx.x; k < num_tiles; k += gridDim.x) {
-    const int64_t tile = num_tiles - 1 - k;
-    const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
-    const int64_t m0 = tm * kTile, n0 = tn * kTile;
-    const bool full = tm < a.full_mb && tn < a.full_nb;
-    const int64_t gm0 = m0 + 8 * q, gn0 = n0 + 8 * v;
-
-    float x[8][8];
-    if (full && a.vec_in) {
+  const int64_t gm0 = m0 + 8 * q, gn0 = n0 + 8 * v;
+  if constexpr (kRow) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) Load8<D>(in + ((gm0 + i) * a.n + gn0) * kElemBytes<D>, x[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 8; ++i) {
+      const uint2 b = Quantize8<F>(x[i], scale);
+      uint8_t* row = a.qr + (gm0 + i) * a.n + gn0;
+      if (full && a.vec_row) {
+        __stcs(reinterpret_cast<uint2*>(row), b);
+      } else if (gm0 + i < a.m) {
+        const uint32_t words[2] = {b.x, b.y};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const bool inside = gm0 + i < a.m && gn0 + j < a.n;
-          x[i][j] = inside ? LoadElem<D>(a.input, (gm0 + i) * a.n + gn0 + j) : 0.0f;
+          if (gn0 + j < a.n) row[j] = static_cast<uint8_t>(words[j >> 2] >> (8 * (j & 3)));
         }
       }
     }
-
-    if constexpr (kRow) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint2 b = Quantize8<F>(x[i], scale);
-        uint8_t* row = a.qr + (gm0 + i) * a.n + gn0;
-        if (full && a.vec_row) {
-          __stcs(reinterpret_cast<uint2*>(row), b);
-        } else if (gm0 + i < a.m) {
-          const uint32_t words[2] = {b.x, b.y};
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            if (gn0 + j < a.n) row[j] = static_cast<uint8_t>(words[j >> 2] >> (8 * (j & 3)));
-          }
-        }
-      }
-    }
-
+  }
+  if constexpr (kCol) {
     // Columnwise: column nl = 8v + j of the tile, bytes of rows 8q..8q+7.
     const int unit = q >> 1, half = q & 1;
 #pragma unroll
@@ -305,6 +281,174 @@ __global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) 
       }
     }
     __syncthreads();  // tsm is rewritten by the next tile
+  }
+}
+
+// With the columnwise copy (and the rowwise one when kRow): persistent CTAs
+// over 128x128 tiles, tile t = T-1-blockIdx.x, T-1-blockIdx.x-gridDim.x, ...
+// (from the end), each stored by StoreTileCopies. Whole tiles use vector loads
+// where the rows are aligned for them (vec_in); edge tiles load element by
+// element with bounds checks.
+template <InputDType D, Fp8Format F, bool kRow>
+__global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) {
+  __shared__ float red[kWarps];
+  __shared__ __align__(16) uint8_t tsm[kTile * kTile];
+  const float scale = TensorScaleFromPartials<F>(a, red);
+  const int tid = threadIdx.x;
+  const int q = tid >> 4, v = tid & 15;
+  const int64_t num_tiles = a.mb * a.nb;
+  const uint8_t* in = static_cast<const uint8_t*>(a.input);
+  for (int64_t k = blockIdx.x; k < num_tiles; k += gridDim.x) {
+    const int64_t tile = num_tiles - 1 - k;
+    const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
+    const int64_t m0 = tm * kTile, n0 = tn * kTile;
+    const bool full = tm < a.full_mb && tn < a.full_nb;
+    const int64_t gm0 = m0 + 8 * q, gn0 = n0 + 8 * v;
+
+    float x[8][8];
+    if (full && a.vec_in) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) Load8<D>(in + ((gm0 + i) * a.n + gn0) * kElemBytes<D>, x[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const bool inside = gm0 + i < a.m && gn0 + j < a.n;
+          x[i][j] = inside ? LoadElem<D>(a.input, (gm0 + i) * a.n + gn0 + j) : 0.0f;
+        }
+      }
+    }
+    StoreTileCopies<F, kRow, true>(a, x, m0, n0, full, scale, tsm);
+  }
+}
+
+// ---- one pass over DRAM: amax and cast in one cooperative launch -------------
+
+// For tensors of whole tiles (m and n multiples of 128, every row aligned for
+// vector access): one cooperative launch of resident CTAs. Phase 1: CTA b
+// reads its tiles b, b + G, ... (G = gridDim.x) for the amax and keeps the
+// raw bytes of its last `keep` tiles in shared memory; partial amax, grid
+// barrier, the tensor's scale. Phase 2: the CTA casts its tiles from the last
+// to the first: the kept ones from shared memory, then the ones read most
+// recently (which the L2 may still hold), so that of the second read of the
+// input only what neither holds comes from DRAM. Thread (q, v) keeps its own
+// 16-byte words, at offset ((slot * kWords + w) * kThreads + tid) * 16: the
+// thread that stores a word loads it back, so no barrier is needed there, and
+// a warp's 32 words are contiguous (no bank conflicts).
+// Each thread's words of a tile: 8 rows of 8 elements.
+template <InputDType D>
+constexpr int kTileWords = 8 * 8 * kElemBytes<D> / 16;
+
+template <InputDType D>
+__device__ __forceinline__ void LoadTileWords(const uint8_t* in, const CastArgs& a, int64_t tile,
+                                              uint4 (&w)[kTileWords<D>]) {
+  constexpr int kPerRow = kTileWords<D> / 8;
+  const int q = threadIdx.x >> 4, v = threadIdx.x & 15;
+  const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
+  const uint8_t* p = in + ((tm * kTile + 8 * q) * a.n + tn * kTile + 8 * v) * kElemBytes<D>;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int h = 0; h < kPerRow; ++h) {
+      w[i * kPerRow + h] = __ldcg(reinterpret_cast<const uint4*>(p + i * a.n * kElemBytes<D>) + h);
+    }
+  }
+}
+
+template <InputDType D>
+__device__ __forceinline__ float TileWordsAmax(const uint4 (&w)[kTileWords<D>], float am) {
+  constexpr int kPer = 16 / kElemBytes<D>;
+#pragma unroll
+  for (int k = 0; k < kTileWords<D>; ++k) {
+    float x[kPer];
+    Unpack16<D>(w[k], x);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) am = AbsMax(am, x[e]);
+  }
+  return am;
+}
+
+template <InputDType D, Fp8Format F, bool kRow, bool kCol>
+__global__ void __launch_bounds__(kThreads, 2)
+    OnePassTensorKernel(const CastArgs a, float* partials, int keep) {
+  extern __shared__ __align__(16) uint8_t dyn[];  // keep tiles' words, then tsm (kCol)
+  __shared__ float red[kWarps];
+  constexpr int kW = kTileWords<D>;
+  uint4* kept = reinterpret_cast<uint4*>(dyn);
+  uint8_t* tsm = dyn + static_cast<size_t>(keep) * kW * kThreads * 16;
+  const int tid = threadIdx.x;
+  const int64_t tiles = a.mb * a.nb, G = gridDim.x, b = blockIdx.x;
+  const int64_t cnt = b < tiles ? (tiles - 1 - b) / G + 1 : 0;
+  const int64_t kept_from = cnt > keep ? cnt - keep : 0;
+  const uint8_t* in = static_cast<const uint8_t*>(a.input);
+
+  // Phase 1. Two tiles a step (2-byte input) for twice the loads in flight.
+  constexpr int kStep = kElemBytes<D> == 2 ? 2 : 1;
+  float am = 0.0f;
+  int64_t k = 0;
+  for (; k + kStep <= cnt; k += kStep) {
+    uint4 w[kStep][kW];
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) LoadTileWords<D>(in, a, b + (k + u) * G, w[u]);
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      am = TileWordsAmax<D>(w[u], am);
+      if (k + u >= kept_from) {
+        uint4* slot = kept + (k + u - kept_from) * kW * kThreads + tid;
+#pragma unroll
+        for (int i = 0; i < kW; ++i) slot[i * kThreads] = w[u][i];
+      }
+    }
+  }
+  for (; k < cnt; ++k) {
+    uint4 w[kW];
+    LoadTileWords<D>(in, a, b + k * G, w);
+    am = TileWordsAmax<D>(w, am);
+    if (k >= kept_from) {
+      uint4* slot = kept + (k - kept_from) * kW * kThreads + tid;
+#pragma unroll
+      for (int i = 0; i < kW; ++i) slot[i * kThreads] = w[i];
+    }
+  }
+  am = BlockMax(am, red);
+  if (tid == 0) partials[b] = am;
+  cooperative_groups::this_grid().sync();
+
+  // The scale, as TensorScaleFromPartials, but reading the partials through
+  // the L2 (they were written during this launch).
+  float tam = 0.0f;
+  for (int i = tid; i < a.num_partials; i += kThreads) tam = fmaxf(tam, __ldcg(partials + i));
+  tam = BlockMax(tam, red);
+  const float scale = TensorScale(tam, F, a.pow2, a.eps);
+  if (b == 0 && tid == 0) {
+    const float scale_inv = ScaleInv(scale);
+    if (a.sr != nullptr) a.sr[0] = scale_inv;
+    if (a.sc != nullptr) a.sc[0] = scale_inv;
+  }
+
+  // Phase 2, from the CTA's last tile to its first.
+  const int q = tid >> 4, v = tid & 15;
+  for (int64_t j = cnt - 1; j >= 0; --j) {
+    const int64_t tile = b + j * G;
+    const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
+    float x[8][8];
+    if (j >= kept_from) {
+      const uint4* slot = kept + (j - kept_from) * kW * kThreads + tid;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float* row = x[i];
+#pragma unroll
+        for (int h = 0; h < kW / 8; ++h)
+          Unpack16<D>(slot[(i * (kW / 8) + h) * kThreads], row + h * (16 / kElemBytes<D>));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        Load8<D>(in + ((tm * kTile + 8 * q + i) * a.n + tn * kTile + 8 * v) * kElemBytes<D>, x[i]);
+      }
+    }
+    StoreTileCopies<F, kRow, kCol>(a, x, tm * kTile, tn * kTile, true, scale, tsm);
   }
 }
 
@@ -388,9 +532,90 @@ __global__ void __launch_bounds__(256) DequantizeTensorColumnwiseKernel(const De
 
 }  // namespace
 
+namespace {
+
+// The one-pass launch of OnePassTensorKernel<D, F, kRow, kCol> for `a` (whole
+// tiles, vector-aligned), or *launched = false (and no error) when it does not
+// apply: the device has no cooperative launch, the stream is being captured (a
+// graph may be replayed on any stream; the two-pass launch has no such
+// limit), shared memory holds no tile next to the transpose buffer, or the
+// cooperative launch is refused as too large (fewer SMs than the occupancy
+// query counted, as under an MPS limit).
+template <InputDType D, Fp8Format F, bool kRow, bool kCol>
+cudaError_t LaunchOnePass(CastArgs a, int sms, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  auto kernel = OnePassTensorKernel<D, F, kRow, kCol>;
+  int dev = 0, coop = 0, smem_sm = 0, smem_optin = 0, reserved = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
+  if (e != cudaSuccess || coop == 0) return e;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess || capture != cudaStreamCaptureStatusNone) return e;
+  e = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  }
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  }
+  if (e != cudaSuccess) return e;
+  // Two CTAs an SM: each gets half the SM's shared memory, less the per-CTA
+  // reserve and the static part.
+  constexpr int64_t kTileBytes = int64_t{kTile} * kTile * kElemBytes<D>;
+  constexpr int64_t kTsm = kCol ? kTile * kTile : 0;
+  int64_t budget = smem_sm / 2 - reserved - 64;
+  if (budget > smem_optin) budget = smem_optin;
+  const int keep = static_cast<int>((budget - kTsm) / kTileBytes);
+  if (keep < 1) return cudaSuccess;
+  const size_t dyn = static_cast<size_t>(keep * kTileBytes + kTsm);
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(dyn));
+  int per_sm = 0;
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, dyn);
+  }
+  if (e != cudaSuccess || per_sm < 1) return e;
+  const int grid = GridFor(a.mb * a.nb, int64_t{sms} * per_sm);
+  float* partials = nullptr;
+  e = cudaMallocAsync(reinterpret_cast<void**>(&partials), sizeof(float) * grid, stream);
+  if (e != cudaSuccess) return e;
+  a.partials = partials;
+  a.num_partials = grid;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = dyn;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, kernel, a, partials, keep);
+  if (e == cudaErrorCooperativeLaunchTooLarge) {
+    (void)cudaGetLastError();  // not sticky: clear it and take the two-pass launch
+    e = cudaSuccess;
+  } else if (e == cudaSuccess) {
+    *launched = true;
+  }
+  const cudaError_t f = cudaFreeAsync(partials, stream);
+  return e != cudaSuccess ? e : f;
+}
+
+}  // namespace
+
 cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
                            const QuantizeParams& params, const QuantizedBuffers& out,
                            cudaStream_t stream) {
+  return detail::QuantizeTensorTuned(input, dtype, m, n, params, out, {}, stream);
+}
+
+namespace detail {
+
+cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
+                                const QuantizeParams& params, const QuantizedBuffers& out,
+                                const TensorTuning& tuning, cudaStream_t stream) {
   if (m < 0 || n < 0) return cudaErrorInvalidValue;
   if (n > 0 && m > INT64_MAX / n) return cudaErrorInvalidValue;
   if (!(params.amax_epsilon >= 0.0f) || std::isinf(params.amax_epsilon)) {
@@ -398,6 +623,7 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
   }
   if (!params.rowwise && !params.columnwise) return cudaErrorInvalidValue;
   const int64_t count = m * n;
+  if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = false;
   if (params.rowwise &&
       (out.rowwise_scale_inv == nullptr || (count > 0 && out.rowwise_data == nullptr))) {
     return cudaErrorInvalidValue;
@@ -437,6 +663,24 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
         a.vec = false;
         RowCastKernel<D, F><<<1, kThreads, 0, stream>>>(a);
         return cudaGetLastError();
+      }
+      // One pass over DRAM where the tensor is whole, aligned tiles.
+      const bool whole_tiles = m % kTile == 0 && n % kTile == 0 && Aligned(input, 16) &&
+                               (!params.rowwise || Aligned(a.qr, 8)) &&
+                               (!params.columnwise || Aligned(a.qc, 16));
+      if (whole_tiles && !tuning.two_pass) {
+        a.vec_in = a.vec_row = a.vec_col = true;
+        bool launched = false;
+        cudaError_t e1 = cudaSuccess;
+        if (params.rowwise && params.columnwise) {
+          e1 = LaunchOnePass<D, F, true, true>(a, sms, stream, &launched);
+        } else if (params.rowwise) {
+          e1 = LaunchOnePass<D, F, true, false>(a, sms, stream, &launched);
+        } else {
+          e1 = LaunchOnePass<D, F, false, true>(a, sms, stream, &launched);
+        }
+        if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = launched;
+        if (e1 != cudaSuccess || launched) return e1;
       }
       // Pass 1: at least about 32 elements a thread, every CTA resident.
       static std::atomic<int> amax_cache[kMaxDevices];
@@ -487,6 +731,8 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
     });
   });
 }
+
+}  // namespace detail
 
 cudaError_t DequantizeTensor(const QuantizedConstBuffers& in, Fp8Format format, int64_t m,
                              int64_t n, bool use_rowwise, InputDType out_dtype, void* out,

@@ -3,9 +3,15 @@
 // Plain header: CUDA runtime types only, so that host code can call it
 // without nvcc.
 //
-// All pointers are device pointers. Work is enqueued on `stream` (an amax
-// pass over the input, then one cast pass that writes every requested copy);
-// the functions do not synchronize. A stream-ordered temporary of at most a
+// All pointers are device pointers. Work is enqueued on `stream`; the
+// functions do not synchronize. A tensor of whole 128x128 tiles (m and n
+// multiples of 128, input 16-byte, rowwise data 8-byte and columnwise data
+// 16-byte aligned) takes one cooperative launch: an amax phase that keeps the
+// last tiles of each CTA in shared memory, a grid barrier, then a cast phase
+// that reads those from shared memory and the rest again from the input,
+// newest first. Other tensors, launches under stream capture, and devices
+// without cooperative launch take two launches: an amax pass, then one cast
+// pass that writes every requested copy. A stream-ordered temporary of at most a
 // few KiB comes from the device's current memory pool (cudaMallocAsync) and
 // is freed on the stream. An empty tensor launches one tiny kernel, which
 // writes the scale_inv of amax 0.
@@ -31,6 +37,23 @@ namespace qtx::kernels::cuda {
 cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
                            const QuantizeParams& params, const QuantizedBuffers& out,
                            cudaStream_t stream);
+
+namespace detail {
+
+// Launch choices of QuantizeTensor, for benchmarks and tests; the defaults
+// are QuantizeTensor's. two_pass: always the amax launch then the cast launch
+// (the path of tensors that are not whole, aligned 128x128 tiles), instead of
+// the one cooperative launch that reads most of the input from DRAM once.
+// one_pass_taken (tests): set to whether the one cooperative launch was made.
+struct TensorTuning {
+  bool two_pass = false;
+  bool* one_pass_taken = nullptr;
+};
+cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
+                                const QuantizeParams& params, const QuantizedBuffers& out,
+                                const TensorTuning& tuning, cudaStream_t stream);
+
+}  // namespace detail
 
 // x = decode(q) * scale_inv[0] in FP32, narrowed to `out_dtype`; reads the
 // rowwise copy when `use_rowwise`, else the columnwise copy (transposed back).

@@ -5,7 +5,8 @@
 // M, N not multiples of 128, one row, one column, empty, and 16384x7168; all
 // three input dtypes, E4M3 / E5M2, pow2 on / off, eps; rowwise, columnwise and
 // both; aligned and misaligned buffers (the vector and the checked paths);
-// normal, NaN / tie / subnormal sprinkled, Inf, tiny-amax and all-zero data.
+// normal, NaN / tie / subnormal sprinkled, Inf, tiny-amax and all-zero data;
+// the one-pass cooperative launch, the two-pass launch and a captured launch.
 #include "kernels/cuda/quantize_tensor.h"
 
 #include <cuda_runtime.h>
@@ -320,6 +321,97 @@ TEST(QuantizeTensorCuda, MatchesCpuOnLargeShapes) {
          0});
   Check({4097, 4100, InputDType::kFloat16, Fp8Format::kE4M3, false, 0.0f, true, true,
          Data::kSpecials, 4});
+}
+
+// One tensor of whole 128x128 tiles quantized four ways: the CPU reference;
+// the default launch, which must take the one cooperative launch; the two-pass
+// launch (detail::TensorTuning::two_pass); and the default launch captured
+// into a graph, which must take the two-pass launch. Every copy's bytes and
+// scale_inv must equal the CPU's.
+void CheckLaunchPaths(int64_t m, int64_t n, InputDType t, Fp8Format f, bool pow2, bool row,
+                      bool col, Data data) {
+  std::ostringstream what;
+  what << m << "x" << n << " " << Name(t) << " pow2=" << pow2 << " " << (row ? "row" : "")
+       << (col ? "+col" : "") << " " << Name(data);
+  SCOPED_TRACE(what.str());
+  const int64_t count = m * n;
+  const std::vector<uint8_t> in = MakeInput(t, count, data, 0x5150 + static_cast<uint64_t>(m + n));
+  const QuantizeParams p{BlockScaling::kTensor, f, row, col, pow2, 0.0f};
+  std::vector<uint8_t> want_row(count, kDataSentinel), want_col(count, kDataSentinel);
+  std::vector<float> want_s(2, BitsToFloat(kScaleSentinel));
+  cpu::QuantizeTensor(in.data(), t, m, n, p,
+                      {want_row.data(), &want_s[0], want_col.data(), &want_s[1]});
+
+  DeviceMem d_in(in.size()), d_row(count), d_col(count), d_s(64);
+  ASSERT_NE(d_in.get(), nullptr);
+  ASSERT_NE(d_row.get(), nullptr);
+  ASSERT_NE(d_col.get(), nullptr);
+  QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), in.data(), in.size(), cudaMemcpyHostToDevice));
+  float* s = reinterpret_cast<float*>(d_s.get());
+  const QuantizedBuffers out{row ? d_row.get() : nullptr, row ? s : nullptr,
+                             col ? d_col.get() : nullptr, col ? s + 1 : nullptr};
+  const struct {
+    const char* name;
+    bool two_pass, capture, want_one_pass;
+  } ways[] = {{"default", false, false, true},
+              {"two passes", true, false, false},
+              {"captured", false, true, false}};
+  for (const auto& way : ways) {
+    SCOPED_TRACE(way.name);
+    QTX_CUDA_ASSERT(cudaMemset(d_row.get(), kDataSentinel, count));
+    QTX_CUDA_ASSERT(cudaMemset(d_col.get(), kDataSentinel, count));
+    QTX_CUDA_ASSERT(cudaMemset(d_s.get(), 0xFF, 64));
+    bool taken = !way.want_one_pass;
+    const detail::TensorTuning tuning{way.two_pass, &taken};
+    if (way.capture) {
+      cudaStream_t st = nullptr;
+      QTX_CUDA_ASSERT(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cudaGraph_t g = nullptr;
+      cudaGraphExec_t ge = nullptr;
+      QTX_CUDA_ASSERT(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      const cudaError_t e = detail::QuantizeTensorTuned(d_in.get(), t, m, n, p, out, tuning, st);
+      QTX_CUDA_ASSERT(cudaStreamEndCapture(st, &g));
+      QTX_CUDA_ASSERT(e);
+      QTX_CUDA_ASSERT(cudaGraphInstantiate(&ge, g, 0));
+      QTX_CUDA_ASSERT(cudaGraphLaunch(ge, st));
+      QTX_CUDA_ASSERT(cudaStreamSynchronize(st));
+      QTX_CUDA_ASSERT(cudaGraphExecDestroy(ge));
+      QTX_CUDA_ASSERT(cudaGraphDestroy(g));
+      QTX_CUDA_ASSERT(cudaStreamDestroy(st));
+    } else {
+      QTX_CUDA_ASSERT(detail::QuantizeTensorTuned(d_in.get(), t, m, n, p, out, tuning, nullptr));
+      QTX_CUDA_ASSERT(cudaDeviceSynchronize());
+    }
+    EXPECT_EQ(taken, way.want_one_pass) << "launch path";
+    std::vector<uint8_t> got_row(count), got_col(count);
+    std::vector<float> got_s(2);
+    QTX_CUDA_ASSERT(cudaMemcpy(got_row.data(), d_row.get(), count, cudaMemcpyDeviceToHost));
+    QTX_CUDA_ASSERT(cudaMemcpy(got_col.data(), d_col.get(), count, cudaMemcpyDeviceToHost));
+    QTX_CUDA_ASSERT(cudaMemcpy(got_s.data(), s, 2 * sizeof(float), cudaMemcpyDeviceToHost));
+    std::string d = Diff("rowwise_data", want_row, got_row);
+    EXPECT_TRUE(d.empty()) << d;
+    d = Diff("columnwise_data", want_col, got_col);
+    EXPECT_TRUE(d.empty()) << d;
+    d = Diff("scale_inv (row, col)", want_s, got_s);
+    EXPECT_TRUE(d.empty()) << d;
+  }
+}
+
+// Shapes with more tiles than the CTAs keep in shared memory (8192^2 BF16:
+// 4096 tiles; FP32 keeps one tile a CTA), one tile, and one tile a CTA.
+TEST(QuantizeTensorCuda, OnePassTwoPassAndCapturedLaunchesMatchCpu) {
+  CheckLaunchPaths(8192, 8192, InputDType::kBFloat16, Fp8Format::kE4M3, true, true, true,
+                   Data::kNormal);
+  CheckLaunchPaths(4096, 4096, InputDType::kFloat16, Fp8Format::kE5M2, false, true, false,
+                   Data::kSpecials);
+  CheckLaunchPaths(2048, 6144, InputDType::kFloat32, Fp8Format::kE4M3, false, false, true,
+                   Data::kNormal);
+  CheckLaunchPaths(3072, 1024, InputDType::kFloat32, Fp8Format::kE4M3, true, true, true,
+                   Data::kTiny);
+  CheckLaunchPaths(128, 128, InputDType::kBFloat16, Fp8Format::kE4M3, true, true, true,
+                   Data::kSpecials);
+  CheckLaunchPaths(1024, 4096, InputDType::kBFloat16, Fp8Format::kE5M2, true, false, true,
+                   Data::kInf);
 }
 
 TEST(QuantizeTensorCuda, RejectsBadArguments) {
