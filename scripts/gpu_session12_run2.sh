@@ -14,7 +14,7 @@ qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
 SH=4096x4096,8192x8192,16384x7168,32768x4096
 round() {
   step "bench_round$1" 120 bash -c "\"$B/bin/quantize_cuda_bench\" --iters 100 --l2 both \
-    --modes tensor --usages row+col,row,col --variants default,two_pass --shapes $SH | \
+    --modes tensor --usages row+col,row,col --variants default,no_prefetch,two_pass --shapes $SH | \
     sed 's/^{/{\"round\":$1,/' >> \"$O/quantize_cuda_bench.jsonl\""
 }
 step tests 400 "$B/bin/kernels_cuda_test" \
@@ -26,6 +26,6 @@ step ncu_tensor 120 bash -c 'o=$1; shift; "$@" > "$o"' _ "$O/ncu_tensor.csv" "$N
   --clock-control none --cache-control none -k regex:'TensorAmax|TileCast|RowCast|OnePass' \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
   "$B/bin/quantize_cuda_bench" --iters 1 --warmup 0 --l2 flush --modes tensor \
-  --usages row+col,row --variants default,two_pass --shapes 4096x4096,8192x8192
+  --usages row+col,row --variants default,no_prefetch,two_pass --shapes 4096x4096,8192x8192
 round 2
 grep -hE " rc=|^\[  (PASSED|FAILED) |FAILED  \]" "$L" | cut -c1-200 | head -40

@@ -369,7 +369,7 @@ __device__ __forceinline__ float TileWordsAmax(const uint4 (&w)[kTileWords<D>], 
   return am;
 }
 
-template <InputDType D, Fp8Format F, bool kRow, bool kCol>
+template <InputDType D, Fp8Format F, bool kRow, bool kCol, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 2)
     OnePassTensorKernel(const CastArgs a, float* partials, int keep) {
   extern __shared__ __align__(16) uint8_t dyn[];  // keep tiles' words, then tsm (kCol)
@@ -427,25 +427,34 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (a.sc != nullptr) a.sc[0] = scale_inv;
   }
 
-  // Phase 2, from the CTA's last tile to its first.
-  const int q = tid >> 4, v = tid & 15;
+  // Phase 2, from the CTA's last tile to its first. With kPrefetch, the
+  // words of the next tile that comes from the input are loaded before the
+  // current tile is stored, so that its loads overlap the stores.
+  constexpr bool kPre = kPrefetch && kElemBytes<D> == 2;  // FP32: too many registers
+  uint4 pre[kPre ? kW : 1];
   for (int64_t j = cnt - 1; j >= 0; --j) {
     const int64_t tile = b + j * G;
     const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
-    float x[8][8];
+    uint4 w[kW];
     if (j >= kept_from) {
       const uint4* slot = kept + (j - kept_from) * kW * kThreads + tid;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float* row = x[i];
+      for (int i = 0; i < kW; ++i) w[i] = slot[i * kThreads];
+    } else if constexpr (kPre) {
 #pragma unroll
-        for (int h = 0; h < kW / 8; ++h)
-          Unpack16<D>(slot[(i * (kW / 8) + h) * kThreads], row + h * (16 / kElemBytes<D>));
-      }
+      for (int i = 0; i < kW; ++i) w[i] = pre[i];
     } else {
+      LoadTileWords<D>(in, a, tile, w);
+    }
+    if constexpr (kPre) {
+      if (j >= 1 && j - 1 < kept_from) LoadTileWords<D>(in, a, tile - G, pre);
+    }
+    float x[8][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        Load8<D>(in + ((tm * kTile + 8 * q + i) * a.n + tn * kTile + 8 * v) * kElemBytes<D>, x[i]);
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int h = 0; h < kW / 8; ++h) {
+        Unpack16<D>(w[i * (kW / 8) + h], x[i] + h * (16 / kElemBytes<D>));
       }
     }
     StoreTileCopies<F, kRow, kCol>(a, x, tm * kTile, tn * kTile, true, scale, tsm);
@@ -541,10 +550,10 @@ namespace {
 // limit), shared memory holds no tile next to the transpose buffer, or the
 // cooperative launch is refused as too large (fewer SMs than the occupancy
 // query counted, as under an MPS limit).
-template <InputDType D, Fp8Format F, bool kRow, bool kCol>
+template <InputDType D, Fp8Format F, bool kRow, bool kCol, bool kPrefetch>
 cudaError_t LaunchOnePass(CastArgs a, int sms, cudaStream_t stream, bool* launched) {
   *launched = false;
-  auto kernel = OnePassTensorKernel<D, F, kRow, kCol>;
+  auto kernel = OnePassTensorKernel<D, F, kRow, kCol, kPrefetch>;
   int dev = 0, coop = 0, smem_sm = 0, smem_optin = 0, reserved = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
@@ -672,13 +681,16 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
         a.vec_in = a.vec_row = a.vec_col = true;
         bool launched = false;
         cudaError_t e1 = cudaSuccess;
-        if (params.rowwise && params.columnwise) {
-          e1 = LaunchOnePass<D, F, true, true>(a, sms, stream, &launched);
-        } else if (params.rowwise) {
-          e1 = LaunchOnePass<D, F, true, false>(a, sms, stream, &launched);
-        } else {
-          e1 = LaunchOnePass<D, F, false, true>(a, sms, stream, &launched);
-        }
+        auto launch = [&](auto pre) {
+          constexpr bool kPre = decltype(pre)::value;
+          if (params.rowwise && params.columnwise) {
+            return LaunchOnePass<D, F, true, true, kPre>(a, sms, stream, &launched);
+          } else if (params.rowwise) {
+            return LaunchOnePass<D, F, true, false, kPre>(a, sms, stream, &launched);
+          }
+          return LaunchOnePass<D, F, false, true, kPre>(a, sms, stream, &launched);
+        };
+        e1 = tuning.no_prefetch ? launch(std::false_type{}) : launch(std::true_type{});
         if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = launched;
         if (e1 != cudaSuccess || launched) return e1;
       }

@@ -44,10 +44,13 @@ namespace detail {
 // are QuantizeTensor's. two_pass: always the amax launch then the cast launch
 // (the path of tensors that are not whole, aligned 128x128 tiles), instead of
 // the one cooperative launch that reads most of the input from DRAM once.
+// no_prefetch: the one-pass launch's cast phase loads each tile from the
+// input only when it casts it (instead of while it stores the previous one).
 // one_pass_taken (tests): set to whether the one cooperative launch was made.
 struct TensorTuning {
   bool two_pass = false;
   bool* one_pass_taken = nullptr;
+  bool no_prefetch = false;
 };
 cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                 const QuantizeParams& params, const QuantizedBuffers& out,

@@ -324,7 +324,8 @@ TEST(QuantizeTensorCuda, MatchesCpuOnLargeShapes) {
 }
 
 // One tensor of whole 128x128 tiles quantized four ways: the CPU reference;
-// the default launch, which must take the one cooperative launch; the two-pass
+// the default launch, which must take the one cooperative launch (with and
+// without detail::TensorTuning::no_prefetch); the two-pass
 // launch (detail::TensorTuning::two_pass); and the default launch captured
 // into a graph, which must take the two-pass launch. Every copy's bytes and
 // scale_inv must equal the CPU's.
@@ -352,17 +353,18 @@ void CheckLaunchPaths(int64_t m, int64_t n, InputDType t, Fp8Format f, bool pow2
                              col ? d_col.get() : nullptr, col ? s + 1 : nullptr};
   const struct {
     const char* name;
-    bool two_pass, capture, want_one_pass;
-  } ways[] = {{"default", false, false, true},
-              {"two passes", true, false, false},
-              {"captured", false, true, false}};
+    bool two_pass, no_prefetch, capture, want_one_pass;
+  } ways[] = {{"default", false, false, false, true},
+              {"one pass without prefetch", false, true, false, true},
+              {"two passes", true, false, false, false},
+              {"captured", false, false, true, false}};
   for (const auto& way : ways) {
     SCOPED_TRACE(way.name);
     QTX_CUDA_ASSERT(cudaMemset(d_row.get(), kDataSentinel, count));
     QTX_CUDA_ASSERT(cudaMemset(d_col.get(), kDataSentinel, count));
     QTX_CUDA_ASSERT(cudaMemset(d_s.get(), 0xFF, 64));
     bool taken = !way.want_one_pass;
-    const detail::TensorTuning tuning{way.two_pass, &taken};
+    const detail::TensorTuning tuning{way.two_pass, &taken, way.no_prefetch};
     if (way.capture) {
       cudaStream_t st = nullptr;
       QTX_CUDA_ASSERT(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
