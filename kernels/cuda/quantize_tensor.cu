@@ -328,10 +328,10 @@ __global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) 
 // For tensors of whole tiles (m and n multiples of 128, every row aligned for
 // vector access): one cooperative launch of resident CTAs. Phase 1: CTA b
 // reads its tiles b, b + G, ... (G = gridDim.x) for the amax and keeps the
-// raw bytes of its last `keep` tiles in shared memory; partial amax, grid
-// barrier, the tensor's scale. Phase 2: the CTA casts its tiles from the last
-// to the first: the kept ones from shared memory, then the ones read most
-// recently (which the L2 may still hold), so that of the second read of the
+// raw bytes of its first `keep` tiles in shared memory (the L2 holds the last
+// ones read, so the two hold different tiles); partial amax, grid barrier, the
+// tensor's scale. Phase 2: the CTA casts its tiles from the last to the
+// first, the kept ones from shared memory, so that of the second read of the
 // input only what neither holds comes from DRAM. Thread (q, v) keeps its own
 // 16-byte words, at offset ((slot * kWords + w) * kThreads + tid) * 16: the
 // thread that stores a word loads it back, so no barrier is needed there, and
@@ -340,9 +340,10 @@ __global__ void __launch_bounds__(kThreads, 3) TileCastKernel(const CastArgs a) 
 template <InputDType D>
 constexpr int kTileWords = 8 * 8 * kElemBytes<D> / 16;
 
+// Loads through the L2 only (`last_use`: marked to leave the L2 first).
 template <InputDType D>
 __device__ __forceinline__ void LoadTileWords(const uint8_t* in, const CastArgs& a, int64_t tile,
-                                              uint4 (&w)[kTileWords<D>]) {
+                                              bool last_use, uint4 (&w)[kTileWords<D>]) {
   constexpr int kPerRow = kTileWords<D> / 8;
   const int q = threadIdx.x >> 4, v = threadIdx.x & 15;
   const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
@@ -351,7 +352,8 @@ __device__ __forceinline__ void LoadTileWords(const uint8_t* in, const CastArgs&
   for (int i = 0; i < 8; ++i) {
 #pragma unroll
     for (int h = 0; h < kPerRow; ++h) {
-      w[i * kPerRow + h] = __ldcg(reinterpret_cast<const uint4*>(p + i * a.n * kElemBytes<D>) + h);
+      const uint4* src = reinterpret_cast<const uint4*>(p + i * a.n * kElemBytes<D>) + h;
+      w[i * kPerRow + h] = last_use ? __ldcs(src) : __ldcg(src);
     }
   }
 }
@@ -380,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int tid = threadIdx.x;
   const int64_t tiles = a.mb * a.nb, G = gridDim.x, b = blockIdx.x;
   const int64_t cnt = b < tiles ? (tiles - 1 - b) / G + 1 : 0;
-  const int64_t kept_from = cnt > keep ? cnt - keep : 0;
+  const int64_t kept_n = cnt < keep ? cnt : keep;  // tiles 0 .. kept_n-1 of the CTA are kept
   const uint8_t* in = static_cast<const uint8_t*>(a.input);
 
   // Phase 1. Two tiles a step (2-byte input) for twice the loads in flight.
@@ -390,12 +392,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (; k + kStep <= cnt; k += kStep) {
     uint4 w[kStep][kW];
 #pragma unroll
-    for (int u = 0; u < kStep; ++u) LoadTileWords<D>(in, a, b + (k + u) * G, w[u]);
+    for (int u = 0; u < kStep; ++u) LoadTileWords<D>(in, a, b + (k + u) * G, false, w[u]);
 #pragma unroll
     for (int u = 0; u < kStep; ++u) {
       am = TileWordsAmax<D>(w[u], am);
-      if (k + u >= kept_from) {
-        uint4* slot = kept + (k + u - kept_from) * kW * kThreads + tid;
+      if (k + u < kept_n) {
+        uint4* slot = kept + (k + u) * kW * kThreads + tid;
 #pragma unroll
         for (int i = 0; i < kW; ++i) slot[i * kThreads] = w[u][i];
       }
@@ -403,10 +405,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   for (; k < cnt; ++k) {
     uint4 w[kW];
-    LoadTileWords<D>(in, a, b + k * G, w);
+    LoadTileWords<D>(in, a, b + k * G, false, w);
     am = TileWordsAmax<D>(w, am);
-    if (k >= kept_from) {
-      uint4* slot = kept + (k - kept_from) * kW * kThreads + tid;
+    if (k < kept_n) {
+      uint4* slot = kept + k * kW * kThreads + tid;
 #pragma unroll
       for (int i = 0; i < kW; ++i) slot[i * kThreads] = w[i];
     }
@@ -427,27 +429,32 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (a.sc != nullptr) a.sc[0] = scale_inv;
   }
 
-  // Phase 2, from the CTA's last tile to its first. With kPrefetch, the
-  // words of the next tile that comes from the input are loaded before the
-  // current tile is stored, so that its loads overlap the stores.
+  // Phase 2, from the CTA's last tile to its first: the tiles read most
+  // recently first (the L2 may still hold them; they are read for the last
+  // time, so marked to leave it first), the kept ones last. With kPrefetch,
+  // the words of the next tile that comes from the input are loaded before
+  // the current tile is stored, so that its loads overlap the stores.
   constexpr bool kPre = kPrefetch && kElemBytes<D> == 2;  // FP32: too many registers
   uint4 pre[kPre ? kW : 1];
+  if constexpr (kPre) {
+    if (cnt - 1 >= kept_n) LoadTileWords<D>(in, a, b + (cnt - 1) * G, true, pre);
+  }
   for (int64_t j = cnt - 1; j >= 0; --j) {
     const int64_t tile = b + j * G;
     const int64_t tm = tile / a.nb, tn = tile - tm * a.nb;
     uint4 w[kW];
-    if (j >= kept_from) {
-      const uint4* slot = kept + (j - kept_from) * kW * kThreads + tid;
+    if (j < kept_n) {
+      const uint4* slot = kept + j * kW * kThreads + tid;
 #pragma unroll
       for (int i = 0; i < kW; ++i) w[i] = slot[i * kThreads];
     } else if constexpr (kPre) {
 #pragma unroll
       for (int i = 0; i < kW; ++i) w[i] = pre[i];
     } else {
-      LoadTileWords<D>(in, a, tile, w);
+      LoadTileWords<D>(in, a, tile, true, w);
     }
     if constexpr (kPre) {
-      if (j >= 1 && j - 1 < kept_from) LoadTileWords<D>(in, a, tile - G, pre);
+      if (j - 1 >= kept_n) LoadTileWords<D>(in, a, tile - G, true, pre);
     }
     float x[8][8];
 #pragma unroll

@@ -7,10 +7,10 @@
 // functions do not synchronize. A tensor of whole 128x128 tiles (m and n
 // multiples of 128, input 16-byte, rowwise data 8-byte and columnwise data
 // 16-byte aligned) takes one cooperative launch: an amax phase that keeps the
-// last tiles of each CTA in shared memory, a grid barrier, then a cast phase
-// that reads those from shared memory and the rest again from the input,
-// newest first. Other tensors, launches under stream capture, and devices
-// without cooperative launch take two launches: an amax pass, then one cast
+// first tiles of each CTA in shared memory, a grid barrier, then a cast phase
+// that reads the other tiles again from the input, newest first (the L2 may
+// still hold them), and the kept ones from shared memory. Other tensors, launches under stream
+// capture, and devices without cooperative launch take two launches: an amax pass, then one cast
 // pass that writes every requested copy. A stream-ordered temporary of at most a
 // few KiB comes from the device's current memory pool (cudaMallocAsync) and
 // is freed on the stream. An empty tensor launches one tiny kernel, which
