@@ -554,11 +554,26 @@ namespace {
 // tiles, vector-aligned), or *launched = false (and no error) when it does not
 // apply: the device has no cooperative launch, the stream is being captured (a
 // graph may be replayed on any stream; the two-pass launch has no such
-// limit), shared memory holds no tile next to the transpose buffer, or the
-// cooperative launch is refused as too large (fewer SMs than the occupancy
-// query counted, as under an MPS limit).
+// limit), shared memory holds no tile next to the transpose buffer, the
+// columnwise copy is requested for more than kOnePassMaxTilesPerKept tiles per
+// tile that shared memory keeps (unless `force`), or the cooperative launch is
+// refused as too large (fewer SMs than the occupancy query counted, as under
+// an MPS limit).
+//
+// kOnePassMaxTilesPerKept: with the columnwise copy, the one launch (two CTAs
+// an SM) moves its bytes at a lower rate than the two launches do (the amax
+// pass runs 8 CTAs an SM, the cast pass 3), which the reuse of the input
+// repays only while shared memory and the L2 hold a large enough part of it.
+// On the H200 (BF16, 3 tiles kept a CTA, 264 CTAs), session 12's run 3
+// (bench/results/current_scaling_h200_session12_2026-12-02.md) measured the one
+// launch at 1.23x the two at 4096^2 (1024 tiles), 1.05x at 8192^2 (4096
+// tiles, 5.2 per kept tile) and 0.98x at 16384x7168 and 32768x4096 (7168 and
+// 8192 tiles: 9.1 and 10.3 per kept tile). The rowwise-only launch was faster
+// on every shape (1.03-1.30x), so it has no limit.
+constexpr int64_t kOnePassMaxTilesPerKept = 6;
+
 template <InputDType D, Fp8Format F, bool kRow, bool kCol, bool kPrefetch>
-cudaError_t LaunchOnePass(CastArgs a, int sms, cudaStream_t stream, bool* launched) {
+cudaError_t LaunchOnePass(CastArgs a, int sms, bool force, cudaStream_t stream, bool* launched) {
   *launched = false;
   auto kernel = OnePassTensorKernel<D, F, kRow, kCol, kPrefetch>;
   int dev = 0, coop = 0, smem_sm = 0, smem_optin = 0, reserved = 0;
@@ -592,7 +607,11 @@ cudaError_t LaunchOnePass(CastArgs a, int sms, cudaStream_t stream, bool* launch
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, dyn);
   }
   if (e != cudaSuccess || per_sm < 1) return e;
-  const int grid = GridFor(a.mb * a.nb, int64_t{sms} * per_sm);
+  const int64_t resident = int64_t{sms} * per_sm;
+  if (kCol && !force && a.mb * a.nb > kOnePassMaxTilesPerKept * resident * keep) {
+    return cudaSuccess;
+  }
+  const int grid = GridFor(a.mb * a.nb, resident);
   float* partials = nullptr;
   e = cudaMallocAsync(reinterpret_cast<void**>(&partials), sizeof(float) * grid, stream);
   if (e != cudaSuccess) return e;
@@ -691,11 +710,14 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
         auto launch = [&](auto pre) {
           constexpr bool kPre = decltype(pre)::value;
           if (params.rowwise && params.columnwise) {
-            return LaunchOnePass<D, F, true, true, kPre>(a, sms, stream, &launched);
+            return LaunchOnePass<D, F, true, true, kPre>(a, sms, tuning.force_one_pass, stream,
+                                                         &launched);
           } else if (params.rowwise) {
-            return LaunchOnePass<D, F, true, false, kPre>(a, sms, stream, &launched);
+            return LaunchOnePass<D, F, true, false, kPre>(a, sms, tuning.force_one_pass, stream,
+                                                          &launched);
           }
-          return LaunchOnePass<D, F, false, true, kPre>(a, sms, stream, &launched);
+          return LaunchOnePass<D, F, false, true, kPre>(a, sms, tuning.force_one_pass, stream,
+                                                        &launched);
         };
         e1 = tuning.no_prefetch ? launch(std::false_type{}) : launch(std::true_type{});
         if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = launched;

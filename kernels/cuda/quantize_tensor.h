@@ -4,17 +4,21 @@
 // without nvcc.
 //
 // All pointers are device pointers. Work is enqueued on `stream`; the
-// functions do not synchronize. A tensor of whole 128x128 tiles (m and n
-// multiples of 128, input 16-byte, rowwise data 8-byte and columnwise data
-// 16-byte aligned) takes one cooperative launch: an amax phase that keeps the
-// first tiles of each CTA in shared memory, a grid barrier, then a cast phase
-// that reads the other tiles again from the input, newest first (the L2 may
-// still hold them), and the kept ones from shared memory. Other tensors, launches under stream
-// capture, and devices without cooperative launch take two launches: an amax pass, then one cast
-// pass that writes every requested copy. A stream-ordered temporary of at most a
-// few KiB comes from the device's current memory pool (cudaMallocAsync) and
-// is freed on the stream. An empty tensor launches one tiny kernel, which
-// writes the scale_inv of amax 0.
+// functions do not synchronize. Two launch paths give the same bytes:
+// - One cooperative launch, for a tensor of whole 128x128 tiles (m and n
+//   multiples of 128; input 16-byte, rowwise data 8-byte, columnwise data
+//   16-byte aligned), except a columnwise copy of a tensor much larger than
+//   what shared memory keeps (on an H200 with BF16 input: above 4752 tiles,
+//   about 150 MiB): an amax phase that keeps the first tiles of each CTA in
+//   shared memory, a grid barrier, then a cast phase that reads the other
+//   tiles again from the input, newest first (the L2 may still hold them),
+//   and the kept ones from shared memory.
+// - Two launches otherwise, and under stream capture or on a device without
+//   cooperative launch: an amax pass, then one cast pass that writes every
+//   requested copy.
+// A stream-ordered temporary of at most a few KiB comes from the device's
+// current memory pool (cudaMallocAsync) and is freed on the stream. An empty
+// tensor launches one tiny kernel, which writes the scale_inv of amax 0.
 #ifndef QTX_KERNELS_CUDA_QUANTIZE_TENSOR_H_
 #define QTX_KERNELS_CUDA_QUANTIZE_TENSOR_H_
 
@@ -47,10 +51,14 @@ namespace detail {
 // no_prefetch: the one-pass launch's cast phase loads each tile from the
 // input only when it casts it (instead of while it stores the previous one).
 // one_pass_taken (tests): set to whether the one cooperative launch was made.
+// force_one_pass: the one launch also for a columnwise copy of a tensor too
+// large for it to pay (where it still applies: whole aligned tiles, no
+// capture, cooperative launch).
 struct TensorTuning {
   bool two_pass = false;
   bool* one_pass_taken = nullptr;
   bool no_prefetch = false;
+  bool force_one_pass = false;
 };
 cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                 const QuantizeParams& params, const QuantizedBuffers& out,
