@@ -1,21 +1,27 @@
 // CUDA per-tensor current scaling (docs/numerics.md "Per-tensor current
-// scaling"), bit-exact with kernels/cpu/quantize_tensor.cc.
-//
-// Two passes over the input:
-// 1. TensorAmaxKernel: a grid-stride max |x| (fmaxf ignores NaN, exactly
-//    kernels/fp8.h AmaxUpdate); each CTA writes its partial amax to a
-//    stream-ordered temporary. Max is order-independent, so the result does
-//    not depend on the grid or the reduction tree.
-// 2. A cast kernel: every CTA reduces the partials to the same amax, computes
-//    the same scale with kernels/fp8.h TensorScale, and casts with the shared
-//    cvt.rn.satfinite code (kernels/cuda/device_fp8.cuh); CTA 0 writes the
-//    scale_inv of each requested copy. Rowwise only: RowCastKernel, a flat
-//    8-elements-per-step pass (the layout of [M, N] does not matter). With the
-//    columnwise copy: TileCastKernel, 128x128 tiles whose transposed bytes
-//    go through shared memory.
-// The cast pass walks the tensor from its end to its start while the amax pass
-// walks it from the start, so the cast first reads what the amax pass left in
-// L2 most recently.
+// scaling"), bit-exact with kernels/cpu/quantize_tensor.cc. The scale needs
+// the amax of the whole input, so the input is read twice; two launch paths:
+// - OnePassTensorKernel (tensors of whole aligned 128x128 tiles; see
+//   LaunchOnePass for when it applies): one cooperative launch. Phase 1 reads
+//   every tile for the amax and keeps each CTA's first tiles in shared
+//   memory; a grid barrier; phase 2 casts the tiles newest first (what the L2
+//   still holds), the kept ones last, so that much of the second read never
+//   reaches DRAM.
+// - Two launches otherwise:
+//   1. TensorAmaxKernel: a grid-stride max |x| (fmaxf ignores NaN, exactly
+//      kernels/fp8.h AmaxUpdate); each CTA writes its partial amax to a
+//      stream-ordered temporary. Max is order-independent, so the result does
+//      not depend on the grid or the reduction tree.
+//   2. A cast kernel: every CTA reduces the partials to the same amax,
+//      computes the same scale with kernels/fp8.h TensorScale, and casts with
+//      the shared cvt.rn.satfinite code (kernels/cuda/device_fp8.cuh); CTA 0
+//      writes the scale_inv of each requested copy. Rowwise only:
+//      RowCastKernel, a flat 8-elements-per-step pass (the layout of [M, N]
+//      does not matter). With the columnwise copy: TileCastKernel, 128x128
+//      tiles whose transposed bytes go through shared memory
+//      (StoreTileCopies, shared with the one-pass kernel). The cast pass walks
+//      the tensor from its end to its start while the amax pass walks it from
+//      the start, so the cast first reads what the amax pass left in L2.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -572,41 +578,67 @@ namespace {
 // on every shape (1.03-1.30x), so it has no limit.
 constexpr int64_t kOnePassMaxTilesPerKept = 6;
 
+// The one launch's dynamic shared memory: `keep` tiles of input, then the
+// transposed byte tile when the columnwise copy is written.
+template <InputDType D>
+constexpr int64_t kOnePassTileBytes = int64_t{kTile} * kTile* kElemBytes<D>;
+template <bool kCol>
+constexpr int64_t kOnePassTsm = kCol ? int64_t{kTile} * kTile : 0;
+template <InputDType D, bool kCol>
+size_t OnePassSmem(int64_t keep) {
+  return static_cast<size_t>(keep * kOnePassTileBytes<D> + kOnePassTsm<kCol>);
+}
+
 template <InputDType D, Fp8Format F, bool kRow, bool kCol, bool kPrefetch>
 cudaError_t LaunchOnePass(CastArgs a, int sms, bool force, cudaStream_t stream, bool* launched) {
   *launched = false;
   auto kernel = OnePassTensorKernel<D, F, kRow, kCol, kPrefetch>;
-  int dev = 0, coop = 0, smem_sm = 0, smem_optin = 0, reserved = 0;
+  int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
-  if (e != cudaSuccess || coop == 0) return e;
+  if (e != cudaSuccess) return e;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess || capture != cudaStreamCaptureStatusNone) return e;
-  e = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-  if (e == cudaSuccess) {
-    e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  // Per device, found once: keep (tiles kept a CTA) and per_sm (resident CTAs
+  // an SM with that shared memory), packed as keep * 65536 + per_sm; -1: the
+  // one launch does not apply on the device.
+  static std::atomic<int64_t> plans[kMaxDevices];
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  int64_t plan = cached ? plans[dev].load(std::memory_order_relaxed) : 0;
+  if (plan == 0) {
+    int coop = 0, smem_sm = 0, smem_optin = 0, reserved = 0;
+    e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
+    if (e == cudaSuccess) {
+      e = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    }
+    if (e == cudaSuccess) {
+      e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    }
+    if (e == cudaSuccess) {
+      e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    }
+    if (e != cudaSuccess) return e;
+    // Two CTAs an SM: each gets half the SM's shared memory, less the per-CTA
+    // reserve and the static part.
+    int64_t budget = smem_sm / 2 - reserved - 64;
+    if (budget > smem_optin) budget = smem_optin;
+    const int64_t keep = (budget - kOnePassTsm<kCol>) / kOnePassTileBytes<D>;
+    int per_sm = 0;
+    if (coop != 0 && keep >= 1) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(OnePassSmem<D, kCol>(keep)));
+      if (e == cudaSuccess) {
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                          OnePassSmem<D, kCol>(keep));
+      }
+      if (e != cudaSuccess) return e;
+    }
+    plan = (coop != 0 && keep >= 1 && per_sm >= 1) ? keep * 65536 + per_sm : -1;
+    if (cached) plans[dev].store(plan, std::memory_order_relaxed);
   }
-  if (e == cudaSuccess) {
-    e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-  }
-  if (e != cudaSuccess) return e;
-  // Two CTAs an SM: each gets half the SM's shared memory, less the per-CTA
-  // reserve and the static part.
-  constexpr int64_t kTileBytes = int64_t{kTile} * kTile * kElemBytes<D>;
-  constexpr int64_t kTsm = kCol ? kTile * kTile : 0;
-  int64_t budget = smem_sm / 2 - reserved - 64;
-  if (budget > smem_optin) budget = smem_optin;
-  const int keep = static_cast<int>((budget - kTsm) / kTileBytes);
-  if (keep < 1) return cudaSuccess;
-  const size_t dyn = static_cast<size_t>(keep * kTileBytes + kTsm);
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(dyn));
-  int per_sm = 0;
-  if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, dyn);
-  }
-  if (e != cudaSuccess || per_sm < 1) return e;
+  if (plan < 0) return cudaSuccess;
+  const int keep = static_cast<int>(plan / 65536), per_sm = static_cast<int>(plan % 65536);
+  const size_t dyn = OnePassSmem<D, kCol>(keep);
   const int64_t resident = int64_t{sms} * per_sm;
   if (kCol && !force && a.mb * a.nb > kOnePassMaxTilesPerKept * resident * keep) {
     return cudaSuccess;
