@@ -200,7 +200,6 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
     bool tensor_two_pass = false;  // tensor mode only
-    bool tensor_no_prefetch = false;
   };
   // fixed: kernels/cuda/quantize_block.h LaunchTuning::fixed_tiles (CTA b takes tiles b,
   // b + grid, ... instead of drawing them from the stream's tile counter).
@@ -211,8 +210,7 @@ int main(int argc, char** argv) {
                               {"stages2_1cta", {2, 1}},
                               {"l2_outputs", {0, 0, true}},
                               {"fixed", {0, 0, false, true}},
-                              {"two_pass", {}, true},
-                              {"no_prefetch", {}, false, true}};
+                              {"two_pass", {}, true}};
 
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
@@ -284,12 +282,11 @@ int main(int argc, char** argv) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
-                                    !t.fixed_tiles && !v.tensor_two_pass && !v.tensor_no_prefetch;
+                                    !t.fixed_tiles && !v.tensor_two_pass;
             // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
             // for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;
-            const bool tensor_knob = v.tensor_two_pass || v.tensor_no_prefetch;
-            if (!is_default && (!u.row || u.from_rowwise || tensor != tensor_knob)) {
+            if (!is_default && (!u.row || u.from_rowwise || tensor != v.tensor_two_pass)) {
               continue;
             }
             QuantizeParams p;
@@ -309,11 +306,9 @@ int main(int argc, char** argv) {
                     nullptr));
                 return;
               }
-              if (tensor_knob) {
-                const qcuda::detail::TensorTuning tt{.two_pass = v.tensor_two_pass,
-                                                     .no_prefetch = v.tensor_no_prefetch};
-                CHECK_CUDA(
-                    qcuda::detail::QuantizeTensorTuned(st.in, dtype, s.m, s.n, p, o, tt, nullptr));
+              if (v.tensor_two_pass) {
+                CHECK_CUDA(qcuda::detail::QuantizeTensorTuned(st.in, dtype, s.m, s.n, p, o,
+                                                              {.two_pass = true}, nullptr));
                 return;
               }
               CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o, v.tuning,

@@ -5,7 +5,8 @@
 # which quantize TENSOR through it), quantize_cuda_bench round 1 (tensor mode,
 # the one-pass default against `two_pass`, with the copy of the same bytes),
 # Nsight Compute DRAM bytes and time of each launch with ncu's cache control
-# off, then round 2.
+# off, then round 2. (no_prefetch, timed here, was removed after run 5;
+# today's bench skips the name.)
 # Bundle: B/bin/{kernels_cuda_test,quantize_cuda_bench,cuda_channel_test}.
 #   B/gpu_session12_run2.sh OUT
 B=$(cd "$(dirname "$0")" && pwd)

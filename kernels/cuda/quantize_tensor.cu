@@ -170,7 +170,10 @@ struct CastArgs {
 template <Fp8Format F>
 __device__ __forceinline__ float TensorScaleFromPartials(const CastArgs& a, float* red) {
   float am = 0.0f;
-  for (int i = threadIdx.x; i < a.num_partials; i += kThreads) am = fmaxf(am, a.partials[i]);
+  // Through the L2: the one-pass kernel wrote them during its own launch.
+  for (int i = threadIdx.x; i < a.num_partials; i += kThreads) {
+    am = fmaxf(am, __ldcg(a.partials + i));
+  }
   am = BlockMax(am, red);
   const float scale = TensorScale(am, F, a.pow2, a.eps);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -377,7 +380,7 @@ __device__ __forceinline__ float TileWordsAmax(const uint4 (&w)[kTileWords<D>], 
   return am;
 }
 
-template <InputDType D, Fp8Format F, bool kRow, bool kCol, bool kPrefetch>
+template <InputDType D, Fp8Format F, bool kRow, bool kCol>
 __global__ void __launch_bounds__(kThreads, 2)
     OnePassTensorKernel(const CastArgs a, float* partials, int keep) {
   extern __shared__ __align__(16) uint8_t dyn[];  // keep tiles' words, then tsm (kCol)
@@ -393,6 +396,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // Phase 1. Two tiles a step (2-byte input) for twice the loads in flight.
   constexpr int kStep = kElemBytes<D> == 2 ? 2 : 1;
+  auto keep_tile = [&](int64_t k, const uint4(&w)[kW]) {
+    if (k < kept_n) {
+      uint4* slot = kept + k * kW * kThreads + tid;
+#pragma unroll
+      for (int i = 0; i < kW; ++i) slot[i * kThreads] = w[i];
+    }
+  };
   float am = 0.0f;
   int64_t k = 0;
   for (; k + kStep <= cnt; k += kStep) {
@@ -402,45 +412,27 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int u = 0; u < kStep; ++u) {
       am = TileWordsAmax<D>(w[u], am);
-      if (k + u < kept_n) {
-        uint4* slot = kept + (k + u) * kW * kThreads + tid;
-#pragma unroll
-        for (int i = 0; i < kW; ++i) slot[i * kThreads] = w[u][i];
-      }
+      keep_tile(k + u, w[u]);
     }
   }
   for (; k < cnt; ++k) {
     uint4 w[kW];
     LoadTileWords<D>(in, a, b + k * G, false, w);
     am = TileWordsAmax<D>(w, am);
-    if (k < kept_n) {
-      uint4* slot = kept + k * kW * kThreads + tid;
-#pragma unroll
-      for (int i = 0; i < kW; ++i) slot[i * kThreads] = w[i];
-    }
+    keep_tile(k, w);
   }
   am = BlockMax(am, red);
   if (tid == 0) partials[b] = am;
   cooperative_groups::this_grid().sync();
-
-  // The scale, as TensorScaleFromPartials, but reading the partials through
-  // the L2 (they were written during this launch).
-  float tam = 0.0f;
-  for (int i = tid; i < a.num_partials; i += kThreads) tam = fmaxf(tam, __ldcg(partials + i));
-  tam = BlockMax(tam, red);
-  const float scale = TensorScale(tam, F, a.pow2, a.eps);
-  if (b == 0 && tid == 0) {
-    const float scale_inv = ScaleInv(scale);
-    if (a.sr != nullptr) a.sr[0] = scale_inv;
-    if (a.sc != nullptr) a.sc[0] = scale_inv;
-  }
+  const float scale = TensorScaleFromPartials<F>(a, red);
 
   // Phase 2, from the CTA's last tile to its first: the tiles read most
   // recently first (the L2 may still hold them; they are read for the last
-  // time, so marked to leave it first), the kept ones last. With kPrefetch,
-  // the words of the next tile that comes from the input are loaded before
-  // the current tile is stored, so that its loads overlap the stores.
-  constexpr bool kPre = kPrefetch && kElemBytes<D> == 2;  // FP32: too many registers
+  // time, so marked to leave it first), the kept ones last. With 2-byte
+  // input, the words of the next tile that comes from the input are loaded
+  // before the current tile is stored, so that its loads overlap the stores
+  // (FP32: too many registers).
+  constexpr bool kPre = kElemBytes<D> == 2;
   uint4 pre[kPre ? kW : 1];
   if constexpr (kPre) {
     if (cnt - 1 >= kept_n) LoadTileWords<D>(in, a, b + (cnt - 1) * G, true, pre);
@@ -589,10 +581,10 @@ size_t OnePassSmem(int64_t keep) {
   return static_cast<size_t>(keep * kOnePassTileBytes<D> + kOnePassTsm<kCol>);
 }
 
-template <InputDType D, Fp8Format F, bool kRow, bool kCol, bool kPrefetch>
+template <InputDType D, Fp8Format F, bool kRow, bool kCol>
 cudaError_t LaunchOnePass(CastArgs a, int sms, bool force, cudaStream_t stream, bool* launched) {
   *launched = false;
-  auto kernel = OnePassTensorKernel<D, F, kRow, kCol, kPrefetch>;
+  auto kernel = OnePassTensorKernel<D, F, kRow, kCol>;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
@@ -739,19 +731,14 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
         a.vec_in = a.vec_row = a.vec_col = true;
         bool launched = false;
         cudaError_t e1 = cudaSuccess;
-        auto launch = [&](auto pre) {
-          constexpr bool kPre = decltype(pre)::value;
-          if (params.rowwise && params.columnwise) {
-            return LaunchOnePass<D, F, true, true, kPre>(a, sms, tuning.force_one_pass, stream,
-                                                         &launched);
-          } else if (params.rowwise) {
-            return LaunchOnePass<D, F, true, false, kPre>(a, sms, tuning.force_one_pass, stream,
-                                                          &launched);
-          }
-          return LaunchOnePass<D, F, false, true, kPre>(a, sms, tuning.force_one_pass, stream,
-                                                        &launched);
-        };
-        e1 = tuning.no_prefetch ? launch(std::false_type{}) : launch(std::true_type{});
+        const bool force = tuning.force_one_pass;
+        if (params.rowwise && params.columnwise) {
+          e1 = LaunchOnePass<D, F, true, true>(a, sms, force, stream, &launched);
+        } else if (params.rowwise) {
+          e1 = LaunchOnePass<D, F, true, false>(a, sms, force, stream, &launched);
+        } else {
+          e1 = LaunchOnePass<D, F, false, true>(a, sms, force, stream, &launched);
+        }
         if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = launched;
         if (e1 != cudaSuccess || launched) return e1;
       }

@@ -48,8 +48,6 @@ namespace detail {
 // are QuantizeTensor's. two_pass: always the amax launch then the cast launch
 // (the path of tensors that are not whole, aligned 128x128 tiles), instead of
 // the one cooperative launch that reads most of the input from DRAM once.
-// no_prefetch: the one-pass launch's cast phase loads each tile from the
-// input only when it casts it (instead of while it stores the previous one).
 // one_pass_taken (tests): set to whether the one cooperative launch was made.
 // force_one_pass: the one launch also for a columnwise copy of a tensor too
 // large for it to pay (where it still applies: whole aligned tiles, no
@@ -57,7 +55,6 @@ namespace detail {
 struct TensorTuning {
   bool two_pass = false;
   bool* one_pass_taken = nullptr;
-  bool no_prefetch = false;
   bool force_one_pass = false;
 };
 cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,

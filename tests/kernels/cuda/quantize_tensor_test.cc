@@ -323,10 +323,9 @@ TEST(QuantizeTensorCuda, MatchesCpuOnLargeShapes) {
          Data::kSpecials, 4});
 }
 
-// One tensor of whole 128x128 tiles quantized six ways: the CPU reference;
+// One tensor of whole 128x128 tiles quantized five ways: the CPU reference;
 // the default launch (which must take the one cooperative launch for tensors
-// of at most 256 tiles); the one launch forced (force_one_pass), with and
-// without detail::TensorTuning::no_prefetch; the two-pass launch
+// of at most 256 tiles); the one launch forced (force_one_pass); the two-pass launch
 // (detail::TensorTuning::two_pass); and the forced one launch captured into a
 // graph, which must take the two-pass launch. Every copy's bytes and
 // scale_inv must equal the CPU's.
@@ -358,19 +357,18 @@ void CheckLaunchPaths(int64_t m, int64_t n, InputDType t, Fp8Format f, bool pow2
   const bool small = (m / 128) * (n / 128) <= 256;
   const struct {
     const char* name;
-    bool two_pass, no_prefetch, force, capture, check_path, want_one_pass;
-  } ways[] = {{"default", false, false, false, false, small, true},
-              {"one pass", false, false, true, false, true, true},
-              {"one pass without prefetch", false, true, true, false, true, true},
-              {"two passes", true, false, false, false, true, false},
-              {"captured", false, false, true, true, true, false}};
+    bool two_pass, force, capture, check_path, want_one_pass;
+  } ways[] = {{"default", false, false, false, small, true},
+              {"one pass", false, true, false, true, true},
+              {"two passes", true, false, false, true, false},
+              {"captured", false, true, true, true, false}};
   for (const auto& way : ways) {
     SCOPED_TRACE(way.name);
     QTX_CUDA_ASSERT(cudaMemset(d_row.get(), kDataSentinel, count));
     QTX_CUDA_ASSERT(cudaMemset(d_col.get(), kDataSentinel, count));
     QTX_CUDA_ASSERT(cudaMemset(d_s.get(), 0xFF, 64));
     bool taken = !way.want_one_pass;
-    const detail::TensorTuning tuning{way.two_pass, &taken, way.no_prefetch, way.force};
+    const detail::TensorTuning tuning{way.two_pass, &taken, way.force};
     if (way.capture) {
       cudaStream_t st = nullptr;
       QTX_CUDA_ASSERT(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
