@@ -37,6 +37,7 @@
 #include "qtx/v1/quantizer.grpc.pb.h"
 #include "tests/testing/qtxd_process.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/unique_shm.h"
 
 namespace qtx::robustness {
 namespace {
@@ -412,9 +413,7 @@ TEST(Faults, CheckpointDiskFull) {
 class ClientShm {
  public:
   explicit ClientShm(size_t bytes) : bytes_(bytes) {
-    static int counter = 0;
-    name_ = "/qtx-fault-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-    fd_ = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    fd_ = ::qtx::testing::CreateUniqueShm("qtx-fault", &name_);
     if (fd_ < 0 || ::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) return;
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
     if (p == MAP_FAILED) return;

@@ -424,7 +424,7 @@ TEST_F(ServerTest, ClientShmIsRefusedWithoutTheFlag) {
   server_.reset();
   StartServer(/*allow_client_shm=*/false);
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   grpc::Status s = Register("r", shm);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("--allow_client_shm"));

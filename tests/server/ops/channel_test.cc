@@ -179,7 +179,7 @@ class ChannelOpTest : public OpTest {
  protected:
   ChannelOpTest() : OpTest(1 << 16) {}
   void SetUp() override {
-    OpTest::SetUp();
+    ASSERT_NO_FATAL_FAILURE(OpTest::SetUp());
     ctx_.device = &recording_;
     const float input[128] = {1.0f, -2.0f, 3.5f};
     std::memcpy(shm_.data() + 4096, input, sizeof(input));

@@ -111,7 +111,7 @@ class OptimizerOpTest : public OpTest {
  protected:
   OptimizerOpTest() : OpTest(4 << 20) {}
   void SetUp() override {
-    OpTest::SetUp();
+    ASSERT_NO_FATAL_FAILURE(OpTest::SetUp());
     QTX_ASSERT_OK_AND_ASSIGN(store_, optimizer::OptimizerStore::Create({}));
     // "w": [130, 200] (2-D blocks cut at both edges); "b": [7] (one row).
     params_ = {MakeParam("w", {130, 200}, 130, 200, 1), MakeParam("b", {7}, 1, 7, 2)};

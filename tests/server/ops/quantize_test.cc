@@ -556,7 +556,7 @@ class RunsShortOnDeviceTest : public ::testing::Test {
     return o;
   }
   void SetUp() override {
-    ASSERT_TRUE(shm_.ok());
+    ASSERT_TRUE(shm_.ok()) << shm_.error();
     QTX_ASSERT_OK(regions_.RegisterShm("host", shm_.name(), 0, shm_.size()));
     QTX_ASSERT_OK(regions_.RegisterCudaIpc("gpu", std::string(64, '\1'), 0, kRegionBytes));
     ctx_.regions = &regions_;

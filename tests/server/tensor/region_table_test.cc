@@ -32,7 +32,7 @@ RegionTableOptions ShmAllowed() {
 
 TEST(RegionTable, ShmRefusedWhenFlagOff) {
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table{RegionTableOptions{}};
   EXPECT_THAT(table.RegisterShm("r", shm.name(), 0, 4096),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--allow_client_shm")));
@@ -41,7 +41,7 @@ TEST(RegionTable, ShmRefusedWhenFlagOff) {
 
 TEST(RegionTable, RegisterMapsTheRequestedRangeAtAnUnalignedOffset) {
   ShmObject shm(3 * 4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   for (size_t i = 0; i < shm.size(); ++i) shm.data()[i] = static_cast<std::byte>(i * 7);
   RegionTable table(ShmAllowed());
   QTX_ASSERT_OK(table.RegisterShm("acts:0", shm.name(), 4196, 5000));
@@ -60,7 +60,7 @@ TEST(RegionTable, RegisterMapsTheRequestedRangeAtAnUnalignedOffset) {
 // sizes, and works again once the object has its size back.
 TEST(RegionTable, ShmObjectShrunkAfterRegistrationIsRefusedAtPinTime) {
   ShmObject shm(3 * 4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   QTX_ASSERT_OK(table.RegisterShm("w", shm.name(), 4096, 8192));
   QTX_EXPECT_OK(table.Acquire("w").status());
@@ -79,7 +79,7 @@ TEST(RegionTable, ShmObjectShrunkAfterRegistrationIsRefusedAtPinTime) {
 
 TEST(RegionTable, RangeBeyondTheObjectIsRejected) {
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   EXPECT_THAT(table.RegisterShm("r", shm.name(), 0, 4097),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -91,7 +91,7 @@ TEST(RegionTable, RangeBeyondTheObjectIsRejected) {
 
 TEST(RegionTable, OffsetPlusSizeOverflowIsRejected) {
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   const uint64_t max = std::numeric_limits<uint64_t>::max();
   EXPECT_THAT(table.RegisterShm("r", shm.name(), max, 2),
@@ -103,7 +103,7 @@ TEST(RegionTable, OffsetPlusSizeOverflowIsRejected) {
 
 TEST(RegionTable, ZeroSizeIsRejected) {
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   EXPECT_THAT(table.RegisterShm("r", shm.name(), 0, 0),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shm.byte_size=0")));
@@ -111,7 +111,7 @@ TEST(RegionTable, ZeroSizeIsRejected) {
 
 TEST(RegionTable, DuplicateNameIsRejected) {
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   QTX_ASSERT_OK(table.RegisterShm("r", shm.name(), 0, 4096));
   EXPECT_THAT(table.RegisterShm("r", shm.name(), 0, 16),
@@ -126,7 +126,7 @@ TEST(RegionTable, UnknownShmObjectIsNotFound) {
 
 TEST(RegionTable, BadNamesAreRejected) {
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   EXPECT_THAT(table.RegisterShm("", shm.name(), 0, 16),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be 1..128")));
@@ -152,7 +152,7 @@ TEST(RegionTable, UnknownNamesAreNotFound) {
 
 TEST(RegionTable, UnregisterWhilePinnedKeepsTheMappingUntilTheLastPinDrops) {
   ShmObject shm(8192);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   QTX_ASSERT_OK(table.RegisterShm("r", shm.name(), 0, 8192));
   QTX_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const Region> pin, table.Acquire("r"));
@@ -255,7 +255,7 @@ TEST(RegionTable, CudaIpcValidatesBeforeRefusing) {
 
 TEST(RegionTable, ListIsSortedAndTooManyRegionsIsResourceExhausted) {
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTableOptions o = ShmAllowed();
   o.max_regions = 2;
   RegionTable table(o);

@@ -54,7 +54,7 @@ uint64_t Sum(const std::byte* p, size_t n) {
 TEST(ShmFaultGuard, TruncatedUnderAPinReadsZerosAndReportsDataLoss) {
   constexpr size_t kBytes = 16 * 4096;
   ShmObject shm(kBytes);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   std::memset(shm.data(), 1, kBytes);
   RegionTable table(ShmAllowed());
   QTX_ASSERT_OK(table.RegisterShm("r", shm.name(), 0, kBytes));
@@ -93,7 +93,7 @@ TEST(ShmFaultGuard, ConcurrentReadersSurviveATruncation) {
   constexpr size_t kBytes = 256 * 4096;
   for (int round = 0; round < 20; ++round) {
     ShmObject shm(kBytes);
-    ASSERT_TRUE(shm.ok());
+    ASSERT_TRUE(shm.ok()) << shm.error();
     std::memset(shm.data(), 3, kBytes);
     RegionTable table(ShmAllowed());
     QTX_ASSERT_OK(table.RegisterShm("r", shm.name(), 0, kBytes));
@@ -138,7 +138,7 @@ bool DiedOfTheFault(int status) {
 TEST(ShmFaultGuardDeathTest, FaultOutsideRegisteredRegionsStillKills) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   ShmObject shm(4096);
-  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(shm.ok()) << shm.error();
   RegionTable table(ShmAllowed());
   QTX_ASSERT_OK(table.RegisterShm("r", shm.name(), 0, 4096));  // the guard is installed
   EXPECT_EXIT(
@@ -147,6 +147,10 @@ TEST(ShmFaultGuardDeathTest, FaultOutsideRegisteredRegionsStillKills) {
         const int fd = ::shm_open(other.name().c_str(), O_RDWR, 0);
         void* p = ::mmap(nullptr, 2 * 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         ::ftruncate(fd, 0);
+        // This process dies without running destructors: unlink its objects
+        // (this one and the child's own `shm`) first, so none outlives it.
+        ::shm_unlink(other.name().c_str());
+        ::shm_unlink(shm.name().c_str());
         (void)Sum(static_cast<std::byte*>(p) + 4096, 4096);
         std::exit(0);  // not reached
       },

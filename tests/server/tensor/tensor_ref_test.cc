@@ -27,7 +27,7 @@ class TensorRefTest : public ::testing::Test {
     return o;
   }
   void SetUp() override {
-    ASSERT_TRUE(shm_.ok());
+    ASSERT_TRUE(shm_.ok()) << shm_.error();
     QTX_ASSERT_OK(table_.RegisterShm("r", shm_.name(), 0, shm_.size()));
   }
   TensorRefSpec Inline(DType dtype, std::vector<int64_t> shape, const std::string& bytes) {

@@ -59,7 +59,7 @@ class OpTest : public ::testing::Test {
     return o;
   }
   void SetUp() override {
-    ASSERT_TRUE(shm_.ok());
+    ASSERT_TRUE(shm_.ok()) << shm_.error();
     QTX_ASSERT_OK(regions_.RegisterShm("r", shm_.name(), 0, shm_.size()));
     ctx_.regions = &regions_;
     ctx_.device = &device_;

@@ -7,25 +7,37 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
+
+#include "tests/testing/unique_shm.h"
 
 namespace qtx::testing {
 
 class ShmObject {
  public:
-  // Creates a fresh object of `size` bytes (zero-filled); check ok().
+  // Creates a fresh object of `size` bytes (zero-filled); check ok(), and
+  // error() says why not.
   explicit ShmObject(size_t size) : size_(size) {
-    static std::atomic<int> counter{0};
-    name_ = "/qtx-server-test-" + std::to_string(::getpid()) + "-" +
-            std::to_string(counter.fetch_add(1));
-    const int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) return;
-    if (::ftruncate(fd, static_cast<off_t>(size)) == 0 && size > 0) {
+    const int fd = CreateUniqueShm("qtx-server-test", &name_);
+    if (fd < 0) {
+      error_ = "shm_open(" + name_ + "): " + std::strerror(errno);
+      return;
+    }
+    if (size == 0) {
+      error_ = "a shm object of 0 bytes cannot be mapped";
+    } else if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+      error_ = "ftruncate(" + name_ + "): " + std::strerror(errno);
+    } else {
       void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) data_ = static_cast<std::byte*>(p);
+      if (p != MAP_FAILED) {
+        data_ = static_cast<std::byte*>(p);
+      } else {
+        error_ = "mmap(" + name_ + "): " + std::strerror(errno);
+      }
     }
     ::close(fd);
   }
@@ -37,12 +49,14 @@ class ShmObject {
   ShmObject& operator=(const ShmObject&) = delete;
 
   bool ok() const { return data_ != nullptr; }
+  const std::string& error() const { return error_; }
   const std::string& name() const { return name_; }
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
 
  private:
   std::string name_;
+  std::string error_;
   size_t size_;
   std::byte* data_ = nullptr;
 };
