@@ -32,19 +32,6 @@ using ::testing::HasSubstr;
 
 constexpr char kToken[] = "tok-3f9a1c";
 
-// A TCP port that was free a moment ago.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 Tensor SmallTensor() {
   std::vector<float> v(4 * 130);
   for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 17) - 8.0f;
@@ -58,15 +45,13 @@ class ClientSecurityTest : public ::testing::Test {
     char tmpl[] = "/tmp/qtx-csec-XXXXXX";
     dir_ = new std::string(::mkdtemp(tmpl));
     ::qtx::testing::WriteFile(*dir_ + "/token", std::string(kToken) + "\n");
-    port_ = FreePort();
-    ClientOptions probe;
-    probe.auth_token = kToken;
-    auto p = QtxdProcess::Start(
+    QtxdProcess::Options options;
+    options.probe.auth_token = kToken;
+    auto p = QtxdProcess::StartOnLoopbackPort(
         absl::GetFlag(FLAGS_qtxd),
-        {"--device=cpu", absl::StrCat("--listen_tcp=127.0.0.1:", port_),
-         "--tls_cert_file=" + TestPki::Get().server_cert,
+        {"--device=cpu", "--tls_cert_file=" + TestPki::Get().server_cert,
          "--tls_key_file=" + TestPki::Get().server_key, "--auth_token_file=" + *dir_ + "/token"},
-        absl::Seconds(30), probe);
+        options, &port_);
     ASSERT_TRUE(p.ok()) << p.status();
     server_ = p->release();
   }
@@ -133,12 +118,13 @@ TEST_F(ClientSecurityTest, TlsAndTokenOverTcp) {
 }
 
 TEST_F(ClientSecurityTest, MutualTlsNeedsTheClientCertificate) {
-  const int port = FreePort();
-  auto mtls = QtxdProcess::Start(absl::GetFlag(FLAGS_qtxd),
-                                 {"--device=cpu", absl::StrCat("--listen_tcp=127.0.0.1:", port),
-                                  "--tls_cert_file=" + TestPki::Get().server_cert,
-                                  "--tls_key_file=" + TestPki::Get().server_key,
-                                  "--tls_client_ca_file=" + TestPki::Get().ca_file});
+  int port = 0;
+  auto mtls = QtxdProcess::StartOnLoopbackPort(
+      absl::GetFlag(FLAGS_qtxd),
+      {"--device=cpu", "--tls_cert_file=" + TestPki::Get().server_cert,
+       "--tls_key_file=" + TestPki::Get().server_key,
+       "--tls_client_ca_file=" + TestPki::Get().ca_file},
+      {}, &port);
   ASSERT_TRUE(mtls.ok()) << mtls.status();
   const std::string target = absl::StrCat("127.0.0.1:", port);
   ClientOptions with_cert = Tls("", TestPki::Get().ca_pem);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "qtx/client.h"
+#include "tests/testing/free_port.h"
 
 namespace qtx::testing {
 
@@ -62,6 +63,24 @@ absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::Start(
   process->Kill();
   return absl::DeadlineExceededError(absl::StrCat(
       "qtxd not serving after ", absl::FormatDuration(options.timeout), ": ", last.ToString()));
+}
+
+absl::StatusOr<std::unique_ptr<QtxdProcess>> QtxdProcess::StartOnLoopbackPort(
+    const std::string& qtxd_path, const std::vector<std::string>& extra_args,
+    const Options& options, int* port) {
+  absl::Status last;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    *port = FreeLoopbackPort();
+    std::vector<std::string> args = extra_args;
+    args.push_back(absl::StrCat("--listen_tcp=127.0.0.1:", *port));
+    absl::StatusOr<std::unique_ptr<QtxdProcess>> process = Start(qtxd_path, args, options);
+    if (process.ok()) return process;
+    last = process.status();
+    // Only an exit during startup (e.g. "cannot bind") is worth another port.
+    if (last.code() != absl::StatusCode::kInternal) break;
+  }
+  return absl::Status(last.code(),
+                      absl::StrCat("on a loopback port (the last ", *port, "): ", last.message()));
 }
 
 absl::StatusOr<int> QtxdProcess::Stop(absl::Duration grace, int signal) {

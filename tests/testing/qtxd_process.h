@@ -46,6 +46,14 @@ class QtxdProcess {
       const std::string& qtxd_path, const std::vector<std::string>& extra_args,
       absl::Duration timeout = absl::Seconds(30), const ClientOptions& probe = {});
 
+  // Start() with --listen_tcp=127.0.0.1:<port> added, on a port that
+  // FreeLoopbackPort() found free; when qtxd cannot start there (another test
+  // took the port in between), tries another port, up to 4 ports in all.
+  // `*port` is the port of the qtxd returned.
+  static absl::StatusOr<std::unique_ptr<QtxdProcess>> StartOnLoopbackPort(
+      const std::string& qtxd_path, const std::vector<std::string>& extra_args,
+      const Options& options, int* port);
+
   // The temporary directory holding the socket (removed with the process).
   const std::string& dir() const { return dir_; }
 

@@ -22,25 +22,15 @@
 #include "server/api/server.h"
 #include "server/metrics/http_exporter.h"
 #include "tests/server/testing/shm_object.h"
+#include "tests/testing/free_port.h"
 #include "tests/testing/status_matchers.h"
 
 namespace qtx::server::api {
 namespace {
 
+using ::qtx::testing::FreeLoopbackPort;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 // A minimal HTTP/1.0 GET; returns the whole response ("" on error).
 std::string HttpGet(int port, const std::string& path, int timeout_s = 30) {
@@ -89,7 +79,7 @@ TEST(MetricsTest, PartialRequestsDoNotBlockOtherScrapes) {
   config::ServerConfig config;
   config.socket_path = dir + "/qtxd.sock";
   config.threads = 2;
-  config.metrics_port = FreePort();
+  config.metrics_port = FreeLoopbackPort();
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<QtxServer> server, QtxServer::Create(config));
   std::vector<int> stuck;
   for (int i = 0; i < 8; ++i) {
@@ -112,7 +102,7 @@ TEST(MetricsTest, PartialRequestsDoNotBlockOtherScrapes) {
 TEST(MetricsTest, ExporterClosesSlowConnectionsAndDefaultsToLoopback) {
   metrics::Metrics m;
   metrics::HttpExporterOptions o;
-  o.port = FreePort();
+  o.port = FreeLoopbackPort();
   o.request_timeout = absl::Milliseconds(200);
   o.max_connections = 2;
   QTX_ASSERT_OK_AND_ASSIGN(auto exporter, metrics::HttpExporter::Create(o, &m));
@@ -132,7 +122,7 @@ TEST(MetricsTest, ExporterClosesSlowConnectionsAndDefaultsToLoopback) {
   ::close(b);
   metrics::HttpExporterOptions all = o;
   all.host = "0.0.0.0";
-  all.port = FreePort();
+  all.port = FreeLoopbackPort();
   QTX_ASSERT_OK_AND_ASSIGN(auto everywhere, metrics::HttpExporter::Create(all, &m));
   EXPECT_EQ(everywhere->bound_address(), "0.0.0.0");
   config::ServerConfig defaults;
@@ -172,7 +162,7 @@ TEST(MetricsTest, ServerExportsRpcMetricsOverHttp) {
   config.socket_path = dir + "/qtxd.sock";
   config.allow_client_shm = true;
   config.threads = 2;
-  config.metrics_port = FreePort();
+  config.metrics_port = FreeLoopbackPort();
   QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<QtxServer> server, QtxServer::Create(config));
   ASSERT_EQ(server->metrics_port(), config.metrics_port);
 
@@ -260,7 +250,7 @@ TEST(MetricsTest, ShortCallsRunInlineWithinTheLimits) {
     config::ServerConfig config;
     config.socket_path = dir + "/qtxd.sock";
     config.threads = 1;
-    config.metrics_port = FreePort();
+    config.metrics_port = FreeLoopbackPort();
     config.inline_max_bytes = 1024;
     config.inline_max_concurrent = max_concurrent;
     QTX_ASSERT_OK_AND_ASSIGN(std::unique_ptr<QtxServer> server, QtxServer::Create(config));

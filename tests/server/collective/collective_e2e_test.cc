@@ -50,14 +50,12 @@ struct Sidecar {
 class Cluster {
  public:
   explicit Cluster(int n) {
-    static int counter = 0;
-    const int base = 20000 + (getpid() * 37 + 1000 * counter++) % 30000;
     for (int i = 0; i < n; ++i) {
       Sidecar s;
-      s.port = base + i;
-      absl::StatusOr<std::unique_ptr<QtxdProcess>> process = QtxdProcess::Start(
-          QTXD_PATH, {absl::StrCat("--listen_tcp=127.0.0.1:", s.port), "--threads=2"},
-          absl::Seconds(20));
+      QtxdProcess::Options options;
+      options.timeout = absl::Seconds(20);
+      absl::StatusOr<std::unique_ptr<QtxdProcess>> process =
+          QtxdProcess::StartOnLoopbackPort(QTXD_PATH, {"--threads=2"}, options, &s.port);
       // A rank that did not start fails the test; its calls fail (UNAVAILABLE).
       EXPECT_TRUE(process.ok()) << "qtxd " << i << " did not start: " << process.status();
       std::string target = "unix:/nonexistent/qtxd.sock";

@@ -65,15 +65,15 @@ struct Sidecar {
 class GpuPair {
  public:
   GpuPair() {
-    const int base = 21000 + (getpid() * 31) % 20000;
     for (int i = 0; i < kWorld; ++i) {
       Sidecar s;
-      s.port = base + i;
-      absl::StatusOr<std::unique_ptr<QtxdProcess>> process = QtxdProcess::Start(
+      QtxdProcess::Options options;
+      options.timeout = absl::Seconds(60);
+      absl::StatusOr<std::unique_ptr<QtxdProcess>> process = QtxdProcess::StartOnLoopbackPort(
           QtxdPath(),
-          {absl::StrCat("--listen_tcp=127.0.0.1:", s.port), absl::StrCat("--device=cuda:", i),
-           absl::StrCat("--max_message_mb=", kMaxMessageMb), "--threads=2"},
-          absl::Seconds(60));
+          {absl::StrCat("--device=cuda:", i), absl::StrCat("--max_message_mb=", kMaxMessageMb),
+           "--threads=2"},
+          options, &s.port);
       // A rank that did not start fails the test; its calls fail (UNAVAILABLE).
       EXPECT_TRUE(process.ok()) << "qtxd on cuda:" << i << " did not start: " << process.status();
       std::string target = "unix:/nonexistent/qtxd.sock";
