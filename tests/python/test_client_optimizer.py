@@ -26,14 +26,13 @@ import argparse
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import numpy as np
+
+import qtxd_child
 
 ARGS = None
 qtx = None
@@ -48,31 +47,20 @@ def setUpModule():
     tmp = tempfile.mkdtemp(prefix="qtx-pyopt-")
     SERVER["tmp"] = tmp
     SERVER["ckpt"] = os.path.join(tmp, "ckpt")
-    sock = os.path.join(tmp, "qtxd.sock")
-    SERVER["proc"] = subprocess.Popen(
-        [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn",
-         "--checkpoint_dir=" + SERVER["ckpt"]])
-    SERVER["target"] = "unix://" + sock
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if SERVER["proc"].poll() is not None:
-            raise RuntimeError("qtxd exited with %d" % SERVER["proc"].returncode)
-        if os.path.exists(sock):
-            try:
-                with qtx.Client(SERVER["target"], timeout=2) as c:
-                    if c.health() == "SERVING":
-                        return
-            except qtx.QtxError:
-                pass
-        time.sleep(0.05)
-    raise RuntimeError("qtxd did not answer within 30 s")
+
+    def serving(target):
+        with qtx.Client(target, timeout=2) as c:
+            return c.health() == "SERVING"
+    child = qtxd_child.start(ARGS.qtxd, tmp, ["--device=cpu", "--checkpoint_dir=" + SERVER["ckpt"]],
+                             probe=serving)
+    SERVER["child"] = child
+    SERVER["target"] = child.target
 
 
 def tearDownModule():
-    proc = SERVER.get("proc")
-    if proc is not None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    child = SERVER.get("child")
+    if child is not None:
+        child.stop()
     shutil.rmtree(SERVER.get("tmp", "/nonexistent"), ignore_errors=True)
 
 

@@ -30,19 +30,18 @@
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import unittest
 
 import numpy as np
 
+import qtxd_child
+
 ARGS = None
 qtx = None
-SERVERS = {"procs": [], "targets": []}
+SERVERS = {"children": [], "targets": []}
 CLIENTS = []
 SEQ = [0]  # the Collective group "dp"'s next sequence (every collective call uses one)
 
@@ -53,25 +52,14 @@ LR, WD = 1e-2, 0.1
 
 
 def start_qtxd(tmp, name):
-    sock = os.path.join(tmp, name + ".sock")
-    proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn",
-                             "--checkpoint_dir=" + os.path.join(tmp, name),
-                             "--checkpoint_import_dirs=" + tmp])
-    SERVERS["procs"].append(proc)
-    target = "unix://" + sock
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("qtxd %s exited with %d" % (name, proc.returncode))
-        if os.path.exists(sock):
-            try:
-                with qtx.Client(target, timeout=2) as c:
-                    if c.health() == "SERVING":
-                        return target
-            except qtx.QtxError:
-                pass
-        time.sleep(0.05)
-    raise RuntimeError("qtxd %s did not answer within 30 s" % name)
+    def serving(target):
+        with qtx.Client(target, timeout=2) as c:
+            return c.health() == "SERVING"
+    child = qtxd_child.start(ARGS.qtxd, tmp,
+                             ["--device=cpu", "--checkpoint_dir=" + os.path.join(tmp, name),
+                              "--checkpoint_import_dirs=" + tmp], probe=serving, name=name)
+    SERVERS["children"].append(child)
+    return child.target
 
 
 def on_every_rank(fn):
@@ -108,9 +96,8 @@ def setUpModule():
 def tearDownModule():
     for c in CLIENTS:
         c.close()
-    for proc in SERVERS["procs"]:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    for child in SERVERS["children"]:
+        child.stop()
     shutil.rmtree(SERVERS.get("tmp", "/nonexistent"), ignore_errors=True)
 
 

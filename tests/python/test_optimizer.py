@@ -19,14 +19,13 @@ Skips (exit 0 with a message) when torch is not importable.
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import numpy as np
+
+import qtxd_child
 
 ARGS = None
 qtx = None
@@ -37,34 +36,13 @@ SHAPES = {"w1": (200, 96), "b1": (200,), "w2": (10, 200)}
 
 
 def start_server(tmp, extra):
-    sock = os.path.join(tmp, "qtxd.sock")
-    proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn"]
-                            + extra)
-    target = "unix://" + sock
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("qtxd exited with %d during startup" % proc.returncode)
-        if os.path.exists(sock):
-            try:
-                with qtx.channel(target) as ch:
-                    qtx.v1.optimizer_pb2_grpc.OptimizerStub(ch).ListGroups(
-                        qtx.v1.optimizer_pb2.ListOptimizerGroupsRequest(), timeout=2)
-                return proc, target
-            except Exception:  # not up yet
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("qtxd did not answer within 30 s")
-
-
-def stop_server(proc):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    """A CPU qtxd on <tmp>/qtxd.sock, once its Optimizer service answers."""
+    def ready(target):
+        with qtx.channel(target) as ch:
+            qtx.v1.optimizer_pb2_grpc.OptimizerStub(ch).ListGroups(
+                qtx.v1.optimizer_pb2.ListOptimizerGroupsRequest(), timeout=2)
+        return True
+    return qtxd_child.start(ARGS.qtxd, tmp, ["--device=cpu"] + extra, probe=ready)
 
 
 def tensor_f32(a):
@@ -145,9 +123,10 @@ class OptimizerTest(unittest.TestCase):
         os.mkdir(dir_a)
         os.mkdir(dir_b)
         ckpt = os.path.join(dir_a, "ckpt")
-        proc_a, target_a = start_server(dir_a, ["--checkpoint_dir=" + ckpt])
-        proc_b, target_b = start_server(dir_b, [])
-        a, b = Client(target_a), Client(target_b)
+        server_a = start_server(dir_a, ["--checkpoint_dir=" + ckpt])
+        server_b = start_server(dir_b, [])
+        self.addCleanup(server_b.kill)  # when the test fails before it stops it
+        a, b = Client(server_a.target), Client(server_b.target)
         try:
             a.offload(self.init)
             b.offload(self.init)
@@ -192,11 +171,11 @@ class OptimizerTest(unittest.TestCase):
             self.assertIn("at step 3", e.exception.details())
         finally:
             a.close()
-            self.assertEqual(stop_server(proc_a), 0)
+            self.assertEqual(server_a.stop(), 0)
         self.assertTrue(os.path.exists(os.path.join(ckpt, "mlp.qtxopt")))
         # A second qtxd on the same checkpoint directory.
-        proc_a2, target_a2 = start_server(dir_a, ["--checkpoint_dir=" + ckpt])
-        a2 = Client(target_a2)
+        server_a2 = start_server(dir_a, ["--checkpoint_dir=" + ckpt])
+        a2 = Client(server_a2.target)
         try:
             groups = a2.opt.ListGroups(a2.o.ListOptimizerGroupsRequest(), timeout=10).groups
             self.assertEqual([(g.name, g.step, g.error) for g in groups], [("mlp", 3, "")])
@@ -214,25 +193,25 @@ class OptimizerTest(unittest.TestCase):
         finally:
             a2.close()
             b.close()
-            self.assertEqual(stop_server(proc_a2), 0)
-            self.assertEqual(stop_server(proc_b), 0)
+            self.assertEqual(server_a2.stop(), 0)
+            self.assertEqual(server_b.stop(), 0)
 
     def test_corrupted_checkpoint_is_refused(self):
         ckpt = os.path.join(self.tmp, "ckpt")
-        proc, target = start_server(self.tmp, ["--checkpoint_dir=" + ckpt])
-        c = Client(target)
+        server = start_server(self.tmp, ["--checkpoint_dir=" + ckpt])
+        c = Client(server.target)
         c.offload(self.init)
         c.step(1, self.grads[0])
         c.close()
-        self.assertEqual(stop_server(proc), 0)
+        self.assertEqual(server.stop(), 0)
         path = os.path.join(ckpt, "mlp.qtxopt")
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) // 2)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x40]))
-        proc, target = start_server(self.tmp, ["--checkpoint_dir=" + ckpt])
-        c = Client(target)
+        server = start_server(self.tmp, ["--checkpoint_dir=" + ckpt])
+        c = Client(server.target)
         try:
             import grpc
             with self.assertRaises(grpc.RpcError) as e:
@@ -241,7 +220,7 @@ class OptimizerTest(unittest.TestCase):
             self.assertIn("checksum", e.exception.details())
         finally:
             c.close()
-            self.assertEqual(stop_server(proc), 0)
+            self.assertEqual(server.stop(), 0)
 
 
 def main():

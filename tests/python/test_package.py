@@ -14,16 +14,16 @@ Optimizer calls.
 import argparse
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import unittest
 
 import numpy as np
+
+import qtxd_child
 
 ARGS = None
 qtx = None
@@ -86,33 +86,24 @@ def setUpModule():
     token_file = os.path.join(tmp, "token")
     with open(token_file, "w") as f:
         f.write(TOKEN + "\n")
-    sock = os.path.join(tmp, "qtxd.sock")
     SERVER["health_port"] = free_port()
-    SERVER["proc"] = subprocess.Popen(
-        [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn", "--allow_client_shm",
-         "--auth_token_file=" + token_file, "--health_port=%d" % SERVER["health_port"]])
-    SERVER["target"] = "unix://" + sock
     SERVER["token_file"] = token_file
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if SERVER["proc"].poll() is not None:
-            raise RuntimeError("qtxd exited with %d" % SERVER["proc"].returncode)
-        if os.path.exists(sock):
-            try:
-                with qtx.Client(SERVER["target"], token=TOKEN, timeout=2) as c:
-                    if c.health() == "SERVING":
-                        return
-            except qtx.QtxError:
-                pass
-        time.sleep(0.05)
-    raise RuntimeError("qtxd did not answer within 30 s")
+    SERVER["child"] = qtxd_child.start(
+        ARGS.qtxd, tmp, ["--device=cpu", "--allow_client_shm", "--auth_token_file=" + token_file,
+                         "--health_port=%d" % SERVER["health_port"]], probe=serving)
+    SERVER["target"] = SERVER["child"].target
+
+
+def serving(target):
+    """The qtxd_child probe of a qtxd with the module's token."""
+    with qtx.Client(target, token=TOKEN, timeout=2) as c:
+        return c.health() == "SERVING"
 
 
 def tearDownModule():
-    proc = SERVER.get("proc")
-    if proc is not None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    child = SERVER.get("child")
+    if child is not None:
+        child.stop()
     shutil.rmtree(SERVER.get("tmp", "/nonexistent"), ignore_errors=True)
 
 
@@ -284,28 +275,14 @@ class CollectiveTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        sock = os.path.join(SERVER["tmp"], "rank1.sock")
-        cls.proc = subprocess.Popen(
-            [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn",
-             "--auth_token_file=" + SERVER["token_file"]])
-        cls.targets = [SERVER["target"], "unix://" + sock]
-        deadline = time.time() + 30
-        while True:
-            if cls.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("rank 1 qtxd did not start")
-            if os.path.exists(sock):
-                try:
-                    with qtx.Client(cls.targets[1], token=TOKEN, timeout=2) as c:
-                        if c.health() == "SERVING":
-                            break
-                except qtx.QtxError:
-                    pass
-            time.sleep(0.05)
+        cls.child = qtxd_child.start(
+            ARGS.qtxd, SERVER["tmp"], ["--device=cpu", "--auth_token_file=" + SERVER["token_file"]],
+            probe=serving, name="rank1")
+        cls.targets = [SERVER["target"], cls.child.target]
 
     @classmethod
     def tearDownClass(cls):
-        cls.proc.send_signal(signal.SIGTERM)
-        cls.proc.wait(timeout=30)
+        cls.child.stop()
 
     def setUp(self):
         self.clients = [qtx.Client(t, token=TOKEN, timeout=30) for t in self.targets]
@@ -390,31 +367,15 @@ class ThreeRankCollectiveTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.procs, cls.targets = [], [SERVER["target"]]
-        for r in (1, 2):
-            sock = os.path.join(SERVER["tmp"], "three-rank%d.sock" % r)
-            cls.procs.append(subprocess.Popen(
-                [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn",
-                 "--auth_token_file=" + SERVER["token_file"]]))
-            cls.targets.append("unix://" + sock)
-        deadline = time.time() + 30
-        for p, t in zip(cls.procs, cls.targets[1:]):
-            while True:
-                if p.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("a qtxd for the three-rank group did not start")
-                try:
-                    with qtx.Client(t, token=TOKEN, timeout=2) as c:
-                        if c.health() == "SERVING":
-                            break
-                except qtx.QtxError:
-                    pass
-                time.sleep(0.05)
+        cls.children = [qtxd_child.start(
+            ARGS.qtxd, SERVER["tmp"], ["--device=cpu", "--auth_token_file=" + SERVER["token_file"]],
+            probe=serving, name="three-rank%d" % r) for r in (1, 2)]
+        cls.targets = [SERVER["target"]] + [c.target for c in cls.children]
 
     @classmethod
     def tearDownClass(cls):
-        for p in cls.procs:
-            p.send_signal(signal.SIGTERM)
-            p.wait(timeout=30)
+        for c in cls.children:
+            c.stop()
 
     def setUp(self):
         self.clients = [qtx.Client(t, token=TOKEN, timeout=30) for t in self.targets]

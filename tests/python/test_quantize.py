@@ -14,18 +14,18 @@ step of each element's block, power-of-two scale_inv with amax*scale in
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import numpy as np
 
+import qtxd_child
+
 ARGS = None
 qtx = None  # the package, imported once --python_dir is on sys.path
-SERVER = None  # (process, target)
+SERVER = None  # qtxd_child.Child
+TMP = None
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
@@ -78,48 +78,23 @@ def cdiv(a, b):
 # ---- server -------------------------------------------------------------------------------------
 
 
-def start_server(extra_args):
-    tmp = tempfile.mkdtemp(prefix="qtx-py-")
-    sock = os.path.join(tmp, "qtxd.sock")
-    proc = subprocess.Popen(
-        [ARGS.qtxd, "--socket=" + sock, "--device=cpu", "--log_level=warn"] + extra_args)
-    target = "unix://" + sock
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("qtxd exited with %d during startup" % proc.returncode)
-        if os.path.exists(sock):
-            try:
-                with qtx.channel(target) as ch:
-                    qtx.memory_pb2_grpc.MemoryStub(ch).ListRegions(
-                        qtx.memory_pb2.ListRegionsRequest(), timeout=2)
-                return proc, target, tmp
-            except Exception:  # not up yet
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("qtxd did not answer within 30 s")
-
-
-def stop_server(proc, tmp):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return code
-
-
 def setUpModule():
-    global SERVER
-    SERVER = start_server(["--allow_client_shm"])
+    global SERVER, TMP
+    TMP = tempfile.mkdtemp(prefix="qtx-py-")
+
+    def ready(target):
+        with qtx.channel(target) as ch:
+            qtx.memory_pb2_grpc.MemoryStub(ch).ListRegions(
+                qtx.memory_pb2.ListRegionsRequest(), timeout=2)
+        return True
+    SERVER = qtxd_child.start(ARGS.qtxd, TMP, ["--device=cpu", "--allow_client_shm"], probe=ready)
 
 
 def tearDownModule():
-    proc, _, tmp = SERVER
-    code = stop_server(proc, tmp)
+    try:
+        code = SERVER.stop(timeout=20)
+    finally:
+        shutil.rmtree(TMP, ignore_errors=True)
     if code != 0:
         raise AssertionError("qtxd exited with %d after SIGTERM" % code)
 
@@ -129,7 +104,7 @@ def tearDownModule():
 
 class QuantizeTest(unittest.TestCase):
     def setUp(self):
-        self.channel = qtx.channel(SERVER[1])
+        self.channel = qtx.channel(SERVER.target)
         self.quantizer = qtx.quantizer_pb2_grpc.QuantizerStub(self.channel)
         self.memory = qtx.memory_pb2_grpc.MemoryStub(self.channel)
         self.t = qtx.tensor_pb2
