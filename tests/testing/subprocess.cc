@@ -2,7 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,23 +18,40 @@ extern char** environ;
 namespace qtx::testing {
 namespace {
 
-// posix_spawn's attributes and file actions, destroyed on scope exit.
-class SpawnSetup {
- public:
-  SpawnSetup() {
-    posix_spawnattr_init(&attr);
-    posix_spawn_file_actions_init(&actions);
-  }
-  ~SpawnSetup() {
-    posix_spawn_file_actions_destroy(&actions);
-    posix_spawnattr_destroy(&attr);
-  }
-  SpawnSetup(const SpawnSetup&) = delete;
-  SpawnSetup& operator=(const SpawnSetup&) = delete;
+// In the child: writes errno to `report` and exits 127.
+[[noreturn]] void ChildFailed(int report) {
+  const int e = errno;
+  (void)!::write(report, &e, sizeof(e));
+  ::_exit(127);
+}
 
-  posix_spawnattr_t attr;
-  posix_spawn_file_actions_t actions;
-};
+// In the child, between fork and exec: only async-signal-safe calls. Reports
+// a failure as its errno on `report` (close-on-exec, so an exec that works
+// closes it with nothing written) and exits 127.
+[[noreturn]] void ExecChild(char* const* argv, const Subprocess::Options& options, int stdout_fd,
+                            pid_t parent, int report) {
+  // A test that crashes (no destructor runs) must not leave its children
+  // running: they would hold CTest's output pipe until the test's timeout.
+  // The signal comes when the thread that forked exits: Start() from the main
+  // thread (Options::die_with_parent says more).
+  if (options.die_with_parent) {
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) ChildFailed(report);
+    if (::getppid() != parent) ::_exit(127);  // the parent died before the prctl
+  }
+  if (options.quiet) {
+    const int null_fd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (null_fd < 0 || ::dup2(null_fd, 2) < 0 || ::dup2(null_fd, 1) < 0) ChildFailed(report);
+  }
+  if (stdout_fd >= 0 && ::dup2(stdout_fd, 1) < 0) ChildFailed(report);  // dup2 clears close-on-exec
+  if (options.file_size_limit > 0) {
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGXFSZ);
+    if (::sigprocmask(SIG_BLOCK, &mask, nullptr) != 0) ChildFailed(report);
+  }
+  ::execve(argv[0], argv, environ);
+  ChildFailed(report);
+}
 
 }  // namespace
 
@@ -46,33 +63,38 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(const std::vector<
   for (std::string& a : args) arg_ptrs.push_back(a.data());
   arg_ptrs.push_back(nullptr);
 
-  SpawnSetup setup;
-  if (options.quiet) {
-    posix_spawn_file_actions_addopen(&setup.actions, 1, "/dev/null", O_WRONLY, 0);
-    posix_spawn_file_actions_addopen(&setup.actions, 2, "/dev/null", O_WRONLY, 0);
-  }
   int out[2] = {-1, -1};
-  if (options.pipe_stdout) {
-    if (::pipe2(out, O_CLOEXEC) != 0) {
-      return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(errno)));
-    }
-    // dup2 clears close-on-exec on the child's fd 1; both pipe ends close at the exec.
-    posix_spawn_file_actions_adddup2(&setup.actions, out[1], 1);
+  if (options.pipe_stdout && ::pipe2(out, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(errno)));
   }
-  if (options.file_size_limit > 0) {
-    sigset_t mask;
-    pthread_sigmask(SIG_BLOCK, nullptr, &mask);
-    sigaddset(&mask, SIGXFSZ);
-    posix_spawnattr_setsigmask(&setup.attr, &mask);
-    posix_spawnattr_setflags(&setup.attr, POSIX_SPAWN_SETSIGMASK);
+  int report[2] = {-1, -1};
+  if (::pipe2(report, O_CLOEXEC) != 0) {
+    const int e = errno;
+    if (out[0] >= 0) ::close(out[0]), ::close(out[1]);
+    return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(e)));
   }
-  pid_t pid = -1;
-  const int rc =
-      posix_spawn(&pid, args[0].c_str(), &setup.actions, &setup.attr, arg_ptrs.data(), environ);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) ExecChild(arg_ptrs.data(), options, out[1], parent, report[1]);
+  const int fork_errno = errno;
+  ::close(report[1]);
   if (out[1] >= 0) ::close(out[1]);
-  if (rc != 0) {
+  int child_errno = 0;
+  ssize_t got = 0;
+  if (pid > 0) {
+    do {
+      got = ::read(report[0], &child_errno, sizeof(child_errno));
+    } while (got < 0 && errno == EINTR);
+  }
+  ::close(report[0]);
+  if (pid < 0 || got > 0) {
     if (out[0] >= 0) ::close(out[0]);
-    return absl::InternalError(absl::StrCat("posix_spawn ", args[0], ": ", std::strerror(rc)));
+    if (pid > 0) {
+      while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+    }
+    return absl::InternalError(absl::StrCat(pid < 0 ? "fork for " : "exec ", args[0], ": ",
+                                            std::strerror(pid < 0 ? fork_errno : child_errno)));
   }
   std::unique_ptr<Subprocess> process(new Subprocess(pid, out[0]));
   if (options.file_size_limit > 0) {

@@ -1,4 +1,4 @@
-// Subprocess: one child process (posix_spawn of an executable with its arguments), the one place
+// Subprocess: one child process (fork and exec of an executable with its arguments), the one place
 // where tests start processes: qtxd (through QtxdProcess), the qtx CLI, or the test binary itself
 // in a child mode. The destructor kills (SIGKILL) and reaps a child that is still running.
 // One owner thread.
@@ -30,10 +30,15 @@ class Subprocess {
     // SIGXFSZ blocked in the child, so that a write past the limit fails with EFBIG instead of
     // killing the process.
     rlim_t file_size_limit = 0;
+    // The child is killed (SIGKILL) when the thread that started it exits,
+    // the test process included, however it ends (Linux's parent-death
+    // signal): a crashed test leaves no qtxd behind. Turn it off to start a
+    // child from a thread that ends before the child should.
+    bool die_with_parent = true;
   };
 
   // Starts argv[0] (a path) with the arguments argv[1...] and the test's environment. Fails with
-  // INVALID_ARGUMENT for an empty argv, INTERNAL with the spawn error (e.g. no such file).
+  // INVALID_ARGUMENT for an empty argv, INTERNAL with the fork or exec error (e.g. no such file).
   static absl::StatusOr<std::unique_ptr<Subprocess>> Start(const std::vector<std::string>& argv,
                                                            const Options& options);
   static absl::StatusOr<std::unique_ptr<Subprocess>> Start(const std::vector<std::string>& argv) {
