@@ -23,8 +23,13 @@
 namespace qtx::kernels::cpu::band {
 
 // Tiles per work unit (one 128-row band by up to this many tiles): see
-// adamw_band.cc.
-constexpr int64_t kUnitTiles = 16;
+// adamw_band.cc. QTX_ADAMW_UNIT_TILES overrides it at compile time, for A/B
+// builds of the benchmark only (bench/README.md, "Host AdamW at memory speed").
+#ifndef QTX_ADAMW_UNIT_TILES
+#define QTX_ADAMW_UNIT_TILES 16
+#endif
+constexpr int64_t kUnitTiles = QTX_ADAMW_UNIT_TILES;
+static_assert(kUnitTiles >= 1 && kUnitTiles <= 256, "QTX_ADAMW_UNIT_TILES out of range");
 
 // One non-empty parameter of a call.
 struct ParamPlan {
