@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import unittest
 
 import numpy as np
@@ -248,6 +249,44 @@ class PackageTest(unittest.TestCase):
             self.assertEqual(h.health(), "SERVING")
             with self.assertRaises(qtx.errors.UnimplementedError):
                 h.list_regions()
+
+    def test_wait_until_serving(self):
+        # A serving qtxd: returns.
+        self.c.wait_until_serving(30)
+        # Without the token, the health checks fail: the wait names why.
+        with qtx.Client(SERVER["target"], timeout=10) as anonymous:
+            with self.assertRaises(qtx.errors.DeadlineExceededError) as cm:
+                anonymous.wait_until_serving(0.5)
+            self.assertIn("not SERVING after 0.5 s", cm.exception.message)
+            self.assertIn("UNAUTHENTICATED", cm.exception.message)
+        # Nothing on the socket yet: waits, and returns once a qtxd starts there.
+        late = os.path.join(SERVER["tmp"], "late")
+        os.mkdir(late)
+        outcome = []
+
+        def wait():
+            with qtx.Client("unix://" + os.path.join(late, "qtxd.sock"), token=TOKEN) as c:
+                try:
+                    c.wait_until_serving(60)
+                    outcome.append("serving")
+                except qtx.QtxError as e:
+                    outcome.append(e)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)
+        self.assertEqual(outcome, [])  # nothing serves there yet
+        child = qtxd_child.start(ARGS.qtxd, late,
+                                 ["--device=cpu", "--auth_token_file=" + SERVER["token_file"]])
+        try:
+            waiter.join(60)
+            self.assertEqual(outcome, ["serving"])
+        finally:
+            self.assertEqual(child.stop(), 0)
+        # No qtxd at all: DEADLINE_EXCEEDED naming the target.
+        with qtx.Client("unix://" + os.path.join(late, "none.sock"), token=TOKEN) as c:
+            with self.assertRaises(qtx.errors.DeadlineExceededError) as cm:
+                c.wait_until_serving(0.3)
+            self.assertIn("none.sock", cm.exception.message)
 
     def test_optimizer_calls(self):
         # The installed package's Optimizer wrapper, with the token (the AdamW

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import math
 import secrets
+import time
 
 import grpc
 import numpy as np
@@ -163,6 +164,33 @@ class Client:
             return self._call(self._health, service, timeout)
         except errors.NotFoundError:
             return "SERVICE_UNKNOWN"
+
+    def wait_until_serving(self, timeout):
+        """Returns once qtxd reports SERVING, waiting for it to come up: a
+        trainer that starts before its sidecar, or a sidecar that restarts.
+        Each health check waits for the connection (gRPC wait_for_ready);
+        between checks it backs off from 10 ms to 200 ms. Raises
+        errors.DeadlineExceededError naming the last status or error seen
+        after `timeout` seconds (C++: qtx::Client::WaitUntilServing)."""
+        deadline = time.monotonic() + timeout
+        backoff = 0.01
+        last = "no health check made"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                status = self._health("", timeout=min(left, 2.0), metadata=self.metadata(),
+                                      wait_for_ready=True)
+                if status == "SERVING":
+                    return
+                last = "status " + status
+            except grpc.RpcError as e:
+                last = str(errors.from_rpc_error(e))
+            time.sleep(max(0.0, min(backoff, deadline - time.monotonic())))
+            backoff = min(backoff * 2, 0.2)
+        raise errors.DeadlineExceededError("'%s' not SERVING after %g s; last health check: %s"
+                                           % (self.target, timeout, last))
 
     # ---- quantizer ----------------------------------------------------------------------------
 
