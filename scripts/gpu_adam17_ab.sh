@@ -9,6 +9,7 @@
 # copy at the last deferred row), after (2b69205: + columnwise strips),
 # nokeep (after with --no_tile_scales). One JSON line per call.
 B=$(cd "$(dirname "$0")" && pwd)
+. "$B/gpu_env.sh" || exit 2
 O=${1:?out}; mkdir -p "$O"
 export LD_LIBRARY_PATH=$B/lib OMP_WAIT_POLICY=passive
 V=(before nostrip after nokeep)
@@ -24,13 +25,4 @@ for r in $(seq 0 $(( ${ROUNDS:-6} - 1 ))); do
       grep adamw_cpu | sed "s/}\$/,\"round\":$r}/" >> "$O/ab.jsonl"
   done
 done
-/usr/bin/env python3 - "$O/ab.jsonl" <<'PY'
-import json, sys, collections
-t = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    t[(r["threads"], r["label"])].append(r["time_ms"])
-for k in sorted(t):
-    v = sorted(t[k])
-    print(k, "best %.1f median %.1f" % (v[0], v[len(v) // 2]), [round(x, 1) for x in t[k]])
-PY
+qtx_ab_summary "$O/ab.jsonl"

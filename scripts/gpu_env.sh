@@ -112,3 +112,20 @@ lts__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,l
 QTX_NCU_STALLS='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio',\
 smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
 sm__warps_active.avg.per_cycle_active
+
+# qtx_ab_summary FILE: the summary of an interleaved A/B of
+# optimizer_cpu_bench (scripts/gpu_adam17_ab.sh, gpu_session13_run1.sh): per
+# (threads, label), the best and median step time over the rounds, then each
+# round's, from FILE's "adamw_cpu" JSON lines.
+qtx_ab_summary() {
+  python3 - "${1:?usage: qtx_ab_summary FILE}" <<'PY'
+import json, sys, collections
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    t[(r["threads"], r["label"])].append(r["time_ms"])
+for k in sorted(t):
+    v = sorted(t[k])
+    print(k, "best %.1f median %.1f" % (v[0], v[len(v) // 2]), [round(x, 1) for x in t[k]])
+PY
+}

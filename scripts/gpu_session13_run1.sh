@@ -24,13 +24,4 @@ for r in $(seq 0 $(( ${ROUNDS:-4} - 1 ))); do
       sed "s/}\$/,\"round\":$r}/" >> "$O/ab.jsonl"
   done
 done
-python3 - "$O/ab.jsonl" <<'PY' | tee -a "$L"
-import json, sys, collections
-t = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    t[(r["threads"], r["label"])].append(r["time_ms"])
-for k in sorted(t):
-    v = sorted(t[k])
-    print(k, "best %.1f median %.1f" % (v[0], v[len(v) // 2]), [round(x, 1) for x in t[k]])
-PY
+qtx_ab_summary "$O/ab.jsonl" | tee -a "$L"
