@@ -10,19 +10,22 @@ with its own client; an exception means "not up yet"). A qtxd that outlives
 its test would keep the test's stdout open, and CTest waits for that pipe
 until the test's timeout: so every child is killed when the interpreter exits
 (atexit), and, when started from the main thread, also when the test process
-dies without running atexit (Linux's parent-death signal, PR_SET_PDEATHSIG).
+dies without running atexit (Linux's parent-death signal, set by util-linux's
+`setpriv --pdeathsig KILL`, which then execs qtxd: a preexec_fn would run
+Python in the forked child of a process with gRPC threads, which can
+deadlock).
 """
 
 import atexit
-import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import threading
 import time
 
 _CHILDREN = []
-_PR_SET_PDEATHSIG = 1
+_SETPRIV = shutil.which("setpriv")
 
 
 def _kill_leftovers():
@@ -33,12 +36,6 @@ def _kill_leftovers():
 
 
 atexit.register(_kill_leftovers)
-
-
-def _die_with_parent():
-    # Runs in the child between fork and exec. The signal comes when the thread
-    # that forked exits, hence only for children of the main thread.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Child:
@@ -74,9 +71,11 @@ def start(qtxd, sock_dir, extra=(), probe=None, name="qtxd", timeout=30):
     Raises RuntimeError, with the child killed, when qtxd exits during startup
     or is not ready after `timeout` seconds."""
     socket = os.path.join(sock_dir, name + ".sock")
-    main = threading.current_thread() is threading.main_thread()
-    proc = subprocess.Popen([qtxd, "--socket=" + socket, "--log_level=warn"] + list(extra),
-                            preexec_fn=_die_with_parent if main else None)
+    argv = [qtxd, "--socket=" + socket, "--log_level=warn"] + list(extra)
+    # The signal comes when the thread that forked exits: main thread only.
+    if _SETPRIV and threading.current_thread() is threading.main_thread():
+        argv = [_SETPRIV, "--pdeathsig", "KILL", "--"] + argv
+    proc = subprocess.Popen(argv)
     _CHILDREN.append(proc)
     child = Child(proc, socket)
     deadline = time.time() + timeout
