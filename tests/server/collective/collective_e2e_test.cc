@@ -38,6 +38,12 @@ using ::qtx::testing::RunAllGather;
 using ::qtx::testing::Shards;
 using ::testing::HasSubstr;
 
+// How late past its deadline a call that waits on a missing peer may return:
+// far below the groups' 20 s timeout (what a call that ignored its deadline
+// would wait for), far above what a loaded 2-core CI machine needs to run
+// the callers' threads after the deadline.
+constexpr absl::Duration kDeadlineSlack = absl::Seconds(5);
+
 struct Sidecar {
   std::unique_ptr<QtxdProcess> process;  // null if it did not start
   int port = 0;
@@ -318,7 +324,7 @@ TEST(OneRoundFaults, MismatchedShardRowsDigestsAndAKilledRank) {
     const absl::Time start = absl::Now();
     auto st = RunAllGather(c, reqs, &resps, absl::Seconds(4), /*skip_rank=*/2);
     killer.join();
-    EXPECT_LT(absl::Now() - start, absl::Seconds(4) + absl::Milliseconds(500));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(4) + kDeadlineSlack);
     for (int r = 0; r < 2; ++r) {
       EXPECT_TRUE(st[r].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
                   st[r].error_code() == grpc::StatusCode::ABORTED)
@@ -371,7 +377,7 @@ TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
     std::vector<v1::AllGatherResponse> resps;
     const absl::Time start = absl::Now();
     auto st = RunAllGather(c, reqs, &resps, absl::Seconds(3), /*skip_rank=*/2);
-    EXPECT_LT(absl::Now() - start, absl::Seconds(3) + absl::Milliseconds(500));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3) + kDeadlineSlack);
     for (int r = 0; r < 2; ++r) {
       EXPECT_TRUE(st[r].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
                   st[r].error_code() == grpc::StatusCode::ABORTED)
@@ -394,7 +400,7 @@ TEST(CollectiveFaults, MissingRankMismatchedNAndKilledSidecar) {
     const absl::Time start = absl::Now();
     auto st = RunAllGather(c, reqs, &resps, absl::Seconds(4), /*skip_rank=*/2);
     killer.join();
-    EXPECT_LT(absl::Now() - start, absl::Seconds(4) + absl::Milliseconds(500));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(4) + kDeadlineSlack);
     for (int r = 0; r < 2; ++r) {
       EXPECT_TRUE(st[r].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
                   st[r].error_code() == grpc::StatusCode::ABORTED)

@@ -35,6 +35,13 @@ using tensor::RegionSliceSpec;
 // destroys).
 class Record {
  public:
+  // Waits up to `timeout` for at least `n` enqueued operations (a loaded
+  // machine may hold the worker back for a while); the count then.
+  uint64_t EnqueuedAtLeast(uint64_t n, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (enqueued() < n && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+    return enqueued();
+  }
   // Waits until `enqueued` has not changed for `quiet` (the worker stopped).
   uint64_t SettledEnqueued(absl::Duration quiet) {
     uint64_t last = enqueued();
@@ -220,6 +227,9 @@ class ChannelOpTest : public OpTest {
     std::unique_ptr<Channel> ch = Open();
     if (ch == nullptr) return nullptr;
     for (uint64_t seq = 1; seq <= ops; ++seq) ch->Submit(seq, Request(), nullptr);
+    // The window first (however long the worker takes to get there), then
+    // 100 ms without a change: it stops there.
+    record().EnqueuedAtLeast(kMaxEnqueuedAhead, absl::Seconds(30));
     const uint64_t enqueued = record().SettledEnqueued(absl::Milliseconds(100));
     EXPECT_EQ(enqueued, kMaxEnqueuedAhead) << "the worker stops at the window";
     return enqueued == kMaxEnqueuedAhead ? std::move(ch) : nullptr;
