@@ -1,6 +1,6 @@
 // qtx: a command-line client for qtxd, for people.
 //
-//   qtx health   [--target=...]
+//   qtx health   [--target=...] [--wait=60s]
 //   qtx quantize [--npy=x.npy | --shape=MxN [--seed=S] [--dtype=float32|bfloat16]]
 //                [--mode=1d|2d] [--format=e4m3|e5m2] [--usages=rowwise,columnwise]
 //                [--pow2=true|false] [--eps=0] [--shm] [--save=PREFIX]
@@ -75,6 +75,9 @@
 ABSL_FLAG(std::string, target, std::string(qtx::kDefaultTarget),
           "qtxd address: unix:///path, an absolute socket path, or host:port");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "deadline of each call");
+ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(),
+          "health: ask until qtxd is SERVING, up to this long (a script or init container waiting "
+          "for its sidecar); 0: ask once");
 ABSL_FLAG(std::string, token_file, "",
           "file holding the bearer token of a qtxd started with --auth_token_file");
 ABSL_FLAG(bool, tls, false, "use TLS (host:port targets of a qtxd with --tls_cert_file)");
@@ -380,6 +383,15 @@ absl::Status SaveNpy(const std::string& prefix, absl::string_view name, const Te
 absl::Status RunHealth() {
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectFromFlags();
   if (!client.ok()) return client.status();
+  const absl::Duration wait = absl::GetFlag(FLAGS_wait);
+  if (wait < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--wait=", absl::FormatDuration(wait), ": must not be negative"));
+  }
+  if (wait > absl::ZeroDuration()) {
+    const absl::Status serving = (*client)->WaitUntilServing(wait);
+    if (!serving.ok()) return serving;
+  }
   absl::StatusOr<ServingStatus> s = (*client)->Health();
   if (!s.ok()) return s.status();
   std::cout << (*client)->target() << ": " << ServingStatusName(*s) << "\n";
@@ -1006,7 +1018,7 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
       "qtx <health|quantize|regions|allgather|step|groups> [flags]\n"
-      "  qtx health                         ask qtxd whether it is serving\n"
+      "  qtx health [--wait=60s]            ask qtxd whether it is serving (--wait: until it is)\n"
       "  qtx quantize --shape=256x1024      quantize a random N(0,1) tensor\n"
       "  qtx quantize --npy=x.npy --mode=2d quantize a '<f4'/'<f2' .npy array\n"
       "  qtx regions                        list registered memory regions\n"

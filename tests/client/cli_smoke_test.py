@@ -73,6 +73,33 @@ def check_token(a):
     assert code == 0, "token qtxd exit %d" % code
 
 
+def check_health_wait(a):
+    """`qtx health --wait`: started before its qtxd, it returns once qtxd serves."""
+    tmp = tempfile.mkdtemp(prefix="qtx-cli-wait-")
+    sock = os.path.join(tmp, "qtxd.sock")
+    waiter = subprocess.Popen([a.qtx, "--target=unix://" + sock, "health", "--wait=60s"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = None
+    try:
+        time.sleep(0.3)
+        assert waiter.poll() is None, "health --wait returned with no qtxd: %s" % (
+            waiter.communicate(),)
+        server = subprocess.Popen([a.qtxd, "--socket=" + sock, "--device=cpu",
+                                   "--log_level=warn"])
+        out, err = waiter.communicate(timeout=90)
+        assert waiter.returncode == 0, (waiter.returncode, out, err)
+        assert "SERVING" in out, out
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+        code = 0
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            code = server.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert code == 0, "qtxd exit %d" % code
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--qtxd", required=True)
@@ -132,6 +159,11 @@ def main():
         assert "INVALID_ARGUMENT" in err, err
         _, err = run(a.qtx, "unix://" + tmp + "/nobody.sock", "health", expect_rc=1)
         assert "UNAVAILABLE" in err, err
+        _, err = run(a.qtx, "unix://" + tmp + "/nobody.sock", "health", "--wait=300ms",
+                     expect_rc=1)
+        assert "DEADLINE_EXCEEDED" in err and "not SERVING after 300ms" in err, err
+        _, err = run(a.qtx, target, "health", "--wait=-1s", expect_rc=1)
+        assert "--wait=-1s" in err, err
         run(a.qtx, target, "frobnicate", expect_rc=2)
     finally:
         server.send_signal(signal.SIGTERM)
@@ -139,6 +171,7 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
     assert code == 0, "qtxd exit %d" % code
     check_token(a)
+    check_health_wait(a)
     print("cli smoke test passed")
     return 0
 
