@@ -5,17 +5,24 @@ Argument checking, dtype and layout mapping, __cuda_array_interface__ and
 DLPack parsing with fake objects (and real DLPack capsules of CPU tensors),
 stream handles, the status -> exception mapping (including a real failure of
 the compiled module), the DevicePool's bookkeeping with a fake CUDA backend,
-`python -m qtx health`, and `import qtx` without grpcio.
+`python -m qtx health` (with --wait, against a CPU qtxd started after it), and
+`import qtx` without grpcio.
 
-  /usr/bin/python3 tests/python/test_cuda_cpu.py --python_dir=build/client/python
+  /usr/bin/python3 tests/python/test_cuda_cpu.py --python_dir=build/client/python \
+      --qtxd=build/server/qtxd
 """
 
 import argparse
 import gc
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import unittest
+
+import qtxd_child
 
 ARGS = None
 qtx = None
@@ -866,6 +873,41 @@ class CommandLineTest(unittest.TestCase):
         self.assertIn("UNAVAILABLE", r.stdout)
         self.assertIn("qtx.cuda: yes", r.stdout)
 
+    def test_health_wait(self):
+        # No qtxd: DEADLINE_EXCEEDED after the wait, naming it.
+        r = subprocess.run([sys.executable, "-m", "qtx", "health", "--target",
+                            "unix:///nonexistent/dir/qtxd.sock", "--wait", "0.5"],
+                           env=self.env(), capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn("DEADLINE_EXCEEDED", r.stdout)
+        self.assertIn("not SERVING after 500ms", r.stdout)
+        r = subprocess.run([sys.executable, "-m", "qtx", "health", "--wait", "-1"],
+                           env=self.env(), capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+        # Started before its qtxd (through qtx._native): SERVING once qtxd is up.
+        tmp = tempfile.mkdtemp(prefix="qtx-cuda-cpu-wait-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        sock = os.path.join(tmp, "qtxd.sock")
+        waiter = subprocess.Popen([sys.executable, "-m", "qtx", "health", "--target",
+                                   "unix://" + sock, "--wait", "60"], env=self.env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(waiter.kill)
+        time.sleep(0.3)
+        self.assertIsNone(waiter.poll(), "returned with no qtxd")
+        server = qtxd_child.start(ARGS.qtxd, tmp, ["--device=cpu"])
+        try:
+            out, _ = waiter.communicate(timeout=90)
+            self.assertEqual(waiter.returncode, 0, out)
+            self.assertIn("SERVING via qtx._native", out)
+            # qtx.cuda.Session's own wait, on a serving qtxd and on none.
+            qcuda.Session(server.target, timeout=10.0).wait_until_serving(30)
+            nobody = qcuda.Session("unix://" + os.path.join(tmp, "none.sock"), timeout=1.0)
+            with self.assertRaises(qtx.errors.DeadlineExceededError) as cm:
+                nobody.wait_until_serving(0.3)
+            self.assertIn("none.sock", str(cm.exception))
+        finally:
+            self.assertEqual(server.stop(), 0)
+
     def test_import_without_grpc(self):
         code = (
             "import sys\n"
@@ -894,5 +936,6 @@ class CommandLineTest(unittest.TestCase):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--python_dir", required=True)
+    p.add_argument("--qtxd", required=True)
     ARGS, rest = p.parse_known_args()
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)

@@ -144,6 +144,12 @@ class NativeSession {
     return qtx::ServingStatusName(s);
   }
 
+  // Client::WaitUntilServing: health checks until SERVING, up to timeout_s.
+  void WaitUntilServing(double timeout_s) {
+    py::gil_scoped_release nogil;
+    Check(client_->WaitUntilServing(absl::Seconds(timeout_s)));
+  }
+
   // Submits a quantization of the contiguous tensor at `input` on `stream`.
   // outs: rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv.
   uint64_t Quantize(int device, uintptr_t stream, uintptr_t input, int dtype,
@@ -889,6 +895,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("timeout") = 60.0, py::arg("background_writer") = false)
       .def("quantize_plan", &NativeSession::QuantizePlan)
       .def("health", &NativeSession::Health)
+      .def("wait_until_serving", &NativeSession::WaitUntilServing, py::arg("timeout"))
       .def("quantize", &NativeSession::Quantize)
       .def("quantize_into", &NativeSession::QuantizeInto)
       .def("set_profiling", &NativeSession::SetProfiling)

@@ -1487,6 +1487,12 @@ class Session:
         """qtxd's serving status: 'SERVING', 'NOT_SERVING', ..."""
         return self._native.health()
 
+    def wait_until_serving(self, timeout):
+        """Returns once qtxd reports SERVING (health checks that wait for the
+        connection); errors.DeadlineExceededError naming the last status seen
+        after `timeout` seconds. For a trainer that starts before its sidecar."""
+        self._native.wait_until_serving(float(timeout))
+
     def stats(self):
         """{'channels', 'registrations', 'pool': DevicePool.stats()}."""
         return {"channels": self._native.channels(),
