@@ -865,24 +865,24 @@ class CommandLineTest(unittest.TestCase):
     def env(self):
         return dict(os.environ, PYTHONPATH=ARGS.python_dir)
 
+    def health(self, *args):
+        """`python -m qtx health ARGS...`, finished (stdout, stderr, returncode)."""
+        return subprocess.run([sys.executable, "-m", "qtx", "health"] + list(args),
+                              env=self.env(), capture_output=True, text=True, timeout=60)
+
     def test_health_of_a_missing_qtxd(self):
-        r = subprocess.run([sys.executable, "-m", "qtx", "health", "--target",
-                            "unix:///nonexistent/dir/qtxd.sock", "--timeout", "2"],
-                           env=self.env(), capture_output=True, text=True, timeout=60)
+        r = self.health("--target", "unix:///nonexistent/dir/qtxd.sock", "--timeout", "2")
         self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
         self.assertIn("UNAVAILABLE", r.stdout)
         self.assertIn("qtx.cuda: yes", r.stdout)
 
     def test_health_wait(self):
         # No qtxd: DEADLINE_EXCEEDED after the wait, naming it.
-        r = subprocess.run([sys.executable, "-m", "qtx", "health", "--target",
-                            "unix:///nonexistent/dir/qtxd.sock", "--wait", "0.5"],
-                           env=self.env(), capture_output=True, text=True, timeout=60)
+        r = self.health("--target", "unix:///nonexistent/dir/qtxd.sock", "--wait", "0.5")
         self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
         self.assertIn("DEADLINE_EXCEEDED", r.stdout)
         self.assertIn("not SERVING after 500ms", r.stdout)
-        r = subprocess.run([sys.executable, "-m", "qtx", "health", "--wait", "-1"],
-                           env=self.env(), capture_output=True, text=True, timeout=60)
+        r = self.health("--wait", "-1")
         self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
         # Started before its qtxd (through qtx._native): SERVING once qtxd is up.
         tmp = tempfile.mkdtemp(prefix="qtx-cuda-cpu-wait-")
