@@ -31,7 +31,8 @@ QTX_BUNDLE_SKIP='libcublas|libcublasLt' "$ROOT/deploy/bundle/make_bundle.sh" "$B
 mkdir -p "$OUT/py/qtx" "$OUT/tests" "$OUT/bench" "$OUT/fallback/include/qtx" \
   "$OUT/fallback/include/kernels/cuda"
 cp "$ROOT"/client/python/qtx/*.py "$OUT/py/qtx/"
-cp "$ROOT"/tests/python/gpu_test_*.py "$OUT/tests/"
+cp "$ROOT"/tests/python/gpu_test_*.py "$ROOT"/tests/python/qtxd_child.py \
+  "$ROOT"/tests/python/qtx_cli_io.py "$OUT/tests/"
 cp "$ROOT/bench/python_channel_bench.py" "$OUT/bench/"
 cp "$ROOT/scripts/gpu_python.sh" "$ROOT/scripts/gpu_env.sh" "$OUT/"
 if [ -n "$REF" ]; then

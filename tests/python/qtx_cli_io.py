@@ -11,13 +11,14 @@ import ast
 import ctypes
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import tempfile
 import time
 
 import torch
+
+import qtxd_child
 
 _NPY_DTYPES = {"<f4": torch.float32, "<f2": torch.float16, "|u1": torch.uint8}
 _NPY_DESCR = {v: k for k, v in _NPY_DTYPES.items()}
@@ -108,33 +109,28 @@ class Qtxd:
 
     def __enter__(self):
         self.tmp = tempfile.mkdtemp(prefix="qtxd-")
-        sock = os.path.join(self.tmp, "qtxd.sock")
-        self.target = "unix://" + sock
-        self.proc = subprocess.Popen([self.qtxd, "--socket=" + sock, "--device=" + self.device,
-                                      "--log_level=warn"] + self.extra)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("qtxd exited with %d during startup" % self.proc.returncode)
-            if os.path.exists(sock):
-                if self.cli is None:
-                    time.sleep(0.5)
-                    return self
-                r = subprocess.run([self.cli, "health", "--target=" + self.target],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                if r.returncode == 0:
-                    return self
-            time.sleep(0.1)
-        self.proc.kill()
-        raise RuntimeError("qtxd did not start within 60 s")
+
+        def ready(target):
+            if self.cli is None:
+                time.sleep(0.5)  # the socket file exists; no client to ask
+                return True
+            return subprocess.run([self.cli, "health", "--target=" + target],
+                                  stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL).returncode == 0
+        try:
+            self.server = qtxd_child.start(self.qtxd, self.tmp,
+                                           ["--device=" + self.device] + self.extra,
+                                           probe=ready, timeout=60)
+        except Exception:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        self.proc, self.target = self.server.proc, self.server.target
+        return self
 
     def __exit__(self, *exc):
-        self.proc.send_signal(signal.SIGTERM)
         try:
-            code = self.proc.wait(timeout=30)
+            code = self.server.stop()
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
             shutil.rmtree(self.tmp, ignore_errors=True)
         if code != 0 and exc[0] is None:
             raise RuntimeError("qtxd exited with %d after SIGTERM" % code)

@@ -140,10 +140,10 @@ class Client:
             md.append(("authorization", "Bearer " + self._token))
         return md
 
-    def _call(self, method, request, timeout=None, request_id=None):
+    def _call(self, method, request, timeout=None, request_id=None, wait_for_ready=None):
         try:
             return method(request, timeout=timeout or self.timeout,
-                          metadata=self.metadata(request_id))
+                          metadata=self.metadata(request_id), wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None
 
@@ -180,13 +180,12 @@ class Client:
             if left <= 0:
                 break
             try:
-                status = self._health("", timeout=min(left, 2.0), metadata=self.metadata(),
-                                      wait_for_ready=True)
+                status = self._call(self._health, "", min(left, 2.0), wait_for_ready=True)
                 if status == "SERVING":
                     return
                 last = "status " + status
-            except grpc.RpcError as e:
-                last = str(errors.from_rpc_error(e))
+            except errors.QtxError as e:
+                last = str(e)
             time.sleep(max(0.0, min(backoff, deadline - time.monotonic())))
             backoff = min(backoff * 2, 0.2)
         raise errors.DeadlineExceededError("'%s' not SERVING after %g s; last health check: %s"
