@@ -17,13 +17,15 @@
 // forces the baseline AVX2 kernel).
 // Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
 //            [--threads=1,2,4] [--phases] [--thp] [--triad_mib=N] [--label=NAME]
-//            [--no_tile_scales] [--output=row+col|row]
+//            [--no_tile_scales] [--output=row+col|row] [--claim_units=N]
 // --no_tile_scales: the step keeps no tile scales between steps
 // (AdamWParamBuffers::tile_scales; qtxd's optimizer keeps them), so every
 // tile is encoded from a re-read of its updated master.
 // --output=row: the step writes the rowwise FP8 copy only (the columnwise one
 // is then made on the GPU from it: qtx::cuda::MakeColumnwiseCopy); row+col,
 // the default, writes both.
+// --claim_units=N: threads claim runs of N work units from a shared counter
+// (kernels/cpu/adamw.h SetUnitClaimChunk) instead of one contiguous run each.
 // bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
 #include <sys/mman.h>
@@ -145,6 +147,14 @@ int main(int argc, char** argv) {
       columnwise_out = true;
     } else if (std::strncmp(argv[i], "--triad_mib=", 12) == 0) {
       triad_mib = std::atoll(argv[i] + 12);
+    } else if (std::strncmp(argv[i], "--claim_units=", 14) == 0) {
+      char* end = nullptr;
+      const long long units = std::strtoll(argv[i] + 14, &end, 10);
+      if (end == argv[i] + 14 || *end != '\0' ||
+          !qtx::kernels::cpu::internal::SetUnitClaimChunk(units)) {
+        std::fprintf(stderr, "--claim_units: '%s' is not a count >= 0\n", argv[i] + 14);
+        return 2;
+      }
     } else if (std::strncmp(argv[i], "--label=", 8) == 0) {
       label = argv[i] + 8;
     } else if (std::strncmp(argv[i], "--", 2) == 0) {
@@ -245,11 +255,13 @@ int main(int argc, char** argv) {
         "{\"bench\":\"adamw_cpu\",\"m\":%lld,\"n\":%lld,\"threads\":%d,\"moments\":\"fp32\","
         "\"grad\":\"%s\",\"output\":\"%s\",\"time_ms\":%.3f,\"params_per_s\":%.4g,"
         "\"bytes_per_param\":%.4f,\"bytes_moved_gbps\":%.3f,\"triad_gbps\":%.3f,"
-        "\"fraction_of_triad\":%.3f,\"isa\":\"%s\",\"thp\":%s,\"tile_scales\":%s%s}\n",
+        "\"fraction_of_triad\":%.3f,\"isa\":\"%s\",\"thp\":%s,\"tile_scales\":%s,"
+        "\"claim_units\":%lld%s}\n",
         static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
         columnwise_out ? "fp8_2d_row_col" : "fp8_2d_row", best * 1e3, count / best, step_bytes,
         gbps, tr.gbps, gbps / tr.gbps, isa, g_thp ? "true" : "false",
-        tile_scales ? "true" : "false", label_json.c_str());
+        tile_scales ? "true" : "false",
+        static_cast<long long>(qtx::kernels::cpu::internal::UnitClaimChunk()), label_json.c_str());
     std::fflush(stdout);
     if (phases) {
       auto phase = [&](const char* name, double seconds, double bytes_per_param) {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/stream_copy.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/columnwise_copy.h"
 #include "kernels/cuda/quantize_block.h"
@@ -157,6 +158,30 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
                prop.l2CacheSize >> 20);
 
+  // The copy kernel's figures count only if it copies: each launch shape once
+  // over an odd number of 16-byte words, compared on the host.
+  {
+    const int64_t bytes = (int64_t{3} << 20) + 16 * 7;
+    std::vector<uint8_t> src(bytes), back(bytes);
+    std::mt19937 bytes_rng(7);
+    for (auto& b : src) b = static_cast<uint8_t>(bytes_rng());
+    void *d_src = nullptr, *d_dst = nullptr;
+    CHECK_CUDA(cudaMalloc(&d_src, bytes));
+    CHECK_CUDA(cudaMalloc(&d_dst, bytes));
+    CHECK_CUDA(cudaMemcpy(d_src, src.data(), bytes, cudaMemcpyHostToDevice));
+    for (const qtx::bench::StreamCopyShape& k : qtx::bench::kStreamCopyShapes) {
+      CHECK_CUDA(cudaMemset(d_dst, 0, bytes));
+      CHECK_CUDA(qtx::bench::StreamCopy(d_src, d_dst, bytes, k, nullptr));
+      CHECK_CUDA(cudaMemcpy(back.data(), d_dst, bytes, cudaMemcpyDeviceToHost));
+      if (back != src) {
+        std::fprintf(stderr, "copy kernel %s: the copy differs from its source\n", k.name);
+        return 1;
+      }
+    }
+    CHECK_CUDA(cudaFree(d_src));
+    CHECK_CUDA(cudaFree(d_dst));
+  }
+
   struct Shape {
     int64_t m, n;
   };
@@ -278,6 +303,32 @@ int main(int argc, char** argv) {
                                        cudaMemcpyDeviceToDevice, nullptr));
           });
           const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
+          // The bench's own copy kernel in each of its launch shapes, over the
+          // same buffers: how fast a kernel streams these bytes here.
+          for (const qtx::bench::StreamCopyShape& k : qtx::bench::kStreamCopyShapes) {
+            const std::string name = std::string("kcopy_") + k.name;
+            if (!listed(variant_filter, name.c_str())) continue;
+            const int64_t kbytes = copy_bytes / 16 * 16;
+            const double us = MedianUs(warmup, iters, prepare, [&](int i) {
+              CHECK_CUDA(qtx::bench::StreamCopy(copy_ring[i % ncopy], copy_ring[(i + 1) % ncopy],
+                                                kbytes, k, nullptr));
+            });
+            const double tbps = 2.0 * kbytes / (us * 1e-6) / 1e12;
+            std::printf(
+                "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"l2\":\"%s\",\"usage\":\"%s\","
+                "\"m\":%lld,\"n\":%lld,\"variant\":\"%s\",\"bytes\":%lld,\"time_us\":%.2f,"
+                "\"tbps\":%.3f,\"copy_bytes\":%lld,\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,"
+                "\"ratio_vs_copy\":%.3f,\"iters\":%d,\"device\":\"%s\"}\n",
+                mode.name, l2_name, u.name, static_cast<long long>(s.m),
+                static_cast<long long>(s.n), name.c_str(), static_cast<long long>(2 * kbytes), us,
+                tbps, static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps,
+                iters, prop.name);
+            std::fflush(stdout);
+            std::fprintf(stderr, "%-6s %-7s %-8s %lldx%-7lld %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n",
+                         mode.name, l2_name, u.name, static_cast<long long>(s.m),
+                         static_cast<long long>(s.n), name.c_str(), us, tbps, copy_us, copy_tbps,
+                         tbps / copy_tbps);
+          }
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;

@@ -65,6 +65,13 @@ std::atomic<int>& ActiveIsaSlot() {
   return slot;
 }
 
+// The unit schedule of AdamWStepFused with more than one thread (see
+// internal::SetUnitClaimChunk): 0 = contiguous runs.
+std::atomic<int64_t>& UnitClaimSlot() {
+  static std::atomic<int64_t> slot{0};
+  return slot;
+}
+
 void ZeroScales(const AdamWParamBuffers& b, const QuantizedLayout& l) {
   if (!b.fp8_output) return;
   if (b.quant.rowwise && l.RowwiseScaleCount() > 0) {
@@ -158,14 +165,20 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
   const int threads = static_cast<int>(
       std::min<int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), units));
   if (threads <= 1) {
-    run(plans.data(), plans.size(), 0, units, s);
+    run(plans.data(), plans.size(), {.u0 = 0, .u1 = units}, s);
     return;
   }
+  const int64_t chunk = internal::UnitClaimChunk();
+  std::atomic<int64_t> claim{0};
 #pragma omp parallel num_threads(threads)
   {
-    // Contiguous runs of units, as even as possible (as schedule(static)).
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    run(plans.data(), plans.size(), units * t / nt, units * (t + 1) / nt, s);
+    if (chunk > 0) {
+      run(plans.data(), plans.size(), {.u0 = 0, .u1 = units, .claim = &claim, .chunk = chunk}, s);
+    } else {
+      // Contiguous runs of units, as even as possible (as schedule(static)).
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      run(plans.data(), plans.size(), {.u0 = units * t / nt, .u1 = units * (t + 1) / nt}, s);
+    }
   }
 }
 
@@ -265,6 +278,14 @@ bool BandIsaAvailable(BandIsa isa) {
 }
 
 BandIsa ActiveBandIsa() { return static_cast<BandIsa>(ActiveIsaSlot().load()); }
+
+int64_t UnitClaimChunk() { return UnitClaimSlot().load(std::memory_order_relaxed); }
+
+bool SetUnitClaimChunk(int64_t units) {
+  if (units < 0) return false;
+  UnitClaimSlot().store(units, std::memory_order_relaxed);
+  return true;
+}
 
 bool SetBandIsa(BandIsa isa) {
   if (!BandIsaAvailable(isa)) return false;

@@ -107,6 +107,16 @@ BandIsa ActiveBandIsa();
 // when it is not available. Not to be called while a step runs.
 bool SetBandIsa(BandIsa isa);
 
+// How AdamWStepFused shares its work units (one 128-row band by up to 16
+// tiles of one parameter) among its threads: 0 (the default), each thread
+// one contiguous run of as many units as the others; N > 0, each thread
+// claims runs of N units from a shared counter until none are left, so that
+// threads on less busy cores take more. Both give the same bytes. For
+// benchmarks and tests; false (and no change) for N < 0. Not to be called
+// while a step runs.
+int64_t UnitClaimChunk();
+bool SetUnitClaimChunk(int64_t units);
+
 // The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel
 // (of the active ISA); equals kernels::EncodeFp8 for every input. Exposed for
 // its test.

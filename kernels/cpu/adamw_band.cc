@@ -811,7 +811,7 @@ void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
 
 }  // namespace
 
-void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
+void RunUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range,
               const AdamWScalars& s) {
   UnitScratch* const scratch = &ThreadScratch().unit;
   Deferred* deferred = nullptr;
@@ -819,15 +819,27 @@ void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1,
   deferred = &ThreadScratch().deferred;
   deferred->plan = nullptr;
 #endif
-  size_t p = 0;
-  for (int64_t u = u0; u < u1; ++u) {
-    while (p + 1 < num_plans && plans[p + 1].first_unit <= u) ++p;
-    const ParamPlan& plan = plans[p];
-    const int64_t local = u - plan.first_unit;
-    const int64_t chunk = local % plan.chunks;
-    // The band's tiles split as evenly as possible over its chunks.
-    DispatchUnit(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
-                 (chunk + 1) * plan.nb / plan.chunks, s, *scratch, deferred);
+  size_t p = 0;  // units only ascend (claims too): the plan search goes forward
+  auto run = [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      while (p + 1 < num_plans && plans[p + 1].first_unit <= u) ++p;
+      const ParamPlan& plan = plans[p];
+      const int64_t local = u - plan.first_unit;
+      const int64_t chunk = local % plan.chunks;
+      // The band's tiles split as evenly as possible over its chunks.
+      DispatchUnit(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
+                   (chunk + 1) * plan.nb / plan.chunks, s, *scratch, deferred);
+    }
+  };
+  if (range.claim == nullptr) {
+    run(range.u0, range.u1);
+  } else {
+    // The pending (deferred) unit carries over from one claimed run to the next.
+    for (;;) {
+      const int64_t u0 = range.claim->fetch_add(range.chunk, std::memory_order_relaxed);
+      if (u0 >= range.u1) break;
+      run(u0, std::min(range.u1, u0 + range.chunk));
+    }
   }
 #if defined(__AVX2__)
   DeferredRows(*deferred, kBlockLen);

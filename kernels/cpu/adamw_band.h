@@ -13,6 +13,7 @@
 #ifndef QTX_KERNELS_CPU_ADAMW_BAND_H_
 #define QTX_KERNELS_CPU_ADAMW_BAND_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -40,11 +41,21 @@ struct ParamPlan {
   int64_t first_unit = 0;  // index of unit (0, 0) in the flattened unit list
 };
 
-// The units [u0, u1) of the flattened unit list of `plans` (first_unit
-// ascending), in order, with scratch of the calling thread. Ends with a store
-// fence (the FP8 copies may be written with non-temporal stores).
+// Which units of the flattened unit list a thread runs: [u0, u1) when
+// `claim` is null; else runs of `chunk` units that the thread claims from
+// `*claim` (fetch_add) until a claim reaches u1, so that a thread that runs
+// faster (its core less busy with other work) takes more units.
+struct UnitRange {
+  int64_t u0 = 0, u1 = 0;
+  std::atomic<int64_t>* claim = nullptr;
+  int64_t chunk = 1;
+};
+
+// The units `range` of the flattened unit list of `plans` (first_unit
+// ascending), in ascending order, with scratch of the calling thread. Ends with
+// a store fence (the FP8 copies may be written with non-temporal stores).
 #define QTX_ADAMW_BAND_DECLS                                                      \
-  void RunUnits(const ParamPlan* plans, size_t num_plans, int64_t u0, int64_t u1, \
+  void RunUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range, \
                 const AdamWScalars& s);                                           \
   uint8_t EncodeFp8Branchless(float x, Fp8Format f);                              \
   void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f);

@@ -454,6 +454,59 @@ TEST(AdamWStepFused, ResultIndependentOfThreadCount) {
   EXPECT_EQ(FirstDifference(one, many), "");
 }
 
+// Threads that claim runs of units from a shared counter (SetUnitClaimChunk)
+// instead of one contiguous run each: the same bytes as the reference, for
+// one wide parameter split into units and for several parameters in one call
+// (a claimed run may cross from one parameter to the next), at run lengths
+// that divide the unit count and that do not.
+TEST(AdamWStepFused, ClaimedUnitRunsEqualReference) {
+  struct ClaimGuard {
+    ~ClaimGuard() { internal::SetUnitClaimChunk(0); }
+  } guard;
+  EXPECT_FALSE(internal::SetUnitClaimChunk(-1));
+  EXPECT_EQ(internal::UnitClaimChunk(), 0);
+  constexpr int64_t kUnitCols = band::kUnitTiles * kBlockLen;
+  QuantizeParams q;
+  q.scaling = BlockScaling::kBlock2D;
+  q.columnwise = true;
+  const ParamState wide = MakeParam(3 * kBlockLen + 5, 2 * kUnitCols + 300, MomentDType::kFloat32,
+                                    InputDType::kBFloat16, q, true, Pattern::kRandom, 41);
+  std::vector<ParamState> several;
+  uint32_t seed = 60;
+  for (const Shape& sh : {Shape{129, 130}, Shape{1, 1}, Shape{260, kUnitCols + 9}, Shape{64, 7}}) {
+    QuantizeParams qp;
+    qp.scaling = seed % 2 ? BlockScaling::kBlock1D : BlockScaling::kBlock2D;
+    qp.columnwise = true;
+    several.push_back(MakeParam(sh.m, sh.n, MomentDType::kFloat32, InputDType::kFloat32, qp, false,
+                                Pattern::kRandom, seed++));
+  }
+  for (int64_t chunk : {1, 2, 5}) {
+    ASSERT_TRUE(internal::SetUnitClaimChunk(chunk));
+    ASSERT_EQ(internal::UnitClaimChunk(), chunk);
+    for (int threads : {2, 4}) {
+      const std::string label =
+          "claim " + std::to_string(chunk) + " threads " + std::to_string(threads);
+      ExpectFusedEqualsReference(wide, AdamWHyperParams{}, 2, threads, 1.0, label);
+      std::vector<ParamState> fused = several, ref = several;
+      std::vector<AdamWParamBuffers> fb, rb;
+      for (auto& p : fused) {
+        p.FillOutputs(0x01);
+        fb.push_back(p.Buffers());
+      }
+      for (auto& p : ref) {
+        p.FillOutputs(0x02);
+        rb.push_back(p.Buffers());
+      }
+      const AdamWScalars s = MakeAdamWScalars(AdamWHyperParams{}, 1, 1.0);
+      AdamWStepFused(fb, s, threads);
+      AdamWReference(rb, s);
+      for (size_t i = 0; i < fused.size(); ++i) {
+        EXPECT_EQ(FirstDifference(fused[i], ref[i]), "") << label << " param " << i;
+      }
+    }
+  }
+}
+
 TEST(AdamWStepFused, ManyParametersInOneCallEqualReference) {
   std::vector<ParamState> fused, ref;
   uint32_t seed = 300;
