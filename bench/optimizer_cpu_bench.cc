@@ -25,7 +25,8 @@
 // is then made on the GPU from it: qtx::cuda::MakeColumnwiseCopy); row+col,
 // the default, writes both.
 // --claim_units=N: threads claim runs of N work units from a shared counter
-// (kernels/cpu/adamw.h SetUnitClaimChunk) instead of one contiguous run each.
+// (kernels/cpu/adamw.h SetUnitClaimChunk; 4, the default); 0: one contiguous
+// run each.
 // bench/optimizer_vs_torch.py runs it next to torch's CPU AdamW.
 #include <omp.h>
 #include <sys/mman.h>

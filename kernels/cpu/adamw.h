@@ -108,12 +108,11 @@ BandIsa ActiveBandIsa();
 bool SetBandIsa(BandIsa isa);
 
 // How AdamWStepFused shares its work units (one 128-row band by up to 16
-// tiles of one parameter) among its threads: 0 (the default), each thread
-// one contiguous run of as many units as the others; N > 0, each thread
+// tiles of one parameter) among its threads: N > 0 (default 4), each thread
 // claims runs of N units from a shared counter until none are left, so that
-// threads on less busy cores take more. Both give the same bytes. For
-// benchmarks and tests; false (and no change) for N < 0. Not to be called
-// while a step runs.
+// threads on less busy cores take more; 0, each thread one contiguous run of
+// as many units as the others. Both give the same bytes. For benchmarks and
+// tests; false (and no change) for N < 0. Not to be called while a step runs.
 int64_t UnitClaimChunk();
 bool SetUnitClaimChunk(int64_t units);
 

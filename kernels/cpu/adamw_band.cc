@@ -1,7 +1,8 @@
 // The band kernel of AdamWStepFused (see adamw_band.h for why it is compiled
 // twice). Work split: every parameter is cut into work units of one 128-row
-// band by up to kUnitTiles 128x128 tiles; adamw.cc hands each thread a
-// contiguous run of units. One unit:
+// band by up to kUnitTiles 128x128 tiles; adamw.cc's threads claim runs of
+// units from a shared counter (or each takes one contiguous run: see
+// internal::SetUnitClaimChunk). One unit:
 //   A. row by row over the band, the AdamW update of the row's contiguous run
 //      of up to kUnitTiles * 128 elements (auto-vectorized: vsqrtps/vdivps,
 //      512-bit in the AVX-512 build), with the optional BF16 copy, then each

@@ -460,11 +460,14 @@ TEST(AdamWStepFused, ResultIndependentOfThreadCount) {
 // (a claimed run may cross from one parameter to the next), at run lengths
 // that divide the unit count and that do not.
 TEST(AdamWStepFused, ClaimedUnitRunsEqualReference) {
+  const int64_t default_chunk = internal::UnitClaimChunk();
+  EXPECT_EQ(default_chunk, 4);
   struct ClaimGuard {
-    ~ClaimGuard() { internal::SetUnitClaimChunk(0); }
-  } guard;
+    int64_t chunk;
+    ~ClaimGuard() { internal::SetUnitClaimChunk(chunk); }
+  } guard{default_chunk};
   EXPECT_FALSE(internal::SetUnitClaimChunk(-1));
-  EXPECT_EQ(internal::UnitClaimChunk(), 0);
+  EXPECT_EQ(internal::UnitClaimChunk(), default_chunk);
   constexpr int64_t kUnitCols = band::kUnitTiles * kBlockLen;
   QuantizeParams q;
   q.scaling = BlockScaling::kBlock2D;
@@ -480,7 +483,7 @@ TEST(AdamWStepFused, ClaimedUnitRunsEqualReference) {
     several.push_back(MakeParam(sh.m, sh.n, MomentDType::kFloat32, InputDType::kFloat32, qp, false,
                                 Pattern::kRandom, seed++));
   }
-  for (int64_t chunk : {1, 2, 5}) {
+  for (int64_t chunk : {0, 1, 2, 5}) {  // 0: contiguous runs
     ASSERT_TRUE(internal::SetUnitClaimChunk(chunk));
     ASSERT_EQ(internal::UnitClaimChunk(), chunk);
     for (int threads : {2, 4}) {
