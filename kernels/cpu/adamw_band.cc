@@ -434,8 +434,13 @@ inline float* KeptTileScales(const AdamWParamBuffers& b) {
   return UsesTileScales(b.quant) ? b.tile_scales : nullptr;
 }
 
-// Rows ahead whose lines ProcessUnit prefetches.
-constexpr int64_t kPrefetchRows = 2;
+// Rows ahead whose lines ProcessUnit prefetches. QTX_ADAMW_PREFETCH_ROWS
+// overrides it at compile time, for A/B builds of the benchmark only.
+#ifndef QTX_ADAMW_PREFETCH_ROWS
+#define QTX_ADAMW_PREFETCH_ROWS 2
+#endif
+constexpr int64_t kPrefetchRows = QTX_ADAMW_PREFETCH_ROWS;
+static_assert(kPrefetchRows >= 1, "QTX_ADAMW_PREFETCH_ROWS must be >= 1");
 
 inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
   const char* c = static_cast<const char*>(p);
