@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
   const Variant variants[] = {{"default", {}},
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
-                              {"l2_outputs", {0, 0, true}},
+                              {"evict_first", {0, 0, true}},
                               {"fixed", {0, 0, false, true}},
                               {"two_pass", {}, true}};
 
@@ -332,7 +332,7 @@ int main(int argc, char** argv) {
           for (const Variant& v : variants) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
-            const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.l2_outputs &&
+            const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
                                     !t.fixed_tiles && !v.tensor_two_pass;
             // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
             // for tensor.

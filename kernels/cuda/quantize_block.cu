@@ -761,10 +761,14 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   args.eps = params.amax_epsilon;
   args.value_for_inf = InputDTypeMax(dtype);
   args.pow2 = params.force_pow2_scales;
-  // Evict-first stores: the FP8 copies are written once and read by a later
-  // GEMM or all-gather, not by this kernel (about 3% faster at 8192^2 on H200,
-  // bench/results/quantize_cuda_h200_variants.jsonl).
-  args.stream_stores = !tuning.l2_outputs;
+  // Plain stores of the FP8 copies. Evict-first ones (st.global.cs) were about
+  // 3% faster at 8192^2 on the H200 with the fixed tile share
+  // (bench/results/quantize_cuda_h200_variants.jsonl); with drawn tiles plain
+  // stores are 0.4-1.1% faster row+col and equal rowwise, on every shape and
+  // with either L2 method (bench/results/quantize_cuda_h200_session14_2026-12-02.md),
+  // and they leave the copies' last lines in L2 for the GEMM or all-gather
+  // that reads them next.
+  args.stream_stores = tuning.evict_first_outputs;
   args.tile_counter = nullptr;  // set per launch by LaunchQuantize
 
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&

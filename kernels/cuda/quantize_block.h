@@ -57,14 +57,14 @@ namespace detail {
 // Launch-shape override for benchmarking the fused quantize kernel:
 // `stages` = shared-memory pipeline depth of the aligned path (2 or 3; only
 // BF16 input with E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
-// of the persistent grid; 0 = the default; `l2_outputs` = plain stores of the FP8 copies instead of
-// the default evict-first (st.global.cs) ones; `fixed_tiles` = CTA b takes tiles b, b + grid, ...
-// instead of drawing them from the stream's tile counter (the default; 3 stages always use the
-// fixed share). Results are identical for every setting. Not part of the stable API.
+// of the persistent grid; 0 = the default; `evict_first_outputs` = evict-first (st.global.cs)
+// stores of the FP8 copies instead of the default plain ones; `fixed_tiles` = CTA b takes tiles b,
+// b + grid, ... instead of drawing them from the stream's tile counter (the default; 3 stages
+// always use the fixed share). Results are identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
-  bool l2_outputs = false;
+  bool evict_first_outputs = false;
   bool fixed_tiles = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,

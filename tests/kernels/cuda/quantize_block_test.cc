@@ -509,8 +509,9 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
           QTX_CUDA_ASSERT(cudaMemcpy(got.data(), out.get(), bytes, cudaMemcpyDeviceToHost));
           EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
                                   << (col ? " row+col" : " row") << " stages " << tuning.stages
-                                  << " ctas/SM " << tuning.ctas_per_sm << " l2_outputs "
-                                  << tuning.l2_outputs << " fixed tiles " << tuning.fixed_tiles;
+                                  << " ctas/SM " << tuning.ctas_per_sm << " evict-first outputs "
+                                  << tuning.evict_first_outputs << " fixed tiles "
+                                  << tuning.fixed_tiles;
         }
       }
   }
