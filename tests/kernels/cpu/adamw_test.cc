@@ -454,6 +454,27 @@ TEST(AdamWStepFused, ResultIndependentOfThreadCount) {
   EXPECT_EQ(FirstDifference(one, many), "");
 }
 
+// One step of every parameter of `fused` in one AdamWStepFused call (with
+// `threads`) and of `ref` by AdamWReference (outputs pre-filled with
+// different bytes); expects identical state and outputs, parameter by parameter.
+void StepManyAndExpectEqual(std::vector<ParamState>& fused, std::vector<ParamState>& ref,
+                            const AdamWScalars& s, int threads, const std::string& label) {
+  std::vector<AdamWParamBuffers> fb, rb;
+  for (auto& p : fused) {
+    p.FillOutputs(0x01);
+    fb.push_back(p.Buffers());
+  }
+  for (auto& p : ref) {
+    p.FillOutputs(0x02);
+    rb.push_back(p.Buffers());
+  }
+  AdamWStepFused(fb, s, threads);
+  AdamWReference(rb, s);
+  for (size_t i = 0; i < fused.size(); ++i) {
+    EXPECT_EQ(FirstDifference(fused[i], ref[i]), "") << label << " param " << i;
+  }
+}
+
 // Threads that claim runs of units from a shared counter (SetUnitClaimChunk)
 // instead of one contiguous run each: the same bytes as the reference, for
 // one wide parameter split into units and for several parameters in one call
@@ -491,21 +512,8 @@ TEST(AdamWStepFused, ClaimedUnitRunsEqualReference) {
           "claim " + std::to_string(chunk) + " threads " + std::to_string(threads);
       ExpectFusedEqualsReference(wide, AdamWHyperParams{}, 2, threads, 1.0, label);
       std::vector<ParamState> fused = several, ref = several;
-      std::vector<AdamWParamBuffers> fb, rb;
-      for (auto& p : fused) {
-        p.FillOutputs(0x01);
-        fb.push_back(p.Buffers());
-      }
-      for (auto& p : ref) {
-        p.FillOutputs(0x02);
-        rb.push_back(p.Buffers());
-      }
-      const AdamWScalars s = MakeAdamWScalars(AdamWHyperParams{}, 1, 1.0);
-      AdamWStepFused(fb, s, threads);
-      AdamWReference(rb, s);
-      for (size_t i = 0; i < fused.size(); ++i) {
-        EXPECT_EQ(FirstDifference(fused[i], ref[i]), "") << label << " param " << i;
-      }
+      StepManyAndExpectEqual(fused, ref, MakeAdamWScalars(AdamWHyperParams{}, 1, 1.0), threads,
+                             label);
     }
   }
 }
@@ -527,21 +535,7 @@ TEST(AdamWStepFused, ManyParametersInOneCallEqualReference) {
   }
   AdamWHyperParams h;
   for (int t = 1; t <= 3; ++t) {
-    std::vector<AdamWParamBuffers> fb, rb;
-    for (auto& p : fused) {
-      p.FillOutputs(0x01);
-      fb.push_back(p.Buffers());
-    }
-    for (auto& p : ref) {
-      p.FillOutputs(0x02);
-      rb.push_back(p.Buffers());
-    }
-    const AdamWScalars s = MakeAdamWScalars(h, t, 1.0);
-    AdamWStepFused(fb, s, 2);
-    AdamWReference(rb, s);
-    for (size_t i = 0; i < fused.size(); ++i) {
-      EXPECT_EQ(FirstDifference(fused[i], ref[i]), "") << "param " << i << " step " << t;
-    }
+    StepManyAndExpectEqual(fused, ref, MakeAdamWScalars(h, t, 1.0), 2, "step " + std::to_string(t));
   }
 }
 
@@ -655,22 +649,9 @@ TEST(BandIsa, EveryAvailableIsaEqualsReference) {
         ref.push_back(p);
       }
       for (int t = 1; t <= 2; ++t) {
-        std::vector<AdamWParamBuffers> fb, rb;
-        for (auto& p : fused) {
-          p.FillOutputs(0x01);
-          fb.push_back(p.Buffers());
-        }
-        for (auto& p : ref) {
-          p.FillOutputs(0x02);
-          rb.push_back(p.Buffers());
-        }
-        const AdamWScalars s = MakeAdamWScalars(AdamWHyperParams{}, t, 1.0);
-        AdamWStepFused(fb, s, threads);
-        AdamWReference(rb, s);
-        for (size_t i = 0; i < fused.size(); ++i) {
-          EXPECT_EQ(FirstDifference(fused[i], ref[i]), "")
-              << name << " threads " << threads << " param " << i << " step " << t;
-        }
+        StepManyAndExpectEqual(
+            fused, ref, MakeAdamWScalars(AdamWHyperParams{}, t, 1.0), threads,
+            name + " threads " + std::to_string(threads) + " step " + std::to_string(t));
       }
     }
     std::vector<float> xs;
