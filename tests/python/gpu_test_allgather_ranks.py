@@ -25,14 +25,14 @@ The multi-rank path itself is covered on the CPU by tests/python/test_package.py
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import unittest
 
 import numpy as np
+
+import qtxd_child
 
 ARGS = None
 qtx = qcuda = torch = None
@@ -42,24 +42,18 @@ ROWS = (300, 257)
 N = 512
 
 
+def serving(target):
+    """qtxd_child's probe: the C++ client's health check (no grpcio needed)."""
+    return qcuda._native.Session(target, "host", "probe", 2.0).health() == "SERVING"
+
+
 def start_qtxd(name, extra):
-    sock = os.path.join(SERVERS["tmp"], name + ".sock")
-    with open(os.path.join(SERVERS["tmp"], name + ".log"), "w") as log:
-        proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--log_level=warn"] + extra,
-                                stdout=log, stderr=subprocess.STDOUT)
-    PROCS.append(proc)
-    target = "unix://" + sock
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("qtxd %s exited with %s" % (name, proc.returncode))
-        try:
-            if qcuda._native.Session(target, "host", "probe", 2.0).health() == "SERVING":
-                return target
-        except qtx.errors.QtxError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("qtxd %s did not become SERVING" % name)
+    """A qtxd named `name` (its log in the test's temporary folder), once
+    SERVING; stopped by tearDownModule, killed with the test process."""
+    child = qtxd_child.start(ARGS.qtxd, SERVERS["tmp"], extra, probe=serving, name=name,
+                             timeout=60, log=os.path.join(SERVERS["tmp"], name + ".log"))
+    PROCS.append(child)
+    return child.target
 
 
 def setUpModule():
@@ -77,14 +71,8 @@ def setUpModule():
 
 
 def tearDownModule():
-    for p in PROCS:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    for child in PROCS:
+        child.stop(timeout=10)
 
 
 def host_bytes(t):

@@ -14,39 +14,31 @@ definition of correct; the GPU results must match it bit for bit).
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import numpy as np
+
+import qtxd_child
 
 ARGS = None
 qtx = qcuda = torch = cupy = None
 SERVERS = {}
 
 
+def serving(target):
+    """qtxd_child's probe: the C++ client's health check (no grpcio needed)."""
+    return qcuda._native.Session(target, "host", "probe", 2.0).health() == "SERVING"
+
+
 def start_qtxd(name, extra):
-    sock = os.path.join(SERVERS["tmp"], name + ".sock")
-    with open(os.path.join(SERVERS["tmp"], name + ".log"), "w") as log:
-        proc = subprocess.Popen([ARGS.qtxd, "--socket=" + sock, "--log_level=warn"] + extra,
-                                stdout=log, stderr=subprocess.STDOUT)
-    SERVERS[name + "_proc"] = proc
-    target = "unix://" + sock
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("qtxd %s exited with %s" % (name, proc.returncode))
-        try:
-            if qcuda._native.Session(target, "host", "probe", 2.0).health() == "SERVING":
-                break
-        except qtx.errors.QtxError:
-            pass
-        time.sleep(0.2)
-    else:
-        raise RuntimeError("qtxd %s did not become SERVING" % name)
-    return target
+    """A qtxd named `name` (its log in the test's temporary folder), once
+    SERVING; stopped by tearDownModule, killed with the test process."""
+    child = qtxd_child.start(ARGS.qtxd, SERVERS["tmp"], extra, probe=serving, name=name,
+                             timeout=60, log=os.path.join(SERVERS["tmp"], name + ".log"))
+    SERVERS[name + "_proc"] = child
+    return child.target
 
 
 def setUpModule():
@@ -67,14 +59,7 @@ def tearDownModule():
     # Every qtxd the test started (the GPU run of 2026-12-01 kept the GPU one
     # alive: its Popen was overwritten, and MPS then waited for it).
     for name in [k for k in SERVERS if k.endswith("_proc")]:
-        p = SERVERS.pop(name, None)
-        if p is not None and p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        SERVERS.pop(name).stop(timeout=10)
 
 
 # ---- helpers ----------------------------------------------------------------------------------

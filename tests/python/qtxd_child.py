@@ -65,17 +65,22 @@ class Child:
         self.proc.wait()
 
 
-def start(qtxd, sock_dir, extra=(), probe=None, name="qtxd", timeout=30):
+def start(qtxd, sock_dir, extra=(), probe=None, name="qtxd", timeout=30, log=None):
     """Starts qtxd on <sock_dir>/<name>.sock and waits until probe(target)
     returns a true value (without a probe: until the socket file exists).
-    Raises RuntimeError, with the child killed, when qtxd exits during startup
-    or is not ready after `timeout` seconds."""
+    `log`: a file path that gets qtxd's stdout and stderr (default: the
+    test's own). Raises RuntimeError, with the child killed, when qtxd exits
+    during startup or is not ready after `timeout` seconds."""
     socket = os.path.join(sock_dir, name + ".sock")
     argv = [qtxd, "--socket=" + socket, "--log_level=warn"] + list(extra)
     # The signal comes when the thread that forked exits: main thread only.
     if _SETPRIV and threading.current_thread() is threading.main_thread():
         argv = [_SETPRIV, "--pdeathsig", "KILL", "--"] + argv
-    proc = subprocess.Popen(argv)
+    if log is None:
+        proc = subprocess.Popen(argv)
+    else:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     _CHILDREN.append(proc)
     child = Child(proc, socket)
     deadline = time.time() + timeout
