@@ -174,7 +174,7 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
     run(plans.data(), plans.size(), {.u0 = 0, .u1 = units}, s);
     return;
   }
-  const int64_t chunk = internal::UnitClaimChunk();
+  const int64_t chunk = internal::ClaimRunLength(units, threads);
   std::atomic<int64_t> claim{0};
 #pragma omp parallel num_threads(threads)
   {
@@ -286,6 +286,15 @@ bool BandIsaAvailable(BandIsa isa) {
 BandIsa ActiveBandIsa() { return static_cast<BandIsa>(ActiveIsaSlot().load()); }
 
 int64_t UnitClaimChunk() { return UnitClaimSlot().load(std::memory_order_relaxed); }
+
+int64_t ClaimRunLength(int64_t units, int threads) {
+  const int64_t chunk = UnitClaimChunk();
+  if (chunk == 0) return 0;
+  // Shortened for calls with few units per thread, so that every thread has
+  // about four runs to claim (a call of 8 units on 8 threads in runs of 4
+  // would leave 6 of them idle).
+  return std::min<int64_t>(chunk, std::max<int64_t>(1, units / (4 * std::max(threads, 1))));
+}
 
 bool SetUnitClaimChunk(int64_t units) {
   if (units < 0) return false;

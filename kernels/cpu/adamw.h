@@ -110,11 +110,17 @@ bool SetBandIsa(BandIsa isa);
 // How AdamWStepFused shares its work units (one 128-row band by up to 16
 // tiles of one parameter) among its threads: N > 0 (default 4), each thread
 // claims runs of N units from a shared counter until none are left, so that
-// threads on less busy cores take more; 0, each thread one contiguous run of
-// as many units as the others. Both give the same bytes. For benchmarks and
-// tests; false (and no change) for N < 0. Not to be called while a step runs.
+// threads on less busy cores take more (runs are shortened, down to one unit,
+// where a call has fewer than 4 N units per thread: ClaimRunLength); 0, each
+// thread one contiguous run of as many units as the others. Both give the
+// same bytes. For benchmarks and tests; false (and no change) for N < 0. Not
+// to be called while a step runs.
 int64_t UnitClaimChunk();
 bool SetUnitClaimChunk(int64_t units);
+// The run length that a call of `units` work units on `threads` threads
+// claims: 0 for contiguous runs, else UnitClaimChunk() shortened to
+// units / (4 threads), at least 1.
+int64_t ClaimRunLength(int64_t units, int threads);
 
 // The branch-free (vectorizable) FP32 -> FP8 encoder used by the fused kernel
 // (of the active ISA); equals kernels::EncodeFp8 for every input. Exposed for

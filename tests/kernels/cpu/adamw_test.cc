@@ -489,12 +489,22 @@ TEST(AdamWStepFused, ClaimedUnitRunsEqualReference) {
   } guard{default_chunk};
   EXPECT_FALSE(internal::SetUnitClaimChunk(-1));
   EXPECT_EQ(internal::UnitClaimChunk(), default_chunk);
+  // Runs shorten so that every thread has about four to claim.
+  EXPECT_EQ(internal::ClaimRunLength(256, 16), 4);
+  EXPECT_EQ(internal::ClaimRunLength(1000, 16), 4);
+  EXPECT_EQ(internal::ClaimRunLength(128, 16), 2);
+  EXPECT_EQ(internal::ClaimRunLength(8, 8), 1);
+  EXPECT_EQ(internal::ClaimRunLength(1, 1), 1);
   constexpr int64_t kUnitCols = band::kUnitTiles * kBlockLen;
   QuantizeParams q;
   q.scaling = BlockScaling::kBlock2D;
   q.columnwise = true;
   const ParamState wide = MakeParam(3 * kBlockLen + 5, 2 * kUnitCols + 300, MomentDType::kFloat32,
                                     InputDType::kBFloat16, q, true, Pattern::kRandom, 41);
+  // 81 units of one band each: enough per thread for whole runs of 5 (a call
+  // with fewer units per thread shortens its runs).
+  const ParamState tall = MakeParam(80 * kBlockLen + 3, 200, MomentDType::kFloat32,
+                                    InputDType::kFloat32, q, false, Pattern::kRandom, 43);
   std::vector<ParamState> several;
   uint32_t seed = 60;
   for (const Shape& sh : {Shape{129, 130}, Shape{1, 1}, Shape{260, kUnitCols + 9}, Shape{64, 7}}) {
@@ -507,10 +517,12 @@ TEST(AdamWStepFused, ClaimedUnitRunsEqualReference) {
   for (int64_t chunk : {0, 1, 2, 5}) {  // 0: contiguous runs
     ASSERT_TRUE(internal::SetUnitClaimChunk(chunk));
     ASSERT_EQ(internal::UnitClaimChunk(), chunk);
+    ASSERT_EQ(internal::ClaimRunLength(81, 4), chunk);  // the tall parameter's runs are whole
     for (int threads : {2, 4}) {
       const std::string label =
           "claim " + std::to_string(chunk) + " threads " + std::to_string(threads);
       ExpectFusedEqualsReference(wide, AdamWHyperParams{}, 2, threads, 1.0, label);
+      ExpectFusedEqualsReference(tall, AdamWHyperParams{}, 1, threads, 1.0, label + " tall");
       std::vector<ParamState> fused = several, ref = several;
       StepManyAndExpectEqual(fused, ref, MakeAdamWScalars(AdamWHyperParams{}, 1, 1.0), threads,
                              label);
