@@ -1,5 +1,7 @@
 // bench/stream_copy.h: a plain 16-byte-word copy kernel, the bench's own
 // measure of the device's streaming rate.
+#include <algorithm>
+
 #include "bench/stream_copy.h"
 
 namespace qtx::bench {
@@ -34,19 +36,16 @@ __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict_
 template <int kUnroll, bool kStreaming>
 cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
                    cudaStream_t stream) {
-  int64_t grid = 0;
   const int64_t per_cta = static_cast<int64_t>(s.threads) * kUnroll;
+  int64_t grid = (words + per_cta - 1) / per_cta;  // one step per thread
   if (s.ctas_per_sm > 0) {
     int dev = 0, sms = 0;
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
-    grid = static_cast<int64_t>(sms) * s.ctas_per_sm;
-  } else {
-    grid = (words + per_cta - 1) / per_cta;
+    grid = std::min(grid, static_cast<int64_t>(sms) * s.ctas_per_sm);
   }
-  grid = grid < (words + per_cta - 1) / per_cta ? grid : (words + per_cta - 1) / per_cta;
   if (grid < 1 || grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
   StreamCopyKernel<kUnroll, kStreaming><<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(
       static_cast<const int4*>(src), static_cast<int4*>(dst), words);
