@@ -235,8 +235,6 @@ int main(int argc, char** argv) {
                               {"stages2_1cta", {2, 1}},
                               {"evict_first", {0, 0, true}},
                               {"fixed", {0, 0, false, true}},
-                              {"l2pf128", {0, 0, false, false, 128}},
-                              {"l2pf256", {0, 0, false, false, 256}},
                               {"two_pass", {}, true}};
 
   const InputDType dtype = InputDType::kBFloat16;
@@ -335,7 +333,7 @@ int main(int argc, char** argv) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
-                                    !t.fixed_tiles && t.l2_prefetch == 0 && !v.tensor_two_pass;
+                                    !t.fixed_tiles && !v.tensor_two_pass;
             // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
             // for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;

@@ -7,23 +7,7 @@
 namespace qtx::bench {
 namespace {
 
-template <int kL2Prefetch>
-__device__ __forceinline__ int4 LoadHinted(const int4* p) {
-  int4 v;
-  if constexpr (kL2Prefetch == 256) {
-    asm volatile("ld.global.nc.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-  } else {
-    static_assert(kL2Prefetch == 128, "L2 prefetch hints are 128 or 256 bytes");
-    asm volatile("ld.global.nc.L2::128B.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-  }
-  return v;
-}
-
-template <int kUnroll, bool kStreaming, int kL2Prefetch>
+template <int kUnroll, bool kStreaming>
 __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict__ dst,
                                  int64_t words) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
@@ -33,15 +17,7 @@ __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict_
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      if (i < words) {
-        if constexpr (kStreaming) {
-          v[u] = __ldcs(src + i);
-        } else if constexpr (kL2Prefetch != 0) {
-          v[u] = LoadHinted<kL2Prefetch>(src + i);
-        } else {
-          v[u] = src[i];
-        }
-      }
+      if (i < words) v[u] = kStreaming ? __ldcs(src + i) : src[i];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -57,7 +33,7 @@ __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict_
   }
 }
 
-template <int kUnroll, bool kStreaming, int kL2Prefetch>
+template <int kUnroll, bool kStreaming>
 cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
                    cudaStream_t stream) {
   const int64_t per_cta = static_cast<int64_t>(s.threads) * kUnroll;
@@ -71,22 +47,21 @@ cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopySh
     grid = std::min(grid, static_cast<int64_t>(sms) * s.ctas_per_sm);
   }
   if (grid < 1 || grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  StreamCopyKernel<kUnroll, kStreaming, kL2Prefetch>
-      <<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(static_cast<const int4*>(src),
-                                                              static_cast<int4*>(dst), words);
+  StreamCopyKernel<kUnroll, kStreaming><<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(
+      static_cast<const int4*>(src), static_cast<int4*>(dst), words);
   return cudaGetLastError();
 }
 
-template <bool kStreaming, int kL2Prefetch>
+template <bool kStreaming>
 cudaError_t ByUnroll(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
                      cudaStream_t stream) {
   switch (s.unroll) {
     case 1:
-      return Launch<1, kStreaming, kL2Prefetch>(src, dst, words, s, stream);
+      return Launch<1, kStreaming>(src, dst, words, s, stream);
     case 4:
-      return Launch<4, kStreaming, kL2Prefetch>(src, dst, words, s, stream);
+      return Launch<4, kStreaming>(src, dst, words, s, stream);
     case 8:
-      return Launch<8, kStreaming, kL2Prefetch>(src, dst, words, s, stream);
+      return Launch<8, kStreaming>(src, dst, words, s, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -101,19 +76,8 @@ cudaError_t StreamCopy(const void* src, void* dst, int64_t bytes, const StreamCo
     return cudaErrorInvalidValue;
   }
   if (bytes == 0) return cudaSuccess;
-  if (shape.streaming) {
-    return shape.l2_prefetch == 0 ? ByUnroll<true, 0>(src, dst, bytes / 16, shape, stream)
-                                  : cudaErrorInvalidValue;
-  }
-  switch (shape.l2_prefetch) {
-    case 0:
-      return ByUnroll<false, 0>(src, dst, bytes / 16, shape, stream);
-    case 128:
-      return ByUnroll<false, 128>(src, dst, bytes / 16, shape, stream);
-    case 256:
-      return ByUnroll<false, 256>(src, dst, bytes / 16, shape, stream);
-  }
-  return cudaErrorInvalidValue;
+  return shape.streaming ? ByUnroll<true>(src, dst, bytes / 16, shape, stream)
+                         : ByUnroll<false>(src, dst, bytes / 16, shape, stream);
 }
 
 }  // namespace qtx::bench

@@ -16,33 +16,24 @@ namespace qtx::bench {
 // threads per SM stride over the buffer (a persistent grid), or, when
 // `ctas_per_sm` is 0, one step per thread over a grid as large as the buffer.
 // `streaming`: evict-first loads and stores (ld/st.global.cs), else plain ones.
-// `l2_prefetch`: plain (non-streaming) loads carry this L2 prefetch size hint
-// (ld.global.nc.L2::128B / ::256B); 0 = no hint.
 struct StreamCopyShape {
   const char* name;
   int threads;
   int ctas_per_sm;
   int unroll;
   bool streaming;
-  int l2_prefetch = 0;
 };
 
 // The shapes quantize_cuda_bench times (variants "kcopy_<name>").
 inline constexpr StreamCopyShape kStreamCopyShapes[] = {
-    {"t512_c4_u1", 512, 4, 1, true},
-    {"t512_c4_u4", 512, 4, 4, true},
-    {"t1024_c2_u4", 1024, 2, 4, true},
-    {"t256_c8_u8", 256, 8, 8, true},
-    {"t512_c4_u4_plain", 512, 4, 4, false},
-    {"t256_flat_u4", 256, 0, 4, true},
-    {"t512_c4_u4_pf128", 512, 4, 4, false, 128},
-    {"t512_c4_u4_pf256", 512, 4, 4, false, 256},
+    {"t512_c4_u1", 512, 4, 1, true},        {"t512_c4_u4", 512, 4, 4, true},
+    {"t1024_c2_u4", 1024, 2, 4, true},      {"t256_c8_u8", 256, 8, 8, true},
+    {"t512_c4_u4_plain", 512, 4, 4, false}, {"t256_flat_u4", 256, 0, 4, true},
 };
 
 // Copies `bytes` (a multiple of 16; both pointers 16-byte aligned) from `src`
 // to `dst` on `stream` with `shape`. cudaErrorInvalidValue for a size or
-// pointer that is not a multiple of 16 or an unknown shape (a hint on
-// streaming loads included).
+// pointer that is not a multiple of 16 or an unknown shape.
 cudaError_t StreamCopy(const void* src, void* dst, int64_t bytes, const StreamCopyShape& shape,
                        cudaStream_t stream);
 

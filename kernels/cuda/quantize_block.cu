@@ -37,20 +37,9 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// kL2Prefetch: 0, or the L2 prefetch size hint (128 / 256 bytes) of the copy.
-template <int kL2Prefetch>
 __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src) {
-  if constexpr (kL2Prefetch == 256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(SmemAddr(smem_dst)),
-                 "l"(gmem_src));
-  } else if constexpr (kL2Prefetch == 128) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(SmemAddr(smem_dst)),
-                 "l"(gmem_src));
-  } else {
-    static_assert(kL2Prefetch == 0, "L2 prefetch hints are 128 or 256 bytes");
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(smem_dst)),
-                 "l"(gmem_src));
-  }
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(smem_dst)),
+               "l"(gmem_src));
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -72,7 +61,6 @@ struct QuantizeArgs {
   float fp8_max, eps, value_for_inf;
   bool pow2;
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
-  int l2_prefetch;           // L2 prefetch hint of the pipelined loads: 0, 128 or 256 bytes
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
   uint32_t* tile_counter;    // this stream's tile counter (0 between launches), or null
@@ -122,9 +110,9 @@ __device__ __forceinline__ float AbsMax(float amax, float x) { return fmaxf(amax
 // Aligned path: starts the asynchronous copy of one full input tile into a
 // shared-memory stage (row-major, 128 rows of 128 elements; each warp copies two
 // whole rows per step, 16 bytes a lane).
-template <InputDType D, int kL2Prefetch>
-__device__ __forceinline__ void IssueTileCopyHinted(uint8_t* stage, const QuantizeArgs& a,
-                                                    uint32_t tile) {
+template <InputDType D>
+__device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
+                                              uint32_t tile) {
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr int kChunksPerRow = kRowBytes / 16;
   constexpr int kChunks = kTile * kChunksPerRow;
@@ -140,20 +128,7 @@ __device__ __forceinline__ void IssueTileCopyHinted(uint8_t* stage, const Quanti
   uint8_t* dst = stage + r * kRowBytes + ch * 16;
 #pragma unroll
   for (int k = 0; k < kChunks / kThreads; ++k) {
-    CpAsync16<kL2Prefetch>(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
-  }
-}
-
-// IssueTileCopy with the launch's L2 prefetch hint (a uniform branch per tile).
-template <InputDType D>
-__device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
-                                              uint32_t tile) {
-  if (a.l2_prefetch == 256) {
-    IssueTileCopyHinted<D, 256>(stage, a, tile);
-  } else if (a.l2_prefetch == 128) {
-    IssueTileCopyHinted<D, 128>(stage, a, tile);
-  } else {
-    IssueTileCopyHinted<D, 0>(stage, a, tile);
+    CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
   }
 }
 
@@ -794,7 +769,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   // and they leave the copies' last lines in L2 for the GEMM or all-gather
   // that reads them next.
   args.stream_stores = tuning.evict_first_outputs;
-  args.l2_prefetch = tuning.l2_prefetch;
   args.tile_counter = nullptr;  // set per launch by LaunchQuantize
 
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&

@@ -60,15 +60,12 @@ namespace detail {
 // of the persistent grid; 0 = the default; `evict_first_outputs` = evict-first (st.global.cs)
 // stores of the FP8 copies instead of the default plain ones; `fixed_tiles` = CTA b takes tiles b,
 // b + grid, ... instead of drawing them from the stream's tile counter (the default; 3 stages
-// always use the fixed share); `l2_prefetch` = the L2 prefetch size hint (128 or 256 bytes) of the
-// pipelined tile loads, 0 = none. Results are identical for every setting. Not part of the stable
-// API.
+// always use the fixed share). Results are identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool evict_first_outputs = false;
   bool fixed_tiles = false;
-  int l2_prefetch = 0;  // L2 prefetch size hint of the pipelined tile loads: 0, 128 or 256
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,
