@@ -11,7 +11,8 @@
 #     the default build (2 rows of prefetch) against the 1-row build
 #     (QTX_ADAMW_PREFETCH_ROWS=1), ROUNDS rounds (default 8).
 # Bundle: B/bin/{kernels_cuda_test, quantize_cuda_bench, optimizer_cpu_bench,
-# optimizer_cpu_bench_pf1, optimizer_vs_torch.py}.   B/gpu_session15_run1.sh OUT
+# optimizer_cpu_bench_pf1, optimizer_vs_torch.py}, built at commit 79b79c9 (the l2pf* and
+# kcopy_*_pf* variants were removed after this run).   B/gpu_session15_run1.sh OUT
 B=$(cd "$(dirname "$0")" && pwd)
 . "$B/gpu_env.sh" || exit 2
 qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
