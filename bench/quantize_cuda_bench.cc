@@ -13,9 +13,11 @@
 // --l2 flush: one buffer set; a 256 MiB cudaMemsetAsync before every timed
 // launch (outside the timed events) evicts L2, as TransformerEngine's figures
 // in issue 16 were taken. The copy baseline is timed the same way.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -106,6 +108,89 @@ bool ParseShapes(const char* arg, std::vector<Shape>* out) {
   return !out->empty();
 }
 
+// --probe_memcpy BYTES: does a device-to-device cudaMemcpyAsync run on the
+// SMs or on a copy engine? Each round times the copy alone, then the copy
+// enqueued on a second stream while bench::LaunchSmHog holds every SM for
+// 2 ms: on the SMs the copy cannot start before the hog ends (its time then
+// includes the rest of the 2 ms), on a copy engine it takes its usual time.
+// The bench's own copy kernel is probed the same way as a control. One JSON
+// line per copy: the medians over `rounds` rounds. Each copy is first run once
+// alone between cudaProfilerStart/Stop: under `ncu --replay-mode range` (which
+// also profiles the driver's copy) these are ranges 1 (memcpy) and 2 (kernel).
+void ProbeMemcpy(int64_t bytes, int rounds, const char* device) {
+  bytes = bytes / 16 * 16;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  cudaStream_t hog_stream = nullptr, copy_stream = nullptr;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&hog_stream, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1, h0, h1;
+  for (cudaEvent_t* e : {&e0, &e1, &h0, &h1}) CHECK_CUDA(cudaEventCreate(e));
+  constexpr int64_t kHogNs = 2'000'000;
+  const qtx::bench::StreamCopyShape& kernel_copy = *std::find_if(
+      std::begin(qtx::bench::kStreamCopyShapes), std::end(qtx::bench::kStreamCopyShapes),
+      [](const qtx::bench::StreamCopyShape& k) {
+        return !std::strcmp(k.name, "t512_c4_u4_plain");
+      });
+  for (int which = 0; which < 2; ++which) {
+    const char* name = which == 0 ? "memcpy" : kernel_copy.name;
+    auto copy = [&] {
+      if (which == 0) {
+        CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, copy_stream));
+      } else {
+        CHECK_CUDA(qtx::bench::StreamCopy(a, b, bytes, kernel_copy, copy_stream));
+      }
+    };
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaProfilerStart());
+    copy();
+    CHECK_CUDA(cudaProfilerStop());
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<double> alone, beside, hog;
+    for (int r = 0; r < rounds; ++r) {
+      float ms = 0;
+      CHECK_CUDA(cudaEventRecord(e0, copy_stream));
+      copy();
+      CHECK_CUDA(cudaEventRecord(e1, copy_stream));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      alone.push_back(ms * 1e3);
+      CHECK_CUDA(cudaEventRecord(h0, hog_stream));
+      CHECK_CUDA(qtx::bench::LaunchSmHog(kHogNs, hog_stream));
+      CHECK_CUDA(cudaEventRecord(h1, hog_stream));
+      // Let the hog's CTAs take the SMs before the copy is enqueued.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(300);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      CHECK_CUDA(cudaEventRecord(e0, copy_stream));
+      copy();
+      CHECK_CUDA(cudaEventRecord(e1, copy_stream));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      beside.push_back(ms * 1e3);
+      CHECK_CUDA(cudaEventElapsedTime(&ms, h0, h1));
+      hog.push_back(ms * 1e3);
+    }
+    auto median = [](std::vector<double> v) {
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      return v[v.size() / 2];
+    };
+    std::printf(
+        "{\"bench\":\"memcpy_probe\",\"copy\":\"%s\",\"bytes\":%lld,\"alone_us\":%.2f,"
+        "\"beside_sm_hog_us\":%.2f,\"sm_hog_us\":%.2f,\"rounds\":%d,\"device\":\"%s\"}\n",
+        name, static_cast<long long>(bytes), median(alone), median(beside), median(hog), rounds,
+        device);
+    std::fflush(stdout);
+  }
+  for (cudaEvent_t e : {e0, e1, h0, h1}) cudaEventDestroy(e);
+  cudaStreamDestroy(hog_stream);
+  cudaStreamDestroy(copy_stream);
+  cudaFree(a);
+  cudaFree(b);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -116,6 +201,7 @@ int main(int argc, char** argv) {
   std::string modes = "1d,2d,tensor";
   std::string variant_filter, usage_filter;  // empty: all
   const char* shapes_arg = nullptr;
+  int64_t probe_bytes = 0;  // --probe_memcpy BYTES: see ProbeMemcpy
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
       iters = std::atoi(argv[++i]);
@@ -139,12 +225,14 @@ int main(int argc, char** argv) {
       usage_filter = argv[++i];
     } else if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) {
       shapes_arg = argv[++i];
+    } else if (!std::strcmp(argv[i], "--probe_memcpy") && i + 1 < argc) {
+      probe_bytes = std::atoll(argv[++i]);
     } else {
       std::fprintf(
           stderr,
           "unknown argument %s\nusage: quantize_cuda_bench [--iters N] [--warmup N] [--quick] "
           "[--l2 rotate|flush|both] [--modes 1d,2d,tensor] [--shapes MxN,...] "
-          "[--variants default,stages3,...] [--usages row+col,row,...]\n",
+          "[--variants default,stages3,...] [--usages row+col,row,...] [--probe_memcpy BYTES]\n",
           argv[i]);
       return 2;
     }
@@ -157,6 +245,10 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::fprintf(stderr, "device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
                prop.l2CacheSize >> 20);
+  if (probe_bytes > 0) {
+    ProbeMemcpy(probe_bytes, iters, prop.name);
+    return 0;
+  }
 
   // The copy kernel's figures count only if it copies: each launch shape once
   // over an odd number of 16-byte words, compared on the host.

@@ -1,5 +1,5 @@
-// bench/stream_copy.h: a plain 16-byte-word copy kernel, the bench's own
-// measure of the device's streaming rate.
+// bench/stream_copy.h: a plain 16-byte-word copy kernel and a bulk-copy-engine
+// (TMA) one, the bench's own measures of the device's streaming rate.
 #include <algorithm>
 
 #include "bench/stream_copy.h"
@@ -31,6 +31,98 @@ __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict_
       }
     }
   }
+}
+
+// One thread per CTA moves chunks c = blockIdx.x, blockIdx.x + gridDim.x, ...
+// of `chunk` bytes: a bulk load into stage buffer c % stages (completing on
+// that stage's mbarrier), then a bulk store from it. Up to `stages` loads are
+// in flight; a buffer is loaded again once the store of its previous chunk
+// has read it (cp.async.bulk.wait_group.read).
+__global__ void BulkCopyKernel(const char* __restrict__ src, char* __restrict__ dst, int64_t bytes,
+                               int chunk, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t bars[16];
+  if (threadIdx.x != 0) return;
+  const int64_t nchunks = (bytes + chunk - 1) / chunk;
+  // Local chunk i is global chunk blockIdx.x + i * gridDim.x.
+  const int64_t mine =
+      blockIdx.x < nchunks ? (nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const auto bar_addr = [&](int s) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(&bars[s]));
+  };
+  const auto buf_addr = [&](int s) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(smem + static_cast<int64_t>(s) * chunk));
+  };
+  const auto chunk_bytes = [&](int64_t i) {
+    const int64_t off = (blockIdx.x + i * gridDim.x) * static_cast<int64_t>(chunk);
+    return static_cast<uint32_t>(::min(static_cast<int64_t>(chunk), bytes - off));
+  };
+  const auto offset = [&](int64_t i) {
+    return (blockIdx.x + i * gridDim.x) * static_cast<int64_t>(chunk);
+  };
+  for (int s = 0; s < stages; ++s) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_addr(s)));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const auto load = [&](int64_t i) {
+    const int s = static_cast<int>(i % stages);
+    const uint32_t n = chunk_bytes(i);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr(s)), "r"(n)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(buf_addr(s)),
+        "l"(src + offset(i)), "r"(n), "r"(bar_addr(s))
+        : "memory");
+  };
+  for (int64_t i = 0; i < ::min(static_cast<int64_t>(stages), mine); ++i) load(i);
+  for (int64_t i = 0; i < mine; ++i) {
+    const int s = static_cast<int>(i % stages);
+    const uint32_t parity = static_cast<uint32_t>((i / stages) & 1);
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}" ::"r"(bar_addr(s)),
+        "r"(parity)
+        : "memory");
+    asm volatile(
+        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + offset(i)),
+        "r"(buf_addr(s)), "r"(chunk_bytes(i))
+        : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    // The store of chunk i - 1 has read its buffer: load chunk i - 1 + stages there.
+    if (i >= 1 && i - 1 + stages < mine) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      load(i - 1 + stages);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+
+cudaError_t LaunchBulk(const void* src, void* dst, int64_t bytes, const StreamCopyShape& s,
+                       cudaStream_t stream) {
+  if (s.bulk_chunk % 16 != 0 || s.stages < 1 || s.stages > 16 || s.ctas_per_sm < 1) {
+    return cudaErrorInvalidValue;
+  }
+  int dev = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  const int64_t nchunks = (bytes + s.bulk_chunk - 1) / s.bulk_chunk;
+  const int64_t grid = std::min<int64_t>(nchunks, static_cast<int64_t>(sms) * s.ctas_per_sm);
+  const size_t smem = static_cast<size_t>(s.bulk_chunk) * s.stages;
+  err = cudaFuncSetAttribute(BulkCopyKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  BulkCopyKernel<<<static_cast<unsigned>(grid), 32, smem, stream>>>(
+      static_cast<const char*>(src), static_cast<char*>(dst), bytes, s.bulk_chunk, s.stages);
+  return cudaGetLastError();
 }
 
 template <int kUnroll, bool kStreaming>
@@ -66,7 +158,38 @@ cudaError_t ByUnroll(const void* src, void* dst, int64_t words, const StreamCopy
   return cudaErrorInvalidValue;
 }
 
+__global__ void SmHogKernel(int64_t ns) {
+  extern __shared__ char hog_smem[];
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (static_cast<int64_t>(now - start) < ns);
+  if (threadIdx.x == 0 && now == 0) hog_smem[0] = 1;  // never: keeps the allocation
+}
+
 }  // namespace
+
+cudaError_t LaunchSmHog(int64_t ns, cudaStream_t stream) {
+  int dev = 0, sms = 0, smem_sm = 0, threads_sm = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&threads_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
+  }
+  if (err != cudaSuccess) return err;
+  // Two CTAs per SM, each with half the threads and (nearly) half the shared
+  // memory of an SM (1 KiB per CTA is the driver's reserve).
+  const int threads = std::min(threads_sm / 2, 1024);
+  const int smem = smem_sm / 2 - 1024;
+  err = cudaFuncSetAttribute(SmHogKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  SmHogKernel<<<2 * sms, threads, smem, stream>>>(ns);
+  return cudaGetLastError();
+}
 
 cudaError_t StreamCopy(const void* src, void* dst, int64_t bytes, const StreamCopyShape& shape,
                        cudaStream_t stream) {
@@ -76,6 +199,7 @@ cudaError_t StreamCopy(const void* src, void* dst, int64_t bytes, const StreamCo
     return cudaErrorInvalidValue;
   }
   if (bytes == 0) return cudaSuccess;
+  if (shape.bulk_chunk > 0) return LaunchBulk(src, dst, bytes, shape, stream);
   return shape.streaming ? ByUnroll<true>(src, dst, bytes / 16, shape, stream)
                          : ByUnroll<false>(src, dst, bytes / 16, shape, stream);
 }
