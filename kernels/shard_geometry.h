@@ -5,6 +5,8 @@
 // 128x1) and tile rows (2-D, 128x128) lie on the *global* 128-row grid, so the
 // shard touches block rows [first_block, last_block]; only those two can be
 // shared with other ranks ("straddling"), and only they need amaxes from peers.
+// Per-tensor scaling (TENSOR) has one block, the whole tensor, which every
+// rank shares: its amax is the max of every rank's shard amax.
 #ifndef QTX_KERNELS_SHARD_GEOMETRY_H_
 #define QTX_KERNELS_SHARD_GEOMETRY_H_
 
@@ -37,14 +39,21 @@ struct ShardGeometry {
 //   columnwise_data       [n, m]
 //   columnwise_scale_inv  1-D: [num_block_rows, n]     2-D: [num_block_rows, nb]
 // (2-D stores the tile scales once per copy, in tile-row-major order.)
+// TENSOR (per-tensor current scaling): the whole gathered tensor is one block,
+// shared by every rank: each scale_inv is [1] (the shard is quantized with the
+// amax combined over all ranks, so every non-empty shard holds the same one).
 QTX_HD constexpr int64_t ShardRowwiseScaleCount(BlockScaling s, const ShardGeometry& g) {
+  if (s == BlockScaling::kTensor) return 1;
   return s == BlockScaling::kBlock1D ? g.nb() * g.m : g.num_block_rows() * g.nb();
 }
 QTX_HD constexpr int64_t ShardColumnwiseScaleCount(BlockScaling s, const ShardGeometry& g) {
+  if (s == BlockScaling::kTensor) return 1;
   return s == BlockScaling::kBlock1D ? g.num_block_rows() * g.n : g.num_block_rows() * g.nb();
 }
-// Length of each boundary amax vector: per column (1-D) or per tile column (2-D).
+// Length of each boundary amax vector: per column (1-D), per tile column
+// (2-D), or one float, the amax of the whole shard (TENSOR; first == last).
 QTX_HD constexpr int64_t BoundaryAmaxLength(BlockScaling s, const ShardGeometry& g) {
+  if (s == BlockScaling::kTensor) return 1;
   return s == BlockScaling::kBlock1D ? g.n : g.nb();
 }
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/quantize_tensor.h"
 #include "kernels/cpu/quantize_workers.h"
 #include "kernels/fp8.h"
 
@@ -42,6 +43,10 @@ void BoundaryAmaxTyped(const void* in, const ShardGeometry& g, BlockScaling s, f
 void ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGeometry& g,
                        BlockScaling scaling, float* first, float* last) {
   if (g.m == 0) return;
+  if (scaling == BlockScaling::kTensor) {
+    first[0] = last[0] = TensorAmax(input, dtype, g.m * g.n);
+    return;
+  }
   switch (dtype) {
     case InputDType::kFloat32:
       return BoundaryAmaxTyped<InputDType::kFloat32>(input, g, scaling, first, last);
@@ -57,6 +62,14 @@ void CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float
                          float* first_out, float* last_out) {
   const ShardGeometry& me = geoms[rank];
   if (me.m == 0) return;
+  if (scaling == BlockScaling::kTensor) {  // one block, shared by every rank
+    float amax = 0.0f;
+    for (int r = 0; r < world_size; ++r) {
+      if (geoms[r].m > 0) amax = std::max(amax, firsts[r][0]);
+    }
+    first_out[0] = last_out[0] = amax;
+    return;
+  }
   const int64_t len = BoundaryAmaxLength(scaling, me);
   for (int which = 0; which < 2; ++which) {
     const int64_t k = which == 0 ? me.first_block() : me.last_block();
@@ -78,6 +91,10 @@ void CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float
 void QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
                    const QuantizeParams& params, const float* first_amax, const float* last_amax,
                    const ShardBuffers& out) {
+  if (params.scaling == BlockScaling::kTensor) {
+    const float amax = first_amax != nullptr ? first_amax[0] : TensorAmax(input, dtype, g.m * g.n);
+    return QuantizeTensorWithAmax(input, dtype, g.m, g.n, amax, params, out);
+  }
   Outputs o;
   const int64_t nb = g.nb();
   if (params.rowwise) {
@@ -106,6 +123,17 @@ void AssembleShards(int world_size, const ShardGeometry* geoms, const ShardConst
   const int64_t nb = CeilDiv(n, kBlockLen);
   const QuantizedLayout l = ComputeLayout(p.scaling, m, n);
   internal::ZeroScales(p, l, out);
+  if (p.scaling == BlockScaling::kTensor) {
+    // Every non-empty shard was cast with the same combined amax: its
+    // scale_inv is the tensor's. With none, the tensor's amax is 0.
+    const ShardConstBuffers* src = nullptr;
+    for (int r = 0; r < world_size && src == nullptr; ++r) {
+      if (geoms[r].m > 0 && n > 0) src = &shards[r];
+    }
+    const float empty = ScaleInv(TensorScale(0.0f, p.format, p.force_pow2_scales, p.amax_epsilon));
+    if (p.rowwise) out.rowwise_scale_inv[0] = src ? src->rowwise_scale_inv[0] : empty;
+    if (p.columnwise) out.columnwise_scale_inv[0] = src ? src->columnwise_scale_inv[0] : empty;
+  }
   for (int r = 0; r < world_size; ++r) {
     const ShardGeometry& g = geoms[r];
     const ShardConstBuffers& s = shards[r];
@@ -115,7 +143,9 @@ void AssembleShards(int world_size, const ShardGeometry* geoms, const ShardConst
       if (out.rowwise_data + o * n != s.rowwise_data) {
         std::memmove(out.rowwise_data + o * n, s.rowwise_data, g.m * n);
       }
-      if (p.scaling == BlockScaling::kBlock1D) {
+      if (p.scaling == BlockScaling::kTensor) {
+        // scale_inv[0]: above.
+      } else if (p.scaling == BlockScaling::kBlock1D) {
         for (int64_t b = 0; b < nb; ++b) {
           std::memcpy(out.rowwise_scale_inv + b * l.rowwise_scale_cols + o,
                       s.rowwise_scale_inv + b * g.m, sizeof(float) * g.m);
@@ -131,7 +161,9 @@ void AssembleShards(int world_size, const ShardGeometry* geoms, const ShardConst
       for (int64_t col = 0; col < n; ++col) {
         std::memcpy(out.columnwise_data + col * m + o, s.columnwise_data + col * g.m, g.m);
       }
-      if (p.scaling == BlockScaling::kBlock1D) {
+      if (p.scaling == BlockScaling::kTensor) {
+        // scale_inv[0]: above.
+      } else if (p.scaling == BlockScaling::kBlock1D) {
         for (int64_t kk = 0; kk < nk; ++kk) {
           std::memcpy(out.columnwise_scale_inv + (k0 + kk) * l.columnwise_scale_cols,
                       s.columnwise_scale_inv + kk * n, sizeof(float) * n);

@@ -17,6 +17,10 @@ namespace qtx::kernels::cpu {
 // tensor, provided the amaxes of its two boundary block rows are the global
 // ones. Protocol: ShardBoundaryAmax on every rank -> exchange -> each rank
 // CombineBoundaryAmax -> QuantizeShard -> gather -> AssembleShards.
+// TENSOR (per-tensor current scaling) follows the same protocol with one
+// block, the whole tensor: each "boundary amax" is one float, the amax of the
+// whole shard, every non-empty rank combines all of them, and each shard is
+// cast with the scale of that combined amax (kernels/shard_geometry.h).
 
 // Partial amaxes of this shard's rows in block rows g.first_block() (`first`)
 // and g.last_block() (`last`); each of BoundaryAmaxLength(scaling, g) floats
@@ -39,7 +43,10 @@ using ShardConstBuffers = QuantizedConstBuffers;
 
 // Quantizes the shard using `first_amax` / `last_amax` (full, combined
 // amaxes) for its boundary block rows; interior blocks use local amaxes.
-// 1-D rowwise blocks never straddle and ignore them.
+// 1-D rowwise blocks never straddle and ignore them. TENSOR: first_amax[0] is
+// the whole tensor's amax (null: the shard's own, as if it were the whole
+// tensor); writes the [1] scale_inv of each requested copy, also for an empty
+// shard.
 // REQUIRES: buffers sized per the shard layout; amax vectors of
 // BoundaryAmaxLength(scaling, g) floats when columnwise or 2-D.
 void QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
@@ -49,6 +56,8 @@ void QuantizeShard(const void* input, InputDType dtype, const ShardGeometry& g,
 // Writes the GEMM-ready [M, N] tensor (M = sum of shard rows, shards in rank
 // order, contiguous) from every rank's shard buffers; padding zeroed. Straddling
 // blocks appear in several shards with identical values and are written once.
+// TENSOR: scale_inv[0] comes from the first shard with m > 0 and n > 0 (all
+// non-empty shards hold the same one); with none, it is that of amax 0.
 void AssembleShards(int world_size, const ShardGeometry* geoms, const ShardConstBuffers* shards,
                     const QuantizeParams& params, const QuantizedBuffers& out);
 

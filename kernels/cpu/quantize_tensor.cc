@@ -108,7 +108,11 @@ float TensorAmax(const void* input, InputDType dtype, int64_t count) {
 
 void QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
                     const QuantizeParams& params, const QuantizedBuffers& out) {
-  const float amax = TensorAmax(input, dtype, m * n);
+  QuantizeTensorWithAmax(input, dtype, m, n, TensorAmax(input, dtype, m * n), params, out);
+}
+
+void QuantizeTensorWithAmax(const void* input, InputDType dtype, int64_t m, int64_t n, float amax,
+                            const QuantizeParams& params, const QuantizedBuffers& out) {
   const float scale =
       TensorScale(amax, params.format, params.force_pow2_scales, params.amax_epsilon);
   const float scale_inv = ScaleInv(scale);

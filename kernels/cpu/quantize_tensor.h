@@ -29,6 +29,14 @@ float TensorAmax(const void* input, InputDType dtype, int64_t count);
 void QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
                     const QuantizeParams& params, const QuantizedBuffers& out);
 
+// QuantizeTensor with the amax given instead of computed from `input`: the
+// cast of a shard of a larger tensor whose amax was combined over every
+// shard (kernels/cpu/quantize_shard.h, TENSOR). QuantizeTensor(...) is
+// QuantizeTensorWithAmax(..., TensorAmax(input, dtype, m * n), ...).
+// REQUIRES: as QuantizeTensor; amax >= 0 (or +Inf).
+void QuantizeTensorWithAmax(const void* input, InputDType dtype, int64_t m, int64_t n, float amax,
+                            const QuantizeParams& params, const QuantizedBuffers& out);
+
 // x = decode(q) * scale_inv[0] in FP32, narrowed to `out_dtype`; reads the
 // rowwise copy when `use_rowwise`, else the columnwise copy (transposed back).
 // REQUIRES: the chosen copy's buffers non-null (data unless m * n == 0).

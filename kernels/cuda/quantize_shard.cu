@@ -3,6 +3,9 @@
 // rows), the same amax (kernels/fp8.h AmaxBitsUpdate: NaN ignored), scale
 // (ComputeScale / ScaleInv: IEEE division) and the hardware cvt.rn.satfinite
 // FP32 -> FP8 cast (proved equal to EncodeFp8 by tests/kernels/cuda).
+// TENSOR (per-tensor current scaling) has one block, the whole tensor: its
+// amax and cast are kernels/cuda/quantize_tensor.h's TensorAmax and
+// QuantizeTensorWithAmax, and the assembly copies one scale_inv.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
 #include "kernels/cuda/quantize_shard.h"
+#include "kernels/cuda/quantize_tensor.h"
 #include "kernels/fp8.h"
 
 namespace qtx::kernels::cuda {
@@ -258,6 +262,35 @@ __global__ void CombineBoundaryAmaxKernel(const AmaxSources s, const float* __re
   }
 }
 
+// CombineBoundaryAmax for TENSOR: the ranks whose shard is not empty (bit r
+// of `nonempty`), whose one gathered "first" float (gathered[2r]) feeds the
+// tensor's amax; passed by value (1 KiB of kernel parameters).
+struct TensorAmaxRanks {
+  uint32_t nonempty[kMaxTensorAmaxRanks / 32];
+};
+// One warp: out = max of those floats. They are amaxes (>= +0, not NaN), whose
+// max does not depend on the order, so fmaxf in any order gives the bits of
+// the CPU's std::max in rank order.
+__global__ void __launch_bounds__(32)
+    CombineTensorAmaxKernel(const TensorAmaxRanks s, int world_size,
+                            const float* __restrict__ gathered, float* first_out, float* last_out) {
+  float acc = 0.0f;
+  for (int r = threadIdx.x; r < world_size; r += 32) {
+    if ((s.nonempty[r >> 5] >> (r & 31)) & 1u) acc = fmaxf(acc, gathered[2 * r]);
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) acc = fmaxf(acc, __shfl_xor_sync(~0u, acc, mask));
+  if (threadIdx.x == 0) first_out[0] = last_out[0] = acc;
+}
+
+// AssembleShards for TENSOR: the [1] scale_inv of each requested copy (null:
+// not requested) from the first non-empty shard's (null src: none, `empty`).
+__global__ void TensorScaleInvKernel(const float* src_row, const float* src_col, float empty,
+                                     float* row, float* col) {
+  if (row != nullptr) row[0] = src_row != nullptr ? src_row[0] : empty;
+  if (col != nullptr) col[0] = src_col != nullptr ? src_col[0] : empty;
+}
+
 template <InputDType D, Fp8Format F, BlockScaling S>
 cudaError_t LaunchShard(const ShardKernelArgs& a, dim3 grid, cudaStream_t stream) {
   auto kernel = QuantizeShardKernel<D, F, S>;
@@ -299,7 +332,26 @@ void LaunchBoundary(bool one_d, dim3 grid, const void* in, const ShardGeometry& 
 bool ValidEnums(InputDType d, BlockScaling s) {
   const bool dt =
       d == InputDType::kFloat32 || d == InputDType::kBFloat16 || d == InputDType::kFloat16;
-  return dt && (s == BlockScaling::kBlock1D || s == BlockScaling::kBlock2D);
+  return dt &&
+         (s == BlockScaling::kBlock1D || s == BlockScaling::kBlock2D || s == BlockScaling::kTensor);
+}
+
+// QuantizeShard for TENSOR: the cast with the combined amax `amax`, or (null)
+// with the shard's own, computed first into a stream-ordered temporary. As in
+// the CPU reference, an empty shard still gets its scale_inv.
+cudaError_t QuantizeTensorShard(const void* input, InputDType dtype, const ShardGeometry& g,
+                                const QuantizeParams& p, const float* amax,
+                                const QuantizedBuffers& out, cudaStream_t stream) {
+  if (!p.rowwise && !p.columnwise) return cudaSuccess;
+  if (amax != nullptr) return QuantizeTensorWithAmax(input, dtype, g.m, g.n, amax, p, out, stream);
+  if (g.n > 0 && g.m > INT64_MAX / g.n) return cudaErrorInvalidValue;
+  float* own = nullptr;
+  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&own), sizeof(float), stream);
+  if (e != cudaSuccess) return e;
+  e = TensorAmax(input, dtype, g.m * g.n, own, stream);
+  if (e == cudaSuccess) e = QuantizeTensorWithAmax(input, dtype, g.m, g.n, own, p, out, stream);
+  const cudaError_t f = cudaFreeAsync(own, stream);
+  return e != cudaSuccess ? e : f;
 }
 
 }  // namespace
@@ -313,6 +365,12 @@ cudaError_t ShardBoundaryAmax(const void* input, InputDType dtype, const ShardGe
   if (g.m == 0) return cudaSuccess;
   if (first == nullptr || last == nullptr || (g.n > 0 && input == nullptr)) {
     return cudaErrorInvalidValue;
+  }
+  if (scaling == BlockScaling::kTensor) {  // the whole shard's amax, twice
+    if (g.n > 0 && g.m > INT64_MAX / g.n) return cudaErrorInvalidValue;
+    const cudaError_t e = TensorAmax(input, dtype, g.m * g.n, first, stream);
+    if (e != cudaSuccess) return e;
+    return cudaMemcpyAsync(last, first, sizeof(float), cudaMemcpyDeviceToDevice, stream);
   }
   const int64_t nb = g.nb();
   if (nb == 0) return cudaSuccess;
@@ -342,6 +400,9 @@ cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeomet
       (p.format != Fp8Format::kE4M3 && p.format != Fp8Format::kE5M2) || !(p.amax_epsilon >= 0.0f) ||
       IsInf(p.amax_epsilon)) {
     return cudaErrorInvalidValue;
+  }
+  if (p.scaling == BlockScaling::kTensor) {
+    return QuantizeTensorShard(input, dtype, g, p, first_amax, out, stream);
   }
   if (g.m == 0 || g.n == 0) return cudaSuccess;
   if (input == nullptr ||
@@ -414,14 +475,25 @@ cudaError_t QuantizeShard(const void* input, InputDType dtype, const ShardGeomet
 cudaError_t CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, const float* gathered,
                                 int64_t len, int rank, BlockScaling scaling, float* first_out,
                                 float* last_out, cudaStream_t stream) {
-  (void)scaling;  // the vectors' meaning (columns or tile columns) does not change the max
-  if (world_size < 1 || rank < 0 || rank >= world_size || len < 0 || geoms == nullptr) {
+  // 1-D and 2-D: the vectors' meaning (columns or tile columns) does not
+  // change the max.
+  const bool tensor = scaling == BlockScaling::kTensor;
+  if (world_size < 1 || rank < 0 || rank >= world_size || len < 0 || geoms == nullptr ||
+      (tensor && (len != 1 || world_size > kMaxTensorAmaxRanks))) {
     return cudaErrorInvalidValue;
   }
   const ShardGeometry& me = geoms[rank];
   if (me.m == 0 || len == 0) return cudaSuccess;
   if (gathered == nullptr || first_out == nullptr || last_out == nullptr) {
     return cudaErrorInvalidValue;
+  }
+  if (tensor) {  // one block, shared by every rank
+    TensorAmaxRanks s{};
+    for (int r = 0; r < world_size; ++r) {
+      if (geoms[r].m > 0) s.nonempty[r / 32] |= 1u << (r % 32);
+    }
+    CombineTensorAmaxKernel<<<1, 32, 0, stream>>>(s, world_size, gathered, first_out, last_out);
+    return cudaGetLastError();
   }
   AmaxSources s{};
   for (int which = 0; which < 2; ++which) {
@@ -449,8 +521,10 @@ cudaError_t CombineBoundaryAmax(int world_size, const ShardGeometry* geoms, cons
 cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
                            const QuantizedConstBuffers* shards, const QuantizeParams& p,
                            const QuantizedBuffers& out, cudaStream_t stream) {
+  const bool tensor = p.scaling == BlockScaling::kTensor;
   if (world_size < 0 || (world_size > 0 && (geoms == nullptr || shards == nullptr)) ||
-      (p.scaling != BlockScaling::kBlock1D && p.scaling != BlockScaling::kBlock2D)) {
+      (p.scaling != BlockScaling::kBlock1D && p.scaling != BlockScaling::kBlock2D && !tensor) ||
+      (tensor && p.format != Fp8Format::kE4M3 && p.format != Fp8Format::kE5M2)) {
     return cudaErrorInvalidValue;
   }
   int64_t m = 0;
@@ -468,13 +542,29 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
   // its argument block; otherwise a memset and a 2-D copy per rank.
   const bool row_scales_in_one_pass =
       p.rowwise && one_d && world_size <= kMaxAssembleRanks && l.RowwiseScaleCount() > 0;
-  if (p.rowwise && !row_scales_in_one_pass && l.RowwiseScaleCount() > 0 &&
-      !ok(cudaMemsetAsync(out.rowwise_scale_inv, 0, 4 * l.RowwiseScaleCount(), stream))) {
-    return e;
-  }
-  if (p.columnwise && l.ColumnwiseScaleCount() > 0 &&
-      !ok(cudaMemsetAsync(out.columnwise_scale_inv, 0, 4 * l.ColumnwiseScaleCount(), stream))) {
-    return e;
+  if (tensor) {
+    // [1] scales, no padding. Every non-empty shard was cast with the same
+    // combined amax: its scale_inv is the tensor's. With none, the tensor's
+    // amax is 0 (its scale_inv from the host, as a kernel argument).
+    const QuantizedConstBuffers* src = nullptr;
+    for (int r = 0; r < world_size && src == nullptr; ++r) {
+      if (geoms[r].m > 0 && n > 0) src = &shards[r];
+    }
+    const float empty = ScaleInv(TensorScale(0.0f, p.format, p.force_pow2_scales, p.amax_epsilon));
+    TensorScaleInvKernel<<<1, 1, 0, stream>>>(src != nullptr ? src->rowwise_scale_inv : nullptr,
+                                              src != nullptr ? src->columnwise_scale_inv : nullptr,
+                                              empty, p.rowwise ? out.rowwise_scale_inv : nullptr,
+                                              p.columnwise ? out.columnwise_scale_inv : nullptr);
+    if (!ok(cudaGetLastError())) return e;
+  } else {
+    if (p.rowwise && !row_scales_in_one_pass && l.RowwiseScaleCount() > 0 &&
+        !ok(cudaMemsetAsync(out.rowwise_scale_inv, 0, 4 * l.RowwiseScaleCount(), stream))) {
+      return e;
+    }
+    if (p.columnwise && l.ColumnwiseScaleCount() > 0 &&
+        !ok(cudaMemsetAsync(out.columnwise_scale_inv, 0, 4 * l.ColumnwiseScaleCount(), stream))) {
+      return e;
+    }
   }
   for (int r = 0; r < world_size; ++r) {
     const ShardGeometry& g = geoms[r];
@@ -487,7 +577,9 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
                               cudaMemcpyDeviceToDevice, stream))) {
         return e;
       }
-      if (one_d) {
+      if (tensor) {
+        // scale_inv[0]: above.
+      } else if (one_d) {
         if (!row_scales_in_one_pass) {
           ok(cudaMemcpy2DAsync(out.rowwise_scale_inv + o, 4 * l.rowwise_scale_cols,
                                s.rowwise_scale_inv, 4 * g.m, 4 * g.m, nb, cudaMemcpyDeviceToDevice,
@@ -505,7 +597,9 @@ cudaError_t AssembleShards(int world_size, const ShardGeometry* geoms,
                                 cudaMemcpyDeviceToDevice, stream))) {
         return e;
       }
-      if (one_d) {
+      if (tensor) {
+        // scale_inv[0]: above.
+      } else if (one_d) {
         ok(cudaMemcpy2DAsync(out.columnwise_scale_inv + k0 * l.columnwise_scale_cols,
                              4 * l.columnwise_scale_cols, s.columnwise_scale_inv, 4 * n, 4 * n, nk,
                              cudaMemcpyDeviceToDevice, stream));

@@ -22,6 +22,10 @@
 //      (StoreTileCopies, shared with the one-pass kernel). The cast pass walks
 //      the tensor from its end to its start while the amax pass walks it from
 //      the start, so the cast first reads what the amax pass left in L2.
+// The exact all-gather (kernels/cuda/quantize_shard.h) splits the two: its
+// TensorAmax is pass 1 then ReduceAmaxKernel (one float on the device), and
+// its QuantizeTensorWithAmax is pass 2 with that (combined) amax as the one
+// partial.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -141,6 +145,16 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t e = scalar_from + g; e < count; e += stride) am = AbsMax(am, LoadElem<D>(in, e));
   am = BlockMax(am, red);
   if (threadIdx.x == 0) partials[blockIdx.x] = am;
+}
+
+// TensorAmax's last step: one CTA writes the max of the partial amaxes.
+__global__ void __launch_bounds__(kThreads)
+    ReduceAmaxKernel(const float* partials, int num_partials, float* amax) {
+  __shared__ float red[kWarps];
+  float am = 0.0f;
+  for (int i = threadIdx.x; i < num_partials; i += kThreads) am = fmaxf(am, partials[i]);
+  am = BlockMax(am, red);
+  if (threadIdx.x == 0) amax[0] = am;
 }
 
 // ---- pass 2: cast ---------------------------------------------------------------
@@ -662,19 +676,11 @@ cudaError_t LaunchOnePass(CastArgs a, int sms, bool force, cudaStream_t stream, 
   return e != cudaSuccess ? e : f;
 }
 
-}  // namespace
-
-cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
-                           const QuantizeParams& params, const QuantizedBuffers& out,
-                           cudaStream_t stream) {
-  return detail::QuantizeTensorTuned(input, dtype, m, n, params, out, {}, stream);
-}
-
-namespace detail {
-
-cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
-                                const QuantizeParams& params, const QuantizedBuffers& out,
-                                const TensorTuning& tuning, cudaStream_t stream) {
+// The checks of QuantizeTensor's arguments (quantize_tensor.h) and the
+// CastArgs of the requested copies, less the amax source and the launch path's
+// alignment flags.
+cudaError_t PrepareCast(const void* input, int64_t m, int64_t n, const QuantizeParams& params,
+                        const QuantizedBuffers& out, CastArgs* a) {
   if (m < 0 || n < 0) return cudaErrorInvalidValue;
   if (n > 0 && m > INT64_MAX / n) return cudaErrorInvalidValue;
   if (!(params.amax_epsilon >= 0.0f) || std::isinf(params.amax_epsilon)) {
@@ -682,7 +688,6 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
   }
   if (!params.rowwise && !params.columnwise) return cudaErrorInvalidValue;
   const int64_t count = m * n;
-  if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = false;
   if (params.rowwise &&
       (out.rowwise_scale_inv == nullptr || (count > 0 && out.rowwise_data == nullptr))) {
     return cudaErrorInvalidValue;
@@ -692,36 +697,153 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
     return cudaErrorInvalidValue;
   }
   if (count > 0 && input == nullptr) return cudaErrorInvalidValue;
-  int sms = 0;
-  cudaError_t err = CurrentDeviceSmCount(&sms);
-  if (err != cudaSuccess) return err;
+  *a = CastArgs{};
+  a->input = input;
+  a->qr = params.rowwise ? out.rowwise_data : nullptr;
+  a->sr = params.rowwise ? out.rowwise_scale_inv : nullptr;
+  a->qc = params.columnwise ? out.columnwise_data : nullptr;
+  a->sc = params.columnwise ? out.columnwise_scale_inv : nullptr;
+  a->m = m;
+  a->n = n;
+  a->pow2 = params.force_pow2_scales;
+  a->eps = params.amax_epsilon;
+  a->mb = CeilDiv(m, kTile);
+  a->nb = CeilDiv(n, kTile);
+  a->full_mb = m / kTile;
+  a->full_nb = n / kTile;
+  return cudaSuccess;
+}
 
-  CastArgs a{};
-  a.input = input;
-  a.qr = params.rowwise ? out.rowwise_data : nullptr;
-  a.sr = params.rowwise ? out.rowwise_scale_inv : nullptr;
-  a.qc = params.columnwise ? out.columnwise_data : nullptr;
-  a.sc = params.columnwise ? out.columnwise_scale_inv : nullptr;
-  a.m = m;
-  a.n = n;
-  a.pow2 = params.force_pow2_scales;
-  a.eps = params.amax_epsilon;
-  a.mb = CeilDiv(m, kTile);
-  a.nb = CeilDiv(n, kTile);
-  a.full_mb = m / kTile;
-  a.full_nb = n / kTile;
-  const int64_t elem = dtype == InputDType::kFloat32 ? 4 : 2;
+// ResidentCtas's cache for TensorAmaxKernel<D>.
+template <InputDType D>
+std::atomic<int> amax_resident[kMaxDevices];
+
+// Pass 1 (TensorAmaxKernel, at least about 32 elements a thread, every CTA
+// resident) into a stream-ordered temporary of per-CTA partial amaxes, then
+// next(partials, num_partials) (the launches that read them), then the
+// temporary's release on the stream. Returns the first error.
+template <InputDType D, typename Next>
+cudaError_t WithPartialAmaxes(const void* input, int64_t count, int sms, cudaStream_t stream,
+                              Next&& next) {
+  int64_t resident = 0;
+  cudaError_t e = ResidentCtas(TensorAmaxKernel<D>, sms, amax_resident<D>, &resident);
+  if (e != cudaSuccess) return e;
+  const int grid = GridFor(CeilDiv(count, int64_t{kThreads} * 32), resident);
+  float* partials = nullptr;
+  e = cudaMallocAsync(reinterpret_cast<void**>(&partials), sizeof(float) * grid, stream);
+  if (e != cudaSuccess) return e;
+  TensorAmaxKernel<D><<<grid, kThreads, 0, stream>>>(input, count, Aligned(input, 16), partials);
+  e = cudaGetLastError();
+  if (e == cudaSuccess) e = next(static_cast<const float*>(partials), grid);
+  const cudaError_t f = cudaFreeAsync(partials, stream);
+  return e != cudaSuccess ? e : f;
+}
+
+// Pass 2 for `a`, whose partials / num_partials are set: the one-CTA
+// RowCastKernel that only writes the scale_inv for an empty tensor;
+// RowCastKernel for the rowwise copy alone; TileCastKernel with the columnwise
+// copy. The vector paths are taken where the pointers (and, for the tiles,
+// the row pitches) are aligned for them.
+template <InputDType D, Fp8Format F>
+cudaError_t LaunchCast(CastArgs a, int sms, cudaStream_t stream) {
+  static std::atomic<int> row_cache[kMaxDevices];
+  static std::atomic<int> tile_cache[2][kMaxDevices];
+  const int64_t count = a.m * a.n;
+  int64_t resident = 0;
+  cudaError_t e = cudaSuccess;
+  if (count == 0) {
+    a.vec = false;
+    RowCastKernel<D, F><<<1, kThreads, 0, stream>>>(a);
+  } else if (a.qc == nullptr) {
+    a.vec = Aligned(a.input, 16) && Aligned(a.qr, 8);
+    e = ResidentCtas(RowCastKernel<D, F>, sms, row_cache, &resident);
+    if (e != cudaSuccess) return e;
+    const int grid = GridFor(CeilDiv(count, int64_t{kThreads} * 8 * 4), resident);
+    RowCastKernel<D, F><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    a.vec_in = Aligned(a.input, 16) && (a.n * kElemBytes<D>) % 16 == 0;
+    a.vec_row = a.qr != nullptr && Aligned(a.qr, 8) && a.n % 8 == 0;
+    a.vec_col = Aligned(a.qc, 16) && a.m % 16 == 0;
+    const int64_t tiles = a.mb * a.nb;
+    if (a.qr != nullptr) {
+      e = ResidentCtas(TileCastKernel<D, F, true>, sms, tile_cache[1], &resident);
+      if (e != cudaSuccess) return e;
+      TileCastKernel<D, F, true><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
+    } else {
+      e = ResidentCtas(TileCastKernel<D, F, false>, sms, tile_cache[0], &resident);
+      if (e != cudaSuccess) return e;
+      TileCastKernel<D, F, false><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
+    }
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64_t n,
+                           const QuantizeParams& params, const QuantizedBuffers& out,
+                           cudaStream_t stream) {
+  return detail::QuantizeTensorTuned(input, dtype, m, n, params, out, {}, stream);
+}
+
+cudaError_t TensorAmax(const void* input, InputDType dtype, int64_t count, float* amax,
+                       cudaStream_t stream) {
+  if (count < 0 || amax == nullptr || (count > 0 && input == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  int sms = 0;
+  const cudaError_t err = CurrentDeviceSmCount(&sms);
+  if (err != cudaSuccess) return err;
+  return WithDType(dtype, [&](auto dt) {
+    constexpr InputDType D = decltype(dt)::value;
+    return WithPartialAmaxes<D>(input, count, sms, stream, [&](const float* partials, int num) {
+      ReduceAmaxKernel<<<1, kThreads, 0, stream>>>(partials, num, amax);
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t QuantizeTensorWithAmax(const void* input, InputDType dtype, int64_t m, int64_t n,
+                                   const float* amax, const QuantizeParams& params,
+                                   const QuantizedBuffers& out, cudaStream_t stream) {
+  if (amax == nullptr) return cudaErrorInvalidValue;
+  CastArgs a;
+  cudaError_t err = PrepareCast(input, m, n, params, out, &a);
+  if (err != cudaSuccess) return err;
+  int sms = 0;
+  err = CurrentDeviceSmCount(&sms);
+  if (err != cudaSuccess) return err;
+  a.partials = amax;
+  a.num_partials = 1;
+  return WithDType(dtype, [&](auto dt) {
+    return WithFormat(params.format, [&](auto ft) {
+      return LaunchCast<decltype(dt)::value, decltype(ft)::value>(a, sms, stream);
+    });
+  });
+}
+
+namespace detail {
+
+cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
+                                const QuantizeParams& params, const QuantizedBuffers& out,
+                                const TensorTuning& tuning, cudaStream_t stream) {
+  if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = false;
+  CastArgs a;
+  cudaError_t err = PrepareCast(input, m, n, params, out, &a);
+  if (err != cudaSuccess) return err;
+  int sms = 0;
+  err = CurrentDeviceSmCount(&sms);
+  if (err != cudaSuccess) return err;
+  const int64_t count = m * n;
 
   return WithDType(dtype, [&](auto dt) {
     return WithFormat(params.format, [&](auto ft) -> cudaError_t {
       constexpr InputDType D = decltype(dt)::value;
       constexpr Fp8Format F = decltype(ft)::value;
-      if (count == 0) {  // nothing to cast: one CTA writes scale_inv of amax 0
+      if (count == 0) {  // nothing to cast: the scale_inv of amax 0
         a.partials = nullptr;
         a.num_partials = 0;
-        a.vec = false;
-        RowCastKernel<D, F><<<1, kThreads, 0, stream>>>(a);
-        return cudaGetLastError();
+        return LaunchCast<D, F>(a, sms, stream);
       }
       // One pass over DRAM where the tensor is whole, aligned tiles.
       const bool whole_tiles = m % kTile == 0 && n % kTile == 0 && Aligned(input, 16) &&
@@ -742,52 +864,12 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
         if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = launched;
         if (e1 != cudaSuccess || launched) return e1;
       }
-      // Pass 1: at least about 32 elements a thread, every CTA resident.
-      static std::atomic<int> amax_cache[kMaxDevices];
-      static std::atomic<int> row_cache[kMaxDevices];
-      static std::atomic<int> tile_cache[2][kMaxDevices];
-      int64_t resident = 0;
-      cudaError_t e = ResidentCtas(TensorAmaxKernel<D>, sms, amax_cache, &resident);
-      if (e != cudaSuccess) return e;
-      const int amax_grid = GridFor(CeilDiv(count, int64_t{kThreads} * 32), resident);
-      float* partials = nullptr;
-      e = cudaMallocAsync(reinterpret_cast<void**>(&partials), sizeof(float) * amax_grid, stream);
-      if (e != cudaSuccess) return e;
-      TensorAmaxKernel<D>
-          <<<amax_grid, kThreads, 0, stream>>>(input, count, Aligned(input, 16), partials);
-      e = cudaGetLastError();
-      if (e == cudaSuccess) {
-        // Pass 2.
-        a.partials = partials;
-        a.num_partials = amax_grid;
-        if (!params.columnwise) {
-          a.vec = Aligned(input, 16) && Aligned(a.qr, 8);
-          e = ResidentCtas(RowCastKernel<D, F>, sms, row_cache, &resident);
-          if (e == cudaSuccess) {
-            const int grid = GridFor(CeilDiv(count, int64_t{kThreads} * 8 * 4), resident);
-            RowCastKernel<D, F><<<grid, kThreads, 0, stream>>>(a);
-          }
-        } else {
-          a.vec_in = Aligned(input, 16) && (n * elem) % 16 == 0;
-          a.vec_row = params.rowwise && Aligned(a.qr, 8) && n % 8 == 0;
-          a.vec_col = Aligned(a.qc, 16) && m % 16 == 0;
-          const int64_t tiles = a.mb * a.nb;
-          if (params.rowwise) {
-            e = ResidentCtas(TileCastKernel<D, F, true>, sms, tile_cache[1], &resident);
-            if (e == cudaSuccess) {
-              TileCastKernel<D, F, true><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
-            }
-          } else {
-            e = ResidentCtas(TileCastKernel<D, F, false>, sms, tile_cache[0], &resident);
-            if (e == cudaSuccess) {
-              TileCastKernel<D, F, false><<<GridFor(tiles, resident), kThreads, 0, stream>>>(a);
-            }
-          }
-        }
-        if (e == cudaSuccess) e = cudaGetLastError();
-      }
-      const cudaError_t f = cudaFreeAsync(partials, stream);
-      return e != cudaSuccess ? e : f;
+      return WithPartialAmaxes<D>(input, count, sms, stream,
+                                  [&](const float* partials, int num_partials) {
+                                    a.partials = partials;
+                                    a.num_partials = num_partials;
+                                    return LaunchCast<D, F>(a, sms, stream);
+                                  });
     });
   });
 }

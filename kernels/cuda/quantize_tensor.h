@@ -42,6 +42,27 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
                            const QuantizeParams& params, const QuantizedBuffers& out,
                            cudaStream_t stream);
 
+// max |x| over the `count` elements of `input` (NaN ignored, 0 when empty)
+// into the device float amax[0], bit-equal to kernels::cpu::TensorAmax: the
+// amax pass of the two launches, whose per-CTA partials (in a stream-ordered
+// temporary) one small kernel reduces. Returns cudaErrorInvalidValue for
+// count < 0, an unknown dtype, a null amax, or a null input when count > 0;
+// otherwise the first allocation or launch error, if any.
+cudaError_t TensorAmax(const void* input, InputDType dtype, int64_t count, float* amax,
+                       cudaStream_t stream);
+
+// QuantizeTensor with the amax read from the device float amax[0] instead of
+// computed from `input`, bit-exact with kernels::cpu::QuantizeTensorWithAmax:
+// the cast of a shard of a larger tensor whose amax was combined over every
+// shard (kernels/cuda/quantize_shard.h, TENSOR). It is the cast launch of the
+// two launches alone (never the cooperative one, which needs the amax of its
+// own input); an empty tensor still gets the scale_inv of amax[0]. Returns
+// cudaErrorInvalidValue as QuantizeTensor does, and for a null amax.
+// REQUIRES: amax[0] >= 0 (or +Inf), written before the launch in stream order.
+cudaError_t QuantizeTensorWithAmax(const void* input, InputDType dtype, int64_t m, int64_t n,
+                                   const float* amax, const QuantizeParams& params,
+                                   const QuantizedBuffers& out, cudaStream_t stream);
+
 namespace detail {
 
 // Launch choices of QuantizeTensor, for benchmarks and tests; the defaults

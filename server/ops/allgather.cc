@@ -182,11 +182,15 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
                                            backend::Communicator& comm) {
   QTX_RETURN_IF_ERROR(r.request_error);
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(r.params, "config"));
-  if (r.params.scaling == kernels::BlockScaling::kTensor) {
+  if (r.params.scaling == kernels::BlockScaling::kTensor && r.mode == AllGatherMode::kExactFp8 &&
+      !r.shard_rows.empty()) {
+    // Every rank's FP8 bytes depend on the amax of the whole gathered tensor,
+    // which the one round's single all-gather cannot deliver before it.
     return absl::InvalidArgumentError(
-        "config.scaling_mode=TENSOR: AllGather supports BLOCK_1D and BLOCK_2D only (per-tensor "
-        "scaling needs the amax reduced over the whole group first); gather with "
-        "GATHER_HIGH_PRECISION semantics yourself and Quantize the result, or use a block mode");
+        "config.scaling_mode=TENSOR with shard_rows: per-tensor scaling needs the amax of the "
+        "whole gathered tensor before any rank can quantize, and the one-round protocol that "
+        "shard_rows selects has no round for it; leave shard_rows unset on every rank (two "
+        "rounds: the amaxes, then the FP8 bytes), or use mode GATHER_HIGH_PRECISION");
   }
   QTX_RETURN_IF_ERROR(ValidateCudaEvents(r.events, ctx));
   if (r.mode != AllGatherMode::kExactFp8 && r.mode != AllGatherMode::kGatherHighPrecision) {
@@ -735,7 +739,8 @@ absl::Status AllGatherCall::PrepareOutputs() {
   }
   const kernels::ShardGeometry& g = geoms[rank];
   layout = kernels::ComputeLayout(p.scaling, m_total, n);
-  need_amax = exact && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
+  // TENSOR: every rank needs the amax of the whole tensor, rowwise-only too.
+  need_amax = exact && (p.columnwise || p.scaling != kernels::BlockScaling::kBlock1D);
   amax_len = need_amax ? kernels::BoundaryAmaxLength(p.scaling, g) : 0;
 
   input_ptr = local->input.data;
@@ -796,9 +801,9 @@ absl::Status AllGatherCall::EarlyVerdict() {
       p.columnwise ? 4 * static_cast<uint64_t>(layout.ColumnwiseScaleCount()) : 0};
   const std::vector<int64_t> shapes[4] = {
       {layout.rowwise_data_rows, layout.rowwise_data_cols},
-      {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
+      ScaleShape(p.scaling, layout.rowwise_scale_rows, layout.rowwise_scale_cols),
       {layout.columnwise_data_rows, layout.columnwise_data_cols},
-      {layout.columnwise_scale_rows, layout.columnwise_scale_cols}};
+      ScaleShape(p.scaling, layout.columnwise_scale_rows, layout.columnwise_scale_cols)};
   auto size_error = [&](const WireHeader& h) -> absl::Status {
     for (int i = 0; i < 4; ++i) {
       if ((i < 2 ? p.rowwise : p.columnwise) && h.out_size[i] != needed[i]) {
@@ -837,20 +842,20 @@ absl::Status AllGatherCall::PlaceOutputs() {
                                     data_dtype,
                                     {layout.rowwise_data_rows, layout.rowwise_data_cols},
                                     "outputs.rowwise_data", ctx, outs[0]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_scale_inv,
-                                    4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
-                                    {layout.rowwise_scale_rows, layout.rowwise_scale_cols},
-                                    "outputs.rowwise_scale_inv", ctx, outs[1]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(
+        request.outputs.rowwise_scale_inv, 4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
+        ScaleShape(p.scaling, layout.rowwise_scale_rows, layout.rowwise_scale_cols),
+        "outputs.rowwise_scale_inv", ctx, outs[1]));
   }
   if (p.columnwise) {
     QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_data, layout.ColumnwiseDataBytes(),
                                     1, data_dtype,
                                     {layout.columnwise_data_rows, layout.columnwise_data_cols},
                                     "outputs.columnwise_data", ctx, outs[2]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_scale_inv,
-                                    4 * layout.ColumnwiseScaleCount(), 4, DType::kFloat32,
-                                    {layout.columnwise_scale_rows, layout.columnwise_scale_cols},
-                                    "outputs.columnwise_scale_inv", ctx, outs[3]));
+    QTX_RETURN_IF_ERROR(PlaceOutput(
+        request.outputs.columnwise_scale_inv, 4 * layout.ColumnwiseScaleCount(), 4, DType::kFloat32,
+        ScaleShape(p.scaling, layout.columnwise_scale_rows, layout.columnwise_scale_cols),
+        "outputs.columnwise_scale_inv", ctx, outs[3]));
   }
   QTX_RETURN_IF_ERROR(CheckNoOverlap(OutputRanges(local->input, outs)));
   uint64_t inline_bytes = 0;

@@ -130,8 +130,9 @@ struct Reference {
 
 Reference QuantizeReference(const Shards& s, const QuantizeConfig& c) {
   kernels::QuantizeParams p;
-  p.scaling = c.scaling_mode == ScalingMode::kBlock2D ? kernels::BlockScaling::kBlock2D
-                                                      : kernels::BlockScaling::kBlock1D;
+  p.scaling = c.scaling_mode == ScalingMode::kBlock2D  ? kernels::BlockScaling::kBlock2D
+              : c.scaling_mode == ScalingMode::kTensor ? kernels::BlockScaling::kTensor
+                                                       : kernels::BlockScaling::kBlock1D;
   p.format = c.format == Fp8Format::kE5M2 ? kernels::Fp8Format::kE5M2 : kernels::Fp8Format::kE4M3;
   p.rowwise = c.rowwise;
   p.columnwise = c.columnwise;
@@ -224,7 +225,8 @@ TEST_P(ClientCollectiveE2eTest, AllGatherMatchesQuantizeOfConcatenation) {
   for (const std::vector<int64_t>& rows : grids) {
     for (int64_t n : {100, 256}) {
       const Shards s = MakeShards(rows, n, /*bf16_exact=*/false);
-      for (ScalingMode scaling : {ScalingMode::kBlock1D, ScalingMode::kBlock2D}) {
+      for (ScalingMode scaling :
+           {ScalingMode::kBlock1D, ScalingMode::kBlock2D, ScalingMode::kTensor}) {
         QuantizeConfig c;
         c.scaling_mode = scaling;
         c.columnwise = true;
@@ -313,7 +315,7 @@ TEST(ClientCollectiveE2e, AllGatherIntoRegionOutputs) {
     regions.push_back(std::move(region));
   }
   uint64_t sequence = 0;
-  for (ScalingMode scaling : {ScalingMode::kBlock1D, ScalingMode::kBlock2D}) {
+  for (ScalingMode scaling : {ScalingMode::kBlock1D, ScalingMode::kBlock2D, ScalingMode::kTensor}) {
     for (AllGatherMode mode : {AllGatherMode::kExactFp8, AllGatherMode::kGatherHighPrecision}) {
       SCOPED_TRACE(absl::StrFormat("%s %s", ScalingModeName(scaling), AllGatherModeName(mode)));
       QuantizeConfig c;

@@ -1,6 +1,7 @@
 // The exact all-gather building blocks (docs/numerics.md §5) without any network:
 // per-rank boundary amaxes -> combine -> shard quantize -> assemble must equal
-// QuantizeBlock of the concatenated tensor, byte for byte, for any shard sizes.
+// QuantizeBlock of the concatenated tensor, byte for byte, for any shard sizes,
+// 1-D, 2-D and per-tensor (TENSOR: one block shared by every rank).
 #include "kernels/cpu/quantize_shard.h"
 
 #include <cstring>
@@ -28,7 +29,10 @@ std::string Name(const Case& c) {
 
 // Quantizes the shards as the all-gather does and compares with the whole.
 void CheckSplit(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise, Fp8Format fmt) {
-  SCOPED_TRACE(Name(c) + (scaling == BlockScaling::kBlock1D ? " 1D" : " 2D") +
+  SCOPED_TRACE(Name(c) +
+               (scaling == BlockScaling::kBlock1D   ? " 1D"
+                : scaling == BlockScaling::kBlock2D ? " 2D"
+                                                    : " TENSOR") +
                (rowwise ? " row" : "") + (columnwise ? " col" : ""));
   const int w = static_cast<int>(c.shards.size());
   int64_t m = 0;
@@ -103,7 +107,7 @@ void CheckSplit(const Case& c, BlockScaling scaling, bool rowwise, bool columnwi
 class ShardSplitTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ShardSplitTest, BitIdenticalToWholeTensor) {
-  for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+  for (BlockScaling s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D, BlockScaling::kTensor}) {
     CheckSplit(GetParam(), s, true, true, Fp8Format::kE4M3);
     CheckSplit(GetParam(), s, true, false, Fp8Format::kE5M2);
     CheckSplit(GetParam(), s, false, true, Fp8Format::kE4M3);
@@ -150,6 +154,40 @@ TEST(ShardSplit, LocalOnlyAmaxIsWrong) {
   QuantizeShard(x.data(), InputDType::kBFloat16, g0, p, cf.data(), cl.data(),
                 {nullptr, nullptr, cd.data(), cs.data()});
   EXPECT_EQ(cs[0], 1.0f / 4);  // combined amax 100 -> scale 4
+}
+
+// TENSOR: a rank whose shard holds small values must take the scale of the
+// whole tensor's amax, held by another rank, not its own.
+TEST(ShardSplit, TensorScaleComesFromTheWholeTensor) {
+  const int64_t n = 8;
+  const ShardGeometry g[2] = {{0, 3, n}, {3, 5, n}};
+  std::vector<uint16_t> x(8 * n);
+  for (int64_t i = 0; i < 8 * n; ++i) x[i] = FloatToBf16(i < 3 * n ? 0.5f : -200.0f);
+  const QuantizeParams p{BlockScaling::kTensor, Fp8Format::kE4M3, true, true, true, 0};
+  float f[2][1] = {{-1.0f}, {-1.0f}}, l[2][1] = {{-1.0f}, {-1.0f}};
+  for (int r = 0; r < 2; ++r) {
+    ShardBoundaryAmax(x.data() + g[r].row_offset * n, InputDType::kBFloat16, g[r], p.scaling, f[r],
+                      l[r]);
+  }
+  EXPECT_EQ(f[0][0], 0.5f);
+  EXPECT_EQ(f[1][0], 200.0f);
+  const float* firsts[2] = {f[0], f[1]};
+  const float* lasts[2] = {l[0], l[1]};
+  float cf = -1.0f, cl = -1.0f;
+  CombineBoundaryAmax(2, g, firsts, lasts, 0, p.scaling, &cf, &cl);
+  EXPECT_EQ(cf, 200.0f);
+  EXPECT_EQ(cl, 200.0f);
+  std::vector<uint8_t> rd(3 * n), cd(3 * n);
+  float rs = -1.0f, cs = -1.0f;
+  QuantizeShard(x.data(), InputDType::kBFloat16, g[0], p, &cf, &cl,
+                {rd.data(), &rs, cd.data(), &cs});
+  EXPECT_EQ(rs, 0.5f);  // amax 200 -> pow2 scale 2 (448 / 200 = 2.24)
+  EXPECT_EQ(cs, 0.5f);
+  EXPECT_EQ(rd[0], EncodeE4M3(1.0f));
+  // Its own amax (0.5) would have given scale 512 and other bytes.
+  QuantizeShard(x.data(), InputDType::kBFloat16, g[0], p, nullptr, nullptr,
+                {rd.data(), &rs, cd.data(), &cs});
+  EXPECT_EQ(rs, 1.0f / 512);
 }
 
 }  // namespace

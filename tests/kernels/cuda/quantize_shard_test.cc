@@ -1,6 +1,7 @@
 // kernels/cuda/quantize_shard vs kernels/cpu (ShardBoundaryAmax,
 // CombineBoundaryAmax, QuantizeShard, AssembleShards), byte for byte: the whole exact all-gather
-// pipeline run on one GPU for several ranks' shards, against QuantizeBlock of the whole.
+// pipeline run on one GPU for several ranks' shards, against QuantizeBlock of the whole
+// (1-D, 2-D and TENSOR, which QuantizeBlock hands to QuantizeTensor).
 #include "kernels/cpu/quantize_shard.h"
 
 #include <cuda_runtime_api.h>
@@ -8,8 +9,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -98,10 +101,13 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
   const int64_t glen = w > 0 ? BoundaryAmaxLength(scaling, geoms[0]) : 0;
   Dev<float> gathered(2 * w * glen);
   for (int r = 0; r < w; ++r) {
-    if (geoms[r].m == 0) {  // unwritten on the device: poison it, it must not be read
-      std::vector<float> nan(2 * glen, std::nanf(""));
+    if (geoms[r].m == 0) {
+      // Unwritten on the device: poison it, it must not be read. FLT_MAX, not
+      // NaN: the max of an amax and a NaN is the amax, both on the CPU and
+      // with fmaxf, so a NaN read would not show.
+      std::vector<float> poison(2 * glen, std::numeric_limits<float>::max());
       ASSERT_CUDA(
-          cudaMemcpy(gathered.p + 2 * r * glen, nan.data(), 8 * glen, cudaMemcpyHostToDevice));
+          cudaMemcpy(gathered.p + 2 * r * glen, poison.data(), 8 * glen, cudaMemcpyHostToDevice));
       continue;
     }
     ASSERT_CUDA(
@@ -191,12 +197,12 @@ TEST(QuantizeShardCuda, PipelineMatchesQuantizeOfConcatenation) {
                                    // contributors one block can have.
                                    {std::vector<int64_t>(130, 1), 130}};
   for (const Case& c : cases) {
-    for (auto s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D}) {
+    for (auto s : {BlockScaling::kBlock1D, BlockScaling::kBlock2D, BlockScaling::kTensor}) {
       for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
         for (int usage = 1; usage <= 3; ++usage) {
           SCOPED_TRACE(testing::Message()
                        << "ranks=" << c.rows.size() << " rows0=" << c.rows[0] << " n=" << c.n
-                       << " 2d=" << (s == BlockScaling::kBlock2D) << " usage=" << usage);
+                       << " scaling=" << static_cast<int>(s) << " usage=" << usage);
           RunCase(c, s, usage & 1, usage & 2, fmt);
         }
       }
@@ -220,8 +226,10 @@ TEST(QuantizeShardCuda, LargeRowAndColumnShardsOnEveryDevice) {
       SCOPED_TRACE(testing::Message() << "device=" << d << " rows0=" << c.rows[0]);
       RunCase(c, BlockScaling::kBlock1D, true, true, Fp8Format::kE4M3);
     }
-    SCOPED_TRACE(testing::Message() << "device=" << d << " 2d");
-    RunCase({{4095, 4097}, 8192}, BlockScaling::kBlock2D, true, true, Fp8Format::kE4M3);
+    for (auto s : {BlockScaling::kBlock2D, BlockScaling::kTensor}) {
+      SCOPED_TRACE(testing::Message() << "device=" << d << " scaling=" << static_cast<int>(s));
+      RunCase({{4095, 4097}, 8192}, s, true, true, Fp8Format::kE4M3);
+    }
   }
   ASSERT_CUDA(cudaSetDevice(0));
 }
@@ -230,7 +238,8 @@ TEST(QuantizeShardCuda, LargeRowAndColumnShardsOnEveryDevice) {
 // GPU: each rank's interior block rows quantized with no boundary amaxes (null
 // vectors), each straddling block row rebuilt from the rows its ranks send and
 // quantized likewise, then AssembleShards of the pieces in row order: byte for
-// byte QuantizeBlock of the whole on the CPU.
+// byte QuantizeBlock of the whole on the CPU. Not TENSOR: its one block spans
+// every rank, so no piece can be cast with the amax of its own rows.
 void RunOneRound(const std::vector<int64_t>& rows, int64_t n, BlockScaling scaling, bool rowwise,
                  bool columnwise) {
   const bool split = columnwise || scaling == BlockScaling::kBlock2D;
@@ -326,6 +335,61 @@ void RunOneRound(const std::vector<int64_t>& rows, int64_t n, BlockScaling scali
     ASSERT_CUDA(cudaMemcpy(as.data(), ocs.p, 4 * as.size(), cudaMemcpyDeviceToHost));
     EXPECT_EQ(a, cd);
     EXPECT_EQ(0, std::memcmp(as.data(), cs.data(), 4 * as.size()));
+  }
+}
+
+// TENSOR with no combined amax (null first_amax, as for the one-round pieces
+// of the block modes): the shard is cast with its own amax, computed on the
+// device, byte for byte as kernels::cpu::QuantizeShard does; an empty shard
+// gets the scale_inv of amax 0.
+TEST(QuantizeShardCuda, TensorShardWithoutAmaxUsesItsOwn) {
+  for (const auto& [m, n] :
+       std::vector<std::pair<int64_t, int64_t>>{{300, 257}, {1, 1}, {256, 512}, {0, 64}}) {
+    for (int usage = 1; usage <= 3; ++usage) {
+      const bool rowwise = usage & 1, columnwise = usage & 2;
+      SCOPED_TRACE(testing::Message() << m << "x" << n << " usage=" << usage);
+      std::vector<uint16_t> x(m * n);
+      std::mt19937 rng(static_cast<uint32_t>(m * 7 + n));
+      std::normal_distribution<float> d(0, 1);
+      for (auto& v : x) v = FloatToBf16(d(rng) * 8.0f);
+      const ShardGeometry g{1000, m, n};  // TENSOR does not read the offset
+      const QuantizeParams p{
+          BlockScaling::kTensor, Fp8Format::kE4M3, rowwise, columnwise, false, 0.0f};
+      std::vector<uint8_t> rd(m * n, 0xAA), cd(m * n, 0xAA);
+      float rs = -1.0f, cs = -1.0f;
+      cpu::QuantizeShard(x.data(), InputDType::kBFloat16, g, p, nullptr, nullptr,
+                         {rd.data(), &rs, cd.data(), &cs});
+      Dev<uint16_t> dx(m * n);
+      Dev<uint8_t> dd(2 * m * n);
+      Dev<float> ds(2);
+      ASSERT_CUDA(cudaMemcpy(dx.p, x.data(), 2 * m * n, cudaMemcpyHostToDevice));
+      ASSERT_CUDA(cudaMemset(dd.p, 0xAA, std::max<int64_t>(2 * m * n, 1)));
+      ASSERT_CUDA(cudaMemset(ds.p, 0xFF, 8));
+      QuantizedBuffers b;
+      if (rowwise) {
+        b.rowwise_data = dd.p;
+        b.rowwise_scale_inv = ds.p;
+      }
+      if (columnwise) {
+        b.columnwise_data = dd.p + m * n;
+        b.columnwise_scale_inv = ds.p + 1;
+      }
+      ASSERT_CUDA(cuda::QuantizeShard(m > 0 ? dx.p : nullptr, InputDType::kBFloat16, g, p, nullptr,
+                                      nullptr, b, nullptr));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      std::vector<uint8_t> got(2 * m * n);
+      float got_s[2];
+      ASSERT_CUDA(cudaMemcpy(got.data(), dd.p, got.size(), cudaMemcpyDeviceToHost));
+      ASSERT_CUDA(cudaMemcpy(got_s, ds.p, 8, cudaMemcpyDeviceToHost));
+      if (rowwise) {
+        EXPECT_EQ(std::vector<uint8_t>(got.begin(), got.begin() + m * n), rd);
+        EXPECT_EQ(FloatBits(got_s[0]), FloatBits(rs));
+      }
+      if (columnwise) {
+        EXPECT_EQ(std::vector<uint8_t>(got.begin() + m * n, got.end()), cd);
+        EXPECT_EQ(FloatBits(got_s[1]), FloatBits(cs));
+      }
+    }
   }
 }
 

@@ -7,6 +7,8 @@
 // both; aligned and misaligned buffers (the vector and the checked paths);
 // normal, NaN / tie / subnormal sprinkled, Inf, tiny-amax and all-zero data;
 // the one-pass cooperative launch, the two-pass launch and a captured launch.
+// TensorAmax and QuantizeTensorWithAmax (the all-gather's shard amax and cast)
+// likewise against cpu::TensorAmax and cpu::QuantizeTensorWithAmax.
 #include "kernels/cuda/quantize_tensor.h"
 
 #include <cuda_runtime.h>
@@ -422,6 +424,102 @@ TEST(QuantizeTensorCuda, OnePassTwoPassAndCapturedLaunchesMatchCpu) {
                    Data::kInf);
 }
 
+// TensorAmax and QuantizeTensorWithAmax vs the CPU's, bit for bit. The cast is
+// given 4x the tensor's own amax (1 for an all-zero tensor), as a shard of a
+// larger tensor is, so a cast that used the amax of its own input would write
+// other bytes and scales. Sentinels around every output, as in Check.
+void CheckWithAmax(int64_t m, int64_t n, InputDType t, Fp8Format f, bool pow2, bool row, bool col,
+                   Data data, int misalign) {
+  std::ostringstream what;
+  what << m << "x" << n << " " << Name(t) << " " << (f == Fp8Format::kE4M3 ? "e4m3" : "e5m2")
+       << " pow2=" << pow2 << " " << (row ? "row" : "") << (col ? "+col" : "") << " " << Name(data)
+       << " misalign=" << misalign;
+  SCOPED_TRACE(what.str());
+  const int64_t count = m * n;
+  const std::vector<uint8_t> in =
+      MakeInput(t, count, data, 0x7A3 + static_cast<uint64_t>(m * 5 + n));
+  const int off = misalign;
+  DeviceMem d_in(in.size() + 64), d_row(count + 64), d_col(count + 64), d_s(64), d_amax(64);
+  ASSERT_NE(d_in.get(), nullptr);
+  ASSERT_NE(d_row.get(), nullptr);
+  ASSERT_NE(d_col.get(), nullptr);
+  QTX_CUDA_ASSERT(cudaMemcpy(d_in.get() + off, in.data(), in.size(), cudaMemcpyHostToDevice));
+  const void* input = count ? d_in.get() + off : nullptr;
+
+  // The tensor's own amax.
+  const float own = cpu::TensorAmax(in.data(), t, count);
+  float* amax = reinterpret_cast<float*>(d_amax.get());
+  QTX_CUDA_ASSERT(cudaMemset(amax, 0xFF, 64));
+  QTX_CUDA_ASSERT(TensorAmax(input, t, count, amax, nullptr));
+  float got_amax[2];
+  QTX_CUDA_ASSERT(cudaMemcpy(got_amax, amax, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(FloatBits(got_amax[0]), FloatBits(own)) << "TensorAmax";
+  EXPECT_EQ(FloatBits(got_amax[1]), kScaleSentinel) << "TensorAmax wrote past amax[0]";
+
+  // The cast with another amax.
+  const float given = own == 0.0f ? 1.0f : 4.0f * own;
+  const QuantizeParams p{BlockScaling::kTensor, f, row, col, pow2, 0.0f};
+  std::vector<uint8_t> want_row(count, kDataSentinel), want_col(count, kDataSentinel);
+  std::vector<float> want_s(2, BitsToFloat(kScaleSentinel));
+  cpu::QuantizeTensorWithAmax(in.data(), t, m, n, given, p,
+                              {want_row.data(), &want_s[0], want_col.data(), &want_s[1]});
+  QTX_CUDA_ASSERT(cudaMemcpy(amax, &given, 4, cudaMemcpyHostToDevice));
+  QTX_CUDA_ASSERT(cudaMemset(d_row.get(), kDataSentinel, count + 64));
+  QTX_CUDA_ASSERT(cudaMemset(d_col.get(), kDataSentinel, count + 64));
+  QTX_CUDA_ASSERT(cudaMemset(d_s.get(), 0xFF, 64));
+  float* s = reinterpret_cast<float*>(d_s.get());
+  const QuantizedBuffers out{row ? d_row.get() + off : nullptr, row ? s : nullptr,
+                             col ? d_col.get() + off : nullptr, col ? s + 4 : nullptr};
+  QTX_CUDA_ASSERT(QuantizeTensorWithAmax(input, t, m, n, amax, p, out, nullptr));
+  QTX_CUDA_ASSERT(cudaDeviceSynchronize());
+  std::vector<uint8_t> got_row(count + 64), got_col(count + 64);
+  std::vector<float> got_s(16);
+  QTX_CUDA_ASSERT(cudaMemcpy(got_row.data(), d_row.get(), count + 64, cudaMemcpyDeviceToHost));
+  QTX_CUDA_ASSERT(cudaMemcpy(got_col.data(), d_col.get(), count + 64, cudaMemcpyDeviceToHost));
+  QTX_CUDA_ASSERT(cudaMemcpy(got_s.data(), d_s.get(), 64, cudaMemcpyDeviceToHost));
+  for (int64_t i = 0; i < count + 64; ++i) {
+    if (i >= off && i < off + count) continue;
+    ASSERT_EQ(got_row[i], kDataSentinel) << "rowwise byte outside the buffer at " << i;
+    ASSERT_EQ(got_col[i], kDataSentinel) << "columnwise byte outside the buffer at " << i;
+  }
+  const std::vector<uint8_t> got_r(got_row.begin() + off, got_row.begin() + off + count);
+  const std::vector<uint8_t> got_c(got_col.begin() + off, got_col.begin() + off + count);
+  std::string d = Diff("rowwise_data", want_row, got_r);
+  EXPECT_TRUE(d.empty()) << d;
+  d = Diff("columnwise_data", want_col, got_c);
+  EXPECT_TRUE(d.empty()) << d;
+  d = Diff("scale_inv (row, col)", want_s, std::vector<float>{got_s[0], got_s[4]});
+  EXPECT_TRUE(d.empty()) << d;
+  for (int i : {1, 2, 3, 5, 6, 7}) {
+    EXPECT_EQ(FloatBits(got_s[i]), kScaleSentinel) << "scale word " << i << " written";
+  }
+}
+
+TEST(QuantizeTensorCuda, AmaxAndCastWithGivenAmaxMatchCpu) {
+  struct Shape {
+    int64_t m, n;
+  };
+  // Edge shapes, whole tiles (which QuantizeTensor would cast in its one
+  // cooperative launch), one large enough for many amax CTAs, and empty ones.
+  const Shape shapes[] = {{1, 1},     {7, 9},       {1000, 1}, {130, 300}, {255, 257},
+                          {256, 384}, {1025, 2049}, {0, 7},    {5, 0}};
+  const struct { bool row, col; } usages[] = {{true, false}, {false, true}, {true, true}};
+  int n_cases = 0;
+  for (const Shape& sh : shapes) {
+    for (InputDType t : {InputDType::kBFloat16, InputDType::kFloat16, InputDType::kFloat32}) {
+      for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+        for (bool pow2 : {true, false}) {
+          for (auto u : usages) {
+            const Data data = static_cast<Data>(n_cases % 5);
+            CheckWithAmax(sh.m, sh.n, t, f, pow2, u.row, u.col, data, (n_cases / 5) % 2 ? 4 : 0);
+            ++n_cases;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(QuantizeTensorCuda, RejectsBadArguments) {
   DeviceMem buf(1024);
   float* s = reinterpret_cast<float*>(buf.get());
@@ -455,6 +553,26 @@ TEST(QuantizeTensorCuda, RejectsBadArguments) {
             cudaErrorInvalidValue);
   EXPECT_EQ(QuantizeTensor(buf.get(), InputDType::kFloat32, int64_t{1} << 40, int64_t{1} << 40, p,
                            out, nullptr),
+            cudaErrorInvalidValue);
+  // A null amax, also for an empty tensor (whose scale_inv would read it).
+  const float* amax = s + 2;
+  EXPECT_EQ(
+      QuantizeTensorWithAmax(buf.get() + 768, InputDType::kFloat32, 2, 4, nullptr, p, out, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeTensorWithAmax(nullptr, InputDType::kFloat32, 0, 4, nullptr, p, out, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeTensorWithAmax(buf.get() + 768, InputDType::kFloat32, 2, 4, amax, p, no_scale,
+                                   nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(QuantizeTensorWithAmax(buf.get() + 768, static_cast<InputDType>(9), 2, 4, amax, p, out,
+                                   nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(TensorAmax(buf.get() + 768, InputDType::kFloat32, 8, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(TensorAmax(nullptr, InputDType::kFloat32, 8, s + 2, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(TensorAmax(buf.get() + 768, InputDType::kFloat32, -1, s + 2, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(TensorAmax(buf.get() + 768, static_cast<InputDType>(9), 8, s + 2, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

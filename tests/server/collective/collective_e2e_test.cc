@@ -150,9 +150,10 @@ TEST_P(CollectiveE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
   for (const auto& rows : grids) {
     for (int64_t n : {1, 100, 128, 300}) {
       const Shards sh = MakeShards(rows, n);
-      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D}) {
-        const auto ks = scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
-                                                : kernels::BlockScaling::kBlock2D;
+      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D, v1::TENSOR}) {
+        const auto ks = scaling == v1::BLOCK_1D   ? kernels::BlockScaling::kBlock1D
+                        : scaling == v1::BLOCK_2D ? kernels::BlockScaling::kBlock2D
+                                                  : kernels::BlockScaling::kTensor;
         const kernels::QuantizeParams p{ks, kernels::Fp8Format::kE4M3, true, true, true, 0.0f};
         const auto l = kernels::ComputeLayout(ks, sh.m, n);
         std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());

@@ -1,9 +1,11 @@
 // The AllGather op with real GlooCommunicators, ranks as threads of this
-// process: bit identity with QuantizeBlock of the concatenation, and
+// process: bit identity with QuantizeBlock of the concatenation (1-D, 2-D and
+// per-tensor scaling), and
 // agreement / rejection errors reported on every rank.
 #include "server/ops/allgather.h"
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -99,7 +101,8 @@ TEST_F(AllGatherOpTest, BitIdenticalToQuantizeOfConcatenation) {
           x[row * n + i] = kernels::FloatToBf16(d(rng) * mag);
         row += shards[r];
       }
-      for (auto scaling : {kernels::BlockScaling::kBlock1D, kernels::BlockScaling::kBlock2D}) {
+      for (auto scaling : {kernels::BlockScaling::kBlock1D, kernels::BlockScaling::kBlock2D,
+                           kernels::BlockScaling::kTensor}) {
         for (auto mode : {AllGatherMode::kExactFp8, AllGatherMode::kGatherHighPrecision}) {
           SCOPED_TRACE(absl::StrFormat("m=%d n=%d %s %s", m, n, ScalingName(scaling),
                                        AllGatherModeName(mode)));
@@ -186,16 +189,52 @@ TEST_F(AllGatherOpTest, DisagreementFailsEveryRankNamingFieldAndRank) {
   for (auto& r : res) QTX_EXPECT_OK(r);
 }
 
-TEST_F(AllGatherOpTest, PerTensorScalingIsRejectedOnEveryRank) {
+// TENSOR: a rank whose shard holds only small values still casts with the
+// scale of the whole tensor's amax (held by the other rank); with shard_rows
+// (one round, which has no round for the amaxes) EXACT_FP8 fails every rank,
+// and the group stays usable.
+TEST_F(AllGatherOpTest, PerTensorScalingUsesTheWholeTensorsAmax) {
   Connect(2);
-  std::vector<uint16_t> a(64 * 128);
-  auto specs = std::vector<AllGatherRequestSpec>{Simple(0, 64, 128, a), Simple(0, 64, 128, a)};
-  for (auto& s : specs) s.params.scaling = kernels::BlockScaling::kTensor;
+  std::vector<uint16_t> a(64 * 128, kernels::FloatToBf16(0.5f));
+  std::vector<uint16_t> b(64 * 128, kernels::FloatToBf16(-200.0f));
+  auto specs = std::vector<AllGatherRequestSpec>{Simple(0, 64, 128, a), Simple(0, 64, 128, b)};
+  for (auto& s : specs) {
+    s.params = {kernels::BlockScaling::kTensor, kernels::Fp8Format::kE4M3, true, true, true, 0.0f};
+  }
   auto res = Run(specs);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_THAT(res[r], StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("config.scaling_mode=TENSOR")));
+    ASSERT_TRUE(res[r].ok()) << res[r].status();
+    const QuantizeResult& q = res[r]->result;
+    float rs = 0, cs = 0;
+    ASSERT_EQ(q.rowwise_scale_inv->inline_data.size(), 4u);
+    EXPECT_EQ(q.rowwise_scale_inv->shape, std::vector<int64_t>{1});  // as Quantize's
+    EXPECT_EQ(q.columnwise_scale_inv->shape, std::vector<int64_t>{1});
+    EXPECT_EQ(q.columnwise_data->shape, (std::vector<int64_t>{128, 128}));
+    std::memcpy(&rs, q.rowwise_scale_inv->inline_data.data(), 4);
+    std::memcpy(&cs, q.columnwise_scale_inv->inline_data.data(), 4);
+    EXPECT_EQ(rs, 0.5f);  // amax 200: power-of-two scale 2
+    EXPECT_EQ(cs, 0.5f);
+    // Rank 0's 0.5 * 2 = 1.0, not 0.5 * 512 (the scale of its own amax).
+    EXPECT_EQ(static_cast<uint8_t>(q.rowwise_data->inline_data[0]), kernels::EncodeE4M3(1.0f));
+    EXPECT_EQ(static_cast<uint8_t>(q.columnwise_data->inline_data[0]), kernels::EncodeE4M3(1.0f));
   }
+  std::vector<bool> broken;
+  for (auto& s : specs) {
+    s.sequence = 1;
+    s.shard_rows = {64, 64};
+  }
+  res = Run(specs, &broken);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(res[r], StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("config.scaling_mode=TENSOR with shard_rows")));
+    EXPECT_FALSE(broken[r]);
+  }
+  for (auto& s : specs) {
+    s.sequence = 2;
+    s.mode = AllGatherMode::kGatherHighPrecision;
+  }
+  res = Run(specs);
+  for (auto& r : res) QTX_EXPECT_OK(r);
 }
 
 TEST_F(AllGatherOpTest, OutputProblemOnOneRankFailsAllRanks) {
@@ -347,7 +386,8 @@ TEST_F(OneRoundTest, BitIdenticalToBothOtherPathsOnEveryShardPattern) {
     for (const auto& rows : grids) {
       for (int64_t n : {1, 100, 300}) {
         const Concat c = MakeConcat(rows, n);
-        for (auto scaling : {kernels::BlockScaling::kBlock1D, kernels::BlockScaling::kBlock2D}) {
+        for (auto scaling : {kernels::BlockScaling::kBlock1D, kernels::BlockScaling::kBlock2D,
+                             kernels::BlockScaling::kTensor}) {
           for (const auto& cp : copies) {
             const kernels::QuantizeParams p{
                 scaling, kernels::Fp8Format::kE4M3, cp.row, cp.col, true, 0.0f};
@@ -371,6 +411,24 @@ TEST_F(OneRoundTest, BitIdenticalToBothOtherPathsOnEveryShardPattern) {
                                            cp.row, cp.col, AllGatherModeName(mode)));
               Outcome header_path = RunCounted(Specs(c, seq++, p, mode, false));
               Outcome one = RunCounted(Specs(c, seq++, p, mode, true));
+              if (scaling == kernels::BlockScaling::kTensor && mode == AllGatherMode::kExactFp8) {
+                // No round for the amaxes in one round: every rank fails, in
+                // its one call; the header path is still exact.
+                for (int r = 0; r < world; ++r) {
+                  EXPECT_THAT(one.res[r],
+                              StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("config.scaling_mode=TENSOR with shard_rows")));
+                  EXPECT_FALSE(one.broken[r]);
+                  EXPECT_EQ(one.calls[r], 1);
+                  ASSERT_TRUE(header_path.res[r].ok()) << header_path.res[r].status();
+                  const QuantizeResult& h = header_path.res[r]->result;
+                  EXPECT_EQ(Bytes(h.rowwise_data), ref[0]);
+                  EXPECT_EQ(Bytes(h.rowwise_scale_inv), ref[1]);
+                  EXPECT_EQ(Bytes(h.columnwise_data), ref[2]);
+                  EXPECT_EQ(Bytes(h.columnwise_scale_inv), ref[3]);
+                }
+                continue;
+              }
               for (int r = 0; r < world; ++r) {
                 ASSERT_TRUE(header_path.res[r].ok()) << header_path.res[r].status();
                 ASSERT_TRUE(one.res[r].ok()) << "rank " << r << ": " << one.res[r].status();
