@@ -678,9 +678,9 @@ cudaError_t LaunchOnePass(CastArgs a, int sms, bool force, cudaStream_t stream, 
 
 // The checks of QuantizeTensor's arguments (quantize_tensor.h) and the
 // CastArgs of the requested copies, less the amax source and the launch path's
-// alignment flags.
+// alignment flags; *sms = the current device's SM count.
 cudaError_t PrepareCast(const void* input, int64_t m, int64_t n, const QuantizeParams& params,
-                        const QuantizedBuffers& out, CastArgs* a) {
+                        const QuantizedBuffers& out, CastArgs* a, int* sms) {
   if (m < 0 || n < 0) return cudaErrorInvalidValue;
   if (n > 0 && m > INT64_MAX / n) return cudaErrorInvalidValue;
   if (!(params.amax_epsilon >= 0.0f) || std::isinf(params.amax_epsilon)) {
@@ -711,7 +711,7 @@ cudaError_t PrepareCast(const void* input, int64_t m, int64_t n, const QuantizeP
   a->nb = CeilDiv(n, kTile);
   a->full_mb = m / kTile;
   a->full_nb = n / kTile;
-  return cudaSuccess;
+  return CurrentDeviceSmCount(sms);
 }
 
 // ResidentCtas's cache for TensorAmaxKernel<D>.
@@ -808,11 +808,10 @@ cudaError_t QuantizeTensorWithAmax(const void* input, InputDType dtype, int64_t 
                                    const QuantizedBuffers& out, cudaStream_t stream) {
   if (amax == nullptr) return cudaErrorInvalidValue;
   CastArgs a;
-  cudaError_t err = PrepareCast(input, m, n, params, out, &a);
-  if (err != cudaSuccess) return err;
   int sms = 0;
-  err = CurrentDeviceSmCount(&sms);
-  if (err != cudaSuccess) return err;
+  if (const cudaError_t err = PrepareCast(input, m, n, params, out, &a, &sms); err != cudaSuccess) {
+    return err;
+  }
   a.partials = amax;
   a.num_partials = 1;
   return WithDType(dtype, [&](auto dt) {
@@ -829,11 +828,10 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
                                 const TensorTuning& tuning, cudaStream_t stream) {
   if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = false;
   CastArgs a;
-  cudaError_t err = PrepareCast(input, m, n, params, out, &a);
-  if (err != cudaSuccess) return err;
   int sms = 0;
-  err = CurrentDeviceSmCount(&sms);
-  if (err != cudaSuccess) return err;
+  if (const cudaError_t err = PrepareCast(input, m, n, params, out, &a, &sms); err != cudaSuccess) {
+    return err;
+  }
   const int64_t count = m * n;
 
   return WithDType(dtype, [&](auto dt) {
