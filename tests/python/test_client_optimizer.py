@@ -423,6 +423,24 @@ class OptimizerClientTest(unittest.TestCase):
                                "1d rowwise_scale_inv")
         self.assert_bits_equal(out.bf16, bf16_bits(master).reshape(w.shape), "bf16 copy")
 
+    def test_fp8_tensor_output_is_labelled_and_dequantizes(self):
+        # Per-tensor current scaling: the step's FP8 output and the group's
+        # output config say 'tensor' (not a block mode), and the output
+        # dequantizes and equals quantize() of the updated master.
+        w = (self.rng.standard_normal((70, 200)) * 0.05).astype(F32)
+        info = self.c.offload_optimizer_state("py-tensor", {"w": w}, mode="tensor")
+        self.assertEqual(info.output.mode, "tensor")
+        self.assertEqual(self.c.list_optimizer_groups().groups[0].output.mode, "tensor")
+        r = self.c.step("py-tensor", 1, {"w": self.rng.standard_normal(w.shape).astype(F32)})
+        master = self.c.get_state("py-tensor").parameters["w"].master
+        out = r.parameters["w"].fp8
+        ref = self.c.quantize(master, mode="tensor", columnwise=True)
+        self.assertEqual(out.mode, "tensor")
+        for f in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+            self.assert_bits_equal(getattr(out, f), getattr(ref, f), "tensor " + f)
+        self.assert_bits_equal(self.c.dequantize(out), self.c.dequantize(ref), "dequantized")
+        self.c.release_group("py-tensor")
+
     def test_argument_errors(self):
         w = np.zeros((4, 8), F32)
         self.c.offload_optimizer_state("py-err", {"w": w})

@@ -1277,8 +1277,8 @@ class Session:
         per (mode, format, rowwise, columnwise). weight_decays / lr_scales:
         per-parameter settings as qtx.Client.offload_optimizer_state takes
         them. Returns the parameter count. Then step() runs with gradients
-        and outputs in device memory. mode: '2d' or '1d' (qtxd refuses
-        'tensor' for optimizer outputs with InvalidArgumentError).
+        and outputs in device memory. mode: '2d', '1d' or 'tensor' (per-tensor
+        current scaling; not with shards, which need 128x128 blocks).
 
         Data-parallel sharded state (a distributed optimizer; README and
         docs/numerics.md §10): shards={name: (begin, end)} (or one pair or

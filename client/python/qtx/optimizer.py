@@ -26,7 +26,8 @@ if optimizer_pb2 is not None:
                      "bfloat16": optimizer_pb2.MOMENT_DTYPE_BFLOAT16}
     OUTPUTS = {"fp8": optimizer_pb2.PARAMETER_FORMAT_FP8,
                "bf16": optimizer_pb2.PARAMETER_FORMAT_BF16}
-    _MODE_NAMES = {quantizer_pb2.BLOCK_1D: "1d", quantizer_pb2.BLOCK_2D: "2d"}
+    _MODE_NAMES = {quantizer_pb2.BLOCK_1D: "1d", quantizer_pb2.BLOCK_2D: "2d",
+                   quantizer_pb2.TENSOR: "tensor"}
     _FORMAT_NAMES = {quantizer_pb2.E4M3: "e4m3", quantizer_pb2.E5M2: "e5m2"}
 
 
@@ -65,7 +66,7 @@ class AdamWHyperParams:
 
 @dataclasses.dataclass
 class ParameterOutputConfig:
-    """How step() returns the parameters: output 'fp8' (mode '2d' or '1d',
+    """How step() returns the parameters: output 'fp8' (mode '2d', '1d' or 'tensor',
     format 'e4m3' or 'e5m2', the rowwise/columnwise copies, pow2 scales,
     amax_epsilon; bf16_copy adds a BF16 copy) or 'bf16' only."""
     output: str = "fp8"
