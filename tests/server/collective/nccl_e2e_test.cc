@@ -177,9 +177,10 @@ TEST_F(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
   for (const auto& rows : grids) {
     for (int64_t n : {1, 100, 128, 300}) {
       const Shards sh = MakeShards(rows, n);
-      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D}) {
-        const auto ks = scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
-                                                : kernels::BlockScaling::kBlock2D;
+      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D, v1::TENSOR}) {
+        const auto ks = scaling == v1::BLOCK_1D   ? kernels::BlockScaling::kBlock1D
+                        : scaling == v1::BLOCK_2D ? kernels::BlockScaling::kBlock2D
+                                                  : kernels::BlockScaling::kTensor;
         for (bool columnwise : {true, false}) {
           const kernels::QuantizeParams p{ks,  kernels::Fp8Format::kE4M3, true, columnwise, true,
                                           0.0f};
@@ -205,6 +206,17 @@ TEST_F(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
             ++seq;
             std::vector<v1::AllGatherResponse> resps;
             auto st = RunAllGather(c, reqs, &resps, absl::Seconds(60));
+            if (scaling == v1::TENSOR && mode == v1::EXACT_FP8 && one_round) {
+              // One round has no room for the amax reduction: every rank
+              // refuses it, and the group stays usable.
+              for (int r = 0; r < kWorld; ++r) {
+                EXPECT_EQ(st[r].error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+                EXPECT_THAT(st[r].error_message(),
+                            ::testing::HasSubstr("config.scaling_mode=TENSOR with shard_rows"));
+              }
+              ++checked;
+              continue;
+            }
             for (int r = 0; r < kWorld; ++r) {
               ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
               const auto& q = resps[r].result();
@@ -224,7 +236,7 @@ TEST_F(NcclE2E, AllGatherIsBitIdenticalToQuantizeOfConcatenation) {
       }
     }
   }
-  EXPECT_EQ(checked, 8 * 4 * 2 * 2 * 4);
+  EXPECT_EQ(checked, 8 * 4 * 3 * 2 * 4);
   EXPECT_EQ(c.Info(0, "nccl").state(), v1::READY);
 }
 
@@ -345,14 +357,18 @@ TEST_F(NcclE2E, CudaIpcRegionsAndEventsGiveTheSameBytes) {
       {{4095, 4097}, 300, v1::BLOCK_2D, true, v1::EXACT_FP8},
       {{1, 255}, 128, v1::BLOCK_2D, false, v1::GATHER_HIGH_PRECISION},
       {{300, 200}, 100, v1::BLOCK_1D, true, v1::GATHER_HIGH_PRECISION},
+      // Per-tensor scaling: the shard amaxes reduced on the device.
+      {{4095, 4097}, 300, v1::TENSOR, true, v1::EXACT_FP8},
+      {{129, 127}, 128, v1::TENSOR, false, v1::EXACT_FP8},
   };
   uint64_t seq = 0;
   for (const Case& k : cases) {
     SCOPED_TRACE(absl::StrFormat("rows=%d+%d n=%d scaling=%d columnwise=%d mode=%d", k.rows[0],
                                  k.rows[1], k.n, k.scaling, k.columnwise, k.mode));
     const Shards sh = MakeShards(k.rows, k.n);
-    const auto ks = k.scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
-                                              : kernels::BlockScaling::kBlock2D;
+    const auto ks = k.scaling == v1::BLOCK_1D   ? kernels::BlockScaling::kBlock1D
+                    : k.scaling == v1::BLOCK_2D ? kernels::BlockScaling::kBlock2D
+                                                : kernels::BlockScaling::kTensor;
     const kernels::QuantizeParams p{ks, kernels::Fp8Format::kE4M3, true, k.columnwise, true, 0.0f};
     const auto l = kernels::ComputeLayout(ks, sh.m, k.n);
     std::vector<uint8_t> rd(l.RowwiseDataBytes()), cd(l.ColumnwiseDataBytes());
