@@ -588,6 +588,13 @@ class AllGatherTest(unittest.TestCase):
             q = s.all_gather(x, "py-ag", 1, columnwise=True, async_op=False)
             s.synchronize()
             assert_matches(self, q, ref, "all_gather async_op=False")
+            # Per-tensor current scaling: the channel's two-round path (the
+            # amax reduced on the device), the scale_inv of shape [1].
+            q = s.all_gather(x, "py-ag", 2, mode="tensor", columnwise=True, async_op=False)
+            s.synchronize()
+            self.assertEqual(tuple(q.rowwise_scale_inv.shape), (1,))
+            assert_matches(self, q, reference(x, mode="tensor", columnwise=True),
+                           "all_gather mode='tensor'")
             s.destroy_group("py-ag")
 
 
