@@ -79,8 +79,7 @@ enum class ScalingMode : int32_t {
   kBlock2D = 2,  // 128x128 tiles
   // Per-tensor current scaling (TransformerEngine's Float8CurrentScaling):
   // one amax and one FP32 scale_inv of shape [1] per copy. Quantize,
-  // Dequantize, AllGather (not kExactFp8 with shard_rows) and the Optimizer's
-  // FP8 output (not sharded).
+  // Dequantize, AllGather and the Optimizer's FP8 output (not sharded).
   kTensor = 3,
 };
 

@@ -182,16 +182,6 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
                                            backend::Communicator& comm) {
   QTX_RETURN_IF_ERROR(r.request_error);
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(r.params, "config"));
-  if (r.params.scaling == kernels::BlockScaling::kTensor && r.mode == AllGatherMode::kExactFp8 &&
-      !r.shard_rows.empty()) {
-    // Every rank's FP8 bytes depend on the amax of the whole gathered tensor,
-    // which the one round's single all-gather cannot deliver before it.
-    return absl::InvalidArgumentError(
-        "config.scaling_mode=TENSOR with shard_rows: per-tensor scaling needs the amax of the "
-        "whole gathered tensor before any rank can quantize, and the one-round protocol that "
-        "shard_rows selects has no round for it; leave shard_rows unset on every rank (two "
-        "rounds: the amaxes, then the FP8 bytes), or use mode GATHER_HIGH_PRECISION");
-  }
   QTX_RETURN_IF_ERROR(ValidateCudaEvents(r.events, ctx));
   if (r.mode != AllGatherMode::kExactFp8 && r.mode != AllGatherMode::kGatherHighPrecision) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -1145,7 +1135,12 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
   // still the layout the peers compute.
   std::vector<int64_t> rows(world, 0);
   if (rows_usable) rows = request.shard_rows;
-  const bool split = exact && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
+  // TENSOR: no block row straddles ranks in the plan. Every rank casts its
+  // whole shard with the amax of the whole tensor, reduced over the ranks in
+  // a small all-gather before the slots' (two collectives, no host wait).
+  const bool tensor = exact && p.scaling == kernels::BlockScaling::kTensor;
+  const bool split =
+      exact && !tensor && (p.columnwise || p.scaling == kernels::BlockScaling::kBlock2D);
   const kernels::OneRoundPlan plan = kernels::PlanOneRound(rows, n, split);
   m_total = plan.m_total;
   shard_rows = rows;
@@ -1199,6 +1194,28 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
   auto* check = static_cast<uint8_t*>(check_mem.data());
   std::memcpy(check, &hdr, kHeader);
   QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my, check, kHeader));
+  // TENSOR: every rank's shard amax ([world][first | last], as the two-round
+  // path gathers boundary amaxes), then the combined pair after them. A rank
+  // whose request was bad still takes part (its slot fails every rank later).
+  backend::DeviceBuffer amax_mem;
+  const float* tensor_amax = nullptr;
+  if (tensor) {
+    QTX_ASSIGN_OR_RETURN(amax_mem, ctx.device->Allocate(8 * static_cast<uint64_t>(world + 1)));
+    float* all = static_cast<float*>(amax_mem.data());
+    float* own = all + 2 * rank;
+    if (mine.ok() && geoms[rank].m > 0) {
+      QTX_RETURN_IF_ERROR(ctx.device->ShardBoundaryAmax(
+          backend::ShardArgs{input_ptr, local->dtype, geoms[rank], p}, own, own + 1));
+    }
+    const std::vector<uint64_t> amax_sizes(world, 8);
+    if (absl::Status s = comm.AllGatherV(own, amax_sizes, all, data_call); !s.ok()) {
+      return CommFailed(s);
+    }
+    float* combined = all + 2 * world;
+    QTX_RETURN_IF_ERROR(ctx.device->CombineBoundaryAmax(world, geoms.data(), all, 1, rank,
+                                                        p.scaling, combined, combined + 1));
+    tensor_amax = combined;
+  }
   if (mine.ok()) {
     // This rank's part: its interior block rows quantized straight into its
     // slot, and its rows of straddling block rows as they are.
@@ -1211,8 +1228,9 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
     } else {
       if (s.interior.m > 0) {
         QTX_RETURN_IF_ERROR(ctx.device->QuantizeShard(
-            backend::ShardArgs{in + s.head_rows * row_bytes, local->dtype, s.interior, p}, nullptr,
-            nullptr, BuffersAt(my, p, sl.rw_data, sl.rw_scale, sl.cw_data, sl.cw_scale)));
+            backend::ShardArgs{in + s.head_rows * row_bytes, local->dtype, s.interior, p},
+            tensor_amax, tensor_amax != nullptr ? tensor_amax + 1 : nullptr,
+            BuffersAt(my, p, sl.rw_data, sl.rw_scale, sl.cw_data, sl.cw_scale)));
       }
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(my + sl.head, in, s.head_rows * row_bytes));
       QTX_RETURN_IF_ERROR(ctx.device->CopyOnDevice(

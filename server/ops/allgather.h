@@ -36,6 +36,9 @@
 //             ranks, in the input's precision (<= 127 at each end, or the
 //             whole shard when it lies in one block row);
 //             GATHER_HIGH_PRECISION: the whole shard in the input's precision]
+// (EXACT_FP8 TENSOR: one small all-gather of every rank's shard amax comes
+// first; every rank then casts its whole shard with the combined amax into
+// its slot, and no rows travel in the input's precision.)
 // After the gather every rank checks every header (a bad request of any rank,
 // or any disagreement on sequence, N, dtype, mode, config or shard_rows, fails
 // every rank naming the rank and the field; no output is written before), then

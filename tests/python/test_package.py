@@ -360,7 +360,7 @@ class CollectiveTest(unittest.TestCase):
         for rows in ((100, 29), (0, 300)):
             x = [(rng.standard_normal((m, 200)) * (4.0 if r else 0.25)).astype(np.float32)
                  for r, m in enumerate(rows)]
-            for mode in ("1d", "2d"):
+            for mode in ("1d", "2d", "tensor"):
                 ref = self.clients[0].quantize(np.concatenate(x), mode=mode, columnwise=True)
                 # shard_rows given: the one-round path (same bytes).
                 for gather_mode, shard_rows in (("exact_fp8", None),
@@ -379,14 +379,6 @@ class CollectiveTest(unittest.TestCase):
                             np.testing.assert_array_equal(
                                 getattr(res[r].tensor, f), getattr(ref, f),
                                 err_msg="%s %s %s rank %d" % (rows, mode, gather_mode, r))
-        # Per-tensor scaling with shard_rows in EXACT_FP8 (one round: no room
-        # for the amax reduction): INVALID_ARGUMENT on both ranks.
-        res = self.on_every_rank(lambda r, c: c.all_gather(
-            "py-tp", seq, x[r], mode="tensor", shard_rows=list(rows)))
-        seq += 1
-        for e in res:
-            self.assertIsInstance(e, qtx.errors.InvalidArgumentError)
-            self.assertIn("scaling_mode=TENSOR with shard_rows", e.message)
         # Ranks that disagree on N: INVALID_ARGUMENT on both, naming n.
         res = self.on_every_rank(lambda r, c: c.all_gather(
             "py-tp", seq, np.ones((8, 128 if r == 0 else 64), np.float32)))

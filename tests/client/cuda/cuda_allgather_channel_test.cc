@@ -246,16 +246,6 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
         client_->AllGather(kSoloGroup, next_sequence_++, input, c.config, c.mode, pr.outputs));
     EXPECT_EQ(r.shard_rows, std::vector<int64_t>{c.m});
     ExpectOutputsExact(pr, "synchronous");
-    checked += 2;
-
-    if (c.config.scaling_mode == ScalingMode::kTensor && c.mode == AllGatherMode::kExactFp8) {
-      // One round has no room for the amax reduction: refused, group usable.
-      EXPECT_THAT(client_->AllGather(kSoloGroup, next_sequence_++, input, c.config, c.mode,
-                                     pr.outputs, {}, {c.m}),
-                  StatusIs(absl::StatusCode::kInvalidArgument,
-                           HasSubstr("config.scaling_mode=TENSOR with shard_rows")));
-      continue;
-    }
 
     // The one-round path (shard_rows given: one all-gather of slots, the
     // header and digest carried in it, assembly on the device).
@@ -275,7 +265,7 @@ TEST_F(CudaAllGatherChannelTest, ChannelAndSynchronousAllGatherEqualTheCpuRefere
     CUDA_OK(cudaStreamSynchronize(stream_));
     QTX_ASSERT_OK(ch->Synchronize());
     ExpectOutputsExact(pr, "channel one round");
-    checked += 2;
+    checked += 4;
   }
   QTX_ASSERT_OK(ch->Close());
   std::printf("{\"test\":\"cuda_allgather_1rank_exact\",\"calls_checked\":%d,\"failures\":%d}\n",
@@ -409,9 +399,10 @@ void CudaAllGatherChannelTest::RunHeldAllGathers(const std::vector<Case>& kinds,
 }
 
 // Exact kinds: 2-D row+col (amaxes exchanged on the device, per tile
-// column), 1-D columnwise (the same, per column), 1-D rowwise (no amax).
+// column), 1-D columnwise (the same, per column), 1-D rowwise (no amax),
+// TENSOR row+col (the shard amaxes reduced on the device).
 std::vector<Case> ExactKinds() {
-  std::vector<Case> kinds(3);
+  std::vector<Case> kinds(4);
   for (Case& c : kinds) {
     c.m = 1000;
     c.n = 512;
@@ -420,6 +411,8 @@ std::vector<Case> ExactKinds() {
   kinds[0].config.columnwise = true;
   kinds[1].config.rowwise = false;
   kinds[1].config.columnwise = true;
+  kinds[3].config.scaling_mode = ScalingMode::kTensor;
+  kinds[3].config.columnwise = true;
   return kinds;
 }
 

@@ -187,7 +187,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, CollectiveE2E, ::testing::Values(2, 3, 4));
 
 // One round (AllGatherRequest.shard_rows): qtxd processes on loopback, every
 // shard pattern of the suite above plus shards smaller than a block in the
-// middle of the group; 1-D and 2-D; rowwise, columnwise and both. Every rank's
+// middle of the group; 1-D, 2-D and TENSOR; rowwise, columnwise and both. Every rank's
 // bytes equal QuantizeBlock of the concatenation (and so the header path's,
 // which the suite above holds to the same reference; the op test compares
 // the two paths directly).
@@ -207,9 +207,10 @@ TEST_P(OneRoundE2E, AllGatherWithShardRowsIsBitIdentical) {
   for (const auto& rows : grids) {
     for (int64_t n : {100, 300}) {
       const Shards sh = MakeShards(rows, n);
-      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D}) {
-        const auto ks = scaling == v1::BLOCK_1D ? kernels::BlockScaling::kBlock1D
-                                                : kernels::BlockScaling::kBlock2D;
+      for (auto scaling : {v1::BLOCK_1D, v1::BLOCK_2D, v1::TENSOR}) {
+        const auto ks = scaling == v1::BLOCK_1D   ? kernels::BlockScaling::kBlock1D
+                        : scaling == v1::BLOCK_2D ? kernels::BlockScaling::kBlock2D
+                                                  : kernels::BlockScaling::kTensor;
         for (const auto& cp : copies) {
           const kernels::QuantizeParams p{ks,  kernels::Fp8Format::kE4M3, cp.row, cp.col, true,
                                           0.0f};

@@ -190,9 +190,8 @@ TEST_F(AllGatherOpTest, DisagreementFailsEveryRankNamingFieldAndRank) {
 }
 
 // TENSOR: a rank whose shard holds only small values still casts with the
-// scale of the whole tensor's amax (held by the other rank); with shard_rows
-// (one round, which has no round for the amaxes) EXACT_FP8 fails every rank,
-// and the group stays usable.
+// scale of the whole tensor's amax (held by the other rank), on the header
+// path, the one-round path and GATHER_HIGH_PRECISION alike.
 TEST_F(AllGatherOpTest, PerTensorScalingUsesTheWholeTensorsAmax) {
   Connect(2);
   std::vector<uint16_t> a(64 * 128, kernels::FloatToBf16(0.5f));
@@ -218,16 +217,24 @@ TEST_F(AllGatherOpTest, PerTensorScalingUsesTheWholeTensorsAmax) {
     EXPECT_EQ(static_cast<uint8_t>(q.rowwise_data->inline_data[0]), kernels::EncodeE4M3(1.0f));
     EXPECT_EQ(static_cast<uint8_t>(q.columnwise_data->inline_data[0]), kernels::EncodeE4M3(1.0f));
   }
-  std::vector<bool> broken;
+  // One round (shard_rows): the same bytes, the amaxes gathered first.
+  const std::string want[4] = {res[0]->result.rowwise_data->inline_data,
+                               res[0]->result.rowwise_scale_inv->inline_data,
+                               res[0]->result.columnwise_data->inline_data,
+                               res[0]->result.columnwise_scale_inv->inline_data};
   for (auto& s : specs) {
     s.sequence = 1;
     s.shard_rows = {64, 64};
   }
-  res = Run(specs, &broken);
+  res = Run(specs);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_THAT(res[r], StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("config.scaling_mode=TENSOR with shard_rows")));
-    EXPECT_FALSE(broken[r]);
+    ASSERT_TRUE(res[r].ok()) << res[r].status();
+    EXPECT_TRUE(res[r]->one_round);
+    const QuantizeResult& q = res[r]->result;
+    EXPECT_EQ(q.rowwise_data->inline_data, want[0]);
+    EXPECT_EQ(q.rowwise_scale_inv->inline_data, want[1]);
+    EXPECT_EQ(q.columnwise_data->inline_data, want[2]);
+    EXPECT_EQ(q.columnwise_scale_inv->inline_data, want[3]);
   }
   for (auto& s : specs) {
     s.sequence = 2;
@@ -411,30 +418,18 @@ TEST_F(OneRoundTest, BitIdenticalToBothOtherPathsOnEveryShardPattern) {
                                            cp.row, cp.col, AllGatherModeName(mode)));
               Outcome header_path = RunCounted(Specs(c, seq++, p, mode, false));
               Outcome one = RunCounted(Specs(c, seq++, p, mode, true));
-              if (scaling == kernels::BlockScaling::kTensor && mode == AllGatherMode::kExactFp8) {
-                // No round for the amaxes in one round: every rank fails, in
-                // its one call; the header path is still exact.
-                for (int r = 0; r < world; ++r) {
-                  EXPECT_THAT(one.res[r],
-                              StatusIs(absl::StatusCode::kInvalidArgument,
-                                       HasSubstr("config.scaling_mode=TENSOR with shard_rows")));
-                  EXPECT_FALSE(one.broken[r]);
-                  EXPECT_EQ(one.calls[r], 1);
-                  ASSERT_TRUE(header_path.res[r].ok()) << header_path.res[r].status();
-                  const QuantizeResult& h = header_path.res[r]->result;
-                  EXPECT_EQ(Bytes(h.rowwise_data), ref[0]);
-                  EXPECT_EQ(Bytes(h.rowwise_scale_inv), ref[1]);
-                  EXPECT_EQ(Bytes(h.columnwise_data), ref[2]);
-                  EXPECT_EQ(Bytes(h.columnwise_scale_inv), ref[3]);
-                }
-                continue;
-              }
+              // TENSOR's one round has one more collective first: the
+              // shard amaxes.
+              const int one_round_calls =
+                  scaling == kernels::BlockScaling::kTensor && mode == AllGatherMode::kExactFp8 ? 2
+                                                                                                : 1;
               for (int r = 0; r < world; ++r) {
                 ASSERT_TRUE(header_path.res[r].ok()) << header_path.res[r].status();
                 ASSERT_TRUE(one.res[r].ok()) << "rank " << r << ": " << one.res[r].status();
                 EXPECT_TRUE(one.res[r]->one_round);
                 EXPECT_FALSE(header_path.res[r]->one_round);
-                EXPECT_EQ(one.calls[r], 1) << "the one-round path made more than one call";
+                EXPECT_EQ(one.calls[r], one_round_calls)
+                    << "the one-round path made more collective calls than planned";
                 EXPECT_GT(header_path.calls[r], 1);
                 EXPECT_EQ(one.res[r]->shard_rows, rows);
                 const QuantizeResult& q = one.res[r]->result;
@@ -562,12 +557,15 @@ TEST_F(OneRoundTest, DifferentPayloadSizesFailEveryRankAndKeepTheGroup) {
   const kernels::QuantizeParams p{
       kernels::BlockScaling::kBlock2D, kernels::Fp8Format::kE4M3, true, true, true, 0.0f};
   uint64_t seq = 0;
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     SCOPED_TRACE(variant);
     auto specs = Specs(c, seq++, p, AllGatherMode::kExactFp8, true);
     if (variant == 0) specs[1].shard_rows.clear();
     if (variant == 1) specs[0].shard_rows.clear();
     if (variant == 2) specs[1].params.columnwise = false;  // one FP8 copy: a smaller slot
+    // TENSOR on one rank: its first collective (the shard amaxes) meets the
+    // other rank's slots.
+    if (variant == 3) specs[0].params.scaling = kernels::BlockScaling::kTensor;
     Outcome o = RunCounted(specs);
     for (int r = 0; r < 2; ++r) {
       EXPECT_THAT(o.res[r], StatusIs(absl::StatusCode::kInvalidArgument,
