@@ -184,6 +184,36 @@ std::string Describe(const Case& c) {
   return os.str();
 }
 
+// The device outputs of a tensor quantize (rowwise and columnwise data at
+// `off` in buffers of count + 64 sentinel bytes; the two scale_inv at words 0
+// and 4 of 16 sentinel words) against the CPU's, byte for byte, and nothing
+// written outside them.
+void ExpectOutputs(const DeviceMem& d_row, const DeviceMem& d_col, const DeviceMem& d_s,
+                   int64_t count, int off, const std::vector<uint8_t>& want_row,
+                   const std::vector<uint8_t>& want_col, const std::vector<float>& want_s) {
+  std::vector<uint8_t> got_row(count + 64), got_col(count + 64);
+  std::vector<float> got_s(16);
+  QTX_CUDA_ASSERT(cudaMemcpy(got_row.data(), d_row.get(), count + 64, cudaMemcpyDeviceToHost));
+  QTX_CUDA_ASSERT(cudaMemcpy(got_col.data(), d_col.get(), count + 64, cudaMemcpyDeviceToHost));
+  QTX_CUDA_ASSERT(cudaMemcpy(got_s.data(), d_s.get(), 64, cudaMemcpyDeviceToHost));
+  for (int64_t i = 0; i < count + 64; ++i) {
+    if (i >= off && i < off + count) continue;
+    ASSERT_EQ(got_row[i], kDataSentinel) << "rowwise byte outside the buffer at " << i;
+    ASSERT_EQ(got_col[i], kDataSentinel) << "columnwise byte outside the buffer at " << i;
+  }
+  const std::vector<uint8_t> row(got_row.begin() + off, got_row.begin() + off + count);
+  const std::vector<uint8_t> col(got_col.begin() + off, got_col.begin() + off + count);
+  std::string d = Diff("rowwise_data", want_row, row);
+  EXPECT_TRUE(d.empty()) << d;
+  d = Diff("columnwise_data", want_col, col);
+  EXPECT_TRUE(d.empty()) << d;
+  d = Diff("scale_inv (row, col)", want_s, std::vector<float>{got_s[0], got_s[4]});
+  EXPECT_TRUE(d.empty()) << d;
+  for (int i : {1, 2, 3, 5, 6, 7}) {
+    EXPECT_EQ(FloatBits(got_s[i]), kScaleSentinel) << "scale word " << i << " written";
+  }
+}
+
 // Quantizes on the GPU (through QuantizeBlock, which forwards TENSOR) and on
 // the CPU; compares every byte and both scales; then dequantizes each copy on
 // the GPU and compares with the CPU's dequantization.
@@ -218,35 +248,7 @@ void Check(const Case& c) {
   QTX_CUDA_ASSERT(
       QuantizeBlock(count ? d_in.get() + off : nullptr, c.dtype, c.m, c.n, p, out, nullptr));
   QTX_CUDA_ASSERT(cudaDeviceSynchronize());
-  std::vector<uint8_t> got_row(count + 64), got_col(count + 64);
-  std::vector<float> got_s(16);
-  QTX_CUDA_ASSERT(cudaMemcpy(got_row.data(), d_row.get(), count + 64, cudaMemcpyDeviceToHost));
-  QTX_CUDA_ASSERT(cudaMemcpy(got_col.data(), d_col.get(), count + 64, cudaMemcpyDeviceToHost));
-  QTX_CUDA_ASSERT(cudaMemcpy(got_s.data(), d_s.get(), 64, cudaMemcpyDeviceToHost));
-
-  // Nothing outside [off, off + count) was written.
-  for (int64_t i = 0; i < off; ++i) {
-    ASSERT_EQ(got_row[i], kDataSentinel) << "rowwise byte before the buffer";
-    ASSERT_EQ(got_col[i], kDataSentinel) << "columnwise byte before the buffer";
-  }
-  for (int64_t i = off + count; i < count + 64; ++i) {
-    ASSERT_EQ(got_row[i], kDataSentinel) << "rowwise byte after the buffer";
-    ASSERT_EQ(got_col[i], kDataSentinel) << "columnwise byte after the buffer";
-  }
-  const std::vector<uint8_t> row(got_row.begin() + off, got_row.begin() + off + count);
-  const std::vector<uint8_t> col(got_col.begin() + off, got_col.begin() + off + count);
-  const std::vector<float> scales = {got_s[0], got_s[4]};
-  std::string d = Diff("rowwise_data", want_row, row);
-  EXPECT_TRUE(d.empty()) << d;
-  d = Diff("columnwise_data", want_col, col);
-  EXPECT_TRUE(d.empty()) << d;
-  d = Diff("scale_inv (row, col)", want_s, scales);
-  EXPECT_TRUE(d.empty()) << d;
-  for (int i : {1, 2, 3, 5, 6, 7}) {
-    uint32_t b;
-    std::memcpy(&b, &got_s[i], 4);
-    EXPECT_EQ(b, kScaleSentinel) << "scale word " << i << " written";
-  }
+  ExpectOutputs(d_row, d_col, d_s, count, off, want_row, want_col, want_s);
   if (count == 0 || ::testing::Test::HasFailure()) return;
 
   // Dequantize each produced copy on both sides (FP32 output, and BF16 once).
@@ -262,7 +264,8 @@ void Check(const Case& c) {
     QTX_CUDA_ASSERT(DequantizeBlock(din, BlockScaling::kTensor, c.format, c.m, c.n, use_row, od,
                                     d_out.get(), nullptr));
     QTX_CUDA_ASSERT(cudaMemcpy(got_out.data(), d_out.get(), ob, cudaMemcpyDeviceToHost));
-    d = Diff(use_row ? "dequantized rowwise" : "dequantized columnwise", want_out, got_out);
+    const std::string d =
+        Diff(use_row ? "dequantized rowwise" : "dequantized columnwise", want_out, got_out);
     EXPECT_TRUE(d.empty()) << d;
   }
 }
@@ -472,27 +475,7 @@ void CheckWithAmax(int64_t m, int64_t n, InputDType t, Fp8Format f, bool pow2, b
                              col ? d_col.get() + off : nullptr, col ? s + 4 : nullptr};
   QTX_CUDA_ASSERT(QuantizeTensorWithAmax(input, t, m, n, amax, p, out, nullptr));
   QTX_CUDA_ASSERT(cudaDeviceSynchronize());
-  std::vector<uint8_t> got_row(count + 64), got_col(count + 64);
-  std::vector<float> got_s(16);
-  QTX_CUDA_ASSERT(cudaMemcpy(got_row.data(), d_row.get(), count + 64, cudaMemcpyDeviceToHost));
-  QTX_CUDA_ASSERT(cudaMemcpy(got_col.data(), d_col.get(), count + 64, cudaMemcpyDeviceToHost));
-  QTX_CUDA_ASSERT(cudaMemcpy(got_s.data(), d_s.get(), 64, cudaMemcpyDeviceToHost));
-  for (int64_t i = 0; i < count + 64; ++i) {
-    if (i >= off && i < off + count) continue;
-    ASSERT_EQ(got_row[i], kDataSentinel) << "rowwise byte outside the buffer at " << i;
-    ASSERT_EQ(got_col[i], kDataSentinel) << "columnwise byte outside the buffer at " << i;
-  }
-  const std::vector<uint8_t> got_r(got_row.begin() + off, got_row.begin() + off + count);
-  const std::vector<uint8_t> got_c(got_col.begin() + off, got_col.begin() + off + count);
-  std::string d = Diff("rowwise_data", want_row, got_r);
-  EXPECT_TRUE(d.empty()) << d;
-  d = Diff("columnwise_data", want_col, got_c);
-  EXPECT_TRUE(d.empty()) << d;
-  d = Diff("scale_inv (row, col)", want_s, std::vector<float>{got_s[0], got_s[4]});
-  EXPECT_TRUE(d.empty()) << d;
-  for (int i : {1, 2, 3, 5, 6, 7}) {
-    EXPECT_EQ(FloatBits(got_s[i]), kScaleSentinel) << "scale word " << i << " written";
-  }
+  ExpectOutputs(d_row, d_col, d_s, count, off, want_row, want_col, want_s);
 }
 
 TEST(QuantizeTensorCuda, AmaxAndCastWithGivenAmaxMatchCpu) {
