@@ -13,7 +13,6 @@
 // --l2 flush: one buffer set; a 256 MiB cudaMemsetAsync before every timed
 // launch (outside the timed events) evicts L2, as TransformerEngine's figures
 // in issue 16 were taken. The copy baseline is timed the same way.
-#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -114,9 +113,7 @@ bool ParseShapes(const char* arg, std::vector<Shape>* out) {
 // 2 ms: on the SMs the copy cannot start before the hog ends (its time then
 // includes the rest of the 2 ms), on a copy engine it takes its usual time.
 // The bench's own copy kernel is probed the same way as a control. One JSON
-// line per copy: the medians over `rounds` rounds. Each copy is first run once
-// alone between cudaProfilerStart/Stop: under `ncu --replay-mode range` (which
-// also profiles the driver's copy) these are ranges 1 (memcpy) and 2 (kernel).
+// line per copy: the medians over `rounds` rounds.
 void ProbeMemcpy(int64_t bytes, int rounds, const char* device) {
   bytes = bytes / 16 * 16;
   void *a = nullptr, *b = nullptr;
@@ -143,11 +140,6 @@ void ProbeMemcpy(int64_t bytes, int rounds, const char* device) {
         CHECK_CUDA(qtx::bench::StreamCopy(a, b, bytes, kernel_copy, copy_stream));
       }
     };
-    CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(cudaProfilerStart());
-    copy();
-    CHECK_CUDA(cudaProfilerStop());
-    CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<double> alone, beside, hog;
     for (int r = 0; r < rounds; ++r) {
       float ms = 0;

@@ -4,6 +4,9 @@
 # bench's best copy kernel, both copying the 2-D 8192^2 row+col bytes: the L2
 # sectors each sends across the two L2 partitions (ltcfabric), its DRAM and L2
 # traffic and time.
+# ncu skipped the memcpy's range ("RecordStatusEmpty"), so the probe's
+# cudaProfilerStart/Stop ranges were removed after this run (commit 269c146
+# has them).
 # Bundle: B/bin/quantize_cuda_bench.   B/gpu_session16_run2.sh OUT
 B=$(cd "$(dirname "$0")" && pwd)
 . "$B/gpu_env.sh" || exit 2
