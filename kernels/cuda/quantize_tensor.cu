@@ -796,6 +796,12 @@ cudaError_t TensorAmax(const void* input, InputDType dtype, int64_t count, float
   if (err != cudaSuccess) return err;
   return WithDType(dtype, [&](auto dt) {
     constexpr InputDType D = decltype(dt)::value;
+    if (count <= int64_t{kThreads} * 32) {
+      // WithPartialAmaxes would launch one CTA: its one partial is the amax,
+      // with no temporary and no reduction (a small shard's TENSOR AllGather).
+      TensorAmaxKernel<D><<<1, kThreads, 0, stream>>>(input, count, Aligned(input, 16), amax);
+      return cudaGetLastError();
+    }
     return WithPartialAmaxes<D>(input, count, sms, stream, [&](const float* partials, int num) {
       ReduceAmaxKernel<<<1, kThreads, 0, stream>>>(partials, num, amax);
       return cudaGetLastError();

@@ -483,9 +483,10 @@ TEST(QuantizeTensorCuda, AmaxAndCastWithGivenAmaxMatchCpu) {
     int64_t m, n;
   };
   // Edge shapes, whole tiles (which QuantizeTensor would cast in its one
-  // cooperative launch), one large enough for many amax CTAs, and empty ones.
-  const Shape shapes[] = {{1, 1},     {7, 9},       {1000, 1}, {130, 300}, {255, 257},
-                          {256, 384}, {1025, 2049}, {0, 7},    {5, 0}};
+  // cooperative launch), one large enough for many amax CTAs, empty ones, and
+  // the largest count TensorAmax reduces in one CTA (8192) and one more.
+  const Shape shapes[] = {{1, 1},       {7, 9}, {1000, 1}, {130, 300}, {255, 257}, {256, 384},
+                          {1025, 2049}, {0, 7}, {5, 0},    {64, 128},  {8193, 1}};
   const struct { bool row, col; } usages[] = {{true, false}, {false, true}, {true, true}};
   int n_cases = 0;
   for (const Shape& sh : shapes) {
