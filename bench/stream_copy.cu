@@ -7,32 +7,22 @@
 namespace qtx::bench {
 namespace {
 
-// kContiguous: CTA b copies words [b * per, (b + 1) * per) front to back
-// (per = words / grid rounded up to whole steps of the CTA); else the CTAs
-// stride over the whole buffer together.
-template <int kUnroll, bool kStreaming, bool kContiguous>
+template <int kUnroll, bool kStreaming>
 __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict__ dst,
                                  int64_t words) {
-  const int64_t cta_step = static_cast<int64_t>(blockDim.x) * kUnroll;
-  int64_t begin = static_cast<int64_t>(blockIdx.x) * cta_step, end = words;
-  int64_t step = static_cast<int64_t>(gridDim.x) * cta_step;
-  if constexpr (kContiguous) {
-    const int64_t per = (words + gridDim.x * cta_step - 1) / (gridDim.x * cta_step) * cta_step;
-    begin = static_cast<int64_t>(blockIdx.x) * per;
-    end = ::min(words, begin + per);
-    step = cta_step;
-  }
-  for (int64_t base = begin + threadIdx.x; base < end; base += step) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+       base < words; base += step) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      if (i < end) v[u] = kStreaming ? __ldcs(src + i) : src[i];
+      if (i < words) v[u] = kStreaming ? __ldcs(src + i) : src[i];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      if (i < end) {
+      if (i < words) {
         if constexpr (kStreaming) {
           __stcs(dst + i, v[u]);
         } else {
@@ -48,24 +38,16 @@ __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict_
 // that stage's mbarrier), then a bulk store from it. Up to `stages` loads are
 // in flight; a buffer is loaded again once the store of its previous chunk
 // has read it (cp.async.bulk.wait_group.read).
-// With `contiguous`, local chunk i is global chunk blockIdx.x * q + i instead
-// (q = the chunks divided over the grid, rounded up).
 __global__ void BulkCopyKernel(const char* __restrict__ src, char* __restrict__ dst, int64_t bytes,
-                               int chunk, int stages, bool contiguous) {
+                               int chunk, int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) char smem[];
   __shared__ __align__(8) uint64_t bars[16];
   if (threadIdx.x != 0) return;
   const int64_t nchunks = (bytes + chunk - 1) / chunk;
   // Local chunk i is global chunk blockIdx.x + i * gridDim.x.
-  const int64_t q = (nchunks + gridDim.x - 1) / gridDim.x;
-  const int64_t mine = contiguous             ? ::max(static_cast<int64_t>(0),
-                                                      ::min(q, nchunks - static_cast<int64_t>(blockIdx.x) * q))
-                       : blockIdx.x < nchunks ? (nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x
-                                              : 0;
-  const auto global_chunk = [&](int64_t i) {
-    return contiguous ? blockIdx.x * q + i : blockIdx.x + i * gridDim.x;
-  };
+  const int64_t mine =
+      blockIdx.x < nchunks ? (nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   const auto bar_addr = [&](int s) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(&bars[s]));
   };
@@ -73,10 +55,12 @@ __global__ void BulkCopyKernel(const char* __restrict__ src, char* __restrict__ 
     return static_cast<uint32_t>(__cvta_generic_to_shared(smem + static_cast<int64_t>(s) * chunk));
   };
   const auto chunk_bytes = [&](int64_t i) {
-    const int64_t off = global_chunk(i) * static_cast<int64_t>(chunk);
+    const int64_t off = (blockIdx.x + i * gridDim.x) * static_cast<int64_t>(chunk);
     return static_cast<uint32_t>(::min(static_cast<int64_t>(chunk), bytes - off));
   };
-  const auto offset = [&](int64_t i) { return global_chunk(i) * static_cast<int64_t>(chunk); };
+  const auto offset = [&](int64_t i) {
+    return (blockIdx.x + i * gridDim.x) * static_cast<int64_t>(chunk);
+  };
   for (int s = 0; s < stages; ++s) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_addr(s)));
   }
@@ -137,12 +121,11 @@ cudaError_t LaunchBulk(const void* src, void* dst, int64_t bytes, const StreamCo
                              static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   BulkCopyKernel<<<static_cast<unsigned>(grid), 32, smem, stream>>>(
-      static_cast<const char*>(src), static_cast<char*>(dst), bytes, s.bulk_chunk, s.stages,
-      s.contiguous);
+      static_cast<const char*>(src), static_cast<char*>(dst), bytes, s.bulk_chunk, s.stages);
   return cudaGetLastError();
 }
 
-template <int kUnroll, bool kStreaming, bool kContiguous>
+template <int kUnroll, bool kStreaming>
 cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
                    cudaStream_t stream) {
   const int64_t per_cta = static_cast<int64_t>(s.threads) * kUnroll;
@@ -156,27 +139,21 @@ cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopySh
     grid = std::min(grid, static_cast<int64_t>(sms) * s.ctas_per_sm);
   }
   if (grid < 1 || grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  StreamCopyKernel<kUnroll, kStreaming, kContiguous>
-      <<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(static_cast<const int4*>(src),
-                                                              static_cast<int4*>(dst), words);
+  StreamCopyKernel<kUnroll, kStreaming><<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(
+      static_cast<const int4*>(src), static_cast<int4*>(dst), words);
   return cudaGetLastError();
 }
 
 template <bool kStreaming>
 cudaError_t ByUnroll(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
                      cudaStream_t stream) {
-  if (s.contiguous) {
-    // One shape: a persistent grid, 4 words a thread per step.
-    if (s.unroll != 4 || s.ctas_per_sm < 1) return cudaErrorInvalidValue;
-    return Launch<4, kStreaming, true>(src, dst, words, s, stream);
-  }
   switch (s.unroll) {
     case 1:
-      return Launch<1, kStreaming, false>(src, dst, words, s, stream);
+      return Launch<1, kStreaming>(src, dst, words, s, stream);
     case 4:
-      return Launch<4, kStreaming, false>(src, dst, words, s, stream);
+      return Launch<4, kStreaming>(src, dst, words, s, stream);
     case 8:
-      return Launch<8, kStreaming, false>(src, dst, words, s, stream);
+      return Launch<8, kStreaming>(src, dst, words, s, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -20,9 +20,6 @@ namespace qtx::bench {
 // sm_90): one thread per CTA moves chunks of `bulk_chunk` bytes global ->
 // shared -> global with cp.async.bulk, `stages` chunks in flight per CTA
 // (`threads`, `unroll` and `streaming` are unused then).
-// `contiguous`: each CTA of a persistent grid copies one contiguous range of
-// about bytes / grid, front to back, instead of striding over the whole buffer
-// with the rest of the grid (which keeps every CTA in one narrow window).
 struct StreamCopyShape {
   const char* name;
   int threads;
@@ -31,7 +28,6 @@ struct StreamCopyShape {
   bool streaming;
   int bulk_chunk = 0;
   int stages = 0;
-  bool contiguous = false;
 };
 
 // The shapes quantize_cuda_bench times (variants "kcopy_<name>").
@@ -44,9 +40,6 @@ inline constexpr StreamCopyShape kStreamCopyShapes[] = {
     {"t256_flat_u4", 256, 0, 4, true},
     {"bulk_c16k_s4_x2", 32, 2, 0, false, 16 << 10, 4},
     {"bulk_c8k_s6_x4", 32, 4, 0, false, 8 << 10, 6},
-    {"t512_c4_u4_plain_seq", 512, 4, 4, false, 0, 0, true},
-    {"bulk_c16k_s4_x2_seq", 32, 2, 0, false, 16 << 10, 4, true},
-    {"bulk_c8k_s6_x4_seq", 32, 4, 0, false, 8 << 10, 6, true},
 };
 
 // Copies `bytes` (a multiple of 16; both pointers 16-byte aligned) from `src`
