@@ -14,8 +14,7 @@
 // Functions are reentrant; OpenMP parallelism is internal (tiles are
 // independent, so results do not depend on the thread count). Buffers of one
 // call must not overlap each other. Every thread that runs part of an
-// AdamWStepFused keeps about 820 KiB of scratch (560 KiB where the AVX-512
-// kernel runs) until it exits (made at its
+// AdamWStepFused keeps about 820 KiB of scratch until it exits (made at its
 // first step; kernels/cpu/adamw_band.cc).
 #ifndef QTX_KERNELS_CPU_ADAMW_H_
 #define QTX_KERNELS_CPU_ADAMW_H_

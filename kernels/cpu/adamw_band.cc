@@ -21,9 +21,7 @@
 //      operations per 16 values instead of 17: 0.22 -> 0.14-0.16 ns per value on
 //      the GPU machine's host) into the rowwise copy, or a scratch
 //      tile when there is none, then the bytes are transposed into the
-//      columnwise [N, M] copy (SSE2 16x16 blocks; the AVX-512 build transposes
-//      64 rows by 16 columns at once, straight into the copy as whole 64-byte
-//      lines: 1 thread 1.05-1.08x on a Zen 5 host, session 17).
+//      columnwise [N, M] copy (SSE2 16x16 blocks).
 // B/C re-read the unit's master weights (deferred: while the next unit is
 // updated). Measured on the GPU machine's host at 8192^2, that re-read misses
 // the 2 MiB L2 (a 16-tile unit streams 4 MiB in between) and costs DRAM
@@ -38,8 +36,8 @@
 // KiB per FP32 stream) instead of 4: the update's row runs restart 4x less often. A/B against
 // main's 4-tile kernel on the GPU machine's host (Xeon, 2 MiB L2; bench/README.md, "Host AdamW at
 // memory speed"): 8192^2 from DRAM 1.11 / 0.94 / 1.14 / 0.78 / 1.08x at 1 / 2 / 4 / 8 / 16 threads,
-// 4096^2 0.93-1.30x; 32 tiles was slower. Cost: about 820 KiB (AVX2 build) or 560 KiB (AVX-512) of
-// per-thread scratch (Deferred below).
+// 4096^2 0.93-1.30x; 32 tiles was slower. Cost: about 820 KiB of per-thread scratch (Deferred
+// below).
 #if defined(QTX_ADAMW_BAND_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512DQ__)
@@ -408,67 +406,6 @@ inline void Transpose16x16(const uint8_t* in, int64_t in_pitch, uint8_t* out, in
 }
 #endif
 
-#if defined(__AVX512BW__)
-// The dword and qword interleaves as their zero-masking forms with every lane
-// selected (the same instructions): GCC 12's plain forms pass an undefined
-// vector that -Werror=uninitialized rejects.
-inline __m512i Unpacklo32(__m512i a, __m512i b) {
-  return _mm512_maskz_unpacklo_epi32(0xFFFF, a, b);
-}
-inline __m512i Unpackhi32(__m512i a, __m512i b) {
-  return _mm512_maskz_unpackhi_epi32(0xFFFF, a, b);
-}
-inline __m512i Unpacklo64(__m512i a, __m512i b) { return _mm512_maskz_unpacklo_epi64(0xFF, a, b); }
-inline __m512i Unpackhi64(__m512i a, __m512i b) { return _mm512_maskz_unpackhi_epi64(0xFF, a, b); }
-
-// Columns [0, 16) of 64 rows of bytes at `in` (row pitch kBlockLen, 16-byte
-// aligned), transposed: out + j * out_pitch gets the 64 bytes of column j.
-// Transpose16x16's interleaves on 512-bit vectors whose 128-bit lane k holds
-// rows [16k, 16k + 16): one pass transposes four 16x16 blocks, and each
-// result is a whole 64-byte line of the output, stored non-temporally when
-// `stream` (out and out_pitch 64-byte aligned).
-inline void Transpose64x16(const uint8_t* in, uint8_t* out, int64_t out_pitch, bool stream) {
-  const auto row = [&](int i) {
-    return _mm_load_si128(reinterpret_cast<const __m128i*>(in + i * kBlockLen));
-  };
-  __m512i r[16];
-  for (int i = 0; i < 16; ++i) {
-    __m512i v = _mm512_zextsi128_si512(row(i));
-    v = _mm512_inserti32x4(v, row(16 + i), 1);
-    v = _mm512_inserti32x4(v, row(32 + i), 2);
-    r[i] = _mm512_inserti32x4(v, row(48 + i), 3);
-  }
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_unpacklo_epi16(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi16(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi16(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi16(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    for (int q = 0; q < 4; ++q) {
-      t[8 * i + 2 * q] = Unpacklo32(r[8 * i + q], r[8 * i + 4 + q]);
-      t[8 * i + 2 * q + 1] = Unpackhi32(r[8 * i + q], r[8 * i + 4 + q]);
-    }
-  }
-  for (int q = 0; q < 8; ++q) {
-    r[2 * q] = Unpacklo64(t[q], t[8 + q]);
-    r[2 * q + 1] = Unpackhi64(t[q], t[8 + q]);
-  }
-  for (int j = 0; j < 16; ++j) {
-    if (stream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + j * out_pitch), r[j]);
-    } else {
-      _mm512_storeu_si512(out + j * out_pitch, r[j]);
-    }
-  }
-}
-#endif
-
 // Writes tile bytes [rows, cols] (row pitch `pitch`) transposed into the
 // columnwise copy: col_data[(c0 + j) * m + r0 + i] = tile[i * pitch + j].
 void StoreTransposed(const uint8_t* tile, int64_t pitch, int64_t rows, int64_t cols,
@@ -532,26 +469,21 @@ struct alignas(64) UnitScratch {
 // streams are in flight, instead of the memory idling through a separate
 // encode phase). The bytes are stored to the rowwise copy as they are made and
 // kept in `bytes`; each 16-row strip is transposed into `transposed`, which is
-// stored to the columnwise copy after row 127 (AVX-512 build: rows 0-63 and
-// 64-127 are transposed straight into the copy after rows 63 and 127).
+// stored to the columnwise copy after row 127.
 // A unit encoded during its own update (AdamWParamBuffers::tile_scales) has
 // its bytes made in whichever of `bytes` and `spec` the pending unit does not
 // use; only the stores are left for DeferredRow.
 struct alignas(64) Deferred {
   uint8_t bytes[kUnitTiles][kBlockLen * kBlockLen];
   uint8_t spec[kUnitTiles][kBlockLen * kBlockLen];
-#if !defined(__AVX512BW__)  // the AVX-512 build transposes straight into the copy
   uint8_t transposed[kUnitTiles][kBlockLen * kBlockLen];
-#endif
   float scale[kUnitTiles];
   uint8_t (*src)[kBlockLen * kBlockLen] = bytes;  // the unit's bytes: bytes or spec
   bool encoded = false;                           // src holds them already
   // An encoded unit's columnwise copy leaves in strips of 16 columns of a
   // tile (16 whole rows of the copy), spread over the 128 deferred rows
   // instead of all at row 127: this is one strip, transposed.
-#if !defined(__AVX512BW__)
   alignas(64) uint8_t strip[16 * kBlockLen];
-#endif
   const ParamPlan* plan = nullptr;  // null: nothing deferred
   int64_t k = 0, tj0 = 0, tiles = 0;
   int64_t next_row = 0;  // rows [0, next_row) are done
@@ -675,17 +607,6 @@ void DeferredRow(Deferred& d, int64_t i) {
         }
       }
     }
-#if defined(__AVX512BW__)
-    if (q.columnwise && !d.encoded && i % 64 == 63) {
-      // Rows [i - 63, i] of the tile, straight into the copy (as the strips below).
-      const int64_t i0 = i - 63;
-      uint8_t* const dst = b.fp8.columnwise_data + c0 * b.m + d.k * kBlockLen + i0;
-      const bool stream = reinterpret_cast<uintptr_t>(dst) % 64 == 0 && b.m % 64 == 0;
-      for (int64_t jb = 0; jb < kBlockLen; jb += 16) {
-        Transpose64x16(d.src[t] + i0 * kBlockLen + jb, dst + jb * b.m, b.m, stream);
-      }
-    }
-#else
     if (q.columnwise && !d.encoded && i % 16 == 15) {
       const int64_t i0 = i - 15;
       for (int64_t jb = 0; jb < kBlockLen; jb += 16) {
@@ -696,26 +617,17 @@ void DeferredRow(Deferred& d, int64_t i) {
         StoreTileRows(d.transposed[t], b.fp8.columnwise_data + c0 * b.m + d.k * kBlockLen, b.m);
       }
     }
-#endif
   }
   if (q.columnwise && d.encoded) {
     // Strips [i * S / 128, (i + 1) * S / 128) of the unit's S = 8 * tiles.
     const int64_t strips = 8 * d.tiles;
     for (int64_t sp = i * strips / kBlockLen; sp < (i + 1) * strips / kBlockLen; ++sp) {
       const int64_t t = sp / 8, jb = (sp % 8) * 16;
-      const int64_t c = (d.tj0 + t) * kBlockLen + jb;
-      uint8_t* const dst = b.fp8.columnwise_data + c * b.m + d.k * kBlockLen;
-#if defined(__AVX512BW__)
-      // Straight into the copy, two halves of 64 rows: whole 64-byte lines.
-      const bool stream = reinterpret_cast<uintptr_t>(dst) % 64 == 0 && b.m % 64 == 0;
-      Transpose64x16(d.src[t] + jb, dst, b.m, stream);
-      Transpose64x16(d.src[t] + 64 * kBlockLen + jb, dst + 64, b.m, stream);
-#else
       for (int64_t ib = 0; ib < kBlockLen; ib += 16) {
         Transpose16x16(d.src[t] + ib * kBlockLen + jb, kBlockLen, d.strip + ib, kBlockLen);
       }
-      StoreTileRows(d.strip, dst, b.m, 16);
-#endif
+      const int64_t c = (d.tj0 + t) * kBlockLen + jb;
+      StoreTileRows(d.strip, b.fp8.columnwise_data + c * b.m + d.k * kBlockLen, b.m, 16);
     }
   }
   d.next_row = i + 1;
@@ -864,10 +776,11 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
 }
 
 // The scratch of the calling thread, made at its first step and kept (about
-// 820 KiB, AVX-512 build 560 KiB, per thread that ever ran a step: OpenMP's pool threads and
-// callers). Heap, not stack: a caller's thread may have a small stack; kept, not made per call: a
-// fresh block per call and thread costs page faults (it is larger than malloc's mmap threshold
-// until glibc raises it) and its first-touch misses in every step.
+// 820 KiB per thread that ever ran a step: OpenMP's pool threads and callers).
+// Heap, not stack: a caller's thread may have a small stack; kept, not made
+// per call: a fresh block per call and thread costs page faults (it is larger
+// than malloc's mmap threshold until glibc raises it) and its first-touch
+// misses in every step.
 struct PerThread {
   UnitScratch unit;
   Deferred deferred;
