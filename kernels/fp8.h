@@ -203,6 +203,23 @@ QTX_HD float LoadAsFloat(const void* data, InputDType t, int64_t i) {
   }
 }
 
+// Writes v as element i of a high-precision output (FloatToBf16 /
+// FloatToHalf rounding; FP32 as is): a dequantized value.
+QTX_HD void StoreFromFloat(void* data, InputDType t, int64_t i, float v) {
+  switch (t) {
+    case InputDType::kBFloat16:
+      static_cast<uint16_t*>(data)[i] = FloatToBf16(v);
+      break;
+    case InputDType::kFloat16:
+      static_cast<uint16_t*>(data)[i] = FloatToHalf(v);
+      break;
+    case InputDType::kFloat32:
+    default:
+      static_cast<float*>(data)[i] = v;
+      break;
+  }
+}
+
 // The scale of a block from its amax: TE's compute_scale_from_amax
 // (docs/numerics.md §2 steps 2-6). IEEE division, never fast-math.
 QTX_HD float ComputeScale(float amax, float fp8_max, bool force_pow2, float eps,

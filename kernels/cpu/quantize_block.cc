@@ -180,20 +180,6 @@ void RunWorkers(const void* in, const ShardGeometry& g, const QuantizeParams& p,
   }
 }
 
-inline void StoreAs(void* out, InputDType t, int64_t i, float v) {
-  switch (t) {
-    case InputDType::kFloat32:
-      static_cast<float*>(out)[i] = v;
-      break;
-    case InputDType::kBFloat16:
-      static_cast<uint16_t*>(out)[i] = FloatToBf16(v);
-      break;
-    case InputDType::kFloat16:
-      static_cast<uint16_t*>(out)[i] = FloatToHalf(v);
-      break;
-  }
-}
-
 }  // namespace
 
 namespace internal {
@@ -272,7 +258,7 @@ void DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scaling, Fp8F
                           : in.columnwise_scale_inv[(col / kBlockLen) * l.columnwise_scale_cols +
                                                     r / kBlockLen];
       }
-      StoreAs(out, out_dtype, r * n + col, DecodeFp8(q, format) * scale_inv);
+      StoreFromFloat(out, out_dtype, r * n + col, DecodeFp8(q, format) * scale_inv);
     }
   }
 }

@@ -77,20 +77,6 @@ void CastFormat(const void* in, int64_t m, int64_t n, Fp8Format f, float scale, 
   }
 }
 
-inline void StoreAs(void* out, InputDType t, int64_t i, float v) {
-  switch (t) {
-    case InputDType::kFloat32:
-      static_cast<float*>(out)[i] = v;
-      break;
-    case InputDType::kBFloat16:
-      static_cast<uint16_t*>(out)[i] = FloatToBf16(v);
-      break;
-    case InputDType::kFloat16:
-      static_cast<uint16_t*>(out)[i] = FloatToHalf(v);
-      break;
-  }
-}
-
 }  // namespace
 
 float TensorAmax(const void* input, InputDType dtype, int64_t count) {
@@ -140,7 +126,7 @@ void DequantizeTensor(const QuantizedConstBuffers& in, Fp8Format format, int64_t
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < n; ++c) {
       const uint8_t b = use_rowwise ? q[r * n + c] : q[c * m + r];
-      StoreAs(out, out_dtype, r * n + c, DecodeFp8(b, format) * scale_inv);
+      StoreFromFloat(out, out_dtype, r * n + c, DecodeFp8(b, format) * scale_inv);
     }
   }
 }
