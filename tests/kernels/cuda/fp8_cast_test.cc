@@ -12,15 +12,10 @@
 #include "gtest/gtest.h"
 #include "kernels/fp8.h"
 #include "tests/kernels/cuda/fp8_cast_check.h"
+#include "tests/kernels/cuda/kernel_test_util.h"
 
 namespace qtx::kernels::cuda {
 namespace {
-
-#define QTX_CUDA_ASSERT(expr)                                                          \
-  do {                                                                                 \
-    const cudaError_t qtx_err_ = (expr);                                               \
-    ASSERT_EQ(qtx_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(qtx_err_); \
-  } while (0)
 
 const char* Name(Fp8Format f) { return f == Fp8Format::kE4M3 ? "E4M3" : "E5M2"; }
 

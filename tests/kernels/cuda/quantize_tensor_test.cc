@@ -26,30 +26,13 @@
 #include "kernels/cpu/quantize_tensor.h"
 #include "kernels/cuda/quantize_block.h"
 #include "kernels/fp8.h"
+#include "tests/kernels/cuda/kernel_test_util.h"
 
 namespace qtx::kernels::cuda {
 namespace {
 
-#define QTX_CUDA_ASSERT(expr)                                                          \
-  do {                                                                                 \
-    const cudaError_t qtx_err_ = (expr);                                               \
-    ASSERT_EQ(qtx_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(qtx_err_); \
-  } while (0)
-
-constexpr uint8_t kDataSentinel = 0xAA;
-constexpr uint32_t kScaleSentinel = 0xFFFFFFFFu;
-
-int ElemBytes(InputDType t) { return t == InputDType::kFloat32 ? 4 : 2; }
-const char* Name(InputDType t) {
-  switch (t) {
-    case InputDType::kBFloat16:
-      return "bf16";
-    case InputDType::kFloat16:
-      return "fp16";
-    default:
-      return "fp32";
-  }
-}
+using namespace test_util;  // NOLINT(build/namespaces): the tests' helpers
+using test_util::Name;      // overloaded below
 
 class DeviceMem {
  public:
@@ -64,15 +47,6 @@ class DeviceMem {
  private:
   void* p_ = nullptr;
 };
-
-void Store(std::vector<uint8_t>& buf, InputDType t, int64_t i, float x) {
-  if (t == InputDType::kFloat32) {
-    std::memcpy(buf.data() + 4 * i, &x, 4);
-  } else {
-    const uint16_t h = t == InputDType::kBFloat16 ? FloatToBf16(x) : FloatToHalf(x);
-    std::memcpy(buf.data() + 2 * i, &h, 2);
-  }
-}
 
 enum class Data { kNormal, kSpecials, kInf, kTiny, kZero };
 const char* Name(Data d) {
@@ -89,17 +63,6 @@ const char* Name(Data d) {
       return "zero";
   }
 }
-
-struct FastRng {  // splitmix64
-  uint64_t s;
-  uint64_t Next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float Uniform() { return static_cast<float>((Next() >> 40) + 1) * 0x1p-24f; }  // (0, 1]
-};
 
 std::vector<uint8_t> MakeInput(InputDType t, int64_t count, Data kind, uint64_t seed) {
   std::vector<uint8_t> buf(static_cast<size_t>(count * ElemBytes(t)), 0);
@@ -142,26 +105,6 @@ std::vector<uint8_t> MakeInput(InputDType t, int64_t count, Data kind, uint64_t 
     Store(buf, t, i, x);
   }
   return buf;
-}
-
-template <typename T>
-std::string Diff(const char* what, const std::vector<T>& want, const std::vector<T>& got) {
-  if (want.size() != got.size()) return std::string(what) + ": size differs";
-  std::ostringstream os;
-  int64_t bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    uint32_t w = 0, g = 0;
-    std::memcpy(&w, &want[i], sizeof(T));
-    std::memcpy(&g, &got[i], sizeof(T));
-    if (w != g) {
-      if (bad < 4) os << " [" << i << "] want 0x" << std::hex << w << " got 0x" << g << std::dec;
-      ++bad;
-    }
-  }
-  if (bad == 0) return "";
-  std::ostringstream head;
-  head << what << ": " << bad << " of " << want.size() << " differ:" << os.str();
-  return head.str();
 }
 
 struct Case {
