@@ -43,6 +43,39 @@ struct Case {
   int64_t n;
 };
 
+// cuda::AssembleShards of the pieces into fresh outputs (scale padding
+// pre-filled with 0xFF: it must come out zeroed), compared byte for byte
+// with the whole tensor's rowwise (rd, rs) and columnwise (cd, cs) outputs.
+void ExpectAssembledEquals(const std::vector<ShardGeometry>& geoms,
+                           const std::vector<QuantizedConstBuffers>& views, const QuantizeParams& p,
+                           bool rowwise, bool columnwise, const std::vector<uint8_t>& rd,
+                           const std::vector<float>& rs, const std::vector<uint8_t>& cd,
+                           const std::vector<float>& cs) {
+  Dev<uint8_t> ord(rd.size()), ocd(cd.size());
+  Dev<float> ors(rs.size()), ocs(cs.size());
+  ASSERT_CUDA(cudaMemset(ors.p, 0xFF, 4 * std::max<size_t>(rs.size(), 1)));
+  ASSERT_CUDA(cudaMemset(ocs.p, 0xFF, 4 * std::max<size_t>(cs.size(), 1)));
+  ASSERT_CUDA(cuda::AssembleShards(static_cast<int>(geoms.size()), geoms.data(), views.data(), p,
+                                   {ord.p, ors.p, ocd.p, ocs.p}, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  if (rowwise) {
+    std::vector<uint8_t> a(rd.size());
+    std::vector<float> as(rs.size());
+    ASSERT_CUDA(cudaMemcpy(a.data(), ord.p, a.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(as.data(), ors.p, 4 * as.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a, rd);
+    EXPECT_EQ(0, std::memcmp(as.data(), rs.data(), 4 * as.size()));
+  }
+  if (columnwise) {
+    std::vector<uint8_t> a(cd.size());
+    std::vector<float> as(cs.size());
+    ASSERT_CUDA(cudaMemcpy(a.data(), ocd.p, a.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(as.data(), ocs.p, 4 * as.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a, cd);
+    EXPECT_EQ(0, std::memcmp(as.data(), cs.data(), 4 * as.size()));
+  }
+}
+
 void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise, Fp8Format fmt) {
   int64_t m = 0;
   for (int64_t r : c.rows) m += r;
@@ -156,30 +189,7 @@ void RunCase(const Case& c, BlockScaling scaling, bool rowwise, bool columnwise,
                                     df->p + len, b, nullptr));
     views[r] = {b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv};
   }
-  Dev<uint8_t> ord(rd.size()), ocd(cd.size());
-  Dev<float> ors(rs.size()), ocs(cs.size());
-  ASSERT_CUDA(
-      cudaMemset(ors.p, 0xFF, 4 * std::max<size_t>(rs.size(), 1)));  // padding must be zeroed
-  ASSERT_CUDA(cudaMemset(ocs.p, 0xFF, 4 * std::max<size_t>(cs.size(), 1)));
-  ASSERT_CUDA(cuda::AssembleShards(w, geoms.data(), views.data(), p, {ord.p, ors.p, ocd.p, ocs.p},
-                                   nullptr));
-  ASSERT_CUDA(cudaDeviceSynchronize());
-  if (rowwise) {
-    std::vector<uint8_t> a(rd.size());
-    std::vector<float> as(rs.size());
-    ASSERT_CUDA(cudaMemcpy(a.data(), ord.p, a.size(), cudaMemcpyDeviceToHost));
-    ASSERT_CUDA(cudaMemcpy(as.data(), ors.p, 4 * as.size(), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(a, rd);
-    EXPECT_EQ(0, std::memcmp(as.data(), rs.data(), 4 * as.size()));
-  }
-  if (columnwise) {
-    std::vector<uint8_t> a(cd.size());
-    std::vector<float> as(cs.size());
-    ASSERT_CUDA(cudaMemcpy(a.data(), ocd.p, a.size(), cudaMemcpyDeviceToHost));
-    ASSERT_CUDA(cudaMemcpy(as.data(), ocs.p, 4 * as.size(), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(a, cd);
-    EXPECT_EQ(0, std::memcmp(as.data(), cs.data(), 4 * as.size()));
-  }
+  ExpectAssembledEquals(geoms, views, p, rowwise, columnwise, rd, rs, cd, cs);
   for (auto* k : keep) delete k;
   for (auto* k : keepf) delete k;
 }
@@ -313,29 +323,7 @@ void RunOneRound(const std::vector<int64_t>& rows, int64_t n, BlockScaling scali
     geoms.push_back(q.g);
     views.push_back(q.v);
   }
-  Dev<uint8_t> ord(rd.size()), ocd(cd.size());
-  Dev<float> ors(rs.size()), ocs(cs.size());
-  ASSERT_CUDA(cudaMemset(ors.p, 0xFF, 4 * std::max<size_t>(rs.size(), 1)));
-  ASSERT_CUDA(cudaMemset(ocs.p, 0xFF, 4 * std::max<size_t>(cs.size(), 1)));
-  ASSERT_CUDA(cuda::AssembleShards(static_cast<int>(geoms.size()), geoms.data(), views.data(), p,
-                                   {ord.p, ors.p, ocd.p, ocs.p}, nullptr));
-  ASSERT_CUDA(cudaDeviceSynchronize());
-  if (rowwise) {
-    std::vector<uint8_t> a(rd.size());
-    std::vector<float> as(rs.size());
-    ASSERT_CUDA(cudaMemcpy(a.data(), ord.p, a.size(), cudaMemcpyDeviceToHost));
-    ASSERT_CUDA(cudaMemcpy(as.data(), ors.p, 4 * as.size(), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(a, rd);
-    EXPECT_EQ(0, std::memcmp(as.data(), rs.data(), 4 * as.size()));
-  }
-  if (columnwise) {
-    std::vector<uint8_t> a(cd.size());
-    std::vector<float> as(cs.size());
-    ASSERT_CUDA(cudaMemcpy(a.data(), ocd.p, a.size(), cudaMemcpyDeviceToHost));
-    ASSERT_CUDA(cudaMemcpy(as.data(), ocs.p, 4 * as.size(), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(a, cd);
-    EXPECT_EQ(0, std::memcmp(as.data(), cs.data(), 4 * as.size()));
-  }
+  ExpectAssembledEquals(geoms, views, p, rowwise, columnwise, rd, rs, cd, cs);
 }
 
 // TENSOR with no combined amax (null first_amax, as for the one-round pieces
