@@ -23,7 +23,8 @@
 //      the tensor from its end to its start while the amax pass walks it from
 //      the start, so the cast first reads what the amax pass left in L2.
 // The exact all-gather (kernels/cuda/quantize_shard.h) splits the two: its
-// TensorAmax is pass 1 then ReduceAmaxKernel (one float on the device), and
+// TensorAmax is pass 1 then ReduceAmaxKernel (one float on the device; pass 1
+// alone, into that float, for a count one CTA covers), and
 // its QuantizeTensorWithAmax is pass 2 with that (combined) amax as the one
 // partial.
 #include <cooperative_groups.h>

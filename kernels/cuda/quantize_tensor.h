@@ -45,7 +45,8 @@ cudaError_t QuantizeTensor(const void* input, InputDType dtype, int64_t m, int64
 // max |x| over the `count` elements of `input` (NaN ignored, 0 when empty)
 // into the device float amax[0], bit-equal to kernels::cpu::TensorAmax: the
 // amax pass of the two launches, whose per-CTA partials (in a stream-ordered
-// temporary) one small kernel reduces. Returns cudaErrorInvalidValue for
+// temporary) one small kernel reduces; a count of at most 8192 is one CTA's,
+// which writes amax[0] itself (no temporary, one launch). Returns cudaErrorInvalidValue for
 // count < 0, an unknown dtype, a null amax, or a null input when count > 0;
 // otherwise the first allocation or launch error, if any.
 cudaError_t TensorAmax(const void* input, InputDType dtype, int64_t count, float* amax,
