@@ -715,11 +715,15 @@ cudaError_t PrepareCast(const void* input, int64_t m, int64_t n, const QuantizeP
   return CurrentDeviceSmCount(sms);
 }
 
+// Pass 1 gives each thread at least this many elements: a count of at most
+// kThreads * kAmaxPerThread is one CTA's.
+constexpr int64_t kAmaxPerThread = 32;
+
 // ResidentCtas's cache for TensorAmaxKernel<D>.
 template <InputDType D>
 std::atomic<int> amax_resident[kMaxDevices];
 
-// Pass 1 (TensorAmaxKernel, at least about 32 elements a thread, every CTA
+// Pass 1 (TensorAmaxKernel, at least about kAmaxPerThread elements a thread, every CTA
 // resident) into a stream-ordered temporary of per-CTA partial amaxes, then
 // next(partials, num_partials) (the launches that read them), then the
 // temporary's release on the stream. Returns the first error.
@@ -729,7 +733,7 @@ cudaError_t WithPartialAmaxes(const void* input, int64_t count, int sms, cudaStr
   int64_t resident = 0;
   cudaError_t e = ResidentCtas(TensorAmaxKernel<D>, sms, amax_resident<D>, &resident);
   if (e != cudaSuccess) return e;
-  const int grid = GridFor(CeilDiv(count, int64_t{kThreads} * 32), resident);
+  const int grid = GridFor(CeilDiv(count, kThreads * kAmaxPerThread), resident);
   float* partials = nullptr;
   e = cudaMallocAsync(reinterpret_cast<void**>(&partials), sizeof(float) * grid, stream);
   if (e != cudaSuccess) return e;
@@ -797,7 +801,7 @@ cudaError_t TensorAmax(const void* input, InputDType dtype, int64_t count, float
   if (err != cudaSuccess) return err;
   return WithDType(dtype, [&](auto dt) {
     constexpr InputDType D = decltype(dt)::value;
-    if (count <= int64_t{kThreads} * 32) {
+    if (count <= kThreads * kAmaxPerThread) {
       // WithPartialAmaxes would launch one CTA: its one partial is the amax,
       // with no temporary and no reduction (a small shard's TENSOR AllGather).
       TensorAmaxKernel<D><<<1, kThreads, 0, stream>>>(input, count, Aligned(input, 16), amax);
