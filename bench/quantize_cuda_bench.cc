@@ -54,14 +54,19 @@ namespace qcuda = qtx::kernels::cuda;
 
 // Median of per-launch times (µs) of `launch(i)` over `iters` launches after
 // `warmup`, each bracketed by its own pair of CUDA events; `prepare(i)` is
-// enqueued before each launch, outside its events (the L2 flush).
+// enqueued before each launch, outside its events (the L2 flush). With
+// `next_prepare_us`, also the median time of the prepare that follows each
+// timed launch: with --l2 flush, the memset that must first write back what
+// the launch left dirty in the L2 (the launch's carry-over to the next work).
 template <typename Prep, typename Fn>
-double MedianUs(int warmup, int iters, Prep&& prepare, Fn&& launch) {
+double MedianUs(int warmup, int iters, Prep&& prepare, Fn&& launch,
+                double* next_prepare_us = nullptr) {
   for (int i = 0; i < warmup; ++i) {
     prepare(i);
     launch(i);
   }
-  std::vector<cudaEvent_t> ev(2 * iters);
+  // ev[2i], ev[2i+1] bracket launch i; ev[2i+1], ev[2i+2] the prepare after it.
+  std::vector<cudaEvent_t> ev(2 * iters + 1);
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   for (int i = 0; i < iters; ++i) {
     prepare(warmup + i);
@@ -69,17 +74,24 @@ double MedianUs(int warmup, int iters, Prep&& prepare, Fn&& launch) {
     launch(warmup + i);
     CHECK_CUDA(cudaEventRecord(ev[2 * i + 1], nullptr));
   }
+  prepare(warmup + iters);
+  CHECK_CUDA(cudaEventRecord(ev[2 * iters], nullptr));
   CHECK_CUDA(cudaEventSynchronize(ev.back()));
   CHECK_CUDA(cudaGetLastError());
-  std::vector<double> t(iters);
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    t[i] = ms * 1e3;
-  }
+  auto median_between = [&](int first) {
+    std::vector<double> t(iters);
+    for (int i = 0; i < iters; ++i) {
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, ev[2 * i + first], ev[2 * i + first + 1]));
+      t[i] = ms * 1e3;
+    }
+    std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
+    return t[iters / 2];
+  };
+  const double us = median_between(0);
+  if (next_prepare_us != nullptr) *next_prepare_us = median_between(1);
   for (auto& e : ev) cudaEventDestroy(e);
-  std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
-  return t[iters / 2];
+  return us;
 }
 
 struct Set {
@@ -318,6 +330,9 @@ int main(int argc, char** argv) {
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
                               {"evict_first", {0, 0, true}},
+                              {"evict_last", {0, 0, false, false, true}},
+                              {"in_evict_first", {0, 0, false, false, false, true}},
+                              {"in_first_out_last", {0, 0, false, false, true, true}},
                               {"fixed", {0, 0, false, true}},
                               {"two_pass", {}, true}};
 
@@ -382,31 +397,47 @@ int main(int argc, char** argv) {
           const int64_t total = read + written;
           // Copy of total / 2 bytes: it reads and writes that many, `total` in all.
           const int64_t copy_bytes = total / 2;
-          const double copy_us = MedianUs(warmup, iters, prepare, [&](int i) {
-            CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % ncopy], copy_ring[i % ncopy], copy_bytes,
-                                       cudaMemcpyDeviceToDevice, nullptr));
-          });
+          double copy_next = 0;
+          const double copy_us = MedianUs(
+              warmup, iters, prepare,
+              [&](int i) {
+                CHECK_CUDA(cudaMemcpyAsync(copy_ring[(i + 1) % ncopy], copy_ring[i % ncopy],
+                                           copy_bytes, cudaMemcpyDeviceToDevice, nullptr));
+              },
+              &copy_next);
           const double copy_tbps = total / (copy_us * 1e-6) / 1e12;
+          // With --l2 flush: the flush after a launch and after the copy (see MedianUs).
+          auto carry = [&](double next) {
+            if (!flush) return std::string();
+            char buf[96];
+            std::snprintf(buf, sizeof(buf), ",\"next_flush_us\":%.2f,\"copy_next_flush_us\":%.2f",
+                          next, copy_next);
+            return std::string(buf);
+          };
           // The bench's own copy kernel in each of its launch shapes, over the
           // same buffers: how fast a kernel streams these bytes here.
           for (const qtx::bench::StreamCopyShape& k : qtx::bench::kStreamCopyShapes) {
             const std::string name = std::string("kcopy_") + k.name;
             if (!listed(variant_filter, name.c_str())) continue;
             const int64_t kbytes = copy_bytes / 16 * 16;
-            const double us = MedianUs(warmup, iters, prepare, [&](int i) {
-              CHECK_CUDA(qtx::bench::StreamCopy(copy_ring[i % ncopy], copy_ring[(i + 1) % ncopy],
-                                                kbytes, k, nullptr));
-            });
+            double next = 0;
+            const double us = MedianUs(
+                warmup, iters, prepare,
+                [&](int i) {
+                  CHECK_CUDA(qtx::bench::StreamCopy(
+                      copy_ring[i % ncopy], copy_ring[(i + 1) % ncopy], kbytes, k, nullptr));
+                },
+                &next);
             const double tbps = 2.0 * kbytes / (us * 1e-6) / 1e12;
             std::printf(
                 "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"l2\":\"%s\",\"usage\":\"%s\","
                 "\"m\":%lld,\"n\":%lld,\"variant\":\"%s\",\"bytes\":%lld,\"time_us\":%.2f,"
                 "\"tbps\":%.3f,\"copy_bytes\":%lld,\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,"
-                "\"ratio_vs_copy\":%.3f,\"iters\":%d,\"device\":\"%s\"}\n",
+                "\"ratio_vs_copy\":%.3f%s,\"iters\":%d,\"device\":\"%s\"}\n",
                 mode.name, l2_name, u.name, static_cast<long long>(s.m),
                 static_cast<long long>(s.n), name.c_str(), static_cast<long long>(2 * kbytes), us,
                 tbps, static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps,
-                iters, prop.name);
+                carry(next).c_str(), iters, prop.name);
             std::fflush(stdout);
             std::fprintf(stderr, "%-6s %-7s %-8s %lldx%-7lld %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n",
                          mode.name, l2_name, u.name, static_cast<long long>(s.m),
@@ -417,7 +448,8 @@ int main(int argc, char** argv) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
-                                    !t.fixed_tiles && !v.tensor_two_pass;
+                                    !t.fixed_tiles && !t.evict_last_outputs &&
+                                    !t.evict_first_inputs && !v.tensor_two_pass;
             // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
             // for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;
@@ -430,36 +462,40 @@ int main(int argc, char** argv) {
             p.rowwise = u.row;
             p.columnwise = u.col;
             p.force_pow2_scales = true;
-            const double us = MedianUs(warmup, iters, prepare, [&](int i) {
-              const Set& st = sets[i % nsets];
-              QuantizedBuffers o = st.out;
-              if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;
-              if (!u.col) o.columnwise_data = nullptr, o.columnwise_scale_inv = nullptr;
-              if (u.from_rowwise) {
-                CHECK_CUDA(qcuda::ColumnwiseFromRowwise(
-                    mode.scaling, {st.out.rowwise_data, st.out.rowwise_scale_inv}, s.m, s.n, o,
-                    nullptr));
-                return;
-              }
-              if (v.tensor_two_pass) {
-                CHECK_CUDA(qcuda::detail::QuantizeTensorTuned(st.in, dtype, s.m, s.n, p, o,
-                                                              {.two_pass = true}, nullptr));
-                return;
-              }
-              CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o, v.tuning,
-                                                           nullptr));
-            });
+            double next = 0;
+            const double us = MedianUs(
+                warmup, iters, prepare,
+                [&](int i) {
+                  const Set& st = sets[i % nsets];
+                  QuantizedBuffers o = st.out;
+                  if (!u.row) o.rowwise_data = nullptr, o.rowwise_scale_inv = nullptr;
+                  if (!u.col) o.columnwise_data = nullptr, o.columnwise_scale_inv = nullptr;
+                  if (u.from_rowwise) {
+                    CHECK_CUDA(qcuda::ColumnwiseFromRowwise(
+                        mode.scaling, {st.out.rowwise_data, st.out.rowwise_scale_inv}, s.m, s.n, o,
+                        nullptr));
+                    return;
+                  }
+                  if (v.tensor_two_pass) {
+                    CHECK_CUDA(qcuda::detail::QuantizeTensorTuned(st.in, dtype, s.m, s.n, p, o,
+                                                                  {.two_pass = true}, nullptr));
+                    return;
+                  }
+                  CHECK_CUDA(qcuda::detail::QuantizeBlockTuned(st.in, dtype, s.m, s.n, p, o,
+                                                               v.tuning, nullptr));
+                },
+                &next);
             const double tbps = total / (us * 1e-6) / 1e12;
             std::printf(
                 "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"l2\":\"%s\",\"usage\":\"%s\","
                 "\"dtype\":\"bf16\",\"format\":\"e4m3\",\"m\":%lld,\"n\":%lld,\"variant\":\"%s\","
                 "\"bytes\":%lld,\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,"
-                "\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f,\"iters\":%d,"
+                "\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f%s,\"iters\":%d,"
                 "\"device\":\"%s\"}\n",
                 mode.name, l2_name, u.name, static_cast<long long>(s.m),
                 static_cast<long long>(s.n), v.name, static_cast<long long>(total), us, tbps,
-                static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps, iters,
-                prop.name);
+                static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps,
+                carry(next).c_str(), iters, prop.name);
             std::fflush(stdout);
             char shape[32];
             std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(s.m),
