@@ -330,9 +330,6 @@ int main(int argc, char** argv) {
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
                               {"evict_first", {0, 0, true}},
-                              {"evict_last", {0, 0, false, false, true}},
-                              {"in_evict_first", {0, 0, false, false, false, true}},
-                              {"in_first_out_last", {0, 0, false, false, true, true}},
                               {"fixed", {0, 0, false, true}},
                               {"two_pass", {}, true}};
 
@@ -448,8 +445,7 @@ int main(int argc, char** argv) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
-                                    !t.fixed_tiles && !t.evict_last_outputs &&
-                                    !t.evict_first_inputs && !v.tensor_two_pass;
+                                    !t.fixed_tiles && !v.tensor_two_pass;
             // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
             // for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;

@@ -7,52 +7,9 @@
 namespace qtx::bench {
 namespace {
 
-// How the plain copy's loads and stores treat the caches.
-enum class Access { kPlain, kStreaming, kLoadsEvictFirst, kLoadsEvictFirstStoresEvictLast };
-
-__device__ __forceinline__ uint64_t L2Policy(bool evict_last) {
-  uint64_t p;
-  if (evict_last) {
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  } else {
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  }
-  return p;
-}
-
-template <Access kAccess>
-__device__ __forceinline__ int4 Load(const int4* p, uint64_t policy) {
-  if constexpr (kAccess == Access::kStreaming) {
-    return __ldcs(p);
-  } else if constexpr (kAccess == Access::kPlain) {
-    return *p;
-  } else {
-    int4 v;
-    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(policy));
-    return v;
-  }
-}
-
-template <Access kAccess>
-__device__ __forceinline__ void Store(int4* p, int4 v, uint64_t policy) {
-  if constexpr (kAccess == Access::kStreaming) {
-    __stcs(p, v);
-  } else if constexpr (kAccess == Access::kLoadsEvictFirstStoresEvictLast) {
-    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
-                 "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
-                 : "memory");
-  } else {
-    *p = v;
-  }
-}
-
-template <int kUnroll, Access kAccess>
+template <int kUnroll, bool kStreaming>
 __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict__ dst,
                                  int64_t words) {
-  const uint64_t load_policy = L2Policy(false);
-  const uint64_t store_policy = L2Policy(true);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
        base < words; base += step) {
@@ -60,12 +17,18 @@ __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict_
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      if (i < words) v[u] = Load<kAccess>(src + i, load_policy);
+      if (i < words) v[u] = kStreaming ? __ldcs(src + i) : src[i];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      if (i < words) Store<kAccess>(dst + i, v[u], store_policy);
+      if (i < words) {
+        if constexpr (kStreaming) {
+          __stcs(dst + i, v[u]);
+        } else {
+          dst[i] = v[u];
+        }
+      }
     }
   }
 }
@@ -162,7 +125,7 @@ cudaError_t LaunchBulk(const void* src, void* dst, int64_t bytes, const StreamCo
   return cudaGetLastError();
 }
 
-template <int kUnroll, Access kAccess>
+template <int kUnroll, bool kStreaming>
 cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
                    cudaStream_t stream) {
   const int64_t per_cta = static_cast<int64_t>(s.threads) * kUnroll;
@@ -176,21 +139,21 @@ cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopySh
     grid = std::min(grid, static_cast<int64_t>(sms) * s.ctas_per_sm);
   }
   if (grid < 1 || grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  StreamCopyKernel<kUnroll, kAccess><<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(
+  StreamCopyKernel<kUnroll, kStreaming><<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(
       static_cast<const int4*>(src), static_cast<int4*>(dst), words);
   return cudaGetLastError();
 }
 
-template <Access kAccess>
+template <bool kStreaming>
 cudaError_t ByUnroll(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
                      cudaStream_t stream) {
   switch (s.unroll) {
     case 1:
-      return Launch<1, kAccess>(src, dst, words, s, stream);
+      return Launch<1, kStreaming>(src, dst, words, s, stream);
     case 4:
-      return Launch<4, kAccess>(src, dst, words, s, stream);
+      return Launch<4, kStreaming>(src, dst, words, s, stream);
     case 8:
-      return Launch<8, kAccess>(src, dst, words, s, stream);
+      return Launch<8, kStreaming>(src, dst, words, s, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -237,17 +200,8 @@ cudaError_t StreamCopy(const void* src, void* dst, int64_t bytes, const StreamCo
   }
   if (bytes == 0) return cudaSuccess;
   if (shape.bulk_chunk > 0) return LaunchBulk(src, dst, bytes, shape, stream);
-  const int64_t words = bytes / 16;
-  if (shape.streaming) return ByUnroll<Access::kStreaming>(src, dst, words, shape, stream);
-  switch (shape.l2) {
-    case CopyL2Hint::kNone:
-      return ByUnroll<Access::kPlain>(src, dst, words, shape, stream);
-    case CopyL2Hint::kLoadsEvictFirst:
-      return ByUnroll<Access::kLoadsEvictFirst>(src, dst, words, shape, stream);
-    case CopyL2Hint::kLoadsEvictFirstStoresEvictLast:
-      return ByUnroll<Access::kLoadsEvictFirstStoresEvictLast>(src, dst, words, shape, stream);
-  }
-  return cudaErrorInvalidValue;
+  return shape.streaming ? ByUnroll<true>(src, dst, bytes / 16, shape, stream)
+                         : ByUnroll<false>(src, dst, bytes / 16, shape, stream);
 }
 
 }  // namespace qtx::bench

@@ -20,14 +20,6 @@ namespace qtx::bench {
 // sm_90): one thread per CTA moves chunks of `bulk_chunk` bytes global ->
 // shared -> global with cp.async.bulk, `stages` chunks in flight per CTA
 // (`threads`, `unroll` and `streaming` are unused then).
-// `l2`: L2 eviction priorities of the plain copy's loads and stores, given
-// by a createpolicy cache hint (ld/st.global.L2::cache_hint); with
-// `streaming` false only.
-enum class CopyL2Hint {
-  kNone,
-  kLoadsEvictFirst,                // the source lines leave the L2 first
-  kLoadsEvictFirstStoresEvictLast  // ... and the copy's lines stay longest
-};
 struct StreamCopyShape {
   const char* name;
   int threads;
@@ -36,7 +28,6 @@ struct StreamCopyShape {
   bool streaming;
   int bulk_chunk = 0;
   int stages = 0;
-  CopyL2Hint l2 = CopyL2Hint::kNone;
 };
 
 // The shapes quantize_cuda_bench times (variants "kcopy_<name>").
@@ -46,8 +37,6 @@ inline constexpr StreamCopyShape kStreamCopyShapes[] = {
     {"t1024_c2_u4", 1024, 2, 4, true},
     {"t256_c8_u8", 256, 8, 8, true},
     {"t512_c4_u4_plain", 512, 4, 4, false},
-    {"t512_c4_u4_lf", 512, 4, 4, false, 0, 0, CopyL2Hint::kLoadsEvictFirst},
-    {"t512_c4_u4_lf_sl", 512, 4, 4, false, 0, 0, CopyL2Hint::kLoadsEvictFirstStoresEvictLast},
     {"t256_flat_u4", 256, 0, 4, true},
     {"bulk_c16k_s4_x2", 32, 2, 0, false, 16 << 10, 4},
     {"bulk_c8k_s6_x4", 32, 4, 0, false, 8 << 10, 6},

@@ -37,27 +37,9 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// An L2 eviction-priority policy for a cache-hinted access (sm_80+).
-__device__ __forceinline__ uint64_t L2EvictFirstPolicy() {
-  uint64_t p;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ uint64_t L2EvictLastPolicy() {
-  uint64_t p;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
 __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(smem_dst)),
                "l"(gmem_src));
-}
-// The same copy with an L2 cache policy for the source line.
-__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, uint64_t policy) {
-  asm volatile(
-      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem_dst)),
-      "l"(gmem_src), "l"(policy));
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -79,9 +61,6 @@ struct QuantizeArgs {
   float fp8_max, eps, value_for_inf;
   bool pow2;
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
-  bool store_evict_last;     // else L2 evict-last stores of the FP8 outputs
-  bool load_evict_first;     // L2 evict-first loads of the input (pipelined paths) ...
-  uint64_t load_policy;      // ... with this policy (EvictFirstPolicyValue)
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
   uint32_t* tile_counter;    // this stream's tile counter (0 between launches), or null
@@ -116,24 +95,9 @@ __device__ __forceinline__ void TileCoords(const QuantizeArgs& a, uint32_t tile,
 }
 
 template <typename T>
-__device__ __forceinline__ void StoreFp8(T* p, T v, const QuantizeArgs& a) {
-  if (a.stream_stores) {
+__device__ __forceinline__ void StoreFp8(T* p, T v, bool streaming) {
+  if (streaming) {
     __stcs(p, v);
-  } else if (a.store_evict_last) {
-    const uint64_t pol = L2EvictLastPolicy();
-    if constexpr (sizeof(T) == 16) {
-      asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
-                   "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol)
-                   : "memory");
-    } else if constexpr (sizeof(T) == 8) {
-      asm volatile("st.global.L2::cache_hint.v2.u32 [%0], {%1, %2}, %3;" ::"l"(p), "r"(v.x),
-                   "r"(v.y), "l"(pol)
-                   : "memory");
-    } else {
-      static_assert(sizeof(T) == 4, "FP8 stores are 4, 8 or 16 bytes");
-      asm volatile("st.global.L2::cache_hint.u32 [%0], %1, %2;" ::"l"(p), "r"(v), "l"(pol)
-                   : "memory");
-    }
   } else {
     *p = v;
   }
@@ -162,14 +126,6 @@ __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs
   const uint8_t* src = static_cast<const uint8_t*>(a.input) + (tm * kTile + r) * pitch +
                        (tn * kTile) * kElemBytes<D> + ch * 16;
   uint8_t* dst = stage + r * kRowBytes + ch * 16;
-  if (a.load_evict_first) {
-    const uint64_t pol = a.load_policy;
-#pragma unroll
-    for (int k = 0; k < kChunks / kThreads; ++k) {
-      CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch, pol);
-    }
-    return;
-  }
 #pragma unroll
   for (int k = 0; k < kChunks / kThreads; ++k) {
     CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
@@ -537,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         const uint2 b = Quantize8<F>(x[i], row_scale[i]);
         if (row_vec) {
           if (full || gm0 + i < a.m) {
-            StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a);
+            StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
           }
         } else if (gm0 + i < a.m) {
           const uint32_t words[2] = {b.x, b.y};
@@ -584,11 +540,11 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
           const int b0 = 4 * lane - mis;
           uint32_t* const dst = reinterpret_cast<uint32_t*>(seg - mis) + lane;
           if (mis == 0) {
-            StoreFp8(dst, word_at(b0), a);
+            StoreFp8(dst, word_at(b0), a.stream_stores);
           } else {
             if (b0 >= 0) {
               const uint32_t lo = word_at(b0), hi = word_at(b0 + 4);
-              StoreFp8(dst, __funnelshift_r(lo, hi, 8 * (b0 & 3)), a);
+              StoreFp8(dst, __funnelshift_r(lo, hi, 8 * (b0 & 3)), a.stream_stores);
             }
             if (lane == 0) {
               for (int b = 0; b < 4 - mis; ++b) seg[b] = row[((b >> 4) ^ sw) << 4 | (b & 15)];
@@ -609,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         const uint4 val =
             *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
         if (full && (kPath == kPathAligned || a.col_vec)) {
-          StoreFp8(reinterpret_cast<uint4*>(col_ptr), val, a);
+          StoreFp8(reinterpret_cast<uint4*>(col_ptr), val, a.stream_stores);
         } else if (n0 + nl < a.n) {
           const uint32_t words[4] = {val.x, val.y, val.z, val.w};
 #pragma unroll
@@ -719,33 +675,6 @@ cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
   return cudaSuccess;
 }
 
-__global__ void EvictFirstPolicyKernel(uint64_t* out) { *out = L2EvictFirstPolicy(); }
-
-// The bits of the L2 evict-first policy (createpolicy.fractional, fraction 1),
-// read back from the device once per process. The cp.async loads take it as a
-// kernel argument, not from a createpolicy in the same kernel: ptxas 13.x can
-// drop a createpolicy whose only users are cp.async.L2::cache_hint and leave
-// the loads reading an unset register (an illegal instruction at run time;
-// seen with CUDA 13.0 on the H200, session 18).
-cudaError_t EvictFirstPolicyValue(uint64_t* value) {
-  static std::once_flag once;
-  static uint64_t bits = 0;
-  static cudaError_t status = cudaSuccess;
-  std::call_once(once, [] {
-    uint64_t* d = nullptr;
-    status = cudaMalloc(&d, sizeof(uint64_t));
-    if (status != cudaSuccess) return;
-    EvictFirstPolicyKernel<<<1, 1>>>(d);
-    status = cudaGetLastError();
-    if (status == cudaSuccess) {
-      status = cudaMemcpy(&bits, d, sizeof(uint64_t), cudaMemcpyDeviceToHost);
-    }
-    cudaFree(d);
-  });
-  *value = bits;
-  return status;
-}
-
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_tiles,
                            cudaStream_t stream) {
@@ -840,13 +769,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   // and they leave the copies' last lines in L2 for the GEMM or all-gather
   // that reads them next.
   args.stream_stores = tuning.evict_first_outputs;
-  args.store_evict_last = tuning.evict_last_outputs;
-  args.load_evict_first = tuning.evict_first_inputs;
-  args.load_policy = 0;
-  if (args.load_evict_first) {
-    const cudaError_t err = EvictFirstPolicyValue(&args.load_policy);
-    if (err != cudaSuccess) return err;
-  }
   args.tile_counter = nullptr;  // set per launch by LaunchQuantize
 
   const bool aligned = m % kTile == 0 && n % kTile == 0 && Aligned16(input) &&

@@ -60,17 +60,12 @@ namespace detail {
 // of the persistent grid; 0 = the default; `evict_first_outputs` = evict-first (st.global.cs)
 // stores of the FP8 copies instead of the default plain ones; `fixed_tiles` = CTA b takes tiles b,
 // b + grid, ... instead of drawing them from the stream's tile counter (the default; 3 stages
-// always use the fixed share); `evict_last_outputs` = L2 evict-last stores of the FP8 copies
-// (unless `evict_first_outputs`); `evict_first_inputs` = L2 evict-first loads of the input
-// tiles (the pipelined paths' loads). Results are identical for every setting. Not part of the
-// stable API.
+// always use the fixed share). Results are identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool evict_first_outputs = false;
   bool fixed_tiles = false;
-  bool evict_last_outputs = false;
-  bool evict_first_inputs = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

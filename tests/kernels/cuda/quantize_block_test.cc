@@ -440,11 +440,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
               detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
               detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
-              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true},
-              detail::LaunchTuning{0, 0, false, false, true},
-              detail::LaunchTuning{0, 0, false, false, false, true},
-              detail::LaunchTuning{0, 0, false, false, true, true},
-              detail::LaunchTuning{3, 0, false, false, true, true}}) {
+              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -455,9 +451,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
                                   << (col ? " row+col" : " row") << " stages " << tuning.stages
                                   << " ctas/SM " << tuning.ctas_per_sm << " evict-first outputs "
                                   << tuning.evict_first_outputs << " fixed tiles "
-                                  << tuning.fixed_tiles << " evict-last outputs "
-                                  << tuning.evict_last_outputs << " evict-first inputs "
-                                  << tuning.evict_first_inputs;
+                                  << tuning.fixed_tiles;
         }
       }
   }
