@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "client/client_impl.h"
 #include "client/proto_convert.h"
+#include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
@@ -249,10 +250,8 @@ absl::StatusOr<QuantizedTensor> Client::Quantize(const Tensor& input, const Quan
   ToProto(outputs, request.mutable_outputs());
   SetCudaEvents(call, &request);
   v1::QuantizeResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->quantizer->Quantize(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->quantizer, &v1::Quantizer::Stub::Quantize, request, &response, call));
   return FromProto(std::move(*response.mutable_result()));
 }
 
@@ -265,10 +264,8 @@ absl::StatusOr<Tensor> Client::Dequantize(const QuantizedTensor& input, DType ou
   if (output) ToProto(*output, request.mutable_output());
   SetCudaEvents(call, &request);
   v1::DequantizeResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->quantizer->Dequantize(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->quantizer, &v1::Quantizer::Stub::Dequantize, request, &response, call));
   return FromProto(std::move(*response.mutable_output()));
 }
 
@@ -282,9 +279,7 @@ absl::Status Client::RegisterShmRegion(std::string_view name, std::string_view s
   shm->set_offset(offset);
   shm->set_byte_size(byte_size);
   v1::RegisterRegionResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
+  return impl_->Call(*impl_->memory, &v1::Memory::Stub::RegisterRegion, request, &response, call);
 }
 
 absl::Status Client::RegisterCudaIpcRegion(std::string_view name, std::string_view ipc_handle,
@@ -297,9 +292,7 @@ absl::Status Client::RegisterCudaIpcRegion(std::string_view name, std::string_vi
   ipc->set_device_id(device_id);
   ipc->set_byte_size(byte_size);
   v1::RegisterRegionResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
+  return impl_->Call(*impl_->memory, &v1::Memory::Stub::RegisterRegion, request, &response, call);
 }
 
 absl::Status Client::RegisterCudaIpcRegionOnGpu(std::string_view name, std::string_view ipc_handle,
@@ -312,9 +305,7 @@ absl::Status Client::RegisterCudaIpcRegionOnGpu(std::string_view name, std::stri
   ipc->set_device_uuid(std::string(device_uuid));
   ipc->set_byte_size(byte_size);
   v1::RegisterRegionResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
+  return impl_->Call(*impl_->memory, &v1::Memory::Stub::RegisterRegion, request, &response, call);
 }
 
 absl::Status Client::RegisterCudaVmmRegion(std::string_view name,
@@ -331,9 +322,7 @@ absl::Status Client::RegisterCudaVmmRegion(std::string_view name,
   vmm->set_byte_size(byte_size);
   vmm->set_device_uuid(std::string(device_uuid));
   v1::RegisterRegionResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  return FromGrpcStatus(impl_->memory->RegisterRegion(&ctx, request, &response));
+  return impl_->Call(*impl_->memory, &v1::Memory::Stub::RegisterRegion, request, &response, call);
 }
 
 absl::Status Client::RegisterShmRegion(const ShmRegion& region, const CallOptions& call) {
@@ -344,18 +333,14 @@ absl::Status Client::UnregisterRegion(std::string_view name, const CallOptions& 
   v1::UnregisterRegionRequest request;
   request.set_name(std::string(name));
   v1::UnregisterRegionResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  return FromGrpcStatus(impl_->memory->UnregisterRegion(&ctx, request, &response));
+  return impl_->Call(*impl_->memory, &v1::Memory::Stub::UnregisterRegion, request, &response, call);
 }
 
 absl::StatusOr<std::vector<RegionInfo>> Client::ListRegions(const CallOptions& call) {
   v1::ListRegionsRequest request;
   v1::ListRegionsResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->memory->ListRegions(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->memory, &v1::Memory::Stub::ListRegions, request, &response, call));
   std::vector<RegionInfo> out;
   out.reserve(response.regions_size());
   for (const v1::RegionInfo& r : response.regions()) out.push_back(FromProto(r));

@@ -1,5 +1,5 @@
-// Client::Impl: the channel, stubs and call preparation shared by the .cc
-// files that implement qtx::Client (client.cc, collective_client.cc,
+// Client::Impl: the channel, stubs, call preparation and unary calls shared
+// by the .cc files that implement qtx::Client (client.cc, collective_client.cc,
 // optimizer_client.cc). Internal to qtx_client (not installed).
 //
 // Thread safety: constant after construction except next_request (atomic);
@@ -15,9 +15,11 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/proto_convert.h"
 #include "qtx/client.h"
 #include "qtx/v1/channel.grpc.pb.h"
 #include "qtx/v1/collective.grpc.pb.h"
@@ -55,6 +57,18 @@ struct Client::Impl {
     ctx->AddMetadata("x-request-id", call.request_id.empty()
                                          ? absl::StrCat(id_prefix, "-", next_request.fetch_add(1))
                                          : call.request_id);
+  }
+
+  // One unary call of `method` on `stub` with a context made by Prepare; the
+  // gRPC status as an absl::Status (FromGrpcStatus). For example
+  // Call(*optimizer, &v1::Optimizer::Stub::Step, request, &response, call).
+  template <typename Stub, typename Request, typename Response>
+  absl::Status Call(Stub& stub,
+                    grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+                    const Request& request, Response* response, const CallOptions& call) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, call);
+    return client_internal::FromGrpcStatus((stub.*method)(&ctx, request, response));
   }
 };
 

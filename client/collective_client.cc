@@ -1,19 +1,17 @@
 // qtx::Client's Collective calls: plain types (qtx/collective_types.h) <->
 // qtx.v1.Collective messages, one unary RPC each.
-#include <grpcpp/client_context.h>
-
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "client/client_impl.h"
 #include "client/proto_convert.h"
+#include "common/status_macros.h"
 #include "qtx/client.h"
 #include "qtx/v1/collective.grpc.pb.h"
 
 namespace qtx {
 
-using client_internal::FromGrpcStatus;
 using client_internal::FromProto;
 using client_internal::SetCudaEvents;
 using client_internal::ToProto;
@@ -57,10 +55,8 @@ absl::StatusOr<CollectiveGroupInfo> Client::CreateGroup(const CollectiveGroupCon
   v1::CreateGroupRequest request;
   if (absl::Status s = ToProto(config, &request); !s.ok()) return s;
   v1::CreateGroupResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->collective->CreateGroup(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(impl_->Call(*impl_->collective, &v1::Collective::Stub::CreateGroup, request,
+                                  &response, call));
   return FromProto(response.group());
 }
 
@@ -80,10 +76,8 @@ absl::StatusOr<AllGatherResult> Client::AllGather(std::string_view group, uint64
   SetCudaEvents(call, &request);
   for (int64_t m : shard_rows) request.add_shard_rows(m);
   v1::AllGatherResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->collective->AllGather(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->collective, &v1::Collective::Stub::AllGather, request, &response, call));
   AllGatherResult result;
   result.tensor = FromProto(std::move(*response.mutable_result()));
   result.shard_rows.assign(response.shard_rows().begin(), response.shard_rows().end());
@@ -102,10 +96,8 @@ absl::StatusOr<ParameterAllGatherResult> Client::AllGatherParameter(
   ToProto(outputs, request.mutable_outputs());
   SetCudaEvents(call, &request);
   v1::AllGatherParameterResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->collective->AllGatherParameter(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(impl_->Call(*impl_->collective, &v1::Collective::Stub::AllGatherParameter,
+                                  request, &response, call));
   ParameterAllGatherResult result;
   result.tensor = FromProto(std::move(*response.mutable_result()));
   for (const v1::ShardRange& r : response.ranges()) result.ranges.push_back(FromProto(r));
@@ -116,18 +108,15 @@ absl::Status Client::DestroyGroup(std::string_view name, const CallOptions& call
   v1::DestroyGroupRequest request;
   request.set_name(std::string(name));
   v1::DestroyGroupResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  return FromGrpcStatus(impl_->collective->DestroyGroup(&ctx, request, &response));
+  return impl_->Call(*impl_->collective, &v1::Collective::Stub::DestroyGroup, request, &response,
+                     call);
 }
 
 absl::StatusOr<std::vector<CollectiveGroupInfo>> Client::ListGroups(const CallOptions& call) {
   v1::ListGroupsRequest request;
   v1::ListGroupsResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->collective->ListGroups(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->collective, &v1::Collective::Stub::ListGroups, request, &response, call));
   std::vector<CollectiveGroupInfo> out;
   out.reserve(response.groups_size());
   for (const v1::GroupInfo& g : response.groups()) out.push_back(FromProto(g));

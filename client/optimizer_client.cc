@@ -8,6 +8,7 @@
 
 #include "client/client_impl.h"
 #include "client/proto_convert.h"
+#include "common/status_macros.h"
 #include "qtx/client.h"
 #include "qtx/v1/optimizer.grpc.pb.h"
 
@@ -107,10 +108,8 @@ absl::StatusOr<OptimizerGroupInfo> Client::OffloadOptimizerState(
     if (p.shard) ToProto(*p.shard, out->mutable_shard());
   }
   v1::OffloadOptimizerStateResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->optimizer->OffloadOptimizerState(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::OffloadOptimizerState,
+                                  request, &response, call));
   return GroupFromProto(response.group());
 }
 
@@ -142,10 +141,8 @@ absl::StatusOr<OptimizerStepResult> Client::Step(std::string_view group, int64_t
   request.set_sequence(options.sequence);
   SetCudaEvents(call, &request);
   v1::StepResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->optimizer->Step(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::Step, request, &response, call));
   OptimizerStepResult result;
   const v1::StepStats& s = response.stats();
   result.stats = {s.step(),      s.grad_norm(), s.skipped(), s.non_finite(),
@@ -214,10 +211,8 @@ absl::StatusOr<OptimizerState> Client::GetState(std::string_view group,
     if (d.exp_avg_sq) ToProto(*d.exp_avg_sq, out->mutable_exp_avg_sq());
   }
   v1::GetStateResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->optimizer->GetState(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::GetState, request, &response, call));
   OptimizerState state;
   state.group = GroupFromProto(response.group());
   state.parameters.reserve(response.parameters_size());
@@ -237,10 +232,8 @@ absl::StatusOr<std::vector<CheckpointInfo>> Client::SaveCheckpoint(std::string_v
   v1::SaveCheckpointRequest request;
   request.set_group(std::string(group));
   v1::SaveCheckpointResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->optimizer->SaveCheckpoint(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::SaveCheckpoint, request,
+                                  &response, call));
   std::vector<CheckpointInfo> out;
   out.reserve(response.checkpoints_size());
   for (const v1::CheckpointInfo& c : response.checkpoints()) {
@@ -255,10 +248,8 @@ absl::StatusOr<OptimizerGroupInfo> Client::LoadCheckpoint(std::string_view group
   request.set_group(std::string(group));
   request.set_previous(previous);
   v1::LoadCheckpointResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->optimizer->LoadCheckpoint(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::LoadCheckpoint, request,
+                                  &response, call));
   return GroupFromProto(response.group());
 }
 
@@ -275,10 +266,8 @@ absl::StatusOr<OptimizerGroupInfo> Client::LoadResharded(std::string_view group,
     ToProto(s.range, p->mutable_range());
   }
   v1::LoadCheckpointResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->optimizer->LoadCheckpoint(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::LoadCheckpoint, request,
+                                  &response, call));
   return GroupFromProto(response.group());
 }
 
@@ -286,18 +275,15 @@ absl::Status Client::ReleaseGroup(std::string_view group, const CallOptions& cal
   v1::ReleaseGroupRequest request;
   request.set_group(std::string(group));
   v1::ReleaseGroupResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  return FromGrpcStatus(impl_->optimizer->ReleaseGroup(&ctx, request, &response));
+  return impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::ReleaseGroup, request, &response,
+                     call);
 }
 
 absl::StatusOr<OptimizerGroupList> Client::ListOptimizerGroups(const CallOptions& call) {
   v1::ListOptimizerGroupsRequest request;
   v1::ListOptimizerGroupsResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  grpc::Status status = impl_->optimizer->ListGroups(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::ListGroups, request, &response, call));
   OptimizerGroupList out;
   for (const v1::OptimizerGroupInfo& g : response.groups()) out.groups.push_back(GroupFromProto(g));
   out.memory_limit_bytes = response.memory_limit_bytes();
