@@ -1,7 +1,5 @@
 // qtx::Client's Optimizer calls: plain types (qtx/optimizer_types.h) <->
 // qtx.v1.Optimizer messages, one unary RPC each.
-#include <grpcpp/client_context.h>
-
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,7 +12,6 @@
 
 namespace qtx {
 
-using client_internal::FromGrpcStatus;
 using client_internal::FromProto;
 using client_internal::SetCudaEvents;
 using client_internal::ToProto;
@@ -172,18 +169,10 @@ absl::StatusOr<GradNormResult> Client::GradNorm(std::string_view group, int64_t 
     out->set_name(g.name);
     ToProto(g.grad, out->mutable_grad());
   }
-  if (!call.cuda_wait_event.empty()) {
-    request.mutable_cuda_events()->set_wait_event(call.cuda_wait_event);
-  }
-  if (!call.cuda_signal_event.empty()) {
-    request.mutable_cuda_events()->set_signal_event(call.cuda_signal_event);
-  }
+  SetCudaEvents(call, &request);
   v1::GradNormResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
-  v1::Optimizer::Stub stub(impl_->channel);
-  grpc::Status status = stub.GradNorm(&ctx, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  QTX_RETURN_IF_ERROR(
+      impl_->Call(*impl_->optimizer, &v1::Optimizer::Stub::GradNorm, request, &response, call));
   GradNormResult r;
   r.step = response.step();
   r.sum_squares = response.sum_squares();

@@ -54,7 +54,8 @@ CollectiveGroupInfo FromProto(const v1::GroupInfo& in);
 
 // Sets request->cuda_events from call.cuda_wait_event / cuda_signal_event
 // (each only when given; the field stays unset when neither is). For every
-// request with a cuda_events field (Quantize, Dequantize, AllGather, Step).
+// request with a cuda_events field (Quantize, Dequantize, AllGather,
+// AllGatherParameter, Step, GradNorm).
 template <typename Request>
 void SetCudaEvents(const CallOptions& call, Request* request) {
   if (!call.cuda_wait_event.empty()) {
