@@ -326,6 +326,23 @@ static_assert(sizeof(OneRoundHeader) % 4 == 0);
 constexpr uint32_t kAgreedBytes = offsetof(OneRoundHeader, rank);
 constexpr uint32_t kStatusCodeOffset = offsetof(OneRoundHeader, status);
 
+// The fields of either header (WireHeader, OneRoundHeader) that come from
+// the request and that every rank must send identically: the sequence, the
+// dtype, the mode and the quantize config `p`.
+template <typename Header>
+void SetRequestFields(const AllGatherRequestSpec& request, const kernels::QuantizeParams& p,
+                      Header* h) {
+  h->sequence = request.sequence;
+  h->dtype = static_cast<int32_t>(request.input.dtype);
+  h->mode = static_cast<int32_t>(request.mode);
+  h->scaling = static_cast<int32_t>(p.scaling);
+  h->format = static_cast<int32_t>(p.format);
+  h->rowwise = p.rowwise;
+  h->columnwise = p.columnwise;
+  h->pow2 = p.force_pow2_scales;
+  std::memcpy(&h->epsilon_bits, &p.amax_epsilon, 4);
+}
+
 // 64-bit FNV-1a: a fixed function (unlike absl::Hash, which is seeded per
 // process), so every sidecar computes the same digest of the same fields.
 class Fnv1a64 {
@@ -667,15 +684,7 @@ void AllGatherCall::ValidateLocally() {
 
 absl::Status AllGatherCall::ExchangeHeaders() {
   WireHeader mine;
-  mine.sequence = request.sequence;
-  mine.dtype = static_cast<int32_t>(request.input.dtype);
-  mine.mode = static_cast<int32_t>(request.mode);
-  mine.scaling = static_cast<int32_t>(p.scaling);
-  mine.format = static_cast<int32_t>(p.format);
-  mine.rowwise = p.rowwise;
-  mine.columnwise = p.columnwise;
-  mine.pow2 = p.force_pow2_scales;
-  std::memcpy(&mine.epsilon_bits, &p.amax_epsilon, 4);
+  SetRequestFields(request, p, &mine);
   if (local.ok()) {
     mine.n = local->mn.n;
     mine.m = local->mn.m;
@@ -1167,16 +1176,8 @@ absl::StatusOr<AllGatherResult> AllGatherCall::RunOneRound() {
   uint8_t* my = base + slot_bytes * rank;
   OneRoundHeader hdr;
   hdr.slot_bytes = slot_bytes;
-  hdr.sequence = request.sequence;
+  SetRequestFields(request, p, &hdr);
   hdr.n = n;
-  hdr.dtype = static_cast<int32_t>(request.input.dtype);
-  hdr.mode = static_cast<int32_t>(request.mode);
-  hdr.scaling = static_cast<int32_t>(p.scaling);
-  hdr.format = static_cast<int32_t>(p.format);
-  hdr.rowwise = p.rowwise;
-  hdr.columnwise = p.columnwise;
-  hdr.pow2 = p.force_pow2_scales;
-  std::memcpy(&hdr.epsilon_bits, &p.amax_epsilon, 4);
   hdr.world = world;
   hdr.rank = rank;
   hdr.shard_rows_digest = ShardRowsDigest(request.shard_rows);
