@@ -139,6 +139,31 @@ void AttachOwnScalars(const GroupState& s, const kernels::AdamWHyperParams& h, i
   }
 }
 
+// The constants of the next step of `s` (update s.update_count + 1): the
+// group's hyper-parameters with this step's `lr`, gradients scaled by
+// `grad_scale`. Returns the call's constants; those of parameters with their
+// own weight decay or lr scale are attached to kb (AttachOwnScalars, `own`).
+kernels::AdamWScalars NextStepScalars(const GroupState& s, double lr, double grad_scale,
+                                      std::span<kernels::cpu::AdamWParamBuffers> kb,
+                                      std::vector<kernels::AdamWScalars>& own) {
+  kernels::AdamWHyperParams h = s.config.hyper;
+  h.lr = lr;
+  const kernels::AdamWScalars scalars =
+      kernels::MakeAdamWScalars(h, s.update_count + 1, grad_scale);
+  AttachOwnScalars(s, h, s.update_count + 1, grad_scale, kb, own);
+  return scalars;
+}
+
+// One fused AdamW step of every parameter of `s` (NextStepScalars), then
+// s.update_count advanced.
+void FusedStep(GroupState& s, double lr, double grad_scale,
+               std::span<kernels::cpu::AdamWParamBuffers> kb, int threads) {
+  std::vector<kernels::AdamWScalars> own;
+  const kernels::AdamWScalars scalars = NextStepScalars(s, lr, grad_scale, kb, own);
+  kernels::cpu::AdamWStepFused(kb, scalars, threads);
+  ++s.update_count;
+}
+
 // The kernel buffers of every parameter of `s` for one AdamW step over the
 // gradients and outputs of `bufs`. `owned_slices` (a data-parallel sharded
 // group): the update is element-wise, so each owned slice is stepped as a
@@ -585,8 +610,6 @@ PipelineOutcome RunPipelinedStep(GroupState& s, std::span<kernels::cpu::AdamWPar
     if (bufs.omit_outputs || !r.delivery.ok()) return;
     r.delivery = h.OutputsWritten(i);
   };
-  kernels::AdamWHyperParams hp = s.config.hyper;
-  hp.lr = stats.lr;
   const bool norm_first = options.max_grad_norm.has_value() || options.skip_if_non_finite;
   if (norm_first) {
     for (size_t i = 0; i < np; ++i) {
@@ -604,10 +627,8 @@ PipelineOutcome RunPipelinedStep(GroupState& s, std::span<kernels::cpu::AdamWPar
         const double coef = *options.max_grad_norm / (stats.grad_norm + 1e-6);
         if (coef < 1.0) stats.clip_coef = coef;
       }
-      const kernels::AdamWScalars scalars =
-          kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
       std::vector<kernels::AdamWScalars> own;
-      AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
+      const kernels::AdamWScalars scalars = NextStepScalars(s, stats.lr, stats.clip_coef, kb, own);
       for (size_t i = 0; i < np; ++i) {
         kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
         deliver(i);
@@ -616,10 +637,8 @@ PipelineOutcome RunPipelinedStep(GroupState& s, std::span<kernels::cpu::AdamWPar
     }
   } else {
     stats.clip_coef = options.clip_factor.value_or(1.0);
-    const kernels::AdamWScalars scalars =
-        kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
     std::vector<kernels::AdamWScalars> own;
-    AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
+    const kernels::AdamWScalars scalars = NextStepScalars(s, stats.lr, stats.clip_coef, kb, own);
     for (size_t i = 0; i < np; ++i) {
       if (absl::Status st = arrive(i); !st.ok()) return fail(st, i);
       kernels::cpu::AdamWStepFused(kb.subspan(i, 1), scalars, threads);
@@ -879,14 +898,7 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
     // The caller's clip factor (two-phase step): the norm was measured by
     // GradNorm; the update is the one-phase one with this coefficient.
     stats.clip_coef = *options.clip_factor;
-    kernels::AdamWHyperParams h = s.config.hyper;
-    h.lr = stats.lr;
-    const kernels::AdamWScalars scalars =
-        kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
-    std::vector<kernels::AdamWScalars> own;
-    AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
-    kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
-    ++s.update_count;
+    FusedStep(s, stats.lr, stats.clip_coef, kb, options_.num_threads);
   } else {
     const kernels::cpu::GradNormResult norm =
         kernels::cpu::GradSumSquares(kb, options_.num_threads);
@@ -904,14 +916,7 @@ absl::StatusOr<StepStats> OptimizerStore::Step(std::string_view name, const Step
         const double coef = *options.max_grad_norm / (stats.grad_norm + 1e-6);
         if (coef < 1.0) stats.clip_coef = coef;
       }
-      kernels::AdamWHyperParams h = s.config.hyper;
-      h.lr = stats.lr;
-      const kernels::AdamWScalars scalars =
-          kernels::MakeAdamWScalars(h, s.update_count + 1, stats.clip_coef);
-      std::vector<kernels::AdamWScalars> own;
-      AttachOwnScalars(s, h, s.update_count + 1, stats.clip_coef, kb, own);
-      kernels::cpu::AdamWStepFused(kb, scalars, options_.num_threads);
-      ++s.update_count;
+      FusedStep(s, stats.lr, stats.clip_coef, kb, options_.num_threads);
     }
   }
   s.config.step = options.step;
@@ -986,12 +991,8 @@ absl::StatusOr<StepStats> OptimizerStore::StepSharded(Group& g, std::string_view
   stats.lr = options.lr.value_or(s.config.hyper.lr);
   stats.clip_coef = options.clip_factor.value_or(1.0);
   const bool measure = !options.clip_factor.has_value();
-  kernels::AdamWHyperParams hp = s.config.hyper;
-  hp.lr = stats.lr;
-  const kernels::AdamWScalars scalars =
-      kernels::MakeAdamWScalars(hp, s.update_count + 1, stats.clip_coef);
   std::vector<kernels::AdamWScalars> own;
-  AttachOwnScalars(s, hp, s.update_count + 1, stats.clip_coef, kb, own);
+  const kernels::AdamWScalars scalars = NextStepScalars(s, stats.lr, stats.clip_coef, kb, own);
   StepHooks* const hooks = bufs.hooks.get();
   if (hooks != nullptr) {
     if (absl::Status st = hooks->Begin(/*gradients=*/true); !st.ok()) {
