@@ -51,6 +51,24 @@ absl::StatusOr<CuMemGetAddressRangeFn> AddressRangeFn() {
   return *fn;
 }
 
+// Sets each slot of `wanted` to the driver function of that name (CUDA 12
+// ABI), found through the runtime like cuMemGetAddressRange above.
+// FAILED_PRECONDITION naming the first one the driver lacks and `users`, what
+// needs them ("the CUDA driver has no X (<users> need a CUDA 12+ driver)").
+absl::Status LoadDriverSymbols(std::span<const std::pair<const char*, void**>> wanted,
+                               const char* users) {
+  for (const auto& [symbol, slot] : wanted) {
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    QTX_CUDA_RETURN_IF_ERROR(
+        cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query));
+    if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("the CUDA driver has no %s (%s need a CUDA 12+ driver)", symbol, users));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Stream memory operations from the driver, found the same way.
 using CuStreamWaitValue64Fn = CUresult (*)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
                                            unsigned int flags);
@@ -72,16 +90,7 @@ absl::StatusOr<StreamMemOps> GetStreamMemOps() {
             {"cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait)},
             {"cuStreamWriteValue64", reinterpret_cast<void**>(&o.write)},
             {"cuDeviceGetAttribute", reinterpret_cast<void**>(&o.get_attribute)}};
-        for (const auto& [symbol, slot] : wanted) {
-          cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-          QTX_CUDA_RETURN_IF_ERROR(
-              cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query));
-          if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
-            return absl::FailedPreconditionError(absl::StrFormat(
-                "the CUDA driver has no %s (stream memory operations need a CUDA 12+ driver)",
-                symbol));
-          }
-        }
+        QTX_RETURN_IF_ERROR(LoadDriverSymbols(wanted, "stream memory operations"));
         return o;
       }());
   return *ops;
@@ -649,15 +658,7 @@ absl::StatusOr<VmmOps> GetVmmOps() {
         {"cuMemSetAccess", reinterpret_cast<void**>(&o.set_access)},
         {"cuMemRelease", reinterpret_cast<void**>(&o.release)},
         {"cuGetErrorName", reinterpret_cast<void**>(&o.error_name)}};
-    for (const auto& [symbol, slot] : wanted) {
-      cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-      QTX_CUDA_RETURN_IF_ERROR(
-          cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query));
-      if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "the CUDA driver has no %s (cuda_vmm regions need a CUDA 12+ driver)", symbol));
-      }
-    }
+    QTX_RETURN_IF_ERROR(LoadDriverSymbols(wanted, "cuda_vmm regions"));
     return o;
   }());
   return *ops;
