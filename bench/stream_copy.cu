@@ -150,8 +150,6 @@ cudaError_t ByUnroll(const void* src, void* dst, int64_t words, const StreamCopy
   switch (s.unroll) {
     case 1:
       return Launch<1, kStreaming>(src, dst, words, s, stream);
-    case 2:
-      return Launch<2, kStreaming>(src, dst, words, s, stream);
     case 4:
       return Launch<4, kStreaming>(src, dst, words, s, stream);
     case 8:
