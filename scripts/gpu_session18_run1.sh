@@ -1,5 +1,7 @@
 #!/bin/bash
-# Session 18's first GPU run (one H200, no MPS):
+# Session 18's first and second GPU runs (one H200, no MPS; run 2 with the
+# evict-first policy of the cp.async loads passed in as a kernel argument,
+# commit bcb2dce; both stopped at an illegal instruction in those loads):
 #  1. kernels_cuda_test whole: dd07d47 (TensorAmax's kAmaxPerThread) and the
 #     block kernel's new L2 tunings (evict-last FP8 stores, evict-first input
 #     loads), each compared with the CPU reference byte for byte;
