@@ -173,9 +173,11 @@ if has_step tsan; then
     return "$rc"
   }
   # QTX_TSAN_CANARY_RUNS repeats each mode (default 3). A racy mode gets up to
-  # three attempts per run: TSan missed after_notify's race once in a clean-
-  # clone CI run (run 3 of 3; 0 misses in 350 runs here after it, idle and
-  # loaded), while a blind setup misses every attempt. Retries are logged.
+  # three attempts per run, while a blind setup misses every attempt. Retries
+  # are logged. The misses seen in CI (after_notify once, then unlocked three
+  # times in a row) came from the two racy accesses happening at the same
+  # instant, which TSan's runtime can miss; the canary now orders them in time
+  # (tests/robustness/tsan_canary.cc, session 18: 0 misses in 150 runs a mode).
   runs="${QTX_TSAN_CANARY_RUNS:-3}"
   reported() { grep -q "WARNING: ThreadSanitizer: data race" "$1"; }
   for ((i = 1; i <= runs; ++i)); do
