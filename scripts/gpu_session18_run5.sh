@@ -12,7 +12,7 @@ B=$(cd "$(dirname "$0")" && pwd)
 qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
 for t in cuda_device_test cuda_e2e_test nccl_communicator_test optimizer_cuda_e2e_test \
          optimizer_shard_cuda_e2e_test; do
-  step "$t" 120 "$B/bin/$t"
+  step "$t" 120 "$B/bin/$t" --qtxd="$B/bin/qtxd"  # (run 5 lacked --qtxd; run 6 reran these 3)
 done
 suite() {  # suite MPS(0|1) PLAN_FILTER
   step "plan_mps$1" 60 "$B/bin/cuda_plan_test" --qtxd="$B/bin/qtxd" --gtest_filter="$2"
