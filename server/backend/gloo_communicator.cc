@@ -1,10 +1,13 @@
 #include "server/backend/gloo_communicator.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -103,6 +106,23 @@ absl::Status Guard(const std::string& what, absl::Time deadline, const std::func
   }
 }
 
+// Gloo's TCP transport sends with writev, which raises SIGPIPE when the peer
+// has closed its end, and SIGPIPE's default action ends the process. qtxd
+// ignores SIGPIPE in main; a process that runs a Gloo group in-process (the
+// tests do) gets the same here, once, unless it installed a handler of its
+// own. The failed write then reports EPIPE, and the group breaks with an
+// error instead of killing the process (seen: a CI run of the group
+// registry's tests under ASan died with SIGPIPE, session 18).
+void IgnoreSigpipeUnlessHandled() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
+
 }  // namespace
 
 // Registers a collective's Gloo buffers for Abort() while in scope.
@@ -147,6 +167,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     return absl::DeadlineExceededError(absl::StrCat(name, ": deadline passed before connecting"));
   }
 
+  IgnoreSigpipeUnlessHandled();
   std::shared_ptr<gloo::rendezvous::Context> context;
   absl::Status s = Guard(absl::StrCat(name, ": connecting"), options.deadline, [&] {
     gloo::transport::tcp::attr attr;

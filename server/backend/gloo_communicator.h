@@ -22,6 +22,11 @@
 // in a second Gloo all-gather for contributions longer than the first
 // message's room.
 //
+// SIGPIPE: Gloo writes to its TCP peers with writev, and a write to a peer
+// that has gone away raises SIGPIPE. The first Create() in a process sets
+// SIGPIPE to ignored when it still has its default action (which ends the
+// process), as qtxd's main does; a handler the process installed is kept.
+//
 // Thread safety: as Communicator (one collective caller at a time).
 #ifndef QTX_SERVER_BACKEND_GLOO_COMMUNICATOR_H_
 #define QTX_SERVER_BACKEND_GLOO_COMMUNICATOR_H_

@@ -2,6 +2,9 @@
 // rendezvous store a KvStore.
 #include "server/backend/gloo_communicator.h"
 
+#include <signal.h>
+
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -168,6 +171,50 @@ TEST(GlooCommunicator, CreateTimesOutWhenAPeerNeverPublishes) {
   o.deadline = absl::Now() + absl::Milliseconds(300);
   EXPECT_THAT(GlooCommunicator::Create(o),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("gloo[group=t rank=0/2]")));
+}
+
+// A peer that goes away while this rank sends to it: the send reports an
+// error naming the communicator, and the process lives on. (Whether Gloo's
+// write then meets the closed socket, where SIGPIPE would end a process that
+// had not ignored it, depends on timing; the death test below checks that
+// Create() ignores SIGPIPE. A CI run of the group registry's tests died of
+// SIGPIPE before it did.)
+TEST(GlooCommunicator, PeerGoneMidSendIsAnErrorNotASignal) {
+  collective::KvStore store;
+  auto comms = Connect(store, 2, "p/", absl::Seconds(10));
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  comms[1].reset();  // closes rank 1's connections
+  // Several megabytes: more than the sockets' buffers hold, so rank 0 keeps
+  // writing after the peer has closed.
+  const std::vector<uint64_t> sizes = {uint64_t{16} << 20, uint64_t{16} << 20};
+  std::vector<uint8_t> send(sizes[0], 7), recv(sizes[0] + sizes[1]);
+  const absl::Status s =
+      comms[0]->AllGatherV(send.data(), sizes, recv.data(), {absl::Now() + absl::Seconds(5)});
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr("gloo[group=t rank=0/2]"));
+}
+
+// In a fresh process (death-test child): the first Create() sets SIGPIPE from
+// its default action to ignored, and keeps a handler the process installed.
+void ExitWithSigpipeAfterCreate(bool own_handler) {
+  if (own_handler)
+    signal(
+        SIGPIPE, +[](int) {});
+  const sighandler_t before = signal(SIGPIPE, SIG_DFL);
+  signal(SIGPIPE, before);
+  collective::KvStore store;
+  auto comms = Connect(store, 1, "s/", absl::Seconds(10));
+  struct sigaction now {};
+  sigaction(SIGPIPE, nullptr, &now);
+  const bool ok =
+      comms[0] != nullptr && (own_handler ? now.sa_handler == before : now.sa_handler == SIG_IGN);
+  std::_Exit(ok ? 0 : 1);
+}
+
+TEST(GlooCommunicatorDeathTest, CreateIgnoresSigpipeUnlessTheProcessHandlesIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: Create() not yet called
+  EXPECT_EXIT(ExitWithSigpipeAfterCreate(false), ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(ExitWithSigpipeAfterCreate(true), ::testing::ExitedWithCode(0), "");
 }
 
 TEST(GlooCommunicator, RejectsBadOptions) {
