@@ -154,6 +154,8 @@ cudaError_t ByUnroll(const void* src, void* dst, int64_t words, const StreamCopy
       return Launch<4, kStreaming>(src, dst, words, s, stream);
     case 8:
       return Launch<8, kStreaming>(src, dst, words, s, stream);
+    case 16:
+      return Launch<16, kStreaming>(src, dst, words, s, stream);
   }
   return cudaErrorInvalidValue;
 }

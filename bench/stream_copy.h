@@ -41,6 +41,8 @@ inline constexpr StreamCopyShape kStreamCopyShapes[] = {
     {"t1024_c2_u4_plain", 1024, 2, 4, false},
     {"t256_flat_u4_plain", 256, 0, 4, false},
     {"t256_c2_u8_plain", 256, 2, 8, false},
+    {"t256_c2_u16_plain", 256, 2, 16, false},
+    {"t512_c2_u8_plain", 512, 2, 8, false},
     {"t256_flat_u4", 256, 0, 4, true},
     {"bulk_c16k_s4_x2", 32, 2, 0, false, 16 << 10, 4},
     {"bulk_c8k_s6_x4", 32, 4, 0, false, 8 << 10, 6},

@@ -253,6 +253,40 @@ QTX_HD float ScaleInv(float scale) {
 #endif
 }
 
+// ComputeScale(amax, fp8_max, /*force_pow2=*/true, eps, value_for_inf), bit for bit for every
+// input, without the division: the GPU kernels' scale when pow2 scales are asked for. For a
+// normal amax = ma * 2^ea and fp8_max = mf * 2^ef (ma, mf in [1, 2)), fp8_max / amax =
+// (mf / ma) * 2^(ef - ea). If ma <= mf, mf / ma lies in [1, mf] and its rounding stays below 2
+// (mf <= 2 - 2^-23), so the power of two is 2^(ef - ea). If ma > mf, then ma >= mf + 2^-23 (both
+// on the 2^-23 grid), so mf / ma < 1 - 2^-24 rounds below 1 and the power is 2^(ef - ea - 1).
+// An exponent past 127 is the overflow to Inf, which ComputeScale replaces with value_for_inf
+// (truncated to a power of two). Zero, subnormal, Inf and NaN amaxes, a subnormal scale and an
+// unusual fp8_max take ComputeScale itself. tests/kernels/cpu/fp8_test.cc and the GPU cast test
+// compare the two over every FP32 amax.
+QTX_HD float ComputeScalePow2(float amax, float fp8_max, float eps, float value_for_inf) {
+  if (amax < eps) amax = eps;  // NaN stays NaN
+  const uint32_t a = FloatBits(amax), f = FloatBits(fp8_max);
+  const uint32_t ea = a >> 23, ef = f >> 23;  // with the sign bit: negatives fall back too
+  if (ea - 1u >= 254u || ef - 1u >= 254u) {   // 0, subnormal, Inf, NaN or negative
+    return ComputeScale(amax, fp8_max, true, eps, value_for_inf);
+  }
+  const int e = static_cast<int>(ef) - static_cast<int>(ea) -
+                ((a & 0x7FFFFFu) > (f & 0x7FFFFFu) ? 1 : 0);  // the scale's unbiased exponent
+  if (e > 127) return BitsToFloat(FloatBits(value_for_inf) & 0xFF800000u);
+  if (e < -126) return ComputeScale(amax, fp8_max, true, eps, value_for_inf);
+  return BitsToFloat(static_cast<uint32_t>(e + 127) << 23);
+}
+
+// ScaleInv(scale), bit for bit for every input: 2^-e for a power of two 2^e with e in
+// [-126, 126] (exact, no rounding), ScaleInv itself for anything else.
+QTX_HD float ScaleInvPow2(float scale) {
+  const uint32_t s = FloatBits(scale);
+  if ((s & 0x807FFFFFu) == 0 && s - (1u << 23) < (253u << 23)) {
+    return BitsToFloat((254u << 23) - s);
+  }
+  return ScaleInv(scale);
+}
+
 // Running amax step: NaN elements are ignored (CUDA fmaxf semantics), the
 // result never decreases. Order-independent.
 QTX_HD float AmaxUpdate(float amax, float x) {

@@ -1,6 +1,7 @@
 // CUDA block-scaled FP8 quantize / dequantize (docs/numerics.md §2-§4), bit-exact
 // with kernels/cpu/quantize_block.cc. Scale math comes from kernels/fp8.h
-// (ComputeScale / ScaleInv: IEEE division, never fast-math); the FP32 -> FP8
+// (ComputeScale / ScaleInv: IEEE division, never fast-math; pow2 scales by
+// ComputeScalePow2 / ScaleInvPow2, the same bits without a division); the FP32 -> FP8
 // cast is the hardware cvt.rn.satfinite, which equals EncodeFp8 bit for bit
 // (tests/kernels/cuda prove it over every BF16 and every FP32 pattern).
 #include <cuda_runtime.h>
@@ -60,11 +61,23 @@ struct QuantizeArgs {
   int64_t sr_pitch, sc_pitch;  // row pitch (elements) of the scale matrices
   float fp8_max, eps, value_for_inf;
   bool pow2;
+  bool fast_pow2;            // pow2 scales by ComputeScalePow2 / ScaleInvPow2 (the same bits)
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
   int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
   uint32_t* tile_counter;    // this stream's tile counter (0 between launches), or null
 };
+
+// A block's scale and the stored scale_inv (docs/numerics.md §2). Pow2 scales
+// take the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2, which give
+// ComputeScale's and ScaleInv's bits without a division or a reciprocal.
+__device__ __forceinline__ float BlockScale(const QuantizeArgs& a, float amax) {
+  return a.fast_pow2 ? ComputeScalePow2(amax, a.fp8_max, a.eps, a.value_for_inf)
+                     : ComputeScale(amax, a.fp8_max, a.pow2, a.eps, a.value_for_inf);
+}
+__device__ __forceinline__ float BlockScaleInv(const QuantizeArgs& a, float scale) {
+  return a.fast_pow2 ? ScaleInvPow2(scale) : ScaleInv(scale);
+}
 
 // How a launch loads and stores its tiles.
 constexpr int kPathTail = 0;     // every tile bounds-checked, synchronous loads
@@ -203,19 +216,20 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 //
 // Tile order. The persistent grid's CTAs share the tiles one of two ways:
 // * the fixed share: CTA b takes tiles b, b + grid, b + 2 grid, ...;
-// * drawn tiles (a.tile_counter set; the pipelined paths at 2 stages): CTA b
-//   starts with tile b; every further tile is grid + a ticket that thread 0
-//   draws from the counter (atomicAdd), so that a CTA on an SM that runs
-//   faster (nearer its data's half of the L2, say) takes more tiles and all
-//   finish together. Thread 0 draws the ticket of tile k + 2 at the top of
-//   iteration k, as soon as it knows that tile k + 1 exists, ahead of the
-//   iteration's loads, and publishes it through tile_slot at the top of
-//   iteration k + 1, before the barrier that makes it visible: the atomic has
-//   a whole tile's time to return. A CTA stops drawing after its first ticket
-//   past the end, so a launch draws exactly num_tiles tickets; the draw of
-//   ticket num_tiles - 1 is the last one and resets the counter to 0 for the
-//   next launch on this stream (the launcher gives each stream its own
-//   counter).
+// * drawn tiles (a.tile_counter set; the pipelined paths): with A = kStages - 1
+//   tiles loading ahead of the one being processed, CTA b starts with tiles
+//   b, b + grid, ..., b + (A - 1) grid; every further tile is A grid + a
+//   ticket that thread 0 draws from the counter (atomicAdd), so that a CTA on
+//   an SM that runs faster (nearer its data's half of the L2, say) takes more
+//   tiles and all finish together. Thread 0 draws the ticket of iteration
+//   k + A + 1 at the top of iteration k, as soon as it knows that the tile of
+//   iteration k + A exists, ahead of the iteration's loads, and publishes it
+//   through tile_slot at the top of iteration k + 1, before the barrier that
+//   makes it visible: the atomic has a whole tile's time to return. A CTA
+//   stops drawing after its first ticket past the end, so a launch draws
+//   exactly num_tiles - (A - 1) grid tickets; the draw of the last of them is
+//   the launch's last draw and resets the counter to 0 for the next launch on
+//   this stream (the launcher gives each stream its own counter).
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages>
 __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     QuantizeBlockKernel(const QuantizeArgs a) {
@@ -223,8 +237,9 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
-  // Drawn tiles (uniform across the grid): their stage of tile k is k % 2.
-  const bool dyn = kPipelined && kStages == 2 && a.tile_counter != nullptr;
+  // Drawn tiles (uniform across the grid); the stage of iteration k is k % kStages either way.
+  const bool dyn = kPipelined && a.tile_counter != nullptr;
+  constexpr int kAhead = kStages > 1 ? kStages - 1 : 1;  // tiles loading ahead of the current one
   using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
@@ -243,10 +258,15 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   const int q = tid >> 4, v = tid & 15;
   const uint32_t num_tiles = static_cast<uint32_t>(a.num_tiles);
   const uint32_t count = (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
-  __shared__ uint32_t tile_slot[2];  // dyn: tile of iteration k + 1 in slot (k + 1) % 2
-  uint32_t next_tile = 0;            // dyn: the tile of the next iteration
-  uint32_t ticket = 0;               // dyn, thread 0: the last ticket drawn ...
-  bool fetched = false;              // ... and not yet published (at most one)
+  __shared__ uint32_t tile_slot[2];  // dyn: the tile of iteration k + kAhead, in slot k % 2
+  uint32_t ahead[kAhead];            // dyn: the tiles of iterations k + 1 ... k + kAhead
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) ahead[i] = blockIdx.x + (i + 1) * gridDim.x;
+  uint32_t ticket = 0;   // dyn, thread 0: the last ticket drawn ...
+  bool fetched = false;  // ... and not yet published (at most one)
+  // dyn: the tile of ticket t is kAhead * grid + t; the launch's last draw.
+  const uint32_t first_drawn = kAhead * gridDim.x;
+  const uint32_t last_ticket = num_tiles - first_drawn + gridDim.x - 1;
 
   // Whether a tile lies wholly inside the tensor (constant but for kPathMixed).
   auto whole = [&a](uint32_t t) -> bool {
@@ -260,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       return tm < a.full_mb && tn < a.full_nb;
     }
   };
-  if (dyn && tid == 0) {  // the ticket of tile 1, ahead of the loads of tile 0
+  if (dyn && tid == 0) {  // the ticket of iteration kAhead, ahead of the loads of tile 0
     ticket = atomicAdd(a.tile_counter, 1u);
     fetched = true;
   }
@@ -277,15 +297,20 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
   for (uint32_t k = 0; dyn || k < count; ++k) {
     if (dyn) {
       if (k > 0) {
-        if (next_tile >= num_tiles) break;  // uniform: read by every thread after a barrier
-        tile = next_tile;
+        tile = ahead[0];  // uniform: every thread read it after a barrier
+#pragma unroll
+        for (int i = 0; i + 1 < kAhead; ++i) ahead[i] = ahead[i + 1];
+        if (tile >= num_tiles) break;  // tiles only grow, so none of the later ones exists
       }
-      if (tid == 0 && fetched) {
-        const uint32_t t1 = gridDim.x + ticket;  // tile k + 1
-        tile_slot[(k + 1) & 1] = t1;
-        if (ticket == num_tiles - 1) atomicExch(a.tile_counter, 0u);  // the launch's last draw
-        fetched = t1 < num_tiles;
-        if (fetched) ticket = atomicAdd(a.tile_counter, 1u);  // tile k + 2, published at k + 1
+      if (tid == 0) {
+        uint32_t t1 = num_tiles;  // the tile of iteration k + kAhead: none, once past the end
+        if (fetched) {
+          t1 = first_drawn + ticket;
+          if (ticket == last_ticket) atomicExch(a.tile_counter, 0u);  // the launch's last draw
+          fetched = t1 < num_tiles;
+          if (fetched) ticket = atomicAdd(a.tile_counter, 1u);  // published at k + 1
+        }
+        tile_slot[k & 1] = t1;
       }
     } else {
       tile = blockIdx.x + k * gridDim.x;
@@ -300,9 +325,10 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       CpAsyncWait<kStages - 2>();
       __syncthreads();  // tile k visible; every thread is done with tile k-1
       if (dyn) {
-        next_tile = tile_slot[(k + 1) & 1];
-        if (next_tile < num_tiles && whole(next_tile)) {
-          IssueTileCopy<D>(smem + ((k + 1) & 1) * Plan::kStageBytes, a, next_tile);
+        const uint32_t t = tile_slot[k & 1];
+        ahead[kAhead - 1] = t;
+        if (t < num_tiles && whole(t)) {
+          IssueTileCopy<D>(smem + ((k + kAhead) % kStages) * Plan::kStageBytes, a, t);
         }
       } else if (k + kStages - 1 < count) {
         const uint32_t next = tile + (kStages - 1) * gridDim.x;
@@ -377,9 +403,9 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       float tile_amax = red[0];
 #pragma unroll
       for (int w = 1; w < kWarps; ++w) tile_amax = fmaxf(tile_amax, red[w]);
-      const float s = ComputeScale(tile_amax, a.fp8_max, a.pow2, a.eps, a.value_for_inf);
+      const float s = BlockScale(a, tile_amax);
       if (tid == 0) {
-        const float s_inv = ScaleInv(s);
+        const float s_inv = BlockScaleInv(a, s);
         if constexpr (kRow) {
           a.sr[tm * a.sr_pitch + tn] = s_inv;
           if (tn == a.nb - 1) {
@@ -431,10 +457,10 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
           r[0] = fmaxf(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 2));
         }
         r[0] = fmaxf(r[0], __shfl_xor_sync(0xFFFFFFFFu, r[0], 1));
-        const float s = ComputeScale(r[0], a.fp8_max, a.pow2, a.eps, a.value_for_inf);
+        const float s = BlockScale(a, r[0]);
         if ((v & 1) == 0) {
           const int64_t gm = m0 + 8 * q + (v >> 1);
-          if (full || gm < a.m) a.sr[tn * a.sr_pitch + gm] = ScaleInv(s);
+          if (full || gm < a.m) a.sr[tn * a.sr_pitch + gm] = BlockScaleInv(a, s);
         }
         if (tm == a.mb - 1 && tid < a.sr_pitch - a.m) a.sr[tn * a.sr_pitch + a.m + tid] = 0.0f;
 #pragma unroll
@@ -466,10 +492,10 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
           float am = red[tid];
 #pragma unroll
           for (int w = 1; w < kWarps; ++w) am = fmaxf(am, red[w * kTile + tid]);
-          const float s = ComputeScale(am, a.fp8_max, a.pow2, a.eps, a.value_for_inf);
+          const float s = BlockScale(a, am);
           col_scale_sm[tid] = s;
           const int64_t gn = n0 + tid;
-          if (full || gn < a.n) a.sc[tm * a.sc_pitch + gn] = ScaleInv(s);
+          if (full || gn < a.n) a.sc[tm * a.sc_pitch + gn] = BlockScaleInv(a, s);
         } else if (tn == a.nb - 1 && tid - kTile < a.sc_pitch - a.n) {
           a.sc[tm * a.sc_pitch + a.n + (tid - kTile)] = 0.0f;
         }
@@ -689,8 +715,9 @@ cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_
   const int grid = static_cast<int>(args.num_tiles < resident ? args.num_tiles : resident);
   QuantizeArgs a = args;
   a.tile_counter = nullptr;
-  // Drawn tiles where the kernel supports them and a CTA has more than one.
-  if (draw_tiles && kPath != kPathTail && kStages == 2 && a.num_tiles > resident) {
+  // Drawn tiles where the kernel supports them and a CTA has more than its first
+  // kStages - 1 (which it takes in the fixed order).
+  if (draw_tiles && kPath != kPathTail && a.num_tiles > (kStages - 1) * resident) {
     err = StreamTileCounter(stream, &a.tile_counter);
     if (err != cudaSuccess) return err;
   }
@@ -761,6 +788,7 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
   args.eps = params.amax_epsilon;
   args.value_for_inf = InputDTypeMax(dtype);
   args.pow2 = params.force_pow2_scales;
+  args.fast_pow2 = params.force_pow2_scales && !tuning.division_scales;
   // Plain stores of the FP8 copies. Evict-first ones (st.global.cs) were about
   // 3% faster at 8192^2 on the H200 with the fixed tile share
   // (bench/results/quantize_cuda_h200_variants.jsonl); with drawn tiles plain
@@ -805,7 +833,7 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           }
           if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
             if (tuning.stages == 3) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, per_sm, false,
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, per_sm, draw,
                                                                           stream);
             }
           }

@@ -59,13 +59,16 @@ namespace detail {
 // BF16 input with E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
 // of the persistent grid; 0 = the default; `evict_first_outputs` = evict-first (st.global.cs)
 // stores of the FP8 copies instead of the default plain ones; `fixed_tiles` = CTA b takes tiles b,
-// b + grid, ... instead of drawing them from the stream's tile counter (the default; 3 stages
-// always use the fixed share). Results are identical for every setting. Not part of the stable API.
+// b + grid, ... instead of drawing them from the stream's tile counter (the default);
+// `division_scales` = pow2 scales by ComputeScale's division and ScaleInv's reciprocal instead of
+// the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2 (kernels/fp8.h). Results are
+// identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool evict_first_outputs = false;
   bool fixed_tiles = false;
+  bool division_scales = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

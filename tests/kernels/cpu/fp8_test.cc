@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -164,6 +166,57 @@ TEST(ComputeScale, SpecialAmaxValues) {
   EXPECT_EQ(ComputeScale(1e-40f, 448, true, 0, flt_max), std::ldexp(1.0f, 127));
   EXPECT_EQ(ComputeScale(1e-40f, 448, false, 0, flt_max), flt_max);
   EXPECT_EQ(ComputeScale(448.0f * 8, 448, true, 0, flt_max), 0.125f);  // docs/numerics.md §2
+}
+
+// ComputeScalePow2 / ScaleInvPow2 (the GPU kernels' pow2 scales without a division) give the
+// bits of ComputeScale(force_pow2) / ScaleInv: over every sign and exponent, the mantissas at
+// and around both FP8 maxima's (1.75: the rounding boundary of the proof in kernels/fp8.h), the
+// ends of the range and random ones, with several epsilons and overflow values. The GPU test
+// (tests/kernels/cuda/fp8_cast_test.cc) checks every FP32 pattern on the device.
+TEST(ComputeScale, Pow2WithoutDivisionMatchesEverySignExponentAndBoundaryMantissa) {
+  const float flt_max = std::numeric_limits<float>::max();
+  std::vector<uint32_t> mantissas = {0, 1, 2, 3, 0x7FFFFD, 0x7FFFFE, 0x7FFFFF, 0x400000};
+  for (const float fmax : {448.0f, 57344.0f}) {
+    const int64_t mf = FloatBits(fmax) & 0x7FFFFF;
+    for (int64_t d = -3; d <= 3; ++d) mantissas.push_back(static_cast<uint32_t>(mf + d));
+  }
+  std::mt19937 rng(7);
+  for (int i = 0; i < 256; ++i) mantissas.push_back(rng() & 0x7FFFFF);
+  int64_t checked = 0, bad = 0;
+  for (const float fmax : {448.0f, 57344.0f, 3.0f, 1.0f}) {
+    for (const float eps : {0.0f, 1e-4f, 1e-30f, 3.5f, std::ldexp(1.0f, -140)}) {
+      for (const float vinf : {flt_max, 65504.0f, BitsToFloat(0x7F7F0000u), 448.0f}) {
+        for (uint32_t se = 0; se < 512; ++se) {
+          for (const uint32_t m : mantissas) {
+            const float amax = BitsToFloat(se << 23 | m);
+            const float want = ComputeScale(amax, fmax, true, eps, vinf);
+            const float got = ComputeScalePow2(amax, fmax, eps, vinf);
+            ++checked;
+            if (FloatBits(got) != FloatBits(want) && ++bad <= 5) {
+              ADD_FAILURE() << "amax bits 0x" << std::hex << FloatBits(amax) << " fp8_max " << fmax
+                            << " eps " << eps << " value_for_inf " << vinf << ": 0x"
+                            << FloatBits(got) << " instead of 0x" << FloatBits(want);
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "of " << checked;
+  EXPECT_GT(checked, 5'000'000);
+  for (uint32_t se = 0; se < 512; ++se) {
+    for (const uint32_t m : mantissas) {
+      const float s = BitsToFloat(se << 23 | m);
+      EXPECT_EQ(FloatBits(ScaleInvPow2(s)), FloatBits(ScaleInv(s))) << std::hex << FloatBits(s);
+    }
+  }
+  // The branches themselves: the rounding boundary, the overflow and the fallbacks.
+  EXPECT_EQ(ComputeScalePow2(1.75f, 448, 0, flt_max), 256.0f);  // ma == mf
+  EXPECT_EQ(ComputeScalePow2(std::nextafter(1.75f, 2.0f), 448, 0, flt_max), 128.0f);
+  EXPECT_EQ(ComputeScalePow2(1.2e-37f, 448, 0, flt_max), std::ldexp(1.0f, 127));  // overflow
+  EXPECT_EQ(ComputeScalePow2(0.0f, 448, 0, flt_max), 1.0f);
+  EXPECT_EQ(ScaleInvPow2(std::ldexp(1.0f, 127)), std::ldexp(1.0f, -127));  // subnormal result
+  EXPECT_EQ(ScaleInvPow2(std::ldexp(1.0f, -126)), std::ldexp(1.0f, 126));
 }
 
 TEST(Amax, IgnoresNanAndSign) {

@@ -41,7 +41,36 @@ __global__ void CompareKernel(uint64_t first, uint64_t count, unsigned long long
   if (local != 0) atomicAdd(mismatches, local);
 }
 
+// ComputeScalePow2 against ComputeScale(force_pow2) for the amax `first + i`,
+// and ScaleInvPow2 against ScaleInv for the same pattern as a scale.
+__global__ void ScaleCompareKernel(uint64_t first, uint64_t count, float fp8_max, float eps,
+                                   float value_for_inf, unsigned long long* mismatches,
+                                   unsigned int* first_bad) {
+  unsigned long long local = 0;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t bits = static_cast<uint32_t>(first + i);
+    const float x = __uint_as_float(bits);
+    const bool scale_ok = __float_as_uint(ComputeScalePow2(x, fp8_max, eps, value_for_inf)) ==
+                          __float_as_uint(ComputeScale(x, fp8_max, true, eps, value_for_inf));
+    const bool inv_ok = __float_as_uint(ScaleInvPow2(x)) == __float_as_uint(ScaleInv(x));
+    if (!scale_ok || !inv_ok) {
+      ++local;
+      atomicMin(first_bad, bits);
+    }
+  }
+  if (local != 0) atomicAdd(mismatches, local);
+}
+
 }  // namespace
+
+cudaError_t CountPow2ScaleMismatches(uint64_t first, uint64_t count, float fp8_max, float eps,
+                                     float value_for_inf, unsigned long long* mismatches,
+                                     unsigned int* first_bad, cudaStream_t stream) {
+  ScaleCompareKernel<<<132 * 16, 256, 0, stream>>>(first, count, fp8_max, eps, value_for_inf,
+                                                   mismatches, first_bad);
+  return cudaGetLastError();
+}
 
 cudaError_t HardwareCastFp8(const float* in, int64_t count, Fp8Format format, uint8_t* out,
                             cudaStream_t stream) {

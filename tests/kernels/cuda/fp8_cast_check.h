@@ -25,6 +25,14 @@ cudaError_t CountCastMismatches(uint64_t first, uint64_t count, Fp8Format format
                                 unsigned long long* mismatches, unsigned int* first_bad,
                                 cudaStream_t stream);
 
+// For every FP32 bit pattern x in [first, first + count) (count <= 2^32), compares
+// ComputeScalePow2(x, fp8_max, eps, value_for_inf) with ComputeScale(x, fp8_max,
+// true, eps, value_for_inf) and ScaleInvPow2(x) with ScaleInv(x), both compiled for
+// the device; counts the patterns where either differs, as CountCastMismatches.
+cudaError_t CountPow2ScaleMismatches(uint64_t first, uint64_t count, float fp8_max, float eps,
+                                     float value_for_inf, unsigned long long* mismatches,
+                                     unsigned int* first_bad, cudaStream_t stream);
+
 }  // namespace qtx::kernels::cuda::testing
 
 #endif  // QTX_TESTS_KERNELS_CUDA_FP8_CAST_CHECK_H_

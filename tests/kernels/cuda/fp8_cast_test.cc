@@ -42,6 +42,39 @@ TEST(Fp8HardwareCast, DeviceEncodeMatchesHardwareOnAllFp32Patterns) {
   cudaFree(d_first);
 }
 
+// The kernels' pow2 scales without a division (kernels/fp8.h ComputeScalePow2,
+// ScaleInvPow2) equal ComputeScale's and ScaleInv's on the device for every FP32
+// pattern as the amax (and as the scale), for both FP8 maxima, with and without
+// an epsilon, and with the overflow values of FP32 and BF16 inputs.
+TEST(Fp8HardwareCast, Pow2ScalesWithoutDivisionMatchOnAllFp32Patterns) {
+  unsigned long long* d_count = nullptr;
+  unsigned int* d_first = nullptr;
+  QTX_CUDA_ASSERT(cudaMalloc(&d_count, sizeof(*d_count)));
+  QTX_CUDA_ASSERT(cudaMalloc(&d_first, sizeof(*d_first)));
+  struct Case {
+    float fp8_max, eps, value_for_inf;
+  };
+  for (const Case c : {Case{448.0f, 0.0f, InputDTypeMax(InputDType::kFloat32)},
+                       Case{57344.0f, 0.0f, InputDTypeMax(InputDType::kBFloat16)},
+                       Case{448.0f, 1e-4f, InputDTypeMax(InputDType::kFloat16)}}) {
+    QTX_CUDA_ASSERT(cudaMemset(d_count, 0, sizeof(*d_count)));
+    QTX_CUDA_ASSERT(cudaMemset(d_first, 0xFF, sizeof(*d_first)));
+    QTX_CUDA_ASSERT(testing::CountPow2ScaleMismatches(0, uint64_t{1} << 32, c.fp8_max, c.eps,
+                                                      c.value_for_inf, d_count, d_first, nullptr));
+    QTX_CUDA_ASSERT(cudaDeviceSynchronize());
+    unsigned long long count = 0;
+    unsigned int first = 0;
+    QTX_CUDA_ASSERT(cudaMemcpy(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost));
+    QTX_CUDA_ASSERT(cudaMemcpy(&first, d_first, sizeof(first), cudaMemcpyDeviceToHost));
+    char hex[16];
+    std::snprintf(hex, sizeof(hex), "%08x", first);
+    EXPECT_EQ(count, 0u) << "fp8_max " << c.fp8_max << " eps " << c.eps
+                         << ": first mismatching FP32 pattern 0x" << hex;
+  }
+  cudaFree(d_count);
+  cudaFree(d_first);
+}
+
 // Hardware cast on the device of `bits`, compared with the host EncodeFp8.
 void CompareWithHost(const std::vector<uint32_t>& bits, Fp8Format f) {
   const int64_t n = static_cast<int64_t>(bits.size());

@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -409,8 +410,8 @@ struct PackedOutputs {
 };
 
 // The same results whatever the launch shape: every tuned launch (3 stages,
-// 1 CTA per SM, plain instead of evict-first stores, the fixed tile share)
-// equals the CPU reference
+// 1 CTA per SM, plain instead of evict-first stores, the fixed tile share,
+// pow2 scales by division) equals the CPU reference
 // byte for byte, rowwise + columnwise and rowwise only. 8192x4096 gives every
 // CTA of the persistent grid many tiles, so the shared-memory stage ring wraps
 // several times.
@@ -440,7 +441,9 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
               detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
               detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
-              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true}}) {
+              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true},
+              detail::LaunchTuning{0, 0, false, false, true},
+              detail::LaunchTuning{3, 0, false, false, true}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -451,7 +454,8 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
                                   << (col ? " row+col" : " row") << " stages " << tuning.stages
                                   << " ctas/SM " << tuning.ctas_per_sm << " evict-first outputs "
                                   << tuning.evict_first_outputs << " fixed tiles "
-                                  << tuning.fixed_tiles;
+                                  << tuning.fixed_tiles << " division scales "
+                                  << tuning.division_scales;
         }
       }
   }
@@ -485,9 +489,12 @@ TEST(QuantizeBlockCuda, TileCounterRepeatsStreamsAndGraphsMatchCpuReference) {
       auto pack = [&packed](uint8_t* base) { return packed.At(base); };
       std::vector<uint8_t> ref(bytes, 0x55);
       cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
-      for (const int ctas_per_sm : {0, 1}) {  // 1: twice the tiles per CTA
+      // 1 CTA per SM: twice the tiles per CTA; 3 stages: two tiles loading ahead.
+      for (const auto& [ctas_per_sm, stages] :
+           {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 3}}) {
         detail::LaunchTuning tuning;
         tuning.ctas_per_sm = ctas_per_sm;
+        tuning.stages = stages;
         constexpr int kRepeats = 3;
         std::vector<DeviceBuffer> outs(2 * kRepeats + 1);
         for (auto& o : outs) {
@@ -517,7 +524,8 @@ TEST(QuantizeBlockCuda, TileCounterRepeatsStreamsAndGraphsMatchCpuReference) {
           std::vector<uint8_t> got(bytes);
           QTX_CUDA_ASSERT(cudaMemcpy(got.data(), outs[i].get(), bytes, cudaMemcpyDeviceToHost));
           EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
-                                  << " ctas/SM " << ctas_per_sm << " output " << i
+                                  << " ctas/SM " << ctas_per_sm << " stages " << stages
+                                  << " output " << i
                                   << (i + 1 == outs.size() ? " (graph)" : " (stream launch)");
         }
       }
