@@ -333,6 +333,7 @@ int main(int argc, char** argv) {
                               {"fixed", {0, 0, false, true}},
                               {"stages3_fixed", {3, 0, false, true}},
                               {"division_scales", {0, 0, false, false, true}},
+                              {"float_amax", {0, 0, false, false, false, true}},
                               {"two_pass", {}, true}};
 
   const InputDType dtype = InputDType::kBFloat16;
@@ -447,7 +448,8 @@ int main(int argc, char** argv) {
             if (!listed(variant_filter, v.name)) continue;
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
-                                    !t.fixed_tiles && !t.division_scales && !v.tensor_two_pass;
+                                    !t.fixed_tiles && !t.division_scales && !t.float_amax &&
+                                    !v.tensor_two_pass;
             // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
             // for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;

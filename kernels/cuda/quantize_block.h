@@ -61,14 +61,17 @@ namespace detail {
 // stores of the FP8 copies instead of the default plain ones; `fixed_tiles` = CTA b takes tiles b,
 // b + grid, ... instead of drawing them from the stream's tile counter (the default);
 // `division_scales` = pow2 scales by ComputeScale's division and ScaleInv's reciprocal instead of
-// the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2 (kernels/fp8.h). Results are
-// identical for every setting. Not part of the stable API.
+// the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2 (kernels/fp8.h); `float_amax` = 1-D
+// amaxes with a columnwise copy one FP32 element at a time instead of in packed pairs (BF16 input,
+// E4M3 output, aligned path, 2 stages). Results are identical for every setting. Not part of the
+// stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
   bool evict_first_outputs = false;
   bool fixed_tiles = false;
   bool division_scales = false;
+  bool float_amax = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

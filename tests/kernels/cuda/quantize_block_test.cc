@@ -411,7 +411,7 @@ struct PackedOutputs {
 
 // The same results whatever the launch shape: every tuned launch (3 stages,
 // 1 CTA per SM, plain instead of evict-first stores, the fixed tile share,
-// pow2 scales by division) equals the CPU reference
+// pow2 scales by division, unpacked 1-D amaxes) equals the CPU reference
 // byte for byte, rowwise + columnwise and rowwise only. 8192x4096 gives every
 // CTA of the persistent grid many tiles, so the shared-memory stage ring wraps
 // several times.
@@ -443,7 +443,8 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
               detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
               detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true},
               detail::LaunchTuning{0, 0, false, false, true},
-              detail::LaunchTuning{3, 0, false, false, true}}) {
+              detail::LaunchTuning{3, 0, false, false, true},
+              detail::LaunchTuning{0, 0, false, false, false, true}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -455,7 +456,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
                                   << " ctas/SM " << tuning.ctas_per_sm << " evict-first outputs "
                                   << tuning.evict_first_outputs << " fixed tiles "
                                   << tuning.fixed_tiles << " division scales "
-                                  << tuning.division_scales;
+                                  << tuning.division_scales << " FP32 amaxes " << tuning.float_amax;
         }
       }
   }
