@@ -327,6 +327,7 @@ int main(int argc, char** argv) {
   // two_pass: kernels/cuda/quantize_tensor.h TensorTuning::two_pass (the amax launch, then
   // the cast launch, instead of the one cooperative launch).
   const Variant variants[] = {{"default", {}},
+                              {"stages2", {2, 0}},
                               {"stages3", {3, 0}},
                               {"stages2_1cta", {2, 1}},
                               {"evict_first", {0, 0, true}},

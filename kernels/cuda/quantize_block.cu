@@ -904,15 +904,23 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           if (!aligned) {
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, false, stream);
           }
-          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3 &&
-                        S == BlockScaling::kBlock1D && kCol) {
+          // Aligned path: 3 stages (two tiles loading ahead of the one being
+          // processed) for 16-bit input with a columnwise copy, where they
+          // measured faster on the H200 (bench/results/session19_h200_2026-12-03.md),
+          // 2 for the rowwise copy alone and for FP32 (64 KiB stages, 1 CTA per SM).
+          constexpr bool k3Stages = kCol && D != InputDType::kFloat32;
+          constexpr bool kExperiments = D == InputDType::kBFloat16 && F == Fp8Format::kE4M3;
+          const int stages = tuning.stages != 0 ? tuning.stages : (k3Stages ? 3 : 2);
+          if constexpr (kExperiments && S == BlockScaling::kBlock1D && kCol) {
             if (tuning.float_amax) {
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, true>(args, per_sm, draw,
-                                                                                stream);
+              return stages == 3 ? LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, true>(
+                                       args, per_sm, draw, stream)
+                                 : LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, true>(
+                                       args, per_sm, draw, stream);
             }
           }
-          if constexpr (D == InputDType::kBFloat16 && F == Fp8Format::kE4M3) {
-            if (tuning.stages == 3) {
+          if constexpr (k3Stages || kExperiments) {
+            if (stages == 3) {
               return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3>(args, per_sm, draw,
                                                                           stream);
             }

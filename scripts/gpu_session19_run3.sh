@@ -1,0 +1,23 @@
+#!/bin/bash
+# Session 19's third GPU run (one H200, no MPS): 3 stages as the default for
+# BF16 / FP16 input with a columnwise copy, against 2 stages (variant stages2,
+# the default before) and against FP32 amaxes at 3 stages (float_amax); the
+# block kernels' tests first; 1-D and 2-D, row+col, col and row, both L2
+# methods, three rounds; Nsight Compute counters and stall reasons of one
+# launch of each at 8192^2; then every test of kernels_cuda_test.
+# Bundle: B/bin/{quantize_cuda_bench,kernels_cuda_test}.   B/gpu_session19_run3.sh OUT
+B=$(cd "$(dirname "$0")" && pwd)
+. "$B/gpu_env.sh" || exit 2
+qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
+step tests_block 300 "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeBlockCuda*'
+V=default,stages2,float_amax,kcopy_t512_c2_u8_plain
+for r in 1 2 3; do
+  step "bench_round$r" 200 bash -c "\"$B/bin/quantize_cuda_bench\" --iters 100 --l2 both \
+    --modes 1d,2d --usages row+col,col,row --variants $V \
+    --shapes 4096x4096,8192x8192,16384x7168,32768x4096 | \
+    sed 's/^{/{\"round\":$r,/' >> \"$O/quantize_cuda_bench.jsonl\""
+done
+qtx_quantize_ncu ncu default,stages2,float_amax "$QTX_NCU_COUNTERS"
+qtx_quantize_ncu ncu_stalls default,stages2,float_amax "$QTX_NCU_STALLS"
+step tests_all 400 "$B/bin/kernels_cuda_test"
+grep -hE " rc=" "$L"
