@@ -451,10 +451,10 @@ int main(int argc, char** argv) {
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
                                     !t.fixed_tiles && !t.division_scales && !t.float_amax &&
                                     !v.tensor_two_pass;
-            // Variants: row+col and row; the block kernels' knobs for 1d / 2d, two_pass
-            // for tensor.
+            // Variants: row+col, row and col; the block kernels' knobs for 1d / 2d,
+            // two_pass for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;
-            if (!is_default && (!u.row || u.from_rowwise || tensor != v.tensor_two_pass)) {
+            if (!is_default && (u.from_rowwise || tensor != v.tensor_two_pass)) {
               continue;
             }
             QuantizeParams p;
