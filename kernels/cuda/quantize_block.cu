@@ -905,10 +905,13 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, false, stream);
           }
           // Aligned path: 3 stages (two tiles loading ahead of the one being
-          // processed) for 16-bit input with a columnwise copy, where they
-          // measured faster on the H200 (bench/results/session19_h200_2026-12-03.md),
-          // 2 for the rowwise copy alone and for FP32 (64 KiB stages, 1 CTA per SM).
-          constexpr bool k3Stages = kCol && D != InputDType::kFloat32;
+          // processed) for 1-D scaling of 16-bit input with a columnwise copy,
+          // where they measured faster on the H200 with the L2 flushed
+          // (bench/results/session19_h200_2026-12-03.md), else 2: 2-D and the
+          // rowwise copy alone measured within +-1 % either way, and FP32 has
+          // 64 KiB stages (1 CTA per SM).
+          constexpr bool k3Stages =
+              S == BlockScaling::kBlock1D && kCol && D != InputDType::kFloat32;
           constexpr bool kExperiments = D == InputDType::kBFloat16 && F == Fp8Format::kE4M3;
           const int stages = tuning.stages != 0 ? tuning.stages : (k3Stages ? 3 : 2);
           if constexpr (kExperiments && S == BlockScaling::kBlock1D && kCol) {

@@ -55,9 +55,9 @@ cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scalin
 namespace detail {
 
 // Launch-shape override for benchmarking the fused quantize kernel:
-// `stages` = shared-memory pipeline depth of the aligned path (2 or 3; 0 = the default: 3 for
-// BF16 / FP16 input with a columnwise copy, else 2; of the others only BF16 input with E4M3 output
-// honours 3), `ctas_per_sm` = resident CTAs per SM
+// `stages` = shared-memory pipeline depth of the aligned path (2 or 3; 0 = the default: 3 for 1-D
+// scaling of BF16 / FP16 input with a columnwise copy, else 2; of the others only BF16 input with
+// E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
 // of the persistent grid; 0 = the default; `evict_first_outputs` = evict-first (st.global.cs)
 // stores of the FP8 copies instead of the default plain ones; `fixed_tiles` = CTA b takes tiles b,
 // b + grid, ... instead of drawing them from the stream's tile counter (the default);
