@@ -89,6 +89,20 @@ qtx_quantize_round() {
     sed 's/^{/{\"round\":$n,/' >> \"$O/quantize_cuda_bench.jsonl\""
 }
 
+# qtx_quantize_rounds L2 USAGES VARIANTS: three rounds of quantize_cuda_bench
+# (100 launches each, 1-D and 2-D, the four shapes of issue 16) with --l2 L2
+# (flush, rotate or both) over USAGES and VARIANTS, appended to
+# O/quantize_cuda_bench.jsonl with "round":1..3 (session 19's runs).
+qtx_quantize_rounds() {
+  local r
+  for r in 1 2 3; do
+    step "bench_round$r" 200 bash -c "\"$B/bin/quantize_cuda_bench\" --iters 100 --l2 $1 \
+      --modes 1d,2d --usages $2 --variants $3 \
+      --shapes 4096x4096,8192x8192,16384x7168,32768x4096 | \
+      sed 's/^{/{\"round\":$r,/' >> \"$O/quantize_cuda_bench.jsonl\""
+  done
+}
+
 # qtx_quantize_ncu NAME VARIANTS METRICS: Nsight Compute's METRICS (a comma
 # list, or regex:...) of one launch of each variant at 8192^2 (1-D and 2-D,
 # row+col and row, L2 flushed by ncu), as CSV in O/NAME.csv.

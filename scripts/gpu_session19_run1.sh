@@ -14,12 +14,7 @@ nvidia-smi -L >> "$L" 2>&1
 step tests_block 300 "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeBlockCuda.*'
 V=default,stages3,stages3_fixed,fixed,col_scales_t,stages3_col_scales_t
 for k in t256_c2_u8 t256_c2_u16 t512_c2_u8 t1024_c2_u4; do V="$V,kcopy_${k}_plain"; done
-for r in 1 2 3; do
-  step "bench_round$r" 200 bash -c "\"$B/bin/quantize_cuda_bench\" --iters 100 --l2 flush \
-    --modes 1d,2d --usages row+col --variants $V \
-    --shapes 4096x4096,8192x8192,16384x7168,32768x4096 | \
-    sed 's/^{/{\"round\":$r,/' >> \"$O/quantize_cuda_bench.jsonl\""
-done
+qtx_quantize_rounds flush row+col "$V"
 qtx_quantize_ncu ncu default,stages3,col_scales_t,stages3_col_scales_t "$QTX_NCU_COUNTERS"
 step tests_all 400 "$B/bin/kernels_cuda_test"
 grep -hE " rc=" "$L"

@@ -14,12 +14,7 @@ B=$(cd "$(dirname "$0")" && pwd)
 qtx_run_begin "$B" "${1:?out}"  # O, L, step NAME SECONDS CMD...
 step tests_block 300 "$B/bin/kernels_cuda_test" --gtest_filter='QuantizeBlockCuda*'
 V=default,stages2,float_amax,kcopy_t512_c2_u8_plain
-for r in 1 2 3; do
-  step "bench_round$r" 200 bash -c "\"$B/bin/quantize_cuda_bench\" --iters 100 --l2 both \
-    --modes 1d,2d --usages row+col,col,row --variants $V \
-    --shapes 4096x4096,8192x8192,16384x7168,32768x4096 | \
-    sed 's/^{/{\"round\":$r,/' >> \"$O/quantize_cuda_bench.jsonl\""
-done
+qtx_quantize_rounds both row+col,col,row "$V"
 qtx_quantize_ncu ncu default,stages2,float_amax "$QTX_NCU_COUNTERS"
 qtx_quantize_ncu ncu_stalls default,stages2,float_amax "$QTX_NCU_STALLS"
 step tests_all 400 "$B/bin/kernels_cuda_test"

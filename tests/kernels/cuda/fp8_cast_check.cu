@@ -25,15 +25,15 @@ __global__ void CastKernel(const float* in, int64_t count, uint8_t* out) {
   }
 }
 
-template <Fp8Format F>
-__global__ void CompareKernel(uint64_t first, uint64_t count, unsigned long long* mismatches,
-                              unsigned int* first_bad) {
+// Counts the patterns first + i (i < count) for which `matches` is false.
+template <typename Matches>
+__global__ void CountMismatchesKernel(uint64_t first, uint64_t count, Matches matches,
+                                      unsigned long long* mismatches, unsigned int* first_bad) {
   unsigned long long local = 0;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     const uint32_t bits = static_cast<uint32_t>(first + i);
-    const float x = __uint_as_float(bits);
-    if (HwCast<F>(x) != EncodeFp8(x, F)) {
+    if (!matches(__uint_as_float(bits))) {
       ++local;
       atomicMin(first_bad, bits);
     }
@@ -41,34 +41,32 @@ __global__ void CompareKernel(uint64_t first, uint64_t count, unsigned long long
   if (local != 0) atomicAdd(mismatches, local);
 }
 
-// ComputeScalePow2 against ComputeScale(force_pow2) for the amax `first + i`,
-// and ScaleInvPow2 against ScaleInv for the same pattern as a scale.
-__global__ void ScaleCompareKernel(uint64_t first, uint64_t count, float fp8_max, float eps,
-                                   float value_for_inf, unsigned long long* mismatches,
-                                   unsigned int* first_bad) {
-  unsigned long long local = 0;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    const uint32_t bits = static_cast<uint32_t>(first + i);
-    const float x = __uint_as_float(bits);
-    const bool scale_ok = __float_as_uint(ComputeScalePow2(x, fp8_max, eps, value_for_inf)) ==
-                          __float_as_uint(ComputeScale(x, fp8_max, true, eps, value_for_inf));
-    const bool inv_ok = __float_as_uint(ScaleInvPow2(x)) == __float_as_uint(ScaleInv(x));
-    if (!scale_ok || !inv_ok) {
-      ++local;
-      atomicMin(first_bad, bits);
-    }
+// The hardware cast against EncodeFp8.
+template <Fp8Format F>
+struct CastMatches {
+  __device__ bool operator()(float x) const { return HwCast<F>(x) == EncodeFp8(x, F); }
+};
+
+// ComputeScalePow2 against ComputeScale(force_pow2) for x as the amax, and
+// ScaleInvPow2 against ScaleInv for x as the scale.
+struct Pow2ScaleMatches {
+  float fp8_max, eps, value_for_inf;
+  __device__ bool operator()(float x) const {
+    return __float_as_uint(ComputeScalePow2(x, fp8_max, eps, value_for_inf)) ==
+               __float_as_uint(ComputeScale(x, fp8_max, true, eps, value_for_inf)) &&
+           __float_as_uint(ScaleInvPow2(x)) == __float_as_uint(ScaleInv(x));
   }
-  if (local != 0) atomicAdd(mismatches, local);
-}
+};
+
+constexpr int kCountGrid = 132 * 16;
 
 }  // namespace
 
 cudaError_t CountPow2ScaleMismatches(uint64_t first, uint64_t count, float fp8_max, float eps,
                                      float value_for_inf, unsigned long long* mismatches,
                                      unsigned int* first_bad, cudaStream_t stream) {
-  ScaleCompareKernel<<<132 * 16, 256, 0, stream>>>(first, count, fp8_max, eps, value_for_inf,
-                                                   mismatches, first_bad);
+  CountMismatchesKernel<<<kCountGrid, 256, 0, stream>>>(
+      first, count, Pow2ScaleMatches{fp8_max, eps, value_for_inf}, mismatches, first_bad);
   return cudaGetLastError();
 }
 
@@ -87,11 +85,12 @@ cudaError_t HardwareCastFp8(const float* in, int64_t count, Fp8Format format, ui
 cudaError_t CountCastMismatches(uint64_t first, uint64_t count, Fp8Format format,
                                 unsigned long long* mismatches, unsigned int* first_bad,
                                 cudaStream_t stream) {
-  const int grid = 132 * 16;
   if (format == Fp8Format::kE4M3) {
-    CompareKernel<Fp8Format::kE4M3><<<grid, 256, 0, stream>>>(first, count, mismatches, first_bad);
+    CountMismatchesKernel<<<kCountGrid, 256, 0, stream>>>(
+        first, count, CastMatches<Fp8Format::kE4M3>{}, mismatches, first_bad);
   } else {
-    CompareKernel<Fp8Format::kE5M2><<<grid, 256, 0, stream>>>(first, count, mismatches, first_bad);
+    CountMismatchesKernel<<<kCountGrid, 256, 0, stream>>>(
+        first, count, CastMatches<Fp8Format::kE5M2>{}, mismatches, first_bad);
   }
   return cudaGetLastError();
 }

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -19,27 +21,38 @@ namespace {
 
 const char* Name(Fp8Format f) { return f == Fp8Format::kE4M3 ? "E4M3" : "E5M2"; }
 
-TEST(Fp8HardwareCast, DeviceEncodeMatchesHardwareOnAllFp32Patterns) {
-  unsigned long long* d_count = nullptr;
-  unsigned int* d_first = nullptr;
-  QTX_CUDA_ASSERT(cudaMalloc(&d_count, sizeof(*d_count)));
-  QTX_CUDA_ASSERT(cudaMalloc(&d_first, sizeof(*d_first)));
-  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-    QTX_CUDA_ASSERT(cudaMemset(d_count, 0, sizeof(*d_count)));
-    QTX_CUDA_ASSERT(cudaMemset(d_first, 0xFF, sizeof(*d_first)));
-    QTX_CUDA_ASSERT(
-        testing::CountCastMismatches(0, uint64_t{1} << 32, f, d_count, d_first, nullptr));
-    QTX_CUDA_ASSERT(cudaDeviceSynchronize());
-    unsigned long long count = 0;
-    unsigned int first = 0;
-    QTX_CUDA_ASSERT(cudaMemcpy(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost));
-    QTX_CUDA_ASSERT(cudaMemcpy(&first, d_first, sizeof(first), cudaMemcpyDeviceToHost));
-    char hex[16];
-    std::snprintf(hex, sizeof(hex), "%08x", first);
-    EXPECT_EQ(count, 0u) << Name(f) << ": first mismatching FP32 pattern 0x" << hex;
-  }
+// Zeroes a mismatch count and first-pattern word on the device, runs `launch`
+// (a Count*Mismatches call over them, on the default stream) and returns "" when
+// nothing mismatched, else the count and the first mismatching FP32 pattern.
+std::string DeviceMismatches(
+    const std::function<cudaError_t(unsigned long long*, unsigned int*)>& launch) {
+  unsigned long long* d_count = nullptr;  // then the first-pattern word
+  if (cudaMalloc(&d_count, 2 * sizeof(*d_count)) != cudaSuccess) return "cudaMalloc failed";
+  auto* d_first = reinterpret_cast<unsigned int*>(d_count + 1);
+  unsigned long long count = 0;
+  unsigned int first = 0;
+  const bool ok =
+      cudaMemset(d_count, 0, sizeof(*d_count)) == cudaSuccess &&
+      cudaMemset(d_first, 0xFF, sizeof(*d_first)) == cudaSuccess &&
+      launch(d_count, d_first) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess &&
+      cudaMemcpy(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost) == cudaSuccess &&
+      cudaMemcpy(&first, d_first, sizeof(first), cudaMemcpyDeviceToHost) == cudaSuccess;
   cudaFree(d_count);
-  cudaFree(d_first);
+  if (!ok) return std::string("CUDA error: ") + cudaGetErrorString(cudaGetLastError());
+  if (count == 0) return "";
+  char text[96];
+  std::snprintf(text, sizeof(text), "%llu mismatches, the first FP32 pattern 0x%08x", count, first);
+  return text;
+}
+
+TEST(Fp8HardwareCast, DeviceEncodeMatchesHardwareOnAllFp32Patterns) {
+  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    EXPECT_EQ(DeviceMismatches([f](unsigned long long* count, unsigned int* first) {
+                return testing::CountCastMismatches(0, uint64_t{1} << 32, f, count, first, nullptr);
+              }),
+              "")
+        << Name(f);
+  }
 }
 
 // The kernels' pow2 scales without a division (kernels/fp8.h ComputeScalePow2,
@@ -47,32 +60,19 @@ TEST(Fp8HardwareCast, DeviceEncodeMatchesHardwareOnAllFp32Patterns) {
 // pattern as the amax (and as the scale), for both FP8 maxima, with and without
 // an epsilon, and with the overflow values of FP32 and BF16 inputs.
 TEST(Fp8HardwareCast, Pow2ScalesWithoutDivisionMatchOnAllFp32Patterns) {
-  unsigned long long* d_count = nullptr;
-  unsigned int* d_first = nullptr;
-  QTX_CUDA_ASSERT(cudaMalloc(&d_count, sizeof(*d_count)));
-  QTX_CUDA_ASSERT(cudaMalloc(&d_first, sizeof(*d_first)));
   struct Case {
     float fp8_max, eps, value_for_inf;
   };
   for (const Case c : {Case{448.0f, 0.0f, InputDTypeMax(InputDType::kFloat32)},
                        Case{57344.0f, 0.0f, InputDTypeMax(InputDType::kBFloat16)},
                        Case{448.0f, 1e-4f, InputDTypeMax(InputDType::kFloat16)}}) {
-    QTX_CUDA_ASSERT(cudaMemset(d_count, 0, sizeof(*d_count)));
-    QTX_CUDA_ASSERT(cudaMemset(d_first, 0xFF, sizeof(*d_first)));
-    QTX_CUDA_ASSERT(testing::CountPow2ScaleMismatches(0, uint64_t{1} << 32, c.fp8_max, c.eps,
-                                                      c.value_for_inf, d_count, d_first, nullptr));
-    QTX_CUDA_ASSERT(cudaDeviceSynchronize());
-    unsigned long long count = 0;
-    unsigned int first = 0;
-    QTX_CUDA_ASSERT(cudaMemcpy(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost));
-    QTX_CUDA_ASSERT(cudaMemcpy(&first, d_first, sizeof(first), cudaMemcpyDeviceToHost));
-    char hex[16];
-    std::snprintf(hex, sizeof(hex), "%08x", first);
-    EXPECT_EQ(count, 0u) << "fp8_max " << c.fp8_max << " eps " << c.eps
-                         << ": first mismatching FP32 pattern 0x" << hex;
+    EXPECT_EQ(DeviceMismatches([c](unsigned long long* count, unsigned int* first) {
+                return testing::CountPow2ScaleMismatches(0, uint64_t{1} << 32, c.fp8_max, c.eps,
+                                                         c.value_for_inf, count, first, nullptr);
+              }),
+              "")
+        << "fp8_max " << c.fp8_max << " eps " << c.eps;
   }
-  cudaFree(d_count);
-  cudaFree(d_first);
 }
 
 // Hardware cast on the device of `bits`, compared with the host EncodeFp8.
