@@ -26,7 +26,9 @@ namespace qtx::kernels::cuda {
 // null buffer of a requested copy, or a negative / non-finite amax_epsilon;
 // otherwise the launch error, if any.
 //
-// Tensors of more 128x128 tiles than the GPU holds CTAs at once are spread
+// Tensors of more 128x128 tiles than the GPU holds CTAs at once (twice as many
+// for 1-D scaling of BF16 / FP16 input with a columnwise copy, whose CTAs load
+// two tiles ahead) are spread
 // over the CTAs through a tile counter of `stream`'s own (4 bytes of device
 // memory, zeroed in the stream's order on its first use): a CTA that finishes
 // early takes the next tile. Up to 1024 streams per device hold a counter at a
@@ -64,8 +66,8 @@ namespace detail {
 // `division_scales` = pow2 scales by ComputeScale's division and ScaleInv's reciprocal instead of
 // the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2 (kernels/fp8.h); `float_amax` = 1-D
 // amaxes with a columnwise copy one FP32 element at a time instead of in packed pairs (BF16 input,
-// E4M3 output, aligned path, 2 stages). Results are identical for every setting. Not part of the
-// stable API.
+// E4M3 output, aligned path). Results are identical for every setting. Not part of the stable
+// API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
