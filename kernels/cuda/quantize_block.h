@@ -66,7 +66,9 @@ namespace detail {
 // `division_scales` = pow2 scales by ComputeScale's division and ScaleInv's reciprocal instead of
 // the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2 (kernels/fp8.h); `float_amax` = 1-D
 // amaxes with a columnwise copy one FP32 element at a time instead of in packed pairs (BF16 input,
-// E4M3 output, aligned path). Results are identical for every setting. Not part of the stable
+// E4M3 output, aligned path); `sub_rows` = rows of a thread's sub-tile (0 = the default 8:
+// 256-thread CTAs; 4: 512-thread CTAs of at most 64 registers a thread, BF16 input, E4M3
+// output, aligned path). Results are identical for every setting. Not part of the stable
 // API.
 struct LaunchTuning {
   int stages = 0;
@@ -75,6 +77,7 @@ struct LaunchTuning {
   bool fixed_tiles = false;
   bool division_scales = false;
   bool float_amax = false;
+  int sub_rows = 0;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,
