@@ -211,6 +211,34 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
   }
 }
 
+// A thread's kSub x 8 sub-tile. Widened to FP32 (exact) when loaded, or, with
+// kWords (16-bit input only), kept as the loaded words and widened at each use
+// (one shift or AND for BF16): half the registers, for the launch shapes that
+// bound a thread to 64 or 80 of them.
+template <InputDType D, int kSub, bool kWords>
+struct SubTile {
+  static_assert(!kWords || kElemBytes<D> == 2, "packed words are 16-bit elements");
+  std::conditional_t<kWords, uint32_t[kSub][4], float[kSub][8]> e;
+
+  __device__ __forceinline__ float operator()(int i, int j) const {
+    if constexpr (kWords) {
+      const uint32_t w = e[i][j >> 1];
+      if constexpr (D == InputDType::kBFloat16) {
+        return __uint_as_float((j & 1) ? (w & 0xFFFF0000u) : (w << 16));
+      } else {
+        return ElemToFloat<D>((j & 1) ? (w >> 16) : (w & 0xFFFFu));
+      }
+    } else {
+      return e[i][j];
+    }
+  }
+  // Row i's 8 values as FP32.
+  __device__ __forceinline__ void Row(int i, float (&r)[8]) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) r[j] = (*this)(i, j);
+  }
+};
+
 // One persistent kernel for every 1-D / 2-D, rowwise / columnwise combination.
 //
 // Grid: min(#tiles, resident CTAs); CTA b handles tiles b, b + grid, ... of the
@@ -267,12 +295,16 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 // pair's maximum with Max2, then finishes the row butterfly on the pairs; the
 // same maxima in about 90 instructions a tile instead of 140.
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kFloatAmax = false, int kSub = 8>
-__global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
+          bool kFloatAmax = false, int kSub = 8, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
+__global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
   static_assert(kSub == 8 || (kSub == 4 && kPath == kPathAligned && kElemBytes<D> == 2),
                 "4-row sub-tiles: aligned path, 16-bit input");
+  // The sub-tile stays in its loaded words where the registers are bounded
+  // tighter than the default's 128 a thread (4x8 sub-tiles; 3 CTAs per SM).
+  constexpr bool kWords = kSub == 4 || (kMinCtas > 2 && kElemBytes<D> == 2);
+  static_assert(kMinCtas <= 2 || kWords, "3 CTAs per SM: 16-bit input");
   constexpr int kNT = kThreadsFor<kSub>;
   constexpr int kWarps = kNT / 32;
   // A row's amax ends in every lane of a group of 16 / kSub lanes (kRowShift = log2 of it).
@@ -399,8 +431,8 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
       stage = smem;
     }
 
-    // ---- this thread's kSub x 8 sub-tile, as FP32 (exact) ----
-    float x[kSub][8];
+    // ---- this thread's kSub x 8 sub-tile ----
+    SubTile<D, kSub, kWords> x;
     [[maybe_unused]] uint32_t row_pk[kSub];  // kPacked: each row's |x| maximum, as a pair
     [[maybe_unused]] uint32_t col_pk[4];     // kPacked: columns 2j, 2j + 1's, as a pair
     {
@@ -420,12 +452,14 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
           }
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            if constexpr (D == InputDType::kBFloat16) {
-              x[i][2 * j] = __uint_as_float(words[j] << 16);
-              x[i][2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+            if constexpr (kWords) {
+              x.e[i][j] = words[j];
+            } else if constexpr (D == InputDType::kBFloat16) {
+              x.e[i][2 * j] = __uint_as_float(words[j] << 16);
+              x.e[i][2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
             } else {
-              x[i][2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
-              x[i][2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
+              x.e[i][2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
+              x.e[i][2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
             }
           }
         } else {
@@ -433,7 +467,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
           const uint4 w1 = *reinterpret_cast<const uint4*>(base + i * kRowBytes + 16);
           const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-          for (int j = 0; j < 8; ++j) x[i][j] = ElemToFloat<D>(words[j]);
+          for (int j = 0; j < 8; ++j) x.e[i][j] = ElemToFloat<D>(words[j]);
         }
       }
     }
@@ -446,7 +480,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
 #pragma unroll
       for (int i = 0; i < kSub; ++i) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) am = AbsMax(am, x[i][j]);
+        for (int j = 0; j < 8; ++j) am = AbsMax(am, x(i, j));
       }
 #pragma unroll
       for (int mask = 16; mask > 0; mask >>= 1) {
@@ -496,7 +530,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
           } else {
             r[i] = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) r[i] = AbsMax(r[i], x[i][j]);
+            for (int j = 0; j < 8; ++j) r[i] = AbsMax(r[i], x(i, j));
           }
         }
         // Butterfly over the 16 lanes of this half warp: each step with mask
@@ -553,7 +587,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
           for (int j = 0; j < 8; ++j) {
             c[j] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < kSub; ++i) c[j] = AbsMax(c[j], x[i][j]);
+            for (int i = 0; i < kSub; ++i) c[j] = AbsMax(c[j], x(i, j));
           }
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
@@ -578,10 +612,12 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
           a.sc[tm * a.sc_pitch + a.n + (tid - kTile)] = 0.0f;
         }
         __syncthreads();
-        const float4 c0 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v);
-        const float4 c1 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v + 4);
-        col_scale[0] = c0.x, col_scale[1] = c0.y, col_scale[2] = c0.z, col_scale[3] = c0.w;
-        col_scale[4] = c1.x, col_scale[5] = c1.y, col_scale[6] = c1.z, col_scale[7] = c1.w;
+        if constexpr (!kWords) {  // (kWords: read at each use, 8 registers fewer)
+          const float4 c0 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v);
+          const float4 c1 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v + 4);
+          col_scale[0] = c0.x, col_scale[1] = c0.y, col_scale[2] = c0.z, col_scale[3] = c0.w;
+          col_scale[4] = c1.x, col_scale[5] = c1.y, col_scale[6] = c1.z, col_scale[7] = c1.w;
+        }
       }
     }
 
@@ -594,7 +630,9 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
       const bool row_vec = full || (kPath == kPathMixed && tn < a.full_nb);
 #pragma unroll
       for (int i = 0; i < kSub; ++i, row_ptr += a.n) {
-        const uint2 b = Quantize8<F>(x[i], row_scale[i]);
+        float xr[8];
+        x.Row(i, xr);
+        const uint2 b = Quantize8<F>(xr, row_scale[i]);
         if (row_vec) {
           if (full || gm0 + i < a.m) {
             StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
@@ -614,6 +652,15 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
     // sub-tile out of it before the barrier above (red / column scales), and
     // the stage is refilled only after the next iteration's first barrier.
     if constexpr (kCol) {
+      // Column j's scale: from shared memory for 1-D with kWords (the columnwise
+      // copy's scales stay there until the next tile's first barrier).
+      auto col_scale_of = [&](int j) -> float {
+        if constexpr (k1D && kWords) {
+          return col_scale_sm[8 * v + j];
+        } else {
+          return col_scale[j];
+        }
+      };
       uint8_t* const tsm = stage;
       if constexpr (kSub == 8) {
         const int unit = q >> 1, half = q & 1;
@@ -621,8 +668,8 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
         for (int j = 0; j < 8; ++j) {
           float col[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) col[i] = x[i][j];
-          const uint2 b = Quantize8<F>(col, col_scale[j]);
+          for (int i = 0; i < 8; ++i) col[i] = x(i, j);
+          const uint2 b = Quantize8<F>(col, col_scale_of(j));
           const int nl = 8 * v + j;
           *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
         }
@@ -633,7 +680,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kElemBytes<D> == 2 ? 2 : 1)
         const int unit = q >> 2, word = (q & 3) ^ ((v >> 3) << 1);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const uint32_t b = Quantize4<F>(x[0][j], x[1][j], x[2][j], x[3][j], col_scale[j]);
+          const uint32_t b = Quantize4<F>(x(0, j), x(1, j), x(2, j), x(3, j), col_scale_of(j));
           const int nl = 8 * v + j;
           *reinterpret_cast<uint32_t*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (word << 2)) =
               b;
@@ -799,10 +846,11 @@ cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
 }
 
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kFloatAmax = false, int kSub = 8>
+          bool kFloatAmax = false, int kSub = 8, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_tiles,
                            cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kFloatAmax, kSub>;
+  auto kernel =
+      QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kFloatAmax, kSub, kMinCtas>;
   constexpr int threads = kThreadsFor<kSub>;
   constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages, threads>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
@@ -941,6 +989,10 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           constexpr bool kExperiments = D == InputDType::kBFloat16 && F == Fp8Format::kE4M3;
           const int stages = tuning.stages != 0 ? tuning.stages : (k3Stages ? 3 : 2);
           if constexpr (kExperiments) {
+            if (tuning.three_ctas) {  // 3 CTAs of 256 threads per SM, 2 stages
+              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, false, 8, 3>(
+                  args, per_sm, draw, stream);
+            }
             if (tuning.sub_rows == 4) {  // 4x8 sub-tiles, 512-thread CTAs
               return stages == 3 ? LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, false, 4>(
                                        args, per_sm, draw, stream)
