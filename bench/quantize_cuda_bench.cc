@@ -335,10 +335,6 @@ int main(int argc, char** argv) {
                               {"stages3_fixed", {3, 0, false, true}},
                               {"division_scales", {0, 0, false, false, true}},
                               {"float_amax", {0, 0, false, false, false, true}},
-                              {"sub4", {0, 0, false, false, false, false, 4}},
-                              {"sub4_stages2", {2, 0, false, false, false, false, 4}},
-                              {"sub4_stages3", {3, 0, false, false, false, false, 4}},
-                              {"ctas3", {0, 0, false, false, false, false, 0, true}},
                               {"two_pass", {}, true}};
 
   const InputDType dtype = InputDType::kBFloat16;
@@ -454,7 +450,7 @@ int main(int argc, char** argv) {
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
                                     !t.fixed_tiles && !t.division_scales && !t.float_amax &&
-                                    t.sub_rows == 0 && !t.three_ctas && !v.tensor_two_pass;
+                                    !v.tensor_two_pass;
             // Variants: row+col, row and col; the block kernels' knobs for 1d / 2d,
             // two_pass for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran from a bundle of commit 0ce102e; the variants sub4, sub4_stages2 and ctas3 were removed after run 2.
 # Session 20's first GPU run (one H200, no MPS): the block kernel with 4x8
 # sub-tiles in 512-thread CTAs (variant sub4: 1024 threads per SM, at most 64
 # registers a thread) against the default 8x8 sub-tiles (256-thread CTAs),

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran from a bundle of commit 83b4774 (kernel of e1ca9c8); the variants sub4, sub4_stages2 and ctas3 were removed after run 2.
 # Session 20's second GPU run (one H200, no MPS): the block kernel with 4x8
 # sub-tiles (variant sub4) now keeping its sub-tile as the loaded 16-bit words
 # (no spill), and 3 CTAs of 256 threads per SM (variant ctas3: 80 registers a

@@ -43,18 +43,15 @@ __device__ __forceinline__ uint32_t Cvt2(float lo, float hi) {
   return r;
 }
 
-// q = fp8(RN_fp32(x * scale)) for 4 values, packed little-endian (x0 in the low byte).
-template <Fp8Format F>
-__device__ __forceinline__ uint32_t Quantize4(float x0, float x1, float x2, float x3, float scale) {
-  return Cvt2<F>(__fmul_rn(x0, scale), __fmul_rn(x1, scale)) |
-         (Cvt2<F>(__fmul_rn(x2, scale), __fmul_rn(x3, scale)) << 16);
-}
-
-// The same for 8 values.
+// q = fp8(RN_fp32(x * scale)) for 8 values, packed little-endian.
 template <Fp8Format F>
 __device__ __forceinline__ uint2 Quantize8(const float (&x)[8], float scale) {
-  return make_uint2(Quantize4<F>(x[0], x[1], x[2], x[3], scale),
-                    Quantize4<F>(x[4], x[5], x[6], x[7], scale));
+  uint2 r;
+  r.x = Cvt2<F>(__fmul_rn(x[0], scale), __fmul_rn(x[1], scale)) |
+        (Cvt2<F>(__fmul_rn(x[2], scale), __fmul_rn(x[3], scale)) << 16);
+  r.y = Cvt2<F>(__fmul_rn(x[4], scale), __fmul_rn(x[5], scale)) |
+        (Cvt2<F>(__fmul_rn(x[6], scale), __fmul_rn(x[7], scale)) << 16);
+  return r;
 }
 
 // decode(q) * scale_inv in FP32. A NaN code keeps the decoded NaN (the GPU's

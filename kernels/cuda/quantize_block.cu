@@ -24,15 +24,10 @@
 namespace qtx::kernels::cuda {
 namespace {
 
-constexpr int kTile = 128;  // block edge (docs/numerics.md §3)
-// A CTA's threads own kSub-row x 8-column sub-tiles of the 128x128 tile: 16
-// threads span a tile row's 128 columns, 128 / kSub thread rows its 128 rows.
-// 8x8 sub-tiles (256 threads) are the default; 4x8 (512 threads, at most 64
-// registers each at 2 CTAs per SM) put twice the threads on an SM.
-template <int kSub>
-constexpr int kThreadsFor = 16 * (kTile / kSub);
-constexpr int kThreads = kThreadsFor<8>;  // the tail and mixed paths' CTAs
-constexpr int kTBytes = kTile * kTile;    // transposed FP8 tile in shared memory
+constexpr int kTile = 128;     // block edge (docs/numerics.md §3)
+constexpr int kThreads = 256;  // 16 x 16 threads, each owns an 8x8 sub-tile
+constexpr int kWarps = kThreads / 32;
+constexpr int kTBytes = kTile * kTile;  // transposed FP8 tile in shared memory
 
 template <InputDType D>
 constexpr int kElemBytes = (D == InputDType::kFloat32) ? 4 : 2;
@@ -89,9 +84,8 @@ constexpr int kPathTail = 0;     // every tile bounds-checked, synchronous loads
 constexpr int kPathAligned = 1;  // M, N multiples of 128: every tile pipelined
 constexpr int kPathMixed = 2;    // whole tiles pipelined, the edge tiles checked
 
-template <InputDType D, BlockScaling S, bool kRow, bool kCol, int kStages, int kNT = kThreads>
+template <InputDType D, BlockScaling S, bool kRow, bool kCol, int kStages>
 struct SmemPlan {
-  static constexpr int kWarps = kNT / 32;
   static constexpr int kStageBytes = kTile * kTile * kElemBytes<D>;
   // The transposed FP8 tile lives in the stage just consumed (see the kernel).
   static_assert(kStageBytes >= kTBytes, "transposed tile must fit in a stage");
@@ -152,24 +146,24 @@ __device__ __forceinline__ float PairMax(uint32_t p) {
 // Aligned path: starts the asynchronous copy of one full input tile into a
 // shared-memory stage (row-major, 128 rows of 128 elements; each warp copies two
 // whole rows per step, 16 bytes a lane).
-template <InputDType D, int kNT = kThreads>
+template <InputDType D>
 __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
                                               uint32_t tile) {
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr int kChunksPerRow = kRowBytes / 16;
   constexpr int kChunks = kTile * kChunksPerRow;
-  static_assert(kChunks % kNT == 0, "tile copy must divide evenly among threads");
+  static_assert(kChunks % kThreads == 0, "tile copy must divide evenly among threads");
   int64_t tm, tn;
   TileCoords(a, tile, &tm, &tn);
   const int64_t pitch = a.n * kElemBytes<D>;
-  constexpr int kRowsPerStep = kNT / kChunksPerRow;
+  constexpr int kRowsPerStep = kThreads / kChunksPerRow;
   const int r = static_cast<int>(threadIdx.x) / kChunksPerRow;
   const int ch = static_cast<int>(threadIdx.x) % kChunksPerRow;
   const uint8_t* src = static_cast<const uint8_t*>(a.input) + (tm * kTile + r) * pitch +
                        (tn * kTile) * kElemBytes<D> + ch * 16;
   uint8_t* dst = stage + r * kRowBytes + ch * 16;
 #pragma unroll
-  for (int k = 0; k < kChunks / kNT; ++k) {
+  for (int k = 0; k < kChunks / kThreads; ++k) {
     CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
   }
 }
@@ -211,34 +205,6 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
   }
 }
 
-// A thread's kSub x 8 sub-tile. Widened to FP32 (exact) when loaded, or, with
-// kWords (16-bit input only), kept as the loaded words and widened at each use
-// (one shift or AND for BF16): half the registers, for the launch shapes that
-// bound a thread to 64 or 80 of them.
-template <InputDType D, int kSub, bool kWords>
-struct SubTile {
-  static_assert(!kWords || kElemBytes<D> == 2, "packed words are 16-bit elements");
-  std::conditional_t<kWords, uint32_t[kSub][4], float[kSub][8]> e;
-
-  __device__ __forceinline__ float operator()(int i, int j) const {
-    if constexpr (kWords) {
-      const uint32_t w = e[i][j >> 1];
-      if constexpr (D == InputDType::kBFloat16) {
-        return __uint_as_float((j & 1) ? (w & 0xFFFF0000u) : (w << 16));
-      } else {
-        return ElemToFloat<D>((j & 1) ? (w >> 16) : (w & 0xFFFFu));
-      }
-    } else {
-      return e[i][j];
-    }
-  }
-  // Row i's 8 values as FP32.
-  __device__ __forceinline__ void Row(int i, float (&r)[8]) const {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) r[j] = (*this)(i, j);
-  }
-};
-
 // One persistent kernel for every 1-D / 2-D, rowwise / columnwise combination.
 //
 // Grid: min(#tiles, resident CTAs); CTA b handles tiles b, b + grid, ... of the
@@ -251,22 +217,21 @@ struct SubTile {
 // tail path's (a uniform branch per tile), so a tensor of 8191 rows runs at
 // nearly the aligned speed.
 //
-// Thread t owns rows kSub q .. kSub q + kSub - 1 and columns 8v..8v+7 of the
-// tile (q = t / 16, v = t % 16; kSub = 8 with 256 threads, or 4 with 512),
-// read from shared memory as 16-byte vectors (conflict-free: a quarter warp
-// reads one 128-byte row segment).
+// Thread t owns rows 8q..8q+7 and columns 8v..8v+7 of the tile (q = t / 16,
+// v = t % 16), read from shared memory as 16-byte vectors (conflict-free: a
+// quarter warp reads one 128-byte row segment).
 // * 1-D rowwise (1x128 blocks): a row's 128 elements live in the 16 lanes of a
-//   half warp; a butterfly over those lanes reduces the kSub row maxima in 8
-//   (kSub = 8) or 6 (kSub = 4) shuffles, each lane computes the scale of one
-//   row, kSub shuffles broadcast them back. Each lane stores 8 FP8 bytes per
-//   row (a half warp writes a contiguous 128-byte row segment).
-// * 1-D columnwise (128x1 blocks): per-thread column maxima over kSub rows,
-//   halves exchanged between lanes l and l^16, then reduced across the warps
-//   through shared memory; threads 0..127 compute one column scale each. Each
-//   thread quantizes its sub-tile column by column into kSub-byte runs along M,
-//   which go into a 128x128-byte transposed tile in shared memory (16-byte
-//   units XOR-swizzled by (n / 8) % 8: conflict-free both ways), then every
-//   warp stores whole 128-byte rows of the [N, M] output.
+//   half warp; a butterfly over those lanes reduces the 8 row maxima in 8
+//   shuffles, each lane computes the scale of one row, 8 shuffles broadcast
+//   them back. Each lane stores 8 FP8 bytes per row (a half warp writes a
+//   contiguous 128-byte row segment).
+// * 1-D columnwise (128x1 blocks): per-thread column maxima over 8 rows, halves
+//   exchanged between lanes l and l^16, then reduced across the 8 warps through
+//   shared memory; threads 0..127 compute one column scale each. Each thread
+//   quantizes its 8x8 sub-tile column by column into 8-byte runs along M, which
+//   go into a 128x128-byte transposed tile in shared memory (16-byte units
+//   XOR-swizzled by (n / 8) % 8: conflict-free both ways), then every warp
+//   stores four whole 128-byte rows of the [N, M] output.
 // * 2-D (128x128 tiles): block-wide amax, one scale; rowwise bytes as above and
 //   the columnwise copy is the exact byte transpose (same multiply, same cast).
 // Scale padding (pad4 columns) is written as 0 by the tile that owns the last
@@ -295,27 +260,17 @@ struct SubTile {
 // pair's maximum with Max2, then finishes the row butterfly on the pairs; the
 // same maxima in about 90 instructions a tile instead of 140.
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kFloatAmax = false, int kSub = 8, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
-__global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
+          bool kFloatAmax = false>
+__global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
-  static_assert(kSub == 8 || (kSub == 4 && kPath == kPathAligned && kElemBytes<D> == 2),
-                "4-row sub-tiles: aligned path, 16-bit input");
-  // The sub-tile stays in its loaded words where the registers are bounded
-  // tighter than the default's 128 a thread (4x8 sub-tiles; 3 CTAs per SM).
-  constexpr bool kWords = kSub == 4 || (kMinCtas > 2 && kElemBytes<D> == 2);
-  static_assert(kMinCtas <= 2 || kWords, "3 CTAs per SM: 16-bit input");
-  constexpr int kNT = kThreadsFor<kSub>;
-  constexpr int kWarps = kNT / 32;
-  // A row's amax ends in every lane of a group of 16 / kSub lanes (kRowShift = log2 of it).
-  constexpr int kRowShift = kSub == 8 ? 1 : 2;
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
   // Drawn tiles (uniform across the grid); the stage of iteration k is k % kStages either way.
   const bool dyn = kPipelined && a.tile_counter != nullptr;
   constexpr int kAhead = kStages > 1 ? kStages - 1 : 1;  // tiles loading ahead of the current one
-  using Plan = SmemPlan<D, S, kRow, kCol, kStages, kNT>;
+  using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
   constexpr bool kPacked = k1D && kCol && kElemBytes<D> == 2 && !kFloatAmax;
@@ -364,7 +319,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
-      if (s < count && whole(t)) IssueTileCopy<D, kNT>(smem + s * Plan::kStageBytes, a, t);
+      if (s < count && whole(t)) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, t);
       CpAsyncCommit();
     }
   }
@@ -404,12 +359,12 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
         const uint32_t t = tile_slot[k & 1];
         ahead[kAhead - 1] = t;
         if (t < num_tiles && whole(t)) {
-          IssueTileCopy<D, kNT>(smem + ((k + kAhead) % kStages) * Plan::kStageBytes, a, t);
+          IssueTileCopy<D>(smem + ((k + kAhead) % kStages) * Plan::kStageBytes, a, t);
         }
       } else if (k + kStages - 1 < count) {
         const uint32_t next = tile + (kStages - 1) * gridDim.x;
         if (whole(next)) {
-          IssueTileCopy<D, kNT>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a, next);
+          IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a, next);
         }
       }
       CpAsyncCommit();
@@ -431,14 +386,14 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
       stage = smem;
     }
 
-    // ---- this thread's kSub x 8 sub-tile ----
-    SubTile<D, kSub, kWords> x;
-    [[maybe_unused]] uint32_t row_pk[kSub];  // kPacked: each row's |x| maximum, as a pair
-    [[maybe_unused]] uint32_t col_pk[4];     // kPacked: columns 2j, 2j + 1's, as a pair
+    // ---- this thread's 8x8 sub-tile, as FP32 (exact) ----
+    float x[8][8];
+    [[maybe_unused]] uint32_t row_pk[8];  // kPacked: each row's |x| maximum, as a pair
+    [[maybe_unused]] uint32_t col_pk[4];  // kPacked: columns 2j, 2j + 1's, as a pair
     {
-      const uint8_t* base = stage + (kSub * q) * kRowBytes + v * 8 * kElemBytes<D>;
+      const uint8_t* base = stage + (8 * q) * kRowBytes + v * 8 * kElemBytes<D>;
 #pragma unroll
-      for (int i = 0; i < kSub; ++i) {
+      for (int i = 0; i < 8; ++i) {
         if constexpr (kElemBytes<D> == 2) {
           const uint4 w = *reinterpret_cast<const uint4*>(base + i * kRowBytes);
           const uint32_t words[4] = {w.x, w.y, w.z, w.w};
@@ -452,14 +407,12 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
           }
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            if constexpr (kWords) {
-              x.e[i][j] = words[j];
-            } else if constexpr (D == InputDType::kBFloat16) {
-              x.e[i][2 * j] = __uint_as_float(words[j] << 16);
-              x.e[i][2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+            if constexpr (D == InputDType::kBFloat16) {
+              x[i][2 * j] = __uint_as_float(words[j] << 16);
+              x[i][2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
             } else {
-              x.e[i][2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
-              x.e[i][2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
+              x[i][2 * j] = ElemToFloat<D>(words[j] & 0xFFFFu);
+              x[i][2 * j + 1] = ElemToFloat<D>(words[j] >> 16);
             }
           }
         } else {
@@ -467,20 +420,20 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
           const uint4 w1 = *reinterpret_cast<const uint4*>(base + i * kRowBytes + 16);
           const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-          for (int j = 0; j < 8; ++j) x.e[i][j] = ElemToFloat<D>(words[j]);
+          for (int j = 0; j < 8; ++j) x[i][j] = ElemToFloat<D>(words[j]);
         }
       }
     }
 
     // ---- scales (docs/numerics.md §2) ----
-    float row_scale[kSub];
+    float row_scale[8];
     float col_scale[8];
     if constexpr (!k1D) {
       float am = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kSub; ++i) {
+      for (int i = 0; i < 8; ++i) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) am = AbsMax(am, x(i, j));
+        for (int j = 0; j < 8; ++j) am = AbsMax(am, x[i][j]);
       }
 #pragma unroll
       for (int mask = 16; mask > 0; mask >>= 1) {
@@ -508,9 +461,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
         }
       }
 #pragma unroll
-      for (int i = 0; i < kSub; ++i) row_scale[i] = s;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) col_scale[j] = s;
+      for (int i = 0; i < 8; ++i) row_scale[i] = col_scale[i] = s;
     } else {
       if constexpr (kRow) {
         // Row maxima as FP32, or (kPacked) as pairs until the end of the butterfly.
@@ -522,35 +473,44 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
             return fmaxf(p, q);
           }
         };
-        AmaxT r[kSub];
+        AmaxT r[8];
 #pragma unroll
-        for (int i = 0; i < kSub; ++i) {
+        for (int i = 0; i < 8; ++i) {
           if constexpr (kPacked) {
             r[i] = row_pk[i];
           } else {
             r[i] = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) r[i] = AbsMax(r[i], x(i, j));
+            for (int j = 0; j < 8; ++j) r[i] = AbsMax(r[i], x[i][j]);
           }
         }
-        // Butterfly over the 16 lanes of this half warp: each step with mask
-        // 8, 4, ... halves the rows a lane holds (the lanes with the mask bit
-        // set keep the upper half), until one is left; the remaining masks
-        // finish its maximum. The lane then holds the amax of row
-        // (lane & 15) >> kRowShift: (lane >> 1) & 7 for 8 rows, (lane >> 2) & 3 for 4.
-        int mask = 8;
+        // Butterfly over the 16 lanes of this half warp: after the steps with
+        // masks 8, 4, 2, 1 the lane holds the amax of row (lane >> 1) & 7.
+        {
+          const bool hi = lane & 8;
 #pragma unroll
-        for (int h = kSub / 2; h >= 1; h /= 2, mask >>= 1) {
-          const bool hi = lane & mask;
-#pragma unroll
-          for (int t = 0; t < h; ++t) {
-            const AmaxT send = hi ? r[t] : r[t + h];
-            const AmaxT keep = hi ? r[t + h] : r[t];
-            r[t] = amax2(keep, __shfl_xor_sync(0xFFFFFFFFu, send, mask));
+          for (int t = 0; t < 4; ++t) {
+            const AmaxT send = hi ? r[t] : r[t + 4];
+            const AmaxT keep = hi ? r[t + 4] : r[t];
+            r[t] = amax2(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 8));
           }
         }
+        {
+          const bool hi = lane & 4;
 #pragma unroll
-        for (; mask >= 1; mask >>= 1) r[0] = amax2(r[0], __shfl_xor_sync(0xFFFFFFFFu, r[0], mask));
+          for (int t = 0; t < 2; ++t) {
+            const AmaxT send = hi ? r[t] : r[t + 2];
+            const AmaxT keep = hi ? r[t + 2] : r[t];
+            r[t] = amax2(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 4));
+          }
+        }
+        {
+          const bool hi = lane & 2;
+          const AmaxT send = hi ? r[0] : r[1];
+          const AmaxT keep = hi ? r[1] : r[0];
+          r[0] = amax2(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 2));
+        }
+        r[0] = amax2(r[0], __shfl_xor_sync(0xFFFFFFFFu, r[0], 1));
         float row_amax;
         if constexpr (kPacked) {
           row_amax = PairMax<D>(r[0]);
@@ -558,18 +518,18 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
           row_amax = r[0];
         }
         const float s = BlockScale(a, row_amax);
-        if ((v & ((1 << kRowShift) - 1)) == 0) {
-          const int64_t gm = m0 + kSub * q + (v >> kRowShift);
+        if ((v & 1) == 0) {
+          const int64_t gm = m0 + 8 * q + (v >> 1);
           if (full || gm < a.m) a.sr[tn * a.sr_pitch + gm] = BlockScaleInv(a, s);
         }
         if (tm == a.mb - 1 && tid < a.sr_pitch - a.m) a.sr[tn * a.sr_pitch + a.m + tid] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kSub; ++i) {
-          row_scale[i] = __shfl_sync(0xFFFFFFFFu, s, (lane & 16) | (i << kRowShift));
+        for (int i = 0; i < 8; ++i) {
+          row_scale[i] = __shfl_sync(0xFFFFFFFFu, s, (lane & 16) | (i << 1));
         }
       }
       if constexpr (kCol) {
-        // Lanes l and l^16 hold the same columns for rows kSub q.. and kSub (q+1)..:
+        // Lanes l and l^16 hold the same columns for rows 8q.. and 8(q+1)..:
         // exchange halves, then slot t holds column 8v + 4*(lane>>4) + t.
         const bool hi = lane & 16;
         float c[8];
@@ -587,7 +547,7 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
           for (int j = 0; j < 8; ++j) {
             c[j] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < kSub; ++i) c[j] = AbsMax(c[j], x(i, j));
+            for (int i = 0; i < 8; ++i) c[j] = AbsMax(c[j], x[i][j]);
           }
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
@@ -612,27 +572,23 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
           a.sc[tm * a.sc_pitch + a.n + (tid - kTile)] = 0.0f;
         }
         __syncthreads();
-        if constexpr (!kWords) {  // (kWords: read at each use, 8 registers fewer)
-          const float4 c0 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v);
-          const float4 c1 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v + 4);
-          col_scale[0] = c0.x, col_scale[1] = c0.y, col_scale[2] = c0.z, col_scale[3] = c0.w;
-          col_scale[4] = c1.x, col_scale[5] = c1.y, col_scale[6] = c1.z, col_scale[7] = c1.w;
-        }
+        const float4 c0 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v);
+        const float4 c1 = *reinterpret_cast<const float4*>(col_scale_sm + 8 * v + 4);
+        col_scale[0] = c0.x, col_scale[1] = c0.y, col_scale[2] = c0.z, col_scale[3] = c0.w;
+        col_scale[4] = c1.x, col_scale[5] = c1.y, col_scale[6] = c1.z, col_scale[7] = c1.w;
       }
     }
 
     // ---- rowwise copy: [M, N] ----
     if constexpr (kRow) {
-      const int64_t gm0 = m0 + kSub * q;
+      const int64_t gm0 = m0 + 8 * q;
       const int64_t gn = n0 + 8 * v;
       uint8_t* row_ptr = a.qr + gm0 * a.n + gn;
       // Whole columns (the mixed path's last tile row too): 8-byte stores.
       const bool row_vec = full || (kPath == kPathMixed && tn < a.full_nb);
 #pragma unroll
-      for (int i = 0; i < kSub; ++i, row_ptr += a.n) {
-        float xr[8];
-        x.Row(i, xr);
-        const uint2 b = Quantize8<F>(xr, row_scale[i]);
+      for (int i = 0; i < 8; ++i, row_ptr += a.n) {
+        const uint2 b = Quantize8<F>(x[i], row_scale[i]);
         if (row_vec) {
           if (full || gm0 + i < a.m) {
             StoreFp8(reinterpret_cast<uint2*>(row_ptr), b, a.stream_stores);
@@ -652,39 +608,16 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
     // sub-tile out of it before the barrier above (red / column scales), and
     // the stage is refilled only after the next iteration's first barrier.
     if constexpr (kCol) {
-      // Column j's scale: from shared memory for 1-D with kWords (the columnwise
-      // copy's scales stay there until the next tile's first barrier).
-      auto col_scale_of = [&](int j) -> float {
-        if constexpr (k1D && kWords) {
-          return col_scale_sm[8 * v + j];
-        } else {
-          return col_scale[j];
-        }
-      };
       uint8_t* const tsm = stage;
-      if constexpr (kSub == 8) {
-        const int unit = q >> 1, half = q & 1;
+      const int unit = q >> 1, half = q & 1;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          float col[8];
+      for (int j = 0; j < 8; ++j) {
+        float col[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) col[i] = x(i, j);
-          const uint2 b = Quantize8<F>(col, col_scale_of(j));
-          const int nl = 8 * v + j;
-          *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
-        }
-      } else {
-        // 4-byte runs: 4-byte word (q & 3) of the 16-byte unit, the word index
-        // XORed with 2 in the rows nl >= 64 (v >= 8), which would otherwise
-        // share banks with rows nl - 64; the loads below undo it.
-        const int unit = q >> 2, word = (q & 3) ^ ((v >> 3) << 1);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t b = Quantize4<F>(x(0, j), x(1, j), x(2, j), x(3, j), col_scale_of(j));
-          const int nl = 8 * v + j;
-          *reinterpret_cast<uint32_t*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (word << 2)) =
-              b;
-        }
+        for (int i = 0; i < 8; ++i) col[i] = x[i][j];
+        const uint2 b = Quantize8<F>(col, col_scale[j]);
+        const int nl = 8 * v + j;
+        *reinterpret_cast<uint2*>(tsm + nl * kTile + ((unit ^ (v & 7)) << 4) + (half << 3)) = b;
       }
       __syncthreads();
       if (kPath == kPathMixed && full && !a.col_vec) {
@@ -723,16 +656,12 @@ __global__ void __launch_bounds__(kThreadsFor<kSub>, kMinCtas)
       }
       const int u = tid & 7;
       const int64_t gm = m0 + 16 * u;
-      constexpr int kRowsPerPass = kNT / 8;
       uint8_t* col_ptr = a.qc + (n0 + (tid >> 3)) * a.m + gm;
 #pragma unroll
-      for (int p = 0; p < kTile / kRowsPerPass; ++p, col_ptr += kRowsPerPass * a.m) {
-        const int nl = p * kRowsPerPass + (tid >> 3);
-        uint4 val =
+      for (int p = 0; p < kTile / 32; ++p, col_ptr += 32 * a.m) {
+        const int nl = p * 32 + (tid >> 3);
+        const uint4 val =
             *reinterpret_cast<const uint4*>(tsm + nl * kTile + ((u ^ ((nl >> 3) & 7)) << 4));
-        if constexpr (kSub == 4) {
-          if (nl >= 64) val = make_uint4(val.z, val.w, val.x, val.y);  // the words' XOR with 2
-        }
         if (full && (kPath == kPathAligned || a.col_vec)) {
           StoreFp8(reinterpret_cast<uint4*>(col_ptr), val, a.stream_stores);
         } else if (n0 + nl < a.n) {
@@ -755,8 +684,7 @@ constexpr int kMaxDevices = 64;
 // Resident CTAs per SM of `kernel` with `smem` bytes; `cache` (one per kernel
 // instantiation, indexed by device) holds (per_sm << 16) | sms, 0 = unknown.
 template <typename Kernel>
-cudaError_t ResidentCtas(Kernel kernel, int threads, int smem, std::atomic<int>* cache, int* sms,
-                         int* per_sm) {
+cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* sms, int* per_sm) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -772,7 +700,7 @@ cudaError_t ResidentCtas(Kernel kernel, int threads, int smem, std::atomic<int>*
   if (err != cudaSuccess) return err;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, kThreads, smem);
   if (err != cudaSuccess) return err;
   if (*per_sm < 1) return cudaErrorLaunchOutOfResources;
   if (dev >= 0 && dev < kMaxDevices) {
@@ -846,16 +774,14 @@ cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
 }
 
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kFloatAmax = false, int kSub = 8, int kMinCtas = (kElemBytes<D> == 2 ? 2 : 1)>
+          bool kFloatAmax = false>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_tiles,
                            cudaStream_t stream) {
-  auto kernel =
-      QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kFloatAmax, kSub, kMinCtas>;
-  constexpr int threads = kThreadsFor<kSub>;
-  constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages, threads>::kBytes;
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kFloatAmax>;
+  constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
-  cudaError_t err = ResidentCtas(kernel, threads, smem, cache, &sms, &per_sm);
+  cudaError_t err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
   if (err != cudaSuccess) return err;
   if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
   const int64_t resident = static_cast<int64_t>(sms) * per_sm;
@@ -868,7 +794,7 @@ cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_
     err = StreamTileCounter(stream, &a.tile_counter);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<grid, threads, smem, stream>>>(a);
+  kernel<<<grid, kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -988,18 +914,6 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
               S == BlockScaling::kBlock1D && kCol && D != InputDType::kFloat32;
           constexpr bool kExperiments = D == InputDType::kBFloat16 && F == Fp8Format::kE4M3;
           const int stages = tuning.stages != 0 ? tuning.stages : (k3Stages ? 3 : 2);
-          if constexpr (kExperiments) {
-            if (tuning.three_ctas) {  // 3 CTAs of 256 threads per SM, 2 stages
-              return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, false, 8, 3>(
-                  args, per_sm, draw, stream);
-            }
-            if (tuning.sub_rows == 4) {  // 4x8 sub-tiles, 512-thread CTAs
-              return stages == 3 ? LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, false, 4>(
-                                       args, per_sm, draw, stream)
-                                 : LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, false, 4>(
-                                       args, per_sm, draw, stream);
-            }
-          }
           if constexpr (kExperiments && S == BlockScaling::kBlock1D && kCol) {
             if (tuning.float_amax) {
               return stages == 3 ? LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, true>(

@@ -66,11 +66,8 @@ namespace detail {
 // `division_scales` = pow2 scales by ComputeScale's division and ScaleInv's reciprocal instead of
 // the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2 (kernels/fp8.h); `float_amax` = 1-D
 // amaxes with a columnwise copy one FP32 element at a time instead of in packed pairs (BF16 input,
-// E4M3 output, aligned path); `sub_rows` = rows of a thread's sub-tile (0 = the default 8:
-// 256-thread CTAs; 4: 512-thread CTAs of at most 64 registers a thread, BF16 input, E4M3
-// output, aligned path); `three_ctas` = 8x8 sub-tiles bounded to 80 registers a thread so that 3
-// CTAs of 256 threads fit on an SM, 2 stages (BF16 input, E4M3 output, aligned path; `stages` is
-// ignored). Results are identical for every setting. Not part of the stable API.
+// E4M3 output, aligned path). Results are identical for every setting. Not part of the stable
+// API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
@@ -78,8 +75,6 @@ struct LaunchTuning {
   bool fixed_tiles = false;
   bool division_scales = false;
   bool float_amax = false;
-  int sub_rows = 0;
-  bool three_ctas = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

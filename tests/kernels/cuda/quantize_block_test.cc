@@ -411,8 +411,7 @@ struct PackedOutputs {
 
 // The same results whatever the launch shape: every tuned launch (2 or 3 stages,
 // 1 CTA per SM, plain instead of evict-first stores, the fixed tile share,
-// pow2 scales by division, unpacked 1-D amaxes, 4x8 sub-tiles in 512-thread
-// CTAs, 3 CTAs per SM) equals the CPU reference
+// pow2 scales by division, unpacked 1-D amaxes) equals the CPU reference
 // byte for byte, rowwise + columnwise and rowwise only. 8192x4096 gives every
 // CTA of the persistent grid many tiles, so the shared-memory stage ring wraps
 // several times.
@@ -438,30 +437,15 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
         std::vector<uint8_t> ref(bytes, 0x55);
         cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
         for (detail::LaunchTuning tuning :
-             {detail::LaunchTuning{},
-              detail::LaunchTuning{3, 1},
-              detail::LaunchTuning{2, 1},
-              detail::LaunchTuning{3, 0},
-              detail::LaunchTuning{2, 2},
-              detail::LaunchTuning{0, 0, true},
-              detail::LaunchTuning{3, 1, true},
-              detail::LaunchTuning{0, 0, false, true},
-              detail::LaunchTuning{0, 1, false, true},
-              detail::LaunchTuning{0, 0, true, true},
-              detail::LaunchTuning{3, 0, false, true},
+             {detail::LaunchTuning{}, detail::LaunchTuning{3, 1}, detail::LaunchTuning{2, 1},
+              detail::LaunchTuning{3, 0}, detail::LaunchTuning{2, 2},
+              detail::LaunchTuning{0, 0, true}, detail::LaunchTuning{3, 1, true},
+              detail::LaunchTuning{0, 0, false, true}, detail::LaunchTuning{0, 1, false, true},
+              detail::LaunchTuning{0, 0, true, true}, detail::LaunchTuning{3, 0, false, true},
               detail::LaunchTuning{0, 0, false, false, true},
               detail::LaunchTuning{3, 0, false, false, true},
               detail::LaunchTuning{0, 0, false, false, false, true},
-              detail::LaunchTuning{2, 0, false, false, false, true},
-              detail::LaunchTuning{2, 0},
-              detail::LaunchTuning{0, 0, false, false, false, false, 4},
-              detail::LaunchTuning{2, 0, false, false, false, false, 4},
-              detail::LaunchTuning{3, 1, false, false, false, false, 4},
-              detail::LaunchTuning{0, 0, false, true, false, false, 4},
-              detail::LaunchTuning{0, 0, false, false, true, false, 4},
-              detail::LaunchTuning{0, 0, false, false, false, false, 0, true},
-              detail::LaunchTuning{0, 0, false, true, false, false, 0, true},
-              detail::LaunchTuning{0, 2, false, false, false, false, 0, true}}) {
+              detail::LaunchTuning{2, 0, false, false, false, true}, detail::LaunchTuning{2, 0}}) {
           DeviceBuffer out(bytes);
           QTX_CUDA_ASSERT(cudaMemset(out.get(), 0x55, bytes));
           QTX_CUDA_ASSERT(detail::QuantizeBlockTuned(d_in.get(), InputDType::kBFloat16, m, n, p,
@@ -473,9 +457,7 @@ TEST(QuantizeBlockCuda, TunedLaunchesMatchCpuReference) {
                                   << " ctas/SM " << tuning.ctas_per_sm << " evict-first outputs "
                                   << tuning.evict_first_outputs << " fixed tiles "
                                   << tuning.fixed_tiles << " division scales "
-                                  << tuning.division_scales << " FP32 amaxes " << tuning.float_amax
-                                  << " sub-tile rows " << tuning.sub_rows << " 3 CTAs/SM "
-                                  << tuning.three_ctas;
+                                  << tuning.division_scales << " FP32 amaxes " << tuning.float_amax;
         }
       }
   }
@@ -510,21 +492,12 @@ TEST(QuantizeBlockCuda, TileCounterRepeatsStreamsAndGraphsMatchCpuReference) {
       std::vector<uint8_t> ref(bytes, 0x55);
       cpu::QuantizeBlock(input.data(), InputDType::kBFloat16, m, n, p, pack(ref.data()));
       // The default (3 stages: two tiles loading ahead), 1 CTA per SM (twice the
-      // tiles per CTA), 2 stages (one tile ahead), and 4x8 sub-tiles (512-thread
-      // CTAs) at 3 and 2 stages, and 3 CTAs per SM (on the aligned shape; edge
-      // tiles take the default kernel).
-      struct Shape {
-        int ctas_per_sm, stages, sub_rows;
-        bool three_ctas;
-      };
-      for (const auto& [ctas_per_sm, stages, sub_rows, three_ctas] :
-           {Shape{0, 0, 0, false}, Shape{1, 0, 0, false}, Shape{0, 2, 0, false},
-            Shape{0, 0, 4, false}, Shape{0, 2, 4, false}, Shape{0, 0, 0, true}}) {
+      // tiles per CTA) and 2 stages (one tile ahead).
+      for (const auto& [ctas_per_sm, stages] :
+           {std::pair{0, 0}, std::pair{1, 0}, std::pair{0, 2}}) {
         detail::LaunchTuning tuning;
         tuning.ctas_per_sm = ctas_per_sm;
         tuning.stages = stages;
-        tuning.sub_rows = sub_rows;
-        tuning.three_ctas = three_ctas;
         constexpr int kRepeats = 3;
         std::vector<DeviceBuffer> outs(2 * kRepeats + 1);
         for (auto& o : outs) {
@@ -555,7 +528,6 @@ TEST(QuantizeBlockCuda, TileCounterRepeatsStreamsAndGraphsMatchCpuReference) {
           QTX_CUDA_ASSERT(cudaMemcpy(got.data(), outs[i].get(), bytes, cudaMemcpyDeviceToHost));
           EXPECT_TRUE(got == ref) << m << "x" << n << (s == BlockScaling::kBlock1D ? " 1d" : " 2d")
                                   << " ctas/SM " << ctas_per_sm << " stages " << stages
-                                  << " sub-tile rows " << sub_rows << " 3 CTAs/SM " << three_ctas
                                   << " output " << i
                                   << (i + 1 == outs.size() ? " (graph)" : " (stream launch)");
         }
