@@ -65,13 +65,16 @@ qtx_step() {
 
 # qtx_run_begin BUNDLE OUT: the start of a one-log run script from a bundle:
 # O=OUT (made), L=OUT/log.txt, the bundle's environment (qtx_gpu_env
-# BUNDLE/lib), unbuffered Python, and `step NAME SECONDS CMD...` (qtx_step
+# BUNDLE/lib), QTXD=BUNDLE/bin/qtxd when the bundle has one (the tests built
+# with a qtxd path, e.g. cuda_e2e_test, start $QTXD instead: they take no
+# --qtxd flag), unbuffered Python, and `step NAME SECONDS CMD...` (qtx_step
 # into L).
 qtx_run_begin() {
   O="${2:?usage: qtx_run_begin BUNDLE OUT}"
   L="$O/log.txt"
   mkdir -p "$O"
   qtx_gpu_env "${1:?usage: qtx_run_begin BUNDLE OUT}/lib"
+  if [ -x "$1/bin/qtxd" ]; then export QTXD="$1/bin/qtxd"; fi
   export PYTHONUNBUFFERED=1
   step() { qtx_step "$L" "$@"; }
 }
