@@ -224,10 +224,6 @@ absl::StatusOr<LocalRequest> ValidateLocal(const AllGatherRequestSpec& r, const 
   return l;
 }
 
-constexpr const char* kOutputFields[4] = {"outputs.rowwise_data", "outputs.rowwise_scale_inv",
-                                          "outputs.columnwise_data",
-                                          "outputs.columnwise_scale_inv"};
-
 // The input (a region slice) and the region outputs, for CheckNoOverlap.
 std::vector<NamedRange> OutputRanges(const tensor::TensorView& input,
                                      const std::array<std::optional<PlacedOutput>, 4>& outs) {
@@ -235,7 +231,7 @@ std::vector<NamedRange> OutputRanges(const tensor::TensorView& input,
   if (input.pin != nullptr) ranges.push_back({"input", input.data, input.byte_size});
   for (size_t i = 0; i < outs.size(); ++i) {
     if (outs[i] && outs[i]->slice) {
-      ranges.push_back({kOutputFields[i], outs[i]->slice->data, outs[i]->bytes});
+      ranges.push_back({kQuantizedOutputFields[i], outs[i]->slice->data, outs[i]->bytes});
     }
   }
   return ranges;
@@ -253,27 +249,22 @@ absl::StatusOr<bool> PrepareEarly(const AllGatherRequestSpec& r, const LocalRequ
                                   const OpContext& ctx,
                                   std::array<std::optional<PlacedOutput>, 4>& outs) {
   const kernels::QuantizeParams& p = r.params;
-  const std::optional<tensor::RegionSliceSpec>* specs[4] = {
-      &r.outputs.rowwise_data, &r.outputs.rowwise_scale_inv, &r.outputs.columnwise_data,
-      &r.outputs.columnwise_scale_inv};
-  const bool requested[4] = {p.rowwise, p.rowwise, p.columnwise, p.columnwise};
-  const uint64_t alignment[4] = {1, 4, 1, 4};
   for (int i = 0; i < 4; ++i) {
-    if (requested[i] && !specs[i]->has_value()) return false;  // inline: staged
+    if (OutputRequested(p, i) && !OutputSpec(r.outputs, i).has_value()) return false;  // inline
   }
   if (l.input.byte_size > 0 && l.input.memory != ctx.device->memory_kind()) return false;
   for (int i = 0; i < 4; ++i) {
-    if (!requested[i]) continue;
-    const tensor::RegionSliceSpec& spec = **specs[i];
+    if (!OutputRequested(p, i)) continue;
+    const tensor::RegionSliceSpec& spec = *OutputSpec(r.outputs, i);
     outs[i].emplace();
     outs[i]->bytes = spec.size;
     outs[i]->tensor.region = spec;
-    QTX_ASSIGN_OR_RETURN(
-        outs[i]->slice,
-        tensor::ResolveOutputSlice(spec, spec.size, alignment[i], kOutputFields[i], *ctx.regions));
+    QTX_ASSIGN_OR_RETURN(outs[i]->slice,
+                         tensor::ResolveOutputSlice(spec, spec.size, kQuantizedOutputAlignment[i],
+                                                    kQuantizedOutputFields[i], *ctx.regions));
     if (spec.size > 0 && outs[i]->slice->memory != ctx.device->memory_kind()) {
       if (r.events.queue != nullptr) {
-        return absl::FailedPreconditionError(ChannelMemoryMessage(kOutputFields[i], ctx));
+        return absl::FailedPreconditionError(ChannelMemoryMessage(kQuantizedOutputFields[i], ctx));
       }
       return false;
     }
@@ -793,21 +784,12 @@ absl::Status AllGatherCall::PrepareOutputs() {
 // the data moves, except a device allocation or launch, which the other
 // paths do not exchange either.)
 absl::Status AllGatherCall::EarlyVerdict() {
-  const uint64_t needed[4] = {
-      p.rowwise ? static_cast<uint64_t>(layout.RowwiseDataBytes()) : 0,
-      p.rowwise ? 4 * static_cast<uint64_t>(layout.RowwiseScaleCount()) : 0,
-      p.columnwise ? static_cast<uint64_t>(layout.ColumnwiseDataBytes()) : 0,
-      p.columnwise ? 4 * static_cast<uint64_t>(layout.ColumnwiseScaleCount()) : 0};
-  const std::vector<int64_t> shapes[4] = {
-      {layout.rowwise_data_rows, layout.rowwise_data_cols},
-      ScaleShape(p.scaling, layout.rowwise_scale_rows, layout.rowwise_scale_cols),
-      {layout.columnwise_data_rows, layout.columnwise_data_cols},
-      ScaleShape(p.scaling, layout.columnwise_scale_rows, layout.columnwise_scale_cols)};
+  QTX_ASSIGN_OR_RETURN(const auto buffers, DescribeQuantizedOutputs(p, layout));
   auto size_error = [&](const WireHeader& h) -> absl::Status {
     for (int i = 0; i < 4; ++i) {
-      if ((i < 2 ? p.rowwise : p.columnwise) && h.out_size[i] != needed[i]) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("%s.size=%d: expected %d", kOutputFields[i], h.out_size[i], needed[i]));
+      if (buffers[i].requested && h.out_size[i] != buffers[i].bytes) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s.size=%d: expected %d", kQuantizedOutputFields[i], h.out_size[i], buffers[i].bytes));
       }
     }
     return absl::OkStatus();
@@ -824,38 +806,18 @@ absl::Status AllGatherCall::EarlyVerdict() {
           e.code(), absl::StrFormat("%srank %d could not take part: %s", prefix, r, e.message()));
     }
   }
-  const DType data_dtype = tensor::Fp8DataDType(p.format);
   for (int i = 0; i < 4; ++i) {
     if (!outs[i]) continue;
-    outs[i]->tensor.dtype = i % 2 == 0 ? data_dtype : DType::kFloat32;
-    outs[i]->tensor.shape = shapes[i];
+    outs[i]->tensor.dtype = buffers[i].dtype;
+    outs[i]->tensor.shape = buffers[i].shape;
   }
   return absl::OkStatus();
 }
 
 absl::Status AllGatherCall::PlaceOutputs() {
   const kernels::ShardGeometry& g = geoms[rank];
-  const DType data_dtype = tensor::Fp8DataDType(p.format);
-  if (p.rowwise) {
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, layout.RowwiseDataBytes(), 1,
-                                    data_dtype,
-                                    {layout.rowwise_data_rows, layout.rowwise_data_cols},
-                                    "outputs.rowwise_data", ctx, outs[0]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(
-        request.outputs.rowwise_scale_inv, 4 * layout.RowwiseScaleCount(), 4, DType::kFloat32,
-        ScaleShape(p.scaling, layout.rowwise_scale_rows, layout.rowwise_scale_cols),
-        "outputs.rowwise_scale_inv", ctx, outs[1]));
-  }
-  if (p.columnwise) {
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_data, layout.ColumnwiseDataBytes(),
-                                    1, data_dtype,
-                                    {layout.columnwise_data_rows, layout.columnwise_data_cols},
-                                    "outputs.columnwise_data", ctx, outs[2]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(
-        request.outputs.columnwise_scale_inv, 4 * layout.ColumnwiseScaleCount(), 4, DType::kFloat32,
-        ScaleShape(p.scaling, layout.columnwise_scale_rows, layout.columnwise_scale_cols),
-        "outputs.columnwise_scale_inv", ctx, outs[3]));
-  }
+  QTX_ASSIGN_OR_RETURN(const auto buffers, DescribeQuantizedOutputs(p, layout));
+  QTX_RETURN_IF_ERROR(PlaceQuantizedOutputs(request.outputs, buffers, ctx, outs));
   QTX_RETURN_IF_ERROR(CheckNoOverlap(OutputRanges(local->input, outs)));
   uint64_t inline_bytes = 0;
   for (const auto& o : outs) {

@@ -234,6 +234,52 @@ absl::Status ValidateQuantizeParams(const kernels::QuantizeParams& params, std::
   return absl::OkStatus();
 }
 
+const std::optional<tensor::RegionSliceSpec>& OutputSpec(const QuantizeOutputSpecs& specs, int i) {
+  switch (i) {
+    case 0:
+      return specs.rowwise_data;
+    case 1:
+      return specs.rowwise_scale_inv;
+    case 2:
+      return specs.columnwise_data;
+    default:
+      return specs.columnwise_scale_inv;
+  }
+}
+
+absl::StatusOr<std::array<QuantizedBufferInfo, 4>> DescribeQuantizedOutputs(
+    const kernels::QuantizeParams& params, const kernels::QuantizedLayout& layout) {
+  const int64_t counts[4] = {layout.RowwiseDataBytes(), layout.RowwiseScaleCount(),
+                             layout.ColumnwiseDataBytes(), layout.ColumnwiseScaleCount()};
+  const DType data_dtype = tensor::Fp8DataDType(params.format);
+  std::array<QuantizedBufferInfo, 4> b;
+  b[0].shape = {layout.rowwise_data_rows, layout.rowwise_data_cols};
+  b[1].shape = ScaleShape(params.scaling, layout.rowwise_scale_rows, layout.rowwise_scale_cols);
+  b[2].shape = {layout.columnwise_data_rows, layout.columnwise_data_cols};
+  b[3].shape =
+      ScaleShape(params.scaling, layout.columnwise_scale_rows, layout.columnwise_scale_cols);
+  for (int i = 0; i < 4; ++i) {
+    b[i].requested = OutputRequested(params, i);
+    b[i].dtype = i % 2 == 0 ? data_dtype : DType::kFloat32;
+    QTX_ASSIGN_OR_RETURN(b[i].bytes, CheckedBytes(counts[i], kQuantizedOutputAlignment[i],
+                                                  kQuantizedOutputFields[i]));
+  }
+  return b;
+}
+
+absl::Status PlaceQuantizedOutputs(const QuantizeOutputSpecs& specs,
+                                   const std::array<QuantizedBufferInfo, 4>& buffers,
+                                   const OpContext& ctx,
+                                   std::array<std::optional<PlacedOutput>, 4>& outs) {
+  for (int i = 0; i < 4; ++i) {
+    const QuantizedBufferInfo& b = buffers[i];
+    if (!b.requested) continue;
+    QTX_RETURN_IF_ERROR(PlaceOutput(OutputSpec(specs, i), b.bytes, kQuantizedOutputAlignment[i],
+                                    b.dtype, b.shape, kQuantizedOutputFields[i], ctx, outs[i]));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, const OpContext& ctx) {
   const kernels::QuantizeParams& params = request.params;
   QTX_RETURN_IF_ERROR(ValidateQuantizeParams(params, "config"));
@@ -268,47 +314,18 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
                        tensor::ResolveInput(request.input, "input", *ctx.regions, ctx.limits));
   QTX_ASSIGN_OR_RETURN(const Matrix2D mn, FlattenTo2D(input.shape, "input", ctx.limits));
   const kernels::QuantizedLayout layout = kernels::ComputeLayout(params.scaling, mn.m, mn.n);
-  const DType data_dtype = tensor::Fp8DataDType(params.format);
-
+  QTX_ASSIGN_OR_RETURN(const auto buffers, DescribeQuantizedOutputs(params, layout));
   std::array<std::optional<PlacedOutput>, 4> outs;  // rw data, rw scale, cw data, cw scale
-  if (params.rowwise) {
-    QTX_ASSIGN_OR_RETURN(uint64_t data_bytes,
-                         CheckedBytes(layout.RowwiseDataBytes(), 1, "rowwise_data"));
-    QTX_ASSIGN_OR_RETURN(uint64_t scale_bytes,
-                         CheckedBytes(layout.RowwiseScaleCount(), 4, "rowwise_scale_inv"));
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.rowwise_data, data_bytes, 1, data_dtype,
-                                    {layout.rowwise_data_rows, layout.rowwise_data_cols},
-                                    "outputs.rowwise_data", ctx, outs[0]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(
-        request.outputs.rowwise_scale_inv, scale_bytes, 4, DType::kFloat32,
-        ScaleShape(params.scaling, layout.rowwise_scale_rows, layout.rowwise_scale_cols),
-        "outputs.rowwise_scale_inv", ctx, outs[1]));
-  }
-  if (params.columnwise) {
-    QTX_ASSIGN_OR_RETURN(uint64_t data_bytes,
-                         CheckedBytes(layout.ColumnwiseDataBytes(), 1, "columnwise_data"));
-    QTX_ASSIGN_OR_RETURN(uint64_t scale_bytes,
-                         CheckedBytes(layout.ColumnwiseScaleCount(), 4, "columnwise_scale_inv"));
-    QTX_RETURN_IF_ERROR(PlaceOutput(request.outputs.columnwise_data, data_bytes, 1, data_dtype,
-                                    {layout.columnwise_data_rows, layout.columnwise_data_cols},
-                                    "outputs.columnwise_data", ctx, outs[2]));
-    QTX_RETURN_IF_ERROR(PlaceOutput(
-        request.outputs.columnwise_scale_inv, scale_bytes, 4, DType::kFloat32,
-        ScaleShape(params.scaling, layout.columnwise_scale_rows, layout.columnwise_scale_cols),
-        "outputs.columnwise_scale_inv", ctx, outs[3]));
-  }
+  QTX_RETURN_IF_ERROR(PlaceQuantizedOutputs(request.outputs, buffers, ctx, outs));
 
   // Aliasing and inline budget, still before any work.
-  static constexpr std::string_view kOutFields[4] = {
-      "outputs.rowwise_data", "outputs.rowwise_scale_inv", "outputs.columnwise_data",
-      "outputs.columnwise_scale_inv"};
   std::vector<NamedRange> ranges;
   if (input.pin != nullptr) ranges.push_back({"input", input.data, input.byte_size});
   uint64_t inline_bytes = 0;
   for (size_t i = 0; i < outs.size(); ++i) {
     if (!outs[i].has_value()) continue;
     if (outs[i]->slice.has_value()) {
-      ranges.push_back({kOutFields[i], outs[i]->slice->data, outs[i]->bytes});
+      ranges.push_back({kQuantizedOutputFields[i], outs[i]->slice->data, outs[i]->bytes});
     } else {
       inline_bytes += outs[i]->bytes;  // each <= 2^40 by the shape limits
     }
@@ -319,7 +336,7 @@ absl::StatusOr<QuantizeResult> Quantize(const QuantizeRequestSpec& request, cons
     QTX_RETURN_IF_ERROR(CheckChannelInput(input, "input", ctx));
     for (size_t i = 0; i < outs.size(); ++i) {
       if (!outs[i].has_value()) continue;
-      QTX_RETURN_IF_ERROR(CheckChannelOutput(*outs[i], kOutFields[i], ctx));
+      QTX_RETURN_IF_ERROR(CheckChannelOutput(*outs[i], kQuantizedOutputFields[i], ctx));
     }
   }
 

@@ -9,6 +9,7 @@
 #ifndef QTX_SERVER_OPS_QUANTIZE_H_
 #define QTX_SERVER_OPS_QUANTIZE_H_
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -17,9 +18,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/block_geometry.h"
 #include "kernels/quantize_params.h"
 #include "server/backend/device.h"
 #include "server/ops/op_context.h"
+#include "server/ops/output_placement.h"
 #include "server/tensor/dtype.h"
 #include "server/tensor/tensor_ref.h"
 
@@ -32,6 +35,47 @@ struct QuantizeOutputSpecs {
   std::optional<tensor::RegionSliceSpec> columnwise_data;
   std::optional<tensor::RegionSliceSpec> columnwise_scale_inv;
 };
+
+// The four buffers of a quantized tensor, in the order of the ops' output
+// arrays: rowwise data, rowwise scale_inv, columnwise data, columnwise
+// scale_inv. Their request fields, and their element sizes (the alignment of
+// a region slice).
+inline constexpr std::string_view kQuantizedOutputFields[4] = {
+    "outputs.rowwise_data", "outputs.rowwise_scale_inv", "outputs.columnwise_data",
+    "outputs.columnwise_scale_inv"};
+inline constexpr uint64_t kQuantizedOutputAlignment[4] = {1, 4, 1, 4};
+
+// `specs`' destination of buffer i (0..3, in the order above).
+const std::optional<tensor::RegionSliceSpec>& OutputSpec(const QuantizeOutputSpecs& specs, int i);
+
+// Whether `params` asks for buffer i (the rowwise pair or the columnwise one).
+inline bool OutputRequested(const kernels::QuantizeParams& params, int i) {
+  return i < 2 ? params.rowwise : params.columnwise;
+}
+
+// One buffer of a quantized tensor: whether it is requested, its bytes, dtype
+// (FLOAT8_E4M3 / FLOAT8_E5M2 data, FLOAT32 scale_inv) and shape ([rows, cols];
+// ScaleShape for the scale_inv).
+struct QuantizedBufferInfo {
+  bool requested = false;
+  uint64_t bytes = 0;
+  tensor::DType dtype = tensor::DType::kUnspecified;
+  std::vector<int64_t> shape;
+};
+
+// The four buffers of a tensor quantized with `params` into `layout`
+// (kernels::ComputeLayout(params.scaling, m, n)). INVALID_ARGUMENT naming the
+// field when a byte count overflows.
+absl::StatusOr<std::array<QuantizedBufferInfo, 4>> DescribeQuantizedOutputs(
+    const kernels::QuantizeParams& params, const kernels::QuantizedLayout& layout);
+
+// Places each requested buffer with PlaceOutput (the client's slice in
+// `specs`, else an inline buffer); outs[i] stays unset for a buffer not
+// requested. PlaceOutput's errors, naming kQuantizedOutputFields[i].
+absl::Status PlaceQuantizedOutputs(const QuantizeOutputSpecs& specs,
+                                   const std::array<QuantizedBufferInfo, 4>& buffers,
+                                   const OpContext& ctx,
+                                   std::array<std::optional<PlacedOutput>, 4>& outs);
 
 struct QuantizeRequestSpec {
   tensor::TensorRefSpec input;
