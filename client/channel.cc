@@ -467,12 +467,12 @@ uint64_t Channel::completed() const {
 
 absl::Status Channel::status() const { return CheckUsable(); }
 
-absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeConfig& config,
-                                           const QuantizeOutputs& outputs) {
+template <typename Fill>
+absl::StatusOr<uint64_t> Channel::SubmitOp(const Tensor* input, Fill&& fill) {
   SubmitTimer timer;
   if (absl::Status s = CheckSubmit(); !s.ok()) return s;
   timer.Mark(&ChannelSubmitProfile::check_ns);
-  if (!input.in_region()) {
+  if (input != nullptr && !input->in_region()) {
     return absl::InvalidArgumentError(
         "input: inline tensor; channel ops take slices of registered regions only");
   }
@@ -480,68 +480,49 @@ absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeCo
   v1::ChannelRequest request;
   v1::ChannelSubmit* submit = request.mutable_submit();
   submit->set_seq(seq);
-  v1::QuantizeRequest* q = submit->mutable_quantize();
-  ToProto(input, q->mutable_input());
-  ToProto(config, q->mutable_config());
-  ToProto(outputs, q->mutable_outputs());
+  fill(*submit);
   timer.Mark(&ChannelSubmitProfile::build_ns);
   if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_, timer);
       !s.ok()) {
     return s;
   }
   return seq;
+}
+
+absl::StatusOr<uint64_t> Channel::Quantize(const Tensor& input, const QuantizeConfig& config,
+                                           const QuantizeOutputs& outputs) {
+  return SubmitOp(&input, [&](v1::ChannelSubmit& submit) {
+    v1::QuantizeRequest* q = submit.mutable_quantize();
+    ToProto(input, q->mutable_input());
+    ToProto(config, q->mutable_config());
+    ToProto(outputs, q->mutable_outputs());
+  });
 }
 
 absl::StatusOr<uint64_t> Channel::AllGather(std::string_view group, uint64_t sequence,
                                             const Tensor& input, const QuantizeConfig& config,
                                             AllGatherMode mode, const QuantizeOutputs& outputs,
                                             const std::vector<int64_t>& shard_rows) {
-  SubmitTimer timer;
-  if (absl::Status s = CheckSubmit(); !s.ok()) return s;
-  timer.Mark(&ChannelSubmitProfile::check_ns);
-  if (!input.in_region()) {
-    return absl::InvalidArgumentError(
-        "input: inline tensor; channel ops take slices of registered regions only");
-  }
-  const uint64_t seq = next_seq_.load();
-  v1::ChannelRequest request;
-  v1::ChannelSubmit* submit = request.mutable_submit();
-  submit->set_seq(seq);
-  v1::AllGatherRequest* a = submit->mutable_all_gather();
-  a->set_group(std::string(group));
-  a->set_sequence(sequence);
-  ToProto(input, a->mutable_input());
-  ToProto(config, a->mutable_config());
-  a->set_mode(static_cast<v1::AllGatherMode>(mode));
-  ToProto(outputs, a->mutable_outputs());
-  for (int64_t m : shard_rows) a->add_shard_rows(m);
-  timer.Mark(&ChannelSubmitProfile::build_ns);
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_, timer);
-      !s.ok()) {
-    return s;
-  }
-  return seq;
+  return SubmitOp(&input, [&](v1::ChannelSubmit& submit) {
+    v1::AllGatherRequest* a = submit.mutable_all_gather();
+    a->set_group(std::string(group));
+    a->set_sequence(sequence);
+    ToProto(input, a->mutable_input());
+    ToProto(config, a->mutable_config());
+    a->set_mode(static_cast<v1::AllGatherMode>(mode));
+    ToProto(outputs, a->mutable_outputs());
+    for (int64_t m : shard_rows) a->add_shard_rows(m);
+  });
 }
 
 absl::StatusOr<uint64_t> Channel::Dequantize(const QuantizedTensor& input, DType output_dtype,
                                              const RegionSlice& output) {
-  SubmitTimer timer;
-  if (absl::Status s = CheckSubmit(); !s.ok()) return s;
-  timer.Mark(&ChannelSubmitProfile::check_ns);
-  const uint64_t seq = next_seq_.load();
-  v1::ChannelRequest request;
-  v1::ChannelSubmit* submit = request.mutable_submit();
-  submit->set_seq(seq);
-  v1::DequantizeRequest* d = submit->mutable_dequantize();
-  ToProto(input, d->mutable_input());
-  d->set_output_dtype(static_cast<v1::DType>(output_dtype));
-  ToProto(output, d->mutable_output());
-  timer.Mark(&ChannelSubmitProfile::build_ns);
-  if (absl::Status s = stream_->Submit(*flags_, seq, std::move(request), next_seq_, timer);
-      !s.ok()) {
-    return s;
-  }
-  return seq;
+  return SubmitOp(nullptr, [&](v1::ChannelSubmit& submit) {
+    v1::DequantizeRequest* d = submit.mutable_dequantize();
+    ToProto(input, d->mutable_input());
+    d->set_output_dtype(static_cast<v1::DType>(output_dtype));
+    ToProto(output, d->mutable_output());
+  });
 }
 
 absl::StatusOr<bool> Channel::Query(uint64_t op) const {

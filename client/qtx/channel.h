@@ -266,6 +266,12 @@ class Channel {
   absl::Status CheckUsable() const;
   // CheckUsable, and FAILED_PRECONDITION on a plan channel.
   absl::Status CheckSubmit() const;
+  // One submission (defined and used in channel.cc only): CheckSubmit;
+  // INVALID_ARGUMENT when `input` (if any) is an inline tensor; then `fill`
+  // writes the operation into the descriptor of the next sequence number,
+  // which goes to qtxd. Returns that number.
+  template <typename Fill>
+  absl::StatusOr<uint64_t> SubmitOp(const Tensor* input, Fill&& fill);
 
   std::unique_ptr<ChannelFlags> flags_;  // destroyed after stream_
   const ChannelOptions options_;
