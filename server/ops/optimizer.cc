@@ -382,7 +382,7 @@ struct OutputPlacements {
 absl::Status AddFp8Output(OutputPlacements& out, bool wanted, std::optional<OutputTensor>& t,
                           DType dtype, std::vector<int64_t> shape, uint64_t bytes, uint64_t align,
                           const std::optional<tensor::RegionSliceSpec>& slice,
-                          const std::string& field, const char* name, const std::string& group,
+                          const std::string& field, std::string_view name, const std::string& group,
                           size_t param, int slot) {
   if (!wanted) {
     if (slice.has_value()) {
@@ -434,7 +434,7 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
       r.fp8->shape = p.shape;
       r.fp8->source_dtype = DType::kFloat32;
       r.fp8->params = q;
-      const DType data = tensor::Fp8DataDType(q.format);
+      QTX_ASSIGN_OR_RETURN(auto buffers, DescribeQuantizedOutputs(q, l));
       const QuantizeOutputSpecs none;
       const QuantizeOutputSpecs& s = d != nullptr ? d->fp8 : none;
       const std::string& g = info.config.name;
@@ -448,31 +448,20 @@ absl::Status PlaceParameterOutputs(const optimizer::GroupInfo& info, const OpCon
               "gathered rowwise data)",
               field, g));
         }
-        QTX_RETURN_IF_ERROR(AddFp8Output(placed, true, r.fp8->rowwise_data, data, {p.count()},
-                                         static_cast<uint64_t>(p.count()), 1, s.rowwise_data, field,
-                                         "rowwise_data", g, i, kRowwiseData));
-      } else {
-        QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.rowwise, r.fp8->rowwise_data, data,
-                                         {l.rowwise_data_rows, l.rowwise_data_cols},
-                                         l.RowwiseDataBytes(), 1, s.rowwise_data, field,
-                                         "rowwise_data", g, i, kRowwiseData));
+        buffers[kRowwiseData].requested = true;
+        buffers[kRowwiseData].shape = {p.count()};
+        buffers[kRowwiseData].bytes = static_cast<uint64_t>(p.count());
       }
-      QTX_RETURN_IF_ERROR(
-          AddFp8Output(placed, q.rowwise, r.fp8->rowwise_scale_inv, DType::kFloat32,
-                       ScaleShape(q.scaling, l.rowwise_scale_rows, l.rowwise_scale_cols),
-                       4 * l.RowwiseScaleCount(), 4, s.rowwise_scale_inv, field,
-                       "rowwise_scale_inv", g, i, kRowwiseScaleInv));
-      if (!sharded) {
-        QTX_RETURN_IF_ERROR(AddFp8Output(placed, q.columnwise, r.fp8->columnwise_data, data,
-                                         {l.columnwise_data_rows, l.columnwise_data_cols},
-                                         l.ColumnwiseDataBytes(), 1, s.columnwise_data, field,
-                                         "columnwise_data", g, i, kColumnwiseData));
+      std::optional<OutputTensor>* const results[4] = {
+          &r.fp8->rowwise_data, &r.fp8->rowwise_scale_inv, &r.fp8->columnwise_data,
+          &r.fp8->columnwise_scale_inv};
+      for (int k = kRowwiseData; k <= kColumnwiseScaleInv; ++k) {
+        if (sharded && k == kColumnwiseData) continue;
+        const QuantizedBufferInfo& b = buffers[k];
+        QTX_RETURN_IF_ERROR(AddFp8Output(placed, b.requested, *results[k], b.dtype, b.shape,
+                                         b.bytes, kQuantizedOutputAlignment[k], OutputSpec(s, k),
+                                         field, QuantizedOutputName(k), g, i, k));
       }
-      QTX_RETURN_IF_ERROR(
-          AddFp8Output(placed, q.columnwise, r.fp8->columnwise_scale_inv, DType::kFloat32,
-                       ScaleShape(q.scaling, l.columnwise_scale_rows, l.columnwise_scale_cols),
-                       4 * l.ColumnwiseScaleCount(), 4, s.columnwise_scale_inv, field,
-                       "columnwise_scale_inv", g, i, kColumnwiseScaleInv));
     }
     if (out.bf16()) {
       r.bf16 = MakeTensor(DType::kBFloat16, sharded ? std::vector<int64_t>{p.count()} : p.shape);

@@ -44,6 +44,10 @@ inline constexpr std::string_view kQuantizedOutputFields[4] = {
     "outputs.rowwise_data", "outputs.rowwise_scale_inv", "outputs.columnwise_data",
     "outputs.columnwise_scale_inv"};
 inline constexpr uint64_t kQuantizedOutputAlignment[4] = {1, 4, 1, 4};
+// Buffer i's name without the request field's "outputs." ("rowwise_data", ...).
+inline constexpr std::string_view QuantizedOutputName(int i) {
+  return kQuantizedOutputFields[i].substr(sizeof("outputs.") - 1);
+}
 
 // `specs`' destination of buffer i (0..3, in the order above).
 const std::optional<tensor::RegionSliceSpec>& OutputSpec(const QuantizeOutputSpecs& specs, int i);
