@@ -24,8 +24,12 @@
 namespace qtx::kernels::cuda {
 namespace {
 
-constexpr int kTile = 128;     // block edge (docs/numerics.md §3)
-constexpr int kThreads = 256;  // 16 x 16 threads, each owns an 8x8 sub-tile
+constexpr int kTile = 128;  // block edge (docs/numerics.md §3)
+// 16 x 16 threads, each owns an 8x8 sub-tile. More threads per SM measured
+// slower on the H200: 4x8 sub-tiles in 512-thread CTAs, and 3 CTAs per SM at
+// 80 registers, ran 47 % / 10 % more instructions with longer barrier waits
+// (bench/results/session20_h200_2026-12-03.md).
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTBytes = kTile * kTile;  // transposed FP8 tile in shared memory
 
