@@ -9,7 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "driver_symbols.h"
+#include "common/cuda_driver.h"
+#include "cuda_status.h"
 #include "qtx/cuda_ipc.h"
 #include "qtx/shm_region.h"
 #include "stream_flags.h"
@@ -19,37 +20,15 @@ namespace {
 
 using internal::CudaStatus;
 
-absl::Status DriverStatus(CUresult r, std::string_view what) {
-  if (r == CUDA_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrFormat("%s failed: CUresult %d", what, static_cast<int>(r)));
-}
-
-// The driver's stream memory operations, found through the runtime (no link
-// against libcuda).
-struct MemOps {
-  CUresult (*wait)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*write)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
-};
-
-absl::StatusOr<MemOps> GetMemOps() {
-  static const auto* const ops = new absl::StatusOr<MemOps>([]() -> absl::StatusOr<MemOps> {
-    MemOps o;
-    const std::pair<const char*, void**> wanted[] = {
-        {"cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait)},
-        {"cuStreamWriteValue64", reinterpret_cast<void**>(&o.write)},
-        {"cuDeviceGetAttribute", reinterpret_cast<void**>(&o.attribute)}};
-    if (absl::Status s = internal::LoadDriverSymbols(wanted); !s.ok()) return s;
-    return o;
-  }());
-  return *ops;
-}
+using cuda_driver::DriverStatus;
+using cuda_driver::GetStreamMemOps;
+using cuda_driver::StreamMemOps;
 
 // The flag words, ready at +0 and done at +8, seen by the GPU at `words` and
 // (host flags) by this host at `host`. Owns the memory behind them.
 class StreamFlags final : public ChannelFlags {
  public:
-  StreamFlags(Client& client, MemOps ops, cudaStream_t stream, int device, CUdeviceptr words,
+  StreamFlags(Client& client, StreamMemOps ops, cudaStream_t stream, int device, CUdeviceptr words,
               std::string region, std::unique_ptr<ShmRegion> shm, void* device_alloc)
       : client_(client),
         ops_(ops),
@@ -129,7 +108,7 @@ class StreamFlags final : public ChannelFlags {
 
  private:
   Client& client_;
-  const MemOps ops_;
+  const StreamMemOps ops_;
   const cudaStream_t stream_;
   const int device_;
   const CUdeviceptr words_;
@@ -152,14 +131,14 @@ namespace internal {
 absl::StatusOr<std::unique_ptr<ChannelFlags>> CreateFlags(Client& client, cudaStream_t stream,
                                                           FlagMemory memory,
                                                           CUdeviceptr* device_words) {
-  absl::StatusOr<MemOps> ops = GetMemOps();
+  absl::StatusOr<StreamMemOps> ops = GetStreamMemOps();
   if (!ops.ok()) return ops.status();
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return CudaStatus(err, "cudaGetDevice");
   int supported = 0;
   if (absl::Status s = DriverStatus(
-          ops->attribute(&supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device),
+          ops->get_attribute(&supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device),
           "cuDeviceGetAttribute");
       !s.ok()) {
     return s;

@@ -11,7 +11,8 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "driver_symbols.h"
+#include "common/cuda_driver.h"
+#include "cuda_status.h"
 #include "qtx/fd_passing.h"
 
 namespace qtx::cuda {
@@ -21,20 +22,6 @@ absl::Status CudaStatus(cudaError_t err, std::string_view what) {
   (void)cudaGetLastError();  // clear the non-sticky error
   return absl::InternalError(absl::StrFormat("%s: CUDA error %s (%s)", what, cudaGetErrorName(err),
                                              cudaGetErrorString(err)));
-}
-
-absl::Status LoadDriverSymbols(std::span<const std::pair<const char*, void**>> wanted) {
-  for (const auto& [symbol, slot] : wanted) {
-    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t err =
-        cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query);
-    if (err != cudaSuccess) return CudaStatus(err, "cudaGetDriverEntryPointByVersion");
-    if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("the CUDA driver has no %s (a CUDA 12+ driver is needed)", symbol));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace internal
@@ -105,7 +92,8 @@ absl::StatusOr<AllocationOps> GetAllocationOps() {
             {"cuMemAddressFree", reinterpret_cast<void**>(&o.free_range)},
             {"cuMemMap", reinterpret_cast<void**>(&o.map)},
             {"cuMemUnmap", reinterpret_cast<void**>(&o.unmap)}};
-        if (absl::Status s = internal::LoadDriverSymbols(wanted); !s.ok()) return s;
+        if (absl::Status s = cuda_driver::LoadSymbols(wanted, "CUDA IPC exports"); !s.ok())
+          return s;
         return o;
       }());
   return *ops;

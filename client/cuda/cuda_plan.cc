@@ -3,7 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "driver_symbols.h"
+#include "cuda_status.h"
 #include "plan_kernel.h"
 #include "stream_flags.h"
 

@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/cuda_driver.h"
 #include "common/status_macros.h"
 #include "kernels/block_geometry.h"
 #include "kernels/cuda/quantize_block.h"
@@ -30,75 +31,25 @@
 namespace qtx::server::backend {
 namespace {
 
-// cuMemGetAddressRange from the driver, found through the runtime so that
-// qtxd does not link libcuda (a CPU-only host must still start it).
-using CuMemGetAddressRangeFn = int (*)(unsigned long long* base, size_t* size,
-                                       unsigned long long dptr);
+using cuda_driver::DriverStatus;
+using cuda_driver::GetStreamMemOps;
+using cuda_driver::LoadSymbols;
+using cuda_driver::StreamMemOps;
+
+// cuMemGetAddressRange from the driver (qtxd does not link libcuda: a CPU-only
+// host must still start it).
+using CuMemGetAddressRangeFn = CUresult (*)(CUdeviceptr* base, size_t* size, CUdeviceptr dptr);
 
 absl::StatusOr<CuMemGetAddressRangeFn> AddressRangeFn() {
   static const auto* const fn =
       new absl::StatusOr<CuMemGetAddressRangeFn>([]() -> absl::StatusOr<CuMemGetAddressRangeFn> {
-        void* p = nullptr;
-        cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-        QTX_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000,
-                                                                  cudaEnableDefault, &query));
-        if (query != cudaDriverEntryPointSuccess || p == nullptr) {
-          return absl::InternalError(
-              "the CUDA driver has no cuMemGetAddressRange (driver too old for CUDA 12+?)");
-        }
-        return reinterpret_cast<CuMemGetAddressRangeFn>(p);
+        CuMemGetAddressRangeFn f = nullptr;
+        const std::pair<const char*, void**> wanted[] = {
+            {"cuMemGetAddressRange", reinterpret_cast<void**>(&f)}};
+        QTX_RETURN_IF_ERROR(LoadSymbols(wanted, "CUDA IPC regions"));
+        return f;
       }());
   return *fn;
-}
-
-// Sets each slot of `wanted` to the driver function of that name (CUDA 12
-// ABI), found through the runtime like cuMemGetAddressRange above.
-// FAILED_PRECONDITION naming the first one the driver lacks and `users`, what
-// needs them ("the CUDA driver has no X (<users> need a CUDA 12+ driver)").
-absl::Status LoadDriverSymbols(std::span<const std::pair<const char*, void**>> wanted,
-                               const char* users) {
-  for (const auto& [symbol, slot] : wanted) {
-    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-    QTX_CUDA_RETURN_IF_ERROR(
-        cudaGetDriverEntryPointByVersion(symbol, slot, 12000, cudaEnableDefault, &query));
-    if (query != cudaDriverEntryPointSuccess || *slot == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("the CUDA driver has no %s (%s need a CUDA 12+ driver)", symbol, users));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Stream memory operations from the driver, found the same way.
-using CuStreamWaitValue64Fn = CUresult (*)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
-                                           unsigned int flags);
-using CuStreamWriteValue64Fn = CUresult (*)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
-                                            unsigned int flags);
-using CuDeviceGetAttributeFn = CUresult (*)(int* value, CUdevice_attribute attribute,
-                                            CUdevice device);
-struct StreamMemOps {
-  CuStreamWaitValue64Fn wait = nullptr;
-  CuStreamWriteValue64Fn write = nullptr;
-  CuDeviceGetAttributeFn get_attribute = nullptr;
-};
-
-absl::StatusOr<StreamMemOps> GetStreamMemOps() {
-  static const auto* const ops =
-      new absl::StatusOr<StreamMemOps>([]() -> absl::StatusOr<StreamMemOps> {
-        StreamMemOps o;
-        const std::pair<const char*, void**> wanted[] = {
-            {"cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait)},
-            {"cuStreamWriteValue64", reinterpret_cast<void**>(&o.write)},
-            {"cuDeviceGetAttribute", reinterpret_cast<void**>(&o.get_attribute)}};
-        QTX_RETURN_IF_ERROR(LoadDriverSymbols(wanted, "stream memory operations"));
-        return o;
-      }());
-  return *ops;
-}
-
-absl::Status DriverStatus(CUresult r, const char* what) {
-  if (r == CUDA_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrFormat("%s failed: CUresult %d", what, static_cast<int>(r)));
 }
 
 std::string HexPrefix(std::string_view bytes) {
@@ -626,8 +577,8 @@ tensor::CudaIpcOpener CudaDevice::cuda_ipc_opener() {
 
 namespace {
 
-// The driver's virtual memory functions, found through the runtime like
-// cuMemGetAddressRange above.
+// The driver's virtual memory functions, found through the runtime
+// (common/cuda_driver.h).
 struct VmmOps {
   CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*,
                             CUmemAllocationHandleType) = nullptr;
@@ -658,7 +609,7 @@ absl::StatusOr<VmmOps> GetVmmOps() {
         {"cuMemSetAccess", reinterpret_cast<void**>(&o.set_access)},
         {"cuMemRelease", reinterpret_cast<void**>(&o.release)},
         {"cuGetErrorName", reinterpret_cast<void**>(&o.error_name)}};
-    QTX_RETURN_IF_ERROR(LoadDriverSymbols(wanted, "cuda_vmm regions"));
+    QTX_RETURN_IF_ERROR(LoadSymbols(wanted, "cuda_vmm regions"));
     return o;
   }());
   return *ops;
@@ -896,12 +847,13 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view 
   }
   auto range_fn = AddressRangeFn();
   if (!range_fn.ok()) return fail(range_fn.status());
-  unsigned long long alloc_base = 0;
+  CUdeviceptr alloc_base = 0;
   size_t alloc_size = 0;
-  const int rc = (*range_fn)(&alloc_base, &alloc_size, reinterpret_cast<uintptr_t>(base));
-  if (rc != 0) {
+  const CUresult rc = (*range_fn)(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base));
+  if (rc != CUDA_SUCCESS) {
     return fail(absl::InternalError(
-        absl::StrFormat("cuMemGetAddressRange on the opened IPC memory failed (CUresult %d)", rc)));
+        absl::StrFormat("cuMemGetAddressRange on the opened IPC memory failed (CUresult %d)",
+                        static_cast<int>(rc))));
   }
   const uint64_t start = reinterpret_cast<uintptr_t>(base);
   // Overflow-safe: bytes from the opened pointer to the allocation's end.
