@@ -114,6 +114,15 @@ QTX_HD uint8_t EncodeE5M2(float x) { return EncodeFp8Generic<5, 2>(x); }
 QTX_HD uint8_t EncodeFp8(float x, Fp8Format f) {
   return f == Fp8Format::kE4M3 ? EncodeE4M3(x) : EncodeE5M2(x);
 }
+// EncodeFp8 with the format fixed at compile time (the CPU reference's loops).
+template <Fp8Format kF>
+QTX_HD uint8_t EncodeFp8As(float x) {
+  if constexpr (kF == Fp8Format::kE4M3) {
+    return EncodeE4M3(x);
+  } else {
+    return EncodeE5M2(x);
+  }
+}
 
 // FP8 -> FP32 (exact).
 template <int E, int M>
@@ -200,6 +209,17 @@ QTX_HD float LoadAsFloat(const void* data, InputDType t, int64_t i) {
     case InputDType::kFloat32:
     default:
       return static_cast<const float*>(data)[i];
+  }
+}
+// LoadAsFloat with the type fixed at compile time (the CPU reference's loops).
+template <InputDType kT>
+QTX_HD float LoadAs(const void* data, int64_t i) {
+  if constexpr (kT == InputDType::kFloat32) {
+    return static_cast<const float*>(data)[i];
+  } else if constexpr (kT == InputDType::kBFloat16) {
+    return Bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
+  } else {
+    return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
   }
 }
 

@@ -28,17 +28,6 @@
 namespace qtx::kernels::cpu {
 namespace {
 
-template <InputDType kT>
-inline float LoadGrad(const void* g, int64_t i) {
-  if constexpr (kT == InputDType::kFloat32) {
-    return static_cast<const float*>(g)[i];
-  } else if constexpr (kT == InputDType::kBFloat16) {
-    return std::bit_cast<float>(static_cast<uint32_t>(static_cast<const uint16_t*>(g)[i]) << 16);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(g)[i]);
-  }
-}
-
 bool CpuHasAvx512() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
@@ -98,12 +87,12 @@ double ChunkSumSquares(const void* g, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     for (int l = 0; l < 8; ++l) {
-      const double x = LoadGrad<kG>(g, i + l);
+      const double x = LoadAs<kG>(g, i + l);
       lane[l] += x * x;
     }
   }
   for (int l = 0; i < end; ++i, ++l) {
-    const double x = LoadGrad<kG>(g, i);
+    const double x = LoadAs<kG>(g, i);
     lane[l] += x * x;
   }
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));

@@ -103,17 +103,6 @@ inline uint32_t MagnitudeBits(float x) {
   return a > 0x7F800000u ? 0u : a;
 }
 
-template <InputDType kT>
-inline float LoadGrad(const void* g, int64_t i) {
-  if constexpr (kT == InputDType::kFloat32) {
-    return static_cast<const float*>(g)[i];
-  } else if constexpr (kT == InputDType::kBFloat16) {
-    return std::bit_cast<float>(static_cast<uint32_t>(static_cast<const uint16_t*>(g)[i]) << 16);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(g)[i]);
-  }
-}
-
 template <MomentDType kM>
 using MomentT = std::conditional_t<kM == MomentDType::kFloat32, float, uint16_t>;
 
@@ -155,7 +144,7 @@ void UpdateSpan(float* __restrict p, MomentT<kM>* __restrict m, MomentT<kM>* __r
     float pj = p[j];
     float mj = LoadMoment<kM>(m, j);
     float vj = LoadMoment<kM>(v, j);
-    AdamWUpdate(pj, mj, vj, LoadGrad<kG>(g, j), c);
+    AdamWUpdate(pj, mj, vj, LoadAs<kG>(g, j), c);
     p[j] = pj;
     StoreMoment<kM>(m, j, mj);
     StoreMoment<kM>(v, j, vj);

@@ -21,7 +21,6 @@ namespace qtx::kernels::cpu {
 namespace {
 
 using internal::BoundaryAmax;
-using internal::Load;
 using internal::LocalRows;
 using internal::Outputs;
 using internal::RowRange;
@@ -42,15 +41,6 @@ inline float BlockScale(float amax, const ScaleConfig& c) {
 }
 
 // 1-D rowwise: block (i, b) covers local row i, columns [128b, min(128b+128, n)).
-template <Fp8Format kF>
-inline uint8_t Encode(float v) {
-  if constexpr (kF == Fp8Format::kE4M3) {
-    return EncodeE4M3(v);
-  } else {
-    return EncodeE5M2(v);
-  }
-}
-
 template <InputDType kT, Fp8Format kF>
 void Rowwise1D(const void* in, const ShardGeometry& g, const ScaleConfig& c, const Outputs& o) {
   const int64_t n = g.n, nb = g.nb();
@@ -62,13 +52,13 @@ void Rowwise1D(const void* in, const ShardGeometry& g, const ScaleConfig& c, con
       const int64_t len = std::min(kBlockLen, n - c0);
       uint32_t amax = 0;
       for (int64_t k = 0; k < len; ++k) {
-        x[k] = Load<kT>(in, r * n + c0 + k);
+        x[k] = LoadAs<kT>(in, r * n + c0 + k);
         amax = AmaxBitsUpdate(amax, x[k]);
       }
       const float scale = BlockScale(BitsToFloat(amax), c);
       o.row_scale[b * o.row_scale_ld + r] = ScaleInv(scale);
       uint8_t* out = o.row_data + r * n + c0;
-      for (int64_t k = 0; k < len; ++k) out[k] = Encode<kF>(x[k] * scale);
+      for (int64_t k = 0; k < len; ++k) out[k] = EncodeFp8As<kF>(x[k] * scale);
     }
   }
 }
@@ -92,7 +82,7 @@ void Columnwise1D(const void* in, const ShardGeometry& g, const BoundaryAmax& ex
       uint32_t amax[kColChunk] = {};
       for (int64_t i = rr.lo; i < rr.hi; ++i) {
         for (int64_t j = 0; j < cols; ++j) {
-          x[i - rr.lo][j] = Load<kT>(in, i * n + col0 + j);
+          x[i - rr.lo][j] = LoadAs<kT>(in, i * n + col0 + j);
           amax[j] = AmaxBitsUpdate(amax[j], x[i - rr.lo][j]);
         }
       }
@@ -104,7 +94,7 @@ void Columnwise1D(const void* in, const ShardGeometry& g, const BoundaryAmax& ex
         o.col_scale[kk * o.col_scale_ld + col0 + j] = ScaleInv(scale);
         uint8_t* out = o.col_data + (col0 + j) * o.col_data_ld;
         for (int64_t i = rr.lo; i < rr.hi; ++i) {
-          out[i] = Encode<kF>(x[i - rr.lo][j] * scale);
+          out[i] = EncodeFp8As<kF>(x[i - rr.lo][j] * scale);
         }
       }
     }
@@ -132,7 +122,7 @@ void Tiles2D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext, co
       uint32_t amax = 0;
       for (int64_t i = 0; i < rows; ++i) {
         for (int64_t j = 0; j < cols; ++j) {
-          x[i][j] = Load<kT>(in, (rr.lo + i) * n + c0 + j);
+          x[i][j] = LoadAs<kT>(in, (rr.lo + i) * n + c0 + j);
           amax = AmaxBitsUpdate(amax, x[i][j]);
         }
       }
@@ -142,7 +132,7 @@ void Tiles2D(const void* in, const ShardGeometry& g, const BoundaryAmax& ext, co
       if (o.row_data) o.row_scale[kk * o.row_k_stride + tj * o.row_j_stride] = scale_inv;
       if (o.col_data) o.col_scale[kk * o.col_k_stride + tj * o.col_j_stride] = scale_inv;
       for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t j = 0; j < cols; ++j) q[i][j] = Encode<kF>(x[i][j] * scale);
+        for (int64_t j = 0; j < cols; ++j) q[i][j] = EncodeFp8As<kF>(x[i][j] * scale);
       }
       if (o.row_data) {
         for (int64_t i = 0; i < rows; ++i)

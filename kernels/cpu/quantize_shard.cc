@@ -15,7 +15,6 @@ namespace qtx::kernels::cpu {
 namespace {
 
 using internal::BoundaryAmax;
-using internal::Load;
 using internal::LocalRows;
 using internal::Outputs;
 using internal::RowRange;
@@ -32,7 +31,7 @@ void BoundaryAmaxTyped(const void* in, const ShardGeometry& g, BlockScaling s, f
     for (int64_t i = rr.lo; i < rr.hi; ++i) {
       for (int64_t col = 0; col < g.n; ++col) {
         const int64_t idx = s == BlockScaling::kBlock1D ? col : col / kBlockLen;
-        out[idx] = AmaxUpdate(out[idx], Load<kT>(in, i * g.n + col));
+        out[idx] = AmaxUpdate(out[idx], LoadAs<kT>(in, i * g.n + col));
       }
     }
   }

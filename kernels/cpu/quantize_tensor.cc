@@ -13,30 +13,10 @@ namespace qtx::kernels::cpu {
 namespace {
 
 template <InputDType kT>
-inline float Load(const void* data, int64_t i) {
-  if constexpr (kT == InputDType::kFloat32) {
-    return static_cast<const float*>(data)[i];
-  } else if constexpr (kT == InputDType::kBFloat16) {
-    return Bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
-  }
-}
-
-template <Fp8Format kF>
-inline uint8_t Encode(float v) {
-  if constexpr (kF == Fp8Format::kE4M3) {
-    return EncodeE4M3(v);
-  } else {
-    return EncodeE5M2(v);
-  }
-}
-
-template <InputDType kT>
 float AmaxTyped(const void* in, int64_t count) {
   uint32_t amax = 0;  // FP32 bits of a non-negative float (fp8.h AmaxBitsUpdate)
 #pragma omp parallel for reduction(max : amax) schedule(static)
-  for (int64_t i = 0; i < count; ++i) amax = AmaxBitsUpdate(amax, Load<kT>(in, i));
+  for (int64_t i = 0; i < count; ++i) amax = AmaxBitsUpdate(amax, LoadAs<kT>(in, i));
   return BitsToFloat(amax);
 }
 
@@ -47,7 +27,8 @@ void Cast(const void* in, int64_t m, int64_t n, float scale, uint8_t* row, uint8
   if (row != nullptr) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
-      for (int64_t c = 0; c < n; ++c) row[r * n + c] = Encode<kF>(Load<kT>(in, r * n + c) * scale);
+      for (int64_t c = 0; c < n; ++c)
+        row[r * n + c] = EncodeFp8As<kF>(LoadAs<kT>(in, r * n + c) * scale);
     }
   }
   if (col != nullptr) {
@@ -59,7 +40,7 @@ void Cast(const void* in, int64_t m, int64_t n, float scale, uint8_t* row, uint8
         const int64_t r1 = std::min(m, bi * kB + kB), c1 = std::min(n, bj * kB + kB);
         for (int64_t c = bj * kB; c < c1; ++c) {
           for (int64_t r = bi * kB; r < r1; ++r) {
-            col[c * m + r] = Encode<kF>(Load<kT>(in, r * n + c) * scale);
+            col[c * m + r] = EncodeFp8As<kF>(LoadAs<kT>(in, r * n + c) * scale);
           }
         }
       }

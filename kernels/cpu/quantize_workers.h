@@ -18,17 +18,6 @@
 
 namespace qtx::kernels::cpu::internal {
 
-template <InputDType kT>
-inline float Load(const void* data, int64_t i) {
-  if constexpr (kT == InputDType::kFloat32) {
-    return static_cast<const float*>(data)[i];
-  } else if constexpr (kT == InputDType::kBFloat16) {
-    return Bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
-  }
-}
-
 // Local rows [lo, hi) of global block row k of shard g.
 struct RowRange {
   int64_t lo, hi;
