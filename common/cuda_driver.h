@@ -79,6 +79,58 @@ inline absl::StatusOr<StreamMemOps> GetStreamMemOps() {
   return *ops;
 }
 
+// The driver's memory functions: address and pointer lookups, and the virtual
+// memory management (VMM) calls that export, import and map allocations. The
+// client's exports (client/cuda/cuda_ipc.cc) and qtxd's imports
+// (server/backend/cuda_device.cc) both use them.
+struct MemoryOps {
+  CUresult (*address_range)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
+  CUresult (*pointer_attribute)(void*, CUpointer_attribute, CUdeviceptr) = nullptr;
+  CUresult (*pointer_attributes)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr) = nullptr;
+  CUresult (*retain)(CUmemGenericAllocationHandle*, void*) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*properties)(CUmemAllocationProp*, CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                            unsigned long long) = nullptr;
+  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*,
+                            CUmemAllocationHandleType) = nullptr;
+  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
+                          CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*free_range)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                  unsigned long long) = nullptr;
+  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*error_name)(CUresult, const char**) = nullptr;
+};
+
+// Looked up once per process; every later call returns the same result.
+inline absl::StatusOr<MemoryOps> GetMemoryOps() {
+  static const auto* const ops = new absl::StatusOr<MemoryOps>([]() -> absl::StatusOr<MemoryOps> {
+    MemoryOps o;
+    const std::pair<const char*, void**> wanted[] = {
+        {"cuMemGetAddressRange", reinterpret_cast<void**>(&o.address_range)},
+        {"cuPointerGetAttribute", reinterpret_cast<void**>(&o.pointer_attribute)},
+        {"cuPointerGetAttributes", reinterpret_cast<void**>(&o.pointer_attributes)},
+        {"cuMemRetainAllocationHandle", reinterpret_cast<void**>(&o.retain)},
+        {"cuMemRelease", reinterpret_cast<void**>(&o.release)},
+        {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void**>(&o.properties)},
+        {"cuMemExportToShareableHandle", reinterpret_cast<void**>(&o.export_handle)},
+        {"cuMemImportFromShareableHandle", reinterpret_cast<void**>(&o.import_handle)},
+        {"cuMemGetAllocationGranularity", reinterpret_cast<void**>(&o.granularity)},
+        {"cuMemAddressReserve", reinterpret_cast<void**>(&o.reserve)},
+        {"cuMemAddressFree", reinterpret_cast<void**>(&o.free_range)},
+        {"cuMemMap", reinterpret_cast<void**>(&o.map)},
+        {"cuMemUnmap", reinterpret_cast<void**>(&o.unmap)},
+        {"cuMemSetAccess", reinterpret_cast<void**>(&o.set_access)},
+        {"cuGetErrorName", reinterpret_cast<void**>(&o.error_name)}};
+    if (absl::Status s = LoadSymbols(wanted, "CUDA IPC and VMM memory"); !s.ok()) return s;
+    return o;
+  }());
+  return *ops;
+}
+
 }  // namespace qtx::cuda_driver
 
 #endif  // QTX_COMMON_CUDA_DRIVER_H_

@@ -55,49 +55,7 @@ absl::StatusOr<std::string> ExportMemHandle(const void* device_ptr) {
 
 namespace {
 
-// Driver calls the allocation lookup and VMM export need, found through the
-// runtime (no link against libcuda).
-struct AllocationOps {
-  CUresult (*address_range)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
-  CUresult (*pointer_attribute)(void*, CUpointer_attribute, CUdeviceptr) = nullptr;
-  CUresult (*pointer_attributes)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr) = nullptr;
-  CUresult (*retain)(CUmemGenericAllocationHandle*, void*) = nullptr;
-  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*properties)(CUmemAllocationProp*, CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
-                            unsigned long long) = nullptr;
-  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
-                          CUmemAllocationGranularity_flags) = nullptr;
-  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
-  CUresult (*free_range)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                  unsigned long long) = nullptr;
-  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
-};
-
-absl::StatusOr<AllocationOps> GetAllocationOps() {
-  static const auto* const ops =
-      new absl::StatusOr<AllocationOps>([]() -> absl::StatusOr<AllocationOps> {
-        AllocationOps o;
-        const std::pair<const char*, void**> wanted[] = {
-            {"cuMemGetAddressRange", reinterpret_cast<void**>(&o.address_range)},
-            {"cuPointerGetAttribute", reinterpret_cast<void**>(&o.pointer_attribute)},
-            {"cuPointerGetAttributes", reinterpret_cast<void**>(&o.pointer_attributes)},
-            {"cuMemRetainAllocationHandle", reinterpret_cast<void**>(&o.retain)},
-            {"cuMemRelease", reinterpret_cast<void**>(&o.release)},
-            {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void**>(&o.properties)},
-            {"cuMemExportToShareableHandle", reinterpret_cast<void**>(&o.export_handle)},
-            {"cuMemGetAllocationGranularity", reinterpret_cast<void**>(&o.granularity)},
-            {"cuMemAddressReserve", reinterpret_cast<void**>(&o.reserve)},
-            {"cuMemAddressFree", reinterpret_cast<void**>(&o.free_range)},
-            {"cuMemMap", reinterpret_cast<void**>(&o.map)},
-            {"cuMemUnmap", reinterpret_cast<void**>(&o.unmap)}};
-        if (absl::Status s = cuda_driver::LoadSymbols(wanted, "CUDA IPC exports"); !s.ok())
-          return s;
-        return o;
-      }());
-  return *ops;
-}
+using cuda_driver::MemoryOps;
 
 // What the driver says about the memory at `p`, in one call.
 struct PointerFacts {
@@ -110,7 +68,7 @@ struct PointerFacts {
   int device = -1;
 };
 
-PointerFacts QueryPointer(const AllocationOps& ops, CUdeviceptr p) {
+PointerFacts QueryPointer(const MemoryOps& ops, CUdeviceptr p) {
   int memory_type = 0, ipc = 0, mapped = 0, device = -1;
   void* pool = nullptr;
   unsigned long long block = 0, buffer = 0;
@@ -135,7 +93,7 @@ PointerFacts QueryPointer(const AllocationOps& ops, CUdeviceptr p) {
 enum class MemoryPath { kCudaIpc, kVmm, kPool, kNone };
 
 // How memory at `p` can reach qtxd.
-MemoryPath Classify(const AllocationOps& ops, CUdeviceptr p) {
+MemoryPath Classify(const MemoryOps& ops, CUdeviceptr p) {
   const PointerFacts f = QueryPointer(ops, p);
   if (f.ipc_capable) return MemoryPath::kCudaIpc;
   CUmemGenericAllocationHandle h = 0;
@@ -176,7 +134,7 @@ absl::StatusOr<std::string> DeviceUuid(int device) {
 }  // namespace
 
 absl::StatusOr<std::vector<VmmChunk>> FindVmmChunks(const void* ptr, uint64_t bytes) {
-  absl::StatusOr<AllocationOps> ops = GetAllocationOps();
+  absl::StatusOr<MemoryOps> ops = cuda_driver::GetMemoryOps();
   if (!ops.ok()) return ops.status();
   const auto p = reinterpret_cast<CUdeviceptr>(ptr);
   if (Classify(*ops, p) != MemoryPath::kVmm) return std::vector<VmmChunk>{};
@@ -209,7 +167,7 @@ absl::StatusOr<std::vector<VmmChunk>> FindVmmChunks(const void* ptr, uint64_t by
 absl::Status RegisterVmmChunks(Client& client, std::string_view name,
                                const std::vector<VmmChunk>& chunks, uint64_t offset,
                                uint64_t byte_size, const CallOptions& call) {
-  absl::StatusOr<AllocationOps> ops = GetAllocationOps();
+  absl::StatusOr<MemoryOps> ops = cuda_driver::GetMemoryOps();
   if (!ops.ok()) return ops.status();
   if (chunks.empty()) return absl::InvalidArgumentError("no VMM chunks to register");
   FdList exported;
@@ -229,7 +187,7 @@ absl::Status RegisterVmmChunks(Client& client, std::string_view name,
           c.base));
     }
     struct Releaser {
-      const AllocationOps& ops;
+      const MemoryOps& ops;
       CUmemGenericAllocationHandle h;
       ~Releaser() { (void)ops.release(h); }
     } releaser{*ops, h};
@@ -312,7 +270,7 @@ absl::Status RegisterVmmChunks(Client& client, std::string_view name,
 
 absl::Status RegisterDevicePointer(Client& client, std::string_view name, const void* device_ptr,
                                    uint64_t byte_size, const CallOptions& call) {
-  absl::StatusOr<AllocationOps> ops = GetAllocationOps();
+  absl::StatusOr<MemoryOps> ops = cuda_driver::GetMemoryOps();
   if (!ops.ok()) return ops.status();
   if (Classify(*ops, reinterpret_cast<CUdeviceptr>(device_ptr)) == MemoryPath::kPool) {
     return PoolError(device_ptr);
@@ -349,7 +307,7 @@ RegionCache::~RegionCache() {
 }
 
 absl::StatusOr<RegionSlice> RegionCache::Slice(const void* ptr, uint64_t bytes) {
-  absl::StatusOr<AllocationOps> ops = GetAllocationOps();
+  absl::StatusOr<MemoryOps> ops = cuda_driver::GetMemoryOps();
   if (!ops.ok()) return ops.status();
   const auto p = reinterpret_cast<CUdeviceptr>(ptr);
   if (fast_path_) {

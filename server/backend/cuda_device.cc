@@ -32,25 +32,10 @@ namespace qtx::server::backend {
 namespace {
 
 using cuda_driver::DriverStatus;
+using cuda_driver::GetMemoryOps;
 using cuda_driver::GetStreamMemOps;
-using cuda_driver::LoadSymbols;
+using cuda_driver::MemoryOps;
 using cuda_driver::StreamMemOps;
-
-// cuMemGetAddressRange from the driver (qtxd does not link libcuda: a CPU-only
-// host must still start it).
-using CuMemGetAddressRangeFn = CUresult (*)(CUdeviceptr* base, size_t* size, CUdeviceptr dptr);
-
-absl::StatusOr<CuMemGetAddressRangeFn> AddressRangeFn() {
-  static const auto* const fn =
-      new absl::StatusOr<CuMemGetAddressRangeFn>([]() -> absl::StatusOr<CuMemGetAddressRangeFn> {
-        CuMemGetAddressRangeFn f = nullptr;
-        const std::pair<const char*, void**> wanted[] = {
-            {"cuMemGetAddressRange", reinterpret_cast<void**>(&f)}};
-        QTX_RETURN_IF_ERROR(LoadSymbols(wanted, "CUDA IPC regions"));
-        return f;
-      }());
-  return *fn;
-}
 
 std::string HexPrefix(std::string_view bytes) {
   std::string out;
@@ -577,45 +562,7 @@ tensor::CudaIpcOpener CudaDevice::cuda_ipc_opener() {
 
 namespace {
 
-// The driver's virtual memory functions, found through the runtime
-// (common/cuda_driver.h).
-struct VmmOps {
-  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*,
-                            CUmemAllocationHandleType) = nullptr;
-  CUresult (*properties)(CUmemAllocationProp*, CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
-                          CUmemAllocationGranularity_flags) = nullptr;
-  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
-  CUresult (*free_range)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                  unsigned long long) = nullptr;
-  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
-  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*error_name)(CUresult, const char**) = nullptr;
-};
-
-absl::StatusOr<VmmOps> GetVmmOps() {
-  static const auto* const ops = new absl::StatusOr<VmmOps>([]() -> absl::StatusOr<VmmOps> {
-    VmmOps o;
-    const std::pair<const char*, void**> wanted[] = {
-        {"cuMemImportFromShareableHandle", reinterpret_cast<void**>(&o.import_handle)},
-        {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void**>(&o.properties)},
-        {"cuMemGetAllocationGranularity", reinterpret_cast<void**>(&o.granularity)},
-        {"cuMemAddressReserve", reinterpret_cast<void**>(&o.reserve)},
-        {"cuMemAddressFree", reinterpret_cast<void**>(&o.free_range)},
-        {"cuMemMap", reinterpret_cast<void**>(&o.map)},
-        {"cuMemUnmap", reinterpret_cast<void**>(&o.unmap)},
-        {"cuMemSetAccess", reinterpret_cast<void**>(&o.set_access)},
-        {"cuMemRelease", reinterpret_cast<void**>(&o.release)},
-        {"cuGetErrorName", reinterpret_cast<void**>(&o.error_name)}};
-    QTX_RETURN_IF_ERROR(LoadSymbols(wanted, "cuda_vmm regions"));
-    return o;
-  }());
-  return *ops;
-}
-
-std::string CuName(const VmmOps& ops, CUresult r) {
+std::string CuName(const MemoryOps& ops, CUresult r) {
   const char* name = nullptr;
   if (ops.error_name != nullptr && ops.error_name(r, &name) == CUDA_SUCCESS && name != nullptr) {
     return name;
@@ -626,7 +573,7 @@ std::string CuName(const VmmOps& ops, CUresult r) {
 // What OpenVmmMemory holds: the imported handles, the range and what is
 // mapped of it. Released in reverse order.
 struct VmmMapping {
-  VmmOps ops;
+  MemoryOps ops;
   int ordinal = 0;
   std::vector<CUmemGenericAllocationHandle> handles;
   CUdeviceptr base = 0;
@@ -672,7 +619,7 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenVmmMemory(
     return absl::InvalidArgumentError(
         absl::StrFormat("cuda_vmm: %d descriptors for %d chunks", fds.size(), chunk_sizes.size()));
   }
-  QTX_ASSIGN_OR_RETURN(const VmmOps ops, GetVmmOps());
+  QTX_ASSIGN_OR_RETURN(const MemoryOps ops, GetMemoryOps());
   QTX_RETURN_IF_ERROR(Activate());
   const int count = VisibleCudaDevices();
   if (device_id < 0 || device_id >= count) {
@@ -845,11 +792,12 @@ absl::StatusOr<tensor::MappedMemory> CudaDevice::OpenIpcMemory(std::string_view 
         "cuda_ipc.device_id=%d: the handle's memory is on cuda:%d (as this qtxd numbers devices)",
         device_id, attr.device)));
   }
-  auto range_fn = AddressRangeFn();
-  if (!range_fn.ok()) return fail(range_fn.status());
+  const absl::StatusOr<MemoryOps> memory_ops = GetMemoryOps();
+  if (!memory_ops.ok()) return fail(memory_ops.status());
   CUdeviceptr alloc_base = 0;
   size_t alloc_size = 0;
-  const CUresult rc = (*range_fn)(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base));
+  const CUresult rc =
+      memory_ops->address_range(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base));
   if (rc != CUDA_SUCCESS) {
     return fail(absl::InternalError(
         absl::StrFormat("cuMemGetAddressRange on the opened IPC memory failed (CUresult %d)",

@@ -79,6 +79,43 @@ TEST(CudaDriver, StreamMemOpsAreFoundOnceAndWork) {
   ASSERT_EQ(cudaFree(word), cudaSuccess);
 }
 
+TEST(CudaDriver, MemoryOpsAreFoundOnceAndWork) {
+  const absl::StatusOr<MemoryOps> a = GetMemoryOps();
+  ASSERT_TRUE(a.ok()) << a.status();
+  const absl::StatusOr<MemoryOps> b = GetMemoryOps();
+  ASSERT_TRUE(b.ok()) << b.status();
+  for (const void* f :
+       {reinterpret_cast<const void*>(a->address_range),
+        reinterpret_cast<const void*>(a->pointer_attribute),
+        reinterpret_cast<const void*>(a->pointer_attributes),
+        reinterpret_cast<const void*>(a->retain), reinterpret_cast<const void*>(a->release),
+        reinterpret_cast<const void*>(a->properties),
+        reinterpret_cast<const void*>(a->export_handle),
+        reinterpret_cast<const void*>(a->import_handle),
+        reinterpret_cast<const void*>(a->granularity), reinterpret_cast<const void*>(a->reserve),
+        reinterpret_cast<const void*>(a->free_range), reinterpret_cast<const void*>(a->map),
+        reinterpret_cast<const void*>(a->unmap), reinterpret_cast<const void*>(a->set_access),
+        reinterpret_cast<const void*>(a->error_name)}) {
+    EXPECT_NE(f, nullptr);
+  }
+  EXPECT_EQ(a->map, b->map);
+
+  // The allocation behind a pointer into the middle of a cudaMalloc block.
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  void* block = nullptr;
+  ASSERT_EQ(cudaMalloc(&block, 1 << 20), cudaSuccess);
+  const auto start = reinterpret_cast<CUdeviceptr>(block);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  EXPECT_EQ(a->address_range(&base, &size, start + 4096), CUDA_SUCCESS);
+  EXPECT_EQ(base, start);
+  EXPECT_GE(size, size_t{1} << 20);
+  const char* name = nullptr;
+  EXPECT_EQ(a->error_name(CUDA_ERROR_INVALID_VALUE, &name), CUDA_SUCCESS);
+  EXPECT_STREQ(name, "CUDA_ERROR_INVALID_VALUE");
+  ASSERT_EQ(cudaFree(block), cudaSuccess);
+}
+
 TEST(CudaDriver, DriverStatusNamesTheCallAndTheResult) {
   EXPECT_TRUE(DriverStatus(CUDA_SUCCESS, "cuX").ok());
   const absl::Status s = DriverStatus(CUDA_ERROR_INVALID_VALUE, "cuStreamWaitValue64(ready)");
