@@ -26,17 +26,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPitch = kTile + 1;  // staged tile row pitch (floats): conflict-free columns
 constexpr int kSmemBytes = (kTile * kPitch + kTile + kWarps) * 4;
 
-template <InputDType D>
-__device__ __forceinline__ float LoadElem(const void* p, int64_t i) {
-  if constexpr (D == InputDType::kFloat32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (D == InputDType::kBFloat16) {
-    return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
 // fp8(RN_fp32(x * scale)): docs/numerics.md §2 step 8.
 template <Fp8Format F>
 __device__ __forceinline__ uint8_t Quant(float x, float scale) {
@@ -101,8 +90,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeShardKernel(ShardKernelArgs 
   const int64_t base = lo * a.n + c0;
   for (int idx = tid; idx < rows * kTile; idx += kThreads) {
     const int i = idx >> 7, j = idx & (kTile - 1);
-    x[i * kPitch + j] =
-        j < cols ? LoadElem<D>(a.in, base + static_cast<int64_t>(i) * a.n + j) : 0.0f;
+    x[i * kPitch + j] = j < cols ? LoadAs<D>(a.in, base + static_cast<int64_t>(i) * a.n + j) : 0.0f;
   }
   __syncthreads();
 
@@ -182,7 +170,7 @@ __global__ void __launch_bounds__(kTile)
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kTile + threadIdx.x;
   uint32_t am = 0;
   if (col < n) {
-    for (int64_t i = lo; i < hi; ++i) am = AmaxBitsUpdate(am, LoadElem<D>(in, i * n + col));
+    for (int64_t i = lo; i < hi; ++i) am = AmaxBitsUpdate(am, LoadAs<D>(in, i * n + col));
   }
   float* out = blockIdx.y == 0 ? first : last;
   if constexpr (S == BlockScaling::kBlock1D) {
