@@ -148,11 +148,6 @@ void AnnotateLock(void* m, unsigned flags) {
   __tsan_mutex_post_lock(m, flags, 0);
 }
 
-void AnnotateUnlock(void* m, unsigned flags) {
-  __tsan_mutex_pre_unlock(m, flags);
-  __tsan_mutex_post_unlock(m, flags);
-}
-
 // Runs `wait` (which releases m while it blocks and returns with m held again
 // in the same mode) as an unlock followed by a lock of m.
 template <typename F>
