@@ -479,24 +479,35 @@ struct alignas(64) Deferred {
 };
 
 #if defined(__AVX2__)
-// Copies `rows` rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
-// `pitch`), with non-temporal stores when every row is 32-byte aligned: the
-// FP8 copies are not read again by this step, so they need not be read into
-// the cache first (write-allocate) nor stay there.
-void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch, int64_t rows = kBlockLen) {
-  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0 && pitch % 32 == 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    const auto* in = reinterpret_cast<const __m256i*>(src + i * kBlockLen);
-    auto* out = reinterpret_cast<__m256i*>(dst + i * pitch);
-    for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
-      const __m256i x = _mm256_load_si256(in + w);
-      if (aligned) {
-        _mm256_stream_si256(out + w, x);
-      } else {
-        _mm256_storeu_si256(out + w, x);
-      }
+// Stores the 128 bytes at src (64-byte aligned scratch) to dst: non-temporal
+// when dst is 32-byte aligned (the FP8 copies are not read again by this step,
+// so they need not be read into the cache first, write-allocate, nor stay
+// there), as whole 64-byte lines where the build has AVX-512 and dst is 64-byte
+// aligned (one store fills a line's write-combining buffer at once), else as
+// 32-byte halves; ordinary stores when dst is not 32-byte aligned.
+inline void StoreRow128(const uint8_t* src, uint8_t* dst) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst);
+#if defined(__AVX512F__)
+  if (a % 64 == 0) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_load_si512(src));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 64), _mm512_load_si512(src + 64));
+    return;
+  }
+#endif
+  for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
+    const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(src) + w);
+    if (a % 32 == 0) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + w, x);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + w, x);
     }
   }
+}
+
+// Copies `rows` rows of 128 bytes (source pitch kBlockLen) to dst (row pitch
+// `pitch`) with StoreRow128.
+void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch, int64_t rows = kBlockLen) {
+  for (int64_t i = 0; i < rows; ++i) StoreRow128(src + i * kBlockLen, dst + i * pitch);
 }
 #endif
 
@@ -584,18 +595,7 @@ void DeferredRow(Deferred& d, int64_t i) {
     const int64_t c0 = (d.tj0 + t) * kBlockLen;
     uint8_t* const bytes = d.src[t] + i * kBlockLen;
     if (!d.encoded) EncodeRow(b.master + r * n + c0, d.scale[t], bytes, kBlockLen, q.format);
-    if (q.rowwise) {
-      uint8_t* const dst = b.fp8.rowwise_data + r * n + c0;
-      const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0;
-      for (int w = 0; w < static_cast<int>(kBlockLen / 32); ++w) {
-        const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes) + w);
-        if (aligned) {
-          _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + w, x);
-        } else {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + w, x);
-        }
-      }
-    }
+    if (q.rowwise) StoreRow128(bytes, b.fp8.rowwise_data + r * n + c0);
     if (q.columnwise && !d.encoded && i % 16 == 15) {
       const int64_t i0 = i - 15;
       for (int64_t jb = 0; jb < kBlockLen; jb += 16) {
