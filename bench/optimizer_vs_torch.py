@@ -9,9 +9,15 @@ the same thread counts. JSON lines on stdout (formulas in bench/README.md):
   {"bench":"torch_adamw",...}     torch.optim.AdamW on one [m, n] FP32 parameter
   {"bench":"adamw_vs_torch",...}  per binary and thread count, best over the rounds:
                                   qtx / torch params/s, qtx GB/s / triad GB/s, and
-                                  qtx / the first binary's params/s (A/B); and the
+                                  qtx / the first binary's params/s (A/B); the
                                   same two ratios of the median rounds
-                                  (ratio_median, vs_first_median)
+                                  (ratio_median, vs_first_median); and, round by
+                                  round against the first binary, the median
+                                  ratio and the rounds won
+                                  (vs_first_paired_median,
+                                  rounds_faster_than_first), and the same against
+                                  torch (ratio_paired_median,
+                                  rounds_faster_than_torch)
 
 torch implementations: "fused" (torch.optim.AdamW(fused=True) on CPU: torch >= 2.4),
 "foreach" (multi-tensor, vectorized ops) and "forloop" (single-tensor). Debian's
@@ -202,6 +208,15 @@ def main():
                    "vs_first_median": round(median(qtx_rounds[label][t]) /
                                             median(qtx_rounds[first][t]), 3)
                    if t in qtx_rounds[first] else None}
+            if t in qtx_rounds[first]:
+                # Paired by round (both ran within the same minutes): the
+                # median of this / first per round, and the rounds it was
+                # faster in. On a host whose speed drifts between rounds this
+                # separates a small difference from the drift better than
+                # ratios of separate medians.
+                pairs = [a / b for a, b in zip(qtx_rounds[label][t], qtx_rounds[first][t])]
+                rec["vs_first_paired_median"] = round(median(pairs), 3)
+                rec["rounds_faster_than_first"] = sum(1 for x in pairs if x > 1.0)
             if t in best_torch:
                 rate, impl = best_torch[t]
                 rec.update({"torch_impl": impl, "torch_params_per_s": float("%.4g" % rate),
@@ -209,6 +224,14 @@ def main():
                             "ratio": round(qtx[label][t] / rate, 3),
                             "ratio_median": round(median(qtx_rounds[label][t]) /
                                                   median(torch_rounds[(t, impl)]), 3),
+                            # qtx / torch round by round (each round runs torch
+                            # right after the binaries): median, and rounds won.
+                            "ratio_paired_median": round(median(
+                                [a / b for a, b in zip(qtx_rounds[label][t],
+                                                       torch_rounds[(t, impl)])]), 3),
+                            "rounds_faster_than_torch": sum(
+                                1 for a, b in zip(qtx_rounds[label][t], torch_rounds[(t, impl)])
+                                if a > b),
                             "torch_fused_available": has_fused})
             print(json.dumps(rec))
     return 0
