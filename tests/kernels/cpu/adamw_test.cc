@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,6 +82,47 @@ TEST(EncodeFp8Row, EqualsEncodeFp8OnTiesAndSamples) {
 // ---- fused step vs reference ----------------------------------------------
 
 // One parameter's state plus its output buffers, owned.
+// FP8 output bytes that start `skew` bytes past a 64-byte boundary. The kernel
+// stores a row of an FP8 copy by its alignment (non-temporal whole 64-byte
+// lines in the AVX-512 build, 32-byte halves, or ordinary stores); in a
+// std::vector (16 bytes past a boundary here) which rows took which path
+// depended on the shape. Skew 0 (the default) aligns every row whose offset
+// allows it; AdamWStepFused.EqualsReferenceAtEveryOutputAlignment tries others.
+class OutBytes {
+ public:
+  void assign(size_t n, uint8_t v) {
+    size_ = n;
+    buf_.reset(static_cast<uint8_t*>(::operator new (n + skew_ + 1, std::align_val_t{64})));
+    std::memset(buf_.get(), v, n + skew_ + 1);
+  }
+  OutBytes() = default;
+  OutBytes(const OutBytes& o) { *this = o; }
+  OutBytes& operator=(const OutBytes& o) {
+    if (this == &o) return *this;
+    skew_ = o.skew_;
+    assign(o.size_, 0);
+    std::memcpy(data(), o.data(), size_);
+    return *this;
+  }
+  void set_skew(size_t skew) {  // the bytes are then all 0
+    skew_ = skew;
+    assign(size_, 0);
+  }
+  uint8_t* data() { return buf_.get() + skew_; }
+  const uint8_t* data() const { return buf_.get() + skew_; }
+  size_t size() const { return size_; }
+  bool operator==(const OutBytes& o) const {
+    return size_ == o.size_ && std::memcmp(data(), o.data(), size_) == 0;
+  }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { ::operator delete (p, std::align_val_t{64}); }
+  };
+  size_t skew_ = 0, size_ = 0;
+  std::unique_ptr<uint8_t, Free> buf_;
+};
+
 struct ParamState {
   int64_t m = 0, n = 0;
   MomentDType moment_dtype = MomentDType::kFloat32;
@@ -90,7 +133,7 @@ struct ParamState {
   std::vector<float> master;
   std::vector<uint8_t> m1, m2;  // moment bytes
   std::vector<uint8_t> grad;    // gradient bytes
-  std::vector<uint8_t> row_data, col_data;
+  OutBytes row_data, col_data;
   std::vector<float> row_scale, col_scale;
   std::vector<uint16_t> bf16_out;
   // AdamWParamBuffers::tile_scales, kept from step to step when set.
@@ -376,6 +419,30 @@ TEST(AdamWStepFused, EqualsReferenceOnWideBandsSplitIntoUnits) {
               Label(sh, md, gd, q, bf16, true) + " threads " + std::to_string(threads));
         }
       }
+    }
+  }
+}
+
+// The FP8 copies' rows are stored differently by alignment (non-temporal
+// 64-byte lines, 32-byte halves, or ordinary stores): the bytes are the same
+// at every output alignment, with row pitches (n and m) that make rows of one
+// copy alternate between 64- and 32-byte aligned.
+TEST(AdamWStepFused, EqualsReferenceAtEveryOutputAlignment) {
+  constexpr int64_t kUnitCols = band::kUnitTiles * kBlockLen;
+  const Shape shapes[] = {{160, kUnitCols + 160}, {256, kUnitCols}};
+  uint32_t seed = 4000;
+  for (size_t skew : {0, 32, 16, 1}) {
+    for (const Shape& sh : shapes) {
+      QuantizeParams q;
+      q.scaling = BlockScaling::kBlock2D;
+      q.columnwise = true;
+      ParamState p = MakeParam(sh.m, sh.n, MomentDType::kFloat32, InputDType::kFloat32, q, false,
+                               Pattern::kRandom, seed++);
+      p.row_data.set_skew(skew);
+      p.col_data.set_skew(skew);
+      ExpectFusedEqualsReference(p, AdamWHyperParams{}, 3, 2, 1.0,
+                                 Label(sh, p.moment_dtype, p.grad_dtype, q, false, true) +
+                                     " skew " + std::to_string(skew));
     }
   }
 }
