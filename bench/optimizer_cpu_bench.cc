@@ -17,10 +17,14 @@
 // forces the baseline AVX2 kernel).
 // Usage: optimizer_cpu_bench [m n] [max_threads] [reps] [bf16|fp32 (gradient dtype)]
 //            [--threads=1,2,4] [--phases] [--thp] [--triad_mib=N] [--label=NAME]
-//            [--no_tile_scales] [--output=row+col|row] [--claim_units=N]
+//            [--no_tile_scales] [--output=row+col|row] [--scaling=2d|tensor]
+//            [--claim_units=N]
 // --no_tile_scales: the step keeps no tile scales between steps
 // (AdamWParamBuffers::tile_scales; qtxd's optimizer keeps them), so every
 // tile is encoded from a re-read of its updated master.
+// --scaling=tensor: the FP8 copies with one scale for the whole parameter
+// (BlockScaling::kTensor, current scaling) instead of 128x128 tiles (2d, the
+// default); bytes_per_param counts the same compulsory bytes.
 // --output=row: the step writes the rowwise FP8 copy only (the columnwise one
 // is then made on the GPU from it: qtx::cuda::MakeColumnwiseCopy); row+col,
 // the default, writes both.
@@ -131,6 +135,7 @@ int main(int argc, char** argv) {
   bool phases = false;
   bool tile_scales = true;
   bool columnwise_out = true;
+  bool tensor_scaling = false;
   int64_t triad_mib = 0;  // 0: 4 x last-level cache per array, within [256 MiB, 2 GiB]
   std::string label;
   for (int i = 1; i < argc; ++i) {
@@ -146,6 +151,10 @@ int main(int argc, char** argv) {
       columnwise_out = false;
     } else if (std::strcmp(argv[i], "--output=row+col") == 0) {
       columnwise_out = true;
+    } else if (std::strcmp(argv[i], "--scaling=tensor") == 0) {
+      tensor_scaling = true;
+    } else if (std::strcmp(argv[i], "--scaling=2d") == 0) {
+      tensor_scaling = false;
     } else if (std::strncmp(argv[i], "--triad_mib=", 12) == 0) {
       triad_mib = std::atoll(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--claim_units=", 14) == 0) {
@@ -195,7 +204,7 @@ int main(int argc, char** argv) {
     grad.p[i] = FloatToBf16(grad32.p[i]);
   }
   QuantizeParams q;
-  q.scaling = BlockScaling::kBlock2D;
+  q.scaling = tensor_scaling ? BlockScaling::kTensor : BlockScaling::kBlock2D;
   q.rowwise = true;
   q.columnwise = columnwise_out;
   const QuantizedLayout l = ComputeLayout(q.scaling, m, n);
@@ -259,9 +268,10 @@ int main(int argc, char** argv) {
         "\"fraction_of_triad\":%.3f,\"isa\":\"%s\",\"thp\":%s,\"tile_scales\":%s,"
         "\"claim_units\":%lld%s}\n",
         static_cast<long long>(m), static_cast<long long>(n), threads, grad_fp32 ? "fp32" : "bf16",
-        columnwise_out ? "fp8_2d_row_col" : "fp8_2d_row", best * 1e3, count / best, step_bytes,
-        gbps, tr.gbps, gbps / tr.gbps, isa, g_thp ? "true" : "false",
-        tile_scales ? "true" : "false",
+        tensor_scaling ? (columnwise_out ? "fp8_tensor_row_col" : "fp8_tensor_row")
+                       : (columnwise_out ? "fp8_2d_row_col" : "fp8_2d_row"),
+        best * 1e3, count / best, step_bytes, gbps, tr.gbps, gbps / tr.gbps, isa,
+        g_thp ? "true" : "false", tile_scales ? "true" : "false",
         static_cast<long long>(qtx::kernels::cpu::internal::UnitClaimChunk()), label_json.c_str());
     std::fflush(stdout);
     if (phases) {

@@ -115,28 +115,23 @@ double ChunkSumSquaresDispatch(const void* g, InputDType t, int64_t begin, int64
 void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalars& s,
                     int num_threads) {
   // Per-tensor scaling (TENSOR) needs the amax of the whole updated parameter
-  // before any byte is cast, which one pass over tiles cannot give: such
-  // parameters are stepped with the FP8 output off, then quantized from the
-  // updated master weights (QuantizeTensor, docs/numerics.md §9), the very
-  // definition of their FP8 output.
+  // before any byte is cast, which one pass over tiles cannot give. The units
+  // of such a parameter update it and fold its max |p| (ParamPlan::
+  // tensor_amax); once every unit is done, a second pass over its units casts
+  // every tile with the scale of that amax (EncodeTensorUnits: the band
+  // kernel's encoder and transposes). That is QuantizeTensor of the updated
+  // master weights byte for byte (docs/numerics.md §9, the very definition of
+  // its FP8 output), with one read of the master for the cast instead of two.
   const auto per_tensor = [](const AdamWParamBuffers& b) {
     return b.fp8_output && b.quant.scaling == BlockScaling::kTensor;
   };
-  if (std::any_of(params.begin(), params.end(), per_tensor)) {
-    std::vector<AdamWParamBuffers> update_only(params.begin(), params.end());
-    for (AdamWParamBuffers& b : update_only) {
-      if (per_tensor(b)) b.fp8_output = false;
-    }
-    AdamWStepFused(update_only, s, num_threads);
-    for (const AdamWParamBuffers& b : params) {
-      if (per_tensor(b)) QuantizeTensor(b.master, InputDType::kFloat32, b.m, b.n, b.quant, b.fp8);
-    }
-    return;
-  }
-  std::vector<band::ParamPlan> plans;  // non-empty parameters only
+  std::vector<std::atomic<uint32_t>> tensor_amax(params.size());  // MagnitudeBits, 0 = none
+  std::vector<band::ParamPlan> plans;                             // non-empty parameters only
   plans.reserve(params.size());
   int64_t units = 0;
-  for (const AdamWParamBuffers& b : params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const AdamWParamBuffers& b = params[i];
+    tensor_amax[i].store(0, std::memory_order_relaxed);
     band::ParamPlan plan;
     plan.b = &b;
     plan.layout = ComputeLayout(b.quant.scaling, b.m, b.n);
@@ -146,33 +141,72 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
     plan.nb = CeilDiv(b.n, kBlockLen);
     plan.chunks = CeilDiv(plan.nb, band::kUnitTiles);
     plan.first_unit = units;
+    if (per_tensor(b)) plan.tensor_amax = &tensor_amax[i];
     units += plan.mb * plan.chunks;
     plans.push_back(plan);
   }
-  if (units == 0) return;
-  auto* run = internal::ActiveBandIsa() == internal::BandIsa::kAvx512
-#if defined(QTX_ADAMW_HAVE_AVX512)
-                  ? &band::avx512::RunUnits
-#else
-                  ? &band::base::RunUnits
+  const bool avx512 = internal::ActiveBandIsa() == internal::BandIsa::kAvx512;
+#if !defined(QTX_ADAMW_HAVE_AVX512)
+  (void)avx512;
 #endif
-                  : &band::base::RunUnits;
-  const int threads = static_cast<int>(
-      std::min<int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), units));
-  if (threads <= 1) {
-    run(plans.data(), plans.size(), {.u0 = 0, .u1 = units}, s);
-    return;
-  }
-  const int64_t chunk = internal::ClaimRunLength(units, threads);
-  std::atomic<int64_t> claim{0};
+  const int threads = static_cast<int>(std::min<int64_t>(
+      num_threads > 0 ? num_threads : omp_get_max_threads(), std::max<int64_t>(units, 1)));
+  // Runs `pass(plans, count, range)` over every unit on `threads` threads.
+  const auto run_units = [&](auto&& pass) {
+    if (threads <= 1) {
+      pass(plans.data(), plans.size(), band::UnitRange{.u0 = 0, .u1 = units});
+      return;
+    }
+    const int64_t chunk = internal::ClaimRunLength(units, threads);
+    std::atomic<int64_t> claim{0};
 #pragma omp parallel num_threads(threads)
-  {
-    if (chunk > 0) {
-      run(plans.data(), plans.size(), {.u0 = 0, .u1 = units, .claim = &claim, .chunk = chunk}, s);
-    } else {
-      // Contiguous runs of units, as even as possible (as schedule(static)).
-      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-      run(plans.data(), plans.size(), {.u0 = units * t / nt, .u1 = units * (t + 1) / nt}, s);
+    {
+      if (chunk > 0) {
+        pass(plans.data(), plans.size(),
+             band::UnitRange{.u0 = 0, .u1 = units, .claim = &claim, .chunk = chunk});
+      } else {
+        // Contiguous runs of units, as even as possible (as schedule(static)).
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        pass(plans.data(), plans.size(),
+             band::UnitRange{.u0 = units * t / nt, .u1 = units * (t + 1) / nt});
+      }
+    }
+  };
+  if (units > 0) {
+    run_units([&](const band::ParamPlan* p, size_t count, const band::UnitRange& range) {
+#if defined(QTX_ADAMW_HAVE_AVX512)
+      if (avx512) return band::avx512::RunUnits(p, count, range, s);
+#endif
+      band::base::RunUnits(p, count, range, s);
+    });
+  }
+  // Per-tensor parameters: the scale from the folded amax (as QuantizeTensor
+  // computes it), then every tile cast with it.
+  bool any_tensor = false;
+  for (band::ParamPlan& plan : plans) {
+    if (plan.tensor_amax == nullptr) continue;
+    const AdamWParamBuffers& b = *plan.b;
+    const float amax = std::bit_cast<float>(plan.tensor_amax->load(std::memory_order_relaxed));
+    plan.tensor_scale =
+        TensorScale(amax, b.quant.format, b.quant.force_pow2_scales, b.quant.amax_epsilon);
+    const float scale_inv = ScaleInv(plan.tensor_scale);
+    if (b.quant.rowwise) b.fp8.rowwise_scale_inv[0] = scale_inv;
+    if (b.quant.columnwise) b.fp8.columnwise_scale_inv[0] = scale_inv;
+    any_tensor = true;
+  }
+  if (any_tensor) {
+    run_units([&](const band::ParamPlan* p, size_t count, const band::UnitRange& range) {
+#if defined(QTX_ADAMW_HAVE_AVX512)
+      if (avx512) return band::avx512::EncodeTensorUnits(p, count, range);
+#endif
+      band::base::EncodeTensorUnits(p, count, range);
+    });
+  }
+  for (const AdamWParamBuffers& b : params) {
+    // An empty per-tensor parameter has no units; it still gets the
+    // scale_inv of amax 0.
+    if (per_tensor(b) && (b.m == 0 || b.n == 0)) {
+      QuantizeTensorWithAmax(b.master, InputDType::kFloat32, b.m, b.n, 0.0f, b.quant, b.fp8);
     }
   }
 }

@@ -511,6 +511,43 @@ void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch, int64_t rows
 }
 #endif
 
+// The FP8 bytes of tile (k, tj) with one `scale` (a 2-D tile's or the whole
+// tensor's) from the updated master weights, into each requested copy.
+// tile_bytes and transposed: 64-byte aligned [kBlockLen * kBlockLen] scratch.
+void EncodeTileBytes(const ParamPlan& plan, int64_t k, int64_t tj, float scale, uint8_t* tile_bytes,
+                     uint8_t* transposed) {
+  const AdamWParamBuffers& b = *plan.b;
+  const int64_t n = b.n;
+  const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
+  const int64_t rows = std::min(kBlockLen, b.m - r0);
+  const int64_t cols = std::min(kBlockLen, n - c0);
+  const QuantizeParams& q = b.quant;
+#if defined(__AVX2__)
+  if (rows == kBlockLen && cols == kBlockLen) {
+    // Full tile: encode and transpose in L1 scratch, then store whole rows.
+    for (int64_t i = 0; i < rows; ++i) {
+      EncodeRow(b.master + (r0 + i) * n + c0, scale, tile_bytes + i * kBlockLen, cols, q.format);
+    }
+    if (q.rowwise) StoreTileRows(tile_bytes, b.fp8.rowwise_data + r0 * n + c0, n);
+    if (q.columnwise) {
+      StoreTransposed(tile_bytes, kBlockLen, rows, cols, transposed, kBlockLen, 0, 0);
+      StoreTileRows(transposed, b.fp8.columnwise_data + c0 * b.m + r0, b.m);
+    }
+    return;
+  }
+#endif
+  // The bytes go to the rowwise copy when there is one (the columnwise copy
+  // is then transposed from it, still in L1/L2), else to the scratch tile.
+  uint8_t* const bytes = q.rowwise ? b.fp8.rowwise_data + r0 * n + c0 : tile_bytes;
+  const int64_t pitch = q.rowwise ? n : kBlockLen;
+  for (int64_t i = 0; i < rows; ++i) {
+    EncodeRow(b.master + (r0 + i) * n + c0, scale, bytes + i * pitch, cols, q.format);
+  }
+  if (q.columnwise) {
+    StoreTransposed(bytes, pitch, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
+  }
+}
+
 // B and C of one tile (rows x cols at (r0, c0) = tile (k, tj)) whose master
 // weights are updated and whose amaxes are in row_max / tile_max / col_max.
 // tile_bytes and transposed: 64-byte aligned [kBlockLen * kBlockLen] scratch.
@@ -536,30 +573,7 @@ void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* ro
     if (float* const kept = KeptTileScales(b)) kept[k * plan.nb + tj] = scale;
     if (q.rowwise) b.fp8.rowwise_scale_inv[k * l.rowwise_scale_cols + tj] = scale_inv;
     if (q.columnwise) b.fp8.columnwise_scale_inv[tj * l.columnwise_scale_cols + k] = scale_inv;
-#if defined(__AVX2__)
-    if (rows == kBlockLen && cols == kBlockLen) {
-      // Full tile: encode and transpose in L1 scratch, then store whole rows.
-      for (int64_t i = 0; i < rows; ++i) {
-        EncodeRow(b.master + (r0 + i) * n + c0, scale, tile_bytes + i * kBlockLen, cols, q.format);
-      }
-      if (q.rowwise) StoreTileRows(tile_bytes, b.fp8.rowwise_data + r0 * n + c0, n);
-      if (q.columnwise) {
-        StoreTransposed(tile_bytes, kBlockLen, rows, cols, transposed, kBlockLen, 0, 0);
-        StoreTileRows(transposed, b.fp8.columnwise_data + c0 * b.m + r0, b.m);
-      }
-      return;
-    }
-#endif
-    // The bytes go to the rowwise copy when there is one (the columnwise copy
-    // is then transposed from it, still in L1/L2), else to the scratch tile.
-    uint8_t* const bytes = q.rowwise ? b.fp8.rowwise_data + r0 * n + c0 : tile_bytes;
-    const int64_t pitch = q.rowwise ? n : kBlockLen;
-    for (int64_t i = 0; i < rows; ++i) {
-      EncodeRow(b.master + (r0 + i) * n + c0, scale, bytes + i * pitch, cols, q.format);
-    }
-    if (q.columnwise) {
-      StoreTransposed(bytes, pitch, rows, cols, b.fp8.columnwise_data, b.m, r0, c0);
-    }
+    EncodeTileBytes(plan, k, tj, scale, tile_bytes, transposed);
     return;
   }
   if (q.rowwise) {
@@ -653,7 +667,9 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
   auto* mom2 = static_cast<MomentT<kM>*>(b.exp_avg_sq);
   const auto* grad = static_cast<const char*>(b.grad);
   constexpr int64_t kGSize = kG == InputDType::kFloat32 ? 4 : 2;
-  const bool fp8 = b.fp8_output;
+  std::atomic<uint32_t>* const tensor_amax = plan.tensor_amax;
+  uint32_t unit_amax = 0;  // with tensor_amax
+  const bool fp8 = b.fp8_output && tensor_amax == nullptr;
   const bool col1d = fp8 && b.quant.scaling == BlockScaling::kBlock1D && b.quant.columnwise;
 
 #if defined(__AVX2__)
@@ -699,6 +715,9 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
         UpdateSpan<kG, kM, false>(b.master + off, mom1 + off, mom2 + off, grad + off * kGSize,
                                   nullptr, len, s);
       }
+      if (tensor_amax != nullptr) {
+        unit_amax = std::max(unit_amax, RowMagnitudeMax(b.master + off, len));  // from L1
+      }
       if (!fp8) continue;
       // Segment just written: in L1.
       const uint32_t rm = RowMagnitudeMax(b.master + off, len);
@@ -723,6 +742,12 @@ void ProcessUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1, con
 #if defined(__AVX2__)
   if (d != nullptr) DeferredRows(*d, kBlockLen);
 #endif
+  if (tensor_amax != nullptr) {
+    uint32_t seen = tensor_amax->load(std::memory_order_relaxed);
+    while (unit_amax > seen &&
+           !tensor_amax->compare_exchange_weak(seen, unit_amax, std::memory_order_relaxed)) {
+    }
+  }
   if (!fp8) return;
 #if defined(__AVX2__)
   if (d != nullptr && Deferrable(plan, k, tj1)) {
@@ -804,6 +829,34 @@ void DispatchUnit(const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1,
   }
 }
 
+// Calls fn(plan, k, tj0, tj1) for the units `range` of the flattened unit list
+// of `plans` (first_unit ascending), in ascending order: [u0, u1), or the runs
+// the thread claims (UnitRange).
+template <typename Fn>
+void ForUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range, Fn&& fn) {
+  size_t p = 0;  // units only ascend (claims too): the plan search goes forward
+  auto run = [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      while (p + 1 < num_plans && plans[p + 1].first_unit <= u) ++p;
+      const ParamPlan& plan = plans[p];
+      const int64_t local = u - plan.first_unit;
+      const int64_t chunk = local % plan.chunks;
+      // The band's tiles split as evenly as possible over its chunks.
+      fn(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
+         (chunk + 1) * plan.nb / plan.chunks);
+    }
+  };
+  if (range.claim == nullptr) {
+    run(range.u0, range.u1);
+    return;
+  }
+  for (;;) {
+    const int64_t u0 = range.claim->fetch_add(range.chunk, std::memory_order_relaxed);
+    if (u0 >= range.u1) break;
+    run(u0, std::min(range.u1, u0 + range.chunk));
+  }
+}
+
 }  // namespace
 
 void RunUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range,
@@ -814,33 +867,30 @@ void RunUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range,
   deferred = &ThreadScratch().deferred;
   deferred->plan = nullptr;
 #endif
-  size_t p = 0;  // units only ascend (claims too): the plan search goes forward
-  auto run = [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      while (p + 1 < num_plans && plans[p + 1].first_unit <= u) ++p;
-      const ParamPlan& plan = plans[p];
-      const int64_t local = u - plan.first_unit;
-      const int64_t chunk = local % plan.chunks;
-      // The band's tiles split as evenly as possible over its chunks.
-      DispatchUnit(plan, local / plan.chunks, chunk * plan.nb / plan.chunks,
-                   (chunk + 1) * plan.nb / plan.chunks, s, *scratch, deferred);
-    }
-  };
-  if (range.claim == nullptr) {
-    run(range.u0, range.u1);
-  } else {
-    // The pending (deferred) unit carries over from one claimed run to the next.
-    for (;;) {
-      const int64_t u0 = range.claim->fetch_add(range.chunk, std::memory_order_relaxed);
-      if (u0 >= range.u1) break;
-      run(u0, std::min(range.u1, u0 + range.chunk));
-    }
-  }
+  // The pending (deferred) unit carries over from one claimed run to the next.
+  ForUnits(plans, num_plans, range,
+           [&](const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1) {
+             DispatchUnit(plan, k, tj0, tj1, s, *scratch, deferred);
+           });
 #if defined(__AVX2__)
   DeferredRows(*deferred, kBlockLen);
 #endif
 #if defined(__SSE2__)
   _mm_sfence();  // the non-temporal stores are visible before the caller goes on
+#endif
+}
+
+void EncodeTensorUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range) {
+  UnitScratch& sc = ThreadScratch().unit;
+  ForUnits(plans, num_plans, range,
+           [&](const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1) {
+             if (plan.tensor_amax == nullptr) return;
+             for (int64_t tj = tj0; tj < tj1; ++tj) {
+               EncodeTileBytes(plan, k, tj, plan.tensor_scale, sc.bytes, sc.transposed);
+             }
+           });
+#if defined(__SSE2__)
+  _mm_sfence();
 #endif
 }
 

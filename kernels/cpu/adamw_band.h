@@ -39,6 +39,11 @@ struct ParamPlan {
   int64_t mb = 0, nb = 0;
   int64_t chunks = 0;      // work units per band: ceil(nb / kUnitTiles)
   int64_t first_unit = 0;  // index of unit (0, 0) in the flattened unit list
+  // Per-tensor scaling (BlockScaling::kTensor): the units write no FP8 bytes
+  // but fold max |p| of the updated weights (as MagnitudeBits: NaN ignored)
+  // into *tensor_amax; the caller casts the tensor once every unit is done.
+  std::atomic<uint32_t>* tensor_amax = nullptr;
+  float tensor_scale = 0.0f;  // EncodeTensorUnits: the scale of that cast
 };
 
 // Which units of the flattened unit list a thread runs: [u0, u1) when
@@ -51,13 +56,18 @@ struct UnitRange {
   int64_t chunk = 1;
 };
 
-// The units `range` of the flattened unit list of `plans` (first_unit
-// ascending), in ascending order, with scratch of the calling thread. Ends with
-// a store fence (the FP8 copies may be written with non-temporal stores).
-#define QTX_ADAMW_BAND_DECLS                                                      \
-  void RunUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range, \
-                const AdamWScalars& s);                                           \
-  uint8_t EncodeFp8Branchless(float x, Fp8Format f);                              \
+// RunUnits: the units `range` of the flattened unit list of `plans`
+// (first_unit ascending), in ascending order, with scratch of the calling
+// thread. Ends with a store fence (the FP8 copies may be written with
+// non-temporal stores). EncodeTensorUnits: the FP8 copies of the units in
+// `range` that belong to per-tensor plans (tensor_amax set), every tile cast
+// with the plan's tensor_scale; the other units are skipped. Also ends with a
+// store fence.
+#define QTX_ADAMW_BAND_DECLS                                                                \
+  void RunUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range,           \
+                const AdamWScalars& s);                                                     \
+  void EncodeTensorUnits(const ParamPlan* plans, size_t num_plans, const UnitRange& range); \
+  uint8_t EncodeFp8Branchless(float x, Fp8Format f);                                        \
   void EncodeFp8Row(const float* p, float scale, uint8_t* out, int64_t len, Fp8Format f);
 
 namespace base {

@@ -13,6 +13,7 @@
 #include <new>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -447,6 +448,45 @@ TEST(AdamWStepFused, EqualsReferenceAtEveryOutputAlignment) {
   }
 }
 
+// Per-tensor scaling: the step folds the updated weights' max |p| unit by
+// unit and casts once. One weight far larger than the rest sits at each
+// corner of the tensor, of a work unit and of an edge tile in turn, so a
+// fold that missed any element would compute another scale (not a power of
+// two: every amax gives its own) and other bytes.
+TEST(AdamWStepFused, TensorScalingAmaxSeesEveryElement) {
+  constexpr int64_t kUnitCols = band::kUnitTiles * kBlockLen;
+  const Shape shapes[] = {{260, 300}, {256, kUnitCols + 130}};
+  uint32_t seed = 5000;
+  for (const Shape& sh : shapes) {
+    const int64_t m = sh.m, n = sh.n;
+    const std::pair<int64_t, int64_t> spots[] = {{0, 0},
+                                                 {0, n - 1},
+                                                 {m - 1, 0},
+                                                 {m - 1, n - 1},
+                                                 {127, 127},
+                                                 {128, 128},
+                                                 {m / 2, n / 2},
+                                                 {129, n - 2},
+                                                 {0, kBlockLen - 1},
+                                                 {m - 1, std::min<int64_t>(n - 1, kUnitCols - 1)}};
+    for (const auto& [r, c] : spots) {
+      QuantizeParams q;
+      q.scaling = BlockScaling::kTensor;
+      q.columnwise = true;
+      q.force_pow2_scales = false;
+      ParamState p = MakeParam(m, n, MomentDType::kFloat32, InputDType::kFloat32, q, false,
+                               Pattern::kRandom, seed++);
+      p.master[r * n + c] = (seed % 2 ? 1000.0f : -1000.0f);
+      for (int threads : {1, 3}) {
+        ExpectFusedEqualsReference(p, AdamWHyperParams{}, 1, threads, 1.0,
+                                   std::to_string(m) + "x" + std::to_string(n) + " large at (" +
+                                       std::to_string(r) + ", " + std::to_string(c) + ") threads " +
+                                       std::to_string(threads));
+      }
+    }
+  }
+}
+
 TEST(AdamWStepFused, EqualsReferenceWithoutFp8Output) {
   AdamWHyperParams h;
   for (MomentDType md : {MomentDType::kFloat32, MomentDType::kBFloat16}) {
@@ -466,7 +506,8 @@ TEST(AdamWStepFused, EqualsReferenceOnAdversarialInputs) {
       for (bool bias_correction : {true, false}) {
         for (double eps : {1e-8, 0.0}) {
           for (MomentDType md : {MomentDType::kFloat32, MomentDType::kBFloat16}) {
-            for (BlockScaling sc : {BlockScaling::kBlock2D, BlockScaling::kBlock1D}) {
+            for (BlockScaling sc :
+                 {BlockScaling::kBlock2D, BlockScaling::kBlock1D, BlockScaling::kTensor}) {
               AdamWHyperParams h;
               h.weight_decay = wd;
               h.bias_correction = bias_correction;
