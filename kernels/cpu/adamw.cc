@@ -125,13 +125,13 @@ void AdamWStepFused(std::span<const AdamWParamBuffers> params, const AdamWScalar
   const auto per_tensor = [](const AdamWParamBuffers& b) {
     return b.fp8_output && b.quant.scaling == BlockScaling::kTensor;
   };
-  std::vector<std::atomic<uint32_t>> tensor_amax(params.size());  // MagnitudeBits, 0 = none
-  std::vector<band::ParamPlan> plans;                             // non-empty parameters only
+  // MagnitudeBits of each per-tensor parameter's amax (value-initialized: 0).
+  std::vector<std::atomic<uint32_t>> tensor_amax(params.size());
+  std::vector<band::ParamPlan> plans;  // non-empty parameters only
   plans.reserve(params.size());
   int64_t units = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const AdamWParamBuffers& b = params[i];
-    tensor_amax[i].store(0, std::memory_order_relaxed);
     band::ParamPlan plan;
     plan.b = &b;
     plan.layout = ComputeLayout(b.quant.scaling, b.m, b.n);

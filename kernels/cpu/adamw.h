@@ -6,7 +6,8 @@
 // QuantizeBlock(updated master, FP32 input) — docs/numerics.md §2-§4 — for both
 // BLOCK_2D and BLOCK_1D (a 1x128 row block and a 128x1 column block each lie
 // inside one 128x128 tile). A TENSOR (per-tensor scaling) parameter needs its
-// whole amax first: it is updated, then quantized by QuantizeTensor.
+// whole amax first: the update pass folds it, then a second pass over its
+// tiles casts them; the bytes are QuantizeTensor(updated master)'s.
 //
 // AdamWReference is the plain scalar definition (element loop in the order of
 // kernels/adamw.h, then QuantizeBlock); AdamWStepFused must equal it bit for bit.
