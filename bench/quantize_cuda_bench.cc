@@ -335,6 +335,8 @@ int main(int argc, char** argv) {
                               {"stages3_fixed", {3, 0, false, true}},
                               {"division_scales", {0, 0, false, false, true}},
                               {"float_amax", {0, 0, false, false, false, true}},
+                              {"half", {0, 0, false, false, false, false, true}},
+                              {"half_stages3", {3, 0, false, false, false, false, true}},
                               {"two_pass", {}, true}};
 
   const InputDType dtype = InputDType::kBFloat16;
@@ -450,13 +452,15 @@ int main(int argc, char** argv) {
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
                                     !t.fixed_tiles && !t.division_scales && !t.float_amax &&
-                                    !v.tensor_two_pass;
+                                    !t.half_tiles && !v.tensor_two_pass;
             // Variants: row+col, row and col; the block kernels' knobs for 1d / 2d,
             // two_pass for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;
             if (!is_default && (u.from_rowwise || tensor != v.tensor_two_pass)) {
               continue;
             }
+            // Half tiles exist for the 1-D rowwise copy alone (else the default runs).
+            if (t.half_tiles && (mode.scaling != BlockScaling::kBlock1D || u.col)) continue;
             QuantizeParams p;
             p.scaling = mode.scaling;
             p.format = Fp8Format::kE4M3;

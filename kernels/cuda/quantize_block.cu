@@ -31,6 +31,12 @@ constexpr int kTile = 128;  // block edge (docs/numerics.md §3)
 // (bench/results/session20_h200_2026-12-03.md).
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+// A launch's unit of work is kRows x 128 input elements: whole 128x128 tiles
+// (kRows = kTile), or for the 1-D rowwise copy alone optionally half tiles
+// (kRows = 64, LaunchTuning::half_tiles), whose 1x128 blocks lie wholly inside
+// them. A CTA has two threads per unit row (each owns an 8x8 sub-tile).
+template <int kRows>
+constexpr int kThreadsFor = 2 * kRows;
 constexpr int kTBytes = kTile * kTile;  // transposed FP8 tile in shared memory
 
 template <InputDType D>
@@ -61,13 +67,13 @@ struct QuantizeArgs {
   uint8_t* qc;  // columnwise data [N, M]
   float* sc;    // columnwise scale_inv
   int64_t m, n;
-  int64_t mb, nb, num_tiles;
+  int64_t mb, nb, num_tiles;   // unit rows (kRows high), unit columns, units
   int64_t sr_pitch, sc_pitch;  // row pitch (elements) of the scale matrices
   float fp8_max, eps, value_for_inf;
   bool pow2;
   bool fast_pow2;            // pow2 scales by ComputeScalePow2 / ScaleInvPow2 (the same bits)
   bool stream_stores;        // st.global.cs (evict-first) for the FP8 outputs
-  int64_t full_mb, full_nb;  // tiles [0, full_mb) x [0, full_nb) lie wholly inside
+  int64_t full_mb, full_nb;  // units [0, full_mb) x [0, full_nb) lie wholly inside
   bool col_vec;              // columnwise rows start 16-byte aligned (M % 16 == 0, aligned qc)
   uint32_t* tile_counter;    // this stream's tile counter (0 between launches), or null
 };
@@ -88,11 +94,11 @@ constexpr int kPathTail = 0;     // every tile bounds-checked, synchronous loads
 constexpr int kPathAligned = 1;  // M, N multiples of 128: every tile pipelined
 constexpr int kPathMixed = 2;    // whole tiles pipelined, the edge tiles checked
 
-template <InputDType D, BlockScaling S, bool kRow, bool kCol, int kStages>
+template <InputDType D, BlockScaling S, bool kRow, bool kCol, int kStages, int kRows = kTile>
 struct SmemPlan {
-  static constexpr int kStageBytes = kTile * kTile * kElemBytes<D>;
+  static constexpr int kStageBytes = kRows * kTile * kElemBytes<D>;
   // The transposed FP8 tile lives in the stage just consumed (see the kernel).
-  static_assert(kStageBytes >= kTBytes, "transposed tile must fit in a stage");
+  static_assert(!kCol || kStageBytes >= kTBytes, "transposed tile must fit in a stage");
   static constexpr int kRedOffset = kStages * kStageBytes;
   static constexpr int kRedSize =
       (S == BlockScaling::kBlock2D) ? kWarps * 4 : (kCol ? kWarps * kTile * 4 : 0);
@@ -147,41 +153,42 @@ __device__ __forceinline__ float PairMax(uint32_t p) {
   return fmaxf(0.0f, fmaxf(ElemToFloat<D>(p & 0xFFFFu), ElemToFloat<D>(p >> 16)));
 }
 
-// Aligned path: starts the asynchronous copy of one full input tile into a
-// shared-memory stage (row-major, 128 rows of 128 elements; each warp copies two
-// whole rows per step, 16 bytes a lane).
-template <InputDType D>
+// Aligned path: starts the asynchronous copy of one full input unit into a
+// shared-memory stage (row-major, kRows rows of 128 elements; each warp copies
+// two whole rows per step, 16 bytes a lane).
+template <InputDType D, int kRows = kTile>
 __device__ __forceinline__ void IssueTileCopy(uint8_t* stage, const QuantizeArgs& a,
                                               uint32_t tile) {
+  constexpr int kCtaThreads = kThreadsFor<kRows>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr int kChunksPerRow = kRowBytes / 16;
-  constexpr int kChunks = kTile * kChunksPerRow;
-  static_assert(kChunks % kThreads == 0, "tile copy must divide evenly among threads");
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kCtaThreads == 0, "tile copy must divide evenly among threads");
   int64_t tm, tn;
   TileCoords(a, tile, &tm, &tn);
   const int64_t pitch = a.n * kElemBytes<D>;
-  constexpr int kRowsPerStep = kThreads / kChunksPerRow;
+  constexpr int kRowsPerStep = kCtaThreads / kChunksPerRow;
   const int r = static_cast<int>(threadIdx.x) / kChunksPerRow;
   const int ch = static_cast<int>(threadIdx.x) % kChunksPerRow;
-  const uint8_t* src = static_cast<const uint8_t*>(a.input) + (tm * kTile + r) * pitch +
+  const uint8_t* src = static_cast<const uint8_t*>(a.input) + (tm * kRows + r) * pitch +
                        (tn * kTile) * kElemBytes<D> + ch * 16;
   uint8_t* dst = stage + r * kRowBytes + ch * 16;
 #pragma unroll
-  for (int k = 0; k < kChunks / kThreads; ++k) {
+  for (int k = 0; k < kChunks / kCtaThreads; ++k) {
     CpAsync16(dst + k * kRowsPerStep * kRowBytes, src + k * kRowsPerStep * pitch);
   }
 }
 
 // Tail path: loads one tile synchronously, element by element, zero-filling
 // everything outside the tensor (docs/numerics.md §3: partial blocks).
-template <InputDType D>
+template <InputDType D, int kRows = kTile>
 __device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeArgs& a, int64_t m0,
                                                 int64_t n0) {
   using Storage = std::conditional_t<kElemBytes<D> == 4, uint32_t, uint16_t>;
   const Storage* in = static_cast<const Storage*>(a.input);
   Storage* dst = reinterpret_cast<Storage*>(stage);
 #pragma unroll 8
-  for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
+  for (int e = threadIdx.x; e < kRows * kTile; e += kThreadsFor<kRows>) {
     const int64_t gm = m0 + (e >> 7), gn = n0 + (e & 127);
     Storage v = 0;
     if (gm < a.m && gn < a.n) v = in[gm * a.n + gn];
@@ -192,16 +199,16 @@ __device__ __forceinline__ void LoadTileChecked(uint8_t* stage, const QuantizeAr
 // Mixed path, a tile whose 128 columns lie inside the tensor but whose rows
 // do not (the last tile row): 16-byte loads of the rows that exist, zeros
 // for the others. REQUIRES: 16-byte aligned input rows.
-template <InputDType D>
+template <InputDType D, int kRows = kTile>
 __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const QuantizeArgs& a,
                                                     int64_t m0, int64_t n0) {
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr int kChunksPerRow = kRowBytes / 16;
-  constexpr int kChunks = kTile * kChunksPerRow;
+  constexpr int kChunks = kRows * kChunksPerRow;
   const int64_t pitch = a.n * kElemBytes<D>;
   const uint8_t* src = static_cast<const uint8_t*>(a.input) + n0 * kElemBytes<D>;
 #pragma unroll 4
-  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+  for (int c = threadIdx.x; c < kChunks; c += kThreadsFor<kRows>) {
     const int r = c / kChunksPerRow, ch = c % kChunksPerRow;
     uint4 w = make_uint4(0u, 0u, 0u, 0u);
     if (m0 + r < a.m) w = *reinterpret_cast<const uint4*>(src + (m0 + r) * pitch + ch * 16);
@@ -264,17 +271,20 @@ __device__ __forceinline__ void LoadTileRowsChecked(uint8_t* stage, const Quanti
 // pair's maximum with Max2, then finishes the row butterfly on the pairs; the
 // same maxima in about 90 instructions a tile instead of 140.
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kFloatAmax = false>
-__global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
+          bool kFloatAmax = false, int kRows = kTile>
+__global__ void __launch_bounds__(kThreadsFor<kRows>,
+                                  (kElemBytes<D> == 2 ? 2 : 1) * (kTile / kRows))
     QuantizeBlockKernel(const QuantizeArgs a) {
   static_assert(kRow || kCol, "at least one copy must be requested");
+  static_assert(kRows == kTile || (kRows == kTile / 2 && S == BlockScaling::kBlock1D && !kCol),
+                "half tiles carry whole 1x128 blocks only: 1-D scaling, rowwise copy alone");
   constexpr bool kPipelined = kPath != kPathTail;
   static_assert(kPipelined ? (kStages >= 2 && kStages <= 4) : kStages == 1,
                 "aligned path pipelines 2-4 stages, the tail path uses one");
   // Drawn tiles (uniform across the grid); the stage of iteration k is k % kStages either way.
   const bool dyn = kPipelined && a.tile_counter != nullptr;
   constexpr int kAhead = kStages > 1 ? kStages - 1 : 1;  // tiles loading ahead of the current one
-  using Plan = SmemPlan<D, S, kRow, kCol, kStages>;
+  using Plan = SmemPlan<D, S, kRow, kCol, kStages, kRows>;
   constexpr int kRowBytes = kTile * kElemBytes<D>;
   constexpr bool k1D = (S == BlockScaling::kBlock1D);
   constexpr bool kPacked = k1D && kCol && kElemBytes<D> == 2 && !kFloatAmax;
@@ -323,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
 #pragma unroll
     for (uint32_t s = 0; s < kStages - 1; ++s) {
       const uint32_t t = blockIdx.x + s * gridDim.x;
-      if (s < count && whole(t)) IssueTileCopy<D>(smem + s * Plan::kStageBytes, a, t);
+      if (s < count && whole(t)) IssueTileCopy<D, kRows>(smem + s * Plan::kStageBytes, a, t);
       CpAsyncCommit();
     }
   }
@@ -352,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
     }
     int64_t tm, tn;
     TileCoords(a, tile, &tm, &tn);
-    const int64_t m0 = tm * kTile, n0 = tn * kTile;
+    const int64_t m0 = tm * kRows, n0 = tn * kTile;
     uint8_t* stage;
     // Uniform across the CTA: vector loads/stores, no bounds checks.
     const bool full = whole(tile);
@@ -363,12 +373,13 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
         const uint32_t t = tile_slot[k & 1];
         ahead[kAhead - 1] = t;
         if (t < num_tiles && whole(t)) {
-          IssueTileCopy<D>(smem + ((k + kAhead) % kStages) * Plan::kStageBytes, a, t);
+          IssueTileCopy<D, kRows>(smem + ((k + kAhead) % kStages) * Plan::kStageBytes, a, t);
         }
       } else if (k + kStages - 1 < count) {
         const uint32_t next = tile + (kStages - 1) * gridDim.x;
         if (whole(next)) {
-          IssueTileCopy<D>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a, next);
+          IssueTileCopy<D, kRows>(smem + ((k + kStages - 1) % kStages) * Plan::kStageBytes, a,
+                                  next);
         }
       }
       CpAsyncCommit();
@@ -376,16 +387,16 @@ __global__ void __launch_bounds__(kThreads, kElemBytes<D> == 2 ? 2 : 1)
       if constexpr (kPath == kPathMixed) {
         if (!full) {  // an edge tile: no copy was issued into its stage
           if (tn < a.full_nb) {
-            LoadTileRowsChecked<D>(stage, a, m0, n0);
+            LoadTileRowsChecked<D, kRows>(stage, a, m0, n0);
           } else {
-            LoadTileChecked<D>(stage, a, m0, n0);
+            LoadTileChecked<D, kRows>(stage, a, m0, n0);
           }
           __syncthreads();
         }
       }
     } else {
       __syncthreads();  // every thread is done with the previous tile
-      LoadTileChecked<D>(smem, a, m0, n0);
+      LoadTileChecked<D, kRows>(smem, a, m0, n0);
       __syncthreads();
       stage = smem;
     }
@@ -688,7 +699,8 @@ constexpr int kMaxDevices = 64;
 // Resident CTAs per SM of `kernel` with `smem` bytes; `cache` (one per kernel
 // instantiation, indexed by device) holds (per_sm << 16) | sms, 0 = unknown.
 template <typename Kernel>
-cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* sms, int* per_sm) {
+cudaError_t ResidentCtas(Kernel kernel, int threads, int smem, std::atomic<int>* cache, int* sms,
+                         int* per_sm) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -704,7 +716,7 @@ cudaError_t ResidentCtas(Kernel kernel, int smem, std::atomic<int>* cache, int* 
   if (err != cudaSuccess) return err;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, kThreads, smem);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
   if (err != cudaSuccess) return err;
   if (*per_sm < 1) return cudaErrorLaunchOutOfResources;
   if (dev >= 0 && dev < kMaxDevices) {
@@ -778,19 +790,25 @@ cudaError_t StreamTileCounter(cudaStream_t stream, uint32_t** counter) {
 }
 
 template <InputDType D, Fp8Format F, BlockScaling S, bool kRow, bool kCol, int kPath, int kStages,
-          bool kFloatAmax = false>
+          bool kFloatAmax = false, int kRows = kTile>
 cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_tiles,
                            cudaStream_t stream) {
-  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kFloatAmax>;
-  constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages>::kBytes;
+  auto kernel = QuantizeBlockKernel<D, F, S, kRow, kCol, kPath, kStages, kFloatAmax, kRows>;
+  constexpr int smem = SmemPlan<D, S, kRow, kCol, kStages, kRows>::kBytes;
+  constexpr int threads = kThreadsFor<kRows>;
   static std::atomic<int> cache[kMaxDevices];
   int sms = 0, per_sm = 0;
-  cudaError_t err = ResidentCtas(kernel, smem, cache, &sms, &per_sm);
+  cudaError_t err = ResidentCtas(kernel, threads, smem, cache, &sms, &per_sm);
   if (err != cudaSuccess) return err;
   if (ctas_per_sm > 0 && ctas_per_sm < per_sm) per_sm = ctas_per_sm;
   const int64_t resident = static_cast<int64_t>(sms) * per_sm;
-  const int grid = static_cast<int>(args.num_tiles < resident ? args.num_tiles : resident);
   QuantizeArgs a = args;
+  if constexpr (kRows != kTile) {  // the launcher counted 128-row tiles
+    a.mb = CeilDiv(a.m, int64_t{kRows});
+    a.full_mb = a.m / kRows;
+    a.num_tiles = a.mb * a.nb;
+  }
+  const int grid = static_cast<int>(a.num_tiles < resident ? a.num_tiles : resident);
   a.tile_counter = nullptr;
   // Drawn tiles where the kernel supports them and a CTA has more than its first
   // kStages - 1 (which it takes in the fixed order).
@@ -798,7 +816,7 @@ cudaError_t LaunchQuantize(const QuantizeArgs& args, int ctas_per_sm, bool draw_
     err = StreamTileCounter(stream, &a.tile_counter);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<grid, kThreads, smem, stream>>>(a);
+  kernel<<<grid, threads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -902,6 +920,25 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           constexpr bool kCol = decltype(col)::value;
           const int per_sm = tuning.ctas_per_sm;
           const bool draw = !tuning.fixed_tiles;
+          if constexpr (S == BlockScaling::kBlock1D && kRow && !kCol) {
+            if (tuning.half_tiles) {  // 64x128 units, 128-thread CTAs
+              constexpr int kHalf = kTile / 2;
+              if (mixed) {
+                return LaunchQuantize<D, F, S, kRow, kCol, kPathMixed, 2, false, kHalf>(
+                    args, per_sm, draw, stream);
+              }
+              if (!aligned) {
+                return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1, false, kHalf>(
+                    args, 0, false, stream);
+              }
+              const int stages = tuning.stages == 3 ? 3 : 2;
+              return stages == 3
+                         ? LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, false, kHalf>(
+                               args, per_sm, draw, stream)
+                         : LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 2, false, kHalf>(
+                               args, per_sm, draw, stream);
+            }
+          }
           if (mixed) {
             return LaunchQuantize<D, F, S, kRow, kCol, kPathMixed, 2>(args, per_sm, draw, stream);
           }

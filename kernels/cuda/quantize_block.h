@@ -66,8 +66,10 @@ namespace detail {
 // `division_scales` = pow2 scales by ComputeScale's division and ScaleInv's reciprocal instead of
 // the exponent arithmetic of ComputeScalePow2 / ScaleInvPow2 (kernels/fp8.h); `float_amax` = 1-D
 // amaxes with a columnwise copy one FP32 element at a time instead of in packed pairs (BF16 input,
-// E4M3 output, aligned path). Results are identical for every setting. Not part of the stable
-// API.
+// E4M3 output, aligned path); `half_tiles` = for 1-D scaling with the rowwise copy alone, units of
+// 64x128 elements in 128-thread CTAs (4 resident per SM for 16-bit input) instead of 128x128 tiles
+// in 256-thread CTAs (stages 2 or 3; every path). Results are identical for every setting. Not part
+// of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
@@ -75,6 +77,7 @@ struct LaunchTuning {
   bool fixed_tiles = false;
   bool division_scales = false;
   bool float_amax = false;
+  bool half_tiles = false;
 };
 cudaError_t QuantizeBlockTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                const QuantizeParams& params, const QuantizedBuffers& out,

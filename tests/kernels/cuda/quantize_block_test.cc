@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -179,8 +180,11 @@ class Runner {
   }
 
   // Quantizes on both backends and compares every buffer; optionally also
-  // dequantizes both copies into every dtype and compares.
-  void Check(const Case& c, bool dequantize) {
+  // dequantizes both copies into every dtype and compares. With `tunings`, the
+  // GPU runs once per tuned launch (QuantizeBlockTuned) instead of QuantizeBlock's
+  // default, each compared with the one CPU reference.
+  void Check(const Case& c, bool dequantize,
+             const std::vector<detail::LaunchTuning>& tunings = {}) {
     SCOPED_TRACE(std::string(Name(t_)) + " " + std::to_string(m_) + "x" + std::to_string(n_) + " " +
                  c.Describe());
     QuantizeParams p;
@@ -202,8 +206,32 @@ class Runner {
                              c.columnwise ? want_qc.data() : nullptr,
                              c.columnwise ? reinterpret_cast<float*>(want_sc.data()) : nullptr};
     cpu::QuantizeBlock(input_.data(), t_, m_, n_, p, cpu_out);
+    if (tunings.empty()) {
+      CheckGpu(c, p, want_qr, want_qc, want_sr, want_sc, nullptr);
+    } else {
+      for (const detail::LaunchTuning& tuning : tunings) {
+        SCOPED_TRACE(Describe(tuning));
+        CheckGpu(c, p, want_qr, want_qc, want_sr, want_sc, &tuning);
+        if (::testing::Test::HasFailure()) return;
+      }
+    }
+    if (!dequantize || ::testing::Test::HasFailure()) return;
+    CheckDequantize(c, want_qr, want_qc, want_sr, want_sc);
+  }
 
-    // GPU, sentinel-filled.
+  static std::string Describe(const detail::LaunchTuning& t) {
+    std::ostringstream os;
+    os << "stages " << t.stages << " ctas/SM " << t.ctas_per_sm << " fixed tiles " << t.fixed_tiles
+       << " half tiles " << t.half_tiles;
+    return os.str();
+  }
+
+ private:
+  // The GPU side of Check: sentinel-filled outputs, one launch, every buffer
+  // compared (the GPU outputs stay in qr_ .. sc_ for CheckDequantize).
+  void CheckGpu(const Case& c, const QuantizeParams& p, const std::vector<uint8_t>& want_qr,
+                const std::vector<uint8_t>& want_qc, const std::vector<uint32_t>& want_sr,
+                const std::vector<uint32_t>& want_sc, const detail::LaunchTuning* tuning) {
     qr_.Resize(want_qr.size());
     qc_.Resize(want_qc.size());
     sr_.Resize(want_sr.size() * 4);
@@ -215,7 +243,12 @@ class Runner {
     QuantizedBuffers gpu_out{
         c.rowwise ? qr_.get<uint8_t>() : nullptr, c.rowwise ? sr_.get<float>() : nullptr,
         c.columnwise ? qc_.get<uint8_t>() : nullptr, c.columnwise ? sc_.get<float>() : nullptr};
-    QTX_CUDA_ASSERT(QuantizeBlock(d_in_.get(), t_, m_, n_, p, gpu_out, nullptr));
+    if (tuning == nullptr) {
+      QTX_CUDA_ASSERT(QuantizeBlock(d_in_.get(), t_, m_, n_, p, gpu_out, nullptr));
+    } else {
+      QTX_CUDA_ASSERT(
+          detail::QuantizeBlockTuned(d_in_.get(), t_, m_, n_, p, gpu_out, *tuning, nullptr));
+    }
     QTX_CUDA_ASSERT(cudaDeviceSynchronize());
     std::vector<uint8_t> got_qr(want_qr.size()), got_qc(want_qc.size());
     std::vector<uint32_t> got_sr(want_sr.size()), got_sc(want_sc.size());
@@ -241,8 +274,13 @@ class Runner {
         }
       }
     }
-    if (!dequantize || ::testing::Test::HasFailure()) return;
+  }
 
+  // Dequantizes the CPU's and the GPU's copies (the last CheckGpu's) into every
+  // dtype on both backends and compares.
+  void CheckDequantize(const Case& c, const std::vector<uint8_t>& want_qr,
+                       const std::vector<uint8_t>& want_qc, const std::vector<uint32_t>& want_sr,
+                       const std::vector<uint32_t>& want_sc) {
     QuantizedConstBuffers cpu_in{want_qr.data(), reinterpret_cast<const float*>(want_sr.data()),
                                  want_qc.data(), reinterpret_cast<const float*>(want_sc.data())};
     QuantizedConstBuffers gpu_in{qr_.get<uint8_t>(), sr_.get<float>(), qc_.get<uint8_t>(),
@@ -266,7 +304,6 @@ class Runner {
     }
   }
 
- private:
   const std::vector<uint8_t>& input_;
   InputDType t_;
   int64_t m_, n_;
@@ -392,6 +429,48 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeBlockCudaLarge,
                          [](const auto& info) {
                            return std::to_string(info.param.m) + "x" + std::to_string(info.param.n);
                          });
+
+// Half tiles (LaunchTuning::half_tiles: 64x128 units in 128-thread CTAs, 1-D
+// scaling with the rowwise copy alone) equal the CPU reference byte for byte,
+// scale padding included, on every path: aligned (M, N multiples of 128, with 2
+// and 3 stages, drawn and fixed tiles, 1-4 CTAs per SM; 8192x4096 wraps each
+// CTA's stage ring many times), mixed (4160 rows: every 64-row unit whole, the
+// last 128-row tile not; 4001 and 129 rows: a partial last unit; 4033: a last
+// unit of one row) and tail (N % 16 != 0, M < 64, M = 65), for every input
+// dtype, both formats, pow2 on and off, and eps.
+TEST(QuantizeBlockCuda, HalfTilesMatchCpuReferenceOnEveryPath) {
+  std::vector<detail::LaunchTuning> tunings;
+  for (const auto& [stages, ctas, fixed] :
+       {std::tuple{0, 0, false}, std::tuple{3, 0, false}, std::tuple{2, 1, false},
+        std::tuple{3, 2, false}, std::tuple{0, 0, true}, std::tuple{3, 3, true}}) {
+    detail::LaunchTuning t;
+    t.stages = stages;
+    t.ctas_per_sm = ctas;
+    t.fixed_tiles = fixed;
+    t.half_tiles = true;
+    tunings.push_back(t);
+  }
+  struct Dims {
+    int64_t m, n;
+    bool all_cases;  // every format x pow2 x eps (else one case a dtype)
+  };
+  uint64_t seed = 4242;
+  for (const Dims d : {Dims{37, 300, true}, Dims{65, 1000, true}, Dims{129, 384, true},
+                       Dims{256, 1024, true}, Dims{4160, 1024, true}, Dims{4033, 2048, false},
+                       Dims{4001, 6096, false}, Dims{2048, 1536, false}, Dims{8192, 4096, false}}) {
+    for (InputDType t : {InputDType::kBFloat16, InputDType::kFloat16, InputDType::kFloat32}) {
+      const DataKind kind = (seed & 1) ? DataKind::kAdversarial : DataKind::kNormal;
+      const std::vector<uint8_t> input = MakeInput(t, d.m, d.n, kind, seed++);
+      Runner runner(input, t, d.m, d.n);
+      for (const Case& c : AllCases()) {
+        if (c.scaling != BlockScaling::kBlock1D || !c.rowwise || c.columnwise) continue;
+        runner.Check(c, /*dequantize=*/false, tunings);
+        if (::testing::Test::HasFailure()) return;  // one readable failure
+        if (!d.all_cases) break;
+      }
+    }
+  }
+}
 
 // One buffer holding every output of a layout: rowwise data, columnwise
 // data, rowwise scales, columnwise scales.
