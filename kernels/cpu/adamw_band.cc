@@ -431,6 +431,19 @@ inline float* KeptTileScales(const AdamWParamBuffers& b) {
 constexpr int64_t kPrefetchRows = QTX_ADAMW_PREFETCH_ROWS;
 static_assert(kPrefetchRows >= 1, "QTX_ADAMW_PREFETCH_ROWS must be >= 1");
 
+// Rows ahead whose master weights EncodeTensorUnits' tiles prefetch (0: none).
+// Its pass reads the master from DRAM one 128x128 tile at a time, 128 runs of
+// 512 bytes at a stride of n floats, which the hardware prefetchers (one
+// stream a 4 KiB page) do not follow; row i's encode prefetches row i + this
+// of the same tile, or of the next tile along the band.
+// QTX_ADAMW_ENCODE_PREFETCH_ROWS overrides it, for A/B builds of the benchmark.
+#ifndef QTX_ADAMW_ENCODE_PREFETCH_ROWS
+#define QTX_ADAMW_ENCODE_PREFETCH_ROWS 16
+#endif
+constexpr int64_t kEncodePrefetchRows = QTX_ADAMW_ENCODE_PREFETCH_ROWS;
+static_assert(kEncodePrefetchRows >= 0 && kEncodePrefetchRows < 128,
+              "QTX_ADAMW_ENCODE_PREFETCH_ROWS must be in [0, 128)");
+
 inline void PrefetchSpan(const void* p, int64_t bytes, bool write) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) {
@@ -514,8 +527,10 @@ void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch, int64_t rows
 // The FP8 bytes of tile (k, tj) with one `scale` (a 2-D tile's or the whole
 // tensor's) from the updated master weights, into each requested copy.
 // tile_bytes and transposed: 64-byte aligned [kBlockLen * kBlockLen] scratch.
+// `prefetch`: the master is not in cache (the per-tensor cast pass), so each
+// row prefetches the one kEncodePrefetchRows ahead (into the next tile, tj + 1).
 void EncodeTileBytes(const ParamPlan& plan, int64_t k, int64_t tj, float scale, uint8_t* tile_bytes,
-                     uint8_t* transposed) {
+                     uint8_t* transposed, [[maybe_unused]] bool prefetch = false) {
   const AdamWParamBuffers& b = *plan.b;
   const int64_t n = b.n;
   const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
@@ -525,7 +540,17 @@ void EncodeTileBytes(const ParamPlan& plan, int64_t k, int64_t tj, float scale, 
 #if defined(__AVX2__)
   if (rows == kBlockLen && cols == kBlockLen) {
     // Full tile: encode and transpose in L1 scratch, then store whole rows.
+    const bool next_tile = tj + 1 < plan.nb;
     for (int64_t i = 0; i < rows; ++i) {
+      if (kEncodePrefetchRows > 0 && prefetch) {
+        const int64_t ahead = i + kEncodePrefetchRows;
+        if (ahead < kBlockLen) {
+          PrefetchSpan(b.master + (r0 + ahead) * n + c0, kBlockLen * 4, /*write=*/false);
+        } else if (next_tile) {  // rows past the band's end are never the next tile's
+          PrefetchSpan(b.master + (r0 + ahead - kBlockLen) * n + c0 + kBlockLen, kBlockLen * 4,
+                       /*write=*/false);
+        }
+      }
       EncodeRow(b.master + (r0 + i) * n + c0, scale, tile_bytes + i * kBlockLen, cols, q.format);
     }
     if (q.rowwise) StoreTileRows(tile_bytes, b.fp8.rowwise_data + r0 * n + c0, n);
@@ -886,7 +911,8 @@ void EncodeTensorUnits(const ParamPlan* plans, size_t num_plans, const UnitRange
            [&](const ParamPlan& plan, int64_t k, int64_t tj0, int64_t tj1) {
              if (plan.tensor_amax == nullptr) return;
              for (int64_t tj = tj0; tj < tj1; ++tj) {
-               EncodeTileBytes(plan, k, tj, plan.tensor_scale, sc.bytes, sc.transposed);
+               EncodeTileBytes(plan, k, tj, plan.tensor_scale, sc.bytes, sc.transposed,
+                               /*prefetch=*/true);
              }
            });
 #if defined(__SSE2__)
