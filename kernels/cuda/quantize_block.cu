@@ -725,6 +725,24 @@ cudaError_t ResidentCtas(Kernel kernel, int threads, int smem, std::atomic<int>*
   return cudaSuccess;
 }
 
+// The current device's SM count (cached per device).
+cudaError_t DeviceSms(int* sms) {
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached && (*sms = cache[dev].load(std::memory_order_relaxed)) != 0) return cudaSuccess;
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  if (cached) cache[dev].store(*sms, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+// 1-D rowwise launches of 16-bit input with at most this many 128x128 tiles
+// per SM (12 per resident CTA of the 128x128 kernel) run half tiles by default.
+constexpr int64_t kHalfTilesPerSm = 24;
+
 // The tile counters of drawn tiles: one 4-byte device word per (device,
 // stream), so that launches that may run at the same time never share one
 // (each launch leaves its counter at 0). A stream is known by cudaStreamGetId;
@@ -945,16 +963,38 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           if (!aligned) {
             return LaunchQuantize<D, F, S, kRow, kCol, kPathTail, 1>(args, 0, false, stream);
           }
-          // Aligned path: 3 stages (two tiles loading ahead of the one being
-          // processed) for 1-D scaling of 16-bit input with a columnwise copy,
-          // where they measured faster on the H200 with the L2 flushed
-          // (bench/results/session19_h200_2026-12-03.md), else 2: 2-D and the
-          // rowwise copy alone measured within +-1 % either way, and FP32 has
-          // 64 KiB stages (1 CTA per SM).
-          constexpr bool k3Stages =
-              S == BlockScaling::kBlock1D && kCol && D != InputDType::kFloat32;
+          // Aligned path. The defaults for 16-bit input (FP32 has 64 KiB
+          // stages, 1 CTA per SM: always 2 stages), measured on the H200 with
+          // the L2 flushed (bench/results/session23_h200_2026-12-04.md):
+          // * 1-D, the rowwise copy alone, at most kHalfTilesPerSm tiles per SM
+          //   (each CTA has few): half tiles with 3 stages, 0.2-4.3 % faster
+          //   than 128x128 tiles with 2 from 2048x4096 to 4096x12288; on
+          //   larger tensors within +-1 %, and the 128x128 tiles stay;
+          // * 1-D with a columnwise copy (session 19) and 2-D row+col: 3 stages
+          //   (two tiles loading ahead of the one being processed) when the
+          //   launch then still draws its tiles, i.e. has more than 2 tiles per
+          //   resident CTA (4 per SM); with fewer, 3 stages measured 4-9 % slower;
+          // * otherwise 2 (2-D rowwise: 3 stages measured -1 to +4 %, no rule).
+          constexpr bool k16 = D != InputDType::kFloat32;
+          constexpr bool kHalfDefault = k16 && S == BlockScaling::kBlock1D && kRow && !kCol;
+          constexpr bool k3Stages = k16 && kCol && (S == BlockScaling::kBlock1D || kRow);
           constexpr bool kExperiments = D == InputDType::kBFloat16 && F == Fp8Format::kE4M3;
-          const int stages = tuning.stages != 0 ? tuning.stages : (k3Stages ? 3 : 2);
+          int stages = tuning.stages;
+          if constexpr (kHalfDefault || k3Stages) {
+            if (stages == 0) {
+              int sms = 0;
+              const cudaError_t err = DeviceSms(&sms);
+              if (err != cudaSuccess) return err;
+              if constexpr (kHalfDefault) {
+                if (args.num_tiles <= kHalfTilesPerSm * int64_t{sms}) {
+                  return LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, false, kTile / 2>(
+                      args, per_sm, draw, stream);
+                }
+              }
+              stages = k3Stages && args.num_tiles > 4 * int64_t{sms} ? 3 : 2;
+            }
+          }
+          if (stages == 0) stages = 2;
           if constexpr (kExperiments && S == BlockScaling::kBlock1D && kCol) {
             if (tuning.float_amax) {
               return stages == 3 ? LaunchQuantize<D, F, S, kRow, kCol, kPathAligned, 3, true>(
