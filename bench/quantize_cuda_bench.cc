@@ -339,6 +339,24 @@ int main(int argc, char** argv) {
                               {"half_stages3", {3, 0, false, false, false, false, true}},
                               {"two_pass", {}, true}};
 
+  // The variants in the order of --variants (a name may repeat: e.g. a first,
+  // discarded measurement of each block), else all in the table's order.
+  std::vector<const Variant*> order;
+  if (variant_filter.empty()) {
+    for (const Variant& v : variants) order.push_back(&v);
+  } else {
+    size_t at = 0;
+    while (at <= variant_filter.size()) {
+      size_t end = variant_filter.find(',', at);
+      if (end == std::string::npos) end = variant_filter.size();
+      const std::string name = variant_filter.substr(at, end - at);
+      for (const Variant& v : variants) {
+        if (name == v.name) order.push_back(&v);
+      }
+      at = end + 1;
+    }
+  }
+
   const InputDType dtype = InputDType::kBFloat16;
   constexpr int64_t kRingBytes = int64_t{1} << 30;     // rotate buffers: >> 60 MB L2
   constexpr int64_t kFlushBytes = int64_t{256} << 20;  // the L2 flush of --l2 flush
@@ -447,8 +465,9 @@ int main(int argc, char** argv) {
                          static_cast<long long>(s.n), name.c_str(), us, tbps, copy_us, copy_tbps,
                          tbps / copy_tbps);
           }
-          for (const Variant& v : variants) {
-            if (!listed(variant_filter, v.name)) continue;
+          int pos = 0;  // the measurement's place in this block of variants
+          for (const Variant* vp : order) {
+            const Variant& v = *vp;
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
                                     !t.fixed_tiles && !t.division_scales && !t.float_amax &&
@@ -468,6 +487,7 @@ int main(int argc, char** argv) {
             p.columnwise = u.col;
             p.force_pow2_scales = true;
             double next = 0;
+            ++pos;
             const double us = MedianUs(
                 warmup, iters, prepare,
                 [&](int i) {
@@ -494,11 +514,11 @@ int main(int argc, char** argv) {
             std::printf(
                 "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"l2\":\"%s\",\"usage\":\"%s\","
                 "\"dtype\":\"bf16\",\"format\":\"e4m3\",\"m\":%lld,\"n\":%lld,\"variant\":\"%s\","
-                "\"bytes\":%lld,\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,"
+                "\"pos\":%d,\"bytes\":%lld,\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,"
                 "\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f%s,\"iters\":%d,"
                 "\"device\":\"%s\"}\n",
                 mode.name, l2_name, u.name, static_cast<long long>(s.m),
-                static_cast<long long>(s.n), v.name, static_cast<long long>(total), us, tbps,
+                static_cast<long long>(s.n), v.name, pos, static_cast<long long>(total), us, tbps,
                 static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps,
                 carry(next).c_str(), iters, prop.name);
             std::fflush(stdout);

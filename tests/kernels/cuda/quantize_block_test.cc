@@ -636,8 +636,10 @@ TEST(QuantizeBlockCuda, MoreStreamsThanTileCountersAndForgottenCountersMatchCpuR
       MakeInput(InputDType::kBFloat16, m, n, DataKind::kAdversarial, 17);
   DeviceBuffer d_in(input.size());
   QTX_CUDA_ASSERT(cudaMemcpy(d_in.get(), input.data(), input.size(), cudaMemcpyHostToDevice));
+  // 2-D rowwise: 2 stages of 128x128 tiles, 2 CTAs per SM by default, so the
+  // launch draws its tiles (1-D rowwise alone may run half tiles, 4 CTAs per SM).
   QuantizeParams p;
-  p.scaling = BlockScaling::kBlock1D;
+  p.scaling = BlockScaling::kBlock2D;
   p.rowwise = true;
   p.columnwise = false;
   const PackedOutputs packed(ComputeLayout(p.scaling, m, n));
