@@ -57,9 +57,11 @@ cudaError_t DequantizeBlock(const QuantizedConstBuffers& in, BlockScaling scalin
 namespace detail {
 
 // Launch-shape override for benchmarking the fused quantize kernel:
-// `stages` = shared-memory pipeline depth of the aligned path (2 or 3; 0 = the default: 3 for 1-D
-// scaling of BF16 / FP16 input with a columnwise copy, else 2; of the others only BF16 input with
-// E4M3 output honours 3), `ctas_per_sm` = resident CTAs per SM
+// `stages` = shared-memory pipeline depth of the aligned path (2 or 3; 0 = the default, for BF16 /
+// FP16 input: 1-D rowwise alone with at most 24 tiles per SM runs half tiles with 3 stages; 1-D
+// with a columnwise copy and 2-D row+col take 3 stages with more than 4 tiles per SM; else 2; an
+// explicit 2 or 3 runs 128x128 tiles unless `half_tiles`; of the others only BF16 input with E4M3
+// output honours 3), `ctas_per_sm` = resident CTAs per SM
 // of the persistent grid; 0 = the default; `evict_first_outputs` = evict-first (st.global.cs)
 // stores of the FP8 copies instead of the default plain ones; `fixed_tiles` = CTA b takes tiles b,
 // b + grid, ... instead of drawing them from the stream's tile counter (the default);
@@ -68,8 +70,8 @@ namespace detail {
 // amaxes with a columnwise copy one FP32 element at a time instead of in packed pairs (BF16 input,
 // E4M3 output, aligned path); `half_tiles` = for 1-D scaling with the rowwise copy alone, units of
 // 64x128 elements in 128-thread CTAs (4 resident per SM for 16-bit input) instead of 128x128 tiles
-// in 256-thread CTAs (stages 2 or 3; every path). Results are identical for every setting. Not part
-// of the stable API.
+// in 256-thread CTAs (stages 2 or 3; every path; see `stages` for when the default takes them).
+// Results are identical for every setting. Not part of the stable API.
 struct LaunchTuning {
   int stages = 0;
   int ctas_per_sm = 0;
