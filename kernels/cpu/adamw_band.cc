@@ -524,6 +524,16 @@ void StoreTileRows(const uint8_t* src, uint8_t* dst, int64_t pitch, int64_t rows
 }
 #endif
 
+// Tile (k, tj) of a parameter: its first row and column, and its extent (an
+// edge tile's is partial).
+struct TileSpan {
+  int64_t r0, c0, rows, cols;
+};
+inline TileSpan TileAt(const AdamWParamBuffers& b, int64_t k, int64_t tj) {
+  const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
+  return {r0, c0, std::min(kBlockLen, b.m - r0), std::min(kBlockLen, b.n - c0)};
+}
+
 // The FP8 bytes of tile (k, tj) with one `scale` (a 2-D tile's or the whole
 // tensor's) from the updated master weights, into each requested copy.
 // tile_bytes and transposed: 64-byte aligned [kBlockLen * kBlockLen] scratch.
@@ -533,9 +543,7 @@ void EncodeTileBytes(const ParamPlan& plan, int64_t k, int64_t tj, float scale, 
                      uint8_t* transposed, [[maybe_unused]] bool prefetch = false) {
   const AdamWParamBuffers& b = *plan.b;
   const int64_t n = b.n;
-  const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
-  const int64_t rows = std::min(kBlockLen, b.m - r0);
-  const int64_t cols = std::min(kBlockLen, n - c0);
+  const auto [r0, c0, rows, cols] = TileAt(b, k, tj);
   const QuantizeParams& q = b.quant;
 #if defined(__AVX2__)
   if (rows == kBlockLen && cols == kBlockLen) {
@@ -581,9 +589,7 @@ void EncodeTile(const ParamPlan& plan, int64_t k, int64_t tj, const uint32_t* ro
                 uint8_t* transposed) {
   const AdamWParamBuffers& b = *plan.b;
   const int64_t n = b.n;
-  const int64_t r0 = k * kBlockLen, c0 = tj * kBlockLen;
-  const int64_t rows = std::min(kBlockLen, b.m - r0);
-  const int64_t cols = std::min(kBlockLen, n - c0);
+  const auto [r0, c0, rows, cols] = TileAt(b, k, tj);
   const QuantizeParams& q = b.quant;
   const float fp8_max = Fp8Max(q.format);
   const float value_for_inf = InputDTypeMax(InputDType::kFloat32);
