@@ -725,20 +725,6 @@ cudaError_t ResidentCtas(Kernel kernel, int threads, int smem, std::atomic<int>*
   return cudaSuccess;
 }
 
-// The current device's SM count (cached per device).
-cudaError_t DeviceSms(int* sms) {
-  static std::atomic<int> cache[kMaxDevices];
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const bool cached = dev >= 0 && dev < kMaxDevices;
-  if (cached && (*sms = cache[dev].load(std::memory_order_relaxed)) != 0) return cudaSuccess;
-  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err != cudaSuccess) return err;
-  if (cached) cache[dev].store(*sms, std::memory_order_relaxed);
-  return cudaSuccess;
-}
-
 // 1-D rowwise launches of 16-bit input with at most this many 128x128 tiles
 // per SM (12 per resident CTA of the 128x128 kernel) run half tiles by default.
 constexpr int64_t kHalfTilesPerSm = 24;
@@ -967,13 +953,14 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           // stages, 1 CTA per SM: always 2 stages), measured on the H200 with
           // the L2 flushed (bench/results/session23_h200_2026-12-04.md):
           // * 1-D, the rowwise copy alone, at most kHalfTilesPerSm tiles per SM
-          //   (each CTA has few): half tiles with 3 stages, 0.2-4.3 % faster
-          //   than 128x128 tiles with 2 from 2048x4096 to 4096x12288; on
-          //   larger tensors within +-1 %, and the 128x128 tiles stay;
+          //   (each CTA has few): half tiles with 3 stages, 4 % faster than
+          //   128x128 tiles with 2 at 4096^2 (6 of 6 rounds in rotated order),
+          //   within +-0.3 % at 2048x4096 and 4096x12288; at 8192^2 within
+          //   +-0.3 % too, and from there on the 128x128 tiles stay;
           // * 1-D with a columnwise copy (session 19) and 2-D row+col: 3 stages
           //   (two tiles loading ahead of the one being processed) when the
           //   launch then still draws its tiles, i.e. has more than 2 tiles per
-          //   resident CTA (4 per SM); with fewer, 3 stages measured 4-9 % slower;
+          //   resident CTA (4 per SM); with fewer, 3 stages measured 4-8 % slower;
           // * otherwise 2 (2-D rowwise: 3 stages measured -1 to +4 %, no rule).
           constexpr bool k16 = D != InputDType::kFloat32;
           constexpr bool kHalfDefault = k16 && S == BlockScaling::kBlock1D && kRow && !kCol;
@@ -983,7 +970,7 @@ cudaError_t QuantizeImpl(const void* input, InputDType dtype, int64_t m, int64_t
           if constexpr (kHalfDefault || k3Stages) {
             if (stages == 0) {
               int sms = 0;
-              const cudaError_t err = DeviceSms(&sms);
+              const cudaError_t err = CurrentDeviceSmCount(&sms);
               if (err != cudaSuccess) return err;
               if constexpr (kHalfDefault) {
                 if (args.num_tiles <= kHalfTilesPerSm * int64_t{sms}) {
