@@ -255,7 +255,8 @@ int main(int argc, char** argv) {
   }
 
   // The copy kernel's figures count only if it copies: each launch shape once
-  // over an odd number of 16-byte words, compared on the host.
+  // over an odd number of 16-byte words, compared on the host; likewise the
+  // read kernel's fold (the XOR of every word) and the write kernel's words.
   {
     const int64_t bytes = (int64_t{3} << 20) + 16 * 7;
     std::vector<uint8_t> src(bytes), back(bytes);
@@ -272,6 +273,38 @@ int main(int argc, char** argv) {
       if (back != src) {
         std::fprintf(stderr, "copy kernel %s: the copy differs from its source\n", k.name);
         return 1;
+      }
+      if (k.bulk_chunk > 0) continue;  // no read / write kernels
+      // The sink (bench/stream_copy.h StreamRead), zeroed: the XOR of all of
+      // it is the XOR of every word read.
+      const int64_t sink_bytes = bytes / 32 + 16 * 8 * prop.multiProcessorCount;
+      std::vector<uint32_t> sink(sink_bytes / 4);
+      void* d_sink = nullptr;
+      CHECK_CUDA(cudaMalloc(&d_sink, sink_bytes));
+      CHECK_CUDA(cudaMemset(d_sink, 0, sink_bytes));
+      CHECK_CUDA(qtx::bench::StreamRead(d_src, bytes, d_sink, k, nullptr));
+      CHECK_CUDA(cudaMemcpy(sink.data(), d_sink, sink_bytes, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaFree(d_sink));
+      uint32_t got[4] = {0, 0, 0, 0}, want[4] = {0, 0, 0, 0};
+      for (size_t i = 0; i < sink.size(); ++i) got[i % 4] ^= sink[i];
+      for (int64_t i = 0; i < bytes / 4; ++i) {
+        uint32_t w = 0;
+        std::memcpy(&w, src.data() + 4 * i, 4);
+        want[i % 4] ^= w;
+      }
+      if (std::memcmp(got, want, sizeof(got)) != 0) {
+        std::fprintf(stderr, "read kernel %s: its fold differs from the source's\n", k.name);
+        return 1;
+      }
+      CHECK_CUDA(qtx::bench::StreamWrite(d_dst, bytes, 5, k, nullptr));
+      CHECK_CUDA(cudaMemcpy(back.data(), d_dst, bytes, cudaMemcpyDeviceToHost));
+      for (int64_t i = 0; i < bytes / 16; ++i) {
+        const uint32_t w[4] = {5, static_cast<uint32_t>(i), 0, 0};
+        if (std::memcmp(back.data() + 16 * i, w, 16) != 0) {
+          std::fprintf(stderr, "write kernel %s: word %lld is wrong\n", k.name,
+                       static_cast<long long>(i));
+          return 1;
+        }
       }
     }
     CHECK_CUDA(cudaFree(d_src));
@@ -321,11 +354,18 @@ int main(int argc, char** argv) {
     const char* name;
     qcuda::detail::LaunchTuning tuning;
     bool tensor_two_pass = false;  // tensor mode only
+    bool amax_phase = false;       // tensor mode only
+    bool amax_pass = false;        // tensor mode only
   };
   // fixed: kernels/cuda/quantize_block.h LaunchTuning::fixed_tiles (CTA b takes tiles b,
   // b + grid, ... instead of drawing them from the stream's tile counter).
   // two_pass: kernels/cuda/quantize_tensor.h TensorTuning::two_pass (the amax launch, then
   // the cast launch, instead of the one cooperative launch).
+  // amax_phase: TensorTuning::amax_phase_only (with force_one_pass): the one
+  // cooperative launch's phase 1 alone (amax, grid barrier, scale), no data
+  // written. amax_pass: TensorAmax, the two launches' amax pass (and its
+  // one-CTA reduction). Both read the input once and write no data: their
+  // tbps is the input's bytes over their time.
   const Variant variants[] = {{"default", {}},
                               {"stages2", {2, 0}},
                               {"stages3", {3, 0}},
@@ -337,7 +377,9 @@ int main(int argc, char** argv) {
                               {"float_amax", {0, 0, false, false, false, true}},
                               {"half", {0, 0, false, false, false, false, true}},
                               {"half_stages3", {3, 0, false, false, false, false, true}},
-                              {"two_pass", {}, true}};
+                              {"two_pass", {}, true},
+                              {"amax_phase", {}, false, true},
+                              {"amax_pass", {}, false, false, true}};
 
   // The variants in the order of --variants (a name may repeat: e.g. a first,
   // discarded measurement of each block), else all in the table's order.
@@ -362,6 +404,8 @@ int main(int argc, char** argv) {
   constexpr int64_t kFlushBytes = int64_t{256} << 20;  // the L2 flush of --l2 flush
   void* flush_buf = nullptr;
   if (l2_flush) CHECK_CUDA(cudaMalloc(&flush_buf, kFlushBytes));
+  float* amax_out = nullptr;  // amax_pass's result
+  CHECK_CUDA(cudaMalloc(&amax_out, 64));
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
 
@@ -393,6 +437,11 @@ int main(int argc, char** argv) {
                     : 2;
       std::vector<void*> copy_ring(copy_slots);
       for (auto& c : copy_ring) CHECK_CUDA(cudaMalloc(&c, set_bytes / 2 + 16));
+      // The read kernels' sink (bench/stream_copy.h StreamRead): 16 bytes a
+      // CTA; a flat grid has at most one CTA per 32 threads' words of the
+      // input, a persistent one at most 8 an SM.
+      void* sink = nullptr;
+      CHECK_CUDA(cudaMalloc(&sink, in_bytes / 32 + 16 * 8 * prop.multiProcessorCount));
       for (int pass = 0; pass < 2; ++pass) {
         const bool flush = pass == 1;
         if (flush ? !l2_flush : !l2_rotate) continue;
@@ -435,35 +484,62 @@ int main(int argc, char** argv) {
                           next, copy_next);
             return std::string(buf);
           };
-          // The bench's own copy kernel in each of its launch shapes, over the
-          // same buffers: how fast a kernel streams these bytes here.
-          for (const qtx::bench::StreamCopyShape& k : qtx::bench::kStreamCopyShapes) {
-            const std::string name = std::string("kcopy_") + k.name;
-            if (!listed(variant_filter, name.c_str())) continue;
-            const int64_t kbytes = copy_bytes / 16 * 16;
-            double next = 0;
-            const double us = MedianUs(
-                warmup, iters, prepare,
-                [&](int i) {
-                  CHECK_CUDA(qtx::bench::StreamCopy(
-                      copy_ring[i % ncopy], copy_ring[(i + 1) % ncopy], kbytes, k, nullptr));
-                },
-                &next);
-            const double tbps = 2.0 * kbytes / (us * 1e-6) / 1e12;
+          char shape[32];
+          std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(s.m),
+                        static_cast<long long>(s.n));
+          // One measurement: a JSON line on stdout and a table row on stderr;
+          // `pos` 0: not one of the quantize variants (no place in their block).
+          auto report = [&](const char* variant, int pos, int64_t bytes, double us, double cus,
+                            double ctbps, const std::string& extra) {
+            const double tbps = bytes / (us * 1e-6) / 1e12;
+            char posf[24] = "";
+            if (pos > 0) std::snprintf(posf, sizeof(posf), "\"pos\":%d,", pos);
             std::printf(
                 "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"l2\":\"%s\",\"usage\":\"%s\","
-                "\"m\":%lld,\"n\":%lld,\"variant\":\"%s\",\"bytes\":%lld,\"time_us\":%.2f,"
-                "\"tbps\":%.3f,\"copy_bytes\":%lld,\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,"
-                "\"ratio_vs_copy\":%.3f%s,\"iters\":%d,\"device\":\"%s\"}\n",
+                "\"dtype\":\"bf16\",\"format\":\"e4m3\",\"m\":%lld,\"n\":%lld,\"variant\":\"%s\","
+                "%s\"bytes\":%lld,\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,"
+                "\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f%s,\"iters\":%d,"
+                "\"device\":\"%s\"}\n",
                 mode.name, l2_name, u.name, static_cast<long long>(s.m),
-                static_cast<long long>(s.n), name.c_str(), static_cast<long long>(2 * kbytes), us,
-                tbps, static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps,
-                carry(next).c_str(), iters, prop.name);
+                static_cast<long long>(s.n), variant, posf, static_cast<long long>(bytes), us, tbps,
+                static_cast<long long>(copy_bytes), cus, ctbps, tbps / ctbps, extra.c_str(), iters,
+                prop.name);
             std::fflush(stdout);
-            std::fprintf(stderr, "%-6s %-7s %-8s %lldx%-7lld %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n",
-                         mode.name, l2_name, u.name, static_cast<long long>(s.m),
-                         static_cast<long long>(s.n), name.c_str(), us, tbps, copy_us, copy_tbps,
-                         tbps / copy_tbps);
+            std::fprintf(stderr, "%-6s %-7s %-8s %-12s %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n",
+                         mode.name, l2_name, u.name, shape, variant, us, tbps, cus, ctbps,
+                         tbps / ctbps);
+          };
+          // The bench's own copy kernel in each of its launch shapes, over the
+          // same buffers: how fast a kernel streams these bytes here; and its
+          // read-only and write-only halves over the bytes the quantize reads
+          // (the input: what an amax pass must read) and writes.
+          for (const qtx::bench::StreamCopyShape& k : qtx::bench::kStreamCopyShapes) {
+            for (const char* op : {"kcopy_", "kread_", "kwrite_"}) {
+              const std::string name = op + std::string(k.name);
+              if (!listed(variant_filter, name.c_str())) continue;
+              const bool reads = op[1] == 'r', writes = op[1] == 'w';
+              if ((reads || writes) && k.bulk_chunk > 0) continue;
+              const int64_t kbytes = (reads ? read : writes ? written : copy_bytes) / 16 * 16;
+              double next = 0;
+              const double us = MedianUs(
+                  warmup, iters, prepare,
+                  [&](int i) {
+                    if (reads) {
+                      CHECK_CUDA(
+                          qtx::bench::StreamRead(sets[i % nsets].in, kbytes, sink, k, nullptr));
+                    } else if (writes) {
+                      CHECK_CUDA(qtx::bench::StreamWrite(copy_ring[i % ncopy], kbytes,
+                                                         static_cast<uint32_t>(i), k, nullptr));
+                    } else {
+                      CHECK_CUDA(qtx::bench::StreamCopy(
+                          copy_ring[i % ncopy], copy_ring[(i + 1) % ncopy], kbytes, k, nullptr));
+                    }
+                  },
+                  &next);
+              // Bytes moved: a copy reads and writes kbytes.
+              const int64_t moved = (reads || writes) ? kbytes : 2 * kbytes;
+              report(name.c_str(), 0, moved, us, copy_us, copy_tbps, carry(next));
+            }
           }
           int pos = 0;  // the measurement's place in this block of variants
           for (const Variant* vp : order) {
@@ -471,11 +547,13 @@ int main(int argc, char** argv) {
             const qcuda::detail::LaunchTuning& t = v.tuning;
             const bool is_default = t.stages == 0 && t.ctas_per_sm == 0 && !t.evict_first_outputs &&
                                     !t.fixed_tiles && !t.division_scales && !t.float_amax &&
-                                    !t.half_tiles && !v.tensor_two_pass;
+                                    !t.half_tiles && !v.tensor_two_pass && !v.amax_phase &&
+                                    !v.amax_pass;
             // Variants: row+col, row and col; the block kernels' knobs for 1d / 2d,
             // two_pass for tensor.
             const bool tensor = mode.scaling == BlockScaling::kTensor;
-            if (!is_default && (u.from_rowwise || tensor != v.tensor_two_pass)) {
+            const bool tensor_only = v.tensor_two_pass || v.amax_phase || v.amax_pass;
+            if (!is_default && (u.from_rowwise || tensor != tensor_only)) {
               continue;
             }
             // Half tiles exist for the 1-D rowwise copy alone (else the default runs).
@@ -501,6 +579,18 @@ int main(int argc, char** argv) {
                         nullptr));
                     return;
                   }
+                  if (v.amax_phase) {
+                    qcuda::detail::TensorTuning phase1;
+                    phase1.force_one_pass = true;
+                    phase1.amax_phase_only = true;
+                    CHECK_CUDA(qcuda::detail::QuantizeTensorTuned(st.in, dtype, s.m, s.n, p, o,
+                                                                  phase1, nullptr));
+                    return;
+                  }
+                  if (v.amax_pass) {
+                    CHECK_CUDA(qcuda::TensorAmax(st.in, dtype, s.m * s.n, amax_out, nullptr));
+                    return;
+                  }
                   if (v.tensor_two_pass) {
                     CHECK_CUDA(qcuda::detail::QuantizeTensorTuned(st.in, dtype, s.m, s.n, p, o,
                                                                   {.two_pass = true}, nullptr));
@@ -510,28 +600,14 @@ int main(int argc, char** argv) {
                                                                v.tuning, nullptr));
                 },
                 &next);
-            const double tbps = total / (us * 1e-6) / 1e12;
-            std::printf(
-                "{\"bench\":\"quantize_cuda\",\"mode\":\"%s\",\"l2\":\"%s\",\"usage\":\"%s\","
-                "\"dtype\":\"bf16\",\"format\":\"e4m3\",\"m\":%lld,\"n\":%lld,\"variant\":\"%s\","
-                "\"pos\":%d,\"bytes\":%lld,\"time_us\":%.2f,\"tbps\":%.3f,\"copy_bytes\":%lld,"
-                "\"copy_time_us\":%.2f,\"copy_tbps\":%.3f,\"ratio_vs_copy\":%.3f%s,\"iters\":%d,"
-                "\"device\":\"%s\"}\n",
-                mode.name, l2_name, u.name, static_cast<long long>(s.m),
-                static_cast<long long>(s.n), v.name, pos, static_cast<long long>(total), us, tbps,
-                static_cast<long long>(copy_bytes), copy_us, copy_tbps, tbps / copy_tbps,
-                carry(next).c_str(), iters, prop.name);
-            std::fflush(stdout);
-            char shape[32];
-            std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(s.m),
-                          static_cast<long long>(s.n));
-            std::fprintf(stderr, "%-6s %-7s %-8s %-12s %-12s %9.2f %7.3f %9.2f %7.3f %6.3f\n",
-                         mode.name, l2_name, u.name, shape, v.name, us, tbps, copy_us, copy_tbps,
-                         tbps / copy_tbps);
+            // The amax variants read the input and write no data.
+            report(v.name, pos, v.amax_phase || v.amax_pass ? in_bytes : total, us, copy_us,
+                   copy_tbps, carry(next));
           }
         }
       }
       for (void* c : copy_ring) cudaFree(c);
+      cudaFree(sink);
       for (auto& st : sets) {
         cudaFree(st.in);
         cudaFree(st.out.rowwise_data);
@@ -542,5 +618,6 @@ int main(int argc, char** argv) {
     }
   }
   if (flush_buf != nullptr) cudaFree(flush_buf);
+  cudaFree(amax_out);
   return 0;
 }

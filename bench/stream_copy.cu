@@ -7,6 +7,13 @@
 namespace qtx::bench {
 namespace {
 
+cudaError_t SmCount(int* sms) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+}
+
 template <int kUnroll, bool kStreaming>
 __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict__ dst,
                                  int64_t words) {
@@ -109,10 +116,8 @@ cudaError_t LaunchBulk(const void* src, void* dst, int64_t bytes, const StreamCo
   if (s.bulk_chunk % 16 != 0 || s.stages < 1 || s.stages > 16 || s.ctas_per_sm < 1) {
     return cudaErrorInvalidValue;
   }
-  int dev = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  int sms = 0;
+  cudaError_t err = SmCount(&sms);
   if (err != cudaSuccess) return err;
   const int64_t nchunks = (bytes + s.bulk_chunk - 1) / s.bulk_chunk;
   const int64_t grid = std::min<int64_t>(nchunks, static_cast<int64_t>(sms) * s.ctas_per_sm);
@@ -125,39 +130,133 @@ cudaError_t LaunchBulk(const void* src, void* dst, int64_t bytes, const StreamCo
   return cudaGetLastError();
 }
 
+// The grid of a copy, read or write shape over `words` 16-byte words: one
+// step per thread, or at most ctas_per_sm CTAs an SM (a persistent grid).
+int64_t GridOf(int64_t words, const StreamCopyShape& s, int sms) {
+  const int64_t per_cta = static_cast<int64_t>(s.threads) * s.unroll;
+  int64_t grid = (words + per_cta - 1) / per_cta;
+  if (s.ctas_per_sm > 0) grid = std::min(grid, static_cast<int64_t>(sms) * s.ctas_per_sm);
+  return grid;
+}
+
+// Reads: each thread folds its words (XOR, which the compiler cannot skip)
+// and the CTA's words meet in shared memory; one word per CTA goes to `sink`.
 template <int kUnroll, bool kStreaming>
-cudaError_t Launch(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
-                   cudaStream_t stream) {
-  const int64_t per_cta = static_cast<int64_t>(s.threads) * kUnroll;
-  int64_t grid = (words + per_cta - 1) / per_cta;  // one step per thread
-  if (s.ctas_per_sm > 0) {
-    int dev = 0, sms = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err != cudaSuccess) return err;
-    grid = std::min(grid, static_cast<int64_t>(sms) * s.ctas_per_sm);
+__global__ void StreamReadKernel(const int4* __restrict__ src, int4* __restrict__ sink,
+                                 int64_t words) {
+  __shared__ int4 acc_sm[32];
+  int4 acc = make_int4(0, 0, 0, 0);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+       base < words; base += step) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
+      v[u] = make_int4(0, 0, 0, 0);
+      if (i < words) v[u] = kStreaming ? __ldcs(src + i) : src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
+    }
   }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    acc.x ^= __shfl_xor_sync(0xFFFFFFFFu, acc.x, mask);
+    acc.y ^= __shfl_xor_sync(0xFFFFFFFFu, acc.y, mask);
+    acc.z ^= __shfl_xor_sync(0xFFFFFFFFu, acc.z, mask);
+    acc.w ^= __shfl_xor_sync(0xFFFFFFFFu, acc.w, mask);
+  }
+  if ((threadIdx.x & 31) == 0) acc_sm[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
+      acc.x ^= acc_sm[w].x, acc.y ^= acc_sm[w].y, acc.z ^= acc_sm[w].z, acc.w ^= acc_sm[w].w;
+    }
+    sink[blockIdx.x] = acc;
+  }
+}
+
+template <int kUnroll, bool kStreaming>
+__global__ void StreamWriteKernel(int4* __restrict__ dst, int64_t words, uint32_t seed) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+       base < words; base += step) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
+      const int4 v = make_int4(static_cast<int>(seed), static_cast<int>(i), 0, 0);
+      if (i < words) {
+        if constexpr (kStreaming) {
+          __stcs(dst + i, v);
+        } else {
+          dst[i] = v;
+        }
+      }
+    }
+  }
+}
+
+// What one launch of a shape does: copy `src` to `dst`, read `src` into the
+// sink `dst`, or write `dst` with `seed`.
+enum class Op { kCopy, kRead, kWrite };
+
+template <int kUnroll, bool kStreaming>
+cudaError_t Launch(Op op, const void* src, void* dst, uint32_t seed, int64_t words,
+                   const StreamCopyShape& s, cudaStream_t stream) {
+  int sms = 0;
+  if (s.ctas_per_sm > 0) {
+    const cudaError_t err = SmCount(&sms);
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t grid = GridOf(words, s, sms);
   if (grid < 1 || grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  StreamCopyKernel<kUnroll, kStreaming><<<static_cast<unsigned>(grid), s.threads, 0, stream>>>(
-      static_cast<const int4*>(src), static_cast<int4*>(dst), words);
+  const auto g = static_cast<unsigned>(grid);
+  switch (op) {
+    case Op::kCopy:
+      StreamCopyKernel<kUnroll, kStreaming><<<g, s.threads, 0, stream>>>(
+          static_cast<const int4*>(src), static_cast<int4*>(dst), words);
+      break;
+    case Op::kRead:
+      StreamReadKernel<kUnroll, kStreaming><<<g, s.threads, 0, stream>>>(
+          static_cast<const int4*>(src), static_cast<int4*>(dst), words);
+      break;
+    case Op::kWrite:
+      StreamWriteKernel<kUnroll, kStreaming>
+          <<<g, s.threads, 0, stream>>>(static_cast<int4*>(dst), words, seed);
+      break;
+  }
   return cudaGetLastError();
 }
 
 template <bool kStreaming>
-cudaError_t ByUnroll(const void* src, void* dst, int64_t words, const StreamCopyShape& s,
-                     cudaStream_t stream) {
+cudaError_t ByUnroll(Op op, const void* src, void* dst, uint32_t seed, int64_t words,
+                     const StreamCopyShape& s, cudaStream_t stream) {
   switch (s.unroll) {
     case 1:
-      return Launch<1, kStreaming>(src, dst, words, s, stream);
+      return Launch<1, kStreaming>(op, src, dst, seed, words, s, stream);
     case 4:
-      return Launch<4, kStreaming>(src, dst, words, s, stream);
+      return Launch<4, kStreaming>(op, src, dst, seed, words, s, stream);
     case 8:
-      return Launch<8, kStreaming>(src, dst, words, s, stream);
+      return Launch<8, kStreaming>(op, src, dst, seed, words, s, stream);
     case 16:
-      return Launch<16, kStreaming>(src, dst, words, s, stream);
+      return Launch<16, kStreaming>(op, src, dst, seed, words, s, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+bool Misaligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
+
+bool BadShape(int64_t bytes, const StreamCopyShape& s) {
+  return bytes < 0 || bytes % 16 != 0 || s.threads < 32 || s.threads > 1024 || s.ctas_per_sm < 0;
+}
+
+// A plain (non-bulk) shape's launch of `op`.
+cudaError_t Plain(Op op, const void* src, void* dst, uint32_t seed, int64_t bytes,
+                  const StreamCopyShape& s, cudaStream_t stream) {
+  return s.streaming ? ByUnroll<true>(op, src, dst, seed, bytes / 16, s, stream)
+                     : ByUnroll<false>(op, src, dst, seed, bytes / 16, s, stream);
 }
 
 __global__ void SmHogKernel(int64_t ns) {
@@ -195,15 +294,28 @@ cudaError_t LaunchSmHog(int64_t ns, cudaStream_t stream) {
 
 cudaError_t StreamCopy(const void* src, void* dst, int64_t bytes, const StreamCopyShape& shape,
                        cudaStream_t stream) {
-  const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; };
-  if (bytes < 0 || bytes % 16 != 0 || misaligned(src) || misaligned(dst) || shape.threads < 32 ||
-      shape.threads > 1024 || shape.ctas_per_sm < 0) {
+  if (BadShape(bytes, shape) || Misaligned(src) || Misaligned(dst)) return cudaErrorInvalidValue;
+  if (bytes == 0) return cudaSuccess;
+  if (shape.bulk_chunk > 0) return LaunchBulk(src, dst, bytes, shape, stream);
+  return Plain(Op::kCopy, src, dst, 0, bytes, shape, stream);
+}
+
+cudaError_t StreamRead(const void* src, int64_t bytes, void* sink, const StreamCopyShape& shape,
+                       cudaStream_t stream) {
+  if (BadShape(bytes, shape) || shape.bulk_chunk > 0 || Misaligned(src) || Misaligned(sink)) {
     return cudaErrorInvalidValue;
   }
   if (bytes == 0) return cudaSuccess;
-  if (shape.bulk_chunk > 0) return LaunchBulk(src, dst, bytes, shape, stream);
-  return shape.streaming ? ByUnroll<true>(src, dst, bytes / 16, shape, stream)
-                         : ByUnroll<false>(src, dst, bytes / 16, shape, stream);
+  return Plain(Op::kRead, src, sink, 0, bytes, shape, stream);
+}
+
+cudaError_t StreamWrite(void* dst, int64_t bytes, uint32_t seed, const StreamCopyShape& shape,
+                        cudaStream_t stream) {
+  if (BadShape(bytes, shape) || shape.bulk_chunk > 0 || Misaligned(dst)) {
+    return cudaErrorInvalidValue;
+  }
+  if (bytes == 0) return cudaSuccess;
+  return Plain(Op::kWrite, nullptr, dst, seed, bytes, shape, stream);
 }
 
 }  // namespace qtx::bench

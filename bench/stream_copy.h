@@ -55,6 +55,19 @@ inline constexpr StreamCopyShape kStreamCopyShapes[] = {
 cudaError_t StreamCopy(const void* src, void* dst, int64_t bytes, const StreamCopyShape& shape,
                        cudaStream_t stream);
 
+// The read-only and write-only halves of the copy, with the same launch
+// shapes (bulk shapes are refused: cudaErrorInvalidValue): StreamRead reads
+// `bytes` of `src` and folds them into one 16-byte word per CTA, stored to
+// `sink` (16 bytes a CTA: at most 16 * SMs * ctas_per_sm, or, for a flat
+// grid, bytes / (threads * unroll) rounded up), so the loads cannot be dropped;
+// StreamWrite fills `bytes` of `dst` with a word that depends on `seed`.
+// quantize_cuda_bench times them to find the device's read and write rates,
+// which bound a pass that only reads (an amax) or only writes.
+cudaError_t StreamRead(const void* src, int64_t bytes, void* sink, const StreamCopyShape& shape,
+                       cudaStream_t stream);
+cudaError_t StreamWrite(void* dst, int64_t bytes, uint32_t seed, const StreamCopyShape& shape,
+                        cudaStream_t stream);
+
 // Launches, on `stream`, a kernel that holds every SM's thread slots and
 // shared memory for `ns` nanoseconds (spinning on the global timer), so that
 // no other kernel can start a CTA until it ends: a probe of whether an

@@ -178,6 +178,9 @@ struct CastArgs {
   // (16-byte stores).
   bool vec_in, vec_row, vec_col;
   int64_t full_mb, full_nb, mb, nb;  // TileCastKernel: tile grid, wholly-inside tiles
+  // OnePassTensorKernel (benchmarks, TensorTuning::amax_phase_only): stop
+  // after the scale, before phase 2.
+  bool amax_only;
 };
 
 // Every CTA: the tensor's scale from the partial amaxes (identical in every
@@ -440,6 +443,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (tid == 0) partials[b] = am;
   cooperative_groups::this_grid().sync();
   const float scale = TensorScaleFromPartials<F>(a, red);
+  if (a.amax_only) return;
 
   // Phase 2, from the CTA's last tile to its first: the tiles read most
   // recently first (the L2 may still hold them; they are read for the last
@@ -849,17 +853,21 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
     return WithFormat(params.format, [&](auto ft) -> cudaError_t {
       constexpr InputDType D = decltype(dt)::value;
       constexpr Fp8Format F = decltype(ft)::value;
+      // One pass over DRAM where the tensor is whole, aligned tiles.
+      const bool whole_tiles = m % kTile == 0 && n % kTile == 0 && Aligned(input, 16) &&
+                               (!params.rowwise || Aligned(a.qr, 8)) &&
+                               (!params.columnwise || Aligned(a.qc, 16));
+      if (tuning.amax_phase_only && (count == 0 || !whole_tiles || tuning.two_pass)) {
+        return cudaErrorNotSupported;
+      }
       if (count == 0) {  // nothing to cast: the scale_inv of amax 0
         a.partials = nullptr;
         a.num_partials = 0;
         return LaunchCast<D, F>(a, sms, stream);
       }
-      // One pass over DRAM where the tensor is whole, aligned tiles.
-      const bool whole_tiles = m % kTile == 0 && n % kTile == 0 && Aligned(input, 16) &&
-                               (!params.rowwise || Aligned(a.qr, 8)) &&
-                               (!params.columnwise || Aligned(a.qc, 16));
       if (whole_tiles && !tuning.two_pass) {
         a.vec_in = a.vec_row = a.vec_col = true;
+        a.amax_only = tuning.amax_phase_only;
         bool launched = false;
         cudaError_t e1 = cudaSuccess;
         const bool force = tuning.force_one_pass;
@@ -872,6 +880,7 @@ cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, 
         }
         if (tuning.one_pass_taken != nullptr) *tuning.one_pass_taken = launched;
         if (e1 != cudaSuccess || launched) return e1;
+        if (tuning.amax_phase_only) return cudaErrorNotSupported;
       }
       return WithPartialAmaxes<D>(input, count, sms, stream,
                                   [&](const float* partials, int num_partials) {

@@ -74,10 +74,15 @@ namespace detail {
 // force_one_pass: the one launch also for a columnwise copy of a tensor too
 // large for it to pay (where it still applies: whole aligned tiles, no
 // capture, cooperative launch).
+// amax_phase_only (benchmarks): the one cooperative launch stops after its
+// amax phase, grid barrier and scale_inv stores, and writes no data: the time
+// of phase 1 alone. cudaErrorNotSupported, with nothing launched, where the
+// one launch is not made (two_pass, or it does not apply).
 struct TensorTuning {
   bool two_pass = false;
   bool* one_pass_taken = nullptr;
   bool force_one_pass = false;
+  bool amax_phase_only = false;
 };
 cudaError_t QuantizeTensorTuned(const void* input, InputDType dtype, int64_t m, int64_t n,
                                 const QuantizeParams& params, const QuantizedBuffers& out,
