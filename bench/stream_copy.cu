@@ -14,30 +14,51 @@ cudaError_t SmCount(int* sms) {
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
 }
 
+// step(base) for the grid-stride steps of this thread over `words` words:
+// base = its first word of the step, then kUnroll words blockDim.x apart.
+template <int kUnroll, typename Step>
+__device__ __forceinline__ void ForEachStep(int64_t words, Step&& step) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+       base < words; base += stride) {
+    step(base);
+  }
+}
+
+// The kUnroll words base, base + blockDim.x, ... of `src` (0 past `words`):
+// one grid-stride step's loads, all issued before any is used.
+template <int kUnroll, bool kStreaming>
+__device__ __forceinline__ void LoadWords(const int4* __restrict__ src, int64_t base, int64_t words,
+                                          int4 (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
+    v[u] = make_int4(0, 0, 0, 0);
+    if (i < words) v[u] = kStreaming ? __ldcs(src + i) : src[i];
+  }
+}
+
+template <bool kStreaming>
+__device__ __forceinline__ void StoreWord(int4* __restrict__ dst, int64_t i, int4 v) {
+  if constexpr (kStreaming) {
+    __stcs(dst + i, v);
+  } else {
+    dst[i] = v;
+  }
+}
+
 template <int kUnroll, bool kStreaming>
 __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict__ dst,
                                  int64_t words) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
-       base < words; base += step) {
+  ForEachStep<kUnroll>(words, [&](int64_t base) {
     int4 v[kUnroll];
+    LoadWords<kUnroll, kStreaming>(src, base, words, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      if (i < words) v[u] = kStreaming ? __ldcs(src + i) : src[i];
+      if (i < words) StoreWord<kStreaming>(dst, i, v[u]);
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      if (i < words) {
-        if constexpr (kStreaming) {
-          __stcs(dst + i, v[u]);
-        } else {
-          dst[i] = v[u];
-        }
-      }
-    }
-  }
+  });
 }
 
 // One thread per CTA moves chunks c = blockIdx.x, blockIdx.x + gridDim.x, ...
@@ -146,21 +167,14 @@ __global__ void StreamReadKernel(const int4* __restrict__ src, int4* __restrict_
                                  int64_t words) {
   __shared__ int4 acc_sm[32];
   int4 acc = make_int4(0, 0, 0, 0);
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
-       base < words; base += step) {
+  ForEachStep<kUnroll>(words, [&](int64_t base) {
     int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      v[u] = make_int4(0, 0, 0, 0);
-      if (i < words) v[u] = kStreaming ? __ldcs(src + i) : src[i];
-    }
+    LoadWords<kUnroll, kStreaming>(src, base, words, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
     }
-  }
+  });
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) {
     acc.x ^= __shfl_xor_sync(0xFFFFFFFFu, acc.x, mask);
@@ -180,22 +194,15 @@ __global__ void StreamReadKernel(const int4* __restrict__ src, int4* __restrict_
 
 template <int kUnroll, bool kStreaming>
 __global__ void StreamWriteKernel(int4* __restrict__ dst, int64_t words, uint32_t seed) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
-       base < words; base += step) {
+  ForEachStep<kUnroll>(words, [&](int64_t base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-      const int4 v = make_int4(static_cast<int>(seed), static_cast<int>(i), 0, 0);
       if (i < words) {
-        if constexpr (kStreaming) {
-          __stcs(dst + i, v);
-        } else {
-          dst[i] = v;
-        }
+        StoreWord<kStreaming>(dst, i, make_int4(static_cast<int>(seed), static_cast<int>(i), 0, 0));
       }
     }
-  }
+  });
 }
 
 // What one launch of a shape does: copy `src` to `dst`, read `src` into the

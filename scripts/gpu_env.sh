@@ -79,7 +79,7 @@ qtx_run_begin() {
   step() { qtx_step "$L" "$@"; }
 }
 
-# The quantize kernel experiments' steps (scripts/gpu_session11_run*.sh), for
+# The quantize kernel experiments' steps (bench/results/scripts/gpu_session11_run*.sh), for
 # run scripts that called qtx_run_begin (they use `step`, B/bin/quantize_cuda_bench
 # and write under O):
 # qtx_quantize_round N VARIANTS [SHAPES]: round N of quantize_cuda_bench (both

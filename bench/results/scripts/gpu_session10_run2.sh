@@ -1,6 +1,6 @@
 #!/bin/bash
 # The lead's second GPU run of session 10: every single-GPU test of the
-# "gpu" label on the final code, from one bundle (see scripts/gpu_session10_run.sh
+# "gpu" label on the final code, from one bundle (see bench/results/scripts/gpu_session10_run.sh
 # for the C++ part; here also qtx, the cp312 qtx._native, the qtx package in
 # B/py and tests/python/gpu_test_*.py + test_torch_fp8_gpu.py in B/tests):
 #   B/gpu_session10_run2.sh OUT
