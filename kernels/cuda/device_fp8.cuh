@@ -74,6 +74,38 @@ __device__ __forceinline__ void StoreOut(void* out, int64_t idx, float x) {
   }
 }
 
+// The [m, n] output of a columnwise copy `q` ([n, m] bytes): 32x32 tiles,
+// grid-stride, transposed through shared memory by a 256-thread CTA (32x8
+// threads, 4 elements each per tile); element (mm, nn) is
+// decode(q) * scale_inv(mm, nn). The body of the columnwise dequantize
+// kernels of every scaling (scale_inv: the element's block scale, or the one
+// per-tensor scale).
+template <InputDType OutD, typename ScaleInv>
+__device__ __forceinline__ void DequantizeColumnwiseTiles(const uint8_t* q, int64_t m, int64_t n,
+                                                          Fp8Format format, void* out,
+                                                          ScaleInv&& scale_inv) {
+  __shared__ uint8_t tbuf[32][33];
+  const int64_t tiles_m = (m + 31) / 32, tiles_n = (n + 31) / 32;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  for (int64_t t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {
+    const int64_t m0 = (t % tiles_m) * 32, n0 = (t / tiles_m) * 32;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t nn = n0 + ty + 8 * k, mm = m0 + tx;
+      tbuf[ty + 8 * k][tx] = (nn < n && mm < m) ? q[nn * m + mm] : 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t mm = m0 + ty + 8 * k, nn = n0 + tx;
+      if (mm < m && nn < n) {
+        StoreOut<OutD>(out, mm * n + nn, Dequant1(tbuf[tx][ty + 8 * k], scale_inv(mm, nn), format));
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // Host side: turns runtime enums into template arguments for a kernel
 // launch; unknown values are rejected with cudaErrorInvalidValue.
 template <typename Fn>

@@ -1038,32 +1038,13 @@ __global__ void __launch_bounds__(256) DequantizeRowwiseKernel(const DequantArgs
   }
 }
 
-// Columnwise copy ([N, M] bytes) back to [M, N]: 32x32 tiles transposed through
-// shared memory; 32x8 threads, each moves 4 elements per tile.
+// Columnwise copy ([N, M] bytes) back to [M, N] (DequantizeColumnwiseTiles).
 template <InputDType OutD>
 __global__ void __launch_bounds__(256) DequantizeColumnwiseKernel(const DequantArgs a) {
-  __shared__ uint8_t tbuf[32][33];
-  const int64_t tiles_m = (a.m + 31) / 32, tiles_n = (a.n + 31) / 32;
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  for (int64_t t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {
-    const int64_t m0 = (t % tiles_m) * 32, n0 = (t / tiles_m) * 32;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t nn = n0 + ty + 8 * k, mm = m0 + tx;
-      tbuf[ty + 8 * k][tx] = (nn < a.n && mm < a.m) ? a.q[nn * a.m + mm] : 0;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t mm = m0 + ty + 8 * k, nn = n0 + tx;
-      if (mm < a.m && nn < a.n) {
-        const float s = a.two_d ? a.s[(nn / kTile) * a.s_pitch + mm / kTile]
-                                : a.s[(mm / kTile) * a.s_pitch + nn];
-        StoreOut<OutD>(a.out, mm * a.n + nn, Dequant1(tbuf[tx][ty + 8 * k], s, a.format));
-      }
-    }
-    __syncthreads();
-  }
+  DequantizeColumnwiseTiles<OutD>(a.q, a.m, a.n, a.format, a.out, [&](int64_t mm, int64_t nn) {
+    return a.two_d ? a.s[(nn / kTile) * a.s_pitch + mm / kTile]
+                   : a.s[(mm / kTile) * a.s_pitch + nn];
+  });
 }
 
 }  // namespace

@@ -537,30 +537,12 @@ __global__ void __launch_bounds__(256) DequantizeTensorRowwiseKernel(const Dequa
   }
 }
 
-// [N, M] bytes back to [M, N]: 32x32 tiles transposed through shared memory.
+// [N, M] bytes back to [M, N] (DequantizeColumnwiseTiles), with the one scale.
 template <InputDType OutD>
 __global__ void __launch_bounds__(256) DequantizeTensorColumnwiseKernel(const DequantArgs a) {
-  __shared__ uint8_t tbuf[32][33];
   const float s = a.s[0];
-  const int64_t tiles_m = (a.m + 31) / 32, tiles_n = (a.n + 31) / 32;
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  for (int64_t t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {
-    const int64_t m0 = (t % tiles_m) * 32, n0 = (t / tiles_m) * 32;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t nn = n0 + ty + 8 * k, mm = m0 + tx;
-      tbuf[ty + 8 * k][tx] = (nn < a.n && mm < a.m) ? a.q[nn * a.m + mm] : 0;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t mm = m0 + ty + 8 * k, nn = n0 + tx;
-      if (mm < a.m && nn < a.n) {
-        StoreOut<OutD>(a.out, mm * a.n + nn, Dequant1(tbuf[tx][ty + 8 * k], s, a.format));
-      }
-    }
-    __syncthreads();
-  }
+  DequantizeColumnwiseTiles<OutD>(a.q, a.m, a.n, a.format, a.out,
+                                  [s](int64_t, int64_t) { return s; });
 }
 
 }  // namespace
