@@ -431,12 +431,15 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaMalloc(&st.out.rowwise_scale_inv, 4 * l.RowwiseScaleCount()));
         CHECK_CUDA(cudaMalloc(&st.out.columnwise_scale_inv, 4 * l.ColumnwiseScaleCount()));
       }
-      // Copy buffers: each holds the largest copy (row+col), rotated like the sets.
+      // Copy buffers, rotated like the sets: each holds the largest copy
+      // (row+col: half the set) and the largest write of kwrite_* (every
+      // output, scales included: more than half the set when the scales
+      // outweigh the input's share, as 1-D's do).
+      const int64_t slot_bytes = std::max(set_bytes / 2, set_bytes - in_bytes) + 16;
       const size_t copy_slots =
-          l2_rotate ? static_cast<size_t>(std::max<int64_t>(3, kRingBytes / (set_bytes / 2 + 1)))
-                    : 2;
+          l2_rotate ? static_cast<size_t>(std::max<int64_t>(3, kRingBytes / slot_bytes)) : 2;
       std::vector<void*> copy_ring(copy_slots);
-      for (auto& c : copy_ring) CHECK_CUDA(cudaMalloc(&c, set_bytes / 2 + 16));
+      for (auto& c : copy_ring) CHECK_CUDA(cudaMalloc(&c, slot_bytes));
       // The read kernels' sink (bench/stream_copy.h StreamRead): 16 bytes a
       // CTA; a flat grid has at most one CTA per 32 threads' words of the
       // input, a persistent one at most 8 an SM.

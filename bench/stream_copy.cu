@@ -3,16 +3,12 @@
 #include <algorithm>
 
 #include "bench/stream_copy.h"
+#include "kernels/cuda/device_fp8.cuh"
 
 namespace qtx::bench {
 namespace {
 
-cudaError_t SmCount(int* sms) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
-}
+using qtx::kernels::cuda::CurrentDeviceSmCount;
 
 template <int kUnroll, bool kStreaming>
 __global__ void StreamCopyKernel(const int4* __restrict__ src, int4* __restrict__ dst,
@@ -117,7 +113,7 @@ cudaError_t LaunchBulk(const void* src, void* dst, int64_t bytes, const StreamCo
     return cudaErrorInvalidValue;
   }
   int sms = 0;
-  cudaError_t err = SmCount(&sms);
+  cudaError_t err = CurrentDeviceSmCount(&sms);
   if (err != cudaSuccess) return err;
   const int64_t nchunks = (bytes + s.bulk_chunk - 1) / s.bulk_chunk;
   const int64_t grid = std::min<int64_t>(nchunks, static_cast<int64_t>(sms) * s.ctas_per_sm);
@@ -211,7 +207,7 @@ cudaError_t Launch(Op op, const void* src, void* dst, uint32_t seed, int64_t wor
                    const StreamCopyShape& s, cudaStream_t stream) {
   int sms = 0;
   if (s.ctas_per_sm > 0) {
-    const cudaError_t err = SmCount(&sms);
+    const cudaError_t err = CurrentDeviceSmCount(&sms);
     if (err != cudaSuccess) return err;
   }
   const int64_t grid = GridOf(words, s, sms);
